@@ -1,0 +1,54 @@
+"""fxdist: an independent implementation of the torch.fx design, plus distributed-training passes.
+
+Public names follow torch.fx, so code written for torch.fx runs with ``import fxdist as fx``.
+Names are resolved lazily (PEP 562) so that ``import fxdist`` stays cheap and the IR modules never
+import the tracer or the passes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    "Node": "node",
+    "map_arg": "node",
+    "map_aggregate": "node",
+    "has_side_effect": "node",
+    "Graph": "graph",
+    "PythonCode": "codegen",
+    "CodeGen": "codegen",
+    "GraphModule": "graph_module",
+    "Proxy": "proxy",
+    "Attribute": "proxy",
+    "TracerBase": "proxy",
+    "GraphAppendingTracer": "proxy",
+    "Tracer": "tracer",
+    "symbolic_trace": "tracer",
+    "wrap": "tracer",
+    "PH": "tracer",
+    "TraceError": "errors",
+    "Interpreter": "interpreter",
+    "Transformer": "interpreter",
+    "replace_pattern": "subgraph_rewriter",
+    "from_torch_fx": "interop",
+    "to_torch_fx": "interop",
+    "make_fx": "experimental.proxy_tensor",
+    "optimize": "optimize",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fxdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"fxdist.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,40 @@
+"""Shared pytest fixtures.
+
+Real inputs live in ``../shared/data`` beside the repository (never copied into it). Tests that read them
+use the ``shared_data`` fixture, which skips with a clear reason where that folder is absent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Path of ``../shared/data``; skips the test when it is absent (e.g. outside CI)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data not available: {SHARED_DATA} does not exist (it sits beside the repo in CI)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def criteo_path(shared_data: Path) -> Path:
+    """The Criteo Kaggle DAC sample: 10,000 TSV rows of label, I1..I13, C1..C26."""
+    path = shared_data / "criteo" / "train_examples.txt"
+    if not path.is_file():
+        pytest.skip(f"Criteo sample missing at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def movielens_path(shared_data: Path) -> Path:
+    """The MovieLens-100K folder (u.data: user, item, rating, timestamp; tab-separated)."""
+    path = shared_data / "movielens-100k"
+    if not (path / "u.data").is_file():
+        pytest.skip(f"MovieLens-100K missing at {path}")
+    return path
