@@ -7,11 +7,26 @@ PY=${PYTHON:-python3.11}
 VENV=.venv
 STAMP=$VENV/.fxdist-installed
 want=$(cat requirements.txt pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+
+# Debian packages used by the tests: graphviz's `dot` (graph drawing) and a Prometheus server.
+need_apt=()
+command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
+command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ] || need_apt+=(prometheus)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "bootstrap: installing Debian packages: ${need_apt[*]}"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    echo "bootstrap: warning: cannot install ${need_apt[*]} (needs apt-get as root); tests that use them will skip" >&2
+  fi
+fi
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
+echo "bootstrap: creating $VENV and installing pinned dependencies (first run takes a few minutes)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# pip warns about the machine's optional local index folders; keep only real messages.
+pip() { "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; return "${PIPESTATUS[0]}"; }
 pip install -q --upgrade pip
 # torch first and pinned, so no resolver can swap in a CUDA build.
 pip install -q torch==2.13.0

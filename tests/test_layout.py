@@ -1,0 +1,127 @@
+"""Architecture checks: dependencies point one way, and modules stay readable.
+
+Parses every module with ``ast`` (nothing is imported), so a forbidden edge fails here even if no test
+exercises it. Rules (docs/CONTRACTS.md, ../shared/STYLE.md):
+
+* nothing under ``fxdist/`` uses ``torch.fx`` or ``torch.export`` except ``fxdist/interop.py``;
+* the IR (``node``, ``graph``, ``codegen``, ``_namespace``) imports no tracer, interpreter, pass,
+  ``torch.distributed`` or Ray;
+* ``fxdist/`` never imports ``scheduling``, ``quant`` or ``jobs``; passes never import ``jobs`` or Ray;
+* a module has at most ``MAX_MODULE_LINES`` lines and a function at most ``MAX_FUNCTION_LINES``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fxdist", "scheduling", "quant", "jobs")
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespace"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _dotted(expr: ast.AST) -> str | None:
+    parts = []
+    while isinstance(expr, ast.Attribute):
+        parts.append(expr.attr)
+        expr = expr.value
+    if isinstance(expr, ast.Name):
+        parts.append(expr.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every module name the file imports, plus ``torch.fx``/``torch.export`` attribute uses."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, path, node)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            if dotted and dotted.split(".")[:2] in (["torch", "fx"], ["torch", "export"]):
+                names.add(".".join(dotted.split(".")[:2]))
+    return names
+
+
+def _hits(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
+
+
+MODULES = _modules()
+
+
+def _forbidden_for(module: str) -> tuple[str, ...]:
+    forbidden: list[str] = []
+    if module.startswith("fxdist") and module != "fxdist.interop":
+        forbidden += ["torch.fx", "torch.export", "scheduling", "quant", "jobs"]
+    if module in IR_MODULES:
+        forbidden += ["fxdist.proxy", "fxdist.tracer", "fxdist.interpreter", "fxdist.passes",
+                      "fxdist.subgraph_rewriter", "fxdist.graph_module", "torch.distributed", "ray"]
+    if module == "fxdist.codegen":
+        forbidden += ["fxdist.graph"]
+    if module.startswith(("fxdist.passes", "scheduling", "quant")):
+        forbidden += ["jobs", "ray"]
+    return tuple(forbidden)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_forbidden_imports(module: str) -> None:
+    hits = _hits(_imports(module, MODULES[module]), _forbidden_for(module))
+    assert not hits, f"{MODULES[module].relative_to(ROOT)} imports {hits}; see docs/CONTRACTS.md for the allowed edges"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_and_function_size(module: str) -> None:
+    path = MODULES[module]
+    source = path.read_text()
+    n_lines = source.count("\n")
+    assert n_lines <= MAX_MODULE_LINES, f"{path.relative_to(ROOT)} has {n_lines} lines (max {MAX_MODULE_LINES}); split it"
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{path.relative_to(ROOT)}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_checker_sees_a_forbidden_edge(tmp_path: Path) -> None:
+    """The checker itself must catch each form of a torch.fx dependency."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nfrom torch import fx\nx = torch.fx.Graph\nfrom torch.fx.node import Node\n")
+    names = _imports("fxdist.bad", bad)
+    assert _hits(names, ("torch.fx",)) == ["torch.fx", "torch.fx.node", "torch.fx.node.Node"]
+    rel = tmp_path / "graph.py"
+    rel.write_text("from .passes import shape_prop\nfrom . import tracer\n")
+    assert _hits(_imports("fxdist.graph", rel), ("fxdist.passes", "fxdist.tracer")) == [
+        "fxdist.passes", "fxdist.passes.shape_prop", "fxdist.tracer"]
