@@ -1,0 +1,1 @@
+"""Experimental fxdist tools: ATen-level capture (``make_fx``), mirroring ``torch.fx.experimental``."""
