@@ -1,0 +1,156 @@
+"""Which call targets have side effects, for ``Node.is_impure`` and dead-code elimination.
+
+Source: torch/fx/node.py ``_side_effectful_functions``/``has_side_effect`` and
+torch/_library/utils.py ``is_impure``, extended (fxdist rule) with in-place methods and functions,
+``torch.distributed`` RPC and collective calls (recognized by name, so ``torch.distributed`` is never
+imported here) and dropout-style random ops in training mode.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["has_side_effect", "target_is_impure"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _resolve(path: str) -> Any:
+    """``"aten._assert_async.msg"`` -> the op under ``torch.ops``, or None when this build lacks it."""
+    obj: Any = torch.ops
+    try:
+        for atom in path.split("."):
+            obj = getattr(obj, atom)
+    except (AttributeError, RuntimeError):
+        return None
+    return obj
+
+
+_side_effectful_functions: set[Callable[..., Any]] = {
+    torch._assert, torch._assert_async, torch._C._set_grad_enabled,
+    torch.amp._enter_autocast, torch.amp._exit_autocast,
+    operator.setitem, operator.delitem,
+    # in-place operators: `a += b` mutates a tensor `a`
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul, operator.iconcat,
+}
+_side_effectful_functions.update(filter(None, map(_resolve, [
+    "aten._assert_async.msg", "aten._assert_scalar.default", "aten._assert_tensor_metadata.default",
+    "aten.sym_constrain_range.default", "aten.sym_constrain_range_for_size.default",
+    "profiler._record_function_enter", "profiler._record_function_enter.default",
+    "profiler._record_function_enter_new", "profiler._record_function_enter_new.default",
+    "profiler._record_function_exit", "profiler._record_function_exit._RecordFunction",
+])))
+
+
+def has_side_effect(fn: _F) -> _F:
+    """Register ``fn`` as side-effectful so ``Graph.eliminate_dead_code`` keeps calls to it.
+
+    Usable as a decorator; returns ``fn`` unchanged. Source: torch/fx/node.py ``has_side_effect``.
+    """
+    _side_effectful_functions.add(fn)
+    return fn
+
+
+# Random functions: impure whatever impure_random says (torch/_library/utils.py _RANDOM_FUNCTIONS).
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.normal, torch.poisson, torch.bernoulli, torch.multinomial,
+}
+# f -> (position of its `training` argument, keyword name, default)
+_DROPOUT_LIKE: dict[Callable[..., Any], tuple[int, str, bool]] = {
+    F.dropout: (2, "training", True), F.dropout1d: (2, "training", True), F.dropout2d: (2, "training", True),
+    F.dropout3d: (2, "training", True), F.alpha_dropout: (2, "training", False),
+    F.feature_alpha_dropout: (2, "training", False), F.rrelu: (3, "training", False),
+    torch.dropout: (2, "train", True), torch.alpha_dropout: (2, "train", True),
+    torch.feature_alpha_dropout: (2, "train", True), torch.feature_dropout: (2, "train", True),
+}
+# torch.distributed calls by (module prefix, function names); matched by name, never imported.
+_DISTRIBUTED_CALLS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("torch.distributed.rpc", frozenset({"rpc_sync", "rpc_async", "remote"})),
+    ("torch.distributed", frozenset({
+        "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+        "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "irecv", "isend",
+        "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "batch_isend_irecv",
+        "monitored_barrier"})),
+)
+_IMPURE_METHODS = frozenset({"__setitem__", "__delitem__", "bernoulli", "multinomial"})
+_RANDOM_METHODS = frozenset({"bernoulli", "multinomial"})
+
+
+def _is_distributed_call(fn: Any) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__name__", None)
+    return any(module.startswith(prefix) and name in names for prefix, names in _DISTRIBUTED_CALLS)
+
+
+def _in_place_name(name: object) -> bool:
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _training_flag(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    pos, key, default = _DROPOUT_LIKE[fn]
+    flag = args[pos] if len(args) > pos else kwargs.get(key, default)
+    inplace = kwargs.get("inplace", args[pos + 1] if len(args) > pos + 1 else False)
+    # a Node (unknown at graph-build time) counts as "maybe training"
+    return flag is not False or inplace is not False
+
+
+def _op_overload_impure(op: Any, impure_random: bool) -> bool | None:
+    """Verdict for ATen ops (mutable schema, random tag, registered effect); None when not an op."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        if op in _side_effectful_functions:
+            return True
+        op = getattr(op, "default", None)
+        if op is None:
+            return False
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    if op._schema.is_mutable or op in _side_effectful_functions:
+        return True
+    if impure_random and torch.Tag.nondeterministic_seeded in op.tags:
+        return True
+    try:
+        from torch._higher_order_ops.effects import _get_effect
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return _get_effect(op) is not None
+
+
+def target_is_impure(op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     impure_random: bool = True) -> bool:
+    """Whether a ``call_function``/``call_method`` node with this target and arguments has side effects.
+
+    Args:
+        op: ``"call_function"`` or ``"call_method"``.
+        target: the callable (call_function) or method name (call_method).
+        args, kwargs: the node's arguments (needed for dropout's ``training`` flag).
+        impure_random: whether random ops count as impure.
+    """
+    if op == "call_method":
+        if target in _RANDOM_METHODS:
+            return impure_random
+        return _in_place_name(target) or target in _IMPURE_METHODS
+    try:
+        if target in _side_effectful_functions or target in _RANDOM_FUNCTIONS:
+            return True
+        dropout_like = target in _DROPOUT_LIKE
+    except TypeError:  # unhashable callable
+        dropout_like = False
+    verdict = _op_overload_impure(target, impure_random)
+    if verdict is not None:
+        return verdict
+    if dropout_like:
+        return impure_random and _training_flag(target, args, kwargs)
+    if impure_random and getattr(target, "_nondeterministic_seeded", False):
+        return True
+    if _in_place_name(getattr(target, "__name__", None)) or _is_distributed_call(target):
+        return True
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
