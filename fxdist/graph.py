@@ -440,10 +440,10 @@ class Graph:
         return self._codegen.process_outputs(out)
 
     def __str__(self) -> str:
+        # torch.fx passes an empty list (so placeholders print as lines) and no return-type slot
         placeholder_names: list[str] = []
-        maybe_return_typename = [""]
-        lines = [n.format_node(placeholder_names, maybe_return_typename) for n in self.nodes]
-        s = f"graph({', '.join(placeholder_names)}){maybe_return_typename[0]}:"
+        lines = [n.format_node(placeholder_names) for n in self.nodes]
+        s = f"graph({', '.join(placeholder_names)}):"
         return s + "".join("\n    " + line for line in lines if line)
 
     def print_tabular(self) -> None:
