@@ -39,7 +39,7 @@ import torch
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxdist.graph import Graph
@@ -146,10 +146,12 @@ class _DispatchTracer(TorchDispatchMode):
     # -- the dispatch hook ---------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        if func is torch.ops.prim.device.default:  # a metadata query with no graph value
+            return func(*args, **kwargs)
         if func in self.decomposition_table:
             with self:
                 return self.decomposition_table[func](*args, **kwargs)
-        if self._should_decompose(func):
+        if self._should_decompose(func, (args, kwargs)):
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -167,11 +169,11 @@ class _DispatchTracer(TorchDispatchMode):
         self.track(out, node)
         return out
 
-    def _should_decompose(self, func: Any) -> bool:
-        """Composite-implicit ops that still reach the Python key are traced through, as in torch."""
+    def _should_decompose(self, func: Any, args_kwargs: Any) -> bool:
+        """Composite-implicit ops that still reach the Python key (autograd skipped) are traced through."""
         if self.pre_dispatch or func in _NEVER_DECOMPOSE or not isinstance(func, torch._ops.OpOverload):
             return False
-        return func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+        return autograd_would_have_decomposed(func, pytree.tree_leaves(args_kwargs))
 
 
 def _input_names(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[str]:

@@ -1,0 +1,319 @@
+"""fxdist.passes.reinplace: one test per case of seed 002, plus differential tests against torch.fx's pass.
+
+Every case checks the rewritten graph's ops, that outputs equal the functional graph's (and eager's) on
+random inputs, and that the inputs are left unmutated.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
+from torch.fx.passes.reinplace import reinplace as torch_reinplace
+from torch.func import functionalize
+from torch.utils import _pytree as pytree
+
+from fxdist.experimental.proxy_tensor import make_fx
+from fxdist.passes.reinplace import reinplace
+
+aten = torch.ops.aten
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _run_case(fn, *inputs, functional=True):
+    """Capture ``fn``, reinplace it, check outputs and inputs; return the rewritten module."""
+    traced = fn if not functional else functionalize(fn)
+    gm = make_fx(traced)(*inputs)
+    expected = gm(*[t.clone() for t in inputs])
+    eager = fn(*[t.clone() for t in inputs])
+    gm = reinplace(gm, *inputs)
+    gm.graph.lint()
+    for trial in range(2):  # fresh random inputs of the same shapes, twice (constants must not drift)
+        fresh = [torch.randn_like(t) for t in inputs] if trial else inputs
+        before = [t.clone() for t in fresh]
+        got = gm(*fresh)
+        want = expected if not trial else make_fx(traced)(*before)(*[t.clone() for t in before])
+        for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+            torch.testing.assert_close(a, b)
+        for t, t0 in zip(fresh, before):
+            assert torch.equal(t, t0), "reinplace made the graph mutate its input"
+    for a, b in zip(pytree.tree_leaves(gm(*[t.clone() for t in inputs])), pytree.tree_leaves(eager)):
+        torch.testing.assert_close(a, b)
+    return gm
+
+
+def test_chain_of_elementwise_ops_becomes_inplace():
+    def f(x):
+        a = x.clone()
+        a.add_(1)
+        a.mul_(2)
+        return a.relu()
+
+    gm = _run_case(f, torch.randn(4, 4))
+    assert _targets(gm) == [aten.clone.default, aten.add_.Tensor, aten.mul_.Tensor, aten.relu_.default]
+    output = gm.graph.find_nodes(op="output")[0]
+    assert output.args[0].target is aten.clone.default  # (4) uses of "b" rewired to "a"
+
+
+def test_1a_no_resize():
+    def f(x, y):  # a = ones(1); b = ones(10); add(a, b) would need to resize a
+        return x.clone() + y
+
+    gm = _run_case(f, torch.randn(1), torch.randn(10))
+    assert aten.add.Tensor in _targets(gm) and aten.add_.Tensor not in _targets(gm)
+
+
+def test_1a_no_dtype_change():
+    def f(x):
+        return torch.ge(x.clone(), 0.0)
+
+    gm = _run_case(f, torch.randn(5))
+    assert aten.ge.Scalar in _targets(gm) and aten.ge_.Scalar not in _targets(gm)
+
+
+def test_1a_ge_followed_by_to_copy_is_reinplaced():
+    def f(x):  # functionalization emits a_1 = ge(a, 0.5); a_2 = _to_copy(a_1, float32)
+        a = x.clone()
+        a.ge_(0.5)
+        return a
+
+    functional = make_fx(functionalize(f))(torch.randn(5))
+    assert aten._to_copy.default in _targets(functional)
+    gm = _run_case(f, torch.randn(5))
+    assert _targets(gm) == [aten.clone.default, aten.ge_.Scalar]
+
+
+def test_1a_no_internal_overlap():
+    def f(x):  # torch.ones(1).expand(4, 4) + x: self has overlapping memory
+        return torch.ones(1).expand(4, 4) + x
+
+    gm = _run_case(f, torch.randn(4, 4))
+    assert aten.add.Tensor in _targets(gm) and aten.add_.Tensor not in _targets(gm)
+
+
+def test_1b_program_inputs_and_their_views_are_not_mutated():
+    def f(x):
+        return x.t().sin() + 1, x.cos()
+
+    gm = _run_case(f, torch.randn(3, 3))
+    # sin(t(x)) reads an input view: stays functional; add(sin, 1) and cos(x)... only add may go in place
+    assert aten.sin.default in _targets(gm) and aten.cos.default in _targets(gm)
+    assert aten.add_.Tensor in _targets(gm)
+
+
+def test_1b_module_parameters_are_not_mutated():
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return self.w.detach() * x  # mul(w', x): self is the parameter's storage
+
+    model = Scale()
+    w0 = model.w.detach().clone()
+    gm = _run_case(model, torch.randn(4), functional=False)
+    assert aten.mul_.Tensor not in _targets(gm)
+    gm(torch.randn(4))
+    assert torch.equal(gm._param_constant0.detach(), w0)
+
+
+def test_1c_self_aliasing_another_argument_is_skipped():
+    def f(x):  # torch.fx's pass turns this into mul_(a, a.t()), which raises at run time
+        a = x.clone()
+        return a * a.t()
+
+    gm = _run_case(f, torch.randn(3, 3))
+    assert aten.mul.Tensor in _targets(gm) and aten.mul_.Tensor not in _targets(gm)
+
+
+def test_1c_disjoint_views_of_one_tensor_may_be_combined():
+    def f(x):  # a[0] = a[1]: copy(select(a, 0, 0), select(a, 0, 1)) touches disjoint rows
+        a = x.clone()
+        a[0] = a[1]
+        return a
+
+    gm = _run_case(f, torch.randn(3, 3))
+    assert aten.copy_.default in _targets(gm) and aten.select_scatter.default not in _targets(gm)
+
+
+def test_2_later_use_of_self_blocks_reinplacing():
+    def f(x):
+        a = x * 2
+        return a + 1, a.sin()  # add(a) is followed by another use of a; sin(a) is the last use
+
+    gm = _run_case(f, torch.randn(4))
+    assert _targets(gm) == [aten.mul.Tensor, aten.add.Tensor, aten.sin_.default]
+
+
+def test_2a_later_view_is_not_a_use_but_its_uses_are():
+    def f(x):
+        a = x.clone()
+        b = a.view(-1)
+        b.mul_(3)
+        return a, b
+
+    gm = _run_case(f, torch.randn(2, 3))
+    assert aten.mul_.Tensor in _targets(gm)
+
+    def g(x):
+        a = x * 2
+        v = a.view(-1)
+        return a.exp(), v + 1  # exp(a): the view of a is used later, so exp stays functional
+
+    gm = _run_case(g, torch.randn(2, 3))
+    assert aten.exp.default in _targets(gm) and aten.add_.Tensor in _targets(gm)
+
+
+def test_2b_repeat_argument_is_banned():
+    def f(x):
+        a = x.clone()
+        return a * a
+
+    gm = _run_case(f, torch.randn(4))
+    assert aten.mul.Tensor in _targets(gm) and aten.mul_.Tensor not in _targets(gm)
+
+
+def test_2c_diagonal_fill_removes_diagonal_scatter():
+    def f(x):  # seed 002's example: a = add(x, x); diagonal(a).fill_(0)
+        a = torch.ops.aten.add(x, x)
+        b = torch.ops.aten.diagonal(a)
+        torch.ops.aten.fill_(b, 0)
+        return a
+
+    functional = make_fx(functionalize(f))(torch.randn(4, 4))
+    assert aten.diagonal_scatter.default in _targets(functional)
+    gm = _run_case(f, torch.randn(4, 4))
+    assert aten.fill_.Scalar in _targets(gm) and aten.fill.Scalar not in _targets(gm)
+    assert aten.diagonal_scatter.default not in _targets(gm)  # (5) deleted
+
+
+def test_2c_scatter_with_args_of_another_view_is_kept():
+    def f(x):
+        a = x.clone()
+        d = torch.diagonal(a)
+        e = torch.fill(d, 1.0)
+        return torch.diagonal_scatter(a, e, offset=1)  # writes the super-diagonal, not d
+
+    gm = _run_case(f, torch.randn(4, 5), functional=False)
+    targets = _targets(gm)
+    assert aten.fill.Scalar in targets and aten.fill_.Scalar not in targets  # the scatter is a later use
+    assert targets[-2:] == [aten.diagonal.default, aten.copy_.default]  # (3a) on the scatter itself
+
+
+def test_3a_select_scatter_becomes_select_and_copy():
+    def f(x):  # seed 002: a = zeros(2, 2); b = ones(2); a[0] = b, post functionalization
+        a = torch.zeros(2, 2)
+        b = x.exp()
+        return torch.select_scatter(a, b, 0, 0)
+
+    gm = _run_case(f, torch.randn(2), functional=False)
+    assert _targets(gm) == [aten.zeros.default, aten.exp.default, aten.select.int, aten.copy_.default]
+
+
+def test_3a_slice_and_select_updates_under_functionalize():
+    def f(x):
+        a = x.clone()
+        a[1:3].sigmoid_()
+        a[0].cos_()
+        a[:, 1] = x[:, 0]
+        return a
+
+    gm = _run_case(f, torch.randn(4, 4))
+    targets = _targets(gm)
+    assert aten.sigmoid_.default in targets and aten.cos_.default in targets
+    assert not {aten.slice_scatter.default, aten.select_scatter.default} & set(targets)
+
+
+def test_3b_op_without_inplace_variant_is_left_alone():
+    def f(x):
+        a = x.clone()
+        return torch.mm(a, a.t().contiguous())
+
+    gm = _run_case(f, torch.randn(3, 3))
+    assert aten.mm.default in _targets(gm)
+
+
+def test_4_multi_output_views_and_rewiring():
+    def f(x):
+        a = x.clone()
+        p, q = a.split(2)
+        p.add_(1)
+        q.mul_(3)
+        return a + 0, p
+
+    gm = _run_case(f, torch.randn(4, 3))
+    assert aten.add_.Tensor in _targets(gm) and aten.mul_.Tensor in _targets(gm)
+
+
+def test_5_scatter_whose_source_is_not_reinplaced_keeps_its_write():
+    def f(x):  # fill(d) goes in place; its scatter is redundant only if add(e, e) also does (it can't)
+        a = x.clone()
+        d = torch.diagonal(a)
+        e = torch.fill(d, 1.0)
+        return torch.diagonal_scatter(a, e + e)
+
+    x = torch.randn(4, 4)
+    gm = _run_case(f, x, functional=False)
+    assert torch.equal(torch.diagonal(gm(x)), torch.full((4,), 2.0))
+    assert aten.diagonal_scatter.default not in _targets(gm)
+
+
+def test_sample_inputs_that_do_not_fit_raise_naming_the_node():
+    gm = make_fx(lambda x: torch.mm(x, x))(torch.randn(3, 3))
+    with pytest.raises(RuntimeError, match=r"reinplace: cannot run %mm \(call_function"):
+        reinplace(gm, torch.randn(2, 5))
+
+
+def _f_chain(x):
+    a = x.clone()
+    a.add_(1).mul_(2).sigmoid_()
+    return a
+
+
+def _f_diag(x):
+    a = x + x
+    a.diagonal().fill_(0)
+    a[1] = x[0]
+    return a
+
+
+def _f_views(x):
+    a = x.clone()
+    b = a.view(-1)
+    b.mul_(3)
+    return a, b
+
+
+def _f_slices(x):
+    a = x.clone()
+    a[1:3].sigmoid_()
+    a[0].cos_()
+    a[:, 1] = x[:, 2]
+    return a
+
+
+def _f_later_use(x):
+    a = x * 2
+    return a + 1, a.sin()
+
+
+def _f_input_mutation(x):
+    x.mul_(2)
+    return x.relu()
+
+
+@pytest.mark.parametrize("fn", [_f_chain, _f_diag, _f_views, _f_slices, _f_later_use, _f_input_mutation])
+def test_same_result_as_torch_fx_reinplace(fn):
+    x = torch.randn(4, 4)
+    ours = reinplace(make_fx(functionalize(fn))(x.clone()), x.clone())
+    ref = torch_reinplace(torch_make_fx(functionalize(fn))(x.clone()), x.clone())
+    assert _targets(ours) == _targets(ref)
+    assert [n.name for n in ours.graph.nodes] == [n.name for n in ref.graph.nodes]
+    a, b = x.clone(), x.clone()
+    for got, want in zip(pytree.tree_leaves(ours(a)), pytree.tree_leaves(ref(b))):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(a, b)
