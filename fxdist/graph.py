@@ -94,8 +94,9 @@ class _node_list:  # noqa: N801 - torch.fx name
     def __iter__(self) -> Iterator[Node]:
         return (_iter_next if self.direction == "_next" else _iter_prev)(self.graph._root)
 
-    def __reversed__(self) -> Iterator[Node]:
-        return (_iter_prev if self.direction == "_next" else _iter_next)(self.graph._root)
+    def __reversed__(self) -> _node_list:
+        # a view again (seed 001 §3.3), so reversed(graph.nodes) also has len() and can be reversed back
+        return _node_list(self.graph, "_prev" if self.direction == "_next" else "_next")
 
 
 class _FindNodesLookupTable:
