@@ -52,10 +52,10 @@ def _check_node(graph: Graph, node: Node, legal_ops: Any, seen: set[Node], seen_
     if node.graph is not graph:
         raise _fail(graph, node, "does not belong to this Graph (its .graph is another Graph)",
                     "Nodes cannot be shared; copy it with graph.node_copy(node, arg_transform=...).")
+    _check_target_type(graph, node)
     if node not in graph._find_nodes_lookup_table:
         raise _fail(graph, node, "is not added to the side table used by find_nodes",
                     "Create nodes with Graph.create_node() (or its helpers) instead of Node(...).")
-    _check_target_type(graph, node)
     _check_arg_structure(graph, node)
     for arg in node._input_nodes:
         if arg.graph is not graph:
