@@ -1,0 +1,144 @@
+"""Reinplace: peak memory and time of a functionalized graph before and after the pass, vs eager.
+
+Two models with in-place-able work on 2048x2048 float32 tensors (16 MiB each):
+* ``elementwise_chain``: 12 in-place elementwise ops on a clone (functionalization makes each one allocate);
+* ``slice_select_updates``: 8 in-place updates of row slices and columns (functionalization turns each
+  into a full-size ``slice_scatter``/``select_scatter`` copy, which reinplace removes).
+
+Each is captured with ``fxdist.make_fx(torch.func.functionalize(f))``, then ``fxdist.passes.reinplace``.
+Peak memory = the largest total size of tensor storages allocated during one call and still alive,
+counted by a TorchDispatchMode (every ATen op's fresh output storages; freed when their last tensor
+dies). Time = median of REPS calls (perf_counter). Prints bytes, seconds and the ratios after/before and
+after/eager, measured in the same run.
+
+Allocator: glibc's malloc returns large blocks to the OS with default settings (FACTS.md); the script
+re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (32 MiB > one tensor) and 1 intra-op thread.
+
+Run: .venv/bin/python benchmarks/reinplace.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "OMP_NUM_THREADS": "1"}
+if any(os.environ.get(k) != v for k, v in _MALLOC.items()):  # glibc reads these at start-up only
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC})
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+import weakref  # noqa: E402
+
+import torch  # noqa: E402
+from torch.func import functionalize  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from fxdist.experimental.proxy_tensor import make_fx  # noqa: E402
+from fxdist.passes.reinplace import reinplace  # noqa: E402
+
+N = 2048
+REPS = 7
+
+
+class PeakMemory(TorchDispatchMode):
+    """Counts bytes of storages allocated by ATen ops while active; ``peak_bytes`` is the high-water mark."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list] = {}  # data_ptr -> [nbytes, live tensor count]
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current_bytes -= entry[0]
+            del self.live[ptr]
+
+    def _track(self, t: torch.Tensor, preexisting: set[int]) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in preexisting and ptr not in self.live:
+            return  # an input's (or a mutated argument's) storage: not allocated here
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.current_bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        preexisting = {
+            a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+        }
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, preexisting)
+        return out
+
+
+def elementwise_chain(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    for _ in range(4):
+        y.mul_(0.5).add_(1.0).sigmoid_()
+    return y
+
+
+def slice_select_updates(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    rows = x.shape[0] // 8
+    for i in range(8):
+        y[i * rows : (i + 1) * rows].mul_(2.0)
+        y[:, i].zero_()
+    return y
+
+
+def _peak_bytes(fn, x: torch.Tensor) -> int:
+    counter = PeakMemory()
+    with counter:
+        out = fn(x)
+    del out
+    return counter.peak_bytes
+
+
+def _median_seconds(fn, x: torch.Tensor) -> float:
+    fn(x)  # warm-up
+    times = []
+    for _ in range(REPS):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"reinplace benchmark: {N}x{N} float32, torch {torch.__version__}, threads={torch.get_num_threads()}, "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, median of {REPS}")
+    for fn in (elementwise_chain, slice_select_updates):
+        x = torch.randn(N, N)
+        before = make_fx(functionalize(fn))(x)
+        after = reinplace(make_fx(functionalize(fn))(x), x)
+        torch.testing.assert_close(after(x), fn(x.clone()))
+        counts = {k: sum(1 for n in g.graph.nodes if n.op == "call_function") for k, g in (("before", before), ("after", after))}
+        inplace = sum(1 for n in after.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable)
+        peak = {name: _peak_bytes(f, x) for name, f in (("eager", fn), ("before", before), ("after", after))}
+        secs = {name: _median_seconds(f, x) for name, f in (("eager", fn), ("before", before), ("after", after))}
+        mib = {k: v / 2**20 for k, v in peak.items()}
+        print(f"\n{fn.__name__}: ops before={counts['before']} after={counts['after']} (in-place after: {inplace})")
+        print(f"  peak MiB   eager={mib['eager']:.0f}  before={mib['before']:.0f}  after={mib['after']:.0f}"
+              f"   after/before={peak['after'] / peak['before']:.3f}  after/eager={peak['after'] / peak['eager']:.3f}")
+        print(f"  time ms    eager={secs['eager'] * 1e3:.1f}  before={secs['before'] * 1e3:.1f}  after={secs['after'] * 1e3:.1f}"
+              f"   after/before={secs['after'] / secs['before']:.3f}  after/eager={secs['after'] / secs['eager']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
