@@ -56,9 +56,9 @@ _NEVER_DECOMPOSE = (_aten.size.default, _aten.stride.default, _aten.storage_offs
 
 def _tensor_metadata(t: torch.Tensor) -> Any:
     """``meta["tensor_meta"]`` for one tensor, in the format of fxdist's ShapeProp (TensorMetadata)."""
-    from fxdist.passes.shape_prop import _extract_tensor_metadata
+    from fxdist.passes.shape_prop import extract_tensor_metadata
 
-    return _extract_tensor_metadata(t)
+    return extract_tensor_metadata(t)
 
 
 class _DispatchTracer(TorchDispatchMode):
@@ -79,7 +79,6 @@ class _DispatchTracer(TorchDispatchMode):
         fake_mode: FakeTensorMode,
         fake: bool,
         decomposition_table: Mapping[Any, Callable[..., Any]],
-        pre_dispatch: bool,
     ) -> None:
         super().__init__()
         self.graph = graph
@@ -87,7 +86,6 @@ class _DispatchTracer(TorchDispatchMode):
         self.fake_mode = fake_mode
         self.fake = fake
         self.decomposition_table = decomposition_table
-        self.pre_dispatch = pre_dispatch
         self.tensor_nodes: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._constant_count = {"_param_constant": 0, "_tensor_constant": 0}
 
@@ -171,7 +169,7 @@ class _DispatchTracer(TorchDispatchMode):
 
     def _should_decompose(self, func: Any, args_kwargs: Any) -> bool:
         """Composite-implicit ops that still reach the Python key (autograd skipped) are traced through."""
-        if self.pre_dispatch or func in _NEVER_DECOMPOSE or not isinstance(func, torch._ops.OpOverload):
+        if func in _NEVER_DECOMPOSE or not isinstance(func, torch._ops.OpOverload):
             return False
         return autograd_would_have_decomposed(func, pytree.tree_leaves(args_kwargs))
 
@@ -227,12 +225,11 @@ def _trace(
     args: tuple[Any, ...],
     tracing_mode: str,
     decomposition_table: Mapping[Any, Callable[..., Any]],
-    pre_dispatch: bool,
 ) -> GraphModule:
     graph = Graph()
     root = torch.nn.Module()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    tracer = _DispatchTracer(graph, root, fake_mode, tracing_mode == "fake", decomposition_table, pre_dispatch)
+    tracer = _DispatchTracer(graph, root, fake_mode, tracing_mode == "fake", decomposition_table)
     traced_args = _add_placeholders(tracer, fn, args)
     with enable_python_dispatcher():
         if tracer.fake:
@@ -269,7 +266,7 @@ def make_fx(
         tracing_mode: ``"real"`` (run on the given tensors) or ``"fake"`` (run on FakeTensors of the
             same shapes; nothing is computed). ``"symbolic"`` is not supported.
         _allow_non_fake_inputs: accepted for signature compatibility; constants are always allowed.
-        pre_dispatch: record above autograd (not supported yet).
+        pre_dispatch: record above autograd; not supported (raises NotImplementedError).
 
     Returns:
         A callable taking the example inputs and returning the GraphModule.
@@ -285,10 +282,15 @@ def make_fx(
     if tracing_mode not in _TRACING_MODES:
         raise ValueError(f"fxdist.make_fx: unknown tracing_mode {tracing_mode!r}; expected one of {_TRACING_MODES}")
     if pre_dispatch:
-        raise NotImplementedError("fxdist.make_fx: pre_dispatch=True is not supported; trace after autograd")
+        # torch only lets its own mode classes sit on the PreDispatch key (torch._ops._set_mode_pre_dispatch),
+        # and ProxyTorchDispatchMode lives in torch.fx, which fxdist must not import.
+        raise NotImplementedError(
+            "fxdist.make_fx: pre_dispatch=True is not supported (torch admits only its own modes at the "
+            "PreDispatch key); trace after autograd with pre_dispatch=False"
+        )
     table = dict(decomposition_table or {})
 
     def wrapped(*args: Any) -> GraphModule:
-        return _trace(f, args, tracing_mode, table, pre_dispatch)
+        return _trace(f, args, tracing_mode, table)
 
     return wrapped

@@ -195,3 +195,8 @@ def test_bad_tracing_mode_raises():
         make_fx(_elementwise, tracing_mode="bogus")
     with pytest.raises(NotImplementedError, match="symbolic"):
         make_fx(_elementwise, tracing_mode="symbolic")
+
+
+def test_pre_dispatch_is_refused_with_a_reason():
+    with pytest.raises(NotImplementedError, match="PreDispatch"):
+        make_fx(_elementwise, pre_dispatch=True)
