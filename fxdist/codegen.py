@@ -38,130 +38,23 @@ from __future__ import annotations
 
 import builtins
 import enum
-import keyword
 import math
 import operator
-import re
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.utils._pytree as _pytree
 from torch.utils._dtype_abbrs import dtype_abbrs
 
 from fxdist._namespace import Namespace, sanitize
+from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
+                              TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, snake_case,
+                              stack_summary, torch_path, torch_path_of_singleton)
 from fxdist.node import Node
 
 __all__ = ["CodeGen", "PythonCode"]
-
-_PLAIN_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_DIGITS_OR_WORD = re.compile(r"[A-Za-z0-9_]*\Z")
-_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
-
-# Globals every generated function can use; node names can never shadow them (see _namespace).
-_FIXED_GLOBALS: dict[str, Any] = {
-    "inf": math.inf,
-    "nan": math.nan,
-    "NoneType": type(None),
-    "torch": torch,
-    "device": torch.device,
-    "pytree": _pytree,
-    "operator": operator,
-}
-
-# id(operator function) -> (template, arity). Keyed by identity, so a function that merely claims
-# ``__module__ == "_operator"`` is not printed as an operator.
-_TEMPLATES: dict[int, tuple[str, int]] = {}
-for _name, _tpl in {
-    "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "floordiv": "{} // {}",
-    "truediv": "{} / {}", "mod": "{} % {}", "pow": "{} ** {}", "lshift": "{} << {}",
-    "rshift": "{} >> {}", "and_": "{} & {}", "or_": "{} | {}", "xor": "{} ^ {}",
-    "getitem": "{}[{}]", "matmul": "{} @ {}", "eq": "{} == {}", "ne": "{} != {}",
-    "lt": "{} < {}", "gt": "{} > {}", "le": "{} <= {}", "ge": "{} >= {}",
-    "pos": "+{}", "neg": "-{}", "invert": "~{}",
-}.items():
-    _TEMPLATES[id(getattr(operator, _name))] = (_tpl, _tpl.count("{}"))
-# Operators whose left operand binds tighter than a unary minus: (-1) ** x, (-1)[0].
-_TIGHT_LEFT = {id(operator.pow), id(operator.getitem)}
-
-# PEP 585 builtins printed as their typing alias inside typing generics, as torch.fx does.
-_ORIGIN_TYPING = {list: typing.List, dict: typing.Dict, set: typing.Set,  # noqa: UP006
-                  frozenset: typing.FrozenSet, tuple: typing.Tuple}  # noqa: UP006
-_TORCH_SINGLETONS = (torch.dtype, torch.layout, torch.memory_format)
-
-
-def _is_plain_ident(name: object) -> bool:
-    """A name safe to print after a dot or as a keyword argument (ASCII, not a keyword)."""
-    return type(name) is str and _PLAIN_IDENT.match(name) is not None and not keyword.iskeyword(name)
-
-
-def _resolve_dotted(path: str) -> Any:
-    """Walk ``torch.a.b`` attribute by attribute from the torch module; raises on failure."""
-    head, *rest = path.split(".")
-    if head != "torch" or not all(_is_plain_ident(p) for p in rest):
-        raise LookupError(path)
-    obj: Any = torch
-    for part in rest:
-        obj = getattr(obj, part)
-    return obj
-
-
-def _torch_path(obj: Any) -> str | None:
-    """The dotted ``torch.`` path that evaluates to exactly ``obj``, or None."""
-    name = getattr(obj, "__name__", None)
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
-    candidates = []
-    if isinstance(module, str) and module.startswith("torch"):
-        module = module.replace("torch._ops", "torch.ops")
-        if isinstance(qualname, str):
-            candidates.append(f"{module}.{qualname}")
-        if isinstance(name, str):
-            candidates.append(f"{module}.{name}")
-    if isinstance(name, str):
-        candidates += [f"torch.{name}", f"torch.nn.functional.{name}", f"torch.Tensor.{name}"]
-    for path in candidates:
-        try:
-            if _resolve_dotted(path) is obj:
-                return path
-        except Exception:  # noqa: BLE001 - any failure just means "not this path"
-            continue
-    return None
-
-
-def _qualified_hint(obj: Any) -> str:
-    """A readable (not trusted) name hint for a global, in torch.fx's ``module.name`` style."""
-    name = getattr(obj, "__name__", None)
-    if not isinstance(name, str):
-        name = type(obj).__name__
-    module = getattr(obj, "__module__", None)
-    return f"{module}.{name}" if isinstance(module, str) and module != "builtins" else name
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<=[a-z])([A-Z])", r"_\1", name).lower()
-
-
-def _comment(text: str) -> str:
-    """Make arbitrary text safe for a one-line ``#`` comment."""
-    return _CONTROL_CHARS.sub(" ", text)
-
-
-def _stack_summary(stack_trace: str | None) -> str | None:
-    """``File: f.py:12 in forward, code: return x + 1`` from the innermost frame of a stack trace."""
-    if not stack_trace:
-        return None
-    lines = stack_trace.strip().split("\n")
-    pattern = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
-    for idx in range(len(lines) - 2, -1, -1):
-        match = pattern.match(lines[idx].strip())
-        if match:
-            file, lineno, name = match.groups()
-            return f"File: {file}:{lineno} in {name}, code: {lines[idx + 1].strip()}"
-    return None
-
 
 @dataclass
 class PythonCode:
@@ -190,7 +83,7 @@ class _Emitter:
         self.root = root_module
         self.verbose = verbose
         self.namespace = Namespace()
-        self.globals: dict[str, Any] = dict(_FIXED_GLOBALS)
+        self.globals: dict[str, Any] = dict(FIXED_GLOBALS)
         self.names: dict[Node, str] = {}
         self.free_vars: list[str] = []
         self.lines: list[str] = []
@@ -200,6 +93,7 @@ class _Emitter:
         self.param_names: set[str] = set()
         self._callables: dict[int, str] = {}
         self._prev_summary: str | None = None
+        self.include_stride = self.include_device = False
 
     # -- names ---------------------------------------------------------------------------------
     def register_names(self) -> None:
@@ -215,7 +109,7 @@ class _Emitter:
     def _register_param(self, node: Node) -> None:
         target = node.target
         raw = target.lstrip("*") if isinstance(target, str) else None
-        if raw is None or not _is_plain_ident(raw) or len(target) - len(raw) > 2:
+        if raw is None or not is_plain_ident(raw) or len(target) - len(raw) > 2:
             raise ValueError(f"placeholder {node.name!r} has target {target!r}; a placeholder target must be "
                              "a parameter name (an identifier, optionally prefixed with * or **)")
         if raw in self.param_names or raw == "self":
@@ -257,17 +151,17 @@ class _Emitter:
 
     def _callable_ref(self, fn: Any) -> str:
         name = getattr(fn, "__name__", None)
-        if _is_plain_ident(name):
+        if is_plain_ident(name):
             if getattr(builtins, name, None) is fn:
                 return name
             if getattr(operator, name, None) is fn:
                 return f"operator.{name}"
         if fn is torch.device:
             return "device"
-        path = _torch_path(fn)
+        path = torch_path(fn)
         if path is not None:
             return path
-        return self.add_global(_qualified_hint(fn), fn)
+        return self.add_global(qualified_hint(fn), fn)
 
     def type_ref(self, tp: Any) -> str:
         """Text for a type annotation (evaluated at ``def`` time for parameters and returns)."""
@@ -280,7 +174,7 @@ class _Emitter:
         origin = getattr(tp, "__origin__", None)
         if origin is not None:
             if isinstance(tp, typing._GenericAlias):  # type: ignore[attr-defined]
-                origin = _ORIGIN_TYPING.get(origin, origin)
+                origin = ORIGIN_TYPING.get(origin, origin)
             head = self._type_head(origin)
             args = typing.get_args(tp)
             return f"{head}[{','.join(self.type_ref(a) for a in args)}]" if args else head
@@ -292,7 +186,7 @@ class _Emitter:
                 return self.bare(tp.__qualname__)
             if tp is type(None):
                 return self.bare("NoneType")
-            path = _torch_path(tp)
+            path = torch_path(tp)
             if path is not None:
                 return self.bare(path)
             return self.add_global(f"{tp.__module__}.{tp.__qualname__}", tp)
@@ -342,22 +236,22 @@ class _Emitter:
             return f"complex({self._float(a.real)}, {self._float(a.imag)})"
         if type(a) is range or a is Ellipsis:
             return repr(a)
-        if isinstance(a, _TORCH_SINGLETONS):
-            path = _torch_path_of_singleton(a)
+        if isinstance(a, TORCH_SINGLETONS):
+            path = torch_path_of_singleton(a)
             if path is not None:
                 return self.bare(path)
         elif type(a) is torch.device:
             index = "" if a.index is None else f", index={a.index!r}"
             return f"{self.bare('device')}(type={a.type!r}{index})"
-        elif isinstance(a, enum.Enum) and _is_plain_ident(a.name) and getattr(type(a), a.name, None) is a:
+        elif isinstance(a, enum.Enum) and is_plain_ident(a.name) and getattr(type(a), a.name, None) is a:
             return f"{self.callable_ref(type(a))}.{a.name}"
-        return self.add_global(f"_{_snake(sanitize(type(a).__name__))}_constant", a)
+        return self.add_global(f"_{snake_case(sanitize(type(a).__name__))}_constant", a)
 
     def call_args(self, args: tuple, kwargs: dict[str, Any]) -> str:
         parts = [self.arg(a) for a in args]
         odd = {}
         for key, value in kwargs.items():
-            if _is_plain_ident(key):
+            if is_plain_ident(key):
                 parts.append(f"{key} = {self.arg(value)}")
             else:
                 odd[key] = value
@@ -375,9 +269,9 @@ class _Emitter:
         for i, part in enumerate(target.split(".")):
             if fast and i < modules:
                 base = f"{base}._modules[{part!r}]"
-            elif _is_plain_ident(part):
+            elif is_plain_ident(part):
                 base = f"{base}.{part}"
-            elif _DIGITS_OR_WORD.match(part):
+            elif DIGITS_OR_WORD.match(part):
                 base = f'{self.bare("getattr")}({base}, "{part}")'
             else:
                 base = f"{self.bare('getattr')}({base}, {part!r})"
@@ -386,20 +280,9 @@ class _Emitter:
     def method_ref(self, receiver: str, name: Any) -> str:
         if not isinstance(name, str):
             raise TypeError(f"call_method target must be a str method name, got {name!r}")
-        if _is_plain_ident(name):
+        if is_plain_ident(name):
             return f"{receiver}.{name}"
         return f"{self.bare('getattr')}({receiver}, {name!r})"
-
-
-def _torch_path_of_singleton(value: Any) -> str | None:
-    """``torch.float32`` for a dtype, ``torch.strided`` for a layout... verified by identity."""
-    text = str(value)
-    if text.startswith("torch.") and _is_plain_ident(text[6:]):
-        try:
-            return text if _resolve_dotted(text) is value else None
-        except Exception:  # noqa: BLE001
-            return None
-    return None
 
 
 class CodeGen:
@@ -441,7 +324,9 @@ class CodeGen:
         return []
 
     # -- generation ----------------------------------------------------------------------------
-    def gen_python_code(self, nodes: Iterable[Node], root_module: str, *, verbose: bool = False) -> PythonCode:
+    def gen_python_code(self, nodes: Iterable[Node], root_module: str, *, verbose: bool = False,
+                        include_stride: bool = False, include_device: bool = False,
+                        colored: bool = False) -> PythonCode:
         """Generate the source and globals of ``forward`` for ``nodes`` (in execution order).
 
         Args:
@@ -449,6 +334,9 @@ class CodeGen:
             root_module: the name the generated code uses for the module (normally ``"self"``).
             verbose: add ``# File: ...`` comments from ``node.stack_trace`` and tensor annotations
                 such as ``: "f32[2, 3]"`` from ``node.meta["val"]``/``["tensor_meta"]``.
+            include_stride: verbose annotations also show strides (``"f32[2, 3][3, 1]"``).
+            include_device: verbose annotations also show the device (``"f32[2, 3]cpu"``).
+            colored: accepted for torch.fx compatibility; fxdist never emits terminal colours.
 
         Returns:
             PythonCode with ``src``, ``globals`` and the line map.
@@ -459,6 +347,7 @@ class CodeGen:
             RuntimeError: a node uses a node that is not in ``nodes``.
         """
         em = _Emitter(self, list(nodes), root_module, verbose)
+        em.include_stride, em.include_device = include_stride, include_device
         em.register_names()
         dels = _deletions(em.nodes)
         emit = {"placeholder": self._emit_placeholder, "call_function": self._emit_call_function,
@@ -481,7 +370,7 @@ class CodeGen:
         return self._assemble(em)
 
     def _assemble(self, em: _Emitter) -> PythonCode:
-        clash = em.param_names & (em.bare_names | set(em.globals) - set(_FIXED_GLOBALS))
+        clash = em.param_names & (em.bare_names | set(em.globals) - set(FIXED_GLOBALS))
         if clash:
             raise ValueError(f"placeholder parameter name(s) {sorted(clash)} would shadow names the generated "
                              "code needs; rename the placeholder target(s)")
@@ -514,13 +403,13 @@ class CodeGen:
         if not callable(target):
             raise TypeError(f"call_function node {node.name!r} has a target that is not callable: {target!r}")
         lhs = f"{em.names[node]}{annotation}"
-        template = _TEMPLATES.get(id(target))
+        template = OPERATOR_TEMPLATES.get(id(target))
         if template is not None and not kwargs and len(args) == template[1]:
             ops = [em.arg(a) for a in args]
-            if id(target) in _TIGHT_LEFT and ops[0].startswith("-"):
+            if id(target) in TIGHT_LEFT and ops[0].startswith("-"):
                 ops[0] = f"({ops[0]})"
             return f"{lhs} = {template[0].format(*ops)}"
-        if (target is getattr and len(args) == 2 and not kwargs and _is_plain_ident(args[1])):
+        if (target is getattr and len(args) == 2 and not kwargs and is_plain_ident(args[1])):
             return f"{lhs} = {em.operand(args[0])}.{args[1]}"
         return f"{lhs} = {em.callable_ref(target)}({em.call_args(args, kwargs)})"
 
@@ -582,20 +471,28 @@ def _annotation(em: _Emitter, node: Node) -> str:
     val = node.meta.get("val", node.meta.get("tensor_meta"))
     dtype, shape = getattr(val, "dtype", None), getattr(val, "shape", None)
     if isinstance(dtype, torch.dtype) and shape is not None and dtype in dtype_abbrs:
-        try:
-            dims = ", ".join(str(int(d)) for d in shape)
-        except (TypeError, ValueError):
-            dims = ", ".join(_comment(str(d)).replace('"', "'") for d in shape)
-        return f': "{dtype_abbrs[dtype]}[{dims}]"'
+        text = f"{dtype_abbrs[dtype]}{_dims(shape)}"
+        stride = getattr(val, "stride", None)
+        if em.include_stride and stride is not None:
+            text += _dims(stride() if callable(stride) else stride)
+        device = getattr(val, "device", None)
+        if em.include_device and isinstance(device, torch.device):
+            text += str(device)
+        return f': "{text}"'
     return text
+
+
+def _dims(sizes: Iterable[Any]) -> str:
+    """``[2, 3]``; symbolic sizes are printed with ``str``, made safe for a string literal."""
+    return "[" + ", ".join(one_line_comment(str(d)).replace('"', "'").replace("\\", "/") for d in sizes) + "]"
 
 
 def _emit_summary(em: _Emitter, node: Node, index: int) -> None:
     """Verbose mode: a ``# File: ...`` comment whenever the source location changes."""
     if node.op in ("placeholder", "output"):
         return
-    summary = _stack_summary(node.meta.get("stack_trace"))
-    text = "# " + _comment(summary or "No stacktrace found for following nodes")
+    summary = stack_summary(node.meta.get("stack_trace"))
+    text = "# " + one_line_comment(summary or "No stacktrace found for following nodes")
     if text != em._prev_summary:
         em._prev_summary = text
         if em.lines:

@@ -1,0 +1,452 @@
+"""``GraphModule``: an ``nn.Module`` whose ``forward`` is Python code generated from a ``Graph``.
+
+Source: torch/fx/graph_module.py (torch 2.13) and the torch.fx paper, section 4.3. Written anew; the
+semantics follow torch.fx:
+
+* Each instance gets its own class (``forward`` is set on the class), named ``class_name``.
+* The submodules, parameters and buffers the graph references (``get_attr``/``call_module``
+  targets) are copied from ``root`` by qualified name, *sharing* the objects (optimizers and DDP
+  hooks keep working); missing intermediate modules are created empty.
+* Assigning ``gm.graph`` sets ``graph.owning_module`` and recompiles; after editing the graph in
+  place, call ``recompile()``.
+
+Design choices where fxdist differs (documented, tested in tests/fx/test_graph_module.py):
+
+* Submodule access: the generated ``forward`` reaches submodules through ``_modules[...]``
+  (see fxdist/codegen.py), about 20x cheaper than ``nn.Module.__getattr__`` chains, and still
+  resolved at call time, so a replaced submodule is used even before ``recompile()``; DataParallel
+  replicas and deep copies use their own submodules.
+* Tracebacks: the source is registered in ``linecache`` under ``<fxdist-generated-N>``, so
+  tracebacks and pdb show the generated lines. No ``__call__`` wrapper is installed (it would cost
+  two Python calls per invocation); ``gm._lineno_map`` maps a line back to its node.
+* Pickle and ``deepcopy`` keep the graph itself (node list with names, targets, args, types and
+  ``stack_trace``), not the generated text: no re-tracing, so graphs that are not re-traceable
+  round-trip too.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import linecache
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _addindent
+
+from fxdist._graph_module_io import write_folder
+from fxdist.codegen import PythonCode
+from fxdist.graph import Graph
+from fxdist.node import Node
+
+__all__ = ["GraphModule"]
+
+_source_ids = itertools.count()
+
+
+def _register_source(src: str) -> str:
+    """Put ``src`` in ``linecache`` under a fresh fake filename and return that filename."""
+    filename = f"<fxdist-generated-{next(_source_ids)}>"
+    # mtime None: linecache.checkcache() never evicts the entry.
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    return filename
+
+
+def _forget_source(holder: dict[str, str]) -> None:
+    linecache.cache.pop(holder.get("filename", ""), None)
+
+
+def _compile_forward(code: PythonCode, filename: str, func_name: str) -> Callable[..., Any]:
+    namespace = dict(code.globals)
+    # dont_inherit: our ``from __future__ import annotations`` must not turn annotations into strings.
+    exec(compile(code.src, filename, "exec", dont_inherit=True), namespace)  # noqa: S102 - our own codegen
+    return namespace[func_name]
+
+
+# -- copying attributes from the root ----------------------------------------------------------------
+def _copy_attr(from_module: nn.Module, to_module: nn.Module, target: str) -> None:
+    """Make ``to_module.<target>`` the same object as ``from_module.<target>``, creating empty
+    intermediate modules; tensors that are not Parameters become buffers."""
+    *prefix, field = target.split(".")
+    for item in prefix:
+        src = _get_or_raise(from_module, item, target)
+        dst = getattr(to_module, item, None)
+        if src is dst:  # a parent was already installed whole, with everything below it
+            return
+        if dst is None:
+            dst = nn.Module()
+            setattr(to_module, item, dst)
+        from_module, to_module = src, dst
+    _install(to_module, field, _get_or_raise(from_module, field, target))
+
+
+def _get_or_raise(obj: Any, item: str, target: str) -> Any:
+    try:
+        return getattr(obj, item)
+    except AttributeError:
+        raise AttributeError(f"GraphModule: the graph references {target!r}, but {type(obj).__name__} has no "
+                             f"attribute {item!r}; pass a root that has it (or a dict with key {target!r})") from None
+
+
+def _assign_attr(value: Any, to_module: nn.Module, target: str) -> None:
+    """Install ``value`` at ``to_module.<target>``, creating empty intermediate modules."""
+    *prefix, field = target.split(".")
+    for item in prefix:
+        sub = getattr(to_module, item, None)
+        if sub is None:
+            sub = nn.Module()
+            setattr(to_module, item, sub)
+        to_module = sub
+    _install(to_module, field, value)
+
+
+def _install(module: Any, field: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and isinstance(module, nn.Module):
+        module.register_buffer(field, value)
+    else:
+        setattr(module, field, value)
+
+
+# -- graph <-> picklable node list -------------------------------------------------------------------
+@dataclass(frozen=True)
+class _NodeRef:
+    """Stands for the node at ``index`` in a serialized node list."""
+
+    index: int
+
+
+def _map_nodes(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
+    """Rebuild the plain containers of an argument with ``fn`` applied to every ``kind`` leaf."""
+    if isinstance(a, kind):
+        return fn(a)
+    if isinstance(a, tuple):
+        items = [_map_nodes(x, fn, kind) for x in a]
+        return type(a)(*items) if hasattr(type(a), "_fields") else tuple(items)
+    if isinstance(a, list):
+        return [_map_nodes(x, fn, kind) for x in a]
+    if isinstance(a, dict):
+        return {k: _map_nodes(v, fn, kind) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(_map_nodes(a.start, fn, kind), _map_nodes(a.stop, fn, kind), _map_nodes(a.step, fn, kind))
+    return a
+
+
+def _graph_to_spec(graph: Graph, meta: Callable[[Node], dict[str, Any]]) -> dict[str, Any]:
+    """The graph as a list of ``(op, target, args, kwargs, name, type, meta)`` with node references
+    replaced by ``_NodeRef`` (flat, so pickling a 10k-node graph does not recurse 10k deep)."""
+    index: dict[Node, int] = {}
+
+    def ref(n: Node) -> _NodeRef:
+        return _NodeRef(index[n])
+
+    nodes = []
+    for i, n in enumerate(graph.nodes):
+        nodes.append((n.op, n.target, _map_nodes(n.args, ref, Node), _map_nodes(n.kwargs, ref, Node),
+                      n.name, n.type, meta(n)))
+        index[n] = i
+    codegen = graph._codegen
+    return {"graph_cls": type(graph), "nodes": nodes, "codegen": codegen,
+            "tracer_cls": getattr(graph, "_tracer_cls", None)}
+
+
+def _graph_from_spec(spec: dict[str, Any]) -> Graph:
+    graph = spec["graph_cls"]()
+    graph._codegen = spec["codegen"]
+    if spec.get("tracer_cls") is not None:
+        graph._tracer_cls = spec["tracer_cls"]
+    made: list[Node] = []
+    for op, target, args, kwargs, name, type_expr, meta in spec["nodes"]:
+        node = graph.create_node(op, target, _map_nodes(args, lambda r: made[r.index], _NodeRef),
+                                 _map_nodes(kwargs, lambda r: made[r.index], _NodeRef), name=name,
+                                 type_expr=type_expr)
+        node.meta.update(meta)
+        made.append(node)
+    return graph
+
+
+def _pickled_meta(node: Node) -> dict[str, Any]:
+    """What of ``node.meta`` survives pickling: the stack trace, as in torch.fx."""
+    trace = node.meta.get("stack_trace")
+    return {} if trace is None else {"stack_trace": trace}
+
+
+def _base_class(cls: type) -> type:
+    """The user-visible class behind a per-instance GraphModule class."""
+    for t in cls.__mro__:
+        if "_fxdist_per_instance" not in t.__dict__:
+            return t
+    raise AssertionError(cls)
+
+
+def _new_instance(base: type, class_name: str) -> GraphModule:
+    gm = base.__new__(base)
+    type(gm).__name__ = type(gm).__qualname__ = class_name
+    return gm
+
+
+def _rebuild_graph_module(base: type, class_name: str, body: dict[str, Any], spec: dict[str, Any]) -> GraphModule:
+    """Unpickling entry point (referenced by ``GraphModule.__reduce__``)."""
+    gm = _new_instance(base, class_name)
+    gm.__dict__.update(body)
+    gm.graph = _graph_from_spec(spec)
+    return gm
+
+
+class GraphModule(nn.Module):
+    """An ``nn.Module`` generated from a :class:`~fxdist.graph.Graph`, with ``graph``, ``code`` and
+    ``forward`` attributes.
+
+    Args:
+        root: an ``nn.Module`` whose submodules/parameters/buffers named by the graph's
+            ``get_attr``/``call_module`` targets are shared into this module, or a dict mapping each
+            such qualified name to the object to install.
+        graph: the graph to generate ``forward`` from; its ``owning_module`` becomes this module.
+        class_name: the name of this instance's class (shown by ``repr`` and in errors).
+
+    Raises:
+        RuntimeError: ``root`` is neither a Module nor a dict, or a dict lacks a referenced target.
+        AttributeError: a Module ``root`` lacks a referenced target.
+
+    Example::
+
+        >>> import torch, fxdist as fx
+        >>> g = fx.Graph()
+        >>> x = g.placeholder("x")
+        >>> _ = g.output(g.call_function(torch.relu, (x,)))
+        >>> print(fx.GraphModule(torch.nn.Module(), g).code.strip())
+        def forward(self, x):
+            relu = torch.relu(x);  x = None
+            return relu
+
+    Source: torch/fx/graph_module.py ``GraphModule``.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
+        base = _base_class(cls)
+        impl = type(base.__name__, (base,), {"_fxdist_per_instance": True, "__module__": base.__module__})
+        return super().__new__(impl)
+
+    def __init__(self, root: nn.Module | dict[str, Any], graph: Graph, class_name: str = "GraphModule") -> None:
+        super().__init__()
+        type(self).__name__ = type(self).__qualname__ = class_name
+        targets = [n.target for n in graph.nodes if n.op in ("get_attr", "call_module")]
+        for t in targets:
+            if not isinstance(t, str):
+                raise TypeError(f"GraphModule: get_attr/call_module target must be a str, got {t!r}")
+        if isinstance(root, nn.Module):
+            self.training = root.training
+            for target in targets:
+                _copy_attr(root, self, target)
+        elif isinstance(root, dict):
+            missing = [t for t in targets if t not in root]
+            if missing:
+                raise RuntimeError(f"GraphModule: the graph references {missing}, which the root dict lacks")
+            for target in sorted(set(targets), key=lambda t: t.count(".")):  # parents before children
+                _assign_attr(root[target], self, target)
+        else:
+            raise RuntimeError(f"Unsupported type {type(root).__name__} passed for root! (a Module or a dict)")
+        self.meta: dict[str, Any] = {}
+        self._replace_hooks: list[Callable[..., Any]] = []
+        self._create_node_hooks: list[Callable[[Node], Any]] = []
+        self._erase_node_hooks: list[Callable[[Node], Any]] = []
+        self._deepcopy_hooks: list[Callable[[GraphModule], Any]] = []
+        tracer_cls = getattr(graph, "_tracer_cls", None)
+        self._tracer_cls = tracer_cls if tracer_cls and "<locals>" not in tracer_cls.__qualname__ else None
+        self._tracer_extras = getattr(graph, "_tracer_extras", None) or {}
+        self.graph = graph
+
+    # -- graph and code --------------------------------------------------------------------------
+    @property
+    def graph(self) -> Graph:
+        """The underlying graph. Assigning one recompiles ``forward``."""
+        return self._graph
+
+    @graph.setter
+    def graph(self, g: Graph) -> None:
+        if not isinstance(g, Graph):
+            raise TypeError(f"GraphModule.graph must be an fxdist Graph, got {type(g).__name__} "
+                            "(convert a torch.fx graph with fxdist.from_torch_fx)")
+        self._graph = g
+        g.owning_module = self
+        self.recompile()
+
+    @property
+    def code(self) -> str:
+        """The Python source of the generated ``forward``."""
+        if "_code" not in self.__dict__:
+            raise RuntimeError("GraphModule.code: no code has been generated yet; assign .graph or call recompile()")
+        return self._code
+
+    def recompile(self) -> PythonCode:
+        """Regenerate ``forward`` from ``self.graph`` (call it after editing the graph in place).
+
+        Returns:
+            The ``PythonCode`` that was compiled.
+        """
+        python_code = self._graph.python_code(root_module="self")
+        self._code = python_code.src
+        self._lineno_map = python_code._lineno_map
+        self._prologue_start = python_code._prologue_start
+        cls = type(self)
+        holder = cls.__dict__.get("_fxdist_source")
+        if holder is None:
+            holder = {}
+            cls._fxdist_source = holder
+            weakref.finalize(self, _forget_source, holder)
+        _forget_source(holder)
+        holder["filename"] = _register_source(python_code.src)
+        func_name = getattr(self._graph._codegen, "_func_name", "forward")
+        cls.forward = _compile_forward(python_code, holder["filename"], func_name)
+        for child in self.children():
+            if isinstance(child, GraphModule):
+                child.recompile()
+        return python_code
+
+    def print_readable(self, print_output: bool = True, include_stride: bool = False,
+                       include_device: bool = False, colored: bool = False) -> str:
+        """The verbose code of this module and of its GraphModule children, as a class definition.
+
+        Args:
+            print_output: also print it.
+            include_stride: show strides in tensor annotations.
+            include_device: show devices in tensor annotations.
+            colored: accepted for torch.fx compatibility (no colours are emitted).
+
+        Returns:
+            The text.
+        """
+        text = _readable(self, self._get_name(), include_stride, include_device)
+        if print_output:
+            print(text)
+        return text
+
+    def __str__(self) -> str:
+        reminder = "# To see more debug info, please use `graph_module.print_readable()`"
+        return "\n".join([super().__str__(), self._code, reminder])
+
+    # -- submodules ------------------------------------------------------------------------------
+    def add_submodule(self, target: str, m: nn.Module) -> bool:
+        """Install ``m`` at dotted path ``target``, creating empty intermediate modules.
+
+        Returns:
+            False when some component of the path exists and is not an ``nn.Module``.
+        """
+        *prefix, field = target.split(".")
+        mod: nn.Module = self
+        for item in prefix:
+            sub = getattr(mod, item, None)
+            if sub is None:
+                sub = nn.Module()
+                mod.add_module(item, sub)
+            if not isinstance(sub, nn.Module):
+                return False
+            mod = sub
+        mod.add_module(field, m)
+        return True
+
+    def delete_submodule(self, target: str) -> bool:
+        """Delete the submodule at dotted path ``target``.
+
+        Returns:
+            False when ``target`` does not name a submodule.
+        """
+        *prefix, field = target.split(".")
+        mod: Any = self
+        for item in prefix:
+            mod = getattr(mod, item, None)
+            if not isinstance(mod, nn.Module):
+                return False
+        if not isinstance(getattr(mod, field, None), nn.Module):
+            return False
+        delattr(mod, field)
+        return True
+
+    def delete_all_unused_submodules(self) -> None:
+        """Delete every submodule that no ``call_module``/``get_attr`` target uses (directly, as a
+        parent of a used attribute, or as a descendant of a called module)."""
+        used: set[str] = set()
+        for node in self._graph.nodes:
+            if node.op not in ("call_module", "get_attr") or not isinstance(node.target, str):
+                continue
+            used.update(itertools.accumulate(node.target.split("."), lambda a, b: f"{a}.{b}"))
+            if node.op == "call_module":
+                try:
+                    sub = self.get_submodule(node.target)
+                except AttributeError:
+                    continue
+                used.update(f"{node.target}.{name}" for name, _ in sub.named_modules() if name)
+        for name in [name for name, _ in self.named_modules() if name and name not in used]:
+            self.delete_submodule(name)
+
+    # -- copying and serialization ----------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the module state and the graph (not the code); see the module docstring."""
+        body = {k: v for k, v in self.__dict__.items() if k != "_graph"}
+        spec = _graph_to_spec(self._graph, _pickled_meta)
+        return (_rebuild_graph_module, (_base_class(type(self)), type(self).__name__, body, spec))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphModule:
+        res = _new_instance(_base_class(type(self)), type(self).__name__)
+        memo[id(self)] = res
+        body = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_graph"}, memo)
+        res.__dict__.update(body)
+        res.graph = _graph_from_spec(_graph_to_spec(self._graph, lambda n: copy.copy(n.meta)))
+        for hook in getattr(self, "_deepcopy_hooks", ()):
+            hook(res)
+        return res
+
+    def __copy__(self) -> GraphModule:
+        res = type(self)(self, self._graph, type(self).__name__)
+        res.meta = self.meta
+        return res
+
+    def _replicate_for_data_parallel(self) -> GraphModule:
+        replica = super()._replicate_for_data_parallel()
+        type(replica).__name__ = type(self).__name__
+        type(replica).forward = type(self).forward
+        return replica
+
+    def to_folder(self, folder: str | Path, module_name: str = "FxModule") -> None:
+        """Write an importable package: ``from <folder> import <module_name>`` gives a Module
+        computing the same as ``self``.
+
+        Writes ``module.py`` (imports, ``__init__`` loading the children and the state, the generated
+        ``forward``), ``__init__.py``, ``state_dict.pt``, one ``.pt`` file per child module and, when
+        the code uses objects that cannot be imported by name, ``globals.pt``.
+
+        Raises:
+            ValueError: ``module_name`` is not an identifier.
+        """
+        write_folder(self, Path(folder), module_name, self._graph.python_code(root_module="self"))
+
+    # -- hooks used by Graph (torch.fx names) -----------------------------------------------------
+    def _register_create_node_hook(self, f: Callable[[Node], Any]) -> None:
+        self._create_node_hooks.append(f)
+
+    def _unregister_create_node_hook(self, f: Callable[[Node], Any]) -> None:
+        self._create_node_hooks.remove(f)
+
+    def _register_erase_node_hook(self, f: Callable[[Node], Any]) -> None:
+        self._erase_node_hooks.append(f)
+
+    def _unregister_erase_node_hook(self, f: Callable[[Node], Any]) -> None:
+        self._erase_node_hooks.remove(f)
+
+    def _register_deepcopy_hook(self, f: Callable[[GraphModule], Any]) -> None:
+        self._deepcopy_hooks.append(f)
+
+    def _unregister_deepcopy_hook(self, f: Callable[[GraphModule], Any]) -> None:
+        self._deepcopy_hooks.remove(f)
+
+
+def _readable(module: GraphModule, name: str, include_stride: bool, include_device: bool) -> str:
+    src = module.graph.python_code("self", verbose=True, include_stride=include_stride,
+                                   include_device=include_device).src
+    text = _addindent(f"class {name}(torch.nn.Module):\n" + src.lstrip("\n"), 4)
+    children = [""] + [_readable(child, child_name, include_stride, include_device)
+                       for child_name, child in module.named_children() if isinstance(child, GraphModule)]
+    return text + _addindent("\n".join(children), 4)
