@@ -1,0 +1,119 @@
+"""DLRM for Criteo: bottom MLP on dense features, embedding lookups, pairwise dot interaction, top MLP.
+
+The embedding lookup (``sparse_arch``) is pluggable: :class:`LocalEmbeddings` keeps the 26 tables in the
+trainer (one ``nn.Embedding`` with per-table row offsets, sparse gradients), while a job with parameter
+servers plugs in a module whose forward fetches rows over RPC (``scheduling.ps``). Every sparse arch maps
+``sparse (B, 26) int64 -> (B, 26, D) float32``.
+
+Shapes: ``dense (B, 13)``, ``sparse (B, 26)`` -> logits ``(B,)``. With ``F = 27`` features (the bottom
+MLP output plus 26 embeddings) the interaction has ``F * (F - 1) / 2 = 351`` dot products.
+
+Source: Naumov et al., "Deep Learning Recommendation Model for Personalization and Recommendation
+Systems" (2019), §2 (architecture); torchrec.models.dlrm (DenseArch / InteractionArch / OverArch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["mlp", "LocalEmbeddings", "Interaction", "DLRM", "DenseDLRM"]
+
+
+def mlp(in_features: int, widths: Sequence[int], *, final_relu: bool = True) -> nn.Sequential:
+    """Linear+ReLU layers of the given widths; ``final_relu=False`` leaves the last Linear bare."""
+    layers: list[nn.Module] = []
+    for i, width in enumerate(widths):
+        layers.append(nn.Linear(in_features, width))
+        if final_relu or i < len(widths) - 1:
+            layers.append(nn.ReLU())
+        in_features = width
+    return nn.Sequential(*layers)
+
+
+class LocalEmbeddings(nn.Module):
+    """``num_tables`` embedding tables of ``table_size x dim`` rows, stored as one ``nn.Embedding``.
+
+    Shapes: ``ids (B, T) int64 -> (B, T, D)``.
+    """
+
+    def __init__(self, num_tables: int, table_size: int, dim: int, *, sparse: bool = True) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(num_tables * table_size, dim, sparse=sparse)
+        nn.init.uniform_(self.embedding.weight, -(table_size**-0.5), table_size**-0.5)
+        self.register_buffer("offsets", torch.arange(num_tables) * table_size, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids + self.offsets)
+
+
+class Interaction(nn.Module):
+    """Pairwise dot products of the F feature vectors (upper triangle), concatenated to the dense vector.
+
+    Shapes: ``dense (B, D)``, ``embedded (B, T, D) -> (B, D + F * (F - 1) / 2)`` with ``F = T + 1``.
+    """
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__()
+        rows, cols = torch.triu_indices(num_features, num_features, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        features = torch.cat([dense.unsqueeze(1), embedded], dim=1)
+        dots = torch.bmm(features, features.transpose(1, 2))
+        return torch.cat([dense, dots[:, self.rows, self.cols]], dim=1)
+
+
+class DLRM(nn.Module):
+    """DLRM with a pluggable sparse arch.
+
+    Args:
+        sparse_arch: Module mapping ``(B, T) int64`` ids to ``(B, T, D)`` embeddings.
+        num_dense: Dense features (13 for Criteo).
+        num_tables: T, categorical features (26 for Criteo).
+        dim: D, the embedding width.
+        bottom: Hidden widths of the bottom MLP (its output width is D).
+        top: Hidden widths of the top MLP (its output width is 1).
+    """
+
+    def __init__(
+        self,
+        sparse_arch: nn.Module,
+        *,
+        num_dense: int = 13,
+        num_tables: int = 26,
+        dim: int = 16,
+        bottom: Sequence[int] = (64, 32),
+        top: Sequence[int] = (64, 32),
+    ) -> None:
+        super().__init__()
+        self.bottom = mlp(num_dense, [*bottom, dim])
+        self.sparse_arch = sparse_arch
+        self.interaction = Interaction(num_tables + 1)
+        num_inter = dim + (num_tables + 1) * num_tables // 2
+        self.top = mlp(num_inter, [*top, 1], final_relu=False)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        embedded = self.sparse_arch(sparse)
+        x = self.bottom(dense)
+        return self.top(self.interaction(x, embedded)).squeeze(1)
+
+
+class DenseDLRM(nn.Module):
+    """The dense part of a trained DLRM, fed with embeddings looked up beforehand (for quantization).
+
+    Shapes: ``dense (B, 13)``, ``embedded (B, T, D) -> logits (B,)``.
+    """
+
+    def __init__(self, model: DLRM) -> None:
+        super().__init__()
+        self.bottom = model.bottom
+        self.interaction = model.interaction
+        self.top = model.top
+
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        return self.top(self.interaction(x, embedded)).squeeze(1)

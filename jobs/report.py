@@ -1,0 +1,128 @@
+"""A job's results: the printed table, ``results.json`` and ``qps.png``.
+
+``results`` (as returned by :func:`jobs.launch.launch`) has the keys ``job``, ``config``, ``data``
+(``path``, ``note``, ``parse``: valid / malformed line counts), ``phases`` (``baseline`` and
+``optimized``: ``qps`` samples/s, ``step_p50_ms``, ``step_p99_ms``, ``fetch_p50_ms``, ``fetch_p99_ms``,
+``loss``, ``quality`` {``auc``, ``log_loss``}, ``qps_series`` [(seconds, samples/s)], ``optimize``
+{passes run}), ``gain_percent``, ``restarts``, ``faults_fired``, ``inference`` (``fp32`` / ``int8``:
+``qps``, ``auc``, ``log_loss``; ``speedup``) and ``run_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from jobs.stats import gain_percent
+
+__all__ = ["table", "write", "plot", "to_json"]
+
+
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _gain(results: dict[str, Any]) -> float:
+    phases = results.get("phases", {})
+    if "baseline" not in phases or "optimized" not in phases:
+        return float("nan")
+    return gain_percent(phases["baseline"]["qps"], phases["optimized"]["qps"])
+
+
+def table(results: dict[str, Any]) -> str:
+    """The human-readable summary printed at the end of a job."""
+    cfg = results.get("config", {})
+    c, j = cfg.get("cluster", {}), cfg.get("job", {})
+    lines = [
+        f"fxdist job {results.get('job')}: {c.get('trainers')} trainers, {c.get('parameter_servers')} parameter "
+        f"servers, {j.get('steps')} steps per phase, batch {j.get('batch_size')} per trainer",
+        "",
+        f"{'phase':<10} {'QPS':>10} {'step p50':>9} {'step p99':>9} {'fetch p50':>10} {'fetch p99':>10} "
+        f"{'loss':>7} {'AUC':>7} {'logloss':>8}",
+        f"{'':<10} {'samples/s':>10} {'ms':>9} {'ms':>9} {'ms':>10} {'ms':>10}",
+    ]
+    for name, p in results.get("phases", {}).items():
+        q = p.get("quality", {})
+        lines.append(
+            f"{name:<10} {_fmt(p.get('qps')):>10} {_fmt(p.get('step_p50_ms'), '.2f'):>9} "
+            f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('fetch_p50_ms'), '.3f'):>10} "
+            f"{_fmt(p.get('fetch_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7} "
+            f"{_fmt(q.get('auc'), '.4f'):>7} {_fmt(q.get('log_loss'), '.4f'):>8}"
+        )
+    gain = _gain(results)
+    lines += ["", f"QPS gain, optimized vs baseline: {_fmt(gain, '+.1f')} %"]
+    opt = results.get("phases", {}).get("optimized", {}).get("optimize", {})
+    if opt:
+        ran = ", ".join(f"{r['name']} ({r.get('nodes_added', 0)}+/{r.get('nodes_erased', 0)}-)"
+                        for r in opt.get("passes", [])) or "none"
+        lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
+    inf = results.get("inference")
+    if inf:
+        lines += [
+            "",
+            f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread): "
+            f"{inf['method']}",
+            f"{'':<10} {'QPS':>10} {'AUC':>7} {'logloss':>8}",
+        ]
+        for name in ("fp32", "int8"):
+            r = inf[name]
+            lines.append(f"{name:<10} {_fmt(r['qps']):>10} {_fmt(r['auc'], '.4f'):>7} {_fmt(r['log_loss'], '.4f'):>8}")
+        lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x")
+    parse = (results.get("data") or {}).get("parse") or {}
+    if parse:
+        bad = sum(parse.get("malformed", {}).values())
+        detail = ", ".join(f"{k}: {v}" for k, v in parse.get("malformed", {}).items())
+        lines += ["", f"data: {parse.get('valid')} valid lines, {bad} malformed skipped" + (f" ({detail})" if bad else "")]
+    if results.get("restarts"):
+        lines.append(f"restarts from checkpoint: {results['restarts']} (faults injected: {results.get('faults_fired')})")
+    return "\n".join(lines)
+
+
+def to_json(value: Any) -> Any:
+    """``value`` with NaN/inf floats as None and tuples as lists (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """PNG of job QPS over time (seconds since each phase started), one line per phase, and the loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_qps, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, p in results.get("phases", {}).items():
+        series = p.get("qps_series") or []
+        if series:
+            t, q = zip(*series)
+            ax_qps.plot(t, q, label=f"{name} (mean {_fmt(p.get('qps'), '.0f')} samples/s)")
+        losses = p.get("loss_series") or []
+        ax_loss.plot(range(1, len(losses) + 1), losses, label=name)
+    ax_qps.set(title=f"{results.get('job')}: training QPS", xlabel="seconds since phase start",
+               ylabel="samples/s (all trainers)")
+    ax_loss.set(title="training loss (rank 0)", xlabel="step", ylabel="BCE loss")
+    for ax in (ax_qps, ax_loss):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write(results: dict[str, Any], run_dir: Path) -> None:
+    """Add ``gain_percent`` to ``results`` and write ``results.json`` and ``qps.png`` into ``run_dir``."""
+    results["gain_percent"] = _gain(results)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "results.json").write_text(json.dumps(to_json(results), indent=2) + "\n")
+    plot(results, run_dir / "qps.png")

@@ -1,0 +1,56 @@
+"""Where a job's embedding tables live: in the trainers, or on parameter servers.
+
+``make_tables(config, ...)`` returns a *tables backend* with one interface used by the training loop:
+
+- ``sparse_arch(phase)``: the module mapping ids ``(B, 26)`` to embeddings ``(B, 26, D)``, or ``None``
+  for the model's own :class:`jobs.model.LocalEmbeddings`;
+- ``reset(seed)``: re-initialise the tables (each phase starts from the same weights);
+- ``after_backward()``: push embedding gradients (servers) or nothing (local tables are DDP parameters);
+- ``fetch_seconds()``: seconds blocked on embedding fetches since the last call, or ``None``;
+- ``state_dict()`` / ``load_state_dict(state)``: the tables' contents for checkpoints (rank 0);
+- ``close()``.
+
+The parameter-server backend lives in :mod:`jobs.ps`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["LocalTables", "make_tables"]
+
+
+class LocalTables:
+    """Embedding tables inside the model (DDP parameters with sparse gradients)."""
+
+    def sparse_arch(self, phase: str) -> nn.Module | None:
+        return None
+
+    def reset(self, seed: int) -> None:
+        """Nothing to do: ``build_model`` re-creates the tables from the seed."""
+
+    def after_backward(self) -> None:
+        """Nothing to do: DDP all-reduces the sparse gradients and the optimizer applies them."""
+
+    def fetch_seconds(self) -> float | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to do: the tables are in the model's state dict."""
+
+    def close(self) -> None:
+        pass
+
+
+def make_tables(config, rank: int, world: int, loop_config: dict[str, Any], exporter) -> Any:
+    """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``."""
+    if config.cluster.parameter_servers == 0:
+        return LocalTables()
+    from jobs.ps import ServerTables
+
+    return ServerTables(config, rank, world, loop_config, exporter)

@@ -1,0 +1,294 @@
+"""The per-trainer training loop that Ray Train runs: baseline phase, optimized phase, checkpoints.
+
+``train_loop(loop_config)`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer``. Each of the
+``trainers`` processes:
+
+1. reads its shard of the Criteo data (:class:`jobs.data.CriteoShard`) and starts its metrics exporter;
+2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
+   (``jobs.sparse.ServerTables``, over ``torch.distributed.rpc``);
+3. runs each phase from the same initial weights on the same batches: ``baseline`` trains the eager
+   module, ``optimized`` trains ``fxdist.optimize(model, passes)``; both wrapped in DDP;
+4. checkpoints every ``checkpoint_every`` steps (dense weights, optimizer state and server tables in
+   one Ray Train checkpoint) and at the end of each phase, so a restarted worker group resumes at the
+   same phase and step;
+5. sends progress to the launcher's :class:`JobState` actor, and per-phase statistics at phase ends.
+
+Source: Ray Train ``TorchTrainer`` user guide (report / get_checkpoint); DLRM training recipe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from jobs.config import JobConfig, parse_config
+from jobs.data import CriteoShard
+from jobs.metrics import Exporter
+from jobs.model import DLRM, LocalEmbeddings
+from jobs.stats import binary_metrics, phase_summary
+
+__all__ = ["train_loop", "PhaseRun", "build_model", "run_phase"]
+
+PHASES = ("baseline", "optimized")
+
+
+def build_model(config: JobConfig, sparse_arch: nn.Module | None = None) -> DLRM:
+    """The job's DLRM, initialised from ``[job] seed`` (same weights in every phase and rank)."""
+    m = config.model
+    torch.manual_seed(config.job.seed)
+    if sparse_arch is None:
+        sparse_arch = LocalEmbeddings(26, m.table_size, m.embedding_dim)
+    return DLRM(sparse_arch, dim=m.embedding_dim, bottom=m.bottom_mlp, top=m.top_mlp)
+
+
+@dataclass
+class PhaseRun:
+    """Measurements of one phase on one trainer."""
+
+    phase: str
+    start_step: int
+    steps: int = 0
+    samples: int = 0
+    wall_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+    fetch_seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    """Training seconds since the phase started (callbacks excluded), at the end of each step."""
+    callback_seconds: float = 0.0
+    """Time spent in ``on_step`` (checkpoints, progress, fault checks); excluded from ``wall_seconds``."""
+
+
+def _make_trained_module(model: DLRM, phase: str, config: JobConfig) -> tuple[nn.Module, dict[str, Any]]:
+    """The module trained in ``phase``: the eager model, or ``fxdist.optimize(model, passes)``."""
+    info: dict[str, Any] = {"passes": [], "fallback": None}
+    if phase == "baseline" or not config.phases.passes:
+        return model, info
+    import fxdist
+
+    try:
+        gm = fxdist.optimize(model, passes=tuple(config.phases.passes))
+    except Exception as e:  # the tracer's error carries the hint; we only decide whether to go on
+        if not config.job.allow_eager_fallback:
+            raise
+        info["fallback"] = f"{type(e).__name__}: {e}"
+        return model, info
+    info["passes"] = list(gm.meta.get("fxdist", {}).get("passes", []))
+    return gm, info
+
+
+def run_phase(
+    phase: str,
+    model: DLRM,
+    tables: Any,
+    shard: CriteoShard,
+    config: JobConfig,
+    *,
+    start_step: int = 0,
+    optim_state: dict | None = None,
+    exporter: Exporter | None = None,
+    on_step: Any = None,
+) -> tuple[PhaseRun, dict[str, Any], torch.optim.Optimizer]:
+    """Train ``model`` for the rest of ``phase`` (steps ``start_step .. steps - 1``).
+
+    Args:
+        tables: The sparse backend (``LocalTables`` or ``ServerTables``): gives ``fetch_seconds()``
+            and ``after_backward()``.
+        on_step: ``on_step(step, run, module, optimizer)`` after each step (checkpoints, progress, faults).
+
+    Returns:
+        (measurements, optimize info, optimizer).
+    """
+    module, info = _make_trained_module(model, phase, config)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    trained = nn.parallel.DistributedDataParallel(module) if distributed else module
+    params = [p for p in trained.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adagrad(params, lr=config.job.lr)
+    if optim_state is not None:
+        optimizer.load_state_dict(optim_state)
+    loss_fn = nn.BCEWithLogitsLoss()
+    run = PhaseRun(phase, start_step)
+    batches = shard.batches(config.job.batch_size, start=start_step)
+    phase_start = time.perf_counter()
+    for step in range(start_step, config.job.steps):
+        batch = next(batches)
+        t0 = time.perf_counter()
+        logits = trained(batch.dense, batch.sparse)
+        loss = loss_fn(logits, batch.labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        tables.after_backward()
+        optimizer.step()
+        t1 = time.perf_counter()
+        fetch = tables.fetch_seconds()
+        value = loss.item()
+        run.steps += 1
+        run.samples += batch.labels.shape[0]
+        run.step_seconds.append(t1 - t0)
+        run.losses.append(value)
+        run.times.append(t1 - phase_start - run.callback_seconds)
+        if fetch is not None:
+            run.fetch_seconds.append(fetch)
+        if exporter is not None:
+            exporter.observe_step(phase, samples=batch.labels.shape[0], step_seconds=t1 - t0,
+                                  fetch_seconds=fetch, loss=value)
+        if on_step is not None:
+            on_step(step + 1, run, module, optimizer)
+            run.callback_seconds += time.perf_counter() - t1
+    run.wall_seconds = time.perf_counter() - phase_start - run.callback_seconds
+    return run, info, optimizer
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, shard: CriteoShard, batch_size: int = 512) -> dict[str, float]:
+    """AUC and log loss of ``model`` on every row of ``shard``."""
+    model.eval()
+    scores, labels = [], []
+    for batch in shard.all_batches(batch_size):
+        scores.append(torch.sigmoid(model(batch.dense, batch.sparse)))
+        labels.append(batch.labels)
+    model.train()
+    return binary_metrics(torch.cat(scores), torch.cat(labels))
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, world: int, state, tables) -> None:
+    """Fire the configured faults once per job (the JobState actor remembers which fired)."""
+    import ray
+
+    faults = config.faults
+    if phase != PHASES[1]:
+        return
+    if step == faults.kill_trainer_at_step and rank == world - 1:
+        if ray.get(state.fire.remote("trainer")):
+            print(f"[fxdist] fault injection: killing trainer rank {rank} (pid {os.getpid()}) at step {step}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    if step == faults.kill_server_at_step and rank == 0 and hasattr(tables, "kill_server"):
+        if ray.get(state.fire.remote("server")):
+            print(f"[fxdist] fault injection: killing parameter server 0 at step {step}", flush=True)
+            tables.kill_server(0)
+
+
+def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables, rank: int, final: bool) -> None:
+    """Report a Ray Train checkpoint (rank 0 writes it; every rank reports)."""
+    import ray.train
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank has pushed its updates for `step` to the servers
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if rank == 0:
+            torch.save({"phase": phase, "step": step, "final": final, "model": _plain_state(module.state_dict()),
+                        "tables": tables.state_dict(),
+                        "optim": optimizer.state_dict()}, os.path.join(tmp, "state.pt"))
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report({"phase": phase, "step": step, "final": final}, checkpoint=checkpoint)
+
+
+def _plain_state(state: dict) -> dict:
+    """State dict with server-side entries (non-tensors) dropped."""
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _load_checkpoint() -> dict | None:
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        return torch.load(os.path.join(d, "state.pt"), weights_only=False)
+
+
+def train_loop(loop_config: dict[str, Any]) -> None:
+    """Ray Train entry point: run every phase of the job on this trainer.
+
+    ``loop_config`` keys: ``config`` (the job config as plain dicts), ``data_path``, ``run_dir``,
+    ``metrics_port`` (base port, or None), ``state`` (the JobState actor handle).
+    """
+    import ray.train
+
+    from jobs.sparse import make_tables
+
+    config = parse_config(loop_config["config"], source=loop_config.get("source", "<job>"))
+    state = loop_config["state"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(config.cluster.cpus_per_trainer)))
+    exporter = None
+    if loop_config.get("metrics_port") is not None:
+        exporter = Exporter(config.job.name, rank)
+        exporter.touch(PHASES)
+        exporter.serve(loop_config["metrics_port"] + rank, config.metrics.host)
+    shard = CriteoShard(loop_config["data_path"], config.model.table_size, rank=rank, world_size=world,
+                        eval_fraction=config.data.eval_fraction)
+    if rank == 0:
+        state.parse_stats.remote(shard.stats.as_dict(), len(shard))
+    eval_shard = None
+    if rank == 0 and config.data.eval_fraction > 0:
+        eval_shard = CriteoShard(loop_config["data_path"], config.model.table_size,
+                                 eval_fraction=config.data.eval_fraction, split="eval")
+    resume = _load_checkpoint()
+    tables = make_tables(config, rank, world, loop_config, exporter)
+    try:
+        _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter)
+    finally:
+        tables.close()
+        if exporter is not None:
+            exporter.close()
+
+
+def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter) -> None:
+    phases = [p for p in PHASES if p != "baseline" or config.phases.baseline]
+    if resume is not None:
+        done = phases.index(resume["phase"]) + (1 if resume["final"] else 0)
+        phases = phases[done:]
+    every = config.job.checkpoint_every
+    for phase in phases:
+        resuming = resume is not None and resume["phase"] == phase
+        model = build_model(config, tables.sparse_arch(phase))
+        start = 0
+        optim_state = None
+        if resuming:
+            model.load_state_dict(resume["model"], strict=False)
+            tables.load_state_dict(resume["tables"])
+            start, optim_state = resume["step"], resume["optim"]
+        else:
+            tables.reset(config.job.seed)
+        if rank == 0:
+            state.phase_started.remote(phase, start, config.job.steps)
+
+        def on_step(step, run, module, optimizer, phase=phase):
+            if rank == 0 and (step % 5 == 0 or step == config.job.steps):
+                state.progress.remote(phase, step)
+            _maybe_inject_faults(config, phase, step, rank, world, state, tables)
+            if every and step % every == 0 and step < config.job.steps:
+                _save_checkpoint(phase, step, model, optimizer, tables, rank, final=False)
+
+        run, info, optimizer = run_phase(phase, model, tables, shard, config, start_step=start,
+                                         optim_state=optim_state, exporter=exporter, on_step=on_step)
+        runs = _gather(run)
+        quality = evaluate(model, eval_shard) if eval_shard is not None else {}
+        if rank == 0:
+            summary = phase_summary(runs, config.job.batch_size)
+            summary.update(quality=quality, optimize=info, resumed_from_step=start)
+            ray_get = __import__("ray").get
+            ray_get(state.phase_done.remote(phase, summary))
+        _save_checkpoint(phase, config.job.steps, model, optimizer, tables, rank, final=True)

@@ -1,0 +1,76 @@
+"""Prometheus exporter: private registries, label sets, HTTP exposition on loopback; stats helpers."""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import pytest
+import torch
+
+from jobs.metrics import Exporter, free_port_block
+from jobs.stats import auc, gain_percent, log_loss, percentile, qps_series
+
+
+def test_exporter_uses_a_private_registry():
+    from prometheus_client import REGISTRY
+
+    a, b = Exporter("job", 0), Exporter("job", 1)
+    a.observe_step("baseline", samples=128, step_seconds=0.01, fetch_seconds=0.002, loss=0.7)
+    a.observe_step("baseline", samples=128, step_seconds=0.03, fetch_seconds=None, loss=0.6)
+    labels = {"job": "job", "phase": "baseline", "rank": "0"}
+    get = a.registry.get_sample_value
+    assert get("fxdist_samples_total", labels) == 256
+    assert get("fxdist_step_seconds_count", labels) == 2
+    assert get("fxdist_step_seconds_sum", labels) == pytest.approx(0.04)
+    assert get("fxdist_rpc_fetch_seconds_count", labels) == 1
+    assert get("fxdist_loss", labels) == 0.6
+    assert b.registry.get_sample_value("fxdist_samples_total", {**labels, "rank": "1"}) is None
+    assert REGISTRY.get_sample_value("fxdist_samples_total", labels) is None
+
+
+def test_touch_creates_zero_series_and_http_serves_them():
+    e = Exporter("j", "ps0")
+    e.touch(["baseline", "optimized"])
+    port = e.serve(0)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        e.close()
+    assert 'fxdist_samples_total{job="j",phase="optimized",rank="ps0"} 0.0' in body
+    assert 'fxdist_step_seconds_bucket{job="j",le="0.01",phase="baseline",rank="ps0"} 0.0' in body
+    assert "python_gc" not in body  # no default collectors in a private registry
+
+
+def test_port_taken_error_names_the_port():
+    a = Exporter("j", 0)
+    port = a.serve(0)
+    try:
+        with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{port}"):
+            Exporter("j", 1).serve(port)
+    finally:
+        a.close()
+    base = free_port_block(3)
+    assert 20000 <= base < 60000
+
+
+def test_auc_and_log_loss():
+    labels = torch.tensor([0, 0, 1, 1, 0, 1.0])
+    assert auc(torch.tensor([0.1, 0.2, 0.8, 0.9, 0.3, 0.7]), labels) == 1.0
+    assert auc(torch.tensor([0.9, 0.8, 0.2, 0.1, 0.7, 0.3]), labels) == 0.0
+    assert auc(torch.full((6,), 0.5), labels) == 0.5  # ties count half
+    # hand-computed: positives at scores 0.4, 0.6 ; negatives 0.5, 0.1 -> pairs won 3 of 4
+    assert auc(torch.tensor([0.4, 0.6, 0.5, 0.1]), torch.tensor([1, 1, 0, 0.0])) == 0.75
+    assert math.isnan(auc(torch.tensor([0.1, 0.2]), torch.tensor([1.0, 1.0])))
+    p = torch.tensor([0.9, 0.2])
+    assert log_loss(p, torch.tensor([1.0, 0.0])) == pytest.approx(-(math.log(0.9) + math.log(0.8)) / 2)
+
+
+def test_percentile_series_gain():
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([1.0, 2.0], 100) == 2.0
+    assert math.isnan(percentile([], 50))
+    series = qps_series([0.1 * i for i in range(1, 31)], 100, window=10)
+    assert all(q == pytest.approx(1000.0) for _, q in series)
+    assert gain_percent(100.0, 110.0) == pytest.approx(10.0)
+    assert math.isnan(gain_percent(0.0, 1.0))
