@@ -99,6 +99,16 @@ def _tensor_inputs(node: Any) -> list[Any]:
     return out
 
 
+def _has_node(value: Any) -> bool:
+    if hasattr(value, "op"):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_node(v) for v in value)
+    if isinstance(value, slice):
+        return any(_has_node(v) for v in (value.start, value.stop, value.step))
+    return False
+
+
 def classify(node: Any, modules: dict[str, nn.Module]) -> str:
     """``"compute"``, ``"same_scale"``, ``"weight_only"`` or ``"float"`` for a node of a value-recorded graph."""
     if node.op == "call_module":
@@ -115,6 +125,8 @@ def classify(node: Any, modules: dict[str, nn.Module]) -> str:
         if node.target is torch.cat:
             return "compute" if n_in == len(node.args[0]) and n_in > 0 else "float"
         return "compute" if n_in == 2 and not node.kwargs else "float"
+    if node.target is operator.getitem and _has_node(node.args[1:]):
+        return "float"  # indexing with tensors: keep it in float
     same = (node.op == "call_function" and node.target in SAME_SCALE_FUNCTIONS) or (
         node.op == "call_method" and node.target in SAME_SCALE_METHODS
     )
