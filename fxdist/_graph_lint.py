@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxdist.node import Node, _freeze
+from fxdist.node import Node
 
 if TYPE_CHECKING:
     from fxdist.graph import Graph
@@ -93,7 +93,8 @@ def _check_arg_structure(graph: Graph, node: Node) -> None:
     if not isinstance(node.kwargs, dict) or not all(isinstance(k, str) for k in node.kwargs):
         raise _fail(graph, node, "has kwargs that are not a dict with str keys", "Assign node.kwargs = {...}.")
     found: dict[Node, None] = {}
-    _freeze((node.args, node.kwargs), found)
+    _collect_nodes(node.args, found)
+    _collect_nodes(node.kwargs, found)
     if list(found) != list(node._input_nodes):
         raise _fail(graph, node, f"has stale use-def data: all_input_nodes={list(node._input_nodes)} but its "
                     f"args/kwargs hold {list(found)}", "Never set node._args/_kwargs directly; assign "
@@ -106,6 +107,20 @@ def _check_arg_structure(graph: Graph, node: Node) -> None:
         if node not in user._input_nodes:
             raise _fail(graph, node, f"lists %{user} as a user, but %{user} does not use it",
                         "Never edit node.users directly; assign node.args/node.kwargs.")
+
+
+def _collect_nodes(a: Any, found: dict[Node, None]) -> None:
+    """Record every Node inside ``a`` (same traversal as ``map_aggregate``), in order, without copying."""
+    if isinstance(a, Node):
+        found[a] = None
+    elif isinstance(a, (tuple, list)):
+        for x in a:
+            _collect_nodes(x, found)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _collect_nodes(x, found)
+    elif isinstance(a, slice):
+        _collect_nodes(a.start, found), _collect_nodes(a.stop, found), _collect_nodes(a.step, found)
 
 
 def _check_targets_exist(graph: Graph, root: Any) -> None:

@@ -9,6 +9,7 @@ otherwise); a side table keyed by ``(op, target)`` serves ``find_nodes`` without
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -433,6 +434,24 @@ class Graph:
     def set_codegen(self, codegen: CodeGen) -> None:
         """Use ``codegen`` for ``python_code``."""
         self._codegen = codegen
+
+    def on_generate_code(self, make_transformer: Callable[[Any], Callable[[list[str]], list[str]]]) -> Any:
+        """Install ``make_transformer(current)`` as the codegen's body transformer (a function over the
+        list of generated body lines). Returns a context manager that restores the previous one; the new
+        transformer stays installed if it is not used in a ``with``.
+        """
+        codegen = self._codegen
+        previous = getattr(codegen, "_body_transformer", None)
+        codegen._body_transformer = make_transformer(previous)
+
+        @contextlib.contextmanager
+        def restore() -> Iterator[None]:
+            try:
+                yield
+            finally:
+                codegen._body_transformer = previous
+
+        return restore()
 
     def process_inputs(self, *args: Any) -> Any:
         return self._codegen.process_inputs(*args)
