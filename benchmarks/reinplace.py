@@ -39,7 +39,7 @@ from fxdist.experimental.proxy_tensor import make_fx  # noqa: E402
 from fxdist.passes.reinplace import reinplace  # noqa: E402
 
 N = 2048
-REPS = 7
+REPS = 9
 
 
 class PeakMemory(TorchDispatchMode):
@@ -109,14 +109,16 @@ def _peak_bytes(fn, x: torch.Tensor) -> int:
     return counter.peak_bytes
 
 
-def _median_seconds(fn, x: torch.Tensor) -> float:
-    fn(x)  # warm-up
-    times = []
-    for _ in range(REPS):
-        start = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _median_seconds(fns: dict[str, object], x: torch.Tensor) -> dict[str, float]:
+    """Median wall time per function; calls are interleaved so machine noise hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(REPS + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(x)
+            if rep:  # the first round is a warm-up
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -130,8 +132,9 @@ def main() -> None:
         torch.testing.assert_close(after(x), fn(x.clone()))
         counts = {k: sum(1 for n in g.graph.nodes if n.op == "call_function") for k, g in (("before", before), ("after", after))}
         inplace = sum(1 for n in after.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable)
-        peak = {name: _peak_bytes(f, x) for name, f in (("eager", fn), ("before", before), ("after", after))}
-        secs = {name: _median_seconds(f, x) for name, f in (("eager", fn), ("before", before), ("after", after))}
+        variants = {"eager": fn, "before": before, "after": after}
+        peak = {name: _peak_bytes(f, x) for name, f in variants.items()}
+        secs = _median_seconds(variants, x)
         mib = {k: v / 2**20 for k, v in peak.items()}
         print(f"\n{fn.__name__}: ops before={counts['before']} after={counts['after']} (in-place after: {inplace})")
         print(f"  peak MiB   eager={mib['eager']:.0f}  before={mib['before']:.0f}  after={mib['after']:.0f}"

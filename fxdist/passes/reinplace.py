@@ -27,6 +27,26 @@ Given ``b = foo(a, args...)`` (a ``call_function`` node whose first argument is 
      A scatter whose source did not end up written in place is first replaced by (3a)'s view + copy_,
      so the graph stays correct even then.
 
+Example (seed 002's ``diagonal`` + ``fill_`` program; the ``diagonal_scatter`` disappears):
+
+>>> import torch
+>>> from fxdist.experimental.proxy_tensor import make_fx
+>>> def f(x):
+...     a = x + x
+...     a.diagonal().fill_(0)
+...     return a.relu()
+>>> gm = make_fx(torch.func.functionalize(f))(torch.randn(3, 3))
+>>> [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+['add.Tensor', 'diagonal.default', 'fill.Scalar', 'diagonal_scatter.default', 'diagonal.default', 'relu.default']
+>>> print(reinplace(gm, torch.randn(3, 3)).code.strip())
+def forward(self, x_1):
+    add = torch.ops.aten.add.Tensor(x_1, x_1);  x_1 = None
+    diagonal = torch.ops.aten.diagonal.default(add)
+    fill = torch.ops.aten.fill_.Scalar(diagonal, 0);  diagonal = fill = None
+    diagonal_1 = torch.ops.aten.diagonal.default(add);  diagonal_1 = None
+    relu = torch.ops.aten.relu_.default(add);  relu = None
+    return add
+
 Differences from torch.fx's pass (each makes the result safe where torch's is not): (1a) compares
 shapes, not just element counts; (1b) also protects ``get_attr`` parameters and buffers; (1c) checks
 memory overlap of all arguments, not only repeated nodes; (5) keeps a scatter whose source was not
