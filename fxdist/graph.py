@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from fxdist._graph_lint import lint_graph
+from fxdist._graph_state import graph_getstate, graph_setstate
 from fxdist._namespace import Namespace
 from fxdist.node import Argument, Node, Target, _legal_ops, map_arg
 
@@ -350,6 +351,13 @@ class Graph:
             new_output = g.output(value, type_expr=getattr(old_output, "type", None))
             new_output.meta = copy.copy(old_output.meta)
         return g
+
+    def __getstate__(self) -> dict[str, Any]:
+        return graph_getstate(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Graph.__init__(self)
+        graph_setstate(self, state)
 
     # -- insert point and erasure -------------------------------------------------------------------
     def inserting_before(self, n: Node | None = None) -> _InsertPoint:

@@ -538,3 +538,41 @@ def test_random_edit_sequences_match_torch_fx_and_lint(edits) -> None:
     for n in ours.nodes:
         for u in n.users:
             assert n in u.all_input_nodes
+
+
+# -- pickling and code hooks ---------------------------------------------------------------------------
+
+
+def test_pickle_round_trip_of_a_long_graph_without_recursion() -> None:
+    import pickle
+
+    g = Graph()
+    x = g.placeholder("x")
+    prev = x
+    for i in range(3000):  # a naive pickle follows _next pointers and overflows the stack here
+        prev = g.call_function(operator.add, (prev, x), {"k": [prev, (x, 1)]} if i % 7 == 0 else None)
+    prev.meta["tag"] = "last"
+    dead = g.call_function(torch.neg, (x,))
+    g.erase_node(dead)
+    g.output(prev)
+    g2 = pickle.loads(pickle.dumps(g))
+    assert str(g2) == str(g) and len(g2.nodes) == 3002
+    g2.lint()
+    last = g2.output_node().args[0]
+    assert last.meta == {"tag": "last"} and last.name == "add_2999"
+    first = next(iter(g2.nodes))
+    # the namespace survived: names continue where the original graph's would
+    assert g2.call_function(torch.neg, (first,)).name == g.call_function(torch.neg, (x,)).name == "neg_1"
+    assert g2.find_nodes(op="call_function", target=torch.neg)[0].graph is g2
+
+
+def test_on_generate_code_installs_and_restores_a_body_transformer() -> None:
+    g = _seed_7_3(Graph)
+
+    def add_comment(body):
+        return ["# transformed\n", *body]
+
+    plain = g.python_code("self").src
+    with g.on_generate_code(lambda current: add_comment):
+        assert "# transformed" in g.python_code("self").src
+    assert g.python_code("self").src == plain
