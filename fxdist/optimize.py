@@ -1,0 +1,263 @@
+"""``fxdist.optimize``: trace a training module, apply named passes, keep its Parameter objects.
+
+>>> import torch, fxdist
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+>>> gm = fxdist.optimize(model, passes=("dce",))
+>>> gm[0].weight is model[0].weight          # optimizers and DDP see the same parameters
+True
+>>> [record["name"] for record in gm.meta["fxdist"]["passes"]]
+['dce']
+
+Passes are named (resolved lazily with importlib, so fxdist's core never imports ``scheduling`` or
+``quant``) or given as callables. Each pass is ``fn(gm) -> GraphModule`` (or a ``PassBase`` returning
+``PassResult``); :class:`fxdist.passes.pass_base.PassManager` runs them in order on a copy, lints and
+recompiles after each, times them, and records ``{"name", "ms", "nodes_added", "nodes_erased",
+"modified"}`` per pass in ``gm.meta["fxdist"]["passes"]``.
+
+Afterwards every submodule of the result whose state is unchanged is swapped back for the original
+module object, so the result shares the caller's ``Parameter`` objects (and buffers): an optimizer built
+on ``model.parameters()`` or ``DistributedDataParallel(gm)`` trains the same tensors. Parameters a pass
+really changed (e.g. conv-BN folding) stay new; ``gm.meta["fxdist"]["new_parameters"]`` names them.
+
+Source: torch.fx paper §5 (program capture, transformation, codegen pipeline);
+torch/fx/passes/infra/pass_manager.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["optimize", "register_pass", "resolve_pass", "PASSES"]
+
+PASSES: dict[str, str | Callable] = {
+    "async_rpc": "scheduling:async_rpc",
+    "fuse": "quant:fuse",
+    "reinplace": "fxdist.passes.reinplace:reinplace",
+}
+"""Pass name -> ``"module:attribute"`` (imported on first use) or a callable ``gm -> GraphModule``."""
+
+_TRACE_HINT = (
+    "fxdist.optimize could not trace {cls}. Ways out: make the untraceable submodule a leaf (subclass "
+    "fxdist.Tracer, override is_leaf_module, pass tracer_class=); fix the arguments that drive control flow "
+    "with concrete_args={{...}}; or wrap the offending free function with fxdist.wrap('name'). "
+    "A job can also run this phase eagerly with [job] allow_eager_fallback = true."
+)
+
+
+def _dce(gm: Any) -> Any:
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+PASSES["dce"] = _dce
+
+
+def register_pass(name: str, target: str | Callable) -> None:
+    """Make ``name`` usable in ``optimize(passes=...)``: ``target`` is ``"module:attr"`` or a callable.
+
+    Raises:
+        TypeError: ``target`` is neither.
+    """
+    if not (callable(target) or (isinstance(target, str) and ":" in target)):
+        raise TypeError(f"register_pass({name!r}): target must be 'module:attribute' or a callable, got {target!r}")
+    PASSES[name] = target
+
+
+def resolve_pass(spec: str | Callable) -> tuple[str, Callable]:
+    """``(name, callable)`` of a pass given by name or directly.
+
+    Raises:
+        ValueError: an unknown pass name (the message lists the known ones).
+        ImportError: the module implementing a named pass cannot be imported.
+    """
+    if callable(spec):
+        name = getattr(spec, "name", None) or getattr(spec, "__name__", None) or type(spec).__name__
+        return str(name), spec
+    if spec not in PASSES:
+        raise ValueError(f"fxdist.optimize: unknown pass {spec!r}; known passes: {', '.join(sorted(PASSES))} "
+                         "(or pass a callable gm -> GraphModule)")
+    target = PASSES[spec]
+    if callable(target):
+        return spec, target
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        e.add_note(f"fxdist.optimize: pass {spec!r} is implemented in {module_name!r}, which is not importable")
+        raise
+    try:
+        return spec, getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"fxdist.optimize: pass {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+class _Adapter:
+    """Presents ``fn(gm) -> GraphModule | PassResult`` to PassManager as a named pass."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
+        self.name = name
+        self.fn = fn
+
+    def __call__(self, gm: Any) -> Any:
+        from fxdist.passes.pass_base import PassResult
+
+        before = str(gm.graph)
+        out = self.fn(gm)
+        if isinstance(out, PassResult):
+            return out
+        if out is None:  # an in-place pass that returns nothing
+            out = gm
+        if not hasattr(out, "graph"):
+            raise TypeError(f"pass {self.name!r} returned {type(out).__name__}, expected a GraphModule")
+        return PassResult(out, out is not gm or str(out.graph) != before)
+
+
+def _trace(module: nn.Module, tracer_class: type | None, concrete_args: dict | None) -> Any:
+    import fxdist
+
+    try:
+        if tracer_class is None:
+            return fxdist.symbolic_trace(module, concrete_args=concrete_args)
+        tracer = tracer_class()
+        graph = tracer.trace(module, concrete_args=concrete_args)
+        return fxdist.GraphModule(tracer.root, graph, type(module).__name__)
+    except Exception as e:
+        e.add_note(_TRACE_HINT.format(cls=type(module).__name__))
+        raise
+
+
+def _same_state(a: nn.Module, b: nn.Module) -> bool:
+    if type(a) is not type(b):
+        return False
+    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+    if sa.keys() != sb.keys():
+        return False
+    for key, x in sa.items():
+        y = sb[key]
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            continue
+        if x is not y and (x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.detach(), y.detach())):
+            return False
+    return True
+
+
+def _restore_originals(result: nn.Module, original: nn.Module, prefix: str = "") -> None:
+    """Swap each unchanged child of ``result`` for ``original``'s module of the same name, top-down."""
+    originals = dict(original.named_modules())
+    for name, child in list(result.named_children()):
+        qualname = f"{prefix}{name}"
+        orig = originals.get(qualname)
+        if orig is child:
+            continue
+        if orig is not None and _same_state(child, orig):
+            setattr(result, name, orig)
+        else:
+            _restore_originals(child, original, prefix=f"{qualname}.")
+    for name, value in list(result.named_parameters(recurse=False)):
+        orig = dict(original.named_parameters()).get(f"{prefix}{name}")
+        if orig is not None and orig is not value and orig.shape == value.shape and torch.equal(orig, value):
+            setattr(result, name, orig)
+
+
+def _run_passes(gm: Any, named: list[tuple[str, Callable]], example_inputs: Sequence[Any] | None) -> Any:
+    from fxdist.passes.pass_base import PassManager
+
+    manager = PassManager([_Adapter(n, fn) for n, fn in named])
+    try:
+        copy.deepcopy(gm)  # PassManager works on a copy; check that the module can be copied at all
+    except Exception as e:  # e.g. modules holding RPC handles
+        gm.meta.setdefault("fxdist", {})["copy_failed"] = f"{type(e).__name__}: {e}"
+        return _run_in_place(manager, gm, example_inputs)
+    return manager.run(gm, example_inputs).graph_module
+
+
+def _run_in_place(manager: Any, gm: Any, example_inputs: Sequence[Any] | None) -> Any:
+    """PassManager.run without the initial copy (used only when the module cannot be deep-copied)."""
+    records = list(gm.meta.get("fxdist", {}).get("passes", []))
+    for p in manager.passes:
+        gm, record = manager._run_one(p, p.name, gm, None, None)
+        records.append(record)
+    gm.meta.setdefault("fxdist", {})["passes"] = records
+    return gm
+
+
+def _rewrap_ddp(ddp: nn.parallel.DistributedDataParallel, inner: nn.Module) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(
+        inner,
+        device_ids=ddp.device_ids,
+        output_device=ddp.output_device,
+        dim=ddp.dim,
+        forward_sync_buffers=getattr(ddp, "forward_sync_buffers", True),
+        process_group=ddp.process_group,
+        find_unused_parameters=ddp.find_unused_parameters,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        static_graph=ddp.static_graph,
+    )
+
+
+def optimize(
+    module: nn.Module,
+    passes: Iterable[str | Callable] = ("async_rpc",),
+    example_inputs: Sequence[Any] | None = None,
+    *,
+    concrete_args: dict[str, Any] | None = None,
+    tracer_class: type | None = None,
+) -> Any:
+    """Trace ``module`` with fxdist, apply ``passes`` in order, and keep its Parameter objects.
+
+    Args:
+        module: An ``nn.Module``, or a ``DistributedDataParallel`` around one: then the inner module is
+            optimized and a new DDP with the same process group (and options) wraps it.
+        passes: Pass names (see :data:`PASSES`, :func:`register_pass`) or callables ``gm -> GraphModule``.
+        example_inputs: If given, each pass that changes the graph is checked to keep the outputs
+            (``PassVerificationError`` otherwise).
+        concrete_args: Passed to the tracer (arguments to specialise, as in ``symbolic_trace``).
+        tracer_class: A ``fxdist.Tracer`` subclass (e.g. one with more leaf modules).
+
+    Returns:
+        A ``GraphModule`` (or a DDP around one) with ``meta["fxdist"]``: ``passes`` (one record per pass),
+        ``traced_nodes`` (node count after tracing), ``new_parameters`` (names of parameters that are
+        not the caller's objects).
+
+    Raises:
+        TraceError (or what the tracer raised): ``module`` cannot be traced; a note lists the remedies.
+        ValueError: an unknown pass name.
+        PassVerificationError: a pass changed the outputs on ``example_inputs``.
+    """
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        inner = optimize(module.module, passes, example_inputs, concrete_args=concrete_args,
+                         tracer_class=tracer_class)
+        return _rewrap_ddp(module, inner)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fxdist.optimize expects an nn.Module, got {type(module).__name__}")
+    named = [resolve_pass(p) for p in passes]
+    gm = _trace(module, tracer_class, concrete_args)
+    traced_nodes = len(gm.graph.nodes)
+    out = _run_passes(gm, named, example_inputs) if named else gm
+    _restore_originals(out, module)
+    originals = {id(p) for p in module.parameters()}
+    meta = out.meta.setdefault("fxdist", {})
+    meta.setdefault("passes", [])
+    meta["traced_nodes"] = traced_nodes
+    meta["new_parameters"] = [n for n, p in out.named_parameters() if id(p) not in originals]
+    return out
+
+
+class _CallableModule(types.ModuleType):
+    """``fxdist.optimize`` names both this module and the function: importing the submodule first
+    (``from fxdist.optimize import PASSES``) binds the package attribute to the module, so the module
+    forwards calls to :func:`optimize`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return optimize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,179 @@
+"""fxdist.optimize: tracing, named/callable passes, provenance, Parameter identity, DDP re-wrapping, errors."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+import fxdist
+from fxdist.optimize import PASSES, register_pass, resolve_pass
+from jobs.model import DLRM, LocalEmbeddings
+
+
+def _mul_two_to_add(gm):
+    """x * 2 -> x + x (same outputs)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is operator.mul and node.args[1] == 2:
+            node.target, node.args = operator.add, (node.args[0], node.args[0])
+    return gm
+
+
+def _relu_to_neg(gm):
+    """Changes the outputs: relu -> neg."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.relu:
+            node.target = torch.neg
+    return gm
+
+
+class Doubler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x) * 2)
+
+
+def _dlrm():
+    torch.manual_seed(0)
+    return DLRM(LocalEmbeddings(26, 50, 8), dim=8, bottom=[16], top=[16])
+
+
+def _inputs(b=6):
+    return torch.rand(b, 13), torch.randint(0, 50, (b, 26))
+
+
+def test_optimize_keeps_parameters_and_records_passes():
+    model = Doubler()
+    x = torch.randn(3, 4)
+    gm = fxdist.optimize(model, passes=(_mul_two_to_add, "dce"), example_inputs=(x,))
+    assert isinstance(gm, fxdist.GraphModule)
+    assert torch.allclose(gm(x), model(x))
+    assert "lin + lin" in gm.code and "* 2" not in gm.code
+    assert gm.lin.weight is model.lin.weight and gm.lin.bias is model.lin.bias
+    records = gm.meta["fxdist"]["passes"]
+    assert [r["name"] for r in records] == ["_mul_two_to_add", "dce"]
+    assert records[0]["modified"] is True and records[1]["modified"] is False
+    assert records[0]["nodes_added"] == 0 and records[0]["nodes_erased"] == 0
+    assert gm.meta["fxdist"]["new_parameters"] == []
+    assert gm.meta["fxdist"]["traced_nodes"] == len(fxdist.symbolic_trace(model).graph.nodes)
+
+
+def test_training_the_optimized_module_trains_the_original():
+    model = _dlrm()
+    gm = fxdist.optimize(model, passes=("dce",))
+    before = model.top[0].weight.detach().clone()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)  # built on the ORIGINAL module's parameters
+    dense, sparse = _inputs()
+    loss = nn.functional.binary_cross_entropy_with_logits(gm(dense, sparse), torch.ones(6))
+    loss.backward()
+    opt.step()
+    assert not torch.equal(before, model.top[0].weight)
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
+    assert torch.allclose(gm(dense, sparse), model(dense, sparse))
+
+
+def test_a_pass_that_changes_outputs_is_caught_and_leaves_the_model_alone():
+    from fxdist.passes.pass_base import PassVerificationError
+
+    model = Doubler()
+    x = torch.randn(3, 4)
+    with pytest.raises(PassVerificationError, match="_relu_to_neg"):
+        fxdist.optimize(model, passes=(_relu_to_neg,), example_inputs=(x,))
+    # without example inputs nothing is verified: the pass runs
+    gm = fxdist.optimize(model, passes=(_relu_to_neg,))
+    assert "neg" in gm.code
+
+
+def test_new_parameters_are_reported():
+    def rescale(gm):
+        gm.lin = nn.Linear(4, 4)  # a pass that replaces a module (e.g. folding) makes new parameters
+        return gm
+
+    model = Doubler()
+    gm = fxdist.optimize(model, passes=(rescale,))
+    assert sorted(gm.meta["fxdist"]["new_parameters"]) == ["lin.bias", "lin.weight"]
+    assert gm.lin.weight is not model.lin.weight
+
+
+def test_named_passes_resolve_lazily():
+    register_pass("mul2add-test", "tests.jobs.test_optimize:_mul_two_to_add")
+    try:
+        name, fn = resolve_pass("mul2add-test")
+        assert (name, fn) == ("mul2add-test", _mul_two_to_add)
+        gm = fxdist.optimize(Doubler(), passes=["mul2add-test"])
+        assert gm.meta["fxdist"]["passes"][0]["name"] == "mul2add-test"
+    finally:
+        del PASSES["mul2add-test"]
+    assert PASSES["async_rpc"] == "scheduling:async_rpc" and PASSES["fuse"] == "quant:fuse"
+    with pytest.raises(ValueError, match=r"unknown pass 'nope'; known passes: .*async_rpc"):
+        fxdist.optimize(Doubler(), passes=["nope"])
+    register_pass("broken-test", "no_such_module_xyz:fn")
+    try:
+        with pytest.raises(ImportError) as info:
+            fxdist.optimize(Doubler(), passes=["broken-test"])
+        assert any("no_such_module_xyz" in note for note in info.value.__notes__)
+    finally:
+        del PASSES["broken-test"]
+    with pytest.raises(TypeError, match="must be 'module:attribute' or a callable"):
+        register_pass("x", 3)
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def test_untraceable_model_gets_the_tracer_error_and_a_hint():
+    with pytest.raises(fxdist.TraceError) as info:
+        fxdist.optimize(Branchy(), passes=())
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "could not trace Branchy" in notes
+    for remedy in ("is_leaf_module", "concrete_args", "fxdist.wrap", "allow_eager_fallback"):
+        assert remedy in notes
+
+
+def test_tracer_class_with_leaf_modules():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.branchy = Branchy()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.branchy(self.lin(x))
+
+    class LeafTracer(fxdist.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, Branchy) or super().is_leaf_module(m, qualname)
+
+    model = Model()
+    gm = fxdist.optimize(model, passes=(), tracer_class=LeafTracer)
+    x = torch.randn(2, 3)
+    assert torch.allclose(gm(x), model(x))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["lin", "branchy"]
+
+
+def test_ddp_module_is_rewrapped_with_the_same_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _dlrm()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        out = fxdist.optimize(ddp, passes=("dce",))
+        assert isinstance(out, nn.parallel.DistributedDataParallel)
+        assert isinstance(out.module, fxdist.GraphModule)
+        assert out.process_group is ddp.process_group
+        assert {id(p) for p in out.parameters()} == {id(p) for p in model.parameters()}
+        dense, sparse = _inputs()
+        out(dense, sparse).sum().backward()
+        assert model.bottom[0].weight.grad is not None
+    finally:
+        dist.destroy_process_group()
