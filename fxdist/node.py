@@ -90,12 +90,11 @@ class immutable_dict(dict):  # noqa: N801 - torch.fx name
 
 
 _pytree.register_pytree_node(
-    immutable_list, lambda d: (list(d), None), lambda values, _ctx: immutable_list(values),
-    serialized_type_name="fxdist.node.immutable_list")
+    immutable_list, _pytree._list_flatten, lambda values, ctx: immutable_list(_pytree._list_unflatten(values, ctx)),
+    serialized_type_name="fxdist.node.immutable_list", flatten_with_keys_fn=_pytree._list_flatten_with_keys)
 _pytree.register_pytree_node(
-    immutable_dict, lambda d: (list(d.values()), list(d.keys())),
-    lambda values, keys: immutable_dict(zip(keys, values)),
-    serialized_type_name="fxdist.node.immutable_dict")
+    immutable_dict, _pytree._dict_flatten, lambda values, ctx: immutable_dict(_pytree._dict_unflatten(values, ctx)),
+    serialized_type_name="fxdist.node.immutable_dict", flatten_with_keys_fn=_pytree._dict_flatten_with_keys)
 
 # ---------------------------------------------------------------------------------------------------
 # Traversal of arguments

@@ -538,6 +538,9 @@ def test_random_edit_sequences_match_torch_fx_and_lint(edits) -> None:
     for n in ours.nodes:
         for u in n.users:
             assert n in u.all_input_nodes
+        if n.op == "call_function":  # the side table agrees with a scan
+            assert ours.find_nodes(op=n.op, target=n.target) == [m for m in ours.nodes if m.target is n.target]
+    assert ours.find_nodes(op="placeholder") == [m for m in ours.nodes if m.op == "placeholder"]
 
 
 # -- pickling and code hooks ---------------------------------------------------------------------------

@@ -350,3 +350,28 @@ def test_is_impure_call_module_and_meta_and_registry() -> None:
     assert _node("call_function", log_value).is_impure()
     g = Graph()
     assert g.placeholder("p").is_impure() and g.output(None).is_impure()
+
+
+def test_immutable_containers_are_pytree_nodes() -> None:
+    import torch.utils._pytree as pytree
+
+    value = immutable_dict(a=immutable_list([1, 2]), b=3)
+    leaves, spec = pytree.tree_flatten(value)
+    assert leaves == [1, 2, 3]
+    rebuilt = pytree.tree_unflatten([10, 20, 30], spec)
+    assert rebuilt == {"a": [10, 20], "b": 30}
+    assert type(rebuilt) is immutable_dict and type(rebuilt["a"]) is immutable_list
+    assert [path for path, _ in pytree.tree_flatten_with_path(value)[0]][0] == (
+        pytree.MappingKey("a"), pytree.SequenceKey(0))
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import fxdist._namespace
+    import fxdist.graph
+    import fxdist.node
+
+    for module in (fxdist.node, fxdist.graph, fxdist._namespace):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
