@@ -57,8 +57,10 @@ Source: torch/fx/passes/reinplace.py; seed 002 (the reinplace pass).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,6 +341,18 @@ def _later_uses(aliases: set[Node], idx: int) -> set[Node]:
     return found
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Iterator[None]:
+    """FakeTensorMode logs every failing meta kernel at ERROR level; a failed replay is expected here."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    previous = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = previous
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
 
@@ -356,8 +370,9 @@ def _view_inverse_uses(later: set[Node], aliases: set[Node]) -> set[Node]:
             if origin is None or not isinstance(base_val, torch.Tensor):
                 continue
             try:  # the scatter's args must recreate exactly this view of an identically laid-out base
-                replay = view_op(origin.meta["fake_result"], *user.args[2:], **user.kwargs)
-            except Exception:
+                with _quiet_fake_tensor_errors():
+                    replay = view_op(origin.meta["fake_result"], *user.args[2:], **user.kwargs)
+            except Exception:  # these args do not even fit this alias's base: not its inverse
                 continue
             if _same_layout(origin.meta["fake_result"], base_val) and _same_layout(replay, alias.meta["fake_result"]):
                 found.add(user)

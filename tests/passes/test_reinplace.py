@@ -317,3 +317,52 @@ def test_same_result_as_torch_fx_reinplace(fn):
     for got, want in zip(pytree.tree_leaves(ours(a)), pytree.tree_leaves(ref(b))):
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(a, b)
+
+
+# ---- property: random programs of views and in-place updates keep their outputs ------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_VIEWS = {
+    "all": lambda a: a,
+    "row": lambda a: a[1],
+    "col": lambda a: a[:, 2],
+    "rows": lambda a: a[1:3],
+    "diag": lambda a: a.diagonal(),
+    "t": lambda a: a.t(),
+    "flat": lambda a: a.view(-1),
+}
+_UPDATES = {
+    "mul_": lambda v: v.mul_(2.0),
+    "add_": lambda v: v.add_(1.0),
+    "sigmoid_": lambda v: v.sigmoid_(),
+    "zero_": lambda v: v.zero_(),
+    "neg_": lambda v: v.neg_(),
+    "exp": lambda v: v.exp(),  # out-of-place: a temporary that is returned
+    "sum": lambda v: v.sum(0, keepdim=True),
+}
+
+
+def _program(steps):
+    def f(x):
+        a = x.clone()
+        temps = []
+        for view, update in steps:
+            out = _UPDATES[update](_VIEWS[view](a))
+            if update in ("exp", "sum"):
+                temps.append(out)
+        return (a, *temps)
+
+    return f
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(sorted(_VIEWS)), st.sampled_from(sorted(_UPDATES))), min_size=1, max_size=6))
+def test_random_view_update_programs_keep_outputs(steps):
+    f = _program(steps)
+    x = torch.randn(4, 4)
+    gm = reinplace(make_fx(functionalize(f))(x), x)
+    x0 = x.clone()
+    for got, want in zip(gm(x), f(x0.clone())):
+        torch.testing.assert_close(got, want)
+    assert torch.equal(x, x0)
