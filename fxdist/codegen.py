@@ -190,7 +190,7 @@ class _Emitter:
             if path is not None:
                 return self.bare(path)
             return self.add_global(f"{tp.__module__}.{tp.__qualname__}", tp)
-        hint = tp if isinstance(tp, str) else getattr(tp, "_name", None) or type(tp).__name__
+        hint = repr(tp) if isinstance(tp, str) else getattr(tp, "_name", None) or type(tp).__name__
         module = getattr(tp, "__module__", None)
         if module == "typing" and isinstance(hint, str):
             hint = f"typing.{hint}"

@@ -400,7 +400,7 @@ class GraphModule(nn.Module):
         return res
 
     def __copy__(self) -> GraphModule:
-        res = type(self)(self, self._graph, type(self).__name__)
+        res = _base_class(type(self))(self, self._graph, type(self).__name__)
         res.meta = self.meta
         return res
 

@@ -35,6 +35,7 @@ def build_mixed(G: type) -> Any:
     w = g.placeholder("w", type_expr=list[int])
     u = g.placeholder("u", type_expr=int | None)
     v = g.placeholder("v", type_expr=Dict[str, Any])  # noqa: UP006
+    s = g.placeholder("s", type_expr="torch.Tensor")  # a string annotation (from __future__ annotations)
     g.placeholder("y", type_expr=List[int], default_value=3)  # noqa: UP006
     g.placeholder("z", type_expr=Optional[torch.Tensor], default_value=None)  # noqa: UP007
     a = g.call_function(operator.add, (x, 1.5))
@@ -52,7 +53,7 @@ def build_mixed(G: type) -> Any:
     o = g.call_function(operator.neg, (n,))
     p = g.call_function(operator.getitem, (o, (slice(None, 2), Ellipsis, None)))
     q = g.call_function(operator.mul, (p, p))
-    g.output((q, {"a": i, "b": [d, x, w, u, v]}), type_expr=Tuple[torch.Tensor, Dict[str, Any]])  # noqa: UP006
+    g.output((q, {"a": i, "b": [d, x, w, u, v, s]}), type_expr=Tuple[torch.Tensor, Dict[str, Any]])  # noqa: UP006
     return g
 
 
