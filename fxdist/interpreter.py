@@ -18,7 +18,8 @@ import torch
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
 from fxdist.node import Argument, Node, Target, map_aggregate, map_arg
-from fxdist.proxy import GraphAppendingTracer, Proxy
+from fxdist.proxy import Proxy
+from fxdist.tracer import Tracer
 
 __all__ = ["Interpreter", "Transformer"]
 
@@ -256,6 +257,24 @@ class Interpreter:
         return map_arg(args, load)
 
 
+class _TransformerTracer(Tracer):
+    """Appends to ``graph``; every submodule is a leaf. Tensors that overrides pass as arguments
+    become ``get_attr`` nodes (parameters and buffers by their path; other tensors as new
+    ``_tensor_constant<i>`` attributes of the root), as when tracing."""
+
+    record_stack_traces = False  # nodes inherit the stack trace of the node they come from
+
+    def __init__(self, graph: Graph, root: torch.nn.Module) -> None:
+        super().__init__()
+        self.graph = graph
+        self.root = root
+        self.tensor_attrs: dict[Any, str] = {}
+        self.submodule_paths = {mod: name for name, mod in root.named_modules()}
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
 class Transformer(Interpreter):
     """Re-traces a GraphModule symbolically into a new Graph; ``transform()`` returns the new module.
 
@@ -297,8 +316,7 @@ class Transformer(Interpreter):
         codegen = getattr(module.graph, "_codegen", None)
         if codegen is not None and hasattr(self.new_graph, "set_codegen"):
             self.new_graph.set_codegen(codegen)
-        self.tracer = GraphAppendingTracer(self.new_graph)
-        self.tracer.root = module
+        self.tracer = _TransformerTracer(self.new_graph, module)
 
     def run_node(self, n: Node) -> Any:
         last_before = next(iter(reversed(self.new_graph.nodes)), None)
@@ -322,10 +340,11 @@ class Transformer(Interpreter):
         assert isinstance(target, str)
         return self.tracer.create_proxy("get_attr", target, args, kwargs)
 
-    def call_module(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Any]) -> Proxy:
-        """Insert a ``call_module`` node with the same target (the submodule stays a leaf)."""
+    def call_module(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Any]) -> Any:
+        """Insert a ``call_module`` node with the same target (``self.tracer`` decides leaves: all are)."""
         assert isinstance(target, str)
-        return self.tracer.create_proxy("call_module", target, args, kwargs)
+        submod = self.fetch_attr(target)
+        return self.tracer.call_module(submod, submod.forward, args, kwargs)
 
     def call_function(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Any]) -> Proxy:
         """Insert a ``call_function`` node (the function is recorded, not run on the Proxies)."""

@@ -226,3 +226,19 @@ def test_relu_to_gelu_transformer_matches_torch_fx():
 def test_docstring_examples():
     result = doctest.testmod(interpreter_module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_transformer_override_may_use_parameters_and_constants(net):
+    class AddBias(fx.Transformer):
+        def call_module(self, target, args, kwargs):
+            out = super().call_module(target, args, kwargs)
+            return out + self.module.linear.bias + torch.ones(5)  # a parameter and a plain tensor
+
+    gm = fx.symbolic_trace(net)
+    out = AddBias(gm).transform()
+    get_attrs = [n.target for n in out.graph.nodes if n.op == "get_attr"]
+    assert get_attrs == ["param", "linear.bias", "_tensor_constant0"]
+    x = torch.randn(3, 4)
+    expected = (net.linear(x + net.param) + net.linear.bias + 1).clamp(min=0.0, max=1.0).neg().sigmoid()
+    torch.testing.assert_close(out(x), expected)
+    out.graph.lint()
