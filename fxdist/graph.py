@@ -24,7 +24,8 @@ import torch
 from fxdist._graph_lint import lint_graph
 from fxdist._graph_state import graph_getstate, graph_setstate
 from fxdist._namespace import Namespace
-from fxdist.node import Argument, Node, Target, _legal_ops, map_arg
+from fxdist.node import (
+    Argument, Node, Target, _CompatRuntimeError, _CompatTypeError, _CompatValueError, _legal_ops, map_arg)
 
 if TYPE_CHECKING:
     from fxdist.codegen import CodeGen, PythonCode
@@ -123,7 +124,7 @@ class _FindNodesLookupTable:
     def find_nodes(self, *, op: str, target: Target | None = None) -> list[Node]:
         if op == "call_function":
             if target is None:
-                raise ValueError("find_nodes(op='call_function') needs target= (the function)")
+                raise _CompatValueError("find_nodes(op='call_function') needs target= (the function)")
             return [*self.table.get((op, target), ())]
         nodes = self.table.get((op, None), ())
         if target is None:
@@ -192,7 +193,7 @@ class Graph:
         """
         last = self._root._prev
         if last is self._root or last.op != "output":
-            raise RuntimeError(f"Graph.output_node: the last node is {last.name or '(none)'!r}, not an output; "
+            raise _CompatRuntimeError(f"Graph.output_node: the last node is {last.name or '(none)'!r}, not an output; "
                                f"add one with graph.output(value)")
         return last
 
@@ -234,11 +235,11 @@ class Graph:
         if not args:
             args = ()
         elif not isinstance(args, tuple):
-            raise TypeError(f"create_node({op!r}, {target!r}): args must be a tuple, got {type(args).__name__}")
+            raise _CompatTypeError(f"create_node({op!r}, {target!r}): args must be a tuple, got {type(args).__name__}")
         if not kwargs:
             kwargs = {}
         elif not isinstance(kwargs, dict):
-            raise TypeError(f"create_node({op!r}, {target!r}): kwargs must be a dict, got {type(kwargs).__name__}")
+            raise _CompatTypeError(f"create_node({op!r}, {target!r}): kwargs must be a dict, got {type(kwargs).__name__}")
         candidate = name if name is not None else self._target_to_str(target)
         name = self._graph_namespace.create_name(candidate, None)
         n = Node(self, name, op, target, args, kwargs, type_expr)
@@ -387,7 +388,7 @@ class Graph:
 
     def _check_own(self, n: Node, what: str) -> None:
         if n.graph is not self:
-            raise ValueError(f"Graph.{what}({n.name}): node {n.name} is not in this graph")
+            raise _CompatValueError(f"Graph.{what}({n.name}): node {n.name} is not in this graph")
 
     def erase_node(self, to_erase: Node) -> None:
         """Remove ``to_erase``, which must have no users; its inputs lose it as a user.

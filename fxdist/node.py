@@ -215,8 +215,17 @@ def _format_arg(arg: object, max_list_len: float = float("inf")) -> str:
     return "%" + str(arg) if isinstance(arg, Node) else str(arg)
 
 
-class _IllegalOpError(ValueError, AssertionError):
-    """An unknown opcode: a ValueError (fxdist's rule) that torch.fx callers can catch as AssertionError."""
+class _CompatValueError(ValueError, AssertionError):
+    """Bad input where torch.fx raises AssertionError: a ValueError (fxdist's rule) that code written
+    for torch.fx still catches as AssertionError."""
+
+
+class _CompatTypeError(TypeError, AssertionError):
+    """A wrongly typed input where torch.fx raises AssertionError (see :class:`_CompatValueError`)."""
+
+
+class _CompatRuntimeError(RuntimeError, AssertionError):
+    """A graph in the wrong state where torch.fx raises AssertionError (see :class:`_CompatValueError`)."""
 
 
 _SORT_STEP = 1 << 32
@@ -261,7 +270,7 @@ class Node:
                     f"{torch.typename(target)} but a Callable is expected")
         else:
             if op not in _legal_ops:
-                raise _IllegalOpError(
+                raise _CompatValueError(
                     f"Node '{name}': op '{op}' is not one of the six opcodes "
                     f"{[o for o in _legal_ops if o != 'root']}")
             if not isinstance(target, str):
@@ -326,7 +335,7 @@ class Node:
         if x is self:
             return
         if x.graph is not self.graph:
-            raise ValueError(f"Cannot move node {x.name} of another graph next to {self.name}; "
+            raise _CompatValueError(f"Cannot move node {x.name} of another graph next to {self.name}; "
                              f"use graph.node_copy() to copy it instead")
         x._remove_from_list()
         p = self._prev

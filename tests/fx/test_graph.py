@@ -107,6 +107,11 @@ def test_create_node_rejects_non_tuple_args() -> None:
         g.create_node("call_function", torch.relu, [1])
     with pytest.raises(TypeError, match="kwargs must be a dict"):
         g.create_node("call_function", torch.relu, (1,), [("a", 1)])
+    with pytest.raises(AssertionError):  # torch.fx's type, for code written against it
+        g.create_node("call_function", torch.relu, [1])
+    with pytest.raises(AssertionError, match="not an output"):
+        g.output_node()
+    assert len(g.nodes) == 0
 
 
 def test_get_attr_and_call_module_warn_without_reference() -> None:
