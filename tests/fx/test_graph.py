@@ -8,7 +8,6 @@ printed results.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import inspect
 import operator
 import textwrap
@@ -362,7 +361,6 @@ def test_seed_001_section_10_1_relu_to_gelu_on_built_graph() -> None:
     ours.lint()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fxdist.graph_module") is None, reason="GraphModule not landed yet")
 def test_seed_001_section_10_1_relu_to_gelu_traced() -> None:
     import fxdist as fx
 
@@ -487,7 +485,6 @@ def test_print_tabular_columns(capsys) -> None:
     assert lines[-1].split() == ["output", "output", "output", "(relu,)", "{}"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fxdist.codegen") is None, reason="codegen not landed yet")
 def test_python_code_delegates_to_codegen() -> None:
     g = _seed_7_3(Graph)
     code = g.python_code("self")
