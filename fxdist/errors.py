@@ -3,7 +3,8 @@
 ``TraceError`` keeps torch.fx's type (a ``ValueError``) so ``except`` clauses written for torch.fx still
 work. ``ProxyUsageError`` is a ``TraceError`` that is also a ``RuntimeError``: torch.fx raises a plain
 ``RuntimeError`` for ``len(proxy)`` and for a Proxy inside a dict key, so code catching either type keeps
-working.
+working. ``ProxyIterationError`` (iterating a Proxy) is also a ``TypeError``, what ``iter()`` raises for
+objects that cannot be iterated.
 
 The user-frame helpers find the first stack frame outside fxdist (and outside torch's own Python files)
 and describe it as ``path/to/model.py:87 in forward: `if dense.sum() > 0:```. Passes use
@@ -26,6 +27,7 @@ import torch
 __all__ = [
     "TraceError",
     "ProxyUsageError",
+    "ProxyIterationError",
     "is_internal_file",
     "user_frame",
     "describe_location",
@@ -43,6 +45,11 @@ class TraceError(ValueError):
 class ProxyUsageError(TraceError, RuntimeError):
     """A ``TraceError`` that is also a ``RuntimeError``, for the misuses torch.fx reports as
     ``RuntimeError`` (``len(proxy)``, a Proxy inside a dict key, Proxies from two tracers)."""
+
+
+class ProxyIterationError(TraceError, TypeError):
+    """Iterating a Proxy: a ``TraceError`` that is also a ``TypeError``, so library code probing
+    ``try: iter(x) except TypeError:`` treats a Proxy as not iterable instead of failing the trace."""
 
 
 _FXDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

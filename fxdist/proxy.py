@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import is_tensor_method_or_property
 
-from fxdist.errors import ProxyUsageError, TraceError, add_user_note, is_internal_file
+from fxdist.errors import ProxyIterationError, ProxyUsageError, TraceError, add_user_note, is_internal_file
 from fxdist.graph import Graph
 from fxdist.node import Node
 
@@ -84,49 +84,56 @@ class ScopeContextManager:
 # --------------------------------------------------------------------------------------------------
 # stack traces: user frames only, formatted like torch.fx's ``node.stack_trace``
 
-# Code objects of the functions through which a tracer calls the traced root; the walk stops there.
-_STACK_TRACE_ROOTS: set[CodeType] = set()
-_FORMATTED: dict[tuple[tuple[CodeType, int], ...], str] = {}
+# ids of the code objects through which a tracer calls the traced root; the walk stops there.
+# Code objects are keyed by id (hashing a code object hashes its bytecode); every code object seen is
+# kept alive in _CODES so that an id is never reused while cached.
+_STACK_TRACE_ROOTS: set[int] = set()
+_CODES: dict[int, CodeType] = {}
+_FORMATTED: dict[tuple[tuple[int, int], ...], str] = {}
 _INTERNAL_FILES: dict[str, bool] = {}
 
 
 def register_stack_trace_root(fn: Callable[..., Any]) -> None:
     """Mark ``fn`` (a function that calls the traced root) as the outermost frame of stack traces."""
-    _STACK_TRACE_ROOTS.add(fn.__code__)
+    _CODES[id(fn.__code__)] = fn.__code__
+    _STACK_TRACE_ROOTS.add(id(fn.__code__))
 
 
-def _user_frames(frame: FrameType | None) -> tuple[tuple[CodeType, int], ...]:
-    """(code, line) of the frames outside fxdist and torch between ``frame`` and the trace root,
+def _user_frames(frame: FrameType | None) -> tuple[tuple[int, int], ...]:
+    """(id(code), line) of the frames outside fxdist and torch between ``frame`` and the trace root,
     outermost first. Without a registered root, keep frames from the outermost ``forward`` on."""
-    found: list[tuple[CodeType, int]] = []
-    internal = _INTERNAL_FILES
+    found: list[tuple[int, int]] = []
+    internal, codes, roots = _INTERNAL_FILES, _CODES, _STACK_TRACE_ROOTS
     reached_root = False
     while frame is not None:
         code = frame.f_code
-        if code in _STACK_TRACE_ROOTS:
+        key = id(code)
+        if key in roots:
             reached_root = True
             break
-        filename = code.co_filename
-        is_internal = internal.get(filename)
+        is_internal = internal.get(code.co_filename)
         if is_internal is None:
-            is_internal = internal[filename] = is_internal_file(filename)
+            is_internal = internal[code.co_filename] = is_internal_file(code.co_filename)
         if not is_internal:
-            found.append((code, frame.f_lineno))
+            if key not in codes:
+                codes[key] = code
+            found.append((key, frame.f_lineno))
         frame = frame.f_back
     found.reverse()
     if not reached_root:
-        forwards = [i for i, (code, _) in enumerate(found) if code.co_name == "forward"]
+        forwards = [i for i, (key, _) in enumerate(found) if codes[key].co_name == "forward"]
         found = found[forwards[0]:] if forwards else []
     return tuple(found)
 
 
-def _format_stack(frames: tuple[tuple[CodeType, int], ...]) -> str:
+def _format_stack(frames: tuple[tuple[int, int], ...]) -> str:
     text = _FORMATTED.get(frames)
     if text is None:
         import linecache
 
         parts = []
-        for code, lineno in frames:
+        for key, lineno in frames:
+            code = _CODES[key]
             parts.append(f'  File "{code.co_filename}", line {lineno}, in {code.co_name}\n')
             line = linecache.getline(code.co_filename, lineno).strip()
             if line:
@@ -283,9 +290,9 @@ class TracerBase:
         """Called when a Proxy is iterated (``for``, ``*args``). Override to return an iterator.
 
         Raises:
-            TraceError: always, in this base implementation.
+            ProxyIterationError: (a TraceError and TypeError) always, in this base implementation.
         """
-        raise TraceError(
+        raise ProxyIterationError(
             "Proxy object cannot be iterated. This can be attempted when the Proxy is used in a loop "
             "or as a *args or **kwargs function argument. See the torch.fx docs on pytorch.org for a "
             "more detailed explanation of what types of control flow can be traced, and check out the "
@@ -337,12 +344,20 @@ def _assert_fn(x: Any) -> None:
         raise AssertionError("Assertion failed")
 
 
+# id(code) -> (code, instruction offsets, instructions); the code is kept to pin its id.
+_BYTECODE: dict[int, tuple[CodeType, list[int], list[dis.Instruction]]] = {}
+
+
 def _instruction_at(frame: FrameType) -> tuple[list[dis.Instruction], int]:
-    """The bytecode of ``frame`` and the index of the instruction it is executing."""
+    """The bytecode of ``frame`` and the index of the instruction it is executing (cached per code)."""
     from bisect import bisect_left
 
-    insts = list(dis.get_instructions(frame.f_code))
-    return insts, bisect_left(insts, frame.f_lasti, key=lambda i: i.offset)
+    code = frame.f_code
+    entry = _BYTECODE.get(id(code))
+    if entry is None:
+        insts = list(dis.get_instructions(code))
+        entry = _BYTECODE[id(code)] = (code, [i.offset for i in insts], insts)
+    return entry[2], bisect_left(entry[1], frame.f_lasti)
 
 
 class Proxy:

@@ -37,11 +37,7 @@ from fxdist.proxy import BASE_TYPES, ParameterProxy, Proxy, Scope, ScopeContextM
 from fxdist.proxy import register_stack_trace_root
 
 from fxdist.graph import Graph
-
-try:  # TEMP until fxdist.graph_module lands
-    from fxdist.graph_module import GraphModule
-except ImportError:  # pragma: no cover
-    GraphModule = None  # type: ignore[assignment,misc]
+from fxdist.graph_module import GraphModule
 
 __all__ = ["Tracer", "symbolic_trace", "wrap", "PH", "PHBase", "PHWithMeta", "is_fx_tracing"]
 
