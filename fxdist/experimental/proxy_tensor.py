@@ -239,8 +239,8 @@ def _trace(
             with tracer:
                 result = fn(*traced_args)
     graph.output(_output_arg(tracer, result))
-    name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else "GraphModule"
-    return GraphModule(root, graph, name)
+    name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "GraphModule")
+    return GraphModule(root, graph, name if name.isidentifier() else "GraphModule")
 
 
 def make_fx(

@@ -366,3 +366,23 @@ def test_random_view_update_programs_keep_outputs(steps):
     for got, want in zip(gm(x), f(x0.clone())):
         torch.testing.assert_close(got, want)
     assert torch.equal(x, x0)
+
+
+def test_non_aten_graph_is_left_unchanged():
+    import fxdist
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x) + 1).sum(dim=0)
+
+    gm = fxdist.symbolic_trace(M())
+    before = [(n.op, n.target) for n in gm.graph.nodes]
+    x = torch.randn(2, 3)
+    want = gm(x)
+    reinplace(gm, x)
+    assert [(n.op, n.target) for n in gm.graph.nodes] == before
+    torch.testing.assert_close(gm(x), want)
