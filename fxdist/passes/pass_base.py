@@ -216,6 +216,10 @@ class PassManager:
         work.meta.setdefault("fxdist", {})["passes"] = records
         return PassResult(work, any_modified)
 
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any] | None = None) -> PassResult:
+        """Same as ``run``."""
+        return self.run(gm, example_inputs)
+
     def _run_one(
         self, p: Callable, name: str, gm: GraphModule, inputs: Sequence[Any] | None, expected: Any
     ) -> tuple[GraphModule, dict[str, Any]]:

@@ -337,3 +337,29 @@ def test_random_programs_rewrite_like_torch_fx():
         torch.testing.assert_close(ours(*inputs), theirs(*inputs), equal_nan=True)
 
     check()
+
+
+def test_replacement_callback_builds_the_replacement_per_match():
+    def model(x, y):
+        return torch.relu(x + y) + torch.relu(x + 2)
+
+    def callback(match, original_graph, pattern_graph):
+        # literal second operand -> multiply instead of add
+        graph_cls = type(original_graph)
+        g = graph_cls()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        g.output(g.call_function(operator.mul if not hasattr(match.placeholder_nodes[1], "op") else operator.sub, (a, b)))
+        return g
+
+    ours, result = both(model, add, None, torch.randn(3), torch.randn(3), replacement_callback=callback)
+    assert [n.target for n in result[1].replacements] == [operator.mul]
+    targets = [n.target for n in ours.graph.nodes if n.op == "call_function"]
+    assert targets == [operator.sub, torch.relu, operator.mul, torch.relu, operator.sub]
+
+
+def test_matcher_importable_where_torch_fx_has_it():
+    from fxdist.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher as Matcher
+
+    matches = Matcher(fx.symbolic_trace(add).graph).match(fx.symbolic_trace(lambda x: (x + 1) * (x + 1)).graph)
+    assert len(matches) == 2 and all(isinstance(m, InternalMatch) for m in matches)
+    assert [m.returning_nodes[0].name for m in matches] == ["add", "add_1"]

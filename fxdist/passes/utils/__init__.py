@@ -1,0 +1,1 @@
+"""Helpers shared by passes (mirrors ``torch.fx.passes.utils``)."""
