@@ -4,7 +4,7 @@ Source: torch/fx/node.py and torch/csrc/fx/node.cpp (torch 2.13); seed 001 ยง4-ย
 ``args``/``kwargs`` hold immediate values and other ``Node`` s. Assigning them (or calling
 ``update_arg``/``insert_arg``/``update_kwarg``/``replace_input_with``) keeps ``users`` and
 ``all_input_nodes`` exact. Nodes are linked into their graph's circular doubly linked list through
-``_prev``/``_next``; ``_sort_key`` orders them by position so ``sorted(nodes)`` is topological order.
+``_prev``/``_next``; ``_sort_key`` orders them by position (``sorted(nodes)`` is list order, as in torch.fx).
 """
 
 from __future__ import annotations
@@ -228,8 +228,6 @@ class _CompatRuntimeError(RuntimeError, AssertionError):
     """A graph in the wrong state where torch.fx raises AssertionError (see :class:`_CompatValueError`)."""
 
 
-_SORT_STEP = 1 << 32
-
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -284,7 +282,7 @@ class Node:
         self._args, self._kwargs = (), immutable_dict()
         self._prev = self._next = self
         self._erased = False
-        self._sort_key = 0
+        self._sort_key: tuple[int, ...] = ()
         self._repr_fn: Callable[[Node], str] | None = None
         self.meta = {}
         self._update_args_kwargs(() if args is None else args, {} if kwargs is None else kwargs)
@@ -353,18 +351,25 @@ class Node:
         p._next, n._prev = n, p
 
     def _assign_sort_key(self) -> None:
+        """Give this (just linked) node a key strictly between its neighbours' keys, never renumbering.
+
+        Keys are int tuples compared lexicographically, where a prefix sorts before its extensions:
+        between ``a`` and an extension ``a + (k, ...)`` lies ``a + (k - 1,)``; otherwise ``a`` with its
+        last element bumped, or ``a + (0,)``. These are the keys torch.fx assigns.
+        """
         p, n, root = self._prev, self._next, self.graph._root
-        if n is root:
-            self._sort_key = 0 if p is root else p._sort_key + _SORT_STEP
-        elif p is root:
-            self._sort_key = n._sort_key - _SORT_STEP
-        elif n._sort_key - p._sort_key > 1:
-            self._sort_key = (p._sort_key + n._sort_key) // 2
-        else:  # gap exhausted: renumber the whole list (amortized O(1) per insertion)
-            cur, i = root._next, 0
-            while cur is not root:
-                cur._sort_key = i
-                cur, i = cur._next, i + _SORT_STEP
+        if p is root:
+            self._sort_key = (n._sort_key[0] - 1,) if n is not root else (0,)
+        elif n is root:
+            self._sort_key = (p._sort_key[0] + 1,)
+        else:
+            a, b = p._sort_key, n._sort_key
+            k = len(a)
+            if b[:k] == a:
+                self._sort_key = a + (b[k] - 1,)
+            else:
+                bumped = a[:-1] + (a[-1] + 1,)
+                self._sort_key = bumped if bumped < b else a + (0,)
 
     def __lt__(self, other: Node) -> bool:
         return self._sort_key < other._sort_key

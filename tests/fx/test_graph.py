@@ -535,6 +535,7 @@ def _apply(G, edits):
 def test_random_edit_sequences_match_torch_fx_and_lint(edits) -> None:
     ours, theirs = _apply(Graph, edits), _apply(tfx.Graph, edits)
     assert str(ours) == str(theirs)
+    assert [n._sort_key for n in ours.nodes] == [n._sort_key for n in theirs.nodes]
     ours.lint()
     assert sorted(reversed(list(ours.nodes))) == list(ours.nodes)
     for n in ours.nodes:

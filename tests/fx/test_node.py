@@ -230,20 +230,25 @@ def test_moving_node_across_graphs_is_refused() -> None:
         a.prepend(b)
 
 
-def test_sort_keys_follow_position_through_many_inserts() -> None:
-    g = Graph()
+def _insert_pattern(G):
+    g = G()
     x = g.placeholder("x")
     out = g.output(x)
-    # 200 inserts into the same gap exhaust it and force renumbering; order must stay exact
     prev = x
-    for i in range(200):
+    for i in range(200):  # same-gap inserts at both ends and in the middle
         with g.inserting_before(out):
             prev = g.call_function(torch.neg, (prev,))
         with g.inserting_after(x):
             g.call_function(torch.sin, (x,))
         with g.inserting_before(x):
             g.placeholder(f"p{i}")
+    return g
+
+
+def test_sort_keys_follow_position_and_equal_torch_fx_keys() -> None:
+    g, tg = _insert_pattern(Graph), _insert_pattern(tfx.Graph)
     nodes = list(g.nodes)
+    assert [n._sort_key for n in nodes] == [n._sort_key for n in tg.nodes]
     assert sorted(reversed(nodes)) == nodes
     assert all(a < b and b > a and a <= b and not a >= b for a, b in zip(nodes, nodes[1:]))
     assert g.find_nodes(op="call_function", target=torch.neg) == [n for n in nodes if n.target is torch.neg]
