@@ -5,6 +5,18 @@ closes the ring: ``_root._next`` is the first node and ``_root._prev`` the last,
 are O(1). ``graph.nodes`` iterates in either direction and tolerates erasing the current node.
 New nodes go to the insert point (the end, unless ``inserting_before``/``inserting_after`` says
 otherwise); a side table keyed by ``(op, target)`` serves ``find_nodes`` without scanning.
+
+Differences from torch.fx 2.13 (everything else, names, ``str(graph)`` and sort keys included, is
+identical; see tests/fx/test_graph.py):
+
+1. ``lint`` also checks use-def consistency and arg structure, and its errors name the node, suggest a
+   fix and carry the graph with the culprit marked as an exception note (same key phrases).
+2. ``Node.is_impure`` (so DCE) also keeps in-place calls, ``torch.distributed`` RPC/collectives,
+   dropout in training and ``meta["impure"]`` nodes; a ``call_module`` without owning module is pure.
+3. ``all_input_nodes`` is always in first-appearance order (torch.fx's ``insert_arg`` appends).
+4. Errors where torch.fx asserts are ValueError/TypeError/RuntimeError that are also AssertionError.
+5. A ``Graph`` pickles as a flat node list (no recursion limit); ``reversed(graph.nodes)`` is a view.
+6. A node is never named ``self`` or ``operator``; ``print_tabular`` needs no ``tabulate``.
 """
 
 from __future__ import annotations
