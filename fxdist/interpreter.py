@@ -117,7 +117,7 @@ class Interpreter:
         """
         self.env = initial_env if initial_env is not None else {}
         if enable_io_processing:
-            args = self._process("process_inputs", *args)
+            args = self.graph.process_inputs(*args)
         self.args_iter: Iterator[Any] = iter(args)
         for node in self.graph.nodes:
             if node in self.env:
@@ -133,14 +133,8 @@ class Interpreter:
                     del self.env[value]
             if node.op == "output":
                 result = self.env[node]
-                return self._process("process_outputs", result) if enable_io_processing else result
+                return self.graph.process_outputs(result) if enable_io_processing else result
         return None
-
-    def _process(self, hook: str, *values: Any) -> Any:
-        fn = getattr(self.graph, hook, None) or getattr(getattr(self.graph, "_codegen", None), hook, None)
-        if fn is None:
-            return values if hook == "process_inputs" else values[0]
-        return fn(*values)
 
     @staticmethod
     def _add_node_note(e: BaseException, node: Node) -> None:
@@ -313,9 +307,7 @@ class Transformer(Interpreter):
     def __init__(self, module: GraphModule) -> None:
         super().__init__(module)
         self.new_graph = Graph()
-        codegen = getattr(module.graph, "_codegen", None)
-        if codegen is not None and hasattr(self.new_graph, "set_codegen"):
-            self.new_graph.set_codegen(codegen)
+        self.new_graph.set_codegen(module.graph._codegen)  # keeps a pytree signature, for example
         self.tracer = _TransformerTracer(self.new_graph, module)
 
     def run_node(self, n: Node) -> Any:
