@@ -14,8 +14,10 @@ Per node (``NodeCost``):
 * ``seconds``: roofline estimate ``max(flops / peak_flops, bytes / bandwidth) + op_overhead_seconds``
   for the profile; ``bound`` says which term won.
 
-Shapes: read from ``node.meta["tensor_meta"]`` (shape, dtype); :func:`estimate` runs ShapeProp (in fake
-mode, so nothing is allocated) when the graph has no shapes yet.
+Shapes: read from ``node.meta["tensor_meta"]`` (shape, dtype), else from the tensors in ``node.meta["val"]``;
+:func:`estimate` runs ShapeProp (in fake mode, so nothing is allocated) when the graph has no shapes yet.
+Values ShapeProp leaves opaque (torchrec's ``KeyedJaggedTensor``/``KeyedTensor``, as in torch.fx) count 0
+bytes, so an ``EmbeddingBagCollection`` leaf is charged for its tables alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
@@ -249,8 +252,14 @@ def node_flops(node: Node, modules: dict[str, torch.nn.Module]) -> int:
     return per_element * _numel(node.meta.get("tensor_meta"))
 
 
-def _bytes(meta: Any) -> int:
-    return sum(math.prod(m.shape) * m.dtype.itemsize for m in _metas(meta))
+def _bytes(node: Node) -> int:
+    """Bytes of a node's value: from its tensor_meta, else from the tensors inside ``meta["val"]`` (a
+    torchrec KeyedTensor or KeyedJaggedTensor flattens to its tensors with torch.utils._pytree)."""
+    metas = _metas(node.meta.get("tensor_meta"))
+    if metas:
+        return sum(math.prod(m.shape) * m.dtype.itemsize for m in metas)
+    leaves = tree_leaves(node.meta.get("val"))
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _node_cost(node: Node, modules: dict[str, torch.nn.Module], profile: HardwareProfile) -> NodeCost:
@@ -260,8 +269,8 @@ def _node_cost(node: Node, modules: dict[str, torch.nn.Module], profile: Hardwar
         module = modules[node.target]
         param_bytes = sum(t.numel() * t.element_size()
                           for t in list(module.parameters()) + list(module.buffers()))
-    reads = sum(_bytes(n.meta.get("tensor_meta")) for n in node.all_input_nodes) + param_bytes
-    writes = _bytes(node.meta.get("tensor_meta")) if node.op not in ("output", "placeholder", "get_attr") else 0
+    reads = sum(_bytes(n) for n in node.all_input_nodes) + param_bytes
+    writes = _bytes(node) if node.op not in ("output", "placeholder", "get_attr") else 0
     cost = NodeCost(node.name, node.op, _target_name(node), flops, reads if node.op != "output" else 0,
                     writes, param_bytes)
     if node.op in ("call_function", "call_method", "call_module"):
@@ -278,7 +287,8 @@ def estimate(gm: GraphModule, *example_inputs: Any, profile: HardwareProfile | s
 
     Args:
         gm: the module; its nodes need ``meta["tensor_meta"]``, else ``example_inputs`` are required and
-            ShapeProp runs first (under FakeTensorMode: no real compute or allocation).
+            ShapeProp runs first (under FakeTensorMode: no real compute or allocation; on real inputs
+            when a shape depends on data, as with a KeyedJaggedTensor).
         example_inputs: inputs for ShapeProp, only needed when the graph has no shapes.
         profile: a :class:`HardwareProfile`, a key of :data:`PROFILES`, or None for this CPU (measured once).
 
@@ -311,10 +321,16 @@ def _needs_shapes(nodes: Iterable[Node]) -> bool:
 
 
 def _propagate_shapes(gm: GraphModule, example_inputs: tuple[Any, ...]) -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """ShapeProp under FakeTensorMode; models whose shapes depend on data (a torchrec
+    KeyedJaggedTensor's lengths, ``.tolist()``) fall back to propagating the real inputs."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     from fxdist.passes.shape_prop import ShapeProp
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    ShapeProp(gm, fake_mode=mode).propagate(*fake_inputs)
+    try:
+        ShapeProp(gm, fake_mode=mode).propagate(*fake_inputs)
+    except DataDependentOutputException:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*example_inputs)

@@ -134,3 +134,33 @@ def test_transformers_resnet_conv_flops_match_torch_flop_counter() -> None:
     leaf = [n for n in report.nodes if n.target == "model.embedder"]
     assert len(leaf) == 1
     assert _counted_flops(report, gm) + embedder_flops == _reference_flops(wrapped, x)
+
+
+def test_torchrec_dlrm_matmul_flops_match_and_embedding_reads_are_counted() -> None:
+    torchrec = pytest.importorskip("torchrec")
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"])
+              for i in range(3)]
+    ebc = torchrec.EmbeddingBagCollection(tables=tables)
+    model = DLRM(ebc, dense_in_features=13, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1]).eval()
+
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, torchrec.EmbeddingBagCollection) or super().is_leaf_module(m, qualname)
+
+    gm = fx.GraphModule(model, Tracer().trace(model))
+    batch = 4
+    kjt = torchrec.KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.randint(0, 100, (3 * batch,)),
+                                     lengths=torch.ones(3 * batch, dtype=torch.int32))
+    dense = torch.randn(batch, 13)
+    report = estimate(gm, dense, kjt, profile="nvidia-a100-sxm4-80gb")
+    assert _counted_flops(report, gm) == _reference_flops(model, dense, kjt) > 0
+    (ebc_cost,) = [c for c in report.nodes if c.target == "sparse_arch.embedding_bag_collection"]
+    assert ebc_cost.param_bytes == 3 * 100 * 8 * 4
+    # ShapeProp leaves torchrec's KeyedJaggedTensor/KeyedTensor opaque (as torch.fx does), so the EBC's
+    # traffic is its tables; the dense side is sized exactly: (B, 13) float32 into the first linear.
+    assert ebc_cost.bytes_read == ebc_cost.param_bytes
+    first = report.nodes[[c.name for c in report.nodes].index("dense_arch_model__mlp_0__linear")]
+    assert first.bytes_read == batch * 13 * 4 + (13 * 16 + 16) * 4
