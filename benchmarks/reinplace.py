@@ -3,7 +3,9 @@
 Two models with in-place-able work on 2048x2048 float32 tensors (16 MiB each):
 * ``elementwise_chain``: 12 in-place elementwise ops on a clone (functionalization makes each one allocate);
 * ``slice_select_updates``: 8 in-place updates of row slices and columns (functionalization turns each
-  into a full-size ``slice_scatter``/``select_scatter`` copy, which reinplace removes).
+  into a full-size ``slice_scatter``/``select_scatter`` copy, which reinplace removes);
+* ``sgd_step``: ``p.mul_(0.9).add_(g, alpha=-0.1)`` on the input ``p`` (functionalization computes a new
+  tensor and ``copy_``s it back); reinplaced with ``reuse_overwritten_inputs=True``.
 
 Each is captured with ``fxdist.make_fx(torch.func.functionalize(f))``, then ``fxdist.passes.reinplace``.
 Peak memory = the largest total size of tensor storages allocated during one call and still alive,
@@ -101,6 +103,12 @@ def slice_select_updates(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def sgd_step(p: torch.Tensor) -> torch.Tensor:
+    g = p.sin()
+    p.mul_(0.9).add_(g, alpha=-0.1)
+    return p
+
+
 def _peak_bytes(fn, x: torch.Tensor) -> int:
     counter = PeakMemory()
     with counter:
@@ -125,11 +133,11 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"reinplace benchmark: {N}x{N} float32, torch {torch.__version__}, threads={torch.get_num_threads()}, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, median of {REPS}")
-    for fn in (elementwise_chain, slice_select_updates):
+    for fn in (elementwise_chain, slice_select_updates, sgd_step):
         x = torch.randn(N, N)
         before = make_fx(functionalize(fn))(x)
-        after = reinplace(make_fx(functionalize(fn))(x), x)
-        torch.testing.assert_close(after(x), fn(x.clone()))
+        after = reinplace(make_fx(functionalize(fn))(x), x, reuse_overwritten_inputs=fn is sgd_step)
+        torch.testing.assert_close(after(x.clone()), fn(x.clone()))
         counts = {k: sum(1 for n in g.graph.nodes if n.op == "call_function") for k, g in (("before", before), ("after", after))}
         inplace = sum(1 for n in after.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable)
         variants = {"eager": fn, "before": before, "after": after}

@@ -12,7 +12,9 @@ Given ``b = foo(a, args...)`` (a ``call_function`` node whose first argument is 
      functionalization emits for ``a.ge_(b)``) is re-inplaced as ``ge_(a, b)`` and the ``_to_copy``
      is removed.
 (1b) Skip if ``a`` aliases a program input (a placeholder) or a module constant (``get_attr``):
-     mutating it would be a side effect the caller can see.
+     mutating it would be a side effect the caller can see. With ``reuse_overwritten_inputs=True``,
+     an input ``x`` that the graph later overwrites with ``copy_(x, b)`` (and reads no more) is
+     reused: ``foo_(x)``, and the ``copy_`` goes (seed 002's "future optimization" note).
 (1c) Skip if another tensor argument shares memory with ``a`` (``mul(a, a.t())``).
 (2)  Skip unless ``a`` and its aliases have no later use, where (a) a later view of ``a`` is not a use
      by itself (its own uses are), (b) ``a`` passed twice (``mul(a, a)``) bans re-inplacing, and (c) a
@@ -99,9 +101,11 @@ class _AliasState:
         protected: storages of program inputs and module constants (step 1b).
         groups: storage -> set of nodes whose result lives in that storage; fused in step 4, so two
             storages in one group share the same set object.
+        reuse_overwritten_inputs: the option of ``reinplace`` (step 1b's input-overwrite case).
     """
 
     fake_mode: FakeTensorMode
+    reuse_overwritten_inputs: bool = False
     protected: set[StorageWeakRef] = field(default_factory=set)
     groups: dict[StorageWeakRef, set[Node]] = field(default_factory=dict)
 
@@ -122,12 +126,16 @@ class _AliasState:
                 self.groups[key] = merged
 
 
-def reinplace(gm: GraphModule, *sample_args: Any) -> GraphModule:
+def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool = False) -> GraphModule:
     """Rewrite a functional ATen graph to use in-place ops where that is unobservable (steps above).
 
     Args:
         gm: GraphModule holding a functional ATen graph (``make_fx(functionalize(f))``); modified in place.
         *sample_args: example inputs, one per placeholder; only their metadata and aliasing are used.
+        reuse_overwritten_inputs: also do the optimization seed 002's (1b) NOTE leaves for the future:
+            ``b = foo(x)`` on a program input ``x`` that is later overwritten with ``copy_(x, b)`` (what
+            functionalization emits for ``x.foo_()``) becomes ``foo_(x)``, and the ``copy_`` is dropped.
+            Off by default, as in torch.fx.
 
     Returns:
         ``gm``, recompiled. Outputs are unchanged and the inputs are never mutated (beyond what the
@@ -139,6 +147,7 @@ def reinplace(gm: GraphModule, *sample_args: Any) -> GraphModule:
     Source: torch/fx/passes/reinplace.py; seed 002.
     """
     state = _propagate_fake_metadata(gm, sample_args)
+    state.reuse_overwritten_inputs = reuse_overwritten_inputs
     redundant: dict[Node, bool] = {}  # node -> whether its write may still be needed (step 5)
     for node in list(gm.graph.nodes):
         if node not in redundant:
@@ -225,8 +234,10 @@ def _reinplace_node(gm: GraphModule, node: Node, state: _AliasState, redundant: 
         return False
     self_arg = node.args[0]
     ok, to_copy = _check_self_metadata(node, self_arg)  # (1a)
-    if not ok or _aliases_protected(self_arg, state) or _aliases_other_argument(node, self_arg, state):  # (1b, 1c)
+    if not ok or _aliases_other_argument(node, self_arg, state):  # (1c)
         return False
+    if _aliases_protected(self_arg, state):  # (1b)
+        return state.reuse_overwritten_inputs and to_copy is None and _reuse_overwritten_input(node, self_arg, state, redundant)
     scatters = _later_uses_allow_reinplace(node, self_arg, state)  # (2)
     if scatters is None:
         return False
@@ -286,6 +297,34 @@ def _comparison_cast_back(node: Node, self_val: torch.Tensor) -> Node | None:
 def _aliases_protected(self_arg: Node, state: _AliasState) -> bool:
     """Step 1b: ``a`` lives in the storage of a program input or a module constant."""
     return _storage(self_arg) in state.protected
+
+
+def _reuse_overwritten_input(node: Node, x: Node, state: _AliasState, redundant: dict[Node, bool]) -> bool:
+    """Step 1b's future optimization: ``b = foo(x); ...; copy_(x, b)`` -> ``foo_(x); ...`` (x an input)."""
+    copy = _later_overwrite_with(node, x, state)
+    inplace = _inplace_variant(node.target) if copy is not None else None
+    if inplace is None:
+        return False
+    node.target = inplace
+    _rewire_later_uses(node, [node], x, state)  # copy_(x, b) is now copy_(x, x): a no-op
+    copy.replace_all_uses_with(x)
+    redundant[copy] = False
+    return True
+
+
+def _later_overwrite_with(node: Node, x: Node, state: _AliasState) -> Node | None:
+    """The ``copy_(x, node)`` that overwrites placeholder ``x`` later, if it is the only later use or write."""
+    aliases = state.aliases(x)
+    if x.op != "placeholder" or any(n is not x and n.op in ("placeholder", "get_attr") for n in aliases):
+        return None  # a module constant, or an input aliasing another input
+    idx = node.meta["node_idx"]
+    writes = [
+        user for alias in aliases for user in alias.users
+        if user.target is _aten.copy_.default and user.args[0] is alias and user.meta.get("node_idx", -1) > idx
+    ]
+    if len(writes) != 1 or writes[0].args != (x, node):
+        return None
+    return writes[0] if not (_later_uses(aliases, idx) - set(writes)) else None
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

@@ -121,6 +121,38 @@ def test_1b_module_parameters_are_not_mutated():
     assert torch.equal(gm._param_constant0.detach(), w0)
 
 
+def _sgd_step(p, g):
+    p.add_(g, alpha=-0.1)
+    return p
+
+
+def test_1b_note_overwritten_input_is_reused_only_when_enabled():
+    p, g = torch.randn(5), torch.randn(5)
+    default = reinplace(make_fx(functionalize(_sgd_step))(p, g), p, g)
+    assert _targets(default) == [aten.add.Tensor, aten.copy_.default]  # as torch.fx: inputs untouched
+    gm = reinplace(make_fx(functionalize(_sgd_step))(p, g), p, g, reuse_overwritten_inputs=True)
+    gm.graph.lint()
+    assert _targets(gm) == [aten.add_.Tensor]  # add_(p, g) and no copy_(p, add)
+    mine, eager = [p.clone(), g.clone()], [p.clone(), g.clone()]
+    torch.testing.assert_close(gm(*mine), _sgd_step(*eager))
+    torch.testing.assert_close(mine, eager)  # the input is mutated exactly as the program does
+
+
+def test_1b_note_not_applied_when_the_input_is_read_before_its_overwrite():
+    def f(x):
+        y = x * 2
+        z = x + 1  # reads the old x after y = x * 2
+        x.copy_(y)
+        return z
+
+    x = torch.randn(4)
+    gm = reinplace(make_fx(functionalize(f))(x), x, reuse_overwritten_inputs=True)
+    assert aten.mul.Tensor in _targets(gm) and aten.copy_.default in _targets(gm)
+    mine, eager = x.clone(), x.clone()
+    torch.testing.assert_close(gm(mine), f(eager))
+    torch.testing.assert_close(mine, eager)
+
+
 def test_1c_self_aliasing_another_argument_is_skipped():
     def f(x):  # torch.fx's pass turns this into mul_(a, a.t()), which raises at run time
         a = x.clone()
