@@ -87,6 +87,7 @@ class _DispatchTracer(TorchDispatchMode):
         self.fake = fake
         self.decomposition_table = decomposition_table
         self.tensor_nodes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.constants: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors whose value is known
         self._constant_count = {"_param_constant": 0, "_tensor_constant": 0}
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class _DispatchTracer(TorchDispatchMode):
         node = self.graph.get_attr(name)
         node.meta["val"] = self.fake_of(t)
         self.tensor_nodes[t] = node
+        self.constants[t] = None
         return node
 
     def track(self, value: Any, node: Node) -> None:
@@ -154,9 +156,22 @@ class _DispatchTracer(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
+        if func is _aten.is_nonzero.default:  # bool(t): read the value through item(), as torch does
+            with self:
+                return bool((args[0] != 0).item())
         if func is _aten.lift_fresh.default:
             # lift_fresh returns its (constant) input; copy so later in-place ops can't mutate the constant.
             func = _aten.lift_fresh_copy.default
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        all_constant = bool(tensors) and all(t in self.constants or t not in self.tensor_nodes for t in tensors)
+        if torch.Tag.data_dependent_output in func.tags:
+            if all_constant and not self.fake:
+                return func(*args, **kwargs)  # e.g. torch.tensor(3.0).item(): folded, nothing recorded
+            raise RuntimeError(
+                f"fxdist.make_fx: {func} reads the value of a traced tensor (.item(), bool(tensor) or "
+                "data-dependent control flow); a graph cannot capture it. Compute that value outside the "
+                "traced function and pass it in as an argument."
+            )
         node_args, node_kwargs = pytree.tree_map_only(torch.Tensor, self.node_of, (args, kwargs))
         if self.fake:
             args, kwargs = pytree.tree_map_only(torch.Tensor, self.fake_of, (args, kwargs))
@@ -165,7 +180,18 @@ class _DispatchTracer(TorchDispatchMode):
             "call_function", func, node_args, node_kwargs, name=func.overloadpacket.__name__
         )
         self.track(out, node)
+        if all_constant and self._propagates_constant(func, out):
+            self.constants[out] = None
         return out
+
+    @staticmethod
+    def _propagates_constant(func: Any, out: Any) -> bool:
+        """Small results computed only from constants stay constants (torch's CONSTANT_NUMEL_LIMIT = 1)."""
+        return (
+            isinstance(out, torch.Tensor)
+            and out.numel() <= 1
+            and torch.Tag.nondeterministic_seeded not in func.tags
+        )
 
     def _should_decompose(self, func: Any, args_kwargs: Any) -> bool:
         """Composite-implicit ops that still reach the Python key (autograd skipped) are traced through."""

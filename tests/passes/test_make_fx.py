@@ -202,3 +202,25 @@ def test_bad_tracing_mode_raises():
 def test_pre_dispatch_is_refused_with_a_reason():
     with pytest.raises(NotImplementedError, match="PreDispatch"):
         make_fx(_elementwise, pre_dispatch=True)
+
+
+def test_data_dependent_values_raise_and_constants_fold():
+    def reads_value(x):
+        return x * x.sum().item()
+
+    def branches(x):
+        return x if x.sum() > 0 else -x
+
+    for fn in (reads_value, branches):
+        with pytest.raises(RuntimeError, match=r"_local_scalar_dense.*reads the value of a traced tensor"):
+            make_fx(fn)(torch.randn(3))
+        with pytest.raises(RuntimeError, match="_local_scalar_dense"):
+            torch_make_fx(fn)(torch.randn(3))  # torch.fx refuses too
+
+    def literal(x):
+        return x * torch.tensor(3.0).item()
+
+    x = torch.randn(3)
+    ours, ref = make_fx(literal)(x), torch_make_fx(literal)(x)
+    assert _signature(ours) == _signature(ref)
+    torch.testing.assert_close(ours(x), x * 3.0)
