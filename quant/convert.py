@@ -92,14 +92,15 @@ def convert(prepared: Any) -> Any:
         values enter the int8 region and ``dequantize`` where they leave it (graph outputs are float).
 
     Raises:
-        QuantizationError: ``prepared`` has no observers (not from ``prepare``) or one saw no data.
+        QuantizationError: ``prepared`` did not come from ``prepare``, or an observer saw no data.
+        (A prepared module in which everything was excluded converts to an unchanged float copy.)
     """
     gm = copy.deepcopy(prepared)
     observers = [
         n for n in gm.graph.nodes
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), ObserverBase)
     ]
-    if not observers and not any(n.meta.get("quant", {}).get("kind") == "weight_only" for n in gm.graph.nodes):
+    if not any("quant" in n.meta for n in gm.graph.nodes):
         raise QuantizationError("convert: the module has no observers; pass the result of quant.prepare")
     for node in observers:
         _observer_to_reference(gm, node)

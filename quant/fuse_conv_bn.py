@@ -53,7 +53,7 @@ class BnStats:
 def fold_bn_weights(
     weight: torch.Tensor, bias: torch.Tensor | None, bn: BnStats, *, transpose: bool = False, groups: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(w', b')`` with the BatchNorm folded in (computed in float64, returned in ``weight.dtype``).
+    """Return ``(w', b')`` with the BatchNorm folded in (per-channel factors in float64, result in ``weight.dtype``).
 
     Args:
         weight: ``(C_out, ...)``, or ``(C_in, C_out / groups, *k)`` when ``transpose``.
@@ -65,24 +65,26 @@ def fold_bn_weights(
     assert bn.running_mean is not None and bn.running_var is not None
     dt = weight.dtype
     mean, var = bn.running_mean.double(), bn.running_var.double()
-    g = torch.rsqrt(var + bn.eps)
+    g = torch.rsqrt(var + bn.eps)  # per-channel vectors in float64; the big weight multiply stays in dt
     if bn.weight is not None:
         g = g * bn.weight.double()
     b = bias.double() if bias is not None else torch.zeros_like(mean)
     new_bias = (b - mean) * g + (bn.bias.double() if bn.bias is not None else 0.0)
-    w = weight.double()
+    g = g.to(dt)
     if not transpose:
-        new_w = w * g.reshape(-1, *([1] * (w.dim() - 1)))
+        new_w = weight * g.reshape(-1, *([1] * (weight.dim() - 1)))
     else:
-        c_in, c_out_g, *k = w.shape
-        grouped = w.reshape(groups, c_in // groups, c_out_g, *k)
-        new_w = (grouped * g.reshape(groups, 1, c_out_g, *([1] * len(k)))).reshape(w.shape)
-    return new_w.to(dt), new_bias.to(dt)
+        c_in, c_out_g, *k = weight.shape
+        grouped = weight.reshape(groups, c_in // groups, c_out_g, *k)
+        new_w = (grouped * g.reshape(groups, 1, c_out_g, *([1] * len(k)))).reshape(weight.shape)
+    return new_w, new_bias.to(dt)
 
 
 def fold_bn_into(module: nn.Module, bn: BnStats) -> nn.Module:
     """A copy of ``module`` (Conv/ConvTranspose/Linear) whose weight and bias include ``bn``."""
-    fused = copy.deepcopy(module)
+    # deep-copy everything but the weight and bias, which are replaced anyway
+    memo = {id(p): p for p in (module.weight, module.bias) if p is not None}
+    fused = copy.deepcopy(module, memo)
     transpose = isinstance(module, nn.modules.conv._ConvTransposeNd)
     groups = getattr(module, "groups", 1)
     w, b = fold_bn_weights(module.weight.detach(), _detach(module.bias), bn, transpose=transpose, groups=groups)

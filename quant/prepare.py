@@ -93,7 +93,13 @@ def resolve_qconfig(
 
 
 def _check_eval(gm: nn.Module) -> None:
-    training = [name or "<root>" for name, m in gm.named_modules() if m.training]
+    """Modules the program calls (and their children) must be in eval mode; bare containers do not matter."""
+    if isinstance(gm, fx.GraphModule):
+        called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+        mods = [(f"{t}.{c}".rstrip("."), m) for t in called for c, m in gm.get_submodule(t).named_modules()]
+    else:
+        mods = list(gm.named_modules())
+    training = [name or "<root>" for name, m in mods if m.training]
     if training:
         raise QuantizationError(
             f"prepare: post-training quantization needs an eval-mode model, but {len(training)} module(s) are "
@@ -132,6 +138,15 @@ class _Inserter:
         obs = self._observer(node, qconfig)
         for user in users:
             user.replace_input_with(node, obs)
+        if node.target is torch.cat:
+            self._share_with_inputs(node, obs)
+
+    def _share_with_inputs(self, cat: Any, out_obs: Any) -> None:
+        """``cat`` with a shared scale: inputs read only by the cat use the output's observer instance, so
+        their producers emit int8 at the cat's scale and the cat just copies bytes (no requantization)."""
+        for arg in cat.args[0]:
+            if arg.op == "call_module" and arg.meta.get("quant", {}).get("kind") == "observer" and len(arg.users) == 1:
+                arg.target = out_obs.target
 
     def same_scale(self, node: Any) -> bool:
         source = _tensor_inputs(node)[0]

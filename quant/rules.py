@@ -199,7 +199,8 @@ def lower_module(gm: Any, q: Any) -> bool:
 
 def lower_function(gm: Any, q: Any) -> bool:
     # q(add(dq(a), dq(b)))       -> quantized.add(a, b, scale, zero_point)       (also mul, add_relu)
-    # q(cat([dq(a), dq(b)], d))  -> quantized.cat([a, b], d, scale, zero_point)  (inputs requantized to one scale)
+    # q(cat([dq(a), dq(b)], d))  -> cat([a, b], d)   when a, b already have the output's qparams (shared observer)
+    # q(cat([dq(a), dq(b)], d))  -> quantized.cat([a, b], d, scale, zero_point)  otherwise (requantizes a, b)
     if not is_quantize(q) or not hasattr(q.args[0], "op"):
         return False
     op = q.args[0]
@@ -215,10 +216,13 @@ def lower_function(gm: Any, q: Any) -> bool:
     inner = [a.args[0] for a in operands]
     if is_cat:
         dim = op.kwargs.get("dim", op.args[1] if len(op.args) > 1 else 0)
-        op.args, op.kwargs = (inner, dim, scale, zero_point), {}
+        shared = all(qparams_of(gm, x) == (float(scale), int(zero_point), q.args[3]) for x in inner)
+        # inputs already at the output's scale (shared observer): a plain cat of int8 tensors
+        op.args, op.kwargs = ((inner, dim), {}) if shared else ((inner, dim, scale, zero_point), {})
+        op.target = torch.cat if shared else torch.ops.quantized.cat
     else:
         op.args = (*inner, scale, zero_point)
-    op.target = QUANTIZED_FUNCTIONS[op.target]
+        op.target = QUANTIZED_FUNCTIONS[op.target]
     q.replace_all_uses_with(op)
     gm.graph.erase_node(q)
     _erase_if_dead(gm, *dict.fromkeys(operands))
