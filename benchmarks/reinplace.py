@@ -129,6 +129,12 @@ def _median_seconds(fns: dict[str, object], x: torch.Tensor) -> dict[str, float]
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _report(label: str, values: dict[str, float], fmt: str) -> None:
+    shown = "  ".join(f"{k}={fmt.format(v)}" for k, v in values.items())
+    ratios = f"after/before={values['after'] / values['before']:.3f}  after/eager={values['after'] / values['eager']:.3f}"
+    print(f"  {label}   {shown}   {ratios}")
+
+
 def main() -> None:
     torch.manual_seed(0)
     print(f"reinplace benchmark: {N}x{N} float32, torch {torch.__version__}, threads={torch.get_num_threads()}, "
@@ -138,17 +144,14 @@ def main() -> None:
         before = make_fx(functionalize(fn))(x)
         after = reinplace(make_fx(functionalize(fn))(x), x, reuse_overwritten_inputs=fn is sgd_step)
         torch.testing.assert_close(after(x.clone()), fn(x.clone()))
-        counts = {k: sum(1 for n in g.graph.nodes if n.op == "call_function") for k, g in (("before", before), ("after", after))}
+        counts = {k: sum(1 for n in g.graph.nodes if n.op == "call_function") for k, g in (("before", before), ("after", after))}  # noqa: E501
         inplace = sum(1 for n in after.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable)
         variants = {"eager": fn, "before": before, "after": after}
         peak = {name: _peak_bytes(f, x) for name, f in variants.items()}
         secs = _median_seconds(variants, x)
-        mib = {k: v / 2**20 for k, v in peak.items()}
         print(f"\n{fn.__name__}: ops before={counts['before']} after={counts['after']} (in-place after: {inplace})")
-        print(f"  peak MiB   eager={mib['eager']:.0f}  before={mib['before']:.0f}  after={mib['after']:.0f}"
-              f"   after/before={peak['after'] / peak['before']:.3f}  after/eager={peak['after'] / peak['eager']:.3f}")
-        print(f"  time ms    eager={secs['eager'] * 1e3:.1f}  before={secs['before'] * 1e3:.1f}  after={secs['after'] * 1e3:.1f}"
-              f"   after/before={secs['after'] / secs['before']:.3f}  after/eager={secs['after'] / secs['eager']:.3f}")
+        _report("peak MiB", {k: v / 2**20 for k, v in peak.items()}, "{:.0f}")
+        _report("time ms ", {k: v * 1e3 for k, v in secs.items()}, "{:.1f}")
 
 
 if __name__ == "__main__":

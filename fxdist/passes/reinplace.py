@@ -236,8 +236,10 @@ def _reinplace_node(gm: GraphModule, node: Node, state: _AliasState, redundant: 
     ok, to_copy = _check_self_metadata(node, self_arg)  # (1a)
     if not ok or _aliases_other_argument(node, self_arg, state):  # (1c)
         return False
-    if _aliases_protected(self_arg, state):  # (1b)
-        return state.reuse_overwritten_inputs and to_copy is None and _reuse_overwritten_input(node, self_arg, state, redundant)
+    if _aliases_protected(self_arg, state):  # (1b), and its optional input-overwrite case
+        if not state.reuse_overwritten_inputs or to_copy is not None:
+            return False
+        return _reuse_overwritten_input(node, self_arg, state, redundant)
     scatters = _later_uses_allow_reinplace(node, self_arg, state)  # (2)
     if scatters is None:
         return False
