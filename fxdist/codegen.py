@@ -22,11 +22,13 @@ Safety: nothing stored in a graph can inject code into the generated source.
 Documented differences from torch.fx 2.13's text (everything else is identical, see
 tests/fx/test_codegen.py):
 
-1. Submodules are reached through ``_modules`` (``self._modules['layer1']._modules['0'](x)``) instead
-   of ``getattr(self.layer1, "0")(x)``: ``nn.Module.__getattr__`` costs about 1 µs per step on the CI
-   machine, the dict lookup about 50 ns, and the lookup still happens at call time, so a submodule
-   replaced on the GraphModule is seen without ``recompile()``. ``CodeGen(fast_module_access=False)``
-   emits torch.fx's form. The last component of a ``get_attr`` target stays an attribute access.
+1. ``call_module`` reaches its submodule through ``_modules`` (``self._modules['layer1']._modules['0'](x)``)
+   instead of ``getattr(self.layer1, "0")(x)``: ``nn.Module.__getattr__`` costs about 1 µs per step on
+   the CI machine, the dict lookup about 50 ns, and the lookup still happens at call time, so a
+   submodule replaced on the GraphModule is seen without ``recompile()``. A ``call_module`` target is
+   a submodule path, so every component is in its parent's ``_modules``. ``get_attr`` keeps
+   torch.fx's attribute chain (its parents may be plain objects; get_attr nodes are few).
+   ``CodeGen(fast_module_access=False)`` emits torch.fx's form everywhere.
 2. ``operator`` functions without a template are called as ``operator.not_(x)``; in-place operators
    (``iadd``, ``setitem``, ...) are called as functions rather than as ``x += y`` statements.
 3. ``torch.Tensor.add`` used as a function is spelled ``torch.Tensor.add``.
@@ -370,7 +372,7 @@ class CodeGen:
         return self._assemble(em)
 
     def _assemble(self, em: _Emitter) -> PythonCode:
-        clash = em.param_names & (em.bare_names | set(em.globals) - set(FIXED_GLOBALS))
+        clash = em.param_names & (em.bare_names | (set(em.globals) - set(FIXED_GLOBALS)))
         if clash:
             raise ValueError(f"placeholder parameter name(s) {sorted(clash)} would shadow names the generated "
                              "code needs; rename the placeholder target(s)")
@@ -429,7 +431,7 @@ class CodeGen:
     @staticmethod
     def _emit_get_attr(em: _Emitter, node: Node, annotation: str) -> str:
         target = _str_target(node)
-        return f"{em.names[node]}{annotation} = {em.attr_path(em.root, target, modules=target.count('.'))}"
+        return f"{em.names[node]}{annotation} = {em.attr_path(em.root, target, modules=0)}"
 
     def _emit_output(self, em: _Emitter, node: Node, annotation: str) -> str:
         if node.type is not None:

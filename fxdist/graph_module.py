@@ -12,10 +12,12 @@ semantics follow torch.fx:
 
 Design choices where fxdist differs (documented, tested in tests/fx/test_graph_module.py):
 
-* Submodule access: the generated ``forward`` reaches submodules through ``_modules[...]``
+* Submodule access: the generated ``forward`` calls submodules through ``_modules[...]``
   (see fxdist/codegen.py), about 20x cheaper than ``nn.Module.__getattr__`` chains, and still
   resolved at call time, so a replaced submodule is used even before ``recompile()``; DataParallel
-  replicas and deep copies use their own submodules.
+  replicas and deep copies use their own submodules. We chose this over binding submodules as
+  globals at ``recompile()`` (a little faster still) because bound globals go stale when a
+  submodule is replaced without ``recompile()`` and break DataParallel replicas.
 * Tracebacks: the source is registered in ``linecache`` under ``<fxdist-generated-N>``, so
   tracebacks and pdb show the generated lines. No ``__call__`` wrapper is installed (it would cost
   two Python calls per invocation); ``gm._lineno_map`` maps a line back to its node.
