@@ -50,13 +50,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
-from fxdist._namespace import Namespace, sanitize
+from fxdist._namespace import RESERVED_NAMES, Namespace, sanitize
 from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
                               TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, snake_case,
                               stack_summary, torch_path, torch_path_of_singleton)
 from fxdist.node import Node
 
 __all__ = ["CodeGen", "PythonCode"]
+
 
 @dataclass
 class PythonCode:
@@ -99,26 +100,35 @@ class _Emitter:
 
     # -- names ---------------------------------------------------------------------------------
     def register_names(self) -> None:
-        """Node names first (they are normally unique identifiers already), then parameter names."""
+        """Parameter names first, so no other node can take one (its value would be overwritten
+        before the placeholder reads it); then node names, which are normally unique identifiers
+        already and come out unchanged."""
         create = self.namespace.create_name
         names = self.names
         for node in self.nodes:
-            names[node] = create(node.name, node)
-        for node in self.nodes:
             if node.op == "placeholder":
-                self._register_param(node)
+                raw = self._param_name(node)
+                if raw == node.name:
+                    names[node] = create(raw, node)
+                elif raw not in RESERVED_NAMES and raw not in self.namespace:
+                    create(raw, None)
+        for node in self.nodes:
+            if node not in names:
+                names[node] = create(node.name, node)
 
-    def _register_param(self, node: Node) -> None:
+    def _param_name(self, node: Node) -> str:
+        """The parameter name of a placeholder (target without ``*``/``**``), validated."""
         target = node.target
         raw = target.lstrip("*") if isinstance(target, str) else None
         if raw is None or not is_plain_ident(raw) or len(target) - len(raw) > 2:
             raise ValueError(f"placeholder {node.name!r} has target {target!r}; a placeholder target must be "
                              "a parameter name (an identifier, optionally prefixed with * or **)")
-        if raw in self.param_names or raw == "self":
+        if raw == "self":
+            raise ValueError(f"placeholder {node.name!r}: 'self' is the module parameter of forward; rename it")
+        if raw in self.param_names:
             raise ValueError(f"placeholder {node.name!r}: parameter name {raw!r} is used twice")
         self.param_names.add(raw)
-        if raw not in self.namespace:
-            self.namespace.create_name(raw, None)
+        return raw
 
     def name_of(self, node: Node) -> str:
         try:

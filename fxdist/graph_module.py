@@ -396,7 +396,9 @@ class GraphModule(nn.Module):
         memo[id(self)] = res
         body = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_graph"}, memo)
         res.__dict__.update(body)
-        res.graph = _graph_from_spec(_graph_to_spec(self._graph, lambda n: copy.copy(n.meta)))
+        spec = _graph_to_spec(self._graph, lambda n: copy.copy(n.meta))
+        spec["codegen"] = copy.deepcopy(spec["codegen"], memo)
+        res.graph = _graph_from_spec(spec)
         for hook in getattr(self, "_deepcopy_hooks", ()):
             hook(res)
         return res

@@ -388,6 +388,17 @@ def test_bad_placeholder_targets_rejected(target: str) -> None:
         g.python_code("self")
 
 
+def test_parameter_names_are_never_overwritten_by_other_nodes() -> None:
+    g = fx.Graph()
+    a = g.placeholder("y")
+    b = g.placeholder("x")
+    a.name, b.name = "x", "x_1"  # node "x" reads parameter y; node "x_1" reads parameter x
+    g.output((a, b))
+    src = g.python_code("self").src
+    assert "def forward(self, y, x):" in src and "\n    x = " not in src  # naive text: x = y; x_1 = x
+    assert _run(g, 1, 2) == (1, 2)
+
+
 def test_parameter_shadowing_a_needed_global_is_rejected() -> None:
     g = fx.Graph()
     t = g.placeholder("torch")
