@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
@@ -257,13 +256,14 @@ def _trace(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracer = _DispatchTracer(graph, root, fake_mode, tracing_mode == "fake", decomposition_table)
     traced_args = _add_placeholders(tracer, fn, args)
-    with enable_python_dispatcher():
-        if tracer.fake:
-            with fake_mode, tracer:
-                result = fn(*traced_args)
-        else:
-            with tracer:
-                result = fn(*traced_args)
+    # No Python dispatcher here (torch enables it only for symbolic/pre-dispatch tracing): with it,
+    # Python-registered composite kernels would change which ops are recorded (batch_norm, ...).
+    if tracer.fake:
+        with fake_mode, tracer:
+            result = fn(*traced_args)
+    else:
+        with tracer:
+            result = fn(*traced_args)
     graph.output(_output_arg(tracer, result))
     name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "GraphModule")
     return GraphModule(root, graph, name if name.isidentifier() else "GraphModule")

@@ -53,6 +53,29 @@ class _Small(torch.nn.Module):
         return torch.relu(self.lin(x)) * self.scale + torch.tensor([1.0, 2.0, 3.0])
 
 
+class _ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.ln = torch.nn.LayerNorm(4)
+
+    def forward(self, x, idx):
+        y = torch.nn.functional.max_pool2d(self.bn(self.conv(x)).relu(), 2)
+        z = torch.cat([y.flatten(1), self.ln(self.emb(idx)).flatten(1)], 1)
+        z = torch.where(z > 0, z, z * 0.1).masked_fill(z < -1, 0.0)
+        return z.softmax(-1), torch.stack([z, z]).to(torch.float64).sum()
+
+
+def _index_ops(x):
+    y = x.clone()
+    y[y > 0] = 0
+    y[:, 0] += 1
+    y.index_add_(0, torch.tensor([0, 2]), torch.ones(2, 3))
+    return y, y.argmax(1)
+
+
 def _elementwise(x, y):
     return torch.sigmoid(x * y + 1.5) - y.exp()
 
@@ -98,6 +121,10 @@ CASES = {
     "matmul": (_matmul, lambda: (torch.randn(3, 5), torch.randn(2, 5))),
     "multi_output": (_multi_output, lambda: (torch.randn(4, 3),)),
     "module": (_Small(), lambda: (torch.randn(2, 4),)),
+    "convnet_train": (_ConvNet().train(), lambda: (torch.randn(2, 3, 6, 6), torch.tensor([[1, 2], [3, 4]]))),
+    "convnet_eval": (_ConvNet().eval(), lambda: (torch.randn(2, 3, 6, 6), torch.tensor([[1, 2], [3, 4]]))),
+    "index_ops": (_index_ops, lambda: (torch.randn(4, 3),)),
+    "index_ops_functionalized": (functionalize(_index_ops), lambda: (torch.randn(4, 3),)),
     "functionalized": (functionalize(_diag_fill), lambda: (torch.randn(3, 3),)),
     "functionalized_no_views": (
         functionalize(_diag_fill, remove="mutations_and_views"),
