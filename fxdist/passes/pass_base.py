@@ -132,8 +132,11 @@ def _compare_outputs(expected: Any, actual: Any, atol: float, rtol: float) -> st
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
             if e.shape != a.shape or e.dtype != a.dtype:
                 return f"output leaf {i}: {tuple(e.shape)}/{e.dtype} became {tuple(a.shape)}/{a.dtype}"
-            if not torch.allclose(e, a, atol=atol, rtol=rtol, equal_nan=True):
-                diff = (e.double() - a.double()).abs().max().item()
+            if not (e.is_floating_point() or e.is_complex()):
+                if not torch.equal(e, a):
+                    return f"output leaf {i}: {e.dtype} values differ"
+            elif not torch.allclose(e, a, atol=atol, rtol=rtol, equal_nan=True):
+                diff = (e - a).abs().max().item()
                 return f"output leaf {i}: max abs difference {diff:.3g} > atol={atol}, rtol={rtol}"
         elif type(e) is not type(a) or (not isinstance(e, torch.Tensor) and e != a):
             return f"output leaf {i}: {e!r} became {a!r}"

@@ -213,3 +213,26 @@ def test_bad_return_and_plain_callables():
 def test_docstring_example_runs():
     result = doctest.testmod(pass_base, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_verify_outputs_compares_structure_and_integer_outputs():
+    gm = fx.symbolic_trace(lambda x: (x.argmax(dim=0), {"pos": x > 0}))
+    x = torch.randn(4, 3)
+
+    def flip_gt(gm):
+        (gt,) = gm.graph.find_nodes(op="call_function", target=operator.gt)
+        gt.target = operator.lt
+        return PassResult(gm, True)
+
+    flip_gt.name = "flip-gt"
+    with pytest.raises(PassVerificationError, match=r"'flip-gt' changed the module's outputs: output leaf 1: torch.bool"):
+        PassManager([flip_gt]).run(gm, example_inputs=(x,))
+
+    def drop_dict(gm):
+        (out,) = gm.graph.find_nodes(op="output")
+        out.args = (out.args[0][0],)
+        return PassResult(gm, True)
+
+    drop_dict.name = "drop-dict"
+    with pytest.raises(PassVerificationError, match="output structure changed"):
+        PassManager([drop_dict]).run(gm, example_inputs=(x,))
