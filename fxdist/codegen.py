@@ -214,8 +214,8 @@ class _Emitter:
         t = type(a)
         if t is Node:
             return self.name_of(a)
-        if t is int or t is str or t is bool or a is None or t is bytes:
-            return repr(a)
+        if t is str or t is bool or a is None or t is bytes or (t is int and a.bit_length() < 10_000):
+            return repr(a)  # (a longer int has no repr under Python's int/str conversion limit)
         if t is float:
             return self._float(a)
         if t is tuple:
