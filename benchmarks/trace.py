@@ -112,7 +112,9 @@ def bench_model(name: str, model: nn.Module, inputs: tuple[Any, ...], leaves: tu
     runners = [("eager", model), ("torch.fx", theirs_gm), ("fxdist", ours_gm)]
     with torch.no_grad():
         for fn_name, fn in runners:  # warm-up
-            _per_call_us(fn, inputs, max(1, calls // 10))
+            _per_call_us(fn, inputs, 3)
+        # at most ``calls`` calls and about 50 ms per timed block
+        calls = max(3, min(calls, int(50e3 / _per_call_us(model, inputs, 3))))
         for i in range(repeats):
             for fn_name, fn in runners if i % 2 == 0 else runners[::-1]:
                 fwd[fn_name].append(_per_call_us(fn, inputs, calls))
@@ -123,7 +125,8 @@ def bench_model(name: str, model: nn.Module, inputs: tuple[Any, ...], leaves: tu
           f"ratio {med['ours'] / med['theirs']:.2f}x")
     print(f"  recompile fxdist {med['ours_rc']:8.2f} ms  torch.fx {med['theirs_rc']:8.2f} ms  "
           f"ratio {med['ours_rc'] / med['theirs_rc']:.2f}x")
-    print(f"  forward   eager {fmed['eager']:9.1f} us  torch.fx {fmed['torch.fx']:9.1f} us  "
+    print(f"  forward   ({calls} calls x {repeats} blocks)")
+    print(f"            eager {fmed['eager']:9.1f} us  torch.fx {fmed['torch.fx']:9.1f} us  "
           f"fxdist {fmed['fxdist']:9.1f} us")
     print(f"            torch.fx/eager {fmed['torch.fx'] / fmed['eager']:.3f}x  "
           f"fxdist/eager {fmed['fxdist'] / fmed['eager']:.3f}x  "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dis
 import enum
+import inspect
 import operator
 import re
 import sys
@@ -84,46 +85,87 @@ class ScopeContextManager:
 # --------------------------------------------------------------------------------------------------
 # stack traces: user frames only, formatted like torch.fx's ``node.stack_trace``
 
-# ids of the code objects through which a tracer calls the traced root; the walk stops there.
-# Code objects are keyed by id (hashing a code object hashes its bytecode); every code object seen is
-# kept alive in _CODES so that an id is never reused while cached.
+# ids of the code objects through which a tracer calls the traced root (module-level functions in
+# fxdist, alive for good); the walk stops there.
 _STACK_TRACE_ROOTS: set[int] = set()
+# id(code) -> code of every user frame seen: keyed by id because hashing a code object hashes its
+# bytecode; keeping the code alive here means an id is never reused while it is cached.
 _CODES: dict[int, CodeType] = {}
 _FORMATTED: dict[tuple[tuple[int, int], ...], str] = {}
 _INTERNAL_FILES: dict[str, bool] = {}
 
 
 def register_stack_trace_root(fn: Callable[..., Any]) -> None:
-    """Mark ``fn`` (a function that calls the traced root) as the outermost frame of stack traces."""
-    _CODES[id(fn.__code__)] = fn.__code__
+    """Mark ``fn`` (a function in fxdist that calls the traced root) as the outermost frame of
+    stack traces."""
     _STACK_TRACE_ROOTS.add(id(fn.__code__))
+    _CODES[id(fn.__code__)] = fn.__code__
 
 
-def _user_frames(frame: FrameType | None) -> tuple[tuple[int, int], ...]:
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _is_internal(filename: str) -> bool:
+    is_internal = _INTERNAL_FILES[filename] = is_internal_file(filename)
+    return is_internal
+
+
+def _user_frames(frame: FrameType | None, cache: dict[int, Any] | None = None,
+                 ) -> tuple[tuple[int, int], ...]:
     """(id(code), line) of the frames outside fxdist and torch between ``frame`` and the trace root,
-    outermost first. Without a registered root, keep frames from the outermost ``forward`` on."""
-    found: list[tuple[int, int]] = []
-    internal, codes, roots = _INTERNAL_FILES, _CODES, _STACK_TRACE_ROOTS
-    reached_root = False
+    outermost first. Without a registered root, keep frames from the outermost ``forward`` on.
+
+    ``cache`` (valid during one trace) maps id(user frame) -> (frame, frames above it, root seen):
+    while a user frame runs, the frames above it are suspended at fixed lines, so that part of the
+    stack is walked once per user-frame activation instead of once per node.
+    """
+    internal, roots = _INTERNAL_FILES, _STACK_TRACE_ROOTS
     while frame is not None:
         code = frame.f_code
-        key = id(code)
-        if key in roots:
-            reached_root = True
-            break
         is_internal = internal.get(code.co_filename)
-        if is_internal is None:
-            is_internal = internal[code.co_filename] = is_internal_file(code.co_filename)
-        if not is_internal:
-            if key not in codes:
-                codes[key] = code
-            found.append((key, frame.f_lineno))
+        if not (is_internal or (is_internal is None and _is_internal(code.co_filename))):
+            break
+        if id(code) in roots:
+            return ()
+        frame = frame.f_back
+    if frame is None:
+        return ()
+    if cache is not None and frame.f_code.co_flags & _RESUMABLE:
+        cache = None  # a generator's callers may change between resumptions
+    entry = cache.get(id(frame)) if cache is not None else None
+    if entry is None:
+        entry = (frame, *_outer_frames(frame.f_back))
+        if cache is not None:
+            cache[id(frame)] = entry
+    _, outer, reached_root = entry
+    code = frame.f_code
+    _CODES.setdefault(id(code), code)
+    found = (*outer, (id(code), frame.f_lineno))
+    if reached_root:
+        return found
+    forwards = [i for i, (key, _) in enumerate(found) if _CODES[key].co_name == "forward"]
+    return found[forwards[0]:] if forwards else ()
+
+
+def _outer_frames(frame: FrameType | None) -> tuple[tuple[tuple[int, int], ...], bool]:
+    """The user frames from ``frame`` up to the trace root (outermost first), and whether the root
+    was reached."""
+    found: list[tuple[int, int]] = []
+    reached_root = False
+    internal, roots = _INTERNAL_FILES, _STACK_TRACE_ROOTS
+    while frame is not None:
+        code = frame.f_code
+        is_internal = internal.get(code.co_filename)
+        if is_internal or (is_internal is None and _is_internal(code.co_filename)):
+            if id(code) in roots:
+                reached_root = True
+                break
+        else:
+            _CODES.setdefault(id(code), code)
+            found.append((id(code), frame.f_lineno))
         frame = frame.f_back
     found.reverse()
-    if not reached_root:
-        forwards = [i for i, (key, _) in enumerate(found) if codes[key].co_name == "forward"]
-        found = found[forwards[0]:] if forwards else []
-    return tuple(found)
+    return tuple(found), reached_root
 
 
 def _format_stack(frames: tuple[tuple[int, int], ...]) -> str:
@@ -198,7 +240,7 @@ class TracerBase:
         if self.module_stack:
             node.meta["nn_module_stack"] = self.module_stack.copy()
         if self.record_stack_traces and not node.meta.get("stack_trace"):
-            frames = _user_frames(sys._getframe(1))
+            frames = _user_frames(sys._getframe(1), self.__dict__.get("_stack_cache"))
             if frames:
                 node.meta["stack_trace"] = _format_stack(frames)
         return node

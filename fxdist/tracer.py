@@ -145,7 +145,16 @@ def _find_proxy(*objects: Any) -> Proxy | None:
     return None
 
 
+# id(orig_fn) -> (orig_fn, wrapper): wrappers hold no tracer state, so one per function is enough.
+_WRAPPERS: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
 def _create_wrapped_func(orig_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in for ``orig_fn`` that records a ``call_function`` when given a Proxy (cached)."""
+    cached = _WRAPPERS.get(id(orig_fn))
+    if cached is not None and cached[0] is orig_fn:
+        return cached[1]
+
     @functools.wraps(orig_fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         # Called with a Proxy: record the call as a leaf. Otherwise: just run it.
@@ -156,6 +165,7 @@ def _create_wrapped_func(orig_fn: Callable[..., Any]) -> Callable[..., Any]:
         out.node.meta["is_wrapped"] = True
         return out
 
+    _WRAPPERS[id(orig_fn)] = (orig_fn, wrapped)
     return wrapped
 
 
@@ -209,6 +219,9 @@ def _call_root(fn: Callable[..., Any], args: list[Any]) -> Any:
 
 register_stack_trace_root(_call_root)
 
+# Attribute types skipped quickly when looking for tensor constants on modules.
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None), dict, list, tuple, set,
+                          collections.OrderedDict})
 _HAS_VARSTUFF = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
 
@@ -521,6 +534,7 @@ class Tracer(TracerBase):
         """
         global _is_tracing
         was_tracing, _is_tracing = _is_tracing, True
+        self._stack_cache: dict[int, Any] = {}  # see fxdist.proxy._user_frames
         try:
             if isinstance(root, torch.nn.Module):
                 self.root = root
@@ -558,10 +572,13 @@ class Tracer(TracerBase):
             self.submodule_paths = None
         finally:
             _is_tracing = was_tracing
+            self._stack_cache = {}  # release the frames it holds
         return self.graph
 
     def _collect_tensor_attrs(self, m: torch.nn.Module, prefix: list[str]) -> None:
         for k, v in m.__dict__.items():
+            if type(v) in _PLAIN_TYPES:
+                continue
             if isinstance(v, (torch.Tensor, torch.ScriptObject)):
                 self.tensor_attrs[v] = ".".join([*prefix, k])
         for k, child in m.named_children():
