@@ -185,12 +185,17 @@ class PassManager:
         self.atol = atol
         self.rtol = rtol
 
-    def run(self, gm: GraphModule, example_inputs: Sequence[Any] | None = None) -> PassResult:
+    def run(
+        self, gm: GraphModule, example_inputs: Sequence[Any] | None = None, *, in_place: bool = False
+    ) -> PassResult:
         """Run every pass on a deep copy of ``gm`` and return ``PassResult(copy, any_modified)``.
 
         Args:
-            gm: The module to transform; it is never mutated.
+            gm: The module to transform; it is never mutated (unless ``in_place``).
             example_inputs: Positional inputs used to verify outputs (see ``verify_outputs``).
+            in_place: Skip the deep copy and transform ``gm`` itself, for modules that cannot be
+                deep-copied (e.g. holding RPC handles). A failing pass may then leave ``gm``
+                half-transformed; the error note says so.
 
         Raises:
             ValueError: ``verify_outputs=True`` without ``example_inputs``.
@@ -200,7 +205,7 @@ class PassManager:
         verify = self.verify_outputs if self.verify_outputs is not None else example_inputs is not None
         if verify and example_inputs is None:
             raise ValueError("PassManager.run: verify_outputs=True needs example_inputs")
-        work = copy.deepcopy(gm)
+        work = gm if in_place else copy.deepcopy(gm)
         records: list[dict[str, Any]] = list(work.meta.get("fxdist", {}).get("passes", []))
         expected = self._call(work, example_inputs) if verify else None
         any_modified = False
@@ -211,7 +216,7 @@ class PassManager:
             except Exception as e:
                 e.add_note(
                     f"raised in pass {name!r} ({index + 1} of {len(self.passes)}) run by PassManager; "
-                    "the input module is unchanged"
+                    + ("the module may be partly transformed (in_place=True)" if in_place else "the input module is unchanged")
                 )
                 raise
             records.append(record)
@@ -219,9 +224,9 @@ class PassManager:
         work.meta.setdefault("fxdist", {})["passes"] = records
         return PassResult(work, any_modified)
 
-    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any] | None = None) -> PassResult:
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any] | None = None, **kwargs: Any) -> PassResult:
         """Same as ``run``."""
-        return self.run(gm, example_inputs)
+        return self.run(gm, example_inputs, **kwargs)
 
     def _run_one(
         self, p: Callable, name: str, gm: GraphModule, inputs: Sequence[Any] | None, expected: Any

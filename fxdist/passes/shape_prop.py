@@ -18,7 +18,7 @@ from fxdist.graph_module import GraphModule
 from fxdist.interpreter import Interpreter
 from fxdist.node import Node
 
-__all__ = ["ShapeProp", "TensorMetadata"]
+__all__ = ["ShapeProp", "TensorMetadata", "extract_tensor_metadata"]
 
 _MEMORY_FORMATS = ((torch.contiguous_format, None), (torch.channels_last, 4), (torch.channels_last_3d, 5))
 _SCALARS = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.Size, torch.memory_format)

@@ -236,3 +236,13 @@ def test_verify_outputs_compares_structure_and_integer_outputs():
     drop_dict.name = "drop-dict"
     with pytest.raises(PassVerificationError, match="output structure changed"):
         PassManager([drop_dict]).run(gm, example_inputs=(x,))
+
+
+def test_in_place_for_modules_that_cannot_be_copied():
+    gm = traced()
+    result = PassManager([MulTwoToAdd()]).run(gm, in_place=True)
+    assert result.graph_module is gm and gm.meta["fxdist"]["passes"][0]["name"] == "mul-two-to-add"
+    assert operator.mul not in [n.target for n in gm.graph.nodes]
+    with pytest.raises(ValueError) as info:
+        PassManager([MutateThenFail()])(gm, in_place=True)
+    assert any("may be partly transformed" in note for note in info.value.__notes__)
