@@ -290,19 +290,24 @@ class GraphModule(nn.Module):
             The ``PythonCode`` that was compiled.
         """
         python_code = self._graph.python_code(root_module="self")
-        self._code = python_code.src
-        self._lineno_map = python_code._lineno_map
-        self._prologue_start = python_code._prologue_start
         cls = type(self)
         holder = cls.__dict__.get("_fxdist_source")
         if holder is None:
             holder = {}
             cls._fxdist_source = holder
             weakref.finalize(self, _forget_source, holder)
+        filename = _register_source(python_code.src)
+        try:
+            forward = _compile_forward(python_code, filename, getattr(self._graph._codegen, "_func_name", "forward"))
+        except BaseException:
+            linecache.cache.pop(filename, None)
+            raise
         _forget_source(holder)
-        holder["filename"] = _register_source(python_code.src)
-        func_name = getattr(self._graph._codegen, "_func_name", "forward")
-        cls.forward = _compile_forward(python_code, holder["filename"], func_name)
+        holder["filename"] = filename
+        cls.forward = forward
+        self._code = python_code.src
+        self._lineno_map = python_code._lineno_map
+        self._prologue_start = python_code._prologue_start
         for child in self.children():
             if isinstance(child, GraphModule):
                 child.recompile()

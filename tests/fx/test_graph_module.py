@@ -122,6 +122,18 @@ def test_graph_setter_and_recompile(net: Net) -> None:
     assert code.src == gm.code and torch.equal(gm(x), -2 * x)
 
 
+def test_failed_recompile_keeps_the_previous_forward(net: Net) -> None:
+    gm = GraphModule(net, net_graph())
+    x = torch.randn(3, 4)
+    code = gm.code
+    first = next(iter(gm.graph.nodes))
+    with gm.graph.inserting_before(first):
+        gm.graph.placeholder("with_default", default_value=1.0)  # a default before a plain parameter
+    with pytest.raises(SyntaxError):
+        gm.recompile()
+    assert gm.code == code and torch.allclose(gm(x), net(x))
+
+
 def test_instances_have_their_own_class(net: Net) -> None:
     a, b = GraphModule(net, net_graph()), GraphModule(net, net_graph(), class_name="Other")
     b.graph = fx.Graph()
