@@ -353,9 +353,10 @@ class Node:
     def _assign_sort_key(self) -> None:
         """Give this (just linked) node a key strictly between its neighbours' keys, never renumbering.
 
-        Keys are int tuples compared lexicographically, where a prefix sorts before its extensions:
-        between ``a`` and an extension ``a + (k, ...)`` lies ``a + (k - 1,)``; otherwise ``a`` with its
-        last element bumped, or ``a + (0,)``. These are the keys torch.fx assigns.
+        Keys are int tuples compared lexicographically (a prefix sorts before its extensions). Between
+        neighbours ``a < b``: if ``b`` is longer, ``b`` cut to ``len(a) + 1`` items with the last one
+        decremented; if ``a`` is longer, ``a`` cut to ``len(b) + 1`` items with the last one incremented;
+        otherwise ``a + (0,)``. These are the keys torch.fx assigns.
         """
         p, n, root = self._prev, self._next, self.graph._root
         if p is root:
@@ -364,12 +365,13 @@ class Node:
             self._sort_key = (p._sort_key[0] + 1,)
         else:
             a, b = p._sort_key, n._sort_key
-            k = len(a)
-            if b[:k] == a:
-                self._sort_key = a + (b[k] - 1,)
-            else:
-                bumped = a[:-1] + (a[-1] + 1,)
-                self._sort_key = bumped if bumped < b else a + (0,)
+            la, lb = len(a), len(b)
+            if la < lb:    # e.g. (1, 1) < (1, 2, -1) < (1, 2, 0)
+                self._sort_key = b[:la] + (b[la] - 1,)
+            elif la > lb:  # e.g. (1, 0, 5) < (1, 0, 6) < (1, 2)
+                self._sort_key = a[:lb] + (a[lb] + 1,)
+            else:          # e.g. (1, 1) < (1, 1, 0) < (1, 2)
+                self._sort_key = a + (0,)
 
     def __lt__(self, other: Node) -> bool:
         return self._sort_key < other._sort_key

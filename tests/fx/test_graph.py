@@ -530,7 +530,7 @@ def _apply(G, edits):
     return g
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_EDITS)
 def test_random_edit_sequences_match_torch_fx_and_lint(edits) -> None:
     ours, theirs = _apply(Graph, edits), _apply(tfx.Graph, edits)

@@ -254,6 +254,23 @@ def test_sort_keys_follow_position_and_equal_torch_fx_keys() -> None:
     assert g.find_nodes(op="call_function", target=torch.neg) == [n for n in nodes if n.target is torch.neg]
 
 
+@pytest.mark.parametrize("before,after", [
+    ((1, 0, 5), (1, 2, 0)), ((1, 0, 5), (1, 2)), ((1,), (1, 2, 0)), ((1, 1), (1, 2, 0)), ((1, 1), (1, 3)),
+    ((1, 1, 7), (1, 2)), ((1,), (3,)), ((1, 5), (3, 1)), ((1, 5), (1, 7, 2, 3)), ((1,), (1, 0, 3)),
+    ((0,), (1, -5)),
+])
+def test_sort_key_between_neighbours_like_torch_fx(before, after) -> None:
+    keys = []
+    for G in (Graph, tfx.Graph):
+        g = G()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        a._sort_key, b._sort_key = before, after
+        with g.inserting_before(b):
+            keys.append(g.placeholder("n")._sort_key)
+    assert keys[0] == keys[1]
+    assert before < keys[0] < after
+
+
 # -- printing ----------------------------------------------------------------------------------------
 
 
