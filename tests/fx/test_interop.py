@@ -136,3 +136,24 @@ def test_refusals() -> None:
     pytree_traced = torch.fx.symbolic_trace(f, concrete_args={"d": {"a": torch.fx.PH, "b": torch.fx.PH}})
     with pytest.raises(ValueError, match="_PyTreeCodeGen"):
         from_torch_fx(pytree_traced)
+
+
+def test_torch_ao_prepare_calibrate_through_fxdist_and_convert() -> None:
+    """to torch.ao (prepare) -> back to fxdist (calibrate with fxdist's forward) -> torch.ao (convert)."""
+    import warnings
+
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notices
+        prepared = prepare_fx(to_torch_fx(fx.symbolic_trace(model)), get_default_qconfig_mapping("fbgemm"),
+                              example_inputs=(x,))
+        ours = from_torch_fx(prepared)
+        ours(x)  # the observers are shared modules: calibrating here calibrates `prepared`
+        quantized = from_torch_fx(convert_fx(to_torch_fx(ours)))
+    assert "torch.quantize_per_tensor(" in quantized.code
+    assert (quantized(x) - model(x)).abs().max() < 0.05
