@@ -497,7 +497,8 @@ def test_python_code_delegates_to_codegen() -> None:
 
 # -- property: random edit sequences agree with torch.fx ---------------------------------------------
 
-_KINDS = ["add", "add", "add", "insert_before", "insert_after", "replace", "erase", "move", "set_args"]
+_KINDS = ["add", "add", "add", "insert_before", "insert_after", "replace", "erase", "move", "set_args", "kwarg",
+          "insert_arg"]
 _EDITS = st.lists(st.tuples(st.sampled_from(_KINDS), st.integers(0, 1000), st.integers(0, 1000)),
                   min_size=4, max_size=30)
 
@@ -526,6 +527,10 @@ def _apply(G, edits):
             out.prepend(b)
         elif kind == "set_args" and second.op == "call_function" and first is not second:
             second.args = (first,) * len(second.args)
+        elif kind == "kwarg" and second.op == "call_function" and first is not second:
+            second.update_kwarg(f"k{i % 2}", [first, {"n": first}])
+        elif kind == "insert_arg" and second.op == "call_function" and first is not second:
+            second.insert_arg(j % (len(second.args) + 1), first)
     out.args = (list(g.nodes)[-2],)
     return g
 
