@@ -11,7 +11,6 @@ Source: the rules torch/fx/graph.py and torch/fx/node.py (``_get_qualified_name`
 
 from __future__ import annotations
 
-import importlib
 import keyword
 import math
 import operator
@@ -75,11 +74,17 @@ def resolve_torch_path(path: str) -> Any:
     return obj
 
 
+def safe_attr(obj: Any, name: str) -> Any:
+    """``getattr(obj, name, None)`` that also survives attribute hooks raising other errors."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def torch_path(obj: Any) -> str | None:
     """The dotted ``torch.`` path that evaluates to exactly ``obj``, or None."""
-    name = getattr(obj, "__name__", None)
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
+    name, module, qualname = safe_attr(obj, "__name__"), safe_attr(obj, "__module__"), safe_attr(obj, "__qualname__")
     candidates = []
     if isinstance(module, str) and module.startswith("torch"):
         module = module.replace("torch._ops", "torch.ops")
@@ -100,10 +105,10 @@ def torch_path(obj: Any) -> str | None:
 
 def qualified_hint(obj: Any) -> str:
     """A readable (not trusted) name hint for a global, in torch.fx's ``module.name`` style."""
-    name = getattr(obj, "__name__", None)
+    name = safe_attr(obj, "__name__")
     if not isinstance(name, str):
         name = type(obj).__name__
-    module = getattr(obj, "__module__", None)
+    module = safe_attr(obj, "__module__")
     return f"{module}.{name}" if isinstance(module, str) and module != "builtins" else name
 
 
@@ -143,15 +148,17 @@ def torch_path_of_singleton(value: Any) -> str | None:
 
 def importable_path(obj: Any) -> tuple[str, str] | None:
     """``(module, qualname)`` such that ``import module`` then walking ``qualname`` gives exactly
-    ``obj`` (for writing import statements), or None. ``__main__`` objects are not importable."""
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
+    ``obj`` (for writing import statements), or None. Only already-imported modules are considered;
+    ``__main__`` objects are not importable."""
+    module, qualname = safe_attr(obj, "__module__"), safe_attr(obj, "__qualname__")
     if not isinstance(module, str) or not isinstance(qualname, str) or module == "__main__":
         return None
     if not all(is_plain_ident(p) for p in module.split(".") + qualname.split(".")):
         return None
+    found: Any = sys.modules.get(module)  # never import: a hostile __module__ must not run code
+    if found is None:
+        return None
     try:
-        found: Any = sys.modules.get(module) or importlib.import_module(module)
         for part in qualname.split("."):
             found = getattr(found, part)
     except Exception:  # noqa: BLE001 - not importable by this path

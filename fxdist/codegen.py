@@ -52,7 +52,7 @@ from torch.utils._dtype_abbrs import dtype_abbrs
 
 from fxdist._namespace import RESERVED_NAMES, Namespace, sanitize
 from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
-                              TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, snake_case,
+                              TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, safe_attr, snake_case,
                               stack_summary, torch_path, torch_path_of_singleton)
 from fxdist.node import Node
 
@@ -162,7 +162,7 @@ class _Emitter:
         return self.bare(ref)
 
     def _callable_ref(self, fn: Any) -> str:
-        name = getattr(fn, "__name__", None)
+        name = safe_attr(fn, "__name__")
         if is_plain_ident(name):
             if getattr(builtins, name, None) is fn:
                 return name
