@@ -31,11 +31,14 @@ _VALUE_META = frozenset({"val", "tensor_meta", "type", "example_value"})
 def _last_uses(graph: Graph) -> dict[Node, list[Node]]:
     """Map each node to the values whose last use it is (the values to free right after it runs).
 
-    One reverse walk: the first user met going backwards is the last user in execution order.
+    One reverse walk: the first user met going backwards is the last user in execution order. A value
+    nobody uses is freed right after it is computed (its own last use).
     """
     seen: set[Node] = set()
     last_uses: dict[Node, list[Node]] = {}
     for user in reversed(graph.nodes):
+        if not user.users and user.op != "output":
+            last_uses.setdefault(user, []).append(user)
         for value in user.all_input_nodes:
             if value not in seen:
                 seen.add(value)

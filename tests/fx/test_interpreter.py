@@ -242,3 +242,29 @@ def test_transformer_override_may_use_parameters_and_constants(net):
     expected = (net.linear(x + net.param) + net.linear.bias + 1).clamp(min=0.0, max=1.0).neg().sigmoid()
     torch.testing.assert_close(out(x), expected)
     out.graph.lint()
+
+
+def test_random_programs_interpret_like_generated_code():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ops = [(operator.add, 2), (operator.mul, 2), (torch.relu, 1), (torch.tanh, 1), (torch.maximum, 2)]
+    step = st.tuples(st.integers(0, len(ops) - 1), st.integers(0, 40), st.integers(0, 40))
+
+    @settings(max_examples=25, deadline=None, database=None)
+    @given(st.lists(step, min_size=1, max_size=15), st.integers(1, 3), st.lists(st.integers(0, 40), min_size=1, max_size=3))
+    def check(program, n_inputs, outputs):
+        graph = fx.Graph()
+        values = [graph.placeholder(f"x{i}") for i in range(n_inputs)]
+        for op_index, a, b in program:
+            fn, arity = ops[op_index]
+            values.append(graph.call_function(fn, (values[a % len(values)], values[b % len(values)])[:arity]))
+        graph.output(tuple(values[o % len(values)] for o in outputs))
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        inputs = [torch.randn(4) for _ in range(n_inputs)]
+        interp = fx.Interpreter(gm)
+        result = interp.run(*inputs)
+        torch.testing.assert_close(result, gm(*inputs))
+        assert list(interp.env) == [graph.find_nodes(op="output")[0]]  # everything else was freed
+
+    check()
