@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dis
 import enum
-import inspect
 import operator
 import re
 import sys
@@ -31,7 +30,8 @@ from typing import Any
 import torch
 from torch.overrides import is_tensor_method_or_property
 
-from fxdist.errors import ProxyIterationError, ProxyUsageError, TraceError, add_user_note, is_internal_file
+from fxdist._stack_trace import format_stack, user_frames
+from fxdist.errors import ProxyIterationError, ProxyUsageError, TraceError, add_user_note
 from fxdist.graph import Graph
 from fxdist.node import Node
 
@@ -80,108 +80,6 @@ class ScopeContextManager:
 
     def __exit__(self, *exc: object) -> None:
         self._scope.module_path, self._scope.module_type = self._prev
-
-
-# --------------------------------------------------------------------------------------------------
-# stack traces: user frames only, formatted like torch.fx's ``node.stack_trace``
-
-# ids of the code objects through which a tracer calls the traced root (module-level functions in
-# fxdist, alive for good); the walk stops there.
-_STACK_TRACE_ROOTS: set[int] = set()
-# id(code) -> code of every user frame seen: keyed by id because hashing a code object hashes its
-# bytecode; keeping the code alive here means an id is never reused while it is cached.
-_CODES: dict[int, CodeType] = {}
-_FORMATTED: dict[tuple[tuple[int, int], ...], str] = {}
-_INTERNAL_FILES: dict[str, bool] = {}
-
-
-def register_stack_trace_root(fn: Callable[..., Any]) -> None:
-    """Mark ``fn`` (a function in fxdist that calls the traced root) as the outermost frame of
-    stack traces."""
-    _STACK_TRACE_ROOTS.add(id(fn.__code__))
-    _CODES[id(fn.__code__)] = fn.__code__
-
-
-_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-
-
-def _is_internal(filename: str) -> bool:
-    is_internal = _INTERNAL_FILES[filename] = is_internal_file(filename)
-    return is_internal
-
-
-def _user_frames(frame: FrameType | None, cache: dict[int, Any] | None = None,
-                 ) -> tuple[tuple[int, int], ...]:
-    """(id(code), line) of the frames outside fxdist and torch between ``frame`` and the trace root,
-    outermost first. Without a registered root, keep frames from the outermost ``forward`` on.
-
-    ``cache`` (valid during one trace) maps id(user frame) -> (frame, frames above it, root seen):
-    while a user frame runs, the frames above it are suspended at fixed lines, so that part of the
-    stack is walked once per user-frame activation instead of once per node.
-    """
-    internal, roots = _INTERNAL_FILES, _STACK_TRACE_ROOTS
-    while frame is not None:
-        code = frame.f_code
-        is_internal = internal.get(code.co_filename)
-        if not (is_internal or (is_internal is None and _is_internal(code.co_filename))):
-            break
-        if id(code) in roots:
-            return ()
-        frame = frame.f_back
-    if frame is None:
-        return ()
-    if cache is not None and frame.f_code.co_flags & _RESUMABLE:
-        cache = None  # a generator's callers may change between resumptions
-    entry = cache.get(id(frame)) if cache is not None else None
-    if entry is None:
-        entry = (frame, *_outer_frames(frame.f_back))
-        if cache is not None:
-            cache[id(frame)] = entry
-    _, outer, reached_root = entry
-    code = frame.f_code
-    _CODES.setdefault(id(code), code)
-    found = (*outer, (id(code), frame.f_lineno))
-    if reached_root:
-        return found
-    forwards = [i for i, (key, _) in enumerate(found) if _CODES[key].co_name == "forward"]
-    return found[forwards[0]:] if forwards else ()
-
-
-def _outer_frames(frame: FrameType | None) -> tuple[tuple[tuple[int, int], ...], bool]:
-    """The user frames from ``frame`` up to the trace root (outermost first), and whether the root
-    was reached."""
-    found: list[tuple[int, int]] = []
-    reached_root = False
-    internal, roots = _INTERNAL_FILES, _STACK_TRACE_ROOTS
-    while frame is not None:
-        code = frame.f_code
-        is_internal = internal.get(code.co_filename)
-        if is_internal or (is_internal is None and _is_internal(code.co_filename)):
-            if id(code) in roots:
-                reached_root = True
-                break
-        else:
-            _CODES.setdefault(id(code), code)
-            found.append((id(code), frame.f_lineno))
-        frame = frame.f_back
-    found.reverse()
-    return tuple(found), reached_root
-
-
-def _format_stack(frames: tuple[tuple[int, int], ...]) -> str:
-    text = _FORMATTED.get(frames)
-    if text is None:
-        import linecache
-
-        parts = []
-        for key, lineno in frames:
-            code = _CODES[key]
-            parts.append(f'  File "{code.co_filename}", line {lineno}, in {code.co_name}\n')
-            line = linecache.getline(code.co_filename, lineno).strip()
-            if line:
-                parts.append(f"    {line}\n")
-        text = _FORMATTED[frames] = "".join(parts).strip()
-    return text
 
 
 _SNAKE = re.compile(r"(?<=[a-z])([A-Z])")
@@ -240,9 +138,9 @@ class TracerBase:
         if self.module_stack:
             node.meta["nn_module_stack"] = self.module_stack.copy()
         if self.record_stack_traces and not node.meta.get("stack_trace"):
-            frames = _user_frames(sys._getframe(1), self.__dict__.get("_stack_cache"))
+            frames = user_frames(sys._getframe(1), self.__dict__.get("_stack_cache"))
             if frames:
-                node.meta["stack_trace"] = _format_stack(frames)
+                node.meta["stack_trace"] = format_stack(frames)
         return node
 
     def proxy(self, node: Node) -> Proxy:
