@@ -193,13 +193,8 @@ class SubgraphMatcher:
         match.nodes_map[pn] = gn
         if pn.op == "placeholder":
             return True
-        pargs, gargs = _comparable_args(pn), _comparable_args(gn)
-        if pargs is None or gargs is None or len(pargs) != len(gargs) or (
-            _kwarg_keys(pn) != _kwarg_keys(gn) and not isinstance(pn.target, torch._ops.OpOverload)
-        ):
-            ok = False
-        else:
-            ok = self._match_args(pargs, gargs, match)
+        same_keys = list(pn.kwargs) == list(gn.kwargs) or isinstance(pn.target, torch._ops.OpOverload)
+        ok = same_keys and self._match_args(_comparable_args(pn), _comparable_args(gn), match)
         if not ok:
             match.nodes_map.clear()
             match.nodes_map.update(saved)
@@ -272,11 +267,7 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _kwarg_keys(n: Node) -> list[str]:
-    return list(n.kwargs.keys())
-
-
-def _comparable_args(n: Node) -> list[Any] | None:
+def _comparable_args(n: Node) -> list[Any]:
     """Arguments of ``n`` in a canonical order: positional then keyword values; for an ATen
     ``OpOverload``, one entry per schema argument (defaults filled in)."""
     target = n.target

@@ -363,3 +363,34 @@ def test_matcher_importable_where_torch_fx_has_it():
     matches = Matcher(fx.symbolic_trace(add).graph).match(fx.symbolic_trace(lambda x: (x + 1) * (x + 1)).graph)
     assert len(matches) == 2 and all(isinstance(m, InternalMatch) for m in matches)
     assert [m.returning_nodes[0].name for m in matches] == ["add", "add_1"]
+
+
+def test_aten_overloads_match_after_filling_schema_defaults():
+    aten = torch.ops.aten
+
+    def build(graph_cls, alpha_kwarg):
+        g = graph_cls()
+        x, y = g.placeholder("x"), g.placeholder("y")
+        kwargs = {"alpha": 1} if alpha_kwarg else {}
+        g.output(g.call_function(aten.relu.default, (g.call_function(aten.add.Tensor, (x, y), kwargs),)))
+        return g
+
+    def replacement_graph(graph_cls):
+        g = graph_cls()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        g.output(g.call_function(aten.mul.Tensor, (a, b)))
+        return g
+
+    for graph_alpha, pattern_alpha in ((False, True), (True, False)):
+        ours = fx.GraphModule(torch.nn.Module(), build(fx.Graph, graph_alpha))
+        theirs = torch.fx.GraphModule(torch.nn.Module(), build(torch.fx.Graph, graph_alpha))
+        pattern = fx.Graph()
+        a, b = pattern.placeholder("a"), pattern.placeholder("b")
+        pattern.output(pattern.call_function(aten.add.Tensor, (a, b), {"alpha": 1} if pattern_alpha else {}))
+        their_pattern = torch.fx.Graph()
+        ta, tb = their_pattern.placeholder("a"), their_pattern.placeholder("b")
+        their_pattern.output(their_pattern.call_function(aten.add.Tensor, (ta, tb), {"alpha": 1} if pattern_alpha else {}))
+        assert len(replace_pattern_with_filters(ours, pattern, replacement_graph(fx.Graph))) == 1
+        assert len(torch_rewriter.replace_pattern_with_filters(theirs, their_pattern, replacement_graph(torch.fx.Graph))) == 1
+        assert str(ours.graph) == str(theirs.graph)
+        assert aten.mul.Tensor in [n.target for n in ours.graph.nodes]
