@@ -109,9 +109,11 @@ def test_fxdist_traced_module_runs_under_torch_compile() -> None:
     torch.manual_seed(0)
     model = Block().eval()
     gm = fx.symbolic_trace(model)
-    compiled = torch.compile(to_torch_fx(gm), backend="eager")
     x = torch.randn(2, 3, 6, 6)
+    compiled = torch.compile(to_torch_fx(gm), backend="eager")
     assert torch.allclose(compiled(x), model(x), atol=1e-6)
+    direct = torch.compile(gm, backend="eager", fullgraph=True)  # dynamo also reads fxdist's generated code
+    assert torch.allclose(direct(x), model(x), atol=1e-6)
 
 
 def test_training_through_the_converted_module_updates_shared_parameters() -> None:
