@@ -191,14 +191,17 @@ class ShapeProp(Interpreter):
         return _as_meta(t)
 
     def propagate(self, *args: Any) -> Any:
-        """Run the module on ``args`` (converted to fake tensors under a fake mode) and record metadata.
+        """Run the module on ``args`` and record metadata. Under a fake mode, tensors in ``args`` (also
+        inside tuples, lists and dicts) are converted to fake tensors first.
 
         Returns:
             The module's output (fake tensors under a fake mode).
         """
         if self.fake_mode is not None:
-            args = tuple(
-                self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
-                for a in args
-            )
+            mode = self.fake_mode
+
+            def fake(a: Any) -> Any:
+                return mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
+
+            args = pytree.tree_map(fake, args, is_leaf=_is_leaf)
         return self.run(*args)

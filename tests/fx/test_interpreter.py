@@ -268,3 +268,12 @@ def test_random_programs_interpret_like_generated_code():
         assert list(interp.env) == [graph.find_nodes(op="output")[0]]  # everything else was freed
 
     check()
+
+
+def test_star_args_placeholder_takes_the_remaining_inputs():
+    graph = fx.Graph()
+    first, rest = graph.placeholder("x"), graph.placeholder("*args")
+    graph.output(graph.call_function(torch.stack, (rest,)))
+    assert rest.target == "*args"
+    out = fx.Interpreter(torch.nn.Module(), graph=graph).run(torch.zeros(2), torch.ones(2), torch.ones(2) * 2)
+    assert torch.equal(out, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))

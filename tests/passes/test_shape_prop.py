@@ -246,3 +246,13 @@ def test_resnet_like_torch_fx():
 def test_docstring_example():
     result = doctest.testmod(shape_prop_module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_fake_mode_converts_nested_inputs():
+    def f(pair, d):
+        return pair[0] @ pair[1] + d["bias"]
+
+    gm = fx.symbolic_trace(f)
+    out = ShapeProp(gm, fake_mode=FakeTensorMode()).propagate((torch.randn(2, 3), torch.randn(3, 5)), {"bias": torch.randn(5)})
+    assert isinstance(out, FakeTensor) and out.shape == (2, 5)
+    assert gm.graph.find_nodes(op="output")[0].meta["tensor_meta"].shape == (2, 5)
