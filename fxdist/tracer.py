@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxdist._pytree_codegen import PyTreeCodeGen
 from fxdist._patching import _autowrap_check, _patch_wrapped_functions, _Patcher, wrap
 from fxdist._stack_trace import register_stack_trace_root
 from fxdist.proxy import BASE_TYPES, ParameterProxy, Proxy, Scope, ScopeContextManager, TracerBase
@@ -328,12 +329,25 @@ class Tracer(TracerBase):
             if co.co_flags & inspect.CO_VARKEYWORDS:
                 args.append(self._proxy_placeholder("**" + next(names_iter), concrete_args, sig, fn))
             root_fn = _patch_function(root_fn, len(args))
-        _, in_spec = pytree.tree_flatten(tuple(args))
-        if not all(child.is_leaf() for child in in_spec.children()):
-            raise NotImplementedError(
-                "concrete_args with containers (pytree inputs) are not supported by fxdist's tracer "
-                "yet; pass each tensor as its own argument")
-        return root_fn, args
+        flat_args, in_spec = pytree.tree_flatten(tuple(args))
+        if all(child.is_leaf() for child in in_spec.children()):
+            return root_fn, args
+        if co.co_flags & _HAS_VARSTUFF:
+            raise NotImplementedError("container-valued concrete_args on a function with *args/**kwargs")
+        return self._flattened_root(root_fn, list(co.co_varnames[:total_args]), in_spec), flat_args
+
+    def _flattened_root(self, root_fn: Callable[..., Any], orig_args: list[str],
+                        in_spec: pytree.TreeSpec) -> Callable[..., Any]:
+        """Wrap ``root_fn`` to take and return flat leaves; the graph's PyTreeCodeGen restores the
+        original signature and output structure in the generated code."""
+        codegen = PyTreeCodeGen(orig_args, in_spec)
+        self.graph._codegen = codegen
+
+        def flatten_fn(*flat):  # type: ignore[no-untyped-def]  # unannotated: would become forward's
+            out_leaves, codegen.out_spec = pytree.tree_flatten(root_fn(*pytree.tree_unflatten(list(flat), in_spec)))
+            return out_leaves
+
+        return flatten_fn
 
     def _proxy_placeholder(self, name: str, concrete_args: dict[str, Any] | None,
                            sig: inspect.Signature, fn: Callable[..., Any]) -> Any:

@@ -505,3 +505,51 @@ def test_unpacking_a_proxy_records_getitem():
 
     ours, _ = assert_same_as_torch_fx(f, torch.randn(2, 3))
     assert [n.target for n in ours.graph.nodes].count(operator.getitem) == 2
+
+
+# -- container-valued concrete_args (pytree inputs) ------------------------------------------------
+
+
+class DictInputs(nn.Module):
+    def forward(self, x, cfg):
+        y = x["t"] * 2 if cfg["double"] else x["t"]
+        return {"y": y, "z": [x["u"] + 1]}
+
+
+def _without_placeholder_defaults(graph):
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            n.args = ()
+    return graph
+
+
+def test_pytree_concrete_args_flatten_inputs_and_rebuild_outputs_like_torch_fx():
+    concrete = {"x": {"t": PH, "u": PH}, "cfg": {"double": True}}
+    gm = symbolic_trace(DictInputs(), concrete_args=concrete)
+    theirs = torch.fx.symbolic_trace(DictInputs(), concrete_args={"x": {"t": torch.fx.PH, "u": torch.fx.PH},
+                                                                  "cfg": {"double": True}})
+    compare_graphs(_without_placeholder_defaults(Tracer().trace(DictInputs(), concrete)),
+                   _without_placeholder_defaults(theirs.graph))
+    assert "def forward(self, x, cfg):" in gm.code
+    x = {"t": torch.randn(2), "u": torch.randn(2)}
+    out = gm(x, {"double": True})
+    expected = DictInputs()(x, {"double": True})
+    assert out.keys() == expected.keys() and isinstance(out["z"], list)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(fx.Interpreter(gm).run(x, {"double": True}), expected)
+    with pytest.raises(AssertionError, match="cfg has been specialized to have value True"):
+        gm(x, {"double": False})
+    with pytest.raises(TypeError, match="structure the module was traced with"):
+        gm({"t": torch.randn(2)}, {"double": True})
+
+
+def test_pytree_concrete_args_on_function_iterates_dict_values():
+    def f(x):
+        out = 0
+        for v in x.values():
+            out += v
+        return out
+
+    gm = symbolic_trace(f, concrete_args={"x": {"a": PH, "b": PH, "c": PH}})
+    assert gm({"a": 1, "b": 2, "c": 4}) == 7
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x_1", "x_2", "x_3"]
