@@ -4,13 +4,15 @@ A pass is a small frozen dataclass with a kebab-case ``name`` and one method, ``
 Its options are dataclass fields. A pass mutates the GraphModule it is given (through Graph/Node APIs)
 or returns a new one; it does not time itself, lint, recompile or log. ``PassManager`` does that once
 for every pass: it runs ``lint()`` and ``recompile()`` after each pass, times it, counts the nodes it
-added and erased, optionally checks the outputs against the module as it was before the pass, and
-records provenance in ``gm.meta["fxdist"]["passes"]``.
+added and erased, optionally checks the outputs of each modifying pass against the outputs before
+the pipeline (every earlier pass having passed the same check), and records provenance in
+``gm.meta["fxdist"]["passes"]``.
 
 ``PassManager.run`` never touches the caller's module: it deep-copies it first ("apply to clone"),
 runs every pass on the copy and returns the copy in a ``PassResult``. If a pass raises, fails
 ``lint()`` or changes the outputs, the error propagates with a note naming the pass, and the caller's
-module is exactly as it was.
+module is exactly as it was. (``run(gm, in_place=True)`` skips the copy, for modules that cannot be
+deep-copied, and gives up that guarantee.)
 
 Example (a semantics-preserving pass, ``x * 2 -> x + x``):
 
