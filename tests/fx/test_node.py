@@ -293,6 +293,17 @@ def test_format_node_and_str_match_torch_fx() -> None:
     assert _all_formats(Graph) == _all_formats(tfx.Graph)
 
 
+def test_format_node_with_tensor_metadata_matches_torch_fx() -> None:
+    lines = []
+    for G in (Graph, tfx.Graph):
+        g = G()
+        n = g.call_function(torch.relu, (g.placeholder("x"),))
+        n.meta["val"] = torch.zeros(2, 3).t()
+        lines.append(n.format_node(include_tensor_metadata=True))
+    assert lines[0] == lines[1]
+    assert lines[0].startswith('%relu : Tensor "f32[3, 2][1, 3]cpu"[num_users=0]')
+
+
 def test_repr_is_name_unless_overridden_and_stack_trace_property() -> None:
     g = Graph()
     x = g.placeholder("x")
