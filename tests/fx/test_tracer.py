@@ -253,7 +253,7 @@ def test_module_call_and_getattr_restored_after_trace_and_after_failure():
 
 
 def test_overridable_hooks_are_called():
-    seen = {"call_module": [], "create_proxy": 0, "path_of_module": 0, "getattr": []}
+    seen = {"call_module": [], "create_proxy": 0, "path_of_module": 0, "getattr": [], "roots": 0}
 
     class Recording(Tracer):
         def call_module(self, m, forward, args, kwargs):
@@ -272,7 +272,14 @@ def test_overridable_hooks_are_called():
             seen["getattr"].append(attr)
             return super().getattr(attr, attr_val, parameter_proxy_cache)
 
+        def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+            seen["roots"] += 1
+            fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+            args[1].node.meta["tagged"] = True  # args[0] is the root module itself
+            return fn, args
+
     graph = Recording().trace(MyModule())
+    assert seen["roots"] == 1 and next(iter(graph.nodes)).meta["tagged"] is True
     assert seen["call_module"] == ["Linear"]
     assert seen["create_proxy"] == len(graph.nodes) - 1  # all but output
     assert seen["path_of_module"] == 1 and "param" in seen["getattr"] and "linear" in seen["getattr"]
