@@ -361,14 +361,15 @@ class CodeGen:
         em = _Emitter(self, list(nodes), root_module, verbose)
         em.include_stride, em.include_device = include_stride, include_device
         em.register_names()
-        dels = _deletions(em.nodes)
+        ops = [node.op for node in em.nodes]
+        dels = _deletions(em.nodes, ops)
         emit = {"placeholder": self._emit_placeholder, "call_function": self._emit_call_function,
                 "call_method": self._emit_call_method, "call_module": self._emit_call_module,
                 "get_attr": self._emit_get_attr, "output": self._emit_output}
-        for index, node in enumerate(em.nodes):
-            fn = emit.get(node.op)
+        for index, (node, op) in enumerate(zip(em.nodes, ops)):
+            fn = emit.get(op)
             if fn is None:
-                raise RuntimeError(f"node {node.name!r} has unknown opcode {node.op!r}")
+                raise RuntimeError(f"node {node.name!r} has unknown opcode {op!r}")
             if verbose:
                 _emit_summary(em, node, index)
             stmt = fn(em, node, _annotation(em, node))
@@ -456,7 +457,7 @@ def _str_target(node: Node) -> str:
     return node.target
 
 
-def _deletions(nodes: list[Node]) -> dict[Node, list[Node]]:
+def _deletions(nodes: list[Node], ops: list[str]) -> dict[Node, list[Node]]:
     """node -> the values to free right after it: inputs whose last use it is, and itself when it has
     no users (an impure node kept by DCE). Placeholders and the output free nothing."""
     seen: set[Node] = set()
@@ -466,12 +467,11 @@ def _deletions(nodes: list[Node]) -> dict[Node, list[Node]]:
             if inp not in seen:
                 seen.add(inp)
                 dels.setdefault(user, []).append(inp)
-    for node in nodes:
-        if not node.users and node.op != "placeholder" and node.op != "output":
-            dels.setdefault(node, []).append(node)
-    for node in nodes:
-        if node.op == "placeholder" or node.op == "output":
+    for node, op in zip(nodes, ops):
+        if op == "placeholder" or op == "output":
             dels.pop(node, None)
+        elif not node.users:
+            dels.setdefault(node, []).append(node)
     return dels
 
 
