@@ -292,6 +292,7 @@ _PATTERNS = [  # (pattern, replacement)
     (lambda a, b: torch.relu(a + b), lambda a, b: torch.sigmoid(a * b)),  # relu(a + b) -> sigmoid(a * b)
     (lambda a, b: (a * b) + a, lambda a, b: torch.addcmul(a, a, b)),  # a*b + a -> addcmul(a, a, b)
     (lambda a: (torch.neg(a), torch.sigmoid(a)), lambda a: (torch.relu(a), torch.neg(a))),  # two outputs
+    (lambda a, b: torch.relu(a * b), lambda a, b: b),  # relu(a * b) -> b (no new node)
 ]
 
 
