@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
-import torch.utils._pytree as _pytree
 from torch.utils._dtype_abbrs import dtype_abbrs
 
 from fxdist._impure import _side_effectful_functions, has_side_effect, target_is_impure
+from fxdist.immutable_collections import ImmutableMutationError, immutable_dict, immutable_list
 
 if TYPE_CHECKING:
     from fxdist.graph import Graph
@@ -40,61 +40,6 @@ Argument = Optional[Union[  # noqa: UP007
 
 _legal_ops = dict.fromkeys(
     ["placeholder", "call_method", "call_module", "call_function", "get_attr", "output", "root"])
-
-# ---------------------------------------------------------------------------------------------------
-# Immutable containers for args/kwargs
-
-
-_HELP_MUTATION = (
-    "If you are attempting to modify the kwargs or args of a Node object, instead create a new copy "
-    "of it and assign the copy to the node:\n\n    new_args = ...  # copy and mutate args\n"
-    "    node.args = new_args"
-)
-
-
-class ImmutableMutationError(TypeError, NotImplementedError):
-    """Raised on an attempt to mutate a node's ``args``/``kwargs`` in place.
-
-    A ``TypeError`` like torch.fx 2.13's, and a ``NotImplementedError`` like older torch.fx's.
-    """
-
-
-def _no_mutation(self: Any, *args: Any, **kwargs: Any) -> typing.NoReturn:
-    raise ImmutableMutationError(f"{type(self).__name__!r} object does not support mutation. {_HELP_MUTATION}")
-
-
-class immutable_list(list):  # noqa: N801 - torch.fx name
-    """A ``list`` that refuses mutation (``append``, ``x[i] = v``, ...). Source: torch/fx/immutable_collections.py."""
-
-    __delitem__ = __iadd__ = __imul__ = __setitem__ = _no_mutation
-    append = clear = extend = insert = pop = remove = reverse = sort = _no_mutation
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(tuple(self))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (tuple(self),))
-
-
-class immutable_dict(dict):  # noqa: N801 - torch.fx name
-    """A ``dict`` that refuses mutation. Source: torch/fx/immutable_collections.py."""
-
-    __delitem__ = __ior__ = __setitem__ = _no_mutation
-    clear = pop = popitem = setdefault = update = _no_mutation  # type: ignore[assignment]
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(frozenset(self.items()))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (tuple(self.items()),))
-
-
-_pytree.register_pytree_node(
-    immutable_list, _pytree._list_flatten, lambda values, ctx: immutable_list(_pytree._list_unflatten(values, ctx)),
-    serialized_type_name="fxdist.node.immutable_list", flatten_with_keys_fn=_pytree._list_flatten_with_keys)
-_pytree.register_pytree_node(
-    immutable_dict, _pytree._dict_flatten, lambda values, ctx: immutable_dict(_pytree._dict_unflatten(values, ctx)),
-    serialized_type_name="fxdist.node.immutable_dict", flatten_with_keys_fn=_pytree._dict_flatten_with_keys)
 
 # ---------------------------------------------------------------------------------------------------
 # Traversal of arguments
@@ -244,6 +189,13 @@ class Node:
     - ``call_module``: the submodule at dotted path ``target`` (str) called on ``args``/``kwargs``
       (without ``self``).
     - ``output``: ``args[0]`` is the returned value; ``target`` is ``"output"``.
+
+    Args:
+        graph: the owning graph (create nodes with ``Graph.create_node`` and its helpers instead).
+        name: the unique identifier the value is bound to in generated code.
+        op: the opcode; target: what it calls or fetches (see above).
+        args, kwargs: arguments, Nodes and immediate values; stored as tuple/immutable containers.
+        return_type: the Python type of the value (``node.type``), used for annotations.
 
     Raises:
         ValueError: ``target`` is not callable for ``call_function`` or not a str for another op, or
