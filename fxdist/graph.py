@@ -201,12 +201,12 @@ class Graph:
         """The last node, which must be the ``output`` node.
 
         Raises:
-            RuntimeError: the graph does not end with an output node.
+            RuntimeError: the graph does not end with an output node (also an AssertionError).
         """
         last = self._root._prev
         if last is self._root or last.op != "output":
-            raise _CompatRuntimeError(f"Graph.output_node: the last node is {last.name or '(none)'!r}, not an output; "
-                               f"add one with graph.output(value)")
+            raise _CompatRuntimeError(f"Graph.output_node: the last node is {last.name or '(none)'!r}, "
+                                      f"not an output; add one with graph.output(value)")
         return last
 
     def find_nodes(self, *, op: str, target: Target | None = None, sort: bool = True) -> list[Node]:
@@ -247,11 +247,13 @@ class Graph:
         if not args:
             args = ()
         elif not isinstance(args, tuple):
-            raise _CompatTypeError(f"create_node({op!r}, {target!r}): args must be a tuple, got {type(args).__name__}")
+            raise _CompatTypeError(
+                f"create_node({op!r}, {target!r}): args must be a tuple, got {type(args).__name__}")
         if not kwargs:
             kwargs = {}
         elif not isinstance(kwargs, dict):
-            raise _CompatTypeError(f"create_node({op!r}, {target!r}): kwargs must be a dict, got {type(kwargs).__name__}")
+            raise _CompatTypeError(
+                f"create_node({op!r}, {target!r}): kwargs must be a dict, got {type(kwargs).__name__}")
         candidate = name if name is not None else self._target_to_str(target)
         name = self._graph_namespace.create_name(candidate, None)
         n = Node(self, name, op, target, args, kwargs, type_expr)
@@ -439,7 +441,8 @@ class Graph:
             op = getattr(target, "__name__", None) or type(target).__name__
         else:
             if not isinstance(target, str):
-                raise TypeError(f"node target must be a callable or a str, got {type(target).__name__}")
+                raise _CompatValueError(f"node target must be a callable (call_function) or a str, got "
+                                        f"{type(target).__name__} {target!r}")
             op = target[2:-2] if _is_magic(target) else target
         return _snake_case(op)
 

@@ -57,9 +57,17 @@ class immutable_dict(dict):  # noqa: N801 - torch.fx name
         return (type(self), (tuple(self.items()),))
 
 
+def _unflatten_list(values: Any, ctx: Any) -> immutable_list:
+    return immutable_list(_pytree._list_unflatten(values, ctx))
+
+
+def _unflatten_dict(values: Any, ctx: Any) -> immutable_dict:
+    return immutable_dict(_pytree._dict_unflatten(values, ctx))
+
+
 _pytree.register_pytree_node(
-    immutable_list, _pytree._list_flatten, lambda values, ctx: immutable_list(_pytree._list_unflatten(values, ctx)),
-    serialized_type_name="fxdist.immutable_collections.immutable_list", flatten_with_keys_fn=_pytree._list_flatten_with_keys)
+    immutable_list, _pytree._list_flatten, _unflatten_list, flatten_with_keys_fn=_pytree._list_flatten_with_keys,
+    serialized_type_name="fxdist.immutable_collections.immutable_list")
 _pytree.register_pytree_node(
-    immutable_dict, _pytree._dict_flatten, lambda values, ctx: immutable_dict(_pytree._dict_unflatten(values, ctx)),
-    serialized_type_name="fxdist.immutable_collections.immutable_dict", flatten_with_keys_fn=_pytree._dict_flatten_with_keys)
+    immutable_dict, _pytree._dict_flatten, _unflatten_dict, flatten_with_keys_fn=_pytree._dict_flatten_with_keys,
+    serialized_type_name="fxdist.immutable_collections.immutable_dict")

@@ -108,6 +108,8 @@ def test_create_node_rejects_non_tuple_args() -> None:
         g.create_node("call_function", torch.relu, (1,), [("a", 1)])
     with pytest.raises(AssertionError):  # torch.fx's type, for code written against it
         g.create_node("call_function", torch.relu, [1])
+    with pytest.raises(ValueError, match="must be a callable .* or a str, got int 5"):
+        g.create_node("call_function", 5)
     with pytest.raises(AssertionError, match="not an output"):
         g.output_node()
     assert len(g.nodes) == 0
