@@ -80,7 +80,7 @@ _DISTRIBUTED_CALLS: tuple[tuple[str, frozenset[str]], ...] = (
         "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "batch_isend_irecv",
         "monitored_barrier"})),
 )
-_IMPURE_METHODS = frozenset({"__setitem__", "__delitem__", "bernoulli", "multinomial"})
+_IMPURE_METHODS = frozenset({"__setitem__", "__delitem__"})
 _RANDOM_METHODS = frozenset({"bernoulli", "multinomial"})
 
 
