@@ -5,6 +5,10 @@ call_method, call_module, get_attr, output), then generate code for it and recom
 holding it. The phases are timed alternately (fxdist, torch.fx, fxdist, ...) and the median of the
 repetitions is reported with the ratio fxdist / torch.fx (goal from issue 2: <= 1.0 per phase).
 
+"construction (gc off)" repeats construction with the cyclic garbage collector disabled: a single
+full collection of the whole process heap (torch included) can land inside one library's build
+and not the other's, depending on how many GC-tracked objects each allocates per node.
+
 A second table times one forward call of a module-heavy model (nested Sequentials of small Linear
 layers, the case where torch.fx's ``getattr(getattr(self.layer1, "0"), ...)`` chains cost most)
 for eager PyTorch, torch.fx and fxdist.
@@ -65,11 +69,16 @@ def build(graph_cls: type, n_nodes: int) -> Any:
     return g
 
 
-def timed(fn: Callable[[], Any]) -> float:
+def timed(fn: Callable[[], Any], gc_enabled: bool = True) -> float:
     gc.collect()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    if not gc_enabled:
+        gc.disable()
+    try:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
 def ir_phases(n_nodes: int, reps: int) -> dict[str, dict[str, list[float]]]:
@@ -77,11 +86,12 @@ def ir_phases(n_nodes: int, reps: int) -> dict[str, dict[str, list[float]]]:
     libs = {"fxdist": (fxdist.Graph, fxdist.GraphModule), "torch.fx": (torch.fx.Graph, torch.fx.GraphModule)}
     graphs = {name: build(g_cls, n_nodes) for name, (g_cls, _) in libs.items()}
     modules = {name: gm_cls(root, graphs[name]) for name, (_, gm_cls) in libs.items()}
-    times: dict[str, dict[str, list[float]]] = {p: {n: [] for n in libs} for p in ("construction", "python_code",
-                                                                                    "recompile")}
+    phases = ("construction", "construction (gc off)", "python_code", "recompile")
+    times: dict[str, dict[str, list[float]]] = {p: {n: [] for n in libs} for p in phases}
     for _ in range(reps):
         for name, (g_cls, _) in libs.items():
             times["construction"][name].append(timed(lambda: build(g_cls, n_nodes)))
+            times["construction (gc off)"][name].append(timed(lambda: build(g_cls, n_nodes), gc_enabled=False))
             times["python_code"][name].append(timed(lambda: graphs[name].python_code("self")))
             times["recompile"][name].append(timed(lambda: modules[name].recompile()))
     return times
@@ -120,10 +130,10 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {args.nodes} nodes, "
           f"median of {args.reps} alternating reps")
-    print(f"{'phase':<14}{'fxdist ms':>12}{'torch.fx ms':>14}{'ratio':>8}")
+    print(f"{'phase':<24}{'fxdist ms':>12}{'torch.fx ms':>14}{'ratio':>8}")
     for phase, per_lib in ir_phases(args.nodes, args.reps).items():
         ours, theirs = statistics.median(per_lib["fxdist"]), statistics.median(per_lib["torch.fx"])
-        print(f"{phase:<14}{ours * 1e3:>12.1f}{theirs * 1e3:>14.1f}{ours / theirs:>8.2f}")
+        print(f"{phase:<24}{ours * 1e3:>12.1f}{theirs * 1e3:>14.1f}{ours / theirs:>8.2f}")
     n_calls, fwd = forward_phase(args.reps)
     eager = statistics.median(fwd["eager"])
     print(f"\nforward of a module-heavy model ({n_calls} call_module nodes, 1 thread), per call")
