@@ -151,6 +151,18 @@ class _Emitter:
         self.globals[name] = obj
         return name
 
+    def add_fixed_global(self, name: str, obj: Any) -> None:
+        """Register ``obj`` under exactly ``name`` (for ``CodeGen.additional_globals``).
+
+        Raises:
+            ValueError: ``name`` is not an identifier, or is already a node, parameter or global name.
+        """
+        if not is_plain_ident(name) or name in RESERVED_NAMES or name in self.namespace:
+            raise ValueError(f"additional global {name!r} is not a free identifier in the generated code "
+                             "(it is reserved, or a node/parameter already has that name)")
+        self.namespace.create_name(name, None)
+        self.globals[name] = obj
+
     # -- callables and types -------------------------------------------------------------------
     def callable_ref(self, fn: Any) -> str:
         """Text that evaluates to exactly ``fn``."""
@@ -361,6 +373,8 @@ class CodeGen:
         em = _Emitter(self, list(nodes), root_module, verbose)
         em.include_stride, em.include_device = include_stride, include_device
         em.register_names()
+        for name, value in self.additional_globals():
+            em.add_fixed_global(name, value)
         ops = [node.op for node in em.nodes]
         dels = _deletions(em.nodes, ops)
         emit = {"placeholder": self._emit_placeholder, "call_function": self._emit_call_function,
@@ -390,8 +404,6 @@ class CodeGen:
         lines = em.lines or ["pass"]
         if self._body_transformer is not None:
             lines = self._body_transformer(lines)
-        for name, value in self.additional_globals():
-            em.add_global(name, value)
         prologue = self.gen_fn_def(em.free_vars, em.return_annotation)
         offset = prologue.count("\n") + 1
         line_nodes = em.line_nodes if len(em.line_nodes) == len(lines) else [None] * len(lines)

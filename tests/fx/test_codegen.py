@@ -299,11 +299,18 @@ def test_custom_codegen_hooks() -> None:
         def generate_output(self, output_args: Any, *, repr_fn: Any = repr) -> str:
             return f"return ({repr_fn(output_args)}, extra)"
 
+        def additional_globals(self) -> list[tuple[str, Any]]:
+            return [("extra_a", None), ("extra_b", None)]  # the same object under two names
+
     g = fx.Graph()
     g.set_codegen(MyCodeGen())
     g.output(g.placeholder("x"))
     assert _run(g, 5) == (5, 1)
-    assert isinstance(g.python_code("self"), PythonCode)
+    code = g.python_code("self")
+    assert isinstance(code, PythonCode) and code.globals["extra_a"] is None and "extra_b" in code.globals
+    g.placeholder("extra_a")
+    with pytest.raises(ValueError, match="extra_a"):
+        g.python_code("self")
 
 
 # -- injection ------------------------------------------------------------------------------------
