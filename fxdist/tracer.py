@@ -147,6 +147,16 @@ class Tracer(TracerBase):
         self.node_name_to_scope = {}
         self._qualname_counter: dict[str, int] = collections.defaultdict(int)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tracer:
+        # modules in _autowrap_search cannot be deep-copied; share them
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = copy.copy(v) if k == "_autowrap_search" else copy.deepcopy(v, memo)
+        return new
+
     def get_fresh_qualname(self, prefix: str) -> str:
         """A name ``prefix<i>`` that is not yet an attribute of the root module."""
         if not hasattr(self.root, f"{prefix}0"):

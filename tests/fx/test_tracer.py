@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+from math import sqrt
 from textwrap import dedent
 
 import pytest
@@ -37,6 +38,11 @@ torch.fx.wrap("len")
 
 def uses_len(x):
     return x.view(len(x), -1)
+
+
+def normalize(x):
+    """Normalize `x` by the size of the batch dimension (seed 003, "Non-torch Functions")."""
+    return x / sqrt(len(x))
 
 
 # -- the MyModule example from the API reference (seed 003) ----------------------------------------
@@ -285,6 +291,15 @@ def test_overridable_hooks_are_called():
     assert seen["path_of_module"] == 1 and "param" in seen["getattr"] and "linear" in seen["getattr"]
 
 
+def test_tracer_deepcopy_shares_autowrap_modules():
+    import copy
+
+    tracer = Tracer(autowrap_functions=(plain_helper,))
+    clone = copy.deepcopy(tracer)
+    assert clone._autowrap_search == [math] and clone._autowrap_search is not tracer._autowrap_search
+    assert [n.target for n in clone.trace(uses_plain_helper).nodes if n.op == "call_function"] == [plain_helper]
+
+
 def test_create_args_for_root_override_and_varargs():
     def f(x, *args, **kwargs):
         return x + args[0] + kwargs["k"]
@@ -512,6 +527,57 @@ def test_unpacking_a_proxy_records_getitem():
 
     ours, _ = assert_same_as_torch_fx(f, torch.randn(2, 3))
     assert [n.target for n in ours.graph.nodes].count(operator.getitem) == 2
+
+
+# -- the API reference's examples (seed 003) -------------------------------------------------------
+
+
+def test_reference_normalize_with_wrapped_len_and_math_sqrt():
+    ours, _ = assert_same_as_torch_fx(normalize, torch.rand(3, 4))
+    assert [(n.op, n.target) for n in ours.graph.nodes][1:4] == [
+        ("call_function", len), ("call_function", math.sqrt), ("call_function", operator.truediv)]
+
+
+def test_reference_custom_tracer_with_tensor_constant():
+    class MyCustomTracer(Tracer):
+        pass
+
+    class ReluPlusOnes(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) + torch.ones(3, 4)
+
+    mod = ReluPlusOnes()
+    traced = fx.GraphModule(mod, MyCustomTracer().trace(mod))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(traced(x), mod(x))
+    assert "_tensor_constant0" in traced.code
+
+
+def test_reference_static_control_flow_on_module_attribute():
+    class MaybeRelu(nn.Module):
+        def __init__(self, do_activation: bool) -> None:
+            super().__init__()
+            self.do_activation = do_activation
+            self.linear = nn.Linear(512, 512)
+
+        def forward(self, x):
+            x = self.linear(x)
+            if self.do_activation:
+                x = torch.relu(x)
+            return x
+
+    with_relu, _ = assert_same_as_torch_fx(MaybeRelu(True), torch.randn(2, 512))
+    without, _ = assert_same_as_torch_fx(MaybeRelu(False), torch.randn(2, 512))
+    assert "relu" in with_relu.code and "relu" not in without.code
+
+    def f(x, flag):
+        if flag:
+            return x
+        return x * 2
+
+    with pytest.raises(fx.TraceError):
+        symbolic_trace(f)
+    assert symbolic_trace(lambda x: f(x, True))(torch.ones(1)).item() == 1.0
 
 
 # -- container-valued concrete_args (pytree inputs) ------------------------------------------------
