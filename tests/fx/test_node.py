@@ -235,7 +235,7 @@ def _insert_pattern(G):
     x = g.placeholder("x")
     out = g.output(x)
     prev = x
-    for i in range(200):  # same-gap inserts at both ends and in the middle
+    for i in range(100):  # same-gap inserts at both ends and in the middle
         with g.inserting_before(out):
             prev = g.call_function(torch.neg, (prev,))
         with g.inserting_after(x):
