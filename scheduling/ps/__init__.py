@@ -1,0 +1,57 @@
+"""Parameter-server runtime over ``torch.distributed.rpc`` (TensorPipe, TCP transport).
+
+Embedding tables (torchrec ``EmbeddingBagConfig``) are sharded table-wise or row-wise over N server
+processes; trainers fetch pooled embeddings for a ``KeyedJaggedTensor`` and push sparse gradients, which the
+servers apply with a row-wise optimizer (row-wise Adagrad or SGD).
+
+API for launchers (e.g. jobs/ with Ray). One static RPC group holds T trainers and N servers; rank 0 hosts
+the rendezvous TCP store, so make a trainer rank 0 (the store must outlive server restarts)::
+
+    # in each server process (a Ray actor: block=False, then stop_server() when done)
+    from scheduling.ps import start_server
+    start_server("ps0", rank=T + 0, world_size=T + N, master_addr=addr, master_port=port,
+                 checkpoint=None, fetch_delay_s=0.0, block=True)
+
+    # in each trainer process (e.g. a Ray Train worker)
+    from scheduling.ps import init_trainer, PSClient, PSEmbeddingBagCollection
+    init_trainer(f"trainer{i}", rank=i, world_size=T + N, master_addr=addr, master_port=port)
+    client = PSClient(tables, servers=[f"ps{j}" for j in range(N)], sharding="row_wise",
+                      optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.05}, name="ps", timeout_s=30)
+    ebc = PSEmbeddingBagCollection("ps")            # drop-in for torchrec's EmbeddingBagCollection
+    kt = ebc(kjt)                                   # KeyedTensor (B, sum D); fetch = blocking rpc_sync
+    ...; loss.backward(); ebc.push(kjt, parts)      # or use scheduling.models.PSTrainStep
+    client.checkpoint("/ckpt"); client.close(shutdown_rpc=True)   # servers then return from start_server
+
+On one machine :class:`LocalCluster` starts N server processes and joins as the trainer. When traced
+(``fxdist.symbolic_trace``), fetches and pushes are single impure ``call_function`` nodes
+(:mod:`scheduling.ps.ops`), which :func:`scheduling.async_rpc` splits into start/wait pairs.
+
+Faults: every RPC fails with :class:`PSUnavailableError` after ``timeout_s`` (crashed or unreachable
+server). ``torch.distributed.rpc`` cannot re-admit a crashed member into a live group, so recovery restarts
+the group: close the client, start the servers with ``checkpoint=<dir>/<name>.pt`` from the last
+``client.checkpoint(dir)``, re-join, create the client again (shards from the checkpoint are kept).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "TableSpec": "config", "ShardSpec": "config", "table_specs": "config", "plan_shards": "config",
+    "RowWiseSGD": "optimizer", "RowWiseAdagrad": "optimizer", "make_optimizer": "optimizer",
+    "PSServer": "server", "start_server": "server", "stop_server": "server",
+    "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
+    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "launch",
+    "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'scheduling.ps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"scheduling.ps.{module}"), name)
+    globals()[name] = value
+    return value

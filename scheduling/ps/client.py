@@ -1,0 +1,380 @@
+"""The trainer side of the parameter server: :class:`PSClient`.
+
+A client knows the table layout (which shard lives on which server), sends lookups and gradient pushes,
+and turns the per-server answers back into torchrec's ``KeyedTensor``. Its blocking :meth:`PSClient.fetch`
+is the ``rpc_sync`` baseline that :func:`scheduling.async_rpc` rewrites into :meth:`fetch_async` + wait.
+
+Clients are registered by name (:func:`get_client`), so graph nodes refer to them by a string constant.
+
+Source: torch.fx paper §6.2.3 (blocking parameter-server fetches in training models).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import server as _srv
+from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
+
+__all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer"]
+
+_CLIENTS: dict[str, "PSClient"] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+class PSUnavailableError(RuntimeError):
+    """A parameter server did not answer in time, or its connection broke (crash, wrong address)."""
+
+
+def get_client(name: str) -> "PSClient":
+    """The live :class:`PSClient` registered under ``name``.
+
+    Raises:
+        KeyError: no such client (it was closed, or never created in this process).
+    """
+    try:
+        return _CLIENTS[name]
+    except KeyError:
+        raise KeyError(f"no PSClient named {name!r} in this process (live: {sorted(_CLIENTS)}); "
+                       "create PSClient(..., name=...) before running the model") from None
+
+
+def init_trainer(name: str, rank: int, world_size: int, *, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, init_method: str | None = None,
+                 timeout_s: float = 60.0) -> None:
+    """Join the RPC group as a trainer (same transport settings as the servers).
+
+    Raises:
+        ValueError: neither ``master_port`` nor ``init_method`` given.
+        PSUnavailableError: the group did not assemble within ``timeout_s`` seconds.
+    """
+    from torch.distributed import rpc
+
+    if init_method is None:
+        if master_port is None:
+            raise ValueError("init_trainer: give master_port (with master_addr) or init_method")
+        init_method = f"tcp://{master_addr}:{master_port}"
+    # torch prefixes the rendezvous store keys with a per-process init counter, so a process joining a
+    # second group (after a restart) would look for keys the fresh servers never write. Each group gets its
+    # own store, so counting from 0 again is safe (workaround for torch/distributed/rpc/__init__.py).
+    # Likewise the sequence numbers of rpc's internal all-gather (used by graceful shutdown) are per process.
+    from torch.distributed.rpc import api as _rpc_api
+
+    with rpc._init_counter_lock:
+        rpc._init_counter = 0
+    with _rpc_api._all_gather_dict_lock:
+        _rpc_api._all_gather_sequence_id.clear()
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=world_size,
+                     rpc_backend_options=_srv.rpc_backend_options(init_method, timeout_s))
+    except RuntimeError as e:
+        raise PSUnavailableError(f"trainer {name!r}: the RPC group at {init_method} (world_size={world_size}) "
+                                 f"did not assemble within {timeout_s} s; are the servers running? ({e})") from e
+
+
+def _batch(kjt: Any) -> _srv.Batch:
+    """A KeyedJaggedTensor as the wire tuple ``(keys, values, lengths, weights)``."""
+    return (tuple(kjt.keys()), kjt.values(), kjt.lengths(), kjt.weights_or_none())
+
+
+class PSClient:
+    """Connection of one trainer to the parameter servers of a set of embedding tables.
+
+    Args:
+        tables: torchrec ``EmbeddingBagConfig``s (or :class:`TableSpec`s).
+        servers: RPC worker names of the servers, e.g. ``["ps0", "ps1"]`` (RPC must be initialized,
+            see :func:`init_trainer`).
+        sharding: ``"table_wise"``, ``"row_wise"`` or a mapping table name -> scheme.
+        optimizer: ``"rowwise_adagrad"`` or ``"sgd"``, applied on the servers; ``optimizer_kwargs`` e.g.
+            ``{"lr": 0.05}``.
+        name: registry name (graph nodes refer to the client by it).
+        timeout_s: every RPC fails with :class:`PSUnavailableError` after this many seconds.
+        compress: ``"fused8bit"`` to receive lookups quantized with FBGEMM's fused 8-bit row-wise format.
+        seed: seed of the initial weights; ``init_weights`` ``{table: (N, D)}`` overrides them.
+        configure: create the shards on the servers now (shards restored from a checkpoint are kept).
+
+    Raises:
+        ValueError: bad table declarations or sharding.
+        PSUnavailableError: a server does not answer the configuration call.
+    """
+
+    def __init__(self, tables: Sequence[Any], servers: Sequence[str], *,
+                 sharding: Sharding | Mapping[str, Sharding] = "table_wise",
+                 optimizer: str = "rowwise_adagrad", optimizer_kwargs: Mapping[str, float] | None = None,
+                 name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
+                 init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True) -> None:
+        if not servers:
+            raise ValueError("PSClient: give at least one server name")
+        if compress not in (None, "fused8bit"):
+            raise ValueError(f"PSClient: unknown compress={compress!r} (use None or 'fused8bit')")
+        self.tables: list[TableSpec] = table_specs(tables)
+        self.servers = list(servers)
+        self.shards: list[ShardSpec] = plan_shards(self.tables, len(self.servers), sharding)
+        self.name = name
+        self.timeout_s = float(timeout_s)
+        self.compress = compress
+        self.optimizer = optimizer
+        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self.seed = seed
+        self.layouts = [_srv.server_layout(self.shards, s) for s in range(len(self.servers))]
+        self.widths = [sum(sp.table.embedding_dim for sp, _ in lay) for lay in self.layouts]
+        self._slots = self._feature_slots()
+        self._pending: dict[int, collections.deque[torch.futures.Future]] = collections.defaultdict(
+            collections.deque)
+        with _CLIENTS_LOCK:
+            if name in _CLIENTS:
+                raise ValueError(f"a PSClient named {name!r} already exists; close() it or pick another name")
+            _CLIENTS[name] = self
+        if configure:
+            try:
+                self.configure(init_weights)
+            except BaseException:
+                self.close(flush=False)
+                raise
+
+    # ---- layout -----------------------------------------------------------------------------------------
+    def _feature_slots(self) -> dict[str, list[tuple[int, int, int]]]:
+        """feature -> [(server, first column, dim)] of every shard part making up its pooled output."""
+        slots: dict[str, list[tuple[int, int, int]]] = {}
+        for s, layout in enumerate(self.layouts):
+            col = 0
+            for spec, feat in layout:
+                slots.setdefault(feat, []).append((s, col, spec.table.embedding_dim))
+                col += spec.table.embedding_dim
+        return slots
+
+    @property
+    def feature_names(self) -> list[str]:
+        """KeyedTensor keys of :meth:`pool`'s output: tables in declaration order, then their features."""
+        return [f for t in self.tables for f in t.feature_names]
+
+    def servers_for(self, tables: Sequence[str] | None = None) -> list[int]:
+        """Indices of the servers holding a shard of ``tables`` (all tables when None)."""
+        names = None if tables is None else set(tables)
+        return sorted({sp.server for sp in self.shards if names is None or sp.table.name in names})
+
+    # ---- RPC plumbing -----------------------------------------------------------------------------------
+    def _call_async(self, server: int, fn: Any, args: tuple, what: str) -> torch.futures.Future:
+        from torch.distributed import rpc
+
+        if not 0 <= server < len(self.servers):
+            raise IndexError(f"PSClient {self.name!r}: server index {server} out of range "
+                             f"(have {len(self.servers)} servers)")
+        try:
+            return rpc.rpc_async(self.servers[server], fn, args, timeout=self.timeout_s)
+        except RuntimeError as e:
+            raise self._unavailable(server, what, e) from e
+
+    def _unavailable(self, server: int, what: str, err: BaseException) -> PSUnavailableError:
+        return PSUnavailableError(f"parameter server {self.servers[server]!r} (server {server} of "
+                                  f"{len(self.servers)}, client {self.name!r}) failed during {what} within "
+                                  f"timeout_s={self.timeout_s}: {str(err).splitlines()[0] if str(err) else err!r}")
+
+    def _wait(self, fut: torch.futures.Future, server: int, what: str) -> Any:
+        try:
+            return fut.wait()
+        except RuntimeError as e:
+            if type(e) is RuntimeError:  # RPC failures (timeout, EOF, EPIPE, ...); remote ValueErrors etc. pass
+                raise self._unavailable(server, what, e) from e
+            raise
+
+    def _call(self, server: int, fn: Any, args: tuple, what: str) -> Any:
+        return self._wait(self._call_async(server, fn, args, what), server, what)
+
+    # ---- fetch / push -----------------------------------------------------------------------------------
+    def fetch_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
+        """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_fetch`).
+
+        Pushes to this server deferred with :meth:`defer_push` are waited first, until at most
+        ``max_staleness`` of them (default 0) are still in flight.
+        """
+        self.drain(server, 0 if max_staleness is None else max_staleness)
+        fut = self._call_async(server, _srv._rpc_lookup, (_batch(kjt), self.compress), "fetch")
+        return fut
+
+    def finish_fetch(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
+        """Wait for a lookup; returns ``(B, D_s)`` float32, a leaf that requires grad when grad is enabled."""
+        out = self._wait(fut, server, "fetch")
+        if self.compress == "fused8bit":
+            import fbgemm_gpu  # noqa: F401
+
+            out = torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(out)
+        if torch.is_grad_enabled():
+            out.requires_grad_(True)
+        return out
+
+    def fetch(self, server: int, kjt: Any) -> torch.Tensor:
+        """Blocking lookup on one server: pooled sums ``(B, D_s)`` of its shards (the ``rpc_sync`` baseline)."""
+        return self.finish_fetch(self.fetch_async(server, kjt), server)
+
+    def push_async(self, server: int, kjt: Any, fetched: torch.Tensor) -> torch.futures.Future:
+        """Start sending ``fetched.grad`` (the gradient of a :meth:`fetch` output) to ``server``.
+
+        Each fetched tensor's gradient is sent exactly once: a second push of it raises.
+
+        Raises:
+            RuntimeError: ``fetched`` has no gradient (backward did not run) or was already pushed.
+        """
+        if getattr(fetched, "_fxdist_ps_pushed", False):
+            raise RuntimeError(f"PSClient {self.name!r}: this fetch's gradient was already pushed to server "
+                               f"{server}; gradients reach the server exactly once per step")
+        if fetched.grad is None:
+            raise RuntimeError(f"PSClient {self.name!r}: the fetched tensor of server {server} has no .grad; "
+                               "run loss.backward() before pushing")
+        grad = fetched.grad.detach()
+        fetched._fxdist_ps_pushed = True  # type: ignore[attr-defined]
+        fetched.grad = None
+        return self._call_async(server, _srv._rpc_push, (_batch(kjt), grad), "push")
+
+    def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor) -> torch.futures.Future:
+        """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output."""
+        return self._call_async(server, _srv._rpc_push, (_batch(kjt), grad.detach()), "push")
+
+    def finish_push(self, fut: torch.futures.Future, server: int) -> int:
+        """Wait for a push; returns the number of rows the server updated."""
+        return self._wait(fut, server, "push")
+
+    def push(self, server: int, kjt: Any, fetched: torch.Tensor) -> int:
+        """Blocking :meth:`push_async` + :meth:`finish_push`."""
+        return self.finish_push(self.push_async(server, kjt, fetched), server)
+
+    def defer_push(self, server: int, fut: torch.futures.Future) -> None:
+        """Keep an in-flight push; the next :meth:`fetch_async` to ``server`` (or :meth:`flush`) waits it."""
+        self._pending[server].append(fut)
+
+    def drain(self, server: int, keep: int = 0) -> None:
+        """Wait deferred pushes to ``server`` until at most ``keep`` are in flight."""
+        queue = self._pending.get(server)
+        while queue and len(queue) > keep:
+            self.finish_push(queue.popleft(), server)
+
+    def flush(self) -> None:
+        """Wait every deferred push."""
+        for server in list(self._pending):
+            self.drain(server, 0)
+
+    # ---- pooling ----------------------------------------------------------------------------------------
+    def pool(self, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
+        """Assemble per-server answers into torchrec's ``KeyedTensor`` ``(B, sum D)`` keyed by feature.
+
+        ``parts`` are the answers of the servers :meth:`servers_for` lists, in that order.
+
+        Row-wise partial sums are added; mean-pooled features are divided by their bag lengths (empty bags
+        give zeros). Differentiable in ``parts``.
+        """
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        ids = self.servers_for()
+        if len(parts) != len(ids):
+            raise ValueError(f"PSClient.pool: expected {len(ids)} server answers (servers {ids}), got {len(parts)}")
+        parts = dict(zip(ids, parts))
+        pooling = {f: t.pooling for t in self.tables for f in t.feature_names}
+        outs, dims = [], []
+        for feat in self.feature_names:
+            slots = self._slots[feat]
+            value = parts[slots[0][0]][:, slots[0][1]:slots[0][1] + slots[0][2]]
+            for s, col, dim in slots[1:]:
+                value = value + parts[s][:, col:col + dim]
+            if pooling[feat] == "mean":
+                bag_len = kjt[feat].lengths().clamp(min=1).to(value.dtype).unsqueeze(1)
+                value = value / bag_len
+            outs.append(value)
+            dims.append(slots[0][2])
+        return KeyedTensor(keys=self.feature_names, length_per_key=dims, values=torch.cat(outs, dim=1))
+
+    # ---- configuration and checkpoints ------------------------------------------------------------------
+    def configure(self, init_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Create the shards on every server (in parallel)."""
+        futs = []
+        for s in range(len(self.servers)):
+            mine = {t: w for t, w in (init_weights or {}).items()
+                    if any(sp.server == s and sp.table.name == t for sp in self.shards)}
+            futs.append(self._call_async(s, _srv._rpc_configure, (self.shards, s, self.optimizer,
+                                                                   self.optimizer_kwargs, self.seed, mine or None),
+                                         "configure"))
+        for s, fut in enumerate(futs):
+            self._wait(fut, s, "configure")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tables gathered from the servers: ``"<table>.weight"`` ``(N, D)`` and, with row-wise Adagrad,
+        ``"<table>.momentum"`` ``(N,)``."""
+        self.flush()
+        out: dict[str, torch.Tensor] = {}
+        for s in range(len(self.servers)):
+            for entry in self._call(s, _srv._rpc_state_dict, (), "state_dict").values():
+                spec: ShardSpec = entry["spec"]
+                t = spec.table
+                w = out.setdefault(f"{t.name}.weight", torch.zeros(t.num_embeddings, t.embedding_dim))
+                w[spec.row_start:spec.row_end] = entry["weight"]
+                if entry["state"] is not None:
+                    m = out.setdefault(f"{t.name}.momentum", torch.zeros(t.num_embeddings))
+                    m[spec.row_start:spec.row_end] = entry["state"]
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Scatter full tables (as from :meth:`state_dict`) to the shards on the servers.
+
+        Raises:
+            KeyError: a table's weight is missing from ``state``.
+        """
+        for s in range(len(self.servers)):
+            payload = {}
+            for spec in (sp for sp in self.shards if sp.server == s):
+                name = spec.table.name
+                if f"{name}.weight" not in state:
+                    raise KeyError(f"load_state_dict: no '{name}.weight' in the state (keys: {sorted(state)})")
+                mom = state.get(f"{name}.momentum")
+                payload[spec.key] = {"spec": spec, "weight": state[f"{name}.weight"][spec.row_start:spec.row_end],
+                                     "state": None if mom is None else mom[spec.row_start:spec.row_end]}
+            self._call(s, _srv._rpc_load_state_dict, (payload,), "load_state_dict")
+
+    def checkpoint(self, directory: str | Path) -> list[str]:
+        """Every server writes ``<directory>/<server name>.pt`` (on its own file system); returns the paths.
+        Restart a server from its file with ``start_server(..., checkpoint=path)``."""
+        self.flush()
+        futs = [self._call_async(s, _srv._rpc_save, (str(directory),), "checkpoint")
+                for s in range(len(self.servers))]
+        return [self._wait(f, s, "checkpoint") for s, f in enumerate(futs)]
+
+    def stats(self) -> list[dict[str, int]]:
+        """Per server: number of lookups and pushes served, and its process id."""
+        return [self._call(s, _srv._rpc_stats, (), "stats") for s in range(len(self.servers))]
+
+    def stop_servers(self, timeout_s: float = 2.0) -> None:
+        """Ask every server to leave the group (their ``start_server(block=True)`` returns); best effort."""
+        from torch.distributed import rpc
+
+        futs = []
+        for name in self.servers:
+            try:
+                futs.append(rpc.rpc_async(name, _srv._rpc_stop, (), timeout=timeout_s))
+            except RuntimeError:
+                pass
+        for fut in futs:
+            try:
+                fut.wait()
+            except RuntimeError:
+                pass
+
+    def close(self, shutdown_rpc: bool = False, stop_servers: bool = False, flush: bool = True) -> None:
+        """Unregister the client (after waiting deferred pushes when ``flush``); optionally stop the servers
+        and leave the RPC group (non-graceful: see :func:`scheduling.ps.stop_server`)."""
+        try:
+            if flush:
+                self.flush()
+        finally:
+            with _CLIENTS_LOCK:
+                if _CLIENTS.get(self.name) is self:
+                    del _CLIENTS[self.name]
+            if stop_servers:
+                self.stop_servers()
+            if shutdown_rpc:
+                from torch.distributed import rpc
+
+                rpc.shutdown(graceful=False)

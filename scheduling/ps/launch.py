@@ -1,0 +1,127 @@
+"""Start a small parameter-server group on this machine: N server processes plus this process as trainer.
+
+Used by the tests, the benchmark and the Criteo example. On a cluster, start each server with
+:func:`scheduling.ps.start_server` wherever it runs (e.g. in a Ray actor) and each trainer with
+:func:`scheduling.ps.init_trainer`; this module only automates the loopback case.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["LocalCluster", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _server_main(name: str, rank: int, world_size: int, port: int, kwargs: dict[str, Any]) -> None:
+    from .server import start_server
+
+    start_server(name, rank, world_size, master_port=port, **kwargs)
+
+
+class LocalCluster:
+    """``num_servers`` parameter servers in child processes, on loopback; this process joins as the trainer.
+
+    Ranks: the trainer is rank 0 (it hosts the rendezvous store), server ``i`` is rank ``i + 1`` named
+    ``"ps<i>"``. Use as a context manager; leaving it shuts the group down and kills any server left.
+
+    Args:
+        num_servers: how many servers.
+        fetch_delay_s, push_delay_s: added latency per lookup / push on every server, in seconds.
+        timeout_s: RPC timeout and start-up timeout, in seconds.
+        checkpoints: per server, a checkpoint file to restart from (or None).
+        start_method: multiprocessing start method of the servers.
+    """
+
+    def __init__(self, num_servers: int = 2, *, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
+                 timeout_s: float = 20.0, checkpoints: Sequence[str | None] | None = None,
+                 start_method: str = "spawn", trainer_name: str = "trainer") -> None:
+        if num_servers < 1:
+            raise ValueError(f"LocalCluster: need at least one server, got {num_servers}")
+        self.num_servers = num_servers
+        self.server_names = [f"ps{i}" for i in range(num_servers)]
+        self.trainer_name = trainer_name
+        self.timeout_s = timeout_s
+        self.port = free_port()
+        self._ctx = mp.get_context(start_method)
+        self._kwargs = [dict(fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s, timeout_s=timeout_s,
+                             checkpoint=(checkpoints[i] if checkpoints else None)) for i in range(num_servers)]
+        self.processes: list[Any] = []
+        self._rpc_up = False
+
+    def start(self) -> "LocalCluster":
+        """Start the servers and join the group as the trainer.
+
+        Raises:
+            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
+        """
+        from .client import init_trainer
+
+        world = self.num_servers + 1
+        for i, name in enumerate(self.server_names):
+            proc = self._ctx.Process(target=_server_main, args=(name, i + 1, world, self.port, self._kwargs[i]),
+                                     daemon=True, name=f"fxdist-{name}")
+            proc.start()
+            self.processes.append(proc)
+        try:
+            init_trainer(self.trainer_name, 0, world, master_port=self.port, timeout_s=self.timeout_s)
+        except BaseException:
+            self.kill_all()
+            raise
+        self._rpc_up = True
+        return self
+
+    def kill(self, index: int) -> None:
+        """Kill server ``index`` with SIGKILL (a crash: no goodbye to the group)."""
+        proc = self.processes[index]
+        proc.kill()
+        proc.join(timeout=10)
+
+    def kill_all(self) -> None:
+        """Kill every server process still alive."""
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.processes:
+            proc.join(timeout=10)
+
+    def close(self) -> None:
+        """Stop the live servers, leave the group and make sure the server processes are gone."""
+        from torch.distributed import rpc
+
+        from .server import _rpc_stop
+
+        try:
+            if self._rpc_up:
+                futs = []
+                for name, proc in zip(self.server_names, self.processes):
+                    if proc.is_alive():
+                        futs.append(rpc.rpc_async(name, _rpc_stop, (), timeout=2.0))
+                for fut in futs:
+                    try:
+                        fut.wait()
+                    except RuntimeError:
+                        pass
+                rpc.shutdown(graceful=False)
+                self._rpc_up = False
+            deadline = time.monotonic() + 10
+            for proc in self.processes:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            self.kill_all()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,120 @@
+"""Leaf functions through which models talk to the parameter servers.
+
+Each is registered with :func:`fxdist.wrap` (one ``call_function`` node when traced; call them as
+``ops.ps_fetch(...)`` so the tracer's patch of this module's globals applies) and, except the pure
+:func:`ps_pool`, with :func:`fxdist.node.has_side_effect` (dead-code elimination keeps them).
+Clients are named by a string (:func:`scheduling.ps.get_client`), so the nodes hold only constants and
+tensors.
+
+Blocking baseline          -> what :func:`scheduling.async_rpc` makes of it
+``ps_fetch(c, s, kjt)``    -> ``h = ps_fetch_start(c, s, kjt)`` ... ``ps_fetch_wait(h)``
+``ps_push(c, s, kjt, t, after)`` -> ``h = ps_push_start(c, s, kjt, t, after)`` ... ``ps_push_wait(h)``
+
+Source: torch.fx paper §6.2.3; torch/fx/_symbolic_trace.py ``wrap`` (leaf functions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import fxdist
+from fxdist.node import has_side_effect
+
+from .client import get_client
+
+__all__ = ["PendingRPC", "ps_fetch", "ps_fetch_start", "ps_fetch_wait", "ps_push", "ps_push_start",
+           "ps_push_wait", "ps_push_defer", "ps_pool", "ps_backward", "rpc_wait"]
+
+
+@dataclass
+class PendingRPC:
+    """An RPC in flight: the Future plus what is needed to finish it (returned by the start functions)."""
+
+    future: torch.futures.Future
+    """The ``rpc_async`` Future."""
+    client: str
+    """Name of the :class:`~scheduling.ps.PSClient`."""
+    server: int
+    """Server index in the client's list."""
+
+
+@has_side_effect
+def ps_fetch(client: str, server: int, kjt: Any) -> torch.Tensor:
+    """Blocking lookup (``rpc_sync``): pooled sums ``(B, D_s)`` of server ``server``'s shards for ``kjt``."""
+    return get_client(client).fetch(server, kjt)
+
+
+@has_side_effect
+def ps_fetch_start(client: str, server: int, kjt: Any, max_staleness: int | None = None) -> PendingRPC:
+    """Start a lookup (``rpc_async``); finish it with :func:`ps_fetch_wait`.
+
+    Deferred pushes to the server are waited first, leaving at most ``max_staleness`` in flight.
+    """
+    return PendingRPC(get_client(client).fetch_async(server, kjt, max_staleness), client, server)
+
+
+@has_side_effect
+def ps_fetch_wait(pending: PendingRPC) -> torch.Tensor:
+    """Wait for a lookup; same value as :func:`ps_fetch`."""
+    return get_client(pending.client).finish_fetch(pending.future, pending.server)
+
+
+@has_side_effect
+def ps_push(client: str, server: int, kjt: Any, fetched: torch.Tensor, after: Any = None) -> int:
+    """Blocking push of ``fetched.grad`` to the server (``after``: a value that must exist first, e.g. the
+    result of :func:`ps_backward`; it only orders the node). Returns the number of rows updated."""
+    return get_client(client).push(server, kjt, fetched)
+
+
+@has_side_effect
+def ps_push_start(client: str, server: int, kjt: Any, fetched: torch.Tensor, after: Any = None) -> PendingRPC:
+    """Start a push (``rpc_async``); finish it with :func:`ps_push_wait` or :func:`ps_push_defer`."""
+    return PendingRPC(get_client(client).push_async(server, kjt, fetched), client, server)
+
+
+@has_side_effect
+def ps_push_wait(pending: PendingRPC) -> int:
+    """Wait for a push; returns the number of rows updated."""
+    return get_client(pending.client).finish_push(pending.future, pending.server)
+
+
+@has_side_effect
+def ps_push_defer(pending: PendingRPC) -> None:
+    """Leave a push in flight; the client's next fetch from that server (or ``flush``) waits for it."""
+    get_client(pending.client).defer_push(pending.server, pending.future)
+
+
+def ps_pool(client: str, kjt: Any, *parts: torch.Tensor) -> Any:
+    """Per-server answers -> torchrec ``KeyedTensor`` ``(B, sum D)`` (see ``PSClient.pool``)."""
+    return get_client(client).pool(kjt, parts)
+
+
+@has_side_effect
+def ps_backward(loss: torch.Tensor) -> torch.Tensor:
+    """``loss.backward()``; returns ``loss.detach()`` (a token ordering the pushes after backward)."""
+    loss.backward()
+    return loss.detach()
+
+
+@has_side_effect
+def rpc_wait(future: torch.futures.Future) -> Any:
+    """``future.wait()`` for a plain ``torch.distributed.rpc.rpc_async`` Future."""
+    return future.wait()
+
+
+for _fn in (ps_fetch, ps_fetch_start, ps_fetch_wait, ps_push, ps_push_start, ps_push_wait, ps_push_defer,
+            ps_pool, ps_backward, rpc_wait):
+    _fn.__module__ = __name__
+fxdist.wrap("ps_fetch")
+fxdist.wrap("ps_fetch_start")
+fxdist.wrap("ps_fetch_wait")
+fxdist.wrap("ps_push")
+fxdist.wrap("ps_push_start")
+fxdist.wrap("ps_push_wait")
+fxdist.wrap("ps_push_defer")
+fxdist.wrap("ps_pool")
+fxdist.wrap("ps_backward")
+fxdist.wrap("rpc_wait")

@@ -1,0 +1,362 @@
+"""The parameter server: embedding-table shards held in one process, served over ``torch.distributed.rpc``.
+
+A server process calls :func:`start_server`, which creates the process-wide :class:`PSServer` and joins the
+RPC group. Clients then call the module-level ``_rpc_*`` functions below by RPC (they must be importable
+by the server, so they live here, never in ``__main__``). The shards themselves are created by the first
+client that connects (:meth:`PSServer.configure`) or loaded from a checkpoint given to :func:`start_server`.
+
+Wire format of a batch (one per request, the whole KeyedJaggedTensor of the trainer):
+``(keys, values, lengths, weights)`` with ``values`` int64 ``(N,)``, ``lengths`` ``(K * B,)`` key-major as in
+torchrec, ``weights`` float ``(N,)`` or None. A lookup answers ``(B, D_s)`` float32, the pooled *sums* of every
+(shard, feature) pair the server holds, concatenated in :func:`server_layout` order; row-wise shards
+contribute the partial sum over their rows (the client adds the partials and divides for mean pooling).
+
+Source: torch.fx paper §6.2.3 (parameter-server fetches); FBGEMM row-wise optimizers and fused 8-bit
+row-wise quantization.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import ShardSpec
+from .optimizer import RowWiseOptimizer, make_optimizer
+
+__all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch"]
+
+Batch = tuple[tuple[str, ...], torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: int = 16) -> Any:
+    """TensorPipe options used by every member of a PS group: TCP ("uv") transport only.
+
+    The shared-memory transport starves a 2-core machine (requests reach the server only after the
+    trainer's compute ends; see FACTS.md), so it is disabled.
+    """
+    from torch.distributed import rpc
+
+    return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s,
+                                           num_worker_threads=num_worker_threads, _transports=["uv"],
+                                           _channels=["basic"])
+
+
+def server_layout(shards: Sequence[ShardSpec], server: int) -> list[tuple[ShardSpec, str]]:
+    """The (shard, feature) pairs server ``server`` pools, in output-column order."""
+    return [(s, feat) for s in shards if s.server == server for feat in s.table.feature_names]
+
+
+@dataclass
+class _Shard:
+    spec: ShardSpec
+    weight: torch.Tensor
+    state: torch.Tensor | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class PSServer:
+    """Embedding shards of one server, with lookup, sparse-gradient push and checkpointing.
+
+    Args:
+        name: the RPC worker name (used in error messages and checkpoint file names).
+        fetch_delay_s: extra sleep before answering each lookup, in seconds (emulates network distance).
+        push_delay_s: extra sleep before applying each push, in seconds.
+    """
+
+    def __init__(self, name: str, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0) -> None:
+        self.name = name
+        self.fetch_delay_s = fetch_delay_s
+        self.push_delay_s = push_delay_s
+        self.shards: dict[str, _Shard] = {}
+        self.optimizer: RowWiseOptimizer | None = None
+        self.layout: list[tuple[ShardSpec, str]] = []
+        self._lock = threading.Lock()
+        self.num_lookups = 0
+        self.num_pushes = 0
+
+    # ---- set-up -----------------------------------------------------------------------------------------
+    def configure(self, shards: Sequence[ShardSpec], server: int, optimizer: str,
+                  optimizer_kwargs: dict[str, float], seed: int,
+                  init_weights: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+        """Create the shards this server holds (those already present, e.g. from a checkpoint, are kept).
+
+        Weights of a new shard: ``init_weights[table][row_start:row_end]`` when given, else uniform in
+        ``(-1/sqrt(N), 1/sqrt(N))`` (torchrec's default) from a generator seeded by ``(seed, shard)``.
+
+        Returns:
+            ``{shard key: rows}`` of the shards now held.
+
+        Raises:
+            ValueError: a shard already held has another shape than the one requested.
+        """
+        with self._lock:
+            self.optimizer = make_optimizer(optimizer, **optimizer_kwargs)
+            mine = [s for s in shards if s.server == server]
+            for idx, spec in enumerate(mine):
+                old = self.shards.get(spec.key)
+                if old is not None:
+                    if old.spec.num_rows != spec.num_rows or old.weight.shape[1] != spec.table.embedding_dim:
+                        raise ValueError(f"server {self.name}: shard {spec.key} exists with shape "
+                                         f"{tuple(old.weight.shape)}, client asks for "
+                                         f"({spec.num_rows}, {spec.table.embedding_dim})")
+                    old.spec = spec
+                    continue
+                self.shards[spec.key] = _Shard(spec, self._init_weight(spec, seed, idx, init_weights),
+                                               self.optimizer.init_state(spec.num_rows, spec.table.embedding_dim))
+            self.layout = server_layout(mine, server)
+            return {k: s.spec.num_rows for k, s in self.shards.items()}
+
+    @staticmethod
+    def _init_weight(spec: ShardSpec, seed: int, idx: int,
+                     init_weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        if init_weights is not None and spec.table.name in init_weights:
+            return init_weights[spec.table.name][spec.row_start:spec.row_end].detach().clone().float()
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + spec.row_start * 7919 + idx)
+        bound = spec.table.num_embeddings ** -0.5
+        w = torch.empty(spec.num_rows, spec.table.embedding_dim)
+        return w.uniform_(-bound, bound, generator=gen)
+
+    # ---- lookup and push --------------------------------------------------------------------------------
+    def _features(self, batch: Batch) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, Any]], int]:
+        keys, values, lengths, weights = batch
+        num_keys = len(keys)
+        if num_keys == 0:
+            raise ValueError(f"server {self.name}: empty KeyedJaggedTensor")
+        batch_size = lengths.numel() // num_keys
+        lens = lengths.view(num_keys, batch_size).long()
+        per_key = lens.sum(1).tolist()
+        vals = values.split(per_key)
+        wts = weights.split(per_key) if weights is not None else [None] * num_keys
+        return {k: (vals[i], lens[i], wts[i]) for i, k in enumerate(keys)}, batch_size
+
+    def _bag(self, spec: ShardSpec, feat: str, feats: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """(local ids, bag index per id, per-id weight or None) of feature ``feat`` restricted to ``spec``."""
+        if feat not in feats:
+            raise ValueError(f"server {self.name}: the batch has no feature {feat!r} (table {spec.table.name!r})"
+                             f"; got keys {sorted(feats)}")
+        ids, lens, wts = feats[feat]
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= spec.table.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"server {self.name}: feature {feat!r} has id {bad} outside table "
+                                 f"{spec.table.name!r} rows [0, {spec.table.num_embeddings})")
+        bags = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+        if spec.row_start == 0 and spec.row_end == spec.table.num_embeddings:
+            return ids, bags, wts
+        keep = (ids >= spec.row_start) & (ids < spec.row_end)
+        return ids[keep] - spec.row_start, bags[keep], (wts[keep] if wts is not None else None)
+
+    def lookup(self, batch: Batch, compress: str | None = None) -> torch.Tensor:
+        """Pooled sums ``(B, D_s)`` for every (shard, feature) pair of :attr:`layout`.
+
+        Raises:
+            ValueError: a feature is missing from the batch or an id is out of range.
+        """
+        if self.fetch_delay_s > 0:
+            time.sleep(self.fetch_delay_s)
+        feats, batch_size = self._features(batch)
+        outs = []
+        for spec, feat in self.layout:
+            ids, bags, wts = self._bag(spec, feat, feats)
+            shard = self.shards[spec.key]
+            rows = shard.weight.index_select(0, ids)
+            if wts is not None:
+                rows = rows * wts.unsqueeze(1)
+            pooled = torch.zeros(batch_size, spec.table.embedding_dim).index_add_(0, bags, rows)
+            outs.append(pooled)
+        out = torch.cat(outs, dim=1) if outs else torch.zeros(batch_size, 0)
+        self.num_lookups += 1
+        if compress == "fused8bit":
+            return _quantize(out)
+        if compress is not None:
+            raise ValueError(f"server {self.name}: unknown compression {compress!r} (use 'fused8bit')")
+        return out
+
+    def push(self, batch: Batch, grad: torch.Tensor) -> int:
+        """Apply the gradient ``grad`` ``(B, D_s)`` of this server's lookup output to the rows it touched.
+
+        Row gradients are summed over all bags and features of the batch, then the optimizer makes one
+        update per touched row. Returns the number of rows updated.
+
+        Raises:
+            ValueError: ``grad`` has the wrong shape.
+        """
+        if self.push_delay_s > 0:
+            time.sleep(self.push_delay_s)
+        feats, batch_size = self._features(batch)
+        width = sum(spec.table.embedding_dim for spec, _ in self.layout)
+        if tuple(grad.shape) != (batch_size, width):
+            raise ValueError(f"server {self.name}: gradient shape {tuple(grad.shape)} != expected "
+                             f"({batch_size}, {width})")
+        per_shard: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        col = 0
+        for spec, feat in self.layout:
+            dim = spec.table.embedding_dim
+            ids, bags, wts = self._bag(spec, feat, feats)
+            g = grad[:, col:col + dim].index_select(0, bags)
+            if wts is not None:
+                g = g * wts.unsqueeze(1)
+            per_shard.setdefault(spec.key, []).append((ids, g))
+            col += dim
+        touched = 0
+        assert self.optimizer is not None
+        for key, parts in per_shard.items():
+            ids = torch.cat([p[0] for p in parts])
+            if ids.numel() == 0:
+                continue
+            uniq, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(uniq.numel(), parts[0][1].shape[1]).index_add_(0, inverse,
+                                                                                 torch.cat([p[1] for p in parts]))
+            shard = self.shards[key]
+            with shard.lock:
+                self.optimizer.step(shard.weight, shard.state, uniq, summed)
+            touched += uniq.numel()
+        self.num_pushes += 1
+        return touched
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{shard key: {"spec", "weight" (R, D), "state" (R,) or None}}`` (copies)."""
+        out = {}
+        for key, shard in self.shards.items():
+            with shard.lock:
+                out[key] = {"spec": shard.spec, "weight": shard.weight.clone(),
+                            "state": None if shard.state is None else shard.state.clone()}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the shards named in ``state`` (others are kept)."""
+        for key, entry in state.items():
+            self.shards[key] = _Shard(entry["spec"], entry["weight"].clone(),
+                                      None if entry["state"] is None else entry["state"].clone())
+
+    def save(self, directory: str) -> str:
+        """Write ``<directory>/<name>.pt`` atomically; returns its path."""
+        path = Path(directory) / f"{self.name}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        return str(path)
+
+
+def _quantize(x: torch.Tensor) -> torch.Tensor:
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+    return torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(x.contiguous())
+
+
+# ---- the process-wide server and its RPC entry points ---------------------------------------------------
+_SERVER: PSServer | None = None
+_STOP = threading.Event()
+
+
+def _server() -> PSServer:
+    if _SERVER is None:
+        raise RuntimeError(f"no parameter server runs in process {os.getpid()}; call start_server() first")
+    return _SERVER
+
+
+def _rpc_configure(*args: Any, **kwargs: Any) -> dict[str, int]:
+    return _server().configure(*args, **kwargs)
+
+
+def _rpc_lookup(batch: Batch, compress: str | None = None) -> torch.Tensor:
+    return _server().lookup(batch, compress)
+
+
+def _rpc_push(batch: Batch, grad: torch.Tensor) -> int:
+    return _server().push(batch, grad)
+
+
+def _rpc_state_dict() -> dict[str, Any]:
+    return _server().state_dict()
+
+
+def _rpc_load_state_dict(state: dict[str, Any]) -> None:
+    _server().load_state_dict(state)
+
+
+def _rpc_save(directory: str) -> str:
+    return _server().save(directory)
+
+
+def _rpc_stop() -> bool:
+    """Ask the serving loop of :func:`start_server` (``block=True``) to leave the group and return."""
+    _STOP.set()
+    return True
+
+
+def _rpc_stats() -> dict[str, int]:
+    s = _server()
+    return {"lookups": s.num_lookups, "pushes": s.num_pushes, "pid": os.getpid()}
+
+
+def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, init_method: str | None = None,
+                 checkpoint: str | None = None, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
+                 timeout_s: float = 60.0, num_threads: int = 1, block: bool = True) -> PSServer:
+    """Run a parameter server in this process: create :class:`PSServer`, join the RPC group, serve.
+
+    Args:
+        name: RPC worker name of this server (e.g. ``"ps0"``); clients list servers by these names.
+        rank, world_size: this process's rank in the static RPC group (trainers + servers).
+        master_addr, master_port: the rendezvous TCP store (hosted by rank 0); or give ``init_method``.
+        checkpoint: a file written by :meth:`PSServer.save` (``PSClient.checkpoint``): its shards and
+            optimizer state are loaded before serving (restart after a crash).
+        fetch_delay_s, push_delay_s: added latency per lookup / push, in seconds.
+        timeout_s: RPC timeout, and how long joining the group may take, in seconds.
+        num_threads: torch intra-op threads of this process.
+        block: if True, serve until a client calls ``PSClient.stop_servers()`` (then leave the group and
+            return); if False, return right after joining (a Ray actor does this and calls
+            :func:`stop_server` later).
+
+    Returns:
+        The :class:`PSServer` (after shutdown when ``block``).
+
+    Raises:
+        ValueError: neither ``master_port`` nor ``init_method`` given.
+        RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
+    """
+    global _SERVER
+    from torch.distributed import rpc
+
+    if init_method is None:
+        if master_port is None:
+            raise ValueError("start_server: give master_port (with master_addr) or init_method")
+        init_method = f"tcp://{master_addr}:{master_port}"
+    torch.set_num_threads(num_threads)
+    server = PSServer(name, fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s)
+    if checkpoint is not None:
+        server.load_state_dict(torch.load(checkpoint, weights_only=False))
+    _SERVER = server
+    rpc.init_rpc(name, rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc_backend_options(init_method, timeout_s))
+    if block:
+        _STOP.wait()
+        time.sleep(0.2)  # let the reply to the stop request leave
+        stop_server()
+    return server
+
+
+def stop_server() -> None:
+    """Leave the RPC group at once and drop the server.
+
+    Shutdown is never graceful: torch's graceful shutdown is a barrier of the whole group, which hangs when
+    a member crashed and cannot be repeated in a process that joins a second group (after a restart).
+    """
+    global _SERVER
+    from torch.distributed import rpc
+
+    rpc.shutdown(graceful=False)
+    _SERVER = None
+    _STOP.clear()
