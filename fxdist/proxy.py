@@ -256,12 +256,27 @@ def _contains_node(arg: Any) -> bool:
 
 
 def _check_not_mutating(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Reject an ATen overload whose schema mutates an argument (``check_mutable_operations``)."""
-    schema = getattr(target, "_schema", None)
-    if schema is not None and schema.is_mutable:
-        raise RuntimeError(f"Tried to trace mutable operation {schema}. FX only supports functional "
-                           "code, so operations that mutate operands in-place (e.g. via `out` "
-                           "arguments) are not supported")
+    """Reject a call whose schema mutates an operand (``check_mutable_operations``): an ATen overload
+    with a mutable schema, or a torch builtin all of whose schemas are mutable (``torch.relu_``).
+
+    Raises:
+        RuntimeError: as torch.fx's ``check_for_mutable_operation``.
+    """
+    schemas = [target._schema] if isinstance(target, torch._ops.OpOverload) else _builtin_schemas(target)
+    if schemas and all(schema.is_mutable for schema in schemas):
+        raise RuntimeError(f"Tried to trace mutable operation {schemas[0]}. FX only supports functional "
+                           "code, so operations that mutate operands in-place (e.g. via `out` arguments) "
+                           "are not supported")
+
+
+def _builtin_schemas(target: Any) -> list[Any]:
+    from torch.jit._builtins import _find_builtin
+
+    try:
+        name = _find_builtin(target)
+    except TypeError:  # unhashable target
+        return []
+    return list(torch._C._jit_get_schemas_for_operator(name)) if name else []
 
 
 class GraphAppendingTracer(TracerBase):

@@ -455,6 +455,21 @@ def test_record_stack_traces_can_be_turned_off():
     assert all("stack_trace" not in n.meta for n in graph.nodes)
 
 
+def test_check_mutable_operations_rejects_in_place_builtins_like_torch_fx():
+    class Checking(Tracer):
+        check_mutable_operations = True
+
+    class TorchChecking(torch.fx.Tracer):
+        check_mutable_operations = True
+
+    with pytest.raises(RuntimeError, match=r"Tried to trace mutable operation aten::relu_\(Tensor\(a!\) self\)"):
+        Checking().trace(lambda x: torch.relu_(x))
+    with pytest.raises(RuntimeError, match="mutable operation"):
+        Checking().trace(lambda x: torch.ops.aten.add_.Tensor(x, x))
+    for fn in (lambda x, y: torch.add(x, y), lambda x, y: torch.add(x, y, out=y), lambda x, y: x.sigmoid_()):
+        compare_graphs(Checking().trace(fn), TorchChecking().trace(fn))  # accepted by both
+
+
 def test_trace_asserts_records_assertion():
     class Asserting(Tracer):
         trace_asserts = True
