@@ -19,23 +19,26 @@ from quant.convert import calibrate, convert
 from quant.dynamic import QuantizeDynamic, quantize_dynamic
 from quant.errors import FusionError, QuantizationError
 from quant.fuse_conv_bn import FuseConvBn
+from quant.fuse_onednn import FuseConvPointwise, OneDNNConv2d
 from quant.fuse_patterns import FuseReluPatterns
 from quant.prepare import prepare
 from quant.report import LayerError, format_report, sqnr_report
 
 __all__ = [
     "fuse", "prepare", "calibrate", "convert", "quantize_dynamic", "sqnr_report", "format_report", "LayerError",
-    "FuseConvBn", "FuseReluPatterns", "QuantizeDynamic", "FusionError", "QuantizationError",
+    "FuseConvBn", "FuseReluPatterns", "FuseConvPointwise", "OneDNNConv2d", "QuantizeDynamic", "FusionError", "QuantizationError",
 ]
 
 
-def fuse(gm: Any, *, patterns: bool = False, strict: bool = True) -> Any:
+def fuse(gm: Any, *, patterns: bool = False, strict: bool = True, onednn_inputs: Any = None) -> Any:
     """Return a copy of ``gm`` with every eval-mode BatchNorm folded into the Conv/Linear before it.
 
     Args:
         gm: an fxdist ``GraphModule`` (a plain ``nn.Module`` is traced with ``fxdist.symbolic_trace``).
         patterns: also fuse Conv/Linear + ReLU into ``torch.ao.nn.intrinsic`` modules (for quantization).
         strict: raise on a BatchNorm that cannot be folded; ``False`` skips it with a warning.
+        onednn_inputs: example inputs (a tuple); if given, also fuse Conv2d + add + ReLU into oneDNN kernels
+            with prepacked weights (:class:`~quant.fuse_onednn.FuseConvPointwise`; inference only).
 
     Returns:
         The fused GraphModule; ``meta["fxdist"]["passes"]`` records what each pass did.
@@ -53,4 +56,6 @@ def fuse(gm: Any, *, patterns: bool = False, strict: bool = True) -> Any:
     passes: list[Any] = [FuseConvBn(strict=strict)]
     if patterns:
         passes.append(FuseReluPatterns())
+    if onednn_inputs is not None:
+        passes.append(FuseConvPointwise(tuple(onednn_inputs)))
     return PassManager(passes).run(gm).graph_module
