@@ -15,7 +15,8 @@ Given ``b = foo(a, args...)`` (a ``call_function`` node whose first argument is 
      mutating it would be a side effect the caller can see. With ``reuse_overwritten_inputs=True``,
      an input ``x`` that the graph later overwrites with ``copy_(x, b)`` (and reads no more) is
      reused: ``foo_(x)``, and the ``copy_`` goes (seed 002's "future optimization" note).
-(1c) Skip if another tensor argument shares memory with ``a`` (``mul(a, a.t())``).
+(1c) Skip if another tensor argument shares memory with ``a`` (``mul(a, a.t())``), unless the op is
+     pointwise (or ``copy``) and every shared element sits at the same index in both tensors.
 (2)  Skip unless ``a`` and its aliases have no later use, where (a) a later view of ``a`` is not a use
      by itself (its own uses are), (b) ``a`` passed twice (``mul(a, a)``) bans re-inplacing, and (c) a
      later ``{view}_scatter(base, x, args...)`` that inverts a view ``alias = {view}(base, args...)``
@@ -87,6 +88,8 @@ _VIEW_INVERSE: dict[Any, Any] = {
     _aten.as_strided_scatter.default: _aten.as_strided.default,
 }
 # comparisons whose in-place form casts the boolean result back to self's dtype (step 1a special case)
+# views with at most this many elements (together) get an exact memory-overlap test in step 1c
+_EXACT_OVERLAP_ELEMENTS = 1 << 20
 _COMPARISONS = frozenset(
     getattr(_aten, name) for name in ("ge", "gt", "le", "lt", "eq", "ne")
 )
@@ -338,6 +341,24 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + span + 1
 
 
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    """Storage offset of every element of ``t`` (int64, shape ``(numel,)``), from its sizes and strides."""
+    offsets = torch.zeros((), dtype=torch.long)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return offsets.reshape(-1) + t.storage_offset()
+
+
+def _memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage share an element; exact up to _EXACT_OVERLAP_ELEMENTS, else by range."""
+    (lo_a, hi_a), (lo_b, hi_b) = _extent(a), _extent(b)
+    if not (lo_a < hi_b and lo_b < hi_a):
+        return False
+    if a.numel() + b.numel() > _EXACT_OVERLAP_ELEMENTS:
+        return True
+    return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
+
+
 def _aliases_other_argument(node: Node, self_arg: Node, state: _AliasState) -> bool:
     """Step 1c: another tensor argument may share memory with ``a``."""
     group = state.aliases(self_arg)
@@ -351,10 +372,27 @@ def _aliases_other_argument(node: Node, self_arg: Node, state: _AliasState) -> b
         other_val = other.meta.get("fake_result")
         if not isinstance(other_val, torch.Tensor) or _storage(other) != _storage(self_arg):
             return True  # aliased through an earlier rewrite: layouts not comparable, be safe
-        (lo_a, hi_a), (lo_b, hi_b) = _extent(self_val), _extent(other_val)
-        if lo_a < hi_b and lo_b < hi_a:
+        if _memory_overlaps(self_val, other_val) and not _overlap_is_elementwise_safe(node, self_val, other_val):
             return True
     return False
+
+
+def _overlap_is_elementwise_safe(node: Node, self_val: torch.Tensor, other_val: torch.Tensor) -> bool:
+    """A pointwise op (or copy) may write ``a`` in place while reading ``other`` if every shared element
+    sits at the same index in both: each output element then reads only itself. ``y[:, 0] += 1``
+    functionalizes to ``copy(select(s, 1, 0), select(s, 1, 0))``, the simplest such case."""
+    pointwise = node.target is _aten.copy.default or torch.Tag.pointwise in node.target.tags
+    if not pointwise or self_val.shape != other_val.shape:
+        return False
+    if _same_layout(self_val, other_val):
+        return True
+    if self_val.numel() + other_val.numel() > _EXACT_OVERLAP_ELEMENTS:
+        return False
+    mine, theirs = _element_offsets(self_val), _element_offsets(other_val)
+    if theirs.unique().numel() != theirs.numel():
+        return False  # ``other`` reads one element at several indices
+    shared = torch.isin(mine, theirs)
+    return bool((mine[shared] == theirs[shared]).all())
 
 
 # ---- step 2 ------------------------------------------------------------------------------------
