@@ -291,6 +291,28 @@ def test_verbose_stack_trace_comments_and_tensor_annotations() -> None:
     assert "# No stacktrace found for following nodes" in src
 
 
+def build_verbose(G: type) -> Any:
+    g = G()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3)
+    a = g.call_function(torch.relu, (x,))
+    a.meta["stack_trace"] = 'File "m.py", line 3, in forward\n    y = torch.relu(x)\n'
+    a.meta["val"] = torch.empty(2, 3)
+    b = g.call_function(operator.add, (a, 1))
+    b.meta["stack_trace"] = a.meta["stack_trace"]
+    c = g.call_method("sum", (b,))
+    c.meta["stack_trace"] = 'File "m.py", line 4, in forward\n    return y.sum()\n'
+    g.output(g.call_function(torch.neg, (c,)))
+    return g
+
+
+@pytest.mark.parametrize("options", [{}, {"include_stride": True, "include_device": True}])
+def test_verbose_text_identical_to_torch_fx(options: dict[str, bool]) -> None:
+    ours = build_verbose(fx.Graph).python_code("self", verbose=True, **options).src
+    assert ours == build_verbose(torch.fx.Graph).python_code("self", verbose=True, **options).src
+    assert "    \n    # File: m.py:4 in forward, code: return y.sum()\n" in ours
+
+
 def test_custom_codegen_hooks() -> None:
     class MyCodeGen(CodeGen):
         def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
