@@ -101,6 +101,7 @@ def assert_same_as_torch_fx(
     concrete_args: dict[str, Any] | None = None,
     rtol: float = 1e-6,
     atol: float = 1e-6,
+    copy_model: bool = True,
 ) -> tuple[fx.GraphModule, torch.fx.GraphModule]:
     """Trace ``model`` with fxdist and torch.fx and assert the same graph and outputs.
 
@@ -111,6 +112,9 @@ def assert_same_as_torch_fx(
         leaf_modules: module types both tracers keep as ``call_module`` leaves.
         concrete_args: passed to both ``trace`` calls.
         rtol, atol: tolerances for the outputs, relative to eager.
+        copy_model: trace deep copies (default). False saves time and memory on large models that
+            store no tensor constants while tracing (else the second tracer would see the first's
+            ``_tensor_constant*`` attributes and number its own differently).
 
     Returns:
         (fxdist GraphModule, torch.fx GraphModule).
@@ -118,8 +122,8 @@ def assert_same_as_torch_fx(
     ours_cls, theirs_cls = make_tracers(leaf_modules)
     kwargs = tracer_kwargs or {}
     is_module = isinstance(model, torch.nn.Module)
-    ours_root = copy.deepcopy(model) if is_module else model
-    theirs_root = copy.deepcopy(model) if is_module else model
+    ours_root = copy.deepcopy(model) if is_module and copy_model else model
+    theirs_root = copy.deepcopy(model) if is_module and copy_model else model
 
     ours_tracer, theirs_tracer = ours_cls(**kwargs), theirs_cls(**kwargs)
     ours_graph = ours_tracer.trace(ours_root, concrete_args)

@@ -110,7 +110,7 @@ def test_resnet50_with_embeddings_leaf():
     torch.manual_seed(0)
     model = ResNetNoHidden(ResNetModel(ResNetConfig()).eval())
     ours, _ = assert_same_as_torch_fx(model, torch.randn(1, 3, 64, 64), leaf_modules=(ResNetEmbeddings,),
-                                      rtol=1e-5, atol=1e-5)
+                                      copy_model=False)  # stores no constants
     assert len(ours.graph.nodes) == 200
     assert [n.op for n in ours.graph.nodes].count("call_module") == 182
 
@@ -122,7 +122,7 @@ def test_bert_two_layers_with_embeddings_and_self_attention_leaves():
     model = BertIds(BertModel(config).eval())
     ids = torch.randint(0, 1000, (2, 16))
     ours, _ = assert_same_as_torch_fx(model, ids, leaf_modules=(BertEmbeddings, BertSelfAttention),
-                                      rtol=1e-5, atol=1e-5)
+                                      copy_model=False)  # stores no constants
     leaves = [n.target for n in ours.graph.nodes if n.op == "call_module"]
     assert "bert.embeddings" in leaves and "bert.encoder.layer.1.attention.self" in leaves
 
