@@ -65,7 +65,7 @@ import logging
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -74,8 +74,9 @@ from torch.utils import _pytree as pytree
 
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node, map_arg
+from fxdist.passes.pass_base import PassBase, PassResult
 
-__all__ = ["reinplace"]
+__all__ = ["Reinplace", "reinplace"]
 
 _aten = torch.ops.aten
 _OpOverload = torch._ops.OpOverload
@@ -158,6 +159,28 @@ def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool
     _erase_redundant(gm, redundant, state)
     gm.recompile()
     return gm
+
+
+@dataclass(frozen=True, eq=False)
+class Reinplace(PassBase):
+    """``reinplace`` as a pipeline pass for ``PassManager`` (which lints, recompiles and can verify outputs).
+
+    Returns:
+        PassResult(gm, modified); modified is False when no node's target or arguments changed.
+
+    Source: torch/fx/passes/reinplace.py; seed 002.
+    """
+
+    name: ClassVar[str] = "reinplace"
+    sample_args: tuple[Any, ...]
+    """Example inputs, one per placeholder (their metadata and aliasing are used)."""
+    reuse_overwritten_inputs: bool = False
+    """See ``reinplace``."""
+
+    def call(self, gm: GraphModule) -> PassResult:
+        before = [(n.target, n.args, n.kwargs) for n in gm.graph.nodes]
+        reinplace(gm, *self.sample_args, reuse_overwritten_inputs=self.reuse_overwritten_inputs)
+        return PassResult(gm, before != [(n.target, n.args, n.kwargs) for n in gm.graph.nodes])
 
 
 # ---- metadata ----------------------------------------------------------------------------------

@@ -472,3 +472,24 @@ def test_random_overlapping_updates_match_the_functional_graph(steps):
     gm = reinplace(make_fx(functionalize(_overlap_program(steps)))(x), x)
     for got, ref in zip(gm(x.clone()), want):
         torch.testing.assert_close(got, ref)
+
+
+def test_reinplace_as_a_pass_manager_pass():
+    from fxdist.passes.pass_base import PassManager
+    from fxdist.passes.reinplace import Reinplace
+
+    def f(x):
+        a = x.clone()
+        a.add_(1)
+        a[0].mul_(2)
+        return a.relu()
+
+    x = torch.randn(3, 3)
+    gm = make_fx(functionalize(f))(x)
+    result = PassManager([Reinplace((x,))]).run(gm, example_inputs=(x,))  # verifies outputs too
+    record = result.graph_module.meta["fxdist"]["passes"][0]
+    assert (record["name"], record["modified"], record["nodes_erased"]) == ("reinplace", True, 1)
+    assert aten.select_scatter.default not in _targets(result.graph_module)
+    assert aten.select_scatter.default in _targets(gm)  # the caller's module is untouched
+    again = PassManager([Reinplace((x,))]).run(result.graph_module, example_inputs=(x,))
+    assert again.graph_module.meta["fxdist"]["passes"][-1]["modified"] is False
