@@ -1,0 +1,26 @@
+"""Program scheduling for parameter-server training (torch.fx paper §6.2.3).
+
+- :func:`async_rpc` (``scheduling.async_rpc(gm) -> GraphModule``): the pass.
+- :mod:`scheduling.ps`: the parameter-server runtime it schedules.
+- :mod:`scheduling.models`: a DLRM whose tables live on parameter servers, and its train step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["async_rpc", "AsyncRPC", "format_timeline"]
+
+
+def __getattr__(name: str) -> Any:
+    # lazy, so that server processes importing scheduling.ps.server never import fxdist or torchrec
+    if name in ("async_rpc", "AsyncRPC"):
+        from . import async_rpc_pass as _mod
+
+        value = getattr(_mod, name)
+    elif name == "format_timeline":
+        from .timeline import format_timeline as value
+    else:
+        raise AttributeError(f"module 'scheduling' has no attribute {name!r}")
+    globals()[name] = value
+    return value
