@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["graph_getstate", "graph_setstate"]
 
 _NODE_FIELDS = frozenset({
-    "graph", "name", "_op", "_target", "type", "_input_nodes", "users", "_args", "_kwargs", "_prev",
+    "graph", "_name", "_op", "_target", "type", "_input_nodes", "users", "_args", "_kwargs", "_prev",
     "_next", "_erased", "_sort_key", "_repr_fn", "meta"})
 _REBUILT_GRAPH_FIELDS = frozenset({"_root", "_insert", "_find_nodes_lookup_table", "_graph_namespace", "_len"})
 

@@ -205,7 +205,6 @@ class Node:
     _args: tuple[Argument, ...]
     _kwargs: dict[str, Argument]
     graph: Graph
-    name: str
     _input_nodes: dict[Node, None]
     users: dict[Node, None]
     type: Any | None
@@ -228,7 +227,7 @@ class Node:
                     f"Node [graph = {graph}, name = '{name}'] target {target} has type "
                     f"{torch.typename(target)} but a str is expected")
         d = self.__dict__
-        d["graph"], d["name"], d["_op"], d["_target"], d["type"] = graph, name, op, target, return_type
+        d["graph"], d["_name"], d["_op"], d["_target"], d["type"] = graph, name, op, target, return_type
         self._input_nodes = {}
         self.users = {}
         self._args, self._kwargs = (), immutable_dict()
@@ -239,7 +238,20 @@ class Node:
         self.meta = {}
         self._update_args_kwargs(() if args is None else args, {} if kwargs is None else kwargs)
 
-    # -- op/target: keep the graph's find_nodes table in sync when they change ----------------------
+    # -- name/op/target: keep the graph's namespace and find_nodes table in sync -------------------
+    @property
+    def name(self) -> str:
+        """The unique identifier of this value; assigning one also reserves it in the graph's namespace,
+        so later nodes cannot be given the same name (torch.fx does not do this)."""
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.__dict__["_name"] = value
+        namespace = getattr(self.graph, "_graph_namespace", None)
+        if namespace is not None:
+            namespace._used_names.add(value)
+
     @property
     def op(self) -> str:
         return self._op

@@ -87,3 +87,13 @@ def test_node_rename_keeps_old_name_used() -> None:
     assert g.placeholder("x").name == "x_1"       # as torch.fx: the old name is never reused
     assert g.placeholder("inp").name == "inp_1"
     g.lint()
+
+
+def test_assigning_node_name_reserves_it() -> None:
+    from fxdist.graph import Graph
+
+    g = Graph()
+    x = g.placeholder("x")
+    x.name = "foo"                                # direct assignment, as passes do
+    assert g.placeholder("foo").name == "foo_1"   # torch.fx would hand out "foo" again
+    g.lint()
