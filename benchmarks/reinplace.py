@@ -129,6 +129,23 @@ def _median_seconds(fns: dict[str, object], x: torch.Tensor) -> dict[str, float]
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _pass_seconds(fn, x: torch.Tensor, reps: int = 3) -> tuple[float, float]:
+    """Median seconds to capture and reinplace ``fn`` with fxdist, and with torch.fx (the peer)."""
+    from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
+    from torch.fx.passes.reinplace import reinplace as torch_reinplace
+
+    small = x[:64, :64].clone()  # the pass only reads metadata; keep tracing cheap
+    ours, theirs = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        reinplace(make_fx(functionalize(fn))(small.clone()), small)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        torch_reinplace(torch_make_fx(functionalize(fn))(small.clone()), small)
+        theirs.append(time.perf_counter() - start)
+    return statistics.median(ours), statistics.median(theirs)
+
+
 def _report(label: str, values: dict[str, float], fmt: str) -> None:
     shown = "  ".join(f"{k}={fmt.format(v)}" for k, v in values.items())
     ratios = f"after/before={values['after'] / values['before']:.3f}  after/eager={values['after'] / values['eager']:.3f}"
@@ -152,6 +169,9 @@ def main() -> None:
         print(f"\n{fn.__name__}: ops before={counts['before']} after={counts['after']} (in-place after: {inplace})")
         _report("peak MiB", {k: v / 2**20 for k, v in peak.items()}, "{:.0f}")
         _report("time ms ", {k: v * 1e3 for k, v in secs.items()}, "{:.1f}")
+        ours, theirs = _pass_seconds(fn, x)
+        print(f"  pass time ms   fxdist={ours * 1e3:.1f}  torch.fx={theirs * 1e3:.1f}   fxdist/torch.fx={ours / theirs:.3f}"
+              "   (make_fx + reinplace of the same function)")
 
 
 if __name__ == "__main__":

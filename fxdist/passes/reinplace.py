@@ -89,11 +89,9 @@ _VIEW_INVERSE: dict[Any, Any] = {
     _aten.as_strided_scatter.default: _aten.as_strided.default,
 }
 # comparisons whose in-place form casts the boolean result back to self's dtype (step 1a special case)
+_COMPARISONS = frozenset(getattr(_aten, name) for name in ("ge", "gt", "le", "lt", "eq", "ne"))
 # views with at most this many elements (together) get an exact memory-overlap test in step 1c
 _EXACT_OVERLAP_ELEMENTS = 1 << 20
-_COMPARISONS = frozenset(
-    getattr(_aten, name) for name in ("ge", "gt", "le", "lt", "eq", "ne")
-)
 
 
 @dataclass
