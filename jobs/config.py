@@ -120,6 +120,10 @@ class ClusterSection:
     """Train on GPUs (nccl); CPU training uses gloo."""
     address: str = ""
     """Ray cluster address; "" = $RAY_ADDRESS if set, else a local ray.init()."""
+    rpc_timeout_s: float = 30.0
+    """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
+    server_fetch_delay_ms: float = 0.0
+    """Added latency per parameter-server lookup, milliseconds (emulates a remote server; 0 = none)."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ class JobConfig:
             (self.model.table_size >= 2, "[model] table_size must be >= 2"),
             (0.0 <= self.data.eval_fraction < 1.0, "[data] eval_fraction must be in [0, 1)"),
             (0 <= self.metrics.port < 65536, "[metrics] port must be in 0..65535"),
+            (self.cluster.rpc_timeout_s > 0, "[cluster] rpc_timeout_s must be > 0"),
+            (self.cluster.server_fetch_delay_ms >= 0, "[cluster] server_fetch_delay_ms must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -13,6 +13,7 @@ Source: torch.fx paper §6.2.1 (quantization); FBGEMM; DLRM inference.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +61,19 @@ def quantize_dense(model: nn.Module, calibration: list[tuple[torch.Tensor, torch
     Returns:
         (quantized dense module, info): ``info["method"]`` names the path taken.
     """
-    dense = DenseDLRM(model).eval()
-    from quant import calibrate, convert, fuse, prepare  # noqa: PLC0415 - optional until quant/ lands
-
     import fxdist
+    from quant import calibrate, convert, fuse, prepare
 
-    gm = fuse(fxdist.symbolic_trace(dense))
-    prepared = prepare(gm, example_inputs=calibration[0])
-    calibrate(prepared, calibration)
-    return convert(prepared), {"method": "quant.fuse+prepare+calibrate+convert (fbgemm)"}
+    dense = DenseDLRM(model).eval()
+    fused = fuse(fxdist.symbolic_trace(dense), patterns=True).eval()  # fuse returns train-mode modules
+    prepared = prepare(fused, example_inputs=calibration[0], backend="fbgemm")
+    calibrate(prepared, calibration, progress=False)
+    int8 = convert(prepared)
+    fused_modules = sum(1 for m in fused.modules() if type(m).__module__.startswith("torch.ao.nn.intrinsic"))
+    quantized_modules = sum(1 for m in int8.modules() if type(m).__module__.startswith("torch.ao.nn.quantized"))
+    info = {"method": "quant: fuse(Linear+ReLU) + prepare + calibrate + convert (FBGEMM int8)",
+            "fused_modules": fused_modules, "quantized_modules": quantized_modules}
+    return int8, info
 
 
 def _inference_qps(model: nn.Module, batches: list, *, min_seconds: float = 1.0) -> float:
@@ -105,11 +110,13 @@ def compare(config: JobConfig, final: dict[str, Any], data_path: str | Path) -> 
         with torch.no_grad():
             calibration = [(b.dense, model.sparse_arch(b.sparse))
                            for b, _ in zip(train.batches(q.eval_batch_size), range(q.calibration_batches))]
-        int8_dense, info = quantize_dense(model, calibration)
+        with warnings.catch_warnings():  # torch.ao's deprecation notices, once per observer/module
+            warnings.simplefilter("ignore", UserWarning)
+            int8_dense, info = quantize_dense(model, calibration)
         int8 = _Quantized(model.sparse_arch, int8_dense).eval()
         fp32_qps, int8_qps = _inference_qps(model, batches), _inference_qps(int8, batches)
         return {
-            "method": info["method"],
+            **info,
             "rows": sum(b.labels.shape[0] for b in batches),
             "batch_size": q.eval_batch_size,
             "threads": 1,

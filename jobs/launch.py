@@ -48,6 +48,10 @@ class JobState:
         self.results: dict[str, Any] = {}
         self.fired: set[str] = set()
         self.parse: dict[str, Any] | None = None
+        self.t0 = time.time()
+        self.events: list[tuple[float, str]] = []
+        self.checkpoints: list[dict[str, Any]] = []
+        self.restores: list[dict[str, Any]] = []
 
     def fire(self, fault: str) -> bool:
         """True the first time ``fault`` is asked for, False afterwards."""
@@ -56,11 +60,26 @@ class JobState:
         self.fired.add(fault)
         return True
 
+    def event(self, what: str) -> None:
+        """Record ``what`` with the seconds since the job started (the report's timeline)."""
+        self.events.append((round(time.time() - self.t0, 3), what))
+
+    def checkpointed(self, phase: str, step: int, model_digest: str, tables_digest: str) -> None:
+        """A checkpoint was written: digests of its dense weights and server tables."""
+        self.checkpoints.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
+        self.event(f"checkpoint {phase} step {step}")
+
+    def restored(self, phase: str, step: int, model_digest: str, tables_digest: str) -> None:
+        """A restarted worker group loaded a checkpoint: digests of what the model and servers now hold."""
+        self.restores.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
+        self.event(f"restored {phase} step {step}")
+
     def parse_stats(self, stats: dict[str, Any], rows: int) -> None:
         self.parse = {**stats, "rank0_rows": rows}
 
     def phase_started(self, phase: str, start: int, total: int) -> None:
         self.starts.append((phase, start))
+        self.event(f"{phase} phase started at step {start}")
         self.totals[phase] = total
         self.progress_steps[phase] = start
 
@@ -69,27 +88,29 @@ class JobState:
 
     def phase_done(self, phase: str, summary: dict[str, Any]) -> None:
         self.results[phase] = summary
+        self.event(f"{phase} phase done")
         self.progress_steps[phase] = self.totals.get(phase, summary.get("steps", 0))
 
     def snapshot(self) -> dict[str, Any]:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
-                "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse}
+                "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
+                "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events)}
 
 
-def _join_ray(config: JobConfig, *, log: Any) -> bool:
-    """Initialise Ray if needed; returns True if this call started it (and should shut it down)."""
+def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
+    """Initialise Ray if needed; returns (this call started Ray, Ray spans a cluster)."""
     import ray
 
-    if ray.is_initialized():
-        return False
     address = config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if ray.is_initialized():
+        return False, bool(address) and len(ray.nodes()) > 1
     if address:
         log(f"joining the Ray cluster at {address}")
         ray.init(address=address, log_to_driver=False)
-    else:
-        log("starting Ray locally (set RAY_ADDRESS or [cluster] address to use a cluster)")
-        ray.init(include_dashboard=False, log_to_driver=False)
-    return True
+        return True, True
+    log("starting Ray locally (set RAY_ADDRESS or [cluster] address to use a cluster)")
+    ray.init(include_dashboard=False, log_to_driver=False)
+    return True, False
 
 
 def write_prometheus_files(config: JobConfig, run_dir: Path) -> Path:
@@ -203,7 +224,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     data_path, data_note = resolve_data_path(config.data.path, run_dir, config.data.synthetic_rows,
                                              seed=config.job.seed)
     log(data_note)
-    started_ray = _join_ray(config, log=log)
+    started_ray, on_cluster = _join_ray(config, log=log)
     try:
         metrics_port = None
         if config.metrics.enabled:
@@ -212,18 +233,21 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
         state = ray.remote(num_cpus=0)(JobState).remote()
         loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path),
-                       "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state}
+                       "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state,
+                       "rpc_host": None if on_cluster else "127.0.0.1"}
         trainer = _trainer(config, loop_config, run_dir)
         log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers, "
             f"{config.job.steps} steps per phase, passes {list(config.phases.passes)}")
         box: dict[str, Any] = {}
         t0 = time.perf_counter()
+        state.event.remote("launcher: TorchTrainer.fit started")
         thread = threading.Thread(target=_fit, args=(trainer, box), daemon=True)
         thread.start()
         snap = _follow(state, box, thread, show=not quiet and config.job.progress)
         if "error" in box:
             raise box["error"]
         train_seconds = time.perf_counter() - t0
+        snap = ray.get(state.snapshot.remote())
         final = _final_state(box["result"])
     finally:
         if started_ray:
@@ -233,10 +257,14 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         "data": {"path": str(data_path), "note": data_note, "parse": snap.get("parse")},
         "phases": snap.get("results", {}), "train_seconds": train_seconds,
         "restarts": _restarts(snap), "faults_fired": snap.get("fired", []), "run_dir": str(run_dir),
+        "checkpoints": snap.get("checkpoints", []), "restores": snap.get("restores", []),
+        "timeline": snap.get("events", []), "starts": snap.get("starts", []),
     }
     if config.quant.enabled:
         log("post-training quantization of the dense model: fp32 vs int8")
+        t_quant = time.perf_counter()
         results["inference"] = inference.compare(config, final, data_path)
+        results["inference"]["seconds"] = time.perf_counter() - t_quant
     report.write(results, run_dir)
     if not quiet:
         print(report.table(results), flush=True)

@@ -2,8 +2,10 @@
 
 The embedding lookup (``sparse_arch``) is pluggable: :class:`LocalEmbeddings` keeps the 26 tables in the
 trainer (one ``nn.Embedding`` with per-table row offsets, sparse gradients), while a job with parameter
-servers plugs in a module whose forward fetches rows over RPC (``scheduling.ps``). Every sparse arch maps
-``sparse (B, 26) int64 -> (B, 26, D) float32``.
+servers plugs in :class:`jobs.ps.PSSparseArch`, which fetches pooled rows over RPC (``scheduling.ps``).
+A sparse arch has two steps, ``fetched = fetch(sparse)`` and ``combine(sparse, fetched) -> (B, 26, D)``;
+:class:`DLRM` issues the fetch first, runs the bottom MLP, then combines, so that once
+``scheduling.async_rpc`` has split a blocking fetch into start and wait, the bottom MLP overlaps the fetch.
 
 Shapes: ``dense (B, 13)``, ``sparse (B, 26)`` -> logits ``(B,)``. With ``F = 27`` features (the bottom
 MLP output plus 26 embeddings) the interaction has ``F * (F - 1) / 2 = 351`` dot products.
@@ -15,6 +17,7 @@ Systems" (2019), §2 (architecture); torchrec.models.dlrm (DenseArch / Interacti
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,8 +48,14 @@ class LocalEmbeddings(nn.Module):
         nn.init.uniform_(self.embedding.weight, -(table_size**-0.5), table_size**-0.5)
         self.register_buffer("offsets", torch.arange(num_tables) * table_size, persistent=False)
 
+    def fetch(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.offsets
+
+    def combine(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.embedding(rows)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embedding(ids + self.offsets)
+        return self.combine(ids, self.fetch(ids))
 
 
 class Interaction(nn.Module):
@@ -71,7 +80,8 @@ class DLRM(nn.Module):
     """DLRM with a pluggable sparse arch.
 
     Args:
-        sparse_arch: Module mapping ``(B, T) int64`` ids to ``(B, T, D)`` embeddings.
+        sparse_arch: Module with ``fetch(sparse)`` and ``combine(sparse, fetched) -> (B, T, D)``; ``sparse``
+            is ``(B, T) int64`` ids (local tables) or a torchrec ``KeyedJaggedTensor`` (servers).
         num_dense: Dense features (13 for Criteo).
         num_tables: T, categorical features (26 for Criteo).
         dim: D, the embedding width.
@@ -96,9 +106,10 @@ class DLRM(nn.Module):
         num_inter = dim + (num_tables + 1) * num_tables // 2
         self.top = mlp(num_inter, [*top, 1], final_relu=False)
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        embedded = self.sparse_arch(sparse)
+    def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
+        fetched = self.sparse_arch.fetch(sparse)
         x = self.bottom(dense)
+        embedded = self.sparse_arch.combine(sparse, fetched)
         return self.top(self.interaction(x, embedded)).squeeze(1)
 
 

@@ -2,6 +2,7 @@
 
 ``make_tables(config, ...)`` returns a *tables backend* with one interface used by the training loop:
 
+- ``prepare(ids)``: the model's sparse input for a batch's ``(B, 26)`` ids;
 - ``sparse_arch(phase)``: the module mapping ids ``(B, 26)`` to embeddings ``(B, 26, D)``, or ``None``
   for the model's own :class:`jobs.model.LocalEmbeddings`;
 - ``reset(seed)``: re-initialise the tables (each phase starts from the same weights);
@@ -25,6 +26,9 @@ __all__ = ["LocalTables", "make_tables"]
 class LocalTables:
     """Embedding tables inside the model (DDP parameters with sparse gradients)."""
 
+    def prepare(self, ids: Any) -> Any:
+        return ids
+
     def sparse_arch(self, phase: str) -> nn.Module | None:
         return None
 
@@ -43,7 +47,7 @@ class LocalTables:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to do: the tables are in the model's state dict."""
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         pass
 
 

@@ -18,6 +18,7 @@ Source: Ray Train ``TorchTrainer`` user guide (report / get_checkpoint); DLRM tr
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import tempfile
@@ -39,6 +40,7 @@ from jobs.stats import binary_metrics, phase_summary
 __all__ = ["train_loop", "PhaseRun", "build_model", "run_phase"]
 
 PHASES = ("baseline", "optimized")
+REGISTER_WAIT_S = 3.0
 
 
 def build_model(config: JobConfig, sparse_arch: nn.Module | None = None) -> DLRM:
@@ -121,8 +123,9 @@ def run_phase(
     phase_start = time.perf_counter()
     for step in range(start_step, config.job.steps):
         batch = next(batches)
+        sparse = tables.prepare(batch.sparse)
         t0 = time.perf_counter()
-        logits = trained(batch.dense, batch.sparse)
+        logits = trained(batch.dense, sparse)
         loss = loss_fn(logits, batch.labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -149,12 +152,12 @@ def run_phase(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, shard: CriteoShard, batch_size: int = 512) -> dict[str, float]:
+def evaluate(model: nn.Module, shard: CriteoShard, tables: Any, batch_size: int = 512) -> dict[str, float]:
     """AUC and log loss of ``model`` on every row of ``shard``."""
     model.eval()
     scores, labels = [], []
     for batch in shard.all_batches(batch_size):
-        scores.append(torch.sigmoid(model(batch.dense, batch.sparse)))
+        scores.append(torch.sigmoid(model(batch.dense, tables.prepare(batch.sparse))))
         labels.append(batch.labels)
     model.train()
     return binary_metrics(torch.cat(scores), torch.cat(labels))
@@ -169,7 +172,12 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, world: int, state, tables) -> None:
-    """Fire the configured faults once per job (the JobState actor remembers which fired)."""
+    """Fire the configured faults once per job (the JobState actor remembers which fired).
+
+    Before a fault the victim waits ``REGISTER_WAIT_S``: Ray Train registers a reported checkpoint at
+    its next health check (every 2 s), and a fault timed right after a checkpoint would otherwise roll
+    back to the one before, which real faults are not timed to do.
+    """
     import ray
 
     faults = config.faults
@@ -177,16 +185,30 @@ def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, wo
         return
     if step == faults.kill_trainer_at_step and rank == world - 1:
         if ray.get(state.fire.remote("trainer")):
-            print(f"[fxdist] fault injection: killing trainer rank {rank} (pid {os.getpid()}) at step {step}",
-                  flush=True)
+            time.sleep(REGISTER_WAIT_S)
+            state.event.remote(f"fault: killing trainer rank {rank} (pid {os.getpid()}) at step {step}")
+            time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGKILL)
     if step == faults.kill_server_at_step and rank == 0 and hasattr(tables, "kill_server"):
         if ray.get(state.fire.remote("server")):
-            print(f"[fxdist] fault injection: killing parameter server 0 at step {step}", flush=True)
+            time.sleep(REGISTER_WAIT_S)
+            state.event.remote(f"fault: killing parameter server 0 at step {step}")
             tables.kill_server(0)
 
 
-def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables, rank: int, final: bool) -> None:
+def digest(state: dict[str, Any]) -> str:
+    """SHA-1 of a state dict's tensors (names, shapes, bytes), to check that a restore is exact."""
+    h = hashlib.sha1()
+    for key in sorted(state):
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            h.update(f"{key}:{tuple(value.shape)}:{value.dtype}".encode())
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables, rank: int, final: bool,
+                     state: Any = None) -> None:
     """Report a Ray Train checkpoint (rank 0 writes it; every rank reports)."""
     import ray.train
 
@@ -195,9 +217,11 @@ def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if rank == 0:
-            torch.save({"phase": phase, "step": step, "final": final, "model": _plain_state(module.state_dict()),
-                        "tables": tables.state_dict(),
+            dense, table_state = _plain_state(module.state_dict()), tables.state_dict()
+            torch.save({"phase": phase, "step": step, "final": final, "model": dense, "tables": table_state,
                         "optim": optimizer.state_dict()}, os.path.join(tmp, "state.pt"))
+            if state is not None:
+                state.checkpointed.remote(phase, step, digest(dense), digest(table_state))
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report({"phase": phase, "step": step, "final": final}, checkpoint=checkpoint)
 
@@ -231,6 +255,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     state = loop_config["state"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if rank == 0:
+        state.event.remote("rank 0: training loop started")
     torch.set_num_threads(max(1, int(config.cluster.cpus_per_trainer)))
     exporter = None
     if loop_config.get("metrics_port") is not None:
@@ -247,10 +273,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                                  eval_fraction=config.data.eval_fraction, split="eval")
     resume = _load_checkpoint()
     tables = make_tables(config, rank, world, loop_config, exporter)
+    if rank == 0:
+        state.event.remote("rank 0: data loaded, tables ready")
+    tables.prepare(shard.sparse[:2])  # warm-up (first use imports torchrec), outside the timed phases
+    graceful = False
     try:
         _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter)
+        graceful = True
     finally:
-        tables.close()
+        tables.close(graceful=graceful)
         if exporter is not None:
             exporter.close()
 
@@ -270,6 +301,9 @@ def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, e
             model.load_state_dict(resume["model"], strict=False)
             tables.load_state_dict(resume["tables"])
             start, optim_state = resume["step"], resume["optim"]
+            if rank == 0:  # what the model and the (fresh) servers hold now, for the job's record
+                state.restored.remote(phase, start, digest(_plain_state(model.state_dict())),
+                                      digest(tables.state_dict()))
         else:
             tables.reset(config.job.seed)
         if rank == 0:
@@ -280,15 +314,15 @@ def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, e
                 state.progress.remote(phase, step)
             _maybe_inject_faults(config, phase, step, rank, world, state, tables)
             if every and step % every == 0 and step < config.job.steps:
-                _save_checkpoint(phase, step, model, optimizer, tables, rank, final=False)
+                _save_checkpoint(phase, step, model, optimizer, tables, rank, final=False, state=state)
 
         run, info, optimizer = run_phase(phase, model, tables, shard, config, start_step=start,
                                          optim_state=optim_state, exporter=exporter, on_step=on_step)
         runs = _gather(run)
-        quality = evaluate(model, eval_shard) if eval_shard is not None else {}
+        quality = evaluate(model, eval_shard, tables) if eval_shard is not None else {}
         if rank == 0:
             summary = phase_summary(runs, config.job.batch_size)
             summary.update(quality=quality, optimize=info, resumed_from_step=start)
             ray_get = __import__("ray").get
             ray_get(state.phase_done.remote(phase, summary))
-        _save_checkpoint(phase, config.job.steps, model, optimizer, tables, rank, final=True)
+        _save_checkpoint(phase, config.job.steps, model, optimizer, tables, rank, final=True, state=state)

@@ -1,0 +1,194 @@
+"""End-to-end jobs on Ray: a short default job scraped by a real Prometheus, and a job that loses a
+trainer and a parameter server mid-run.
+
+Both jobs share one Ray session (module fixture, 2 CPUs, no dashboard). The Prometheus server is
+Debian's ``prometheus`` package (installed with apt-get when missing), on 127.0.0.1 with a temporary
+config and storage folder; every PromQL expression of ``dashboards/rules.yml`` and of the Grafana
+dashboard must return data through the HTTP API for the time range of the job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from jobs.cli import main
+from jobs.config import load_config
+from jobs.launch import DASHBOARDS, write_prometheus_files
+from jobs.metrics import free_port, free_port_block
+
+pytestmark = pytest.mark.timeout(420)
+
+SHORT = [
+    "job.steps=40", "job.batch_size=64", "job.checkpoint_every=10", "job.progress=false",
+    "model.table_size=2000", "model.bottom_mlp=[32]", "model.top_mlp=[32]",
+    "cluster.cpus_per_trainer=0.5", "cluster.rpc_timeout_s=20.0",
+    "quant.calibration_batches=2", "quant.eval_batch_size=128", "phases.passes=[\"dce\"]",
+]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _prometheus_binary() -> str:
+    binary = shutil.which("prometheus")
+    if binary:
+        return binary
+    if not shutil.which("apt-get"):
+        pytest.skip("prometheus is not installed and apt-get is unavailable to install it")
+    proc = subprocess.run(["apt-get", "install", "-y", "prometheus"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=300)
+        proc = subprocess.run(["apt-get", "install", "-y", "prometheus"], capture_output=True, text=True,
+                              timeout=600)
+    binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
+    if not binary:
+        pytest.fail(f"apt-get install -y prometheus failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return binary
+
+
+def _api(port: int, path: str, **params) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.loads(response.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"prometheus not ready on 127.0.0.1:{port} after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def scraped_job(ray_session, tmp_path_factory):
+    """Run the default job, shortened, through the CLI while Prometheus scrapes it.
+
+    In the optimized phase a trainer is killed at step 15 and the parameter server at step 33; Ray Train
+    restarts the worker group from the last checkpoint each time (checkpoints every 10 steps).
+    """
+    binary = _prometheus_binary()
+    tmp = tmp_path_factory.mktemp("job")
+    run_dir = tmp / "run"
+    base = free_port_block(3)
+    overrides = [*SHORT, f"metrics.port={base}", 'job.name="fxdist-test"', "job.max_failures=3",
+                 "faults.kill_trainer_at_step=15", "faults.kill_server_at_step=33"]
+    args = ["launch", "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
+    # the same files `fxdist launch` writes, rendered with a 1 s scrape/evaluation interval
+    config = load_config().replace(metrics={"port": base}, job={"name": "fxdist-test"})
+    prom_yml = write_prometheus_files(config, run_dir)
+    fast = tmp / "prometheus.yml"
+    fast.write_text(re.sub(r"(scrape|evaluation)_interval: \d+s", r"\1_interval: 1s", prom_yml.read_text()))
+    web = free_port()
+    proc = subprocess.Popen(
+        [binary, f"--config.file={fast}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{web}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("w"),
+    )
+    try:
+        _wait_ready(web, proc)
+        start = time.time()
+        rc = main(args)
+        time.sleep(3)  # a last scrape and rule evaluation
+        end = time.time()
+        results = json.loads((run_dir / "results.json").read_text()) if rc == 0 else None
+        yield {"rc": rc, "results": results, "run_dir": run_dir, "prom": web, "start": start, "end": end}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_short_default_job_end_to_end(scraped_job, capsys):
+    assert scraped_job["rc"] == 0
+    r = scraped_job["results"]
+    base, opt = r["phases"]["baseline"], r["phases"]["optimized"]
+    assert base["samples"] == 2 * 40 * 64
+    assert opt["samples"] == 2 * (40 - opt["resumed_from_step"]) * 64
+    assert base["qps"] > 0 and opt["qps"] > 0 and r["gain_percent"] is not None
+    assert base["fetch_p50_ms"] is not None  # a parameter server served the embeddings
+    assert 0.5 < base["quality"]["auc"] <= 1.0
+    names = [p["name"] for p in opt["optimize"]["passes"]]
+    assert names == ["dce"]
+    assert r["data"]["parse"]["valid"] > 0
+    inf = r["inference"]
+    assert inf["quantized_modules"] > 0 and inf["int8"]["qps"] > 0
+    assert abs(inf["int8"]["auc"] - inf["fp32"]["auc"]) < 0.05
+    assert (scraped_job["run_dir"] / "qps.png").stat().st_size > 10_000
+
+
+def test_printed_table(scraped_job, capfd):
+    from jobs.report import table
+
+    text = table(scraped_job["results"])
+    assert "QPS gain, optimized vs baseline:" in text and "int8 speed-up" in text
+    assert re.search(r"^baseline\s+\d+\.\d", text, re.M) and re.search(r"^optimized\s+\d+\.\d", text, re.M)
+    assert "restarts from checkpoint: 2" in text
+
+
+def _dashboard_expressions(job: str) -> list[str]:
+    import yaml
+
+    rules = yaml.safe_load((DASHBOARDS / "rules.yml").read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    dashboard = json.loads((DASHBOARDS / "grafana-fxdist.json").read_text())
+    exprs += [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    return [e.replace("$job", job) for e in exprs]
+
+
+def test_every_dashboard_and_rule_expression_returns_data(scraped_job):
+    assert scraped_job["rc"] == 0
+    port = scraped_job["prom"]
+    targets = _api(port, "targets")["activeTargets"]
+    assert len(targets) == 3 and {t["labels"]["role"] for t in targets} == {"trainer", "parameter_server"}
+    empty = []
+    for expr in _dashboard_expressions("fxdist-test"):
+        data = _api(port, "query_range", query=expr, start=scraped_job["start"], end=scraped_job["end"], step="1s")
+        values = [v for series in data["result"] for _, v in series["values"] if v not in ("NaN", "+Inf", "-Inf")]
+        if not values:
+            empty.append(expr)
+    assert not empty, f"no data for: {empty}"
+
+
+def test_trainer_and_server_killed_mid_run_recover_from_checkpoints(scraped_job):
+    r = scraped_job["results"]
+    assert sorted(r["faults_fired"]) == ["server", "trainer"]
+    assert r["restarts"] == 2
+    # each restart resumed from the newest checkpoint written before its fault: mid-phase (a restore of
+    # dense weights and server tables), or the previous phase's final checkpoint (the phase restarts)
+    starts = [step for phase, step in r["starts"] if phase == "optimized"]
+    assert len(starts) == 3 and starts[0] == 0
+    assert starts[1] in (0, 10) and starts[2] in (20, 30) and starts[1] <= starts[2]
+    restores = [(x["phase"], x["step"]) for x in r["restores"]]
+    assert restores == [("optimized", s) for s in starts[1:] if s > 0]
+    # ... with exactly the dense weights and server tables that checkpoint saved
+    saved = {(c["phase"], c["step"]): c for c in r["checkpoints"]}
+    for restore in r["restores"]:
+        checkpoint = saved[(restore["phase"], restore["step"])]
+        assert restore["model"] == checkpoint["model"]
+        assert restore["tables"] == checkpoint["tables"]
+    assert r["phases"]["optimized"]["resumed_from_step"] == starts[2]
+    assert r["phases"]["baseline"]["resumed_from_step"] == 0
