@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import importlib
 import linecache
 import operator
@@ -169,6 +170,18 @@ def test_traceback_shows_generated_line(net: Net) -> None:
     assert list(g.nodes)[gm._lineno_map[offset]].name == "explode"
     assert "explode = " in linecache.getline(generated[0].filename, generated[0].lineno)
     assert "explode = " in "".join(traceback.format_exception(info.value))
+
+
+def test_linecache_entries_do_not_accumulate(net: Net) -> None:
+    gm = GraphModule(net, net_graph())
+    first = type(gm)._fxdist_source["filename"]
+    assert linecache.getline(first, gm._prologue_start).startswith("def forward(self, x)")
+    gm.recompile()
+    second = type(gm)._fxdist_source["filename"]
+    assert first not in linecache.cache and second in linecache.cache
+    del gm
+    gc.collect()
+    assert second not in linecache.cache
 
 
 def test_to_folder_is_importable_and_computes_the_same(net: Net, tmp_path: Path,
