@@ -37,7 +37,7 @@ def format_timeline(graph: Graph, name_width: int = 28) -> str:
     columns: dict[Node, int] = {}
     open_: set[int] = set()
     overlap: dict[int, int] = {}
-    lines = [f"{'node':<{name_width}} | " + "RPCs in flight"]
+    lines = [f"{'node':<{name_width}} | RPCs in flight"]
     for node in graph.nodes:
         marks: dict[int, str] = {c: "|" for c in open_}
         start = _start_of(node)

@@ -93,7 +93,8 @@ class PSClient:
         sharding: ``"table_wise"``, ``"row_wise"`` or a mapping table name -> scheme.
         optimizer: ``"rowwise_adagrad"`` or ``"sgd"``, applied on the servers; ``optimizer_kwargs`` e.g.
             ``{"lr": 0.05}``.
-        name: registry name (graph nodes refer to the client by it).
+        name: registry name (graph nodes refer to the client by it) and the servers' namespace of its
+            tables: trainers sharing tables use the same name.
         timeout_s: every RPC fails with :class:`PSUnavailableError` after this many seconds.
         compress: ``"fused8bit"`` to receive lookups quantized with FBGEMM's fused 8-bit row-wise format.
         seed: seed of the initial weights; ``init_weights`` ``{table: (N, D)}`` overrides them.
@@ -195,7 +196,7 @@ class PSClient:
         ``max_staleness`` of them (default 0) are still in flight.
         """
         self.drain(server, 0 if max_staleness is None else max_staleness)
-        fut = self._call_async(server, _srv._rpc_lookup, (_batch(kjt), self.compress), "fetch")
+        fut = self._call_async(server, _srv._rpc_lookup, (self.name, _batch(kjt), self.compress), "fetch")
         return fut
 
     def finish_fetch(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
@@ -230,11 +231,11 @@ class PSClient:
         grad = fetched.grad.detach()
         fetched._fxdist_ps_pushed = True  # type: ignore[attr-defined]
         fetched.grad = None
-        return self._call_async(server, _srv._rpc_push, (_batch(kjt), grad), "push")
+        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push")
 
     def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor) -> torch.futures.Future:
         """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output."""
-        return self._call_async(server, _srv._rpc_push, (_batch(kjt), grad.detach()), "push")
+        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad.detach()), "push")
 
     def finish_push(self, fut: torch.futures.Future, server: int) -> int:
         """Wait for a push; returns the number of rows the server updated."""
@@ -295,7 +296,7 @@ class PSClient:
         for s in range(len(self.servers)):
             mine = {t: w for t, w in (init_weights or {}).items()
                     if any(sp.server == s and sp.table.name == t for sp in self.shards)}
-            futs.append(self._call_async(s, _srv._rpc_configure, (self.shards, s, self.optimizer,
+            futs.append(self._call_async(s, _srv._rpc_configure, (self.name, self.shards, s, self.optimizer,
                                                                    self.optimizer_kwargs, self.seed, mine or None),
                                          "configure"))
         for s, fut in enumerate(futs):
@@ -307,7 +308,7 @@ class PSClient:
         self.flush()
         out: dict[str, torch.Tensor] = {}
         for s in range(len(self.servers)):
-            for entry in self._call(s, _srv._rpc_state_dict, (), "state_dict").values():
+            for entry in self._call(s, _srv._rpc_state_dict, (self.name,), "state_dict").values():
                 spec: ShardSpec = entry["spec"]
                 t = spec.table
                 w = out.setdefault(f"{t.name}.weight", torch.zeros(t.num_embeddings, t.embedding_dim))
@@ -330,7 +331,7 @@ class PSClient:
                 if f"{name}.weight" not in state:
                     raise KeyError(f"load_state_dict: no '{name}.weight' in the state (keys: {sorted(state)})")
                 mom = state.get(f"{name}.momentum")
-                payload[spec.key] = {"spec": spec, "weight": state[f"{name}.weight"][spec.row_start:spec.row_end],
+                payload[f"{self.name}/{spec.key}"] = {"spec": spec, "weight": state[f"{name}.weight"][spec.row_start:spec.row_end],
                                      "state": None if mom is None else mom[spec.row_start:spec.row_end]}
             self._call(s, _srv._rpc_load_state_dict, (payload,), "load_state_dict")
 

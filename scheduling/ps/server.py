@@ -77,16 +77,17 @@ class PSServer:
         self.push_delay_s = push_delay_s
         self.shards: dict[str, _Shard] = {}
         self.optimizer: RowWiseOptimizer | None = None
-        self.layout: list[tuple[ShardSpec, str]] = []
+        self.layouts: dict[str, list[tuple[ShardSpec, str]]] = {}
         self._lock = threading.Lock()
         self.num_lookups = 0
         self.num_pushes = 0
 
     # ---- set-up -----------------------------------------------------------------------------------------
-    def configure(self, shards: Sequence[ShardSpec], server: int, optimizer: str,
+    def configure(self, namespace: str, shards: Sequence[ShardSpec], server: int, optimizer: str,
                   optimizer_kwargs: dict[str, float], seed: int,
                   init_weights: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
-        """Create the shards this server holds (those already present, e.g. from a checkpoint, are kept).
+        """Create the shards this server holds for ``namespace`` (a client name; trainers sharing tables use
+        the same one). Shards already present, e.g. from a checkpoint, are kept.
 
         Weights of a new shard: ``init_weights[table][row_start:row_end]`` when given, else uniform in
         ``(-1/sqrt(N), 1/sqrt(N))`` (torchrec's default) from a generator seeded by ``(seed, shard)``.
@@ -101,18 +102,26 @@ class PSServer:
             self.optimizer = make_optimizer(optimizer, **optimizer_kwargs)
             mine = [s for s in shards if s.server == server]
             for idx, spec in enumerate(mine):
-                old = self.shards.get(spec.key)
+                key = f"{namespace}/{spec.key}"
+                old = self.shards.get(key)
                 if old is not None:
                     if old.spec.num_rows != spec.num_rows or old.weight.shape[1] != spec.table.embedding_dim:
-                        raise ValueError(f"server {self.name}: shard {spec.key} exists with shape "
+                        raise ValueError(f"server {self.name}: shard {key} exists with shape "
                                          f"{tuple(old.weight.shape)}, client asks for "
                                          f"({spec.num_rows}, {spec.table.embedding_dim})")
                     old.spec = spec
                     continue
-                self.shards[spec.key] = _Shard(spec, self._init_weight(spec, seed, idx, init_weights),
+                self.shards[key] = _Shard(spec, self._init_weight(spec, seed, idx, init_weights),
                                                self.optimizer.init_state(spec.num_rows, spec.table.embedding_dim))
-            self.layout = server_layout(mine, server)
-            return {k: s.spec.num_rows for k, s in self.shards.items()}
+            self.layouts[namespace] = server_layout(mine, server)
+            return {k: s.spec.num_rows for k, s in self.shards.items() if k.startswith(namespace + "/")}
+
+    def _layout(self, namespace: str) -> list[tuple[ShardSpec, str]]:
+        try:
+            return self.layouts[namespace]
+        except KeyError:
+            raise ValueError(f"server {self.name}: no tables configured for client {namespace!r} "
+                             f"(have {sorted(self.layouts)}); create the PSClient with configure=True") from None
 
     @staticmethod
     def _init_weight(spec: ShardSpec, seed: int, idx: int,
@@ -155,8 +164,8 @@ class PSServer:
         keep = (ids >= spec.row_start) & (ids < spec.row_end)
         return ids[keep] - spec.row_start, bags[keep], (wts[keep] if wts is not None else None)
 
-    def lookup(self, batch: Batch, compress: str | None = None) -> torch.Tensor:
-        """Pooled sums ``(B, D_s)`` for every (shard, feature) pair of :attr:`layout`.
+    def lookup(self, namespace: str, batch: Batch, compress: str | None = None) -> torch.Tensor:
+        """Pooled sums ``(B, D_s)`` for every (shard, feature) pair of the namespace's layout.
 
         Raises:
             ValueError: a feature is missing from the batch or an id is out of range.
@@ -165,9 +174,9 @@ class PSServer:
             time.sleep(self.fetch_delay_s)
         feats, batch_size = self._features(batch)
         outs = []
-        for spec, feat in self.layout:
+        for spec, feat in self._layout(namespace):
             ids, bags, wts = self._bag(spec, feat, feats)
-            shard = self.shards[spec.key]
+            shard = self.shards[f"{namespace}/{spec.key}"]
             rows = shard.weight.index_select(0, ids)
             if wts is not None:
                 rows = rows * wts.unsqueeze(1)
@@ -181,7 +190,7 @@ class PSServer:
             raise ValueError(f"server {self.name}: unknown compression {compress!r} (use 'fused8bit')")
         return out
 
-    def push(self, batch: Batch, grad: torch.Tensor) -> int:
+    def push(self, namespace: str, batch: Batch, grad: torch.Tensor) -> int:
         """Apply the gradient ``grad`` ``(B, D_s)`` of this server's lookup output to the rows it touched.
 
         Row gradients are summed over all bags and features of the batch, then the optimizer makes one
@@ -193,19 +202,20 @@ class PSServer:
         if self.push_delay_s > 0:
             time.sleep(self.push_delay_s)
         feats, batch_size = self._features(batch)
-        width = sum(spec.table.embedding_dim for spec, _ in self.layout)
+        layout = self._layout(namespace)
+        width = sum(spec.table.embedding_dim for spec, _ in layout)
         if tuple(grad.shape) != (batch_size, width):
             raise ValueError(f"server {self.name}: gradient shape {tuple(grad.shape)} != expected "
                              f"({batch_size}, {width})")
         per_shard: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         col = 0
-        for spec, feat in self.layout:
+        for spec, feat in layout:
             dim = spec.table.embedding_dim
             ids, bags, wts = self._bag(spec, feat, feats)
             g = grad[:, col:col + dim].index_select(0, bags)
             if wts is not None:
                 g = g * wts.unsqueeze(1)
-            per_shard.setdefault(spec.key, []).append((ids, g))
+            per_shard.setdefault(f"{namespace}/{spec.key}", []).append((ids, g))
             col += dim
         touched = 0
         assert self.optimizer is not None
@@ -224,10 +234,13 @@ class PSServer:
         return touched
 
     # ---- checkpoints ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """``{shard key: {"spec", "weight" (R, D), "state" (R,) or None}}`` (copies)."""
+    def state_dict(self, namespace: str | None = None) -> dict[str, Any]:
+        """``{"<namespace>/<shard key>": {"spec", "weight" (R, D), "state" (R,) or None}}`` (copies), for one
+        namespace or all."""
         out = {}
         for key, shard in self.shards.items():
+            if namespace is not None and not key.startswith(namespace + "/"):
+                continue
             with shard.lock:
                 out[key] = {"spec": shard.spec, "weight": shard.weight.clone(),
                             "state": None if shard.state is None else shard.state.clone()}
@@ -270,16 +283,16 @@ def _rpc_configure(*args: Any, **kwargs: Any) -> dict[str, int]:
     return _server().configure(*args, **kwargs)
 
 
-def _rpc_lookup(batch: Batch, compress: str | None = None) -> torch.Tensor:
-    return _server().lookup(batch, compress)
+def _rpc_lookup(namespace: str, batch: Batch, compress: str | None = None) -> torch.Tensor:
+    return _server().lookup(namespace, batch, compress)
 
 
-def _rpc_push(batch: Batch, grad: torch.Tensor) -> int:
-    return _server().push(batch, grad)
+def _rpc_push(namespace: str, batch: Batch, grad: torch.Tensor) -> int:
+    return _server().push(namespace, batch, grad)
 
 
-def _rpc_state_dict() -> dict[str, Any]:
-    return _server().state_dict()
+def _rpc_state_dict(namespace: str | None = None) -> dict[str, Any]:
+    return _server().state_dict(namespace)
 
 
 def _rpc_load_state_dict(state: dict[str, Any]) -> None:
