@@ -116,33 +116,38 @@ class _node_list:  # noqa: N801 - torch.fx name
 
 
 class _FindNodesLookupTable:
-    """Nodes by ``(op, target)`` (target only for ``call_function``), kept in sync by insert/erase."""
+    """Nodes by op and by ``(op, target)``, kept in sync by insert/erase and by assignments to a node's
+    ``op``/``target``; each bucket is an insertion-ordered dict, so every query is a lookup, not a scan."""
 
     def __init__(self) -> None:
-        self.table: dict[tuple[str, Any], dict[Node, None]] = defaultdict(dict)
+        self.by_op: dict[str, dict[Node, None]] = defaultdict(dict)
+        self.by_target: dict[tuple[str, Any], dict[Node, None]] = defaultdict(dict)
 
     @staticmethod
-    def _key(node: Node) -> tuple[str, Any]:
-        return (node.op, node.target if node.op == "call_function" else None)
+    def _key(op: str, target: Any) -> tuple[str, Any]:
+        try:
+            hash(target)
+        except TypeError:  # an unhashable callable: key it by identity
+            return (op, ("<unhashable>", id(target)))
+        return (op, target)
 
     def __contains__(self, node: Node) -> bool:
-        return node in self.table.get(self._key(node), ())
+        return node in self.by_target.get(self._key(node.op, node.target), ()) and node in self.by_op[node.op]
 
     def insert(self, node: Node) -> None:
-        self.table[self._key(node)][node] = None
+        self.by_op[node.op][node] = None
+        self.by_target[self._key(node.op, node.target)][node] = None
 
     def remove(self, node: Node) -> None:
-        self.table[self._key(node)].pop(node, None)
+        self.by_op[node.op].pop(node, None)
+        self.by_target[self._key(node.op, node.target)].pop(node, None)
 
     def find_nodes(self, *, op: str, target: Target | None = None) -> list[Node]:
-        if op == "call_function":
-            if target is None:
-                raise _CompatValueError("find_nodes(op='call_function') needs target= (the function)")
-            return [*self.table.get((op, target), ())]
-        nodes = self.table.get((op, None), ())
         if target is None:
-            return [*nodes]
-        return [n for n in nodes if n.target == target]
+            if op == "call_function":
+                raise _CompatValueError("find_nodes(op='call_function') needs target= (the function)")
+            return [*self.by_op.get(op, ())]
+        return [*self.by_target.get(self._key(op, target), ())]
 
 
 class Graph:

@@ -301,8 +301,21 @@ def test_find_nodes_is_a_table_lookup_not_a_scan() -> None:
     for _ in range(50):
         g.call_function(torch.neg, (x,))
     y = g.call_function(torch.relu, (x,))
+    m = g.call_module("layer1", (y,))
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, v):
+            return v
+
+    fn = Unhashable()
+    u = g.call_function(fn, (m,))
     g._root._next = g._root  # hide every node from iteration: a scan would find nothing
     assert g.find_nodes(op="call_function", target=torch.relu) == [y]
+    assert g.find_nodes(op="call_module", target="layer1") == [m] == g.find_nodes(op="call_module")
+    assert g.find_nodes(op="call_function", target=fn) == [u]
+    assert g.find_nodes(op="get_attr") == [] and g.find_nodes(op="call_module", target="layer2") == []
 
 
 # -- copies ------------------------------------------------------------------------------------------
