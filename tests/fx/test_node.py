@@ -10,6 +10,8 @@ import operator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.fx as tfx
 import torch.nn.functional as F
 from torch.fx.node import map_aggregate as torch_map_aggregate
@@ -80,6 +82,31 @@ def test_map_aggregate_same_structure_and_types_as_torch_fx(value) -> None:
     theirs = torch_map_aggregate(value, lambda v: v)
     assert shape(ours) == shape(theirs)
     assert ours == theirs
+
+
+_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=3), st.floats(allow_nan=False),
+                    st.sampled_from([torch.float32, torch.device("cpu"), Ellipsis, range(2)]))
+_NESTED = st.recursive(_LEAVES, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.tuples(inner, inner), st.dictionaries(st.text(max_size=2), inner, max_size=3),
+    st.builds(Pair, inner, inner), st.builds(slice, inner, inner)), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_NESTED)
+def test_map_aggregate_random_structures_like_torch_fx(value) -> None:
+    def bump(v):
+        return v + 1 if type(v) is int else v
+
+    def shape(v):
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, [shape(x) for x in v])
+        if isinstance(v, dict):
+            return (type(v).__name__, {k: shape(x) for k, x in v.items()})
+        if isinstance(v, slice):
+            return ("slice", shape(v.start), shape(v.stop), shape(v.step))
+        return v
+
+    assert shape(map_aggregate(value, bump)) == shape(torch_map_aggregate(value, bump))
 
 
 def test_map_arg_only_touches_nodes() -> None:
