@@ -195,7 +195,7 @@ class _Emitter:
             return "..."
         if isinstance(tp, types.UnionType):
             return "|".join(self.type_ref(a) for a in typing.get_args(tp))
-        origin = getattr(tp, "__origin__", None)
+        origin = safe_attr(tp, "__origin__")
         if origin is not None:
             if isinstance(tp, typing._GenericAlias):  # type: ignore[attr-defined]
                 origin = ORIGIN_TYPING.get(origin, origin)
