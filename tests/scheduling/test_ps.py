@@ -1,0 +1,194 @@
+"""The parameter-server runtime against 2 real servers on loopback, and training with/without async_rpc.
+
+One group (2 server processes + this process as trainer) serves the whole module; each test uses its own
+client name, hence its own tables on the servers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+import scheduling
+from scheduling.models import DLRMOnPS, PSTrainStep, criteo_batches, criteo_tables, trace_train_step
+from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(2, timeout_s=30) as cl:
+        yield cl
+
+
+def _tables(mean: bool = True) -> list[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=11, feature_names=["f0"]),
+            EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=7, feature_names=["f1", "f2"],
+                               pooling=PoolingType.MEAN if mean else PoolingType.SUM)]
+
+
+def _kjt(weighted: bool = False) -> KeyedJaggedTensor:
+    values = torch.tensor([1, 2, 10, 3, 4, 6, 0, 5, 5])
+    lengths = torch.tensor([2, 1, 1, 2, 0, 3])
+    weights = torch.tensor([0.5, 2.0, 1.0, 1.5, -1.0, 0.25, 1.0, 2.0, 3.0]) if weighted else None
+    return KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=values, lengths=lengths, weights=weights)
+
+
+def _torchrec_ebc(client: PSClient, weighted: bool) -> EmbeddingBagCollection:
+    ebc = EmbeddingBagCollection(tables=_tables(mean=not weighted), is_weighted=weighted)
+    sd = client.state_dict()
+    ebc.load_state_dict({f"embedding_bags.{t}.weight": sd[f"{t}.weight"] for t in ("t0", "t1")})
+    return ebc
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_lookup_matches_torchrec_ebc(cluster, sharding):
+    client = PSClient(_tables(), cluster.server_names, sharding=sharding, name=f"lookup_{sharding}", seed=3)
+    try:
+        out = PSEmbeddingBagCollection(client)(_kjt())
+        ref = _torchrec_ebc(client, weighted=False)(_kjt())
+        assert out.keys() == ref.keys() == ["f0", "f1", "f2"]
+        torch.testing.assert_close(out.values(), ref.values())
+        if sharding == "row_wise":
+            assert {sp.server for sp in client.shards if sp.table.name == "t0"} == {0, 1}
+    finally:
+        client.close()
+
+
+def test_weighted_lookup_and_quantized_fetch(cluster):
+    # torchrec's EBC has no weighted MEAN pooling, so the reference uses SUM tables
+    exact = PSClient(_tables(mean=False), cluster.server_names, sharding="row_wise", name="weighted", seed=4)
+    quant = PSClient(_tables(mean=False), cluster.server_names, sharding="row_wise", name="weighted_q", seed=4,
+                     compress="fused8bit")
+    try:
+        kjt = _kjt(weighted=True)
+        ours = PSEmbeddingBagCollection(exact)(kjt).values()
+        torch.testing.assert_close(ours, _torchrec_ebc(exact, weighted=True)(kjt).values())
+        approx = PSEmbeddingBagCollection(quant)(kjt).values()
+        assert not torch.equal(approx, ours)                      # really went through 8-bit
+        assert (approx - ours).abs().max() < 0.02                 # rows span ~0.6: 8-bit step ~2.5e-3
+    finally:
+        exact.close()
+        quant.close()
+
+
+def _one_sgd_step_reference(weight: torch.Tensor, ids, offsets, grad_out, lr):
+    w = weight.clone().requires_grad_(True)
+    out = torch.nn.functional.embedding_bag(ids, w, offsets, mode="sum")
+    out.backward(grad_out)
+    return (w - lr * w.grad).detach()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_push_applies_the_optimizer_on_touched_rows(cluster, optimizer):
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=9, feature_names=["f"])]
+    client = PSClient(tables, cluster.server_names, sharding="row_wise", optimizer=optimizer,
+                      optimizer_kwargs={"lr": 0.5}, name=f"push_{optimizer}", seed=5)
+    try:
+        kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 1, 7, 3]), lengths=torch.tensor([3, 1]))
+        w0 = client.state_dict()["t.weight"]
+        ebc = PSEmbeddingBagCollection(client)
+        parts = ebc.fetch(kjt)
+        grad_out = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.25, 0.0, -1.0, 2.0]])
+        (ebc.pool(kjt, parts).values() * grad_out).sum().backward()
+        assert ebc.push(kjt, parts) == [2, 1]                     # rows {1, 3} on ps0, {7} on ps1
+        w1 = client.state_dict()["t.weight"]
+        if optimizer == "sgd":
+            expected = _one_sgd_step_reference(w0, kjt.values(), torch.tensor([0, 3]), grad_out, 0.5)
+        else:
+            g = torch.zeros_like(w0)
+            g[1] = 2 * grad_out[0]; g[7] = grad_out[0]; g[3] = grad_out[1]  # noqa: E702
+            acc = (g * g).mean(1)
+            expected = w0 - 0.5 * g / (acc.sqrt() + 1e-8).unsqueeze(1)
+            torch.testing.assert_close(client.state_dict()["t.momentum"], acc)
+        torch.testing.assert_close(w1, expected)
+        with pytest.raises(RuntimeError, match="already pushed"):
+            ebc.push(kjt, parts)
+        fresh = ebc.fetch(kjt)
+        with pytest.raises(RuntimeError, match="backward"):
+            ebc.push(kjt, fresh)
+    finally:
+        client.close()
+
+
+def test_push_in_backward_hook_equals_explicit_push(cluster):
+    a = PSClient(_tables(), cluster.server_names, optimizer="sgd", name="hook_a", seed=6)
+    b = PSClient(_tables(), cluster.server_names, optimizer="sgd", name="hook_b", seed=6)
+    try:
+        kjt = _kjt()
+        initial = a.state_dict()["t0.weight"]
+        PSEmbeddingBagCollection(a, push_in_backward=True)(kjt).values().pow(2).sum().backward()
+        ebc = PSEmbeddingBagCollection(b)
+        parts = ebc.fetch(kjt)
+        ebc.pool(kjt, parts).values().pow(2).sum().backward()
+        ebc.push(kjt, parts)
+        sa, sb = a.state_dict(), b.state_dict()
+        assert not torch.equal(sa["t0.weight"], initial)
+        for key in sa:
+            torch.testing.assert_close(sa[key], sb[key])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_state_dict_round_trip_and_checkpoint(cluster, tmp_path):
+    client = PSClient(_tables(), cluster.server_names, sharding="row_wise", name="ckpt", seed=7)
+    try:
+        state = {k: v + 1.0 for k, v in client.state_dict().items()}
+        client.load_state_dict(state)
+        for key, value in client.state_dict().items():
+            torch.testing.assert_close(value, state[key])
+        paths = client.checkpoint(tmp_path)
+        assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["ps0.pt", "ps1.pt"]
+        saved = torch.load(paths[0], weights_only=False)
+        assert any(k.startswith("ckpt/t0@") for k in saved)
+        with pytest.raises(KeyError, match="t1.weight"):
+            client.load_state_dict({"t0.weight": state["t0.weight"]})
+    finally:
+        client.close()
+
+
+def test_out_of_range_id_is_a_clear_error(cluster):
+    client = PSClient(_tables(), cluster.server_names, name="badid")
+    try:
+        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([11, 0, 0]),
+                                lengths=torch.tensor([1, 1, 1]))
+        with pytest.raises(ValueError, match=r"id 11 outside table 't0' rows \[0, 11\)"):
+            PSEmbeddingBagCollection(client)(kjt)
+    finally:
+        client.close()
+
+
+def _train(cluster, criteo_path, name: str, mode: str | None, steps: int = 4):
+    client = PSClient(criteo_tables(50, 4, 6), cluster.server_names, sharding="row_wise",
+                      optimizer_kwargs={"lr": 0.1}, name=name, seed=11)
+    try:
+        torch.manual_seed(0)
+        model = DLRMOnPS(name, dense_layers=(8, 4), over_layers=(8, 1))
+        gm = trace_train_step(PSTrainStep(model, torch.optim.Adagrad(model.parameters(), lr=0.05), f"{name}_opt"))
+        if mode == "exact":
+            scheduling.async_rpc(gm)
+        elif mode == "stale0":
+            scheduling.async_rpc(gm, max_staleness=0)
+        batches = criteo_batches(criteo_path, 32, num_embeddings=50, num_tables=6, limit=32 * steps)
+        losses = [float(gm(*batch)) for batch in batches]
+        with torch.no_grad():
+            dense, kjt, _ = next(criteo_batches(criteo_path, 16, num_embeddings=50, num_tables=6, limit=16))
+            logits = model(dense, kjt)
+        return losses, client.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}, logits
+    finally:
+        client.close()
+
+
+def test_training_with_async_rpc_is_exactly_the_baseline(cluster, criteo_path):
+    base = _train(cluster, criteo_path, "train_base", None)
+    for mode in ("exact", "stale0"):
+        other = _train(cluster, criteo_path, f"train_{mode}", mode)
+        assert other[0] == base[0], mode                                 # same loss every step
+        assert base[0][-1] < base[0][0]                                  # and it learns
+        for key in base[1]:
+            assert torch.equal(other[1][key], base[1][key]), (mode, key)  # same embeddings
+        for key in base[2]:
+            assert torch.equal(other[2][key], base[2][key]), (mode, key)  # same dense parameters
+        assert torch.equal(other[3], base[3])                            # same forward outputs
