@@ -3,7 +3,8 @@ arguments are indices, so a 100k-node graph pickles as easily as a 3-node one (a
 ``_next`` pointers and overflows the stack after ~1000 nodes).
 
 Saved per node: name, op, target, args/kwargs (Nodes replaced by ``_NodeRef(index)``), type, meta and
-any extra attributes set on the node. The graph's namespace is saved as its used names and counters,
+any extra attributes set on the node (Nodes of this graph inside their plain lists/tuples/dicts are
+replaced by references too). The graph's namespace is saved as its used names and counters,
 so names made after unpickling continue exactly where they would have.
 """
 
@@ -31,6 +32,19 @@ class _NodeRef:
     index: int
 
 
+def _swap_nodes(v: Any, fn: Any) -> Any:
+    """``v`` with ``fn`` applied to each Node or _NodeRef inside plain lists, tuples and dicts (types kept);
+    used on ``meta`` and extra node attributes, which passes fill with nodes (``meta["view_of"]``)."""
+    if isinstance(v, (Node, _NodeRef)):
+        return fn(v)
+    t = type(v)
+    if t is list or t is tuple:
+        return t(_swap_nodes(x, fn) for x in v)
+    if t is dict:
+        return {k: _swap_nodes(x, fn) for k, x in v.items()}
+    return v
+
+
 def graph_getstate(graph: Graph) -> dict[str, Any]:
     """The picklable state of ``graph`` (see module docstring).
 
@@ -45,9 +59,13 @@ def graph_getstate(graph: Graph) -> dict[str, Any]:
                                f"run graph.lint() to find the node using it")
         return _NodeRef(index[n])
 
+    def soft_ref(n: Node) -> Any:  # in meta: a node of another graph is kept as it is
+        return _NodeRef(index[n]) if n in index else n
+
     specs = [
-        (n.name, n.op, n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref), n.type, n.meta,
-         {k: v for k, v in n.__dict__.items() if k not in _NODE_FIELDS})
+        (n.name, n.op, n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref), n.type,
+         _swap_nodes(n.meta, soft_ref),
+         _swap_nodes({k: v for k, v in n.__dict__.items() if k not in _NODE_FIELDS}, soft_ref))
         for n in graph.nodes
     ]
     state = {k: v for k, v in graph.__dict__.items() if k not in _REBUILT_GRAPH_FIELDS}
@@ -70,13 +88,14 @@ def graph_setstate(graph: Graph, state: dict[str, Any]) -> None:
     def deref(a: Any) -> Any:
         return nodes[a.index] if isinstance(a, _NodeRef) else a
 
-    for name, op, target, args, kwargs, type_expr, meta, extra in specs:
+    for name, op, target, args, kwargs, type_expr, _meta, _extra in specs:
         n = graph.create_node(op, target, map_aggregate(args, deref), map_aggregate(kwargs, deref),
                               name, type_expr)
         n.name = name
-        n.meta = meta
-        n.__dict__.update(extra)
         nodes.append(n)
+    for n, spec in zip(nodes, specs):  # meta may point at later nodes: restore it once all exist
+        n.meta = _swap_nodes(spec[6], deref)
+        n.__dict__.update(_swap_nodes(spec[7], deref))
     ns = Namespace()
     ns._used_names.update(used)
     ns._base_count.update(counts)

@@ -578,6 +578,8 @@ def test_pickle_round_trip_of_a_long_graph_without_recursion() -> None:
     for i in range(2000):  # a naive pickle follows _next pointers and overflows the stack here
         prev = g.call_function(operator.add, (prev, x), {"k": [prev, (x, 1)]} if i % 7 == 0 else None)
     prev.meta["tag"] = "last"
+    x.meta["view_of"] = prev                 # nodes inside meta, as passes store them
+    x.meta["group"] = [prev, {"first": x}]
     dead = g.call_function(torch.neg, (x,))
     g.erase_node(dead)
     g.output(prev)
@@ -587,6 +589,7 @@ def test_pickle_round_trip_of_a_long_graph_without_recursion() -> None:
     last = g2.output_node().args[0]
     assert last.meta == {"tag": "last"} and last.name == "add_1999"
     first = next(iter(g2.nodes))
+    assert first.meta["view_of"] is last and first.meta["group"] == [last, {"first": first}]
     # the namespace survived: names continue where the original graph's would
     assert g2.call_function(torch.neg, (first,)).name == g.call_function(torch.neg, (x,)).name == "neg_1"
     assert g2.find_nodes(op="call_function", target=torch.neg)[0].graph is g2
