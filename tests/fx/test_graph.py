@@ -478,6 +478,26 @@ def test_dce_keeps_impure_nodes() -> None:
     assert _names(g.nodes) == ["x", "output"]
 
 
+def test_dce_recurses_into_graph_module_children_referenced_by_get_attr() -> None:
+    import fxdist as fx
+
+    def sub(x):
+        x.neg()  # dead
+        return x + 1
+
+    root = torch.nn.Module()
+    root.child = fx.symbolic_trace(sub)
+    g = Graph()
+    x = g.placeholder("x")
+    g.output((g.call_module("child", (x,)), g.get_attr("child")))
+    gm = fx.GraphModule(root, g)
+    assert [n.name for n in gm.child.graph.nodes] == ["x", "neg", "add", "output"]
+    assert gm.graph.eliminate_dead_code() is True
+    assert [n.name for n in gm.child.graph.nodes] == ["x", "add", "output"]
+    assert "neg" not in gm.child.code
+    torch.testing.assert_close(gm(torch.ones(2))[0], torch.full((2,), 2.0))
+
+
 def test_dce_refuses_an_unordered_graph() -> None:
     g = _seed_7_3(Graph)
     x, y, add, relu, out = g.nodes
