@@ -58,7 +58,7 @@ def _models() -> list[tuple[str, nn.Module, tuple[Any, ...], tuple[type, ...]]]:
     mlp = nn.Sequential(*[m for _ in range(100) for m in (nn.Linear(16, 16), nn.ReLU())]).eval()
     return [
         ("dlrm", dlrm, dlrm_inputs, (EmbeddingBagCollection,)),
-        ("resnet50", resnet, (torch.randn(1, 3, 32, 32),), (ResNetEmbeddings,)),
+        ("resnet50", resnet, (torch.randn(1, 3, 16, 16),), (ResNetEmbeddings,)),
         ("bert2", bert, (torch.randint(0, 1000, (1, 8)),), (BertEmbeddings, BertSelfAttention)),
         ("mlp200", mlp, (torch.randn(1, 16),), ()),
     ]
