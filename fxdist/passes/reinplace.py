@@ -151,9 +151,12 @@ def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool
     state = _propagate_fake_metadata(gm, sample_args)
     state.reuse_overwritten_inputs = reuse_overwritten_inputs
     redundant: dict[Node, bool] = {}  # node -> whether its write may still be needed (step 5)
-    for node in list(gm.graph.nodes):
-        if node not in redundant:
-            _reinplace_node(gm, node, state, redundant)
+    # A second sweep lets an input overwrite reach back through a chain: once ``c = bar(b)`` became
+    # ``bar_(b)``, the final ``copy_(x, c)`` reads ``copy_(x, b)`` and ``b = foo(x)`` can reuse ``x``.
+    for _sweep in range(2 if reuse_overwritten_inputs else 1):
+        for node in list(gm.graph.nodes):
+            if node not in redundant:
+                _reinplace_node(gm, node, state, redundant)
     _erase_redundant(gm, redundant, state)
     gm.recompile()
     return gm
@@ -321,8 +324,9 @@ def _comparison_cast_back(node: Node, self_val: torch.Tensor) -> Node | None:
 
 
 def _aliases_protected(self_arg: Node, state: _AliasState) -> bool:
-    """Step 1b: ``a`` lives in the storage of a program input or a module constant."""
-    return _storage(self_arg) in state.protected
+    """Step 1b: ``a`` lives in the storage of a program input or a module constant (also through a
+    group fused by an earlier rewrite, e.g. a view of a buffer that now is an overwritten input)."""
+    return any(_storage(n) in state.protected for n in (self_arg, *state.aliases(self_arg)))
 
 
 def _reuse_overwritten_input(node: Node, x: Node, state: _AliasState, redundant: dict[Node, bool]) -> bool:

@@ -138,6 +138,32 @@ def test_1b_note_overwritten_input_is_reused_only_when_enabled():
     torch.testing.assert_close(mine, eager)  # the input is mutated exactly as the program does
 
 
+def test_1b_note_reaches_back_through_a_chain():
+    def momentum_step(p, g):
+        p.mul_(0.9).add_(g, alpha=-0.1)  # functional: mul(p); add(mul, g); copy_(p, add)
+        return p
+
+    p, g = torch.randn(5), torch.randn(5)
+    gm = reinplace(make_fx(functionalize(momentum_step))(p, g), p, g, reuse_overwritten_inputs=True)
+    assert _targets(gm) == [aten.mul_.Tensor, aten.add_.Tensor]
+    mine, eager = [p.clone(), g.clone()], [p.clone(), g.clone()]
+    torch.testing.assert_close(gm(*mine), momentum_step(*eager))
+    torch.testing.assert_close(mine, eager)
+
+
+def test_1b_note_views_of_a_reused_input_stay_protected():
+    def f(x):
+        x.add_(1.0)  # add(x, 1) reuses x: select(add) below becomes a view of the input
+        return x[:, 2].exp()
+
+    x = torch.randn(4, 4)
+    gm = reinplace(make_fx(functionalize(f))(x.clone()), x, reuse_overwritten_inputs=True)
+    assert aten.add_.Tensor in _targets(gm) and aten.exp.default in _targets(gm)
+    mine, eager = x.clone(), x.clone()
+    torch.testing.assert_close(gm(mine), f(eager))
+    torch.testing.assert_close(mine, eager)
+
+
 def test_1b_note_not_applied_when_the_input_is_read_before_its_overwrite():
     def f(x):
         y = x * 2
@@ -493,3 +519,29 @@ def test_reinplace_as_a_pass_manager_pass():
     assert aten.select_scatter.default in _targets(gm)  # the caller's module is untouched
     again = PassManager([Reinplace((x,))]).run(result.graph_module, example_inputs=(x,))
     assert again.graph_module.meta["fxdist"]["passes"][-1]["modified"] is False
+
+
+def _input_mutating_program(steps):
+    def f(x, y):
+        temps = []
+        for on_x, view, update in steps:
+            out = _UPDATES[update](_VIEWS[view](x if on_x else y))
+            if update in ("exp", "sum"):
+                temps.append(out)
+        return (x * 1, *temps)
+
+    return f
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(sorted(_VIEWS)), st.sampled_from(sorted(_UPDATES))),
+                min_size=1, max_size=6))
+def test_random_input_mutations_with_reused_inputs_match_the_functional_graph(steps):
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    functional = make_fx(functionalize(_input_mutating_program(steps)))(x.clone(), y.clone())
+    gm = reinplace(make_fx(functionalize(_input_mutating_program(steps)))(x.clone(), y.clone()), x, y,
+                   reuse_overwritten_inputs=True)
+    want_inputs, got_inputs = [x.clone(), y.clone()], [x.clone(), y.clone()]
+    for got, want in zip(gm(*got_inputs), functional(*want_inputs)):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_inputs, want_inputs)  # inputs mutated exactly as the program does
