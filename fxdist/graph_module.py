@@ -20,8 +20,8 @@ Design choices where fxdist differs (documented, tested in tests/fx/test_graph_m
   submodule is replaced without ``recompile()`` and break DataParallel replicas. One visible
   difference: calling a GraphModule whose ``call_module`` target was deleted raises ``KeyError``
   (torch.fx: ``AttributeError``); ``graph.lint()`` reports such targets either way.
-  Measured by benchmarks/ir.py: a forward with 128 nested submodule calls runs at 0.84x eager and
-  0.47x torch.fx.
+  Measured by benchmarks/ir.py: a forward with 128 nested submodule calls runs at 0.8-0.9x eager's
+  time and 0.5-0.6x torch.fx's.
 * Tracebacks: the source is registered in ``linecache`` under ``<fxdist-generated-N>``, so
   tracebacks and pdb show the generated lines. No ``__call__`` wrapper is installed (it would cost
   two Python calls per invocation); ``gm._lineno_map`` maps a line back to its node.
