@@ -641,3 +641,14 @@ def test_pytree_concrete_args_on_function_iterates_dict_values():
     gm = symbolic_trace(f, concrete_args={"x": {"a": PH, "b": PH, "c": PH}})
     assert gm({"a": 1, "b": 2, "c": 4}) == 7
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x_1", "x_2", "x_3"]
+
+
+def test_stack_trace_of_a_function_root_starts_at_the_function():
+    def scaled_relu(x):
+        return torch.relu(x) * 3
+
+    gm = symbolic_trace(scaled_relu)
+    relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+    assert relu.stack_trace.startswith(f'File "{__file__}"')
+    assert relu.stack_trace.endswith("in scaled_relu\n    return torch.relu(x) * 3")
+    assert relu.stack_trace.count("File ") == 1
