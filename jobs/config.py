@@ -102,9 +102,9 @@ class ModelSection:
     """D: width of every embedding and of the bottom MLP's output."""
     table_size: int = 20000
     """Hash buckets per categorical feature (each of the 26 features has its own table)."""
-    bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256])
     """Hidden widths of the dense (bottom) MLP; its output width is embedding_dim."""
-    top_mlp: list[int] = field(default_factory=lambda: [64, 32])
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256])
     """Hidden widths of the over (top) MLP; its output width is 1 (the click logit)."""
 
 
@@ -122,8 +122,9 @@ class ClusterSection:
     """Ray cluster address; "" = $RAY_ADDRESS if set, else a local ray.init()."""
     rpc_timeout_s: float = 30.0
     """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
-    server_fetch_delay_ms: float = 0.0
-    """Added latency per parameter-server lookup, milliseconds (emulates a remote server; 0 = none)."""
+    server_fetch_delay_ms: float = 1.0
+    """Added latency per parameter-server lookup, milliseconds: emulates the network round trip to a
+    remote server, which a one-machine job does not have (0 = none)."""
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,8 @@ class DLRM(nn.Module):
         num_dense: int = 13,
         num_tables: int = 26,
         dim: int = 16,
-        bottom: Sequence[int] = (64, 32),
-        top: Sequence[int] = (64, 32),
+        bottom: Sequence[int] = (512, 256),
+        top: Sequence[int] = (512, 256),
     ) -> None:
         super().__init__()
         self.bottom = mlp(num_dense, [*bottom, dim])

@@ -39,7 +39,9 @@ def table(results: dict[str, Any]) -> str:
     c, j = cfg.get("cluster", {}), cfg.get("job", {})
     lines = [
         f"fxdist job {results.get('job')}: {c.get('trainers')} trainers, {c.get('parameter_servers')} parameter "
-        f"servers, {j.get('steps')} steps per phase, batch {j.get('batch_size')} per trainer",
+        f"servers, {j.get('steps')} steps per phase, batch {j.get('batch_size')} per trainer"
+        + (f", emulated server latency {c.get('server_fetch_delay_ms')} ms per lookup"
+           if c.get("parameter_servers") and c.get("server_fetch_delay_ms") else ""),
         "",
         f"{'phase':<10} {'QPS':>10} {'step p50':>9} {'step p99':>9} {'fetch p50':>10} {'fetch p99':>10} "
         f"{'loss':>7} {'AUC':>7} {'logloss':>8}",

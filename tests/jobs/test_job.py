@@ -31,7 +31,7 @@ SHORT = [
     "job.steps=40", "job.batch_size=64", "job.checkpoint_every=10", "job.progress=false",
     "model.table_size=2000", "model.bottom_mlp=[32]", "model.top_mlp=[32]",
     "cluster.cpus_per_trainer=0.5", "cluster.rpc_timeout_s=20.0",
-    "quant.calibration_batches=2", "quant.eval_batch_size=128", "phases.passes=[\"dce\"]",
+    "quant.calibration_batches=2", "quant.eval_batch_size=128",
 ]
 
 
@@ -132,7 +132,8 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
     assert base["fetch_p50_ms"] is not None  # a parameter server served the embeddings
     assert 0.5 < base["quality"]["auc"] <= 1.0
     names = [p["name"] for p in opt["optimize"]["passes"]]
-    assert names == ["dce"]
+    assert names == load_config().phases.passes == ["async_rpc"]
+    assert opt["optimize"]["passes"][0]["modified"] and opt["optimize"]["fallback"] is None
     assert r["data"]["parse"]["valid"] > 0
     inf = r["inference"]
     assert inf["quantized_modules"] > 0 and inf["int8"]["qps"] > 0
