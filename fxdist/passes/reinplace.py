@@ -20,7 +20,8 @@ Given ``b = foo(a, args...)`` (a ``call_function`` node whose first argument is 
 (2)  Skip unless ``a`` and its aliases have no later use, where (a) a later view of ``a`` is not a use
      by itself (its own uses are), (b) ``a`` passed twice (``mul(a, a)``) bans re-inplacing, and (c) a
      later ``{view}_scatter(base, x, args...)`` that inverts a view ``alias = {view}(base, args...)``
-     of ``a`` is not a use: it becomes redundant once ``foo`` writes into ``a``'s memory.
+     of ``a`` is not a use: it becomes redundant once ``foo`` writes into ``a``'s memory (``base``
+     must alias ``a``; ``x`` must not).
 (3a) A ``{view}_scatter(a, src, args...)`` node itself becomes ``{view}(a, args...).copy_(src)``.
 (3b) Otherwise ``foo`` becomes its in-place overload ``foo_`` (same schema but a mutable ``self``);
      ops without one, and view ops, are left alone.
@@ -53,7 +54,8 @@ def forward(self, x_1):
 Differences from torch.fx's pass (each makes the result safe where torch's is not): (1a) compares
 shapes, not just element counts; (1b) also protects ``get_attr`` parameters and buffers; (1c) checks
 memory overlap of all arguments, not only repeated nodes; (5) keeps a scatter whose source was not
-re-inplaced instead of dropping its write.
+re-inplaced instead of dropping its write; (2c) requires the scatter's base, and not its source,
+to alias ``a``.
 
 Source: torch/fx/passes/reinplace.py; seed 002 (the reinplace pass).
 """
@@ -462,11 +464,17 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _view_inverse_uses(later: set[Node], aliases: set[Node]) -> set[Node]:
-    """Case (c): later scatters ``{view}_scatter(base, x, args...)`` undoing a view of ``a``."""
+    """Case (c): later scatters ``{view}_scatter(base, x, args...)`` undoing a view of ``a``.
+
+    ``base`` must be an alias of ``a`` (the buffer being written) and no other argument may be one: a
+    scatter whose source is itself a view of ``a`` reads the values from before the in-place write.
+    """
     found = set()
     for user in sorted(later, key=lambda n: n.meta["node_idx"]):
         view_op = _VIEW_INVERSE.get(user.target)
-        if view_op is None or not isinstance(user.args[0], Node):
+        if view_op is None or user.args[0] not in aliases:
+            continue
+        if any(isinstance(a, Node) and a in aliases for a in pytree.tree_leaves((user.args[1:], user.kwargs))):
             continue
         base_val = user.args[0].meta.get("fake_result")
         for alias in aliases:

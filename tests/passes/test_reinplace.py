@@ -274,6 +274,24 @@ def test_2c_scatter_with_args_of_another_view_is_kept():
     assert targets[-2:] == [aten.diagonal.default, aten.copy_.default]  # (3a) on the scatter itself
 
 
+def test_2c_scatter_must_write_back_into_a_and_not_read_it():
+    def other_base(x):  # the scatter writes d into a different tensor laid out like a
+        a = x.clone()
+        d = a.diagonal()
+        e = torch.fill(d, 1.0)
+        return torch.diagonal_scatter(x * 2, d), e
+
+    def reads_old_view(x):  # the scatter's source is the view itself, read before any write
+        a = x.clone()
+        d = a.diagonal()
+        e = torch.fill(d, 1.0)
+        return torch.diagonal_scatter(a, d), e
+
+    for fn in (other_base, reads_old_view):  # torch.fx's pass gets both wrong
+        gm = _run_case(fn, torch.randn(3, 3), functional=False)
+        assert aten.fill.Scalar in _targets(gm)
+
+
 def test_3a_select_scatter_becomes_select_and_copy():
     def f(x):  # seed 002: a = zeros(2, 2); b = ones(2); a[0] = b, post functionalization
         a = torch.zeros(2, 2)
