@@ -277,7 +277,7 @@ def _final_state(result) -> dict[str, Any]:
     if checkpoint is None:
         raise RuntimeError("the training run ended without a checkpoint; see the Ray logs in the run folder")
     with checkpoint.as_directory() as d:
-        return torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
 
 
 def _restarts(snap: dict[str, Any]) -> int:

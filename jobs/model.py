@@ -109,7 +109,7 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
         fetched = self.sparse_arch.fetch(sparse)
         x = self.bottom(dense)
-        embedded = self.sparse_arch.combine(sparse, fetched)
+        embedded = self.sparse_arch.combine(sparse, fetched).to(x.device)  # server rows arrive on the CPU
         return self.top(self.interaction(x, embedded)).squeeze(1)
 
 

@@ -110,9 +110,12 @@ def run_phase(
     Returns:
         (measurements, optimize info, optimizer).
     """
+    device = _device(config)
+    model.to(device)
     module, info = _make_trained_module(model, phase, config)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    trained = nn.parallel.DistributedDataParallel(module) if distributed else module
+    ids = [device.index] if device.type == "cuda" else None
+    trained = nn.parallel.DistributedDataParallel(module, device_ids=ids) if distributed else module
     params = [p for p in trained.parameters() if p.requires_grad]
     optimizer = torch.optim.Adagrad(params, lr=config.job.lr)
     if optim_state is not None:
@@ -123,10 +126,10 @@ def run_phase(
     phase_start = time.perf_counter()
     for step in range(start_step, config.job.steps):
         batch = next(batches)
-        sparse = tables.prepare(batch.sparse)
+        dense, sparse, labels = _to(batch, tables, device)
         t0 = time.perf_counter()
-        logits = trained(batch.dense, sparse)
-        loss = loss_fn(logits, batch.labels)
+        logits = trained(dense, sparse)
+        loss = loss_fn(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         tables.after_backward()
@@ -151,14 +154,33 @@ def run_phase(
     return run, info, optimizer
 
 
+def _device(config: JobConfig) -> torch.device:
+    """This trainer's device: Ray Train's GPU with ``[cluster] use_gpu``, else the CPU."""
+    if not config.cluster.use_gpu:
+        return torch.device("cpu")
+    import ray.train.torch
+
+    return ray.train.torch.get_device()
+
+
+def _to(batch: Any, tables: Any, device: torch.device) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """(dense, model's sparse input, labels) on ``device``; a KeyedJaggedTensor stays on the CPU (servers)."""
+    sparse = tables.prepare(batch.sparse)
+    if isinstance(sparse, torch.Tensor):
+        sparse = sparse.to(device)
+    return batch.dense.to(device), sparse, batch.labels.to(device)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, shard: CriteoShard, tables: Any, batch_size: int = 512) -> dict[str, float]:
     """AUC and log loss of ``model`` on every row of ``shard``."""
     model.eval()
+    device = next(model.parameters()).device
     scores, labels = [], []
     for batch in shard.all_batches(batch_size):
-        scores.append(torch.sigmoid(model(batch.dense, tables.prepare(batch.sparse))))
-        labels.append(batch.labels)
+        dense, sparse, y = _to(batch, tables, device)
+        scores.append(torch.sigmoid(model(dense, sparse)).cpu())
+        labels.append(y.cpu())
     model.train()
     return binary_metrics(torch.cat(scores), torch.cat(labels))
 
@@ -238,7 +260,7 @@ def _load_checkpoint() -> dict | None:
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as d:
-        return torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
