@@ -429,7 +429,7 @@ def _later_uses_allow_reinplace(node: Node, self_arg: Node, state: _AliasState) 
         return None
     aliases = state.aliases(self_arg)
     later = _later_uses(aliases, node.meta["node_idx"])
-    scatters = _view_inverse_uses(later, aliases)
+    scatters = _view_inverse_uses(later, aliases, node, self_arg)
     return scatters if later <= scatters else None
 
 
@@ -463,11 +463,12 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
 
 
-def _view_inverse_uses(later: set[Node], aliases: set[Node]) -> set[Node]:
+def _view_inverse_uses(later: set[Node], aliases: set[Node], node: Node, self_arg: Node) -> set[Node]:
     """Case (c): later scatters ``{view}_scatter(base, x, args...)`` undoing a view of ``a``.
 
     ``base`` must be an alias of ``a`` (the buffer being written) and no other argument may be one: a
     scatter whose source is itself a view of ``a`` reads the values from before the in-place write.
+    A scatter of ``node``'s own result must undo exactly the view ``node`` writes (``self_arg``).
     """
     found = set()
     for user in sorted(later, key=lambda n: n.meta["node_idx"]):
@@ -477,7 +478,7 @@ def _view_inverse_uses(later: set[Node], aliases: set[Node]) -> set[Node]:
         if any(isinstance(a, Node) and a in aliases for a in pytree.tree_leaves((user.args[1:], user.kwargs))):
             continue
         base_val = user.args[0].meta.get("fake_result")
-        for alias in aliases:
+        for alias in [self_arg] if user.args[1] is node else aliases:
             origin = alias.meta.get("view_of")
             if origin is None or not isinstance(base_val, torch.Tensor):
                 continue

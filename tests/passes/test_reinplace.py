@@ -292,6 +292,25 @@ def test_2c_scatter_must_write_back_into_a_and_not_read_it():
         assert aten.fill.Scalar in _targets(gm)
 
 
+def test_2c_scatter_of_the_result_must_undo_the_view_it_was_computed_from():
+    def other_view(x):  # fill(d0) scattered into the super-diagonal d1 (same shape), not into d0
+        a = x.clone()
+        d0, _ = a.diagonal(), a.diagonal(offset=1)
+        return torch.diagonal_scatter(a, torch.fill(d0, 1.0), offset=1)
+
+    gm = _run_case(other_view, torch.randn(4, 5), functional=False)  # torch.fx's pass drops the write
+    assert aten.fill.Scalar in _targets(gm)
+
+    def nested(x):  # a[1:3][0] *= 2: select_scatter inside slice_scatter, both undone
+        a = x.clone()
+        a[1:3][0].mul_(2)
+        return a
+
+    gm = _run_case(nested, torch.randn(4, 5))
+    assert aten.mul_.Tensor in _targets(gm)
+    assert not {aten.slice_scatter.default, aten.select_scatter.default} & set(_targets(gm))
+
+
 def test_3a_select_scatter_becomes_select_and_copy():
     def f(x):  # seed 002: a = zeros(2, 2); b = ones(2); a[0] = b, post functionalization
         a = torch.zeros(2, 2)
