@@ -51,11 +51,14 @@ def forward(self, x_1):
     relu = torch.ops.aten.relu_.default(add);  relu = None
     return add
 
-Differences from torch.fx's pass (each makes the result safe where torch's is not): (1a) compares
-shapes, not just element counts; (1b) also protects ``get_attr`` parameters and buffers; (1c) checks
-memory overlap of all arguments, not only repeated nodes; (5) keeps a scatter whose source was not
-re-inplaced instead of dropping its write; (2c) requires the scatter's base, and not its source,
-to alias ``a``.
+Differences from torch.fx's pass, each making the result correct where torch's is not (tests show
+each case): (1a) compares shapes, not just element counts; (1b) also protects ``get_attr`` parameters
+and buffers; (1c) checks memory overlap of all arguments, not only repeated nodes; (2c) requires the
+scatter's base, and not its source, to alias ``a``, and a scatter of ``b`` itself to undo the view
+``a``; (5) keeps a scatter whose source was not re-inplaced instead of dropping its write. On graphs
+from ``make_fx(functionalize(f))`` without those hazards both passes give the same op sequence.
+Also: the ``ge``/``_to_copy`` special case (torch's docstring only describes it) and the optional
+``reuse_overwritten_inputs``.
 
 Source: torch/fx/passes/reinplace.py; seed 002 (the reinplace pass).
 """
