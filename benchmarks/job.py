@@ -35,6 +35,12 @@ def _ensure_allocator() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC})
 
 
+def load_batch_size() -> int:
+    from jobs.config import load_config
+
+    return load_config().job.batch_size
+
+
 def run_job(steps: int) -> dict:
     from jobs.config import load_config
     from jobs.launch import launch
@@ -96,6 +102,28 @@ def export_overhead(steps: int, trials: int) -> tuple[float, float]:
     return statistics.median(without), statistics.median(with_)
 
 
+def per_call_costs() -> tuple[float, float]:
+    """(seconds per ``observe_step``, seconds per scrape of /metrics), measured on a fresh exporter."""
+    from jobs.metrics import Exporter
+
+    e = Exporter("bench", 0)
+    e.touch(["baseline", "optimized"])
+    n = 20000
+    t0 = time.perf_counter()
+    for i in range(n):
+        e.observe_step("baseline", samples=128, step_seconds=0.01 + (i % 7) * 1e-3, fetch_seconds=0.001, loss=0.5)
+    observe = (time.perf_counter() - t0) / n
+    port = e.serve(0)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(50):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        scrape = (time.perf_counter() - t0) / 50
+    finally:
+        e.close()
+    return observe, scrape
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -118,6 +146,11 @@ def main() -> None:
     print(f"metrics export ({args.trials} alternating trials x {args.steps} steps, exporter scraped every 1 s):")
     print(f"  QPS without exporter {without:10.1f}   with exporter {with_:10.1f}")
     print(f"  with/without ratio: {with_ / without:.4f} (overhead {100 * (1 - with_ / without):+.2f} %)")
+    observe, scrape = per_call_costs()
+    steps_per_s = without / load_batch_size()
+    share = observe * steps_per_s + scrape / 1.0  # CPU seconds per second of training, scraped every 1 s
+    print(f"  per-call costs: observe_step {observe * 1e6:.1f} us, one scrape {scrape * 1e3:.2f} ms; at "
+          f"{steps_per_s:.0f} steps/s that is {100 * share:.3f} % of one core (estimate from per-call costs)")
 
 
 if __name__ == "__main__":

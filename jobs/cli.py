@@ -84,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         launch(config, run_dir=args.run_dir, quiet=args.quiet)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"fxdist: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("fxdist: interrupted", file=sys.stderr)
         return 130

@@ -72,7 +72,7 @@ class JobSection:
     """Samples per step, per trainer."""
     seed: int = 0
     """Seed of the model initialisation (both phases start from the same weights)."""
-    lr: float = 0.05
+    lr: float = 0.01
     """Adagrad learning rate (dense and embedding parameters)."""
     checkpoint_every: int = 50
     """Steps between checkpoints (dense weights + parameter-server tables); 0 = only at phase ends."""

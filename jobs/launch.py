@@ -137,6 +137,29 @@ def write_prometheus_files(config: JobConfig, run_dir: Path) -> Path:
     return out / "prometheus.yml"
 
 
+def _check_ports(config: JobConfig) -> None:
+    """Fail early, with the fix, when an exporter port of this machine is taken.
+
+    Raises:
+        ConfigError: naming the port in use.
+    """
+    import socket
+
+    from jobs.config import ConfigError
+
+    m, c = config.metrics, config.cluster
+    for port in range(m.port, m.port + c.trainers + c.parameter_servers):
+        with socket.socket() as s:
+            try:
+                s.bind((m.host, port))
+            except OSError as e:
+                raise ConfigError(
+                    f"{config.source}: [metrics] port: {m.host}:{port} is in use ({e.strerror}); the job needs ports "
+                    f"{m.port}..{m.port + c.trainers + c.parameter_servers - 1}. Pick another base, e.g. "
+                    f"--set metrics.port={m.port + 100}, or --set metrics.enabled=false"
+                ) from None
+
+
 def _fit(trainer, box: dict[str, Any]) -> None:
     try:
         box["result"] = trainer.fit()
@@ -227,6 +250,8 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     started_ray, on_cluster = _join_ray(config, log=log)
     try:
         metrics_port = None
+        if config.metrics.enabled and not on_cluster:
+            _check_ports(config)
         if config.metrics.enabled:
             prom = write_prometheus_files(config, run_dir)
             metrics_port = config.metrics.port
@@ -275,7 +300,8 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
 def _final_state(result) -> dict[str, Any]:
     checkpoint = result.checkpoint
     if checkpoint is None:
-        raise RuntimeError("the training run ended without a checkpoint; see the Ray logs in the run folder")
+        raise RuntimeError("the training run ended without a checkpoint; see Ray's logs "
+                           "(/tmp/ray/session_latest/logs on the head node)")
     with checkpoint.as_directory() as d:
         return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
 

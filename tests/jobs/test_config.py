@@ -66,3 +66,17 @@ def test_cli_config_command_and_bad_config_exit_status(capsys, tmp_path):
     bad.write_text("[job]\nsteps = -1\n")
     assert main(["launch", str(bad)]) == 2
     assert "[job] steps must be >= 1" in capsys.readouterr().err
+
+
+def test_taken_metrics_port_is_a_config_error():
+    import socket
+
+    from jobs.launch import _check_ports
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        config = JobConfig().replace(metrics={"port": port})
+        with pytest.raises(ConfigError, match=rf"127.0.0.1:{port} is in use.*--set metrics.port="):
+            _check_ports(config)
