@@ -149,6 +149,7 @@ def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool
         graph itself does with ``copy_``).
 
     Raises:
+        ValueError: ``sample_args`` has not one value per placeholder.
         RuntimeError: the graph cannot run on FakeTensors of ``sample_args`` (names the node).
 
     Source: torch/fx/passes/reinplace.py; seed 002.
@@ -228,6 +229,10 @@ def _run_node(gm: GraphModule, node: Node, env: dict[Node, Any], inputs: Iterabl
 
 def _propagate_fake_metadata(gm: GraphModule, sample_args: tuple[Any, ...]) -> _AliasState:
     """Step 0: set ``meta["fake_result"]``, ``meta["node_idx"]`` and ``meta["view_of"]`` on every node."""
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(sample_args):
+        raise ValueError(f"reinplace: the graph has {len(placeholders)} placeholders {placeholders} but "
+                         f"{len(sample_args)} sample inputs were given; pass one example value per placeholder")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = _AliasState(mode)
     env: dict[Node, Any] = {}

@@ -373,6 +373,9 @@ def test_sample_inputs_that_do_not_fit_raise_naming_the_node():
     gm = make_fx(lambda x: torch.mm(x, x))(torch.randn(3, 3))
     with pytest.raises(RuntimeError, match=r"reinplace: cannot run %mm \(call_function"):
         reinplace(gm, torch.randn(2, 5))
+    with pytest.raises(ValueError, match=r"1 placeholders \['x_1'\] but 2 sample inputs"):
+        reinplace(gm, torch.randn(3, 3), torch.randn(3, 3))
+    assert _targets(gm) == [aten.mm.default]  # nothing was changed before raising
 
 
 def _f_chain(x):
