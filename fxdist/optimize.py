@@ -3,7 +3,7 @@
 >>> import torch, fxdist
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
 >>> gm = fxdist.optimize(model, passes=("dce",))
->>> gm[0].weight is model[0].weight          # optimizers and DDP see the same parameters
+>>> gm.get_submodule("0").weight is model[0].weight   # optimizers and DDP see the same parameters
 True
 >>> [record["name"] for record in gm.meta["fxdist"]["passes"]]
 ['dce']
