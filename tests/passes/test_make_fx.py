@@ -251,3 +251,14 @@ def test_data_dependent_values_raise_and_constants_fold():
     ours, ref = make_fx(literal)(x), torch_make_fx(literal)(x)
     assert _signature(ours) == _signature(ref)
     torch.testing.assert_close(ours(x), x * 3.0)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_same_graph_under_no_grad_and_inference_mode(context):
+    # without autograd, composite ops (linear, layer_norm, ...) reach the mode and are decomposed there
+    model = _ConvNet().eval()
+    args = (torch.randn(2, 3, 6, 6), torch.tensor([[1, 2], [3, 4]]))
+    with context():
+        ours, ref = make_fx(model)(*args), torch_make_fx(model)(*args)
+    assert _signature(ours) == _signature(ref)
+    _assert_same_outputs(ours(*args), model(*args))
