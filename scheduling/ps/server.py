@@ -36,14 +36,46 @@ __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_back
 Batch = tuple[tuple[str, ...], torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
+_RDZV_SCHEME = "fxdisttcp"
+
+
+def _rendezvous_handler(url: str, **kwargs: Any) -> Any:
+    """``fxdisttcp://host:port?rank=R&world_size=W&timeout_s=T``: torch's tcp:// store with a timeout.
+
+    torch's ``tcp://`` handler waits up to 30 minutes for missing members; this one gives up after
+    ``timeout_s`` seconds, so an absent server fails fast.
+    """
+    from datetime import timedelta
+    from urllib.parse import parse_qs, urlparse
+
+    from torch.distributed import TCPStore
+
+    parsed = urlparse(url)
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    timeout = timedelta(seconds=float(query.get("timeout_s", 60)))
+    store = TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout, multi_tenant=True)
+    yield store, rank, world_size
+    raise RuntimeError(f"{_RDZV_SCHEME}:// cannot re-rendezvous")
+
+
 def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: int = 16) -> Any:
     """TensorPipe options used by every member of a PS group: TCP ("uv") transport only.
 
     The shared-memory transport starves a 2-core machine (requests reach the server only after the
-    trainer's compute ends; see FACTS.md), so it is disabled.
+    trainer's compute ends; see FACTS.md), so it is disabled. A ``tcp://host:port`` rendezvous is
+    routed through a handler that waits at most ``timeout_s`` for the other members.
     """
+    import importlib
+
     from torch.distributed import rpc
 
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
+
+    if _RDZV_SCHEME not in rdzv._rendezvous_handlers:
+        rdzv.register_rendezvous_handler(_RDZV_SCHEME, _rendezvous_handler)
+    if init_method.startswith("tcp://"):
+        init_method = f"{_RDZV_SCHEME}://{init_method[len('tcp://'):]}?timeout_s={timeout_s}"
     return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s,
                                            num_worker_threads=num_worker_threads, _transports=["uv"],
                                            _channels=["basic"])
