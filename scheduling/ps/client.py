@@ -343,6 +343,12 @@ class PSClient:
                 for s in range(len(self.servers))]
         return [self._wait(f, s, "checkpoint") for s, f in enumerate(futs)]
 
+    def set_delays(self, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0) -> None:
+        """Set the added server-side latency per lookup / push on every server, in seconds (affects all
+        clients of those servers; used to emulate network distance)."""
+        for s in range(len(self.servers)):
+            self._call(s, _srv._rpc_set_delays, (fetch_delay_s, push_delay_s), "set_delays")
+
     def stats(self) -> list[dict[str, int]]:
         """Per server: number of lookups and pushes served, and its process id."""
         return [self._call(s, _srv._rpc_stats, (), "stats") for s in range(len(self.servers))]

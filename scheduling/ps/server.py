@@ -335,6 +335,11 @@ def _rpc_save(directory: str) -> str:
     return _server().save(directory)
 
 
+def _rpc_set_delays(fetch_delay_s: float, push_delay_s: float) -> None:
+    s = _server()
+    s.fetch_delay_s, s.push_delay_s = fetch_delay_s, push_delay_s
+
+
 def _rpc_stop() -> bool:
     """Ask the serving loop of :func:`start_server` (``block=True``) to leave the group and return."""
     _STOP.set()
