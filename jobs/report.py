@@ -79,6 +79,10 @@ def table(results: dict[str, Any]) -> str:
         bad = sum(parse.get("malformed", {}).values())
         detail = ", ".join(f"{k}: {v}" for k, v in parse.get("malformed", {}).items())
         lines += ["", f"data: {parse.get('valid')} valid lines, {bad} malformed skipped" + (f" ({detail})" if bad else "")]
+        epochs = next((p.get("epochs") for p in results.get("phases", {}).values() if p.get("epochs")), None)
+        if epochs:
+            lines.append(f"each phase passes {epochs:.1f} times over each trainer's shard"
+                         + ("; held-out AUC / log loss reflect over-fitting of a small sample" if epochs > 2 else ""))
     if results.get("restarts"):
         lines.append(f"restarts from checkpoint: {results['restarts']} (faults injected: {results.get('faults_fired')})")
     return "\n".join(lines)

@@ -344,7 +344,8 @@ def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, e
         quality = evaluate(model, eval_shard, tables) if eval_shard is not None else {}
         if rank == 0:
             summary = phase_summary(runs, config.job.batch_size)
-            summary.update(quality=quality, optimize=info, resumed_from_step=start)
+            summary.update(quality=quality, optimize=info, resumed_from_step=start,
+                           epochs=config.job.steps * config.job.batch_size / len(shard))
             ray_get = __import__("ray").get
             ray_get(state.phase_done.remote(phase, summary))
         _save_checkpoint(phase, config.job.steps, model, optimizer, tables, rank, final=True, state=state)
