@@ -39,6 +39,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.fx  # noqa: E402
 from torch.fx.experimental.optimization import fuse as torch_fx_fuse  # noqa: E402
 
 import quant  # noqa: E402
@@ -71,7 +72,7 @@ def build() -> dict:
     onednn = quant.fuse(gm, onednn_inputs=(torch.randn(1, 3, 224, 224),))
     fold_leaf_stem(onednn)
     t0 = time.perf_counter()
-    ref = torch_fx_fuse(trace_resnet(model, torch_fx=True), no_trace=True)
+    ref = torch_fx_fuse(trace_resnet(model, fx=torch.fx), no_trace=True)
     ref_s = time.perf_counter() - t0
     record = fused.meta["fxdist"]["passes"][0]
     print(

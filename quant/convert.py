@@ -11,11 +11,14 @@
 
 DeepRecommender's first layers after ``convert`` (SELU has no quantized kernel, so it stays in float)::
 
-    quantize_per_tensor = torch.quantize_per_tensor(x, 0.0078, 0, torch.quint8)
-    encoder_0 = getattr(self.encoder, "0")(quantize_per_tensor)           # nnq.Linear
-    dequantize = encoder_0.dequantize()
-    act = self.act(dequantize)
-    quantize_per_tensor_1 = torch.quantize_per_tensor(act, 0.0411, 43, torch.quint8)
+    quantize_per_tensor = torch.quantize_per_tensor(x, 0.0394, 0, torch.quint8);  x = None
+    encoder_0 = self._modules['encoder']._modules['0'](quantize_per_tensor);  quantize_per_tensor = None
+    dequantize_1 = encoder_0.dequantize();  encoder_0 = None
+    act = self._modules['act'](dequantize_1);  dequantize_1 = None
+    quantize_per_tensor_2 = torch.quantize_per_tensor(act, 0.1440, 12, torch.quint8);  act = None
+    encoder_1 = self._modules['encoder']._modules['1'](quantize_per_tensor_2);  quantize_per_tensor_2 = None
+
+(``encoder.0`` is now a ``torch.ao.nn.quantized.Linear``; node names survive lowering.)
 
 Source: torch.fx paper §6.2.1; torch/ao/quantization/fx/convert.py (reference representation and lowering).
 """

@@ -50,7 +50,7 @@ def resnet50(**config: Any) -> ResNetLogits:
 
 
 def _leaf_tracer(base: type) -> type:
-    """A subclass of ``base`` (fxdist.Tracer or torch.fx.Tracer) that keeps ``ResNetEmbeddings`` as a leaf."""
+    """A subclass of ``base`` (an FX ``Tracer`` class) that keeps ``ResNetEmbeddings`` as a leaf."""
     from transformers.models.resnet.modeling_resnet import ResNetEmbeddings
 
     class ResNetTracer(base):  # type: ignore[misc, valid-type]
@@ -60,11 +60,14 @@ def _leaf_tracer(base: type) -> type:
     return ResNetTracer
 
 
-def trace_resnet(model: nn.Module, *, torch_fx: bool = False) -> Any:
-    """Trace ``model`` with fxdist (or, ``torch_fx=True``, with torch.fx as the reference), embeddings as a leaf."""
-    if torch_fx:
-        import torch.fx as fx
-    else:
+def trace_resnet(model: nn.Module, *, fx: Any = None) -> Any:
+    """Trace ``model`` with the embeddings as a leaf.
+
+    Args:
+        model: e.g. :func:`resnet50`.
+        fx: the FX package to trace with: ``fxdist`` (default), or ``torch.fx`` for a reference in tests.
+    """
+    if fx is None:
         import fxdist as fx
     tracer = _leaf_tracer(fx.Tracer)()
     graph = tracer.trace(model)

@@ -124,7 +124,7 @@ def test_small_resnet_from_transformers():
     assert _bn_nodes(fused) == [] and len(_bn_nodes(gm)) > 0
     assert fold_leaf_stem(fused) == 1
     x = torch.randn(2, 3, 32, 32)
-    ref = torch_fx_fuse(trace_resnet(model, torch_fx=True), no_trace=True)
+    ref = torch_fx_fuse(trace_resnet(model, fx=torch.fx), no_trace=True)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(fused(x), ref(x), atol=1e-4, rtol=1e-5)
