@@ -2,7 +2,7 @@
 
 One trainer (this process, 1 torch thread) and 2 servers on loopback (TCP transport). For an added
 server-side latency of 0, 1 and 5 ms per fetch, the same traced train step runs as is (baseline) and after
-``scheduling.async_rpc`` (async), in alternating blocks, with the ideal overlap bound measured in the same
+``scheduling.async_rpc`` (async), taking turns step by step, with the ideal overlap bound measured in the same
 run (plus, for reference, ``async_rpc(max_staleness=1)``, where a step's pushes stay in flight while the
 next step fetches, trading one step of staleness for cross-step overlap):
 
@@ -12,8 +12,8 @@ next step fetches, trading one step of staleness for cross-step overlap):
 - ideal: an overlapped step cannot beat max(C, F_par), so the ideal gain is T_base / max(C, F_par) - 1.
 
 Prints per latency: median step times, QPS, gain % = T_base / T_async - 1, and the share of the ideal gain
-reached (gain / ideal gain). Timings are medians over blocks; the spread (min..max of block medians) shows the noise of a
-shared 2-core machine.
+reached (gain / ideal gain). Timings are medians over steps, then over rounds; the spread (min..max of round medians)
+shows the noise of a shared 2-core machine.
 
 Run: ``.venv/bin/python benchmarks/scheduling.py [--steps 20 --rounds 5]``.
 """
@@ -78,29 +78,36 @@ def time_block(fn, batches) -> float:
     return statistics.median(times)
 
 
-def rpc_only(client: PSClient, batches, parallel: bool) -> float:
-    """Median seconds of one step's RPCs alone: a fetch per server, then a push per server; blocking one
-    by one, or (``parallel``) the fetches in flight together, then the pushes."""
+def rpc_step(client: PSClient, kjt, parallel: bool) -> None:
+    """One step's RPCs alone: a fetch per server, then a push per server; blocking one by one, or
+    (``parallel``) the fetches in flight together, then the pushes."""
     servers = range(len(client.servers))
-    times = []
-    for _, kjt, _ in batches:
-        t0 = time.perf_counter()
-        if parallel:
-            futs = [client.fetch_async(s, kjt) for s in servers]
-            parts = [client.finish_fetch(f, s) for s, f in zip(servers, futs)]
-        else:
-            parts = [client.fetch(s, kjt) for s in servers]
-        for part in parts:
-            part.grad = torch.zeros_like(part)
-        if parallel:
-            futs = [client.push_async(s, kjt, part) for s, part in zip(servers, parts)]
-            for s, f in zip(servers, futs):
-                client.finish_push(f, s)
-        else:
-            for s, part in zip(servers, parts):
-                client.push(s, kjt, part)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    if parallel:
+        futs = [client.fetch_async(s, kjt) for s in servers]
+        parts = [client.finish_fetch(f, s) for s, f in zip(servers, futs)]
+    else:
+        parts = [client.fetch(s, kjt) for s in servers]
+    for part in parts:
+        part.grad = torch.zeros_like(part)
+    if parallel:
+        futs = [client.push_async(s, kjt, part) for s, part in zip(servers, parts)]
+        for s, f in zip(servers, futs):
+            client.finish_push(f, s)
+    else:
+        for s, part in zip(servers, parts):
+            client.push(s, kjt, part)
+
+
+def interleaved(variants: dict, batches) -> dict[str, list[float]]:
+    """Seconds per step of every variant, the variants taking turns step by step (so that load from
+    other processes hits them alike)."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for batch in batches:
+        for key, fn in variants.items():
+            t0 = time.perf_counter()
+            fn(batch)
+            times[key].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
@@ -138,15 +145,16 @@ def main() -> None:
               f"  | max_staleness=1: ms, gain %, share")
         for delay in args.delays_ms:
             base_client.set_delays(fetch_delay_s=delay / 1000)
-            t = {"base": [], "async": [], "stale": [], "C": [], "F": [], "Fpar": []}
+            variants = {"base": lambda b: base(*b), "async": lambda b: fast(*b),
+                        "C": lambda b: local(*batches[0]),
+                        "F": lambda b: rpc_step(base_client, b[1], parallel=False),
+                        "Fpar": lambda b: rpc_step(base_client, b[1], parallel=True)}
+            t: dict[str, list[float]] = {k: [] for k in [*variants, "stale"]}
             for _ in range(args.rounds):
-                t["base"].append(time_block(base, batches))
-                t["async"].append(time_block(fast, batches))
-                t["stale"].append(time_block(stale, batches))
+                for key, values in interleaved(variants, batches).items():
+                    t[key].append(statistics.median(values))
+                t["stale"].append(time_block(stale, batches))  # in blocks: its pushes outlive a step
                 scheduling.ps.get_client("stale1").flush()
-                t["C"].append(time_block(local, mem_batches))
-                t["F"].append(rpc_only(base_client, batches, parallel=False))
-                t["Fpar"].append(rpc_only(base_client, batches, parallel=True))
             m = {k: statistics.median(v) for k, v in t.items()}
             gain = m["base"] / m["async"] - 1
             ideal = m["base"] / max(m["C"], m["Fpar"]) - 1
