@@ -11,7 +11,8 @@ checkpoint into them (``torch.distributed.rpc`` cannot re-admit a member into a 
 Model side: :class:`PSSparseArch` turns ids into a torchrec ``KeyedJaggedTensor`` lookup on the servers
 through ``scheduling.ps.PSEmbeddingBagCollection`` (blocking ``ps_fetch`` nodes, which the
 ``async_rpc`` pass splits into start/wait), and pushes each fetched part's gradient back from an autograd
-hook during backward (:func:`attach_push`). Servers apply the updates with row-wise Adagrad.
+hook during backward (:func:`attach_push`, deferred until the next fetch from that server). Servers
+apply the updates with row-wise Adagrad.
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
 """
@@ -56,12 +57,18 @@ class _PushGrad:
         from scheduling.ps import get_client
 
         ps = get_client(self.client)
-        ps.finish_push(ps.push_grad_async(self.server, self.kjt, grad), self.server)
+        # in flight while backward and the optimizer step finish; the next fetch from this server (or
+        # ``flush``) waits for it first, so every fetch still sees this trainer's previous updates
+        ps.defer_push(self.server, ps.push_grad_async(self.server, self.kjt, grad))
 
 
 @has_side_effect
 def attach_push(client: str, server: int, kjt: Any, part: torch.Tensor) -> torch.Tensor:
-    """Register a hook that pushes ``part``'s gradient to ``server`` during backward; returns ``part``."""
+    """Register a hook that starts pushing ``part``'s gradient to ``server`` during backward; returns ``part``.
+
+    The push is deferred (``PSClient.defer_push``): the trainer's next fetch from that server waits for
+    it, in both phases, so training is exactly as with blocking pushes.
+    """
     if isinstance(part, torch.Tensor) and part.requires_grad:
         part.register_hook(_PushGrad(client, server, kjt))
     return part
@@ -227,7 +234,11 @@ class ServerTables:
         self._barrier()
 
     def after_backward(self) -> None:
-        """Nothing to do: the gradient hooks pushed during backward."""
+        """Nothing to do: the gradient hooks started the pushes during backward."""
+
+    def sync(self) -> None:
+        """Wait for this trainer's deferred pushes (before checkpoints and evaluation)."""
+        self.client.flush()
 
     def fetch_seconds(self) -> float | None:
         value, fetched = self._fetch, self._fetched

@@ -7,6 +7,7 @@
   for the model's own :class:`jobs.model.LocalEmbeddings`;
 - ``reset(seed)``: re-initialise the tables (each phase starts from the same weights);
 - ``after_backward()``: push embedding gradients (servers) or nothing (local tables are DDP parameters);
+- ``sync()``: wait for this trainer's updates in flight (before checkpoints and evaluation);
 - ``fetch_seconds()``: seconds blocked on embedding fetches since the last call, or ``None``;
 - ``state_dict()`` / ``load_state_dict(state)``: the tables' contents for checkpoints (rank 0);
 - ``close()``.
@@ -40,6 +41,9 @@ class LocalTables:
 
     def fetch_seconds(self) -> float | None:
         return None
+
+    def sync(self) -> None:
+        """Nothing in flight."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -234,6 +234,7 @@ def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables
     """Report a Ray Train checkpoint (rank 0 writes it; every rank reports)."""
     import ray.train
 
+    tables.sync()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank has pushed its updates for `step` to the servers
     with tempfile.TemporaryDirectory() as tmp:
@@ -340,7 +341,8 @@ def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, e
 
         run, info, optimizer = run_phase(phase, model, tables, shard, config, start_step=start,
                                          optim_state=optim_state, exporter=exporter, on_step=on_step)
-        runs = _gather(run)
+        tables.sync()
+        runs = _gather(run)  # also a barrier: every rank's updates are on the servers before evaluation
         quality = evaluate(model, eval_shard, tables) if eval_shard is not None else {}
         if rank == 0:
             summary = phase_summary(runs, config.job.batch_size)
