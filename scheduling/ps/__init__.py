@@ -10,7 +10,8 @@ the rendezvous TCP store, so make a trainer rank 0 (the store must outlive serve
     # in each server process (a Ray actor: block=False, then stop_server() when done)
     from scheduling.ps import start_server
     start_server("ps0", rank=T + 0, world_size=T + N, master_addr=addr, master_port=port,
-                 checkpoint=None, fetch_delay_s=0.0, block=True)
+                 checkpoint=None, fetch_delay_s=0.0, timeout_s=60, block=True)
+    # block=True serves until a client calls stop_servers(); start-up fails after timeout_s
 
     # in each trainer process (e.g. a Ray Train worker)
     from scheduling.ps import init_trainer, PSClient, PSEmbeddingBagCollection
@@ -19,10 +20,15 @@ the rendezvous TCP store, so make a trainer rank 0 (the store must outlive serve
                       optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.05}, name="ps", timeout_s=30)
     ebc = PSEmbeddingBagCollection("ps")            # drop-in for torchrec's EmbeddingBagCollection
     kt = ebc(kjt)                                   # KeyedTensor (B, sum D); fetch = blocking rpc_sync
-    ...; loss.backward(); ebc.push(kjt, parts)      # or use scheduling.models.PSTrainStep
-    client.checkpoint("/ckpt"); client.close(shutdown_rpc=True)   # servers then return from start_server
+    parts = ebc.fetch(kjt); kt = ebc.pool(kjt, parts)   # training: keep the parts, then after
+    loss.backward(); ebc.push(kjt, parts)               # backward push each part's gradient once
+    # (or PSEmbeddingBagCollection("ps", push_in_backward=True), or scheduling.models.PSTrainStep)
+    client.checkpoint("/ckpt")                      # each server writes /ckpt/<name>.pt
+    client.close(stop_servers=True, shutdown_rpc=True)  # last trainer: servers' start_server returns
 
-On one machine :class:`LocalCluster` starts N server processes and joins as the trainer. When traced
+Rank 0 hosts the rendezvous store. Shutdown is never graceful (torch's graceful shutdown is a group barrier
+that hangs after a crash). On one machine :class:`LocalCluster` starts N server processes and joins as
+the trainer. When traced
 (``fxdist.symbolic_trace``), fetches and pushes are single impure ``call_function`` nodes
 (:mod:`scheduling.ps.ops`), which :func:`scheduling.async_rpc` splits into start/wait pairs.
 

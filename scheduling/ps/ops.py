@@ -105,9 +105,6 @@ def rpc_wait(future: torch.futures.Future) -> Any:
     return future.wait()
 
 
-for _fn in (ps_fetch, ps_fetch_start, ps_fetch_wait, ps_push, ps_push_start, ps_push_wait, ps_push_defer,
-            ps_pool, ps_backward, rpc_wait):
-    _fn.__module__ = __name__
 fxdist.wrap("ps_fetch")
 fxdist.wrap("ps_fetch_start")
 fxdist.wrap("ps_fetch_wait")

@@ -72,8 +72,10 @@ def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: 
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
 
-    if _RDZV_SCHEME not in rdzv._rendezvous_handlers:
+    try:
         rdzv.register_rendezvous_handler(_RDZV_SCHEME, _rendezvous_handler)
+    except RuntimeError:  # already registered in this process
+        pass
     if init_method.startswith("tcp://"):
         init_method = f"{_RDZV_SCHEME}://{init_method[len('tcp://'):]}?timeout_s={timeout_s}"
     return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s,
