@@ -5,14 +5,17 @@ is traced with fxdist, the roofline model predicts each node's time on this CPU'
 timing Interpreter measures each node (median of REPS runs). Prints both per node (the slowest ones), and
 the Pearson correlation of log times and the Spearman rank correlation over all compute nodes.
 
-Run: .venv/bin/python benchmarks/cost_model.py   (MALLOC_MMAP_THRESHOLD_ is fixed below, see FACTS.md)
+Run: .venv/bin/python benchmarks/cost_model.py   (re-executes itself with MALLOC_MMAP_THRESHOLD_ fixed, see FACTS.md)
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "33554432")
+# glibc reads the allocator settings at process start only, so re-execute with them (FACTS.md).
+if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "33554432":
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "33554432"})
 
 import statistics  # noqa: E402
 import time  # noqa: E402
