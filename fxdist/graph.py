@@ -361,16 +361,20 @@ class Graph:
             val_map[node] = self.node_copy(node, lambda n: val_map[n])
         return None
 
-    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Graph:
-        memo = memo if memo else {}
+    def __deepcopy__(self, memo: dict[Any, Any] | None = None) -> Graph:
+        """Copy node by node (no recursion along the list). ``memo`` also receives old node -> new node,
+        so ``copy.deepcopy(node)`` can return the node's counterpart (see ``Node.__deepcopy__``)."""
+        memo = {} if memo is None else memo
         g = Graph(tracer_cls=self._tracer_cls)
-        out = g.graph_copy(self, val_map=memo, return_output_node=True)  # type: ignore[arg-type]
+        memo[id(self)] = g
+        out = g.graph_copy(self, val_map=memo, return_output_node=True)
         if self._codegen_obj is not None:
             g._codegen = copy.deepcopy(self._codegen_obj)
         if out is not None:
             value, old_output = out
             new_output = g.output(value, type_expr=getattr(old_output, "type", None))
             new_output.meta = copy.copy(old_output.meta)
+            memo[old_output] = new_output
         return g
 
     def __getstate__(self) -> dict[str, Any]:

@@ -337,6 +337,16 @@ class Node:
             else:          # e.g. (1, 1) < (1, 1, 0) < (1, 2)
                 self._sort_key = a + (0,)
 
+    def __deepcopy__(self, memo: dict[Any, Any]) -> Node:
+        """The counterpart of this node in a deep copy of its graph (copied once per ``memo``), instead of
+        a recursive copy along ``_prev``/``_next`` that overflows the stack on long graphs."""
+        import copy
+
+        copy.deepcopy(self.graph, memo)
+        if self not in memo:  # erased, or after the output node: not part of the copied program
+            raise RuntimeError(f"cannot deepcopy node {self.name}: it is erased or placed after the output node")
+        return memo[self]
+
     def __lt__(self, other: Node) -> bool:
         return self._sort_key < other._sort_key
 

@@ -625,3 +625,21 @@ def test_on_generate_code_installs_and_restores_a_body_transformer() -> None:
     with g.on_generate_code(lambda current: add_comment):
         assert "# transformed" in g.python_code("self").src
     assert g.python_code("self").src == plain
+
+
+def test_deepcopy_of_nodes_maps_into_one_copied_graph() -> None:
+    g = Graph()
+    x = g.placeholder("x")
+    prev = x
+    for _ in range(2000):  # a recursive copy along _prev/_next would overflow the stack
+        prev = g.call_function(operator.add, (prev, x))
+    out = g.output(prev)
+    cx, cprev, cout = copy.deepcopy([x, prev, out])
+    assert (cx.name, cprev.name, cout.name) == ("x", "add_1999", "output")
+    assert cx.graph is cprev.graph is cout.graph and cx.graph is not g
+    assert cprev.args == (cprev.prev, cx) and cout.args == (cprev,)
+    assert str(cx.graph) == str(g)
+    dead = g.call_function(torch.neg, (x,))
+    g.erase_node(dead)
+    with pytest.raises(RuntimeError, match="cannot deepcopy node neg: it is erased"):
+        copy.deepcopy(dead)
