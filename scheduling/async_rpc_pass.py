@@ -28,7 +28,9 @@ Steps (one function each):
 Without ``max_staleness`` the trained model is unchanged: every push is waited before the next conflicting
 fetch in the graph, and before the graph returns. With ``max_staleness=k``, push waits become
 ``ps_push_defer`` (the push stays in flight past the end of the step) and fetches wait until at most ``k``
-pushes to their server are still in flight, so fetches may miss up to ``k`` steps of updates.
+pushes to their server are still in flight. A ``PSClient(ordered=True)`` (the default) has each server apply
+its requests in issue order, so such fetches still see every earlier push and training stays exact; with
+``ordered=False`` they may miss up to ``k`` steps of updates.
 """
 
 from __future__ import annotations

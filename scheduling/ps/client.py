@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,8 @@ class PSClient:
         compress: ``"fused8bit"`` to receive lookups quantized with FBGEMM's fused 8-bit row-wise format.
         seed: seed of the initial weights; ``init_weights`` ``{table: (N, D)}`` overrides them.
         configure: create the shards on the servers now (shards restored from a checkpoint are kept).
+        ordered: each server applies this client's lookups and pushes in the order they were issued
+            (sequence numbers), so a lookup sent while a push is in flight still sees that push.
 
     Raises:
         ValueError: bad table declarations or sharding.
@@ -109,7 +112,8 @@ class PSClient:
                  sharding: Sharding | Mapping[str, Sharding] = "table_wise",
                  optimizer: str = "rowwise_adagrad", optimizer_kwargs: Mapping[str, float] | None = None,
                  name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
-                 init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True) -> None:
+                 init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True,
+                 ordered: bool = True) -> None:
         if not servers:
             raise ValueError("PSClient: give at least one server name")
         if compress not in (None, "fused8bit"):
@@ -128,6 +132,10 @@ class PSClient:
         self._slots = self._feature_slots()
         self._pending: dict[int, collections.deque[torch.futures.Future]] = collections.defaultdict(
             collections.deque)
+        self.ordered = ordered
+        self._key = f"{name}:{uuid.uuid4().hex}"
+        self._seq = [0] * len(self.servers)
+        self._seq_lock = threading.Lock()
         with _CLIENTS_LOCK:
             if name in _CLIENTS:
                 raise ValueError(f"a PSClient named {name!r} already exists; close() it or pick another name")
@@ -161,13 +169,19 @@ class PSClient:
         return sorted({sp.server for sp in self.shards if names is None or sp.table.name in names})
 
     # ---- RPC plumbing -----------------------------------------------------------------------------------
-    def _call_async(self, server: int, fn: Any, args: tuple, what: str) -> torch.futures.Future:
+    def _call_async(self, server: int, fn: Any, args: tuple, what: str, ordered: bool = False,
+                    ) -> torch.futures.Future:
         from torch.distributed import rpc
 
         if not 0 <= server < len(self.servers):
             raise IndexError(f"PSClient {self.name!r}: server index {server} out of range "
                              f"(have {len(self.servers)} servers)")
         try:
+            if ordered and self.ordered:
+                with self._seq_lock:  # numbered and sent together, so the numbers follow the issue order
+                    order = (self._key, self._seq[server], self.timeout_s)
+                    self._seq[server] += 1
+                    return rpc.rpc_async(self.servers[server], fn, (*args, order), timeout=self.timeout_s)
             return rpc.rpc_async(self.servers[server], fn, args, timeout=self.timeout_s)
         except RuntimeError as e:
             raise self._unavailable(server, what, e) from e
@@ -193,11 +207,13 @@ class PSClient:
         """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_fetch`).
 
         Pushes to this server deferred with :meth:`defer_push` are waited first, until at most
-        ``max_staleness`` of them (default 0) are still in flight.
+        ``max_staleness`` of them (default 0) are still in flight. With ``ordered`` (default) the server
+        applies those in-flight pushes before this lookup anyway, so the answer is exact for any
+        ``max_staleness``; without it, the lookup may miss up to ``max_staleness`` pushes.
         """
         self.drain(server, 0 if max_staleness is None else max_staleness)
-        fut = self._call_async(server, _srv._rpc_lookup, (self.name, _batch(kjt), self.compress), "fetch")
-        return fut
+        return self._call_async(server, _srv._rpc_lookup, (self.name, _batch(kjt), self.compress), "fetch",
+                                 ordered=True)
 
     def finish_fetch(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
         """Wait for a lookup; returns ``(B, D_s)`` float32, a leaf that requires grad when grad is enabled."""
@@ -231,11 +247,12 @@ class PSClient:
         grad = fetched.grad.detach()
         fetched._fxdist_ps_pushed = True  # type: ignore[attr-defined]
         fetched.grad = None
-        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push")
+        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push", ordered=True)
 
     def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor) -> torch.futures.Future:
         """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output."""
-        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad.detach()), "push")
+        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad.detach()), "push",
+                                ordered=True)
 
     def finish_push(self, fut: torch.futures.Future, server: int) -> int:
         """Wait for a push; returns the number of rows the server updated."""

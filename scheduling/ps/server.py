@@ -317,12 +317,47 @@ def _rpc_configure(*args: Any, **kwargs: Any) -> dict[str, int]:
     return _server().configure(*args, **kwargs)
 
 
-def _rpc_lookup(namespace: str, batch: Batch, compress: str | None = None) -> torch.Tensor:
-    return _server().lookup(namespace, batch, compress)
+class _Sequencer:
+    """Runs the requests of one client in the order the client issued them (by sequence number)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.cond = threading.Condition()
+
+    def run(self, seq: int, timeout_s: float, what: str, fn: Any) -> Any:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.next >= seq, timeout_s):
+                raise RuntimeError(f"server {_server().name}: {what} #{seq} waited {timeout_s} s for the "
+                                   f"client's request #{self.next}, which never arrived")
+        try:
+            return fn()
+        finally:
+            with self.cond:
+                self.next = max(self.next, seq + 1)
+                self.cond.notify_all()
 
 
-def _rpc_push(namespace: str, batch: Batch, grad: torch.Tensor) -> int:
-    return _server().push(namespace, batch, grad)
+_SEQUENCERS: dict[str, _Sequencer] = {}
+_SEQUENCERS_LOCK = threading.Lock()
+Order = tuple[str, int, float]  # (client key, sequence number, timeout in seconds)
+
+
+def _in_order(order: Order | None, what: str, fn: Any) -> Any:
+    if order is None:
+        return fn()
+    key, seq, timeout_s = order
+    with _SEQUENCERS_LOCK:
+        seqr = _SEQUENCERS.setdefault(key, _Sequencer())
+    return seqr.run(seq, timeout_s, what, fn)
+
+
+def _rpc_lookup(namespace: str, batch: Batch, compress: str | None = None, order: Order | None = None,
+                ) -> torch.Tensor:
+    return _in_order(order, "lookup", lambda: _server().lookup(namespace, batch, compress))
+
+
+def _rpc_push(namespace: str, batch: Batch, grad: torch.Tensor, order: Order | None = None) -> int:
+    return _in_order(order, "push", lambda: _server().push(namespace, batch, grad))
 
 
 def _rpc_state_dict(namespace: str | None = None) -> dict[str, Any]:
