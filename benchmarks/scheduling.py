@@ -3,8 +3,8 @@
 One trainer (this process, 1 torch thread) and 2 servers on loopback (TCP transport). For an added
 server-side latency of 0, 1 and 5 ms per fetch, the same traced train step runs as is (baseline) and after
 ``scheduling.async_rpc`` (async), taking turns step by step, with the ideal overlap bound measured in the same
-run (plus, for reference, ``async_rpc(max_staleness=1)``, where a step's pushes stay in flight while the
-next step fetches, trading one step of staleness for cross-step overlap):
+run. A third variant, ``async_rpc(max_staleness=1)``, leaves a step's pushes in flight while the next step
+starts; the servers apply each client's requests in issue order, so its training is still exact:
 
 - compute C: the train step with the fetches served from memory and the pushes dropped (no RPC);
 - fetch F: the step's RPCs alone (2 fetches, then 2 pushes), blocking one after the other (F_seq, what the
@@ -142,7 +142,7 @@ def main() -> None:
             time_block(gm, batches[:3] if gm is not local else mem_batches[:3])
         print(f"{'delay':>6} {'base ms':>8} {'async ms':>9} {'QPS base':>9} {'QPS async':>10} {'gain %':>7} "
               f"{'C ms':>6} {'Fseq ms':>8} {'Fpar ms':>8} {'ideal %':>8} {'share':>6}  spread base/async ms"
-              f"  | max_staleness=1: ms, gain %, share")
+              f"  | deferred pushes (max_staleness=1, exact): ms, gain %, share")
         for delay in args.delays_ms:
             base_client.set_delays(fetch_delay_s=delay / 1000)
             variants = {"base": lambda b: base(*b), "async": lambda b: fast(*b),
