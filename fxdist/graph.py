@@ -15,7 +15,8 @@ identical; see tests/fx/test_graph.py):
    dropout in training and ``meta["impure"]`` nodes; a ``call_module`` without owning module is pure.
 3. ``all_input_nodes`` is always in first-appearance order (torch.fx's ``insert_arg`` appends).
 4. Errors where torch.fx asserts are ValueError/TypeError/RuntimeError that are also AssertionError.
-5. A ``Graph`` pickles as a flat node list (no recursion limit); ``reversed(graph.nodes)`` is a view.
+5. A ``Graph`` pickles as a flat node list (no recursion limit); a pickled or deep-copied ``Node`` comes
+   back as its counterpart in one copy of its graph; ``reversed(graph.nodes)`` is a view.
 6. A node is never named ``self`` or ``operator``; assigning ``node.name`` reserves that name in the
    graph's namespace; ``print_tabular`` needs no ``tabulate``.
 """

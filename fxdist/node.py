@@ -68,6 +68,14 @@ def _freeze(a: Any, inputs: dict[Node, None]) -> Any:
     return a
 
 
+def _node_at(graph: Graph, index: int) -> Node:
+    """Unpickling helper: the node at ``index`` in ``graph``."""
+    for i, n in enumerate(graph.nodes):
+        if i == index:
+            return n
+    raise RuntimeError(f"unpickled graph has no node at position {index}")
+
+
 def map_aggregate(a: Any, fn: Callable[[Any], Any]) -> Any:
     """Apply ``fn`` to every leaf of ``a``, rebuilding tuples (namedtuples keep their type), lists
     (as ``immutable_list``), dicts (as ``immutable_dict``, keys untouched) and slices.
@@ -346,6 +354,18 @@ class Node:
         if self not in memo:  # erased, or after the output node: not part of the copied program
             raise RuntimeError(f"cannot deepcopy node {self.name}: it is erased or placed after the output node")
         return memo[self]
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # pickle as (graph, position): the graph pickles flat, so long graphs do not hit the recursion limit
+        for i, n in enumerate(self.graph.nodes):
+            if n is self:
+                return (_node_at, (self.graph, i))
+        raise RuntimeError(f"cannot pickle node {self.name}: it is erased or not in its graph")
+
+    def __copy__(self) -> Node:
+        new = Node.__new__(Node)
+        new.__dict__.update(self.__dict__)
+        return new
 
     def __lt__(self, other: Node) -> bool:
         return self._sort_key < other._sort_key

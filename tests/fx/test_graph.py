@@ -643,3 +643,19 @@ def test_deepcopy_of_nodes_maps_into_one_copied_graph() -> None:
     g.erase_node(dead)
     with pytest.raises(RuntimeError, match="cannot deepcopy node neg: it is erased"):
         copy.deepcopy(dead)
+
+
+def test_pickling_nodes_pickles_their_graph_once() -> None:
+    import pickle
+
+    g = Graph()
+    x = g.placeholder("x")
+    prev = x
+    for _ in range(2000):
+        prev = g.call_function(operator.add, (prev, x))
+    g.output(prev)
+    px, pprev = pickle.loads(pickle.dumps([x, prev]))
+    assert (px.name, pprev.name) == ("x", "add_1999") and px.graph is pprev.graph is not g
+    assert pprev.args[1] is px and str(px.graph) == str(g)
+    shallow = copy.copy(x)
+    assert shallow is not x and shallow.name == "x" and shallow.graph is g
