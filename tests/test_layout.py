@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fxdist", "scheduling", "quant", "jobs")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
-IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespace"}
+IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespace", "fxdist._impure",
+              "fxdist._graph_lint", "fxdist._graph_state", "fxdist.immutable_collections", "fxdist._pysource"}
 
 
 def _modules() -> dict[str, Path]:
