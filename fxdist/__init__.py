@@ -35,7 +35,8 @@ _EXPORTS: dict[str, str] = {
     "from_torch_fx": "interop",
     "to_torch_fx": "interop",
     "make_fx": "experimental.proxy_tensor",
-    "optimize": "optimize",
+    "optimize": "pipeline",
+    "register_pass": "pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

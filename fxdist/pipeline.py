@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import sys
-import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -249,15 +247,3 @@ def optimize(
     meta["traced_nodes"] = traced_nodes
     meta["new_parameters"] = [n for n, p in out.named_parameters() if id(p) not in originals]
     return out
-
-
-class _CallableModule(types.ModuleType):
-    """``fxdist.optimize`` names both this module and the function: importing the submodule first
-    (``from fxdist.optimize import PASSES``) binds the package attribute to the module, so the module
-    forwards calls to :func:`optimize`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return optimize(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

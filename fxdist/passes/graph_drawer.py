@@ -10,9 +10,9 @@ Example::
     >>> import torch, fxdist as fx
     >>> from fxdist.passes.graph_drawer import FxGraphDrawer
     >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()))
-    >>> dot = FxGraphDrawer(gm, "mlp").get_dot_graph()
+    >>> dot = FxGraphDrawer(gm, "mlp").get_dot_graph()   # parameters of call_module nodes get records too
     >>> sorted(n.get_name().strip('"') for n in dot.get_nodes() if n.get_name() not in ("node", "edge"))
-    ['_0', '_1', 'input_1', 'output']
+    ['_0', '_0_bias', '_0_weight', '_1', 'input_1', 'output']
 
 Rendering (``render``, or pydot's ``create_svg``/``write_png``) needs Graphviz's ``dot`` binary
 (Debian: ``apt-get install graphviz``); building the dot source does not.

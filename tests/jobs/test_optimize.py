@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fxdist
-from fxdist.optimize import PASSES, register_pass, resolve_pass
+from fxdist.pipeline import PASSES, register_pass, resolve_pass
 from jobs.model import DLRM, LocalEmbeddings
 
 
