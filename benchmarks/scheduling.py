@@ -59,7 +59,7 @@ def build(name: str, args, dims: tuple[int, ...], servers: list[str], memory_of:
           answers=None):
     if memory_of is None:
         PSClient(criteo_tables(1000, dims[-1]), servers, sharding=args.sharding, optimizer_kwargs={"lr": 0.01},
-                 name=name, seed=0, compress=args.compress)
+                 name=name, seed=0, compress=args.compress, ordered=not args.unordered)
     else:
         MemoryClient(memory_of, name, answers)
     torch.manual_seed(0)
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--dense-layers", type=int, nargs="*", default=[512, 256, 16])
     ap.add_argument("--sharding", choices=["table_wise", "row_wise"], default="table_wise")
     ap.add_argument("--compress", choices=["fused8bit"], default=None)
+    ap.add_argument("--unordered", action="store_true", help="servers do not order a client's requests")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not CRITEO.is_file():
