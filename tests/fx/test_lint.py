@@ -146,7 +146,7 @@ def test_check_5_skipped_without_owning_module() -> None:
 
 def test_args_well_formed_and_use_def_consistent() -> None:
     g, x, y, add, add_1 = _graph()
-    add.__dict__["_args"] = (x, x)  # bypassed the setter: users/all_input_nodes are stale
+    add._args = (x, x)  # bypassed the setter: users/all_input_nodes are stale
     with pytest.raises(RuntimeError, match=r"%add .* stale use-def data.*assign node.args"):
         g.lint()
     add.args = (x, y)
@@ -157,12 +157,12 @@ def test_args_well_formed_and_use_def_consistent() -> None:
         g.lint()
     del y.users[add_1]
 
-    add.__dict__["_args"] = [x, y]
+    add._args = [x, y]
     with pytest.raises(RuntimeError, match=r"%add .* args of type list, not a tuple"):
         g.lint()
     add.args = (x, y)
 
-    add.__dict__["_target"] = "add"  # a str target for call_function
+    add._target = "add"  # a str target for call_function
     with pytest.raises(RuntimeError, match=r"target 'add' of type str but a Callable is expected"):
         g.lint()
 
