@@ -6,9 +6,18 @@ use the ``shared_data`` fixture, which skips with a clear reason where that fold
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# CI (CI=true) replays the same examples every run and never fails a property test for being slow on a
+# loaded 2-core machine; locally, hypothesis explores new examples each run.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

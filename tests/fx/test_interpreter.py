@@ -264,7 +264,7 @@ def test_random_programs_interpret_like_generated_code():
         inputs = [torch.randn(4) for _ in range(n_inputs)]
         interp = fx.Interpreter(gm)
         result = interp.run(*inputs)
-        torch.testing.assert_close(result, gm(*inputs))
+        torch.testing.assert_close(result, gm(*inputs), equal_nan=True)  # long mul chains can reach inf * 0
         assert list(interp.env) == [graph.find_nodes(op="output")[0]]  # everything else was freed
 
     check()
