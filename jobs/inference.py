@@ -65,7 +65,7 @@ def quantize_dense(model: nn.Module, calibration: list[tuple[torch.Tensor, torch
     from quant import calibrate, convert, fuse, prepare
 
     dense = DenseDLRM(model).eval()
-    fused = fuse(fxdist.symbolic_trace(dense), patterns=True).eval()  # fuse returns train-mode modules
+    fused = fuse(fxdist.symbolic_trace(dense), patterns=True)
     prepared = prepare(fused, example_inputs=calibration[0], backend="fbgemm")
     calibrate(prepared, calibration, progress=False)
     int8 = convert(prepared)

@@ -64,7 +64,7 @@ def fuse_module_relu(gm: Any, relu: Any, modules: dict[str, nn.Module]) -> bool:
         return False
     if sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == producer.target) != 1:
         return False  # the module is called elsewhere without the ReLU
-    fused = fused_type(mod, nn.ReLU())
+    fused = fused_type(mod, nn.ReLU()).train(mod.training)  # nni modules start in training mode
     prefix, _, name = producer.target.rpartition(".")
     setattr(gm.get_submodule(prefix) if prefix else gm, name, fused)
     modules[producer.target] = fused

@@ -52,6 +52,7 @@ def test_relu_patterns_fuse_into_intrinsic_modules(seed):
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+    assert not any(m.training for m in fused.modules()), "an eval-mode model must stay in eval mode"
     passes = [r["name"] for r in fused.meta["fxdist"]["passes"]]
     assert passes == ["fuse-conv-bn", "fuse-relu-patterns"]
 
