@@ -11,11 +11,10 @@ Run: .venv/bin/python benchmarks/cost_model.py   (re-executes itself with MALLOC
 from __future__ import annotations
 
 import os
-import sys
 
-# glibc reads the allocator settings at process start only, so re-execute with them (FACTS.md).
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "33554432":
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "33554432"})
+import _bench  # noqa: E402  (this folder is sys.path[0])
+
+_bench.reexec_with_fixed_allocator()
 
 import statistics  # noqa: E402
 import time  # noqa: E402

@@ -26,9 +26,9 @@ from __future__ import annotations
 import os
 import sys
 
-_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432"}
-if any(os.environ.get(k) != v for k, v in _ENV.items()):  # glibc reads it at start-up only
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_ENV})
+import _bench  # noqa: E402  (this folder is sys.path[0])
+
+_bench.reexec_with_fixed_allocator()
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -46,16 +46,6 @@ import quant  # noqa: E402
 from quant.models.resnet import fold_leaf_stem, resnet50, trace_resnet  # noqa: E402
 
 warnings.filterwarnings("ignore")
-
-
-def _time_ms(fn, x: torch.Tensor, budget_s: float) -> float:
-    times = []
-    start = time.perf_counter()
-    while len(times) < 2 or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float:
@@ -111,7 +101,7 @@ def main() -> None:
                     m(x)
                 for _ in range(args.rounds):
                     for name, m in variants.items():
-                        samples[name].append(_time_ms(m, x, args.budget))
+                        samples[name].append(_bench.median_ms(m, x, args.budget))
             med = {k: statistics.median(v) for k, v in samples.items()}
             # paired per-round ratios: each round times every variant back to back, so slow drifts in the
             # other jobs' load cancel out; the median of the ratios is the estimate

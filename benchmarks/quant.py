@@ -21,9 +21,9 @@ from __future__ import annotations
 import os
 import sys
 
-_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432"}
-if any(os.environ.get(k) != v for k, v in _ENV.items()):  # glibc reads it at start-up only
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_ENV})
+import _bench  # noqa: E402  (this folder is sys.path[0])
+
+_bench.reexec_with_fixed_allocator()
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -44,17 +44,6 @@ from quant.data import load_movielens  # noqa: E402
 from quant.models import rmse, train_deeprec  # noqa: E402
 
 warnings.filterwarnings("ignore")
-
-
-def _time_ms(fn, x: torch.Tensor, budget_s: float) -> float:
-    """Median ms per call over as many calls as fit in ``budget_s`` (at least 3)."""
-    times = []
-    start = time.perf_counter()
-    while len(times) < 3 or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _relative_error(model, ref_model, x) -> float:
@@ -126,7 +115,7 @@ def main() -> None:
                         model(x)  # warm-up (weight packing, allocator)
                     for _ in range(args.rounds):
                         for name, model in variants.items():
-                            samples[name].append(_time_ms(model, x, args.budget))
+                            samples[name].append(_bench.median_ms(model, x, args.budget))
                 med = {k: statistics.median(v) for k, v in samples.items()}
                 # paired per-round ratios (each round times all variants back to back): robust to load drift
                 speedup = _median_ratio(samples["fp32"], samples["fxdist"])

@@ -22,11 +22,10 @@ Run: .venv/bin/python benchmarks/reinplace.py
 from __future__ import annotations
 
 import os
-import sys
 
-_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "OMP_NUM_THREADS": "1"}
-if any(os.environ.get(k) != v for k, v in _MALLOC.items()):  # glibc reads these at start-up only
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC})
+import _bench  # noqa: E402  (this folder is sys.path[0])
+
+_bench.reexec_with_fixed_allocator({"OMP_NUM_THREADS": "1"})
 
 import statistics  # noqa: E402
 import time  # noqa: E402
