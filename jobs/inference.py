@@ -22,7 +22,7 @@ from torch import nn
 
 from jobs.config import JobConfig
 from jobs.data import CriteoShard
-from jobs.model import DenseDLRM, LocalEmbeddings
+from jobs.model import DenseDLRM
 from jobs.stats import binary_metrics
 
 __all__ = ["rebuild_model", "quantize_dense", "compare"]

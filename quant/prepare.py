@@ -38,7 +38,7 @@ from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 import fxdist as fx
 from fxdist.passes.pass_base import PassManager
-from quant.errors import QuantizationError, describe_node
+from quant.errors import QuantizationError
 from quant.fuse_conv_bn import FuseConvBn
 from quant.fuse_patterns import FuseReluPatterns
 from quant.rules import _tensor_inputs, classify

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .config import ShardSpec
 from .optimizer import RowWiseOptimizer, make_optimizer

@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
 import fxdist as fx
@@ -105,7 +104,7 @@ def test_len_without_wrap_is_trace_error_and_runtime_error():
     with pytest.raises(TraceError, match="'len' is not supported in symbolic tracing by default") as ei:
         symbolic_trace(length)
     assert isinstance(ei.value, RuntimeError) and isinstance(ei.value, ProxyUsageError)
-    assert f"in length: `return x.view(len(x), -1)`" in _notes(ei)
+    assert "in length: `return x.view(len(x), -1)`" in _notes(ei)
     with pytest.raises(RuntimeError, match="'len' is not supported"):
         torch.fx.symbolic_trace(length)
 
