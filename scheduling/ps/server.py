@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .config import ShardSpec
+from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
 
 __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch"]
@@ -111,6 +112,7 @@ class PSServer:
         self.shards: dict[str, _Shard] = {}
         self.optimizer: RowWiseOptimizer | None = None
         self.layouts: dict[str, list[tuple[ShardSpec, str]]] = {}
+        self.fused: dict[str, FusedTables | None] = {}
         self._lock = threading.Lock()
         self.num_lookups = 0
         self.num_pushes = 0
@@ -147,7 +149,25 @@ class PSServer:
                 self.shards[key] = _Shard(spec, self._init_weight(spec, seed, idx, init_weights),
                                                self.optimizer.init_state(spec.num_rows, spec.table.embedding_dim))
             self.layouts[namespace] = server_layout(mine, server)
+            self._fuse(namespace)
             return {k: s.spec.num_rows for k, s in self.shards.items() if k.startswith(namespace + "/")}
+
+    def _fuse(self, namespace: str) -> None:
+        """Stack the namespace's shards into one :class:`FusedTables` (when possible); the shards then hold
+        views of it and share its lock."""
+        layout = self.layouts[namespace]
+        keys = [f"{namespace}/{spec.key}" for spec, _ in layout]
+        if any(k not in self.shards for k in keys):
+            self.fused[namespace] = None
+            return
+        shards = {spec.key: self.shards[k] for (spec, _), k in zip(layout, keys)}
+        fused = FusedTables.build(layout, {k: sh.weight for k, sh in shards.items()},
+                                  {k: sh.state for k, sh in shards.items()}, threading.Lock())
+        self.fused[namespace] = fused
+        if fused is not None:
+            for key, (weight, state) in fused.shard_views().items():
+                shard = shards[key]
+                shard.weight, shard.state, shard.lock = weight, state, fused.lock
 
     def _layout(self, namespace: str) -> list[tuple[ShardSpec, str]]:
         try:
@@ -205,6 +225,20 @@ class PSServer:
         """
         if self.fetch_delay_s > 0:
             time.sleep(self.fetch_delay_s)
+        self._layout(namespace)
+        fused = self.fused.get(namespace)
+        if fused is not None:
+            out = fused.lookup(fused.index(*batch, where=f"server {self.name}"))
+        else:
+            out = self._lookup_per_shard(namespace, batch)
+        self.num_lookups += 1
+        if compress == "fused8bit":
+            return _quantize(out)
+        if compress is not None:
+            raise ValueError(f"server {self.name}: unknown compression {compress!r} (use 'fused8bit')")
+        return out
+
+    def _lookup_per_shard(self, namespace: str, batch: Batch) -> torch.Tensor:
         feats, batch_size = self._features(batch)
         outs = []
         for spec, feat in self._layout(namespace):
@@ -215,13 +249,7 @@ class PSServer:
                 rows = rows * wts.unsqueeze(1)
             pooled = torch.zeros(batch_size, spec.table.embedding_dim).index_add_(0, bags, rows)
             outs.append(pooled)
-        out = torch.cat(outs, dim=1) if outs else torch.zeros(batch_size, 0)
-        self.num_lookups += 1
-        if compress == "fused8bit":
-            return _quantize(out)
-        if compress is not None:
-            raise ValueError(f"server {self.name}: unknown compression {compress!r} (use 'fused8bit')")
-        return out
+        return torch.cat(outs, dim=1) if outs else torch.zeros(batch_size, 0)
 
     def push(self, namespace: str, batch: Batch, grad: torch.Tensor) -> int:
         """Apply the gradient ``grad`` ``(B, D_s)`` of this server's lookup output to the rows it touched.
@@ -234,15 +262,32 @@ class PSServer:
         """
         if self.push_delay_s > 0:
             time.sleep(self.push_delay_s)
-        feats, batch_size = self._features(batch)
         layout = self._layout(namespace)
         width = sum(spec.table.embedding_dim for spec, _ in layout)
-        if tuple(grad.shape) != (batch_size, width):
+        keys, _, lengths, _ = batch
+        batch_size = lengths.numel() // len(keys) if keys else 0
+        if keys and tuple(grad.shape) != (batch_size, width):
             raise ValueError(f"server {self.name}: gradient shape {tuple(grad.shape)} != expected "
                              f"({batch_size}, {width})")
+        assert self.optimizer is not None
+        fused = self.fused.get(namespace)
+        if fused is None:
+            touched = self._push_per_shard(namespace, batch, grad)
+        else:
+            rows, summed = fused.row_grads(fused.index(*batch, where=f"server {self.name}"), grad)
+            if rows.numel():
+                with fused.lock:
+                    self.optimizer.step(fused.weight, fused.state, rows, summed)
+            touched = rows.numel()
+        self.num_pushes += 1
+        return touched
+
+    def _push_per_shard(self, namespace: str, batch: Batch, grad: torch.Tensor) -> int:
+        feats, _ = self._features(batch)
+        assert self.optimizer is not None
         per_shard: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         col = 0
-        for spec, feat in layout:
+        for spec, feat in self._layout(namespace):
             dim = spec.table.embedding_dim
             ids, bags, wts = self._bag(spec, feat, feats)
             g = grad[:, col:col + dim].index_select(0, bags)
@@ -263,7 +308,6 @@ class PSServer:
             with shard.lock:
                 self.optimizer.step(shard.weight, shard.state, uniq, summed)
             touched += uniq.numel()
-        self.num_pushes += 1
         return touched
 
     # ---- checkpoints ------------------------------------------------------------------------------------
@@ -284,6 +328,8 @@ class PSServer:
         for key, entry in state.items():
             self.shards[key] = _Shard(entry["spec"], entry["weight"].clone(),
                                       None if entry["state"] is None else entry["state"].clone())
+        for namespace in self.layouts:
+            self._fuse(namespace)
 
     def save(self, directory: str) -> str:
         """Write ``<directory>/<name>.pt`` atomically; returns its path."""

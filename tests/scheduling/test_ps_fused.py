@@ -1,0 +1,106 @@
+"""The stacked (table-batched) server path gives exactly what the per-shard path gives."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduling.ps.config import TableSpec, plan_shards
+from scheduling.ps.fused import FusedTables
+from scheduling.ps.server import PSServer, server_layout
+
+
+def _server(tables, sharding, num_servers, server, optimizer="rowwise_adagrad", fused=True) -> PSServer:
+    srv = PSServer(f"ps{server}")
+    srv.configure("ns", plan_shards(tables, num_servers, sharding), server, optimizer, {"lr": 0.1}, seed=3)
+    if not fused:
+        srv.fused["ns"] = None
+    return srv
+
+
+def _batch(data, tables, batch_size, weighted):
+    keys = tuple(f for t in tables for f in t.feature_names)
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    lengths, values = [], []
+    for key in keys:
+        for _ in range(batch_size):
+            n = data.draw(st.integers(0, 3))
+            lengths.append(n)
+            values += data.draw(st.lists(st.integers(0, rows[key] - 1), min_size=n, max_size=n))
+    values_t = torch.tensor(values, dtype=torch.long)
+    weights = torch.rand(len(values)) if weighted else None
+    return keys, values_t, torch.tensor(lengths, dtype=torch.int32), weights
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), num_servers=st.integers(1, 3), sharding=st.sampled_from(["table_wise", "row_wise"]),
+       weighted=st.booleans(), optimizer=st.sampled_from(["rowwise_adagrad", "sgd"]))
+def test_stacked_path_equals_per_shard_path(data, num_servers, sharding, weighted, optimizer):
+    dim = data.draw(st.sampled_from([1, 4]))
+    tables = [TableSpec("a", data.draw(st.integers(1, 9)), dim, ("fa",)),
+              TableSpec("b", data.draw(st.integers(1, 9)), dim, ("fb", "fc")),   # one table, two features
+              TableSpec("c", data.draw(st.integers(1, 9)), dim, ("fd",))]
+    batch_size = data.draw(st.integers(1, 4))
+    for server in range(num_servers):
+        fast = _server(tables, sharding, num_servers, server, optimizer)
+        slow = _server(tables, sharding, num_servers, server, optimizer, fused=False)
+        if not fast.layouts["ns"]:
+            continue
+        assert fast.fused["ns"] is not None
+        for _ in range(2):  # the second lookup sees the first push
+            batch = _batch(data, tables, batch_size, weighted)
+            out = fast.lookup("ns", batch)
+            assert torch.equal(out, slow.lookup("ns", batch))
+            grad = torch.randn_like(out)
+            assert fast.push("ns", batch, grad) == slow.push("ns", batch, grad)
+        a, b = fast.state_dict("ns"), slow.state_dict("ns")
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key]["weight"], b[key]["weight"]), key
+            assert (a[key]["state"] is None) == (b[key]["state"] is None)
+            if a[key]["state"] is not None:
+                assert torch.equal(a[key]["state"], b[key]["state"]), key
+
+
+def test_shards_are_views_of_the_stack_and_reloads_restack():
+    tables = [TableSpec("a", 5, 2, ("fa",)), TableSpec("b", 4, 2, ("fb",))]
+    srv = _server(tables, "table_wise", 1, 0)
+    fused = srv.fused["ns"]
+    assert fused is not None and fused.weight.shape == (9, 2)
+    srv.shards["ns/b@0"].weight[1] = 7.0                       # write through the shard's view
+    assert torch.equal(fused.weight[6], torch.full((2,), 7.0))
+    state = srv.state_dict("ns")
+    state["ns/a@0"]["weight"] = torch.arange(10.0).view(5, 2)
+    srv.load_state_dict(state)
+    batch = (("fa", "fb"), torch.tensor([4, 1]), torch.tensor([1, 1], dtype=torch.int32), None)
+    assert srv.lookup("ns", batch).tolist() == [[8.0, 9.0, 7.0, 7.0]]
+
+
+def test_mixed_dims_fall_back_to_the_per_shard_path():
+    tables = [TableSpec("a", 5, 2, ("fa",)), TableSpec("b", 4, 3, ("fb",))]
+    srv = _server(tables, "table_wise", 1, 0)
+    assert srv.fused["ns"] is None
+    batch = (("fa", "fb"), torch.tensor([4, 1]), torch.tensor([1, 1], dtype=torch.int32), None)
+    assert srv.lookup("ns", batch).shape == (1, 5)
+
+
+def test_stacked_path_names_bad_ids_and_missing_features():
+    tables = [TableSpec("a", 5, 2, ("fa",)), TableSpec("b", 4, 2, ("fb",))]
+    srv = _server(tables, "table_wise", 1, 0)
+    bad = (("fa", "fb"), torch.tensor([4, 4]), torch.tensor([1, 1], dtype=torch.int32), None)
+    with pytest.raises(ValueError, match=r"server ps0: feature 'fb' has id 4 outside table 'b' rows \[0, 4\)"):
+        srv.lookup("ns", bad)
+    with pytest.raises(ValueError, match="the batch has no feature 'fb'"):
+        srv.lookup("ns", (("fa",), torch.tensor([1]), torch.tensor([1], dtype=torch.int32), None))
+
+
+def test_build_refuses_a_feature_pooled_by_two_shards():
+    a = plan_shards([TableSpec("a", 4, 2, ("f",)), TableSpec("b", 4, 2, ("g",))], 1)
+    layout = [(a[0], "f"), (a[1], "f")]
+    weights = {s.key: torch.zeros(4, 2) for s in a}
+    assert FusedTables.build(layout, weights, {s.key: None for s in a}, threading.Lock()) is None
+    assert FusedTables.build(server_layout(a, 0), weights, {s.key: None for s in a}, threading.Lock()) is not None
