@@ -1,6 +1,7 @@
 """Program scheduling for parameter-server training (torch.fx paper §6.2.3).
 
-- :func:`async_rpc` (``scheduling.async_rpc(gm) -> GraphModule``): the pass.
+- :func:`async_rpc` (``scheduling.async_rpc(gm) -> GraphModule``): the pass; :func:`lookahead` pairs each
+  batch with the next for its ``prefetch=True`` mode.
 - :mod:`scheduling.ps`: the parameter-server runtime it schedules.
 - :mod:`scheduling.models`: a DLRM whose tables live on parameter servers, and its train step.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["async_rpc", "AsyncRPC", "format_timeline"]
+__all__ = ["async_rpc", "AsyncRPC", "format_timeline", "lookahead"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +19,8 @@ def __getattr__(name: str) -> Any:
         from . import async_rpc_pass as _mod
 
         value = getattr(_mod, name)
+    elif name == "lookahead":
+        from .prefetch import lookahead as value
     elif name == "format_timeline":
         from .timeline import format_timeline as value
     else:

@@ -31,6 +31,8 @@ fetch in the graph, and before the graph returns. With ``max_staleness=k``, push
 pushes to their server are still in flight. A ``PSClient(ordered=True)`` (the default) has each server apply
 its requests in issue order, so such fetches still see every earlier push and training stays exact; with
 ``ordered=False`` they may miss up to ``k`` steps of updates.
+
+With ``prefetch=True`` the next step's lookups start inside this step (:mod:`scheduling.prefetch`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
 
+from .prefetch import add_prefetch
 from .rpc_kinds import AsyncPair, destination, pair_for
 from .timeline import format_timeline
 
@@ -164,17 +167,19 @@ class AsyncRPC(PassBase):
     name: ClassVar[str] = "async-rpc"
     max_staleness: int | None = None
     """None: no staleness (pushes waited in the step); k >= 0: pushes stay in flight across steps."""
+    prefetch: bool = False
+    """Start the next step's lookups inside this step (adds ``next_<batch>`` inputs)."""
     verbose: bool = False
     """Print the schedule before and after."""
 
     def call(self, gm: GraphModule) -> PassResult:
         before = len(gm.graph.nodes)
-        gm = async_rpc(gm, max_staleness=self.max_staleness, verbose=self.verbose)
+        gm = async_rpc(gm, max_staleness=self.max_staleness, prefetch=self.prefetch, verbose=self.verbose)
         return PassResult(gm, len(gm.graph.nodes) != before)
 
 
-def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, verbose: bool = False,
-              file: TextIO | None = None) -> GraphModule:
+def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bool = False,
+              verbose: bool = False, file: TextIO | None = None) -> GraphModule:
     """Split every blocking RPC of ``gm`` into start + wait and schedule them for overlap (in place).
 
     Args:
@@ -182,6 +187,10 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, verbose: boo
             or the parameter-server leaves ``ps_fetch``/``ps_push``.
         max_staleness: None (default) keeps training exact; an int ``k >= 0`` lets pushes stay in flight
             across steps, fetches waiting until at most ``k`` are pending for their server.
+        prefetch: also start each parameter-server lookup of the *next* step inside this one, after this
+            step's push to the same server (exact with an ordered client), or with ``max_staleness >= 1``
+            right after this step's lookup. Adds an input ``next_<batch>`` (default None) per batch input;
+            see :mod:`scheduling.prefetch`.
         verbose: print the graph (``print_tabular``) and the RPC timeline before and after.
         file: where ``verbose`` prints (default ``sys.stdout``).
 
@@ -189,7 +198,7 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, verbose: boo
         ``gm``, changed in place and recompiled.
 
     Raises:
-        ValueError: ``max_staleness`` is negative.
+        ValueError: ``max_staleness`` is negative, or ``prefetch`` on a graph with ``*args`` inputs.
         RuntimeError: the rewritten graph fails ``lint()`` (a bug: please report it).
     """
     if max_staleness is not None and max_staleness < 0:
@@ -202,6 +211,8 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, verbose: boo
     order_constraints(sites)
     hoist_starts(graph, sites)
     sink_waits(graph, sites)
+    if prefetch:
+        add_prefetch(graph, sites, max_staleness)
     graph.lint()
     gm.recompile()
     if verbose:

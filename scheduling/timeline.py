@@ -11,7 +11,7 @@ One row per node, one column per RPC (in order of first appearance)::
     ps_fetch_wait_1        |   W
 
 ``B`` marks a blocking RPC (start and wait in one node), ``S`` a start, ``|`` in flight, ``W`` its wait (or
-defer). The footer counts the non-RPC nodes each RPC overlaps.
+defer), ``P`` the prefetch of the next step's lookup (in flight past the output). The footer counts the non-RPC nodes each RPC overlaps.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ def format_timeline(graph: Graph, name_width: int = 28) -> str:
         if pair_for(node) is not None:
             col = columns.setdefault(node, len(columns))
             marks[col] = "B"
+        elif "async_rpc_prefetch" in node.meta:
+            col = columns.setdefault(node, len(columns))
+            marks[col] = "P"
+            open_.add(col)
+            overlap[col] = 0
         elif start is not None and start in columns:
             col = columns[start]
             marks[col] = "W"

@@ -132,6 +132,7 @@ class PSClient:
         self._slots = self._feature_slots()
         self._pending: dict[int, collections.deque[torch.futures.Future]] = collections.defaultdict(
             collections.deque)
+        self._prefetched: dict[int, tuple[Any, torch.futures.Future]] = {}
         self.ordered = ordered
         self._key = f"{name}:{uuid.uuid4().hex}"
         self._seq = [0] * len(self.servers)
@@ -206,14 +207,41 @@ class PSClient:
     def fetch_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
         """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_fetch`).
 
+        If :meth:`prefetch` already started the lookup of this very ``kjt`` object on ``server``, that
+        lookup's Future is returned (a prefetch of another batch is waited and dropped).
+
         Pushes to this server deferred with :meth:`defer_push` are waited first, until at most
         ``max_staleness`` of them (default 0) are still in flight. With ``ordered`` (default) the server
         applies those in-flight pushes before this lookup anyway, so the answer is exact for any
         ``max_staleness``; without it, the lookup may miss up to ``max_staleness`` pushes.
         """
+        early = self._prefetched.pop(server, None)
+        if early is not None:
+            if early[0] is kjt:
+                return early[1]
+            self._wait(early[1], server, "prefetch")  # another batch: surface errors, drop the answer
         self.drain(server, 0 if max_staleness is None else max_staleness)
         return self._call_async(server, _srv._rpc_lookup, (self.name, _batch(kjt), self.compress), "fetch",
                                  ordered=True)
+
+    def prefetch(self, server: int, kjt: Any, max_staleness: int | None = None) -> None:
+        """Start the lookup of a *later* batch ``kjt`` now; the next :meth:`fetch_async` of the same object
+        on ``server`` picks it up instead of sending a new request.
+
+        The server answers it with the rows as they are when it arrives: after every push this client
+        started before (``ordered=True``), so a prefetch started right after this step's push is exact.
+        With ``max_staleness`` >= 1 callers may start it before this step's push (it then misses that
+        one push).
+
+        Raises:
+            RuntimeError: exact prefetch (``max_staleness`` None or 0) on a client with ``ordered=False``,
+                whose servers could serve the lookup before an earlier push.
+        """
+        if not self.ordered and not max_staleness:
+            raise RuntimeError(f"PSClient {self.name!r}: an exact prefetch needs ordered=True (the servers "
+                               "must apply this step's push before the next step's lookup); create the "
+                               "client with ordered=True or allow max_staleness >= 1")
+        self._prefetched[server] = (kjt, self.fetch_async(server, kjt, max_staleness))
 
     def finish_fetch(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
         """Wait for a lookup; returns ``(B, D_s)`` float32, a leaf that requires grad when grad is enabled."""
@@ -273,9 +301,11 @@ class PSClient:
             self.finish_push(queue.popleft(), server)
 
     def flush(self) -> None:
-        """Wait every deferred push."""
+        """Wait every deferred push and drop every prefetched lookup (waited, so errors surface)."""
         for server in list(self._pending):
             self.drain(server, 0)
+        for server in list(self._prefetched):
+            self._wait(self._prefetched.pop(server)[1], server, "prefetch")
 
     # ---- pooling ----------------------------------------------------------------------------------------
     def pool(self, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:

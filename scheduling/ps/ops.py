@@ -9,6 +9,7 @@ tensors.
 Blocking baseline          -> what :func:`scheduling.async_rpc` makes of it
 ``ps_fetch(c, s, kjt)``    -> ``h = ps_fetch_start(c, s, kjt)`` ... ``ps_fetch_wait(h)``
 ``ps_push(c, s, kjt, t, after)`` -> ``h = ps_push_start(c, s, kjt, t, after)`` ... ``ps_push_wait(h)``
+(``async_rpc(prefetch=True)``)   -> also ``ps_prefetch(c, s, next_kjt, after=h)``: the next step's lookup
 
 Source: torch.fx paper §6.2.3; torch/fx/_symbolic_trace.py ``wrap`` (leaf functions).
 """
@@ -26,7 +27,7 @@ from fxdist.node import has_side_effect
 from .client import get_client
 
 __all__ = ["PendingRPC", "ps_fetch", "ps_fetch_start", "ps_fetch_wait", "ps_push", "ps_push_start",
-           "ps_push_wait", "ps_push_defer", "ps_pool", "ps_backward", "rpc_wait"]
+           "ps_push_wait", "ps_push_defer", "ps_prefetch", "ps_pool", "ps_backward", "rpc_wait"]
 
 
 @dataclass
@@ -87,6 +88,16 @@ def ps_push_defer(pending: PendingRPC) -> None:
     get_client(pending.client).defer_push(pending.server, pending.future)
 
 
+@has_side_effect
+def ps_prefetch(client: str, server: int, next_kjt: Any, max_staleness: int | None = None,
+                after: Any = None) -> None:
+    """Start the lookup of the next step's batch ``next_kjt`` (nothing when None); that step's
+    :func:`ps_fetch_start` of the same object picks it up (see ``PSClient.prefetch``). ``after``: the
+    handle of this step's push to the server, only ordering the node after it."""
+    if next_kjt is not None:
+        get_client(client).prefetch(server, next_kjt, max_staleness)
+
+
 def ps_pool(client: str, kjt: Any, *parts: torch.Tensor) -> Any:
     """Per-server answers -> torchrec ``KeyedTensor`` ``(B, sum D)`` (see ``PSClient.pool``)."""
     return get_client(client).pool(kjt, parts)
@@ -112,6 +123,7 @@ fxdist.wrap("ps_push")
 fxdist.wrap("ps_push_start")
 fxdist.wrap("ps_push_wait")
 fxdist.wrap("ps_push_defer")
+fxdist.wrap("ps_prefetch")
 fxdist.wrap("ps_pool")
 fxdist.wrap("ps_backward")
 fxdist.wrap("rpc_wait")

@@ -173,3 +173,56 @@ def test_leaves_trace_as_single_impure_nodes(client):
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert [n.target for n in calls] == [ops.ps_fetch, ops.ps_fetch, ops.ps_pool]
     assert calls[0].is_impure() and not calls[2].is_impure()
+
+
+def test_prefetch_starts_the_next_lookup_right_after_the_push_to_its_server(client):
+    gm = scheduling.async_rpc(_gm(_push_fetch_graph()), prefetch=True)
+    g = gm.graph
+    nxt = next(n for n in g.nodes if n.op == "placeholder" and n.name == "next_kjt")
+    assert nxt.args == (None,) and "next_kjt = None" in gm.code      # optional input, after the others
+    prefetches = g.find_nodes(op="call_function", target=ops.ps_prefetch)
+    # server 0 is fetched twice in the step (one prefetch slot per server): only server 1 is prefetched,
+    # and with no push to server 1 in the step it goes right after that lookup's start
+    assert [p.args[:3] for p in prefetches] == [("graph_ps", 1, nxt)]
+    assert prefetches[0].prev.name == "ps_fetch_start_2" and prefetches[0].kwargs["after"].name == "ps_fetch_start_2"
+
+
+def _train_step_graph(client_name: str) -> Graph:
+    g = Graph()
+    kjt, x = g.placeholder("kjt"), g.placeholder("x")
+    parts = [g.call_function(ops.ps_fetch, (client_name, s, kjt)) for s in (0, 1)]
+    loss = g.call_function(torch.sum, (g.call_function(operator.mul, (parts[0], parts[1])),))
+    done = g.call_function(ops.ps_backward, (loss,))
+    for s in (0, 1):
+        g.call_function(ops.ps_push, (client_name, s, kjt, parts[s], done))
+    g.call_function(torch.relu, (x,), name="bottom_backward")
+    g.output(done)
+    return g
+
+
+def test_exact_prefetch_follows_the_push_and_stale_prefetch_follows_the_lookup(client):
+    g = scheduling.async_rpc(_gm(_train_step_graph("graph_ps")), prefetch=True).graph
+    names = order(g)
+    assert names.index("ps_prefetch") == names.index("ps_push_start") + 1
+    assert names.index("ps_prefetch_1") == names.index("ps_push_start_1") + 1
+    assert before(g, "ps_prefetch_1", "bottom_backward")              # overlaps the rest of the step
+    stale = scheduling.async_rpc(_gm(_train_step_graph("graph_ps")), prefetch=True, max_staleness=1).graph
+    pf = stale.find_nodes(op="call_function", target=ops.ps_prefetch)
+    assert [p.prev.target for p in pf] == [ops.ps_fetch_start, ops.ps_fetch_start]
+    assert all(p.kwargs["max_staleness"] == 1 for p in pf)
+    assert "P" in scheduling.format_timeline(g).split("ps_prefetch ")[1].splitlines()[0]
+
+
+def test_prefetch_skips_computed_batches_and_refuses_varargs(client):
+    g = Graph()
+    x, ids = g.placeholder("x"), g.placeholder("ids")
+    key = g.call_function(operator.add, (ids, 1))
+    g.output(g.call_function(operator.mul, (g.call_function(ops.ps_fetch, ("graph_ps", 0, key)), x)))
+    gm = scheduling.async_rpc(_gm(g), prefetch=True)
+    assert gm.graph.find_nodes(op="call_function", target=ops.ps_prefetch) == []
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "ids"]
+    v = Graph()
+    kjt, rest = v.placeholder("kjt"), v.placeholder("*rest")
+    v.output((v.call_function(ops.ps_fetch, ("graph_ps", 0, kjt)), rest))
+    with pytest.raises(ValueError, match=r"\*args/\*\*kwargs input"):
+        scheduling.async_rpc(_gm(v), prefetch=True)

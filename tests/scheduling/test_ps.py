@@ -171,21 +171,42 @@ def _train(cluster, criteo_path, name: str, mode: str | None, steps: int = 4):
             scheduling.async_rpc(gm)
         elif mode is not None and mode.startswith("stale"):
             scheduling.async_rpc(gm, max_staleness=int(mode[-1]))
+        elif mode is not None and mode.startswith("prefetch"):
+            scheduling.async_rpc(gm, prefetch=True, max_staleness=1 if mode == "prefetch_stale1" else None)
         batches = criteo_batches(criteo_path, 32, num_embeddings=50, num_tables=6, limit=32 * steps)
-        losses = [float(gm(*batch)) for batch in batches]
+        lookups = sum(s["lookups"] for s in client.stats())
+        if mode is not None and mode.startswith("prefetch"):
+            losses = [float(gm(*batch, next_kjt=_next_kjt(nxt, copy=mode == "prefetch_other")))
+                      for batch, nxt in scheduling.lookahead(batches)]
+        else:
+            losses = [float(gm(*batch)) for batch in batches]
+        client.flush()
+        lookups = sum(s["lookups"] for s in client.stats()) - lookups
         with torch.no_grad():
             dense, kjt, _ = next(criteo_batches(criteo_path, 16, num_embeddings=50, num_tables=6, limit=16))
             logits = model(dense, kjt)
-        return losses, client.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}, logits
+        return (losses, client.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}, logits,
+                lookups)
     finally:
         client.close()
+
+
+def _next_kjt(nxt, copy: bool):
+    if nxt is None:
+        return None
+    kjt = nxt[1]
+    if not copy:
+        return kjt
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().clone(), lengths=kjt.lengths().clone())
 
 
 def test_training_with_async_rpc_is_exactly_the_baseline(cluster, criteo_path):
     base = _train(cluster, criteo_path, "train_base", None)
     # stale1: pushes stay in flight into the next step; the servers order each client's requests, so the
     # next fetch still sees them and training stays exact
-    for mode in ("exact", "stale0", "stale1"):
+    # prefetch: each step's lookups start inside the previous step, after its pushes; prefetch_other: the
+    # module is given a copy of the next batch, so each prefetched answer is dropped and fetched again
+    for mode in ("exact", "stale0", "stale1", "prefetch", "prefetch_other"):
         other = _train(cluster, criteo_path, f"train_{mode}", mode)
         assert other[0] == base[0], mode                                 # same loss every step
         assert base[0][-1] < base[0][0]                                  # and it learns
@@ -194,3 +215,25 @@ def test_training_with_async_rpc_is_exactly_the_baseline(cluster, criteo_path):
         for key in base[2]:
             assert torch.equal(other[2][key], base[2][key]), (mode, key)  # same dense parameters
         assert torch.equal(other[3], base[3])                            # same forward outputs
+        # each step looks up once per server (2 servers, 4 steps); dropped prefetches add 3 per server
+        assert other[4] == base[4] + (6 if mode == "prefetch_other" else 0) == 8 + (6 if mode == "prefetch_other" else 0), mode
+
+
+def test_stale_prefetch_misses_exactly_the_previous_push(cluster, criteo_path):
+    base = _train(cluster, criteo_path, "stalepf_base", None)
+    stale = _train(cluster, criteo_path, "stalepf", "prefetch_stale1")
+    assert stale[0][0] == base[0][0]           # step 0 reads the initial tables either way
+    assert stale[0][1] != base[0][1]           # step 1's lookup was sent before step 0's push
+    assert stale[4] == base[4] == 8            # no extra lookups
+    assert stale[0][-1] < stale[0][0]          # it still learns
+
+
+def test_exact_prefetch_needs_an_ordered_client(cluster):
+    client = PSClient(_tables(), cluster.server_names, name="unordered_pf", ordered=False)
+    try:
+        with pytest.raises(RuntimeError, match="exact prefetch needs ordered=True"):
+            client.prefetch(0, _kjt())
+        client.prefetch(0, _kjt(), max_staleness=1)   # allowed: the caller accepts one push of staleness
+        client.flush()
+    finally:
+        client.close()

@@ -1,0 +1,100 @@
+"""Cross-step prefetch for :func:`scheduling.async_rpc` (``prefetch=True``): start the next step's lookups
+inside this step.
+
+Within one step a lookup can only overlap the compute that does not need its answer (in a DLRM: the bottom
+MLP's forward). The next step's lookup, though, depends only on the next batch's ids, which the data
+loader already has. The pass adds one input per looked-up batch, ``next_<name>`` (default None), and after
+this step's push to each server a node ``ps_prefetch(client, server, next_<name>, after=<push start>)``::
+
+    %ps_push_start = ps_push_start(ps, 0, %kjt, %ps_fetch_wait, %ps_backward)
+    %ps_prefetch = ps_prefetch(ps, 0, %next_kjt, after=%ps_push_start)
+    ...bottom MLP backward, optimizer step...
+
+so the lookup of step ``t + 1`` overlaps the rest of step ``t`` and the start of step ``t + 1``, whose
+``ps_fetch_start`` takes the prefetched answer. Training stays exact: the client's server applies its
+requests in issue order (``PSClient(ordered=True)``), and the prefetch is issued after this step's push.
+With ``max_staleness >= 1`` the prefetch moves up to just after this step's own lookup, so it overlaps the
+whole step but misses this step's push (one step of staleness, the bound the option allows).
+
+Call the module with the next batch: ``gm(dense, kjt, labels, next_kjt=next_batch_kjt)``
+(:func:`lookahead` pairs each batch with the next one); without it (None) nothing is prefetched.
+A lookup is prefetched only when its batch is a graph input; others keep the in-step schedule.
+
+Source: torchrec ``TrainPipelineSparseDist`` (starts batch ``i + 1``'s input distribution during batch
+``i``); torch.fx paper §6.2.3 (move the start as early as its inputs allow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from fxdist.graph import Graph
+from fxdist.node import Node
+
+from .ps import ops
+from .rpc_kinds import node_arg
+
+__all__ = ["add_prefetch", "lookahead"]
+
+T = TypeVar("T")
+
+
+def _next_input(graph: Graph, batch: Node, made: dict[Node, Node]) -> Node:
+    """The placeholder ``next_<batch>`` (default None), created after the last placeholder."""
+    if batch not in made:
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
+            made[batch] = graph.placeholder(f"next_{batch.target}", default_value=None)
+    return made[batch]
+
+
+def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> list[Node]:
+    """Add the ``ps_prefetch`` nodes (after the RPCs were split and scheduled); returns them.
+
+    ``sites`` are the pass's :class:`~scheduling.async_rpc_pass.RPCSite` list.
+
+    Raises:
+        ValueError: the graph has a ``*args``/``**kwargs`` input (a new input cannot follow it).
+    """
+    if any(n.op == "placeholder" and str(n.target).startswith("*") for n in graph.nodes):
+        raise ValueError("async_rpc(prefetch=True): the graph has a *args/**kwargs input; the next batch "
+                         "cannot be added as an input after it")
+    stale = bool(max_staleness)
+    made: dict[Node, Node] = {}
+    added = []
+    reads = [s for s in sites if s.pair.family == "ps" and s.pair.kind == "read" and s.dest is not None]
+    for site in reads:
+        if sum(s.dest == site.dest for s in reads) > 1:  # one prefetch slot per (client, server)
+            continue
+        batch = node_arg(site.start, 2, "kjt")
+        if not (isinstance(batch, Node) and batch.op == "placeholder"):
+            continue
+        nxt = _next_input(graph, batch, made)
+        pushes = [s for s in sites if s.pair.kind == "write" and s.dest == site.dest]
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        anchor = site.start if stale or not pushes else max((s.start for s in pushes), key=pos.__getitem__)
+        client, server = site.dest[1], site.dest[2]
+        with graph.inserting_after(anchor):
+            node = graph.call_function(ops.ps_prefetch, (client, server, nxt),
+                                       {"max_staleness": max_staleness, "after": anchor})
+        node.meta["async_rpc_prefetch"] = site.start.meta.get("async_rpc", site.start.name)
+        added.append(node)
+    return added
+
+
+def lookahead(batches: Iterable[T]) -> Iterator[tuple[T, T | None]]:
+    """``(batch, next batch)`` pairs; the last batch is paired with None.
+
+    >>> list(lookahead("abc"))
+    [('a', 'b'), ('b', 'c'), ('c', None)]
+    """
+    it = iter(batches)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for nxt in it:
+        yield current, nxt
+        current = nxt
+    yield current, None
