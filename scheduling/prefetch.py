@@ -18,7 +18,9 @@ whole step but misses this step's push (one step of staleness, the bound the opt
 
 Call the module with the next batch: ``gm(dense, kjt, labels, next_kjt=next_batch_kjt)``
 (:func:`lookahead` pairs each batch with the next one); without it (None) nothing is prefetched.
-A lookup is prefetched only when its batch is a graph input; others keep the in-step schedule.
+A lookup is prefetched only when its batch is a graph input, and (without ``max_staleness``) only when the
+graph also pushes to that server: a graph without the push (a forward whose pushes run later, e.g. in
+backward hooks) cannot know when the prefetch would be exact. Others keep the in-step schedule.
 
 Source: torchrec ``TrainPipelineSparseDist`` (starts batch ``i + 1``'s input distribution during batch
 ``i``); torch.fx paper §6.2.3 (move the start as early as its inputs allow).
@@ -70,10 +72,12 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
         batch = node_arg(site.start, 2, "kjt")
         if not (isinstance(batch, Node) and batch.op == "placeholder"):
             continue
-        nxt = _next_input(graph, batch, made)
         pushes = [s for s in sites if s.pair.kind == "write" and s.dest == site.dest]
+        if not (stale or pushes):  # its pushes, if any, run outside the graph (e.g. in backward hooks)
+            continue
+        nxt = _next_input(graph, batch, made)
         pos = {n: i for i, n in enumerate(graph.nodes)}
-        anchor = site.start if stale or not pushes else max((s.start for s in pushes), key=pos.__getitem__)
+        anchor = site.start if stale else max((s.start for s in pushes), key=pos.__getitem__)
         client, server = site.dest[1], site.dest[2]
         with graph.inserting_after(anchor):
             node = graph.call_function(ops.ps_prefetch, (client, server, nxt),

@@ -175,15 +175,16 @@ def test_leaves_trace_as_single_impure_nodes(client):
     assert calls[0].is_impure() and not calls[2].is_impure()
 
 
-def test_prefetch_starts_the_next_lookup_right_after_the_push_to_its_server(client):
+def test_no_exact_prefetch_without_the_push_or_with_two_lookups_per_server(client):
     gm = scheduling.async_rpc(_gm(_push_fetch_graph()), prefetch=True)
     g = gm.graph
-    nxt = next(n for n in g.nodes if n.op == "placeholder" and n.name == "next_kjt")
-    assert nxt.args == (None,) and "next_kjt = None" in gm.code      # optional input, after the others
     prefetches = g.find_nodes(op="call_function", target=ops.ps_prefetch)
-    # server 0 is fetched twice in the step (one prefetch slot per server): only server 1 is prefetched,
-    # and with no push to server 1 in the step it goes right after that lookup's start
-    assert [p.args[:3] for p in prefetches] == [("graph_ps", 1, nxt)]
+    # server 0 is fetched twice in the step (one prefetch slot per server): not prefetched; server 1 is
+    # never pushed to in the graph (its pushes may run outside it): prefetched only when staleness is allowed
+    assert prefetches == []
+    stale = scheduling.async_rpc(_gm(_push_fetch_graph()), prefetch=True, max_staleness=1).graph
+    prefetches = stale.find_nodes(op="call_function", target=ops.ps_prefetch)
+    assert [p.args[:2] for p in prefetches] == [("graph_ps", 1)]
     assert prefetches[0].prev.name == "ps_fetch_start_2" and prefetches[0].kwargs["after"].name == "ps_fetch_start_2"
 
 
@@ -201,7 +202,10 @@ def _train_step_graph(client_name: str) -> Graph:
 
 
 def test_exact_prefetch_follows_the_push_and_stale_prefetch_follows_the_lookup(client):
-    g = scheduling.async_rpc(_gm(_train_step_graph("graph_ps")), prefetch=True).graph
+    gm = scheduling.async_rpc(_gm(_train_step_graph("graph_ps")), prefetch=True)
+    g = gm.graph
+    assert [n.name for n in g.nodes if n.op == "placeholder"] == ["kjt", "x", "next_kjt"]
+    assert g.find_nodes(op="placeholder")[-1].args == (None,) and "next_kjt = None" in gm.code  # optional
     names = order(g)
     assert names.index("ps_prefetch") == names.index("ps_push_start") + 1
     assert names.index("ps_prefetch_1") == names.index("ps_push_start_1") + 1
