@@ -70,6 +70,10 @@ class JobSection:
     """Training steps per phase, per trainer."""
     batch_size: int = 128
     """Samples per step, per trainer."""
+    eval_epochs: float = 1.0
+    """Held-out AUC / log loss are measured on the model after this many passes over each trainer's shard
+    (capped at ``steps``; 0 = at the end of the phase). DLRM on Criteo peaks after about one epoch and
+    over-fits when trained longer, while the QPS comparison wants more steps than one epoch has."""
     seed: int = 0
     """Seed of the model initialisation (both phases start from the same weights)."""
     lr: float = 0.01
@@ -201,6 +205,7 @@ class JobConfig:
             (self.job.steps >= 1, "[job] steps must be >= 1"),
             (self.job.batch_size >= 1, "[job] batch_size must be >= 1"),
             (self.job.checkpoint_every >= 0, "[job] checkpoint_every must be >= 0"),
+            (self.job.eval_epochs >= 0, "[job] eval_epochs must be >= 0"),
             (self.cluster.trainers >= 1, "[cluster] trainers must be >= 1"),
             (self.cluster.parameter_servers >= 0, "[cluster] parameter_servers must be >= 0"),
             (self.model.embedding_dim >= 1, "[model] embedding_dim must be >= 1"),

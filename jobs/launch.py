@@ -9,10 +9,13 @@
 3. writes Prometheus file-based service discovery (``prometheus/targets.json``) and a ready-to-run
    ``prometheus/prometheus.yml`` (from ``dashboards/``) into the run folder;
 4. runs the trainers with Ray Train's ``TorchTrainer`` (DDP over gloo on CPU, nccl on GPU;
-   ``FailureConfig(max_failures)`` restarts the worker group from the last checkpoint); the trainers
-   start the parameter-server actors (see :mod:`jobs.ps`) and report to a :class:`JobState` actor, which
-   the launcher polls for the progress bars;
-5. quantizes the trained dense model and compares fp32 with int8 (:mod:`jobs.inference`);
+   ``FailureConfig(max_failures)`` restarts the worker group from the last checkpoint), after starting
+   the parameter servers as Ray actors (:func:`jobs.ps.start_servers`; each worker group's rank 0 has
+   them join its ``torch.distributed.rpc`` group, see :mod:`jobs.ps`; they are killed when the job ends,
+   also on errors and Ctrl-C); the trainers report to a :class:`JobState` actor, which the launcher
+   polls for the progress bars;
+5. quantizes the dense model of the last phase that the AUC refers to (after ``[job] eval_epochs``,
+   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.report`).
 
 Source: Ray Train (TorchTrainer, ScalingConfig, RunConfig, FailureConfig, CheckpointConfig).
@@ -24,6 +27,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,7 @@ class JobState:
         self.events: list[tuple[float, str]] = []
         self.checkpoints: list[dict[str, Any]] = []
         self.restores: list[dict[str, Any]] = []
+        self.server_joins: list[list[dict[str, int]]] = []
 
     def fire(self, fault: str) -> bool:
         """True the first time ``fault`` is asked for, False afterwards."""
@@ -74,6 +79,12 @@ class JobState:
         self.restores.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
         self.event(f"restored {phase} step {step}")
 
+    def servers_joined(self, joined: list[dict[str, int]]) -> None:
+        """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
+        self.server_joins.append(joined)
+        self.event("servers joined: " + ", ".join(f"ps{i} pid {j['pid']} group {j['group']}"
+                                                  for i, j in enumerate(joined)))
+
     def parse_stats(self, stats: dict[str, Any], rows: int) -> None:
         self.parse = {**stats, "rank0_rows": rows}
 
@@ -94,7 +105,8 @@ class JobState:
     def snapshot(self) -> dict[str, Any]:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
                 "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
-                "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events)}
+                "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
+                "server_joins": list(self.server_joins)}
 
 
 def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
@@ -249,31 +261,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     log(data_note)
     started_ray, on_cluster = _join_ray(config, log=log)
     try:
-        metrics_port = None
-        if config.metrics.enabled and not on_cluster:
-            _check_ports(config)
-        if config.metrics.enabled:
-            prom = write_prometheus_files(config, run_dir)
-            metrics_port = config.metrics.port
-            log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
-        state = ray.remote(num_cpus=0)(JobState).remote()
-        loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path),
-                       "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state,
-                       "rpc_host": None if on_cluster else "127.0.0.1"}
-        trainer = _trainer(config, loop_config, run_dir)
-        log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers, "
-            f"{config.job.steps} steps per phase, passes {list(config.phases.passes)}")
-        box: dict[str, Any] = {}
-        t0 = time.perf_counter()
-        state.event.remote("launcher: TorchTrainer.fit started")
-        thread = threading.Thread(target=_fit, args=(trainer, box), daemon=True)
-        thread.start()
-        snap = _follow(state, box, thread, show=not quiet and config.job.progress)
-        if "error" in box:
-            raise box["error"]
-        train_seconds = time.perf_counter() - t0
-        snap = ray.get(state.snapshot.remote())
-        final = _final_state(box["result"])
+        snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log)
     finally:
         if started_ray:
             ray.shutdown()
@@ -284,17 +272,67 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         "restarts": _restarts(snap), "faults_fired": snap.get("fired", []), "run_dir": str(run_dir),
         "checkpoints": snap.get("checkpoints", []), "restores": snap.get("restores", []),
         "timeline": snap.get("events", []), "starts": snap.get("starts", []),
+        "server_joins": snap.get("server_joins", []),
     }
     if config.quant.enabled:
         log("post-training quantization of the dense model: fp32 vs int8")
         t_quant = time.perf_counter()
-        results["inference"] = inference.compare(config, final, data_path)
+        evaluated = final.get("eval") or {}
+        model_state = evaluated if "model" in evaluated else final  # the model the table's AUC refers to
+        results["inference"] = inference.compare(config, model_state, data_path)
+        results["inference"]["model_step"] = evaluated.get("step", final.get("step"))
         results["inference"]["seconds"] = time.perf_counter() - t_quant
     report.write(results, run_dir)
     if not quiet:
         print(report.table(results), flush=True)
         log(f"results: {run_dir / 'results.json'}, plot: {run_dir / 'qps.png'}")
     return results
+
+
+def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, *, quiet: bool,
+           log: Any) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """Start the server actors, run the TorchTrainer, kill the actors (also on errors and Ctrl-C).
+
+    Returns:
+        (the JobState snapshot, the final checkpoint's contents, training seconds).
+    """
+    import ray
+
+    servers: list[Any] = []
+    try:
+        metrics_port = None
+        if config.metrics.enabled and not on_cluster:
+            _check_ports(config)
+        if config.metrics.enabled:
+            prom = write_prometheus_files(config, run_dir)
+            metrics_port = config.metrics.port
+            log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
+        state = ray.remote(num_cpus=0)(JobState).remote()
+        if config.cluster.parameter_servers:
+            from jobs.ps import start_servers
+
+            servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
+        loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path),
+                       "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state, "servers": servers,
+                       "rpc_host": None if on_cluster else "127.0.0.1"}
+        trainer = _trainer(config, loop_config, run_dir)
+        log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers "
+            f"(Ray actors), {config.job.steps} steps per phase, passes {list(config.phases.passes)}")
+        box: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        state.event.remote("launcher: TorchTrainer.fit started")
+        thread = threading.Thread(target=_fit, args=(trainer, box), daemon=True)
+        thread.start()
+        _follow(state, box, thread, show=not quiet and config.job.progress)
+        if "error" in box:
+            raise box["error"]
+        train_seconds = time.perf_counter() - t0
+        return ray.get(state.snapshot.remote()), _final_state(box["result"]), train_seconds
+    finally:
+        if servers:
+            from jobs.ps import stop_servers
+
+            stop_servers(servers)
 
 
 def _final_state(result) -> dict[str, Any]:

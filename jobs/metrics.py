@@ -23,6 +23,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -64,6 +65,7 @@ class Exporter:
             registry=self.registry, buckets=FETCH_BUCKETS,
         )
         self.loss = Gauge("fxdist_loss", "Training loss of the last step.", LABELS, registry=self.registry)
+        self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._server = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -79,20 +81,30 @@ class Exporter:
             self.step_seconds.labels(**labels)
             self.fetch_seconds.labels(**labels)
 
+    def _children(self, phase: str) -> tuple[Any, Any, Any, Any]:
+        """The labelled series of ``phase`` (samples, step, fetch, loss), looked up once per phase: a
+        ``labels()`` lookup costs more than the update itself (prometheus client_python's advice)."""
+        children = self._cache.get(phase)
+        if children is None:
+            labels = self.labels(phase)
+            children = self._cache[phase] = (self.samples.labels(**labels), self.step_seconds.labels(**labels),
+                                             self.fetch_seconds.labels(**labels), self.loss.labels(**labels))
+        return children
+
     def observe_step(
         self, phase: str, *, samples: int, step_seconds: float, fetch_seconds: float | None, loss: float
     ) -> None:
         """Record one training step (``fetch_seconds=None``: no RPC fetch in this step)."""
-        labels = self.labels(phase)
-        self.samples.labels(**labels).inc(samples)
-        self.step_seconds.labels(**labels).observe(step_seconds)
+        samples_total, step, fetch, last_loss = self._children(phase)
+        samples_total.inc(samples)
+        step.observe(step_seconds)
         if fetch_seconds is not None:
-            self.fetch_seconds.labels(**labels).observe(fetch_seconds)
-        self.loss.labels(**labels).set(loss)
+            fetch.observe(fetch_seconds)
+        last_loss.set(loss)
 
     def observe_fetch(self, phase: str, seconds: float) -> None:
         """Record one served (server) or issued (trainer) embedding fetch."""
-        self.fetch_seconds.labels(**self.labels(phase)).observe(seconds)
+        self._children(phase)[2].observe(seconds)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; ``port=0`` picks a free port.

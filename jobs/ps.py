@@ -1,12 +1,18 @@
 """Embedding tables on parameter servers: Ray actors running ``scheduling.ps`` servers, and the trainer side.
 
-One static ``torch.distributed.rpc`` group holds the ``T`` trainers (ranks ``0..T-1``, named
-``trainer<r>``; rank 0 hosts the rendezvous store) and the ``N`` servers (ranks ``T..T+N-1``, named
-``ps<i>``). Trainer rank 0 picks the rendezvous port, starts the servers as Ray actors
-(:class:`ServerActor`, no CPU reserved) and owns them, so they share the fate of the worker group: when
-Ray Train restarts the group after a failure (a killed trainer, or a killed server whose RPCs then fail
-with ``PSUnavailableError``), the new rank 0 starts fresh servers and loads the tables of the last
-checkpoint into them (``torch.distributed.rpc`` cannot re-admit a member into a live group).
+The servers are Ray actors (:class:`ServerActor`, no CPU reserved) that the launcher creates before
+the trainers start and kills when the job ends (:func:`start_servers`, :func:`stop_servers`); they do
+not share the fate of the trainers' worker group. Each worker group forms one static
+``torch.distributed.rpc`` group of the ``T`` trainers (ranks ``0..T-1``, named ``trainer<r>``; rank 0
+hosts the rendezvous store) and the ``N`` servers (ranks ``T..T+N-1``, named ``ps<i>``): rank 0 picks
+the rendezvous port and asks every server actor to :meth:`ServerActor.join` it. ``torch.distributed.rpc``
+cannot re-admit a member into a live group, so when Ray Train restarts the worker group after a failure,
+the new rank 0 makes the servers leave the broken group and join a new one (an empty server each), and
+the trainers load the tables of the last checkpoint into them:
+
+- a killed trainer: Ray Train restarts the group; the servers (same processes) rejoin;
+- a killed server: Ray restarts its actor (``max_restarts``), the trainers' RPCs to it fail with
+  ``PSUnavailableError``, Ray Train restarts the group, and the restarted server joins it.
 
 Model side: :class:`PSSparseArch` turns ids into a torchrec ``KeyedJaggedTensor`` lookup on the servers
 through ``scheduling.ps.PSEmbeddingBagCollection`` (blocking ``ps_fetch`` nodes, which the
@@ -30,7 +36,8 @@ from torch import nn
 import fxdist
 from fxdist.node import has_side_effect
 
-__all__ = ["PSSparseArch", "ServerActor", "ServerTables", "attach_push", "to_kjt", "tables_to_local"]
+__all__ = ["PSSparseArch", "ServerActor", "ServerTables", "attach_push", "start_servers", "stop_servers", "to_kjt",
+           "tables_to_local"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
@@ -104,14 +111,45 @@ class PSSparseArch(nn.Module):
         return self.combine(kjt, self.fetch(kjt))
 
 
-class ServerActor:
-    """A Ray actor hosting one parameter server (``scheduling.ps.start_server``) and its metrics exporter."""
+def _reset_rpc_process_state() -> None:
+    """Let this process join a new ``torch.distributed.rpc`` group after leaving one.
 
-    def __init__(self, name: str, rank: int, world: int, addr: str, port: int, *, timeout_s: float,
-                 fetch_delay_s: float, job: str, metrics: tuple[str, int] | None) -> None:
-        self.name, self.rank, self.world, self.addr, self.port = name, rank, world, addr, port
-        self.timeout_s, self.fetch_delay_s = timeout_s, fetch_delay_s
+    torch prefixes the rendezvous store keys with a per-process init counter (``rpc_prefix_<n>``), so a
+    server joining its second group would look for keys the new trainers (a fresh process each, counter
+    0) never write; each group has its own store, so counting from 0 again is safe. Likewise the sequence
+    numbers of rpc's internal all-gather are per process. The same reset as
+    ``scheduling.ps.init_trainer`` does on the trainer side (workaround for torch/distributed/rpc).
+    """
+    from torch.distributed import rpc
+    from torch.distributed.rpc import api as rpc_api
+
+    with rpc._init_counter_lock:
+        rpc._init_counter = 0
+    with rpc_api._all_gather_dict_lock:
+        rpc_api._all_gather_sequence_id.clear()
+
+
+class ServerActor:
+    """A Ray actor hosting one parameter server (``scheduling.ps.start_server``) and its metrics exporter.
+
+    The launcher creates it (named, restartable by Ray) before the trainers start, and it outlives every
+    trainer worker group: each group's rank 0 calls :meth:`join`, which leaves the previous group's RPC
+    group and joins the new one with an empty server (the trainers then load the checkpoint's tables).
+    If Ray restarts the actor after its process died, ``__init__`` runs again (a fresh process, the
+    same metrics port) and the next :meth:`join` proceeds as on the first start.
+
+    Args:
+        name: RPC worker name (``ps<i>``).
+        job: The ``job`` label of its metrics; ``metrics``: (host, port) of its exporter, or None.
+        fetch_delay_s: Added latency per lookup, seconds; ``timeout_s``: RPC and rendezvous timeout.
+    """
+
+    def __init__(self, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
+                 timeout_s: float) -> None:
+        self.name, self.fetch_delay_s, self.timeout_s = name, fetch_delay_s, timeout_s
         self.phase = "baseline"
+        self.joined = False
+        self.groups = 0
         self.exporter = None
         if metrics is not None:
             from jobs.metrics import Exporter
@@ -119,12 +157,22 @@ class ServerActor:
             self.exporter = Exporter(job, name)
             self.exporter.serve(metrics[1], metrics[0])
 
-    def start(self) -> int:
-        """Join the RPC group (returns once every member has joined); returns this process's pid."""
+    def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, int]:
+        """Leave the current RPC group if any, then join the one at ``addr:port`` as ``rank`` of ``world``.
+
+        Returns once every member has joined: ``{"pid": this process, "group": groups joined so far}``.
+
+        Raises:
+            RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
+        """
         from scheduling.ps import start_server
 
-        server = start_server(self.name, self.rank, self.world, master_addr=self.addr, master_port=self.port,
+        self.leave()
+        _reset_rpc_process_state()
+        server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
                               fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False)
+        self.joined = True
+        self.groups += 1
         if self.exporter is not None:
             lookup, exporter = server.lookup, self.exporter
 
@@ -136,18 +184,59 @@ class ServerActor:
                     exporter.observe_fetch(self.phase, time.perf_counter() - t0)
 
             server.lookup = timed_lookup
-        return os.getpid()
+        return {"pid": os.getpid(), "group": self.groups}
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
 
-    def stop(self) -> None:
-        """Leave the RPC group (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
+    def leave(self) -> None:
+        """Leave the RPC group, if in one (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
         from scheduling.ps import stop_server
 
-        stop_server()
+        if self.joined:
+            self.joined = False
+            stop_server()
+
+    def close(self) -> None:
+        """Leave the group and stop the exporter (the launcher then kills the actor)."""
+        self.leave()
         if self.exporter is not None:
             self.exporter.close()
+
+
+def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
+    """Create the job's ``[cluster] parameter_servers`` :class:`ServerActor` s (the launcher's job).
+
+    Actor ``i`` is named ``<job>-ps<i>-<tag>``, reserves no CPU and is restarted by Ray up to
+    ``[job] max_failures`` times after its process dies; it exports metrics on
+    ``metrics_port + trainers + i`` (None: no exporter). Returns the handles (for ``loop_config``).
+    """
+    import ray
+
+    c = config.cluster
+    cls = ray.remote(num_cpus=0, max_restarts=max(0, config.job.max_failures))(ServerActor)
+    actors = []
+    for i in range(c.parameter_servers):
+        metrics = (config.metrics.host, metrics_port + c.trainers + i) if metrics_port is not None else None
+        actors.append(cls.options(name=f"{config.job.name}-ps{i}-{tag}").remote(
+            f"ps{i}", job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
+            timeout_s=c.rpc_timeout_s))
+    return actors
+
+
+def stop_servers(actors: list[Any], timeout_s: float = 5.0) -> None:
+    """Ask the server actors to close, then kill them (no restart); never raises."""
+    import ray
+
+    try:
+        ray.wait([a.close.remote() for a in actors], num_returns=len(actors), timeout=timeout_s)
+    except Exception:  # a dead or restarting actor: killing it below is all that is left to do
+        pass
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
 
 
 def _rpc_host(loop_config: dict[str, Any]) -> str:
@@ -159,7 +248,11 @@ def _rpc_host(loop_config: dict[str, Any]) -> str:
 
 
 class ServerTables:
-    """Tables backend of a trainer whose embedding tables live on ``[cluster] parameter_servers`` servers."""
+    """Tables backend of a trainer whose embedding tables live on ``[cluster] parameter_servers`` servers.
+
+    ``loop_config["servers"]`` holds the launcher's :class:`ServerActor` handles; rank 0 asks each to
+    join this worker group's RPC group (see the module docstring).
+    """
 
     def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any) -> None:
         import ray
@@ -170,7 +263,10 @@ class ServerTables:
         c, m = config.cluster, config.model
         self.rank, self.world, self.config = rank, world, config
         self.num_servers = c.parameter_servers
-        self.actors: list[Any] = []
+        self.actors: list[Any] = list(loop_config.get("servers") or [])
+        if len(self.actors) != self.num_servers:
+            raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
+                               f"[cluster] parameter_servers = {self.num_servers}")
         box = [None]
         if rank == 0:
             host = _rpc_host(loop_config)
@@ -179,19 +275,11 @@ class ServerTables:
             dist.broadcast_object_list(box, src=0)
         host, port = box[0]
         total = world + self.num_servers
-        starts = []
-        if rank == 0:
-            base = loop_config.get("metrics_port")
-            cls = ray.remote(num_cpus=0, max_restarts=0)(ServerActor)
-            for i in range(self.num_servers):
-                metrics = (config.metrics.host, base + world + i) if base is not None else None
-                actor = cls.remote(f"ps{i}", world + i, total, host, port, timeout_s=c.rpc_timeout_s,
-                                   fetch_delay_s=c.server_fetch_delay_ms / 1e3, job=config.job.name,
-                                   metrics=metrics)
-                self.actors.append(actor)
-                starts.append(actor.start.remote())
+        joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(self.actors)] if rank == 0 else []
         init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=c.rpc_timeout_s)
-        self.server_pids = ray.get(starts) if starts else []
+        self.joined = ray.get(joins) if joins else []
+        if self.joined and loop_config.get("state") is not None:
+            loop_config["state"].servers_joined.remote(self.joined)
         specs = [TableSpec(f"t{j + 1}", m.table_size, m.embedding_dim, (key,))
                  for j, key in enumerate(_keys(26))]
         self.client = PSClient(specs, [f"ps{i}" for i in range(self.num_servers)], sharding="table_wise",
@@ -221,8 +309,9 @@ class ServerTables:
         return to_kjt(ids)
 
     def sparse_arch(self, phase: str) -> nn.Module:
-        for actor in self.actors:
-            actor.set_phase.remote(phase)
+        if self.rank == 0:
+            for actor in self.actors:
+                actor.set_phase.remote(phase)
         return PSSparseArch(CLIENT, 26, self.config.model.embedding_dim)
 
     def reset(self, seed: int) -> None:
@@ -256,29 +345,27 @@ class ServerTables:
         self._barrier()
 
     def kill_server(self, index: int) -> None:
-        """Kill server ``index``'s process (fault injection)."""
+        """Kill server ``index``'s process (fault injection); Ray restarts the actor."""
         import ray
 
-        ray.kill(self.actors[index], no_restart=True)
+        ray.kill(self.actors[index], no_restart=False)
 
     def close(self, graceful: bool = True) -> None:
-        """Leave the RPC group and end the server actors.
+        """Leave the RPC group; the server actors stay (the launcher owns them).
 
         ``graceful``: first wait for this trainer's pushes and for every trainer to get here (a
-        ``torch.distributed`` barrier), so no update is lost; after a failure, leave at once.
+        ``torch.distributed`` barrier), so no update is lost, then rank 0 asks the servers to leave
+        too; after a failure, leave at once (the next worker group's :meth:`ServerActor.join` makes
+        the servers leave the broken group).
         """
         import ray
 
-        try:
-            if graceful:
-                self.client.flush()
-                self._barrier()
-            self.client.close(shutdown_rpc=True, flush=False)
-            if graceful and self.actors:
-                ray.get([a.stop.remote() for a in self.actors], timeout=self.config.cluster.rpc_timeout_s)
-        finally:
-            for actor in self.actors:
-                ray.kill(actor, no_restart=True)
+        if graceful:
+            self.client.flush()
+            self._barrier()
+        self.client.close(shutdown_rpc=True, flush=False)
+        if graceful and self.rank == 0 and self.actors:
+            ray.get([a.leave.remote() for a in self.actors], timeout=self.config.cluster.rpc_timeout_s)
 
 
 def tables_to_local(state: dict[str, torch.Tensor], local: nn.Module) -> None:

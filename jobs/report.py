@@ -3,9 +3,11 @@
 ``results`` (as returned by :func:`jobs.launch.launch`) has the keys ``job``, ``config``, ``data``
 (``path``, ``note``, ``parse``: valid / malformed line counts), ``phases`` (``baseline`` and
 ``optimized``: ``qps`` samples/s, ``step_p50_ms``, ``step_p99_ms``, ``fetch_p50_ms``, ``fetch_p99_ms``,
-``loss``, ``quality`` {``auc``, ``log_loss``}, ``qps_series`` [(seconds, samples/s)], ``optimize``
+``loss``, ``quality`` {``auc``, ``log_loss``, ``rows``} of the model after ``quality_step``
+(``quality_epochs`` passes over a trainer's shard), ``quality_end`` (the same at the phase end), ``qps_series`` [(seconds, samples/s)], ``optimize``
 {passes run}), ``gain_percent``, ``restarts``, ``faults_fired``, ``inference`` (``fp32`` / ``int8``:
-``qps``, ``auc``, ``log_loss``; ``speedup``) and ``run_dir``.
+``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized) and
+``run_dir``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def table(results: dict[str, Any]) -> str:
             f"{_fmt(p.get('fetch_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7} "
             f"{_fmt(q.get('auc'), '.4f'):>7} {_fmt(q.get('log_loss'), '.4f'):>8}"
         )
+    lines += _quality_notes(results, j.get("steps"))
+    shares = {name: p["metrics_percent"] for name, p in results.get("phases", {}).items()
+              if p.get("metrics_percent") is not None}
+    if shares and (cfg.get("metrics") or {}).get("enabled", True):
+        lines.append("metrics updates in the training loop (largest trainer share of phase time): "
+                     + ", ".join(f"{name} {_fmt(v, '.3f')} %" for name, v in shares.items()))
     gain = _gain(results)
     lines += ["", f"QPS gain, optimized vs baseline: {_fmt(gain, '+.1f')} %"]
     opt = results.get("phases", {}).get("optimized", {}).get("optimize", {})
@@ -64,9 +72,10 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
     inf = results.get("inference")
     if inf:
+        at = f", model after step {inf['model_step']}" if inf.get("model_step") is not None else ""
         lines += [
             "",
-            f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread): "
+            f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread{at}): "
             f"{inf['method']}",
             f"{'':<10} {'QPS':>10} {'AUC':>7} {'logloss':>8}",
         ]
@@ -81,11 +90,28 @@ def table(results: dict[str, Any]) -> str:
         lines += ["", f"data: {parse.get('valid')} valid lines, {bad} malformed skipped" + (f" ({detail})" if bad else "")]
         epochs = next((p.get("epochs") for p in results.get("phases", {}).values() if p.get("epochs")), None)
         if epochs:
-            lines.append(f"each phase passes {epochs:.1f} times over each trainer's shard"
-                         + ("; held-out AUC / log loss reflect over-fitting of a small sample" if epochs > 2 else ""))
+            lines.append(f"each phase passes {epochs:.1f} times over each trainer's shard")
     if results.get("restarts"):
         lines.append(f"restarts from checkpoint: {results['restarts']} (faults injected: {results.get('faults_fired')})")
     return "\n".join(lines)
+
+
+def _quality_notes(results: dict[str, Any], steps: Any) -> list[str]:
+    """What the AUC / logloss columns refer to, and the end-of-phase values when those differ."""
+    phases = results.get("phases", {})
+    first = next(iter(phases.values()), {})
+    if "quality_step" not in first:
+        return []
+    rows = (first.get("quality") or {}).get("rows")
+    step, epochs = first["quality_step"], first.get("quality_epochs")
+    lines = [f"AUC, logloss: {rows} held-out rows, model after step {step} of {steps}"
+             + (f" ({epochs:.2f} epochs over each trainer's shard)" if epochs is not None else "")]
+    if step != steps:
+        ends = ", ".join(f"{name} AUC {_fmt((p.get('quality_end') or {}).get('auc'), '.4f')} "
+                         f"logloss {_fmt((p.get('quality_end') or {}).get('log_loss'), '.4f')}"
+                         for name, p in phases.items())
+        lines.append(f"  at the phase end (step {steps}, {_fmt(first.get('epochs'), '.1f')} epochs): {ends}")
+    return lines
 
 
 def to_json(value: Any) -> Any:

@@ -11,7 +11,11 @@
 4. checkpoints every ``checkpoint_every`` steps (dense weights, optimizer state and server tables in
    one Ray Train checkpoint) and at the end of each phase, so a restarted worker group resumes at the
    same phase and step;
-5. sends progress to the launcher's :class:`JobState` actor, and per-phase statistics at phase ends.
+5. measures the held-out AUC / log loss of each phase's model after ``[job] eval_epochs`` passes over
+   its shard (:func:`eval_step`; one epoch by default, where DLRM on Criteo is known to peak and
+   longer training over-fits) and again at the phase end; in the last phase it keeps a copy of the
+   evaluated model, which the launcher quantizes;
+6. sends progress to the launcher's :class:`JobState` actor, and per-phase statistics at phase ends.
 
 Source: Ray Train ``TorchTrainer`` user guide (report / get_checkpoint); DLRM training recipe.
 """
@@ -19,6 +23,7 @@ Source: Ray Train ``TorchTrainer`` user guide (report / get_checkpoint); DLRM tr
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import signal
 import tempfile
@@ -36,7 +41,7 @@ from jobs.metrics import Exporter
 from jobs.model import DLRM, LocalEmbeddings
 from jobs.stats import binary_metrics, phase_summary
 
-__all__ = ["train_loop", "PhaseRun", "build_model", "run_phase"]
+__all__ = ["train_loop", "PhaseRun", "build_model", "run_phase", "eval_step"]
 
 PHASES = ("baseline", "optimized")
 REGISTER_WAIT_S = 3.0
@@ -67,6 +72,9 @@ class PhaseRun:
     """Training seconds since the phase started (callbacks excluded), at the end of each step."""
     callback_seconds: float = 0.0
     """Time spent in ``on_step`` (checkpoints, progress, fault checks); excluded from ``wall_seconds``."""
+    metrics_seconds: float = 0.0
+    """Time spent updating the Prometheus metrics after each step (``Exporter.observe_step``); part of
+    ``wall_seconds``: the direct measure of the export's cost in the training loop."""
 
 
 def _make_trained_module(model: DLRM, phase: str, config: JobConfig) -> tuple[nn.Module, dict[str, Any]]:
@@ -144,8 +152,10 @@ def run_phase(
         if fetch is not None:
             run.fetch_seconds.append(fetch)
         if exporter is not None:
+            t_metrics = time.perf_counter()
             exporter.observe_step(phase, samples=batch.labels.shape[0], step_seconds=t1 - t0,
                                   fetch_seconds=fetch, loss=value)
+            run.metrics_seconds += time.perf_counter() - t_metrics
         if on_step is not None:
             on_step(step + 1, run, module, optimizer)
             run.callback_seconds += time.perf_counter() - t1
@@ -229,8 +239,12 @@ def digest(state: dict[str, Any]) -> str:
 
 
 def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables, rank: int, final: bool,
-                     state: Any = None) -> None:
-    """Report a Ray Train checkpoint (rank 0 writes it; every rank reports)."""
+                     state: Any = None, early: dict[str, Any] | None = None) -> None:
+    """Report a Ray Train checkpoint (rank 0 writes it; every rank reports).
+
+    ``early``: the phase's mid-phase evaluation so far (``step``, ``quality``, and in the last phase the
+    evaluated model's ``model`` / ``tables``), kept under ``"eval"`` so it survives a restart.
+    """
     import ray.train
 
     tables.sync()
@@ -241,7 +255,7 @@ def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables
         if rank == 0:
             dense, table_state = _plain_state(module.state_dict()), tables.state_dict()
             torch.save({"phase": phase, "step": step, "final": final, "model": dense, "tables": table_state,
-                        "optim": optimizer.state_dict()}, os.path.join(tmp, "state.pt"))
+                        "optim": optimizer.state_dict(), "eval": early or {}}, os.path.join(tmp, "state.pt"))
             if state is not None:
                 state.checkpointed.remote(phase, step, digest(dense), digest(table_state))
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
@@ -267,7 +281,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     """Ray Train entry point: run every phase of the job on this trainer.
 
     ``loop_config`` keys: ``config`` (the job config as plain dicts), ``data_path``, ``run_dir``,
-    ``metrics_port`` (base port, or None), ``state`` (the JobState actor handle).
+    ``metrics_port`` (base port, or None), ``state`` (the JobState actor handle), ``servers`` (the
+    launcher's parameter-server actor handles), ``rpc_host``.
     """
     import ray.train
 
@@ -308,45 +323,86 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             exporter.close()
 
 
+def eval_step(config: JobConfig, shard_rows: int) -> int:
+    """The step after which a phase's held-out AUC / log loss are measured.
+
+    ``ceil([job] eval_epochs * shard_rows / batch_size)``: the model after that many passes over a
+    trainer's shard (``shard_rows``: the largest shard), capped at ``[job] steps``; ``eval_epochs = 0``
+    means the end of the phase.
+    """
+    epochs, steps = config.job.eval_epochs, config.job.steps
+    if epochs <= 0:
+        return steps
+    return max(1, min(steps, math.ceil(epochs * shard_rows / config.job.batch_size)))
+
+
+def _evaluate_mid_phase(model: DLRM, eval_shard: CriteoShard | None, tables: Any, step: int,
+                        snapshot: bool) -> dict[str, Any]:
+    """All ranks: held-out quality of ``model`` now (rank 0), and with ``snapshot`` a copy of its dense
+    weights and tables (the model the job quantizes). Between two barriers, so no trainer's timed step
+    waits for rank 0's evaluation."""
+    tables.sync()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank's updates for `step` are on the servers
+    out: dict[str, Any] = {}
+    if eval_shard is not None:
+        out = {"step": step, "quality": evaluate(model, eval_shard, tables)}
+        if snapshot:
+            out["model"] = {k: v.detach().clone() for k, v in _plain_state(model.state_dict()).items()}
+            out["tables"] = tables.state_dict()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return out
+
+
 def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter) -> None:
     phases = [p for p in PHASES if p != "baseline" or config.phases.baseline]
     if resume is not None:
         done = phases.index(resume["phase"]) + (1 if resume["final"] else 0)
         phases = phases[done:]
-    every = config.job.checkpoint_every
+    every, steps = config.job.checkpoint_every, config.job.steps
+    shard_rows = max(_gather(len(shard)))
+    at = eval_step(config, shard_rows)
     for phase in phases:
         resuming = resume is not None and resume["phase"] == phase
         model = build_model(config, tables.sparse_arch(phase))
         start = 0
         optim_state = None
+        early: dict[str, Any] = {}  # rank 0: the mid-phase evaluation (and snapshot), once done
         if resuming:
             model.load_state_dict(resume["model"], strict=False)
             tables.load_state_dict(resume["tables"])
             start, optim_state = resume["step"], resume["optim"]
+            early = dict(resume.get("eval") or {})
             if rank == 0:  # what the model and the (fresh) servers hold now, for the job's record
                 state.restored.remote(phase, start, digest(_plain_state(model.state_dict())),
                                       digest(tables.state_dict()))
         else:
             tables.reset(config.job.seed)
         if rank == 0:
-            state.phase_started.remote(phase, start, config.job.steps)
+            state.phase_started.remote(phase, start, steps)
 
-        def on_step(step, run, module, optimizer, phase=phase):
-            if rank == 0 and (step % 5 == 0 or step == config.job.steps):
+        def on_step(step, run, module, optimizer, phase=phase, early=early, model=model):
+            if rank == 0 and (step % 5 == 0 or step == steps):
                 state.progress.remote(phase, step)
+            if step == at and step < steps:
+                early.update(_evaluate_mid_phase(model, eval_shard, tables, step, snapshot=phase == PHASES[-1]))
             _maybe_inject_faults(config, phase, step, rank, world, state, tables)
-            if every and step % every == 0 and step < config.job.steps:
-                _save_checkpoint(phase, step, model, optimizer, tables, rank, final=False, state=state)
+            if every and step % every == 0 and step < steps:
+                _save_checkpoint(phase, step, model, optimizer, tables, rank, final=False, state=state, early=early)
 
         run, info, optimizer = run_phase(phase, model, tables, shard, config, start_step=start,
                                          optim_state=optim_state, exporter=exporter, on_step=on_step)
         tables.sync()
         runs = _gather(run)  # also a barrier: every rank's updates are on the servers before evaluation
-        quality = evaluate(model, eval_shard, tables) if eval_shard is not None else {}
+        end = evaluate(model, eval_shard, tables) if eval_shard is not None else {}
         if rank == 0:
             summary = phase_summary(runs, config.job.batch_size)
-            summary.update(quality=quality, optimize=info, resumed_from_step=start,
-                           epochs=config.job.steps * config.job.batch_size / len(shard))
+            quality_step = early.get("step", steps)
+            summary.update(quality=early.get("quality", end), quality_step=quality_step,
+                           quality_epochs=quality_step * config.job.batch_size / shard_rows,
+                           quality_end=end, optimize=info, resumed_from_step=start,
+                           epochs=steps * config.job.batch_size / shard_rows)
             ray_get = __import__("ray").get
             ray_get(state.phase_done.remote(phase, summary))
-        _save_checkpoint(phase, config.job.steps, model, optimizer, tables, rank, final=True, state=state)
+        _save_checkpoint(phase, steps, model, optimizer, tables, rank, final=True, state=state, early=early)

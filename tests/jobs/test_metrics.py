@@ -27,6 +27,12 @@ def test_exporter_uses_a_private_registry():
     assert get("fxdist_loss", labels) == 0.6
     assert b.registry.get_sample_value("fxdist_samples_total", {**labels, "rank": "1"}) is None
     assert REGISTRY.get_sample_value("fxdist_samples_total", labels) is None
+    # each phase has its own series (the labelled children are cached per phase)
+    a.observe_step("optimized", samples=64, step_seconds=0.02, fetch_seconds=0.001, loss=0.5)
+    a.observe_fetch("optimized", 0.004)
+    opt = {**labels, "phase": "optimized"}
+    assert get("fxdist_samples_total", opt) == 64 and get("fxdist_samples_total", labels) == 256
+    assert get("fxdist_rpc_fetch_seconds_count", opt) == 2 and get("fxdist_loss", labels) == 0.6
 
 
 def test_touch_creates_zero_series_and_http_serves_them():

@@ -15,7 +15,8 @@ from jobs.model import LocalEmbeddings
 from jobs.report import table, to_json, write
 from jobs.sparse import LocalTables
 from jobs.stats import phase_summary
-from jobs.worker import build_model, run_phase
+from jobs.metrics import Exporter
+from jobs.worker import build_model, eval_step, run_phase
 
 CONFIG = JobConfig().replace(job={"steps": 12, "batch_size": 32}, model={"table_size": 300, "bottom_mlp": [16],
                                                                           "top_mlp": [16]}, phases={"passes": ["dce"]})
@@ -94,4 +95,31 @@ def test_report_table_json_and_plot(tmp_path):
     assert "QPS gain, optimized vs baseline: +25.0 %" in text
     assert "passes run: async_rpc (2+/1-)" in text
     assert "10 valid lines, 2 malformed skipped (field_count: 2)" in text
+    assert "AUC, logloss" not in text  # no evaluation step recorded: no note
+    for name in ("baseline", "optimized"):
+        results["phases"][name].update(quality_step=1, quality_epochs=1.0, quality_end={"auc": 0.6, "log_loss": 0.5},
+                                       epochs=2.0, metrics_percent=0.02)
+    text = table(results)
+    assert "AUC, logloss: None held-out rows, model after step 1 of 2 (1.00 epochs over each trainer's shard)" in text
+    assert "at the phase end (step 2, 2.0 epochs): baseline AUC 0.6000 logloss 0.5000, optimized AUC 0.6000" in text
+    assert "metrics updates in the training loop (largest trainer share of phase time): baseline 0.020 %" in text
     assert to_json({"a": (1.0, math.inf)}) == {"a": [1.0, None]}
+
+
+def test_eval_step_is_one_pass_over_the_shard_capped_at_the_phase_end():
+    config = JobConfig().replace(job={"steps": 200, "batch_size": 128})
+    assert eval_step(config, 4500) == 36  # ceil(4500 / 128): the default job on the Criteo sample
+    assert eval_step(config.replace(job={"eval_epochs": 0.5}), 4500) == 18
+    assert eval_step(config.replace(job={"eval_epochs": 10.0}), 4500) == 200
+    assert eval_step(config.replace(job={"eval_epochs": 0.0}), 4500) == 200
+    assert eval_step(config.replace(job={"eval_epochs": 1e-6}), 4500) == 1
+
+
+def test_metrics_updates_are_timed_in_the_training_loop(shard):
+    run, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), shard, CONFIG,
+                          exporter=Exporter("t", 0))
+    assert 0 < run.metrics_seconds < run.wall_seconds
+    summary = phase_summary([run], CONFIG.job.batch_size)
+    assert summary["metrics_percent"] == pytest.approx(100 * run.metrics_seconds / run.wall_seconds)
+    plain, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), shard, CONFIG)
+    assert plain.metrics_seconds == 0.0
