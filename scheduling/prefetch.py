@@ -3,17 +3,18 @@ inside this step.
 
 Within one step a lookup can only overlap the compute that does not need its answer (in a DLRM: the bottom
 MLP's forward). The next step's lookup, though, depends only on the next batch's ids, which the data
-loader already has. The pass adds one input per looked-up batch, ``next_<name>`` (default None), and after
-this step's push to each server a node ``ps_prefetch(client, server, next_<name>, after=<push start>)``::
+loader already has. The pass adds one input per looked-up batch, ``next_<name>`` (default None), and has
+this step's push to each server ask for the next batch's lookup in the same request::
 
-    %ps_push_start = ps_push_start(ps, 0, %kjt, %ps_fetch_wait, %ps_backward)
-    %ps_prefetch = ps_prefetch(ps, 0, %next_kjt, after=%ps_push_start)
+    %ps_push_start = ps_push_start(ps, 0, %kjt, %ps_fetch_wait, %ps_backward, next_kjt=%next_kjt)
     ...bottom MLP backward, optimizer step...
+    %ps_push_settle = ps_push_settle(%ps_push_start)  # left in flight when it carries the lookup
 
-so the lookup of step ``t + 1`` overlaps the rest of step ``t`` and the start of step ``t + 1``, whose
-``ps_fetch_start`` takes the prefetched answer. Training stays exact: the client's server applies its
-requests in issue order (``PSClient(ordered=True)``), and the prefetch is issued after this step's push.
-With ``max_staleness >= 1`` the prefetch moves up to just after this step's own lookup, so it overlaps the
+The server applies the push, then looks up the next batch and answers both: the lookup of step ``t + 1``
+overlaps the rest of step ``t`` and the start of step ``t + 1``, costs no extra round trip, and is exact
+(it follows the push). Step ``t + 1``'s ``ps_fetch_start`` takes the prefetched answer (and the push
+with it). Call ``PSClient.flush()`` when training stops, to wait for the last of them. With ``max_staleness >= 1`` a separate
+``ps_prefetch(ps, 0, %next_kjt)`` starts right after this step's own lookup instead, so it overlaps the
 whole step but misses this step's push (one step of staleness, the bound the option allows).
 
 Call the module with the next batch: ``gm(dense, kjt, labels, next_kjt=next_batch_kjt)``
@@ -52,7 +53,8 @@ def _next_input(graph: Graph, batch: Node, made: dict[Node, Node]) -> Node:
 
 
 def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> list[Node]:
-    """Add the ``ps_prefetch`` nodes (after the RPCs were split and scheduled); returns them.
+    """Add the prefetches (after the RPCs were split and scheduled); returns the nodes that start them:
+    push starts given ``next_kjt``, or (``max_staleness >= 1``) new ``ps_prefetch`` nodes.
 
     ``sites`` are the pass's :class:`~scheduling.async_rpc_pass.RPCSite` list.
 
@@ -76,13 +78,18 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
         if not (stale or pushes):  # its pushes, if any, run outside the graph (e.g. in backward hooks)
             continue
         nxt = _next_input(graph, batch, made)
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        anchor = site.start if stale else max((s.start for s in pushes), key=pos.__getitem__)
-        client, server = site.dest[1], site.dest[2]
-        with graph.inserting_after(anchor):
-            node = graph.call_function(ops.ps_prefetch, (client, server, nxt),
-                                       {"max_staleness": max_staleness, "after": anchor})
-        node.meta["async_rpc_prefetch"] = site.start.meta.get("async_rpc", site.start.name)
+        if stale:
+            with graph.inserting_after(site.start):
+                node = graph.call_function(ops.ps_prefetch, (site.dest[1], site.dest[2], nxt),
+                                           {"max_staleness": max_staleness, "after": site.start})
+            node.meta["async_rpc_prefetch"] = site.start.meta.get("async_rpc", site.start.name)
+        else:  # the last push to the server carries the lookup: one request, answered after the push
+            pos = {n: i for i, n in enumerate(graph.nodes)}
+            last = max(pushes, key=lambda s: pos[s.start])
+            node = last.start
+            node.update_kwarg("next_kjt", nxt)
+            if last.wait.target is ops.ps_push_wait and not last.wait.users:
+                last.wait.target = ops.ps_push_settle  # do not hold the step's end for the next lookup
         added.append(node)
     return added
 

@@ -79,6 +79,19 @@ def init_trainer(name: str, rank: int, world_size: int, *, master_addr: str = "1
                                  f"did not assemble within {timeout_s} s; are the servers running? ({e})") from e
 
 
+class _Part:
+    """One element of a Future's tuple value, waited like a Future (exceptions pass through unchanged)."""
+
+    def __init__(self, future: torch.futures.Future, index: int) -> None:
+        self.future, self.index = future, index
+
+    def wait(self) -> Any:
+        return self.future.wait()[self.index]
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
 def _batch(kjt: Any) -> _srv.Batch:
     """A KeyedJaggedTensor as the wire tuple ``(keys, values, lengths, weights)``."""
     return (tuple(kjt.keys()), kjt.values(), kjt.lengths(), kjt.weights_or_none())
@@ -215,14 +228,23 @@ class PSClient:
         applies those in-flight pushes before this lookup anyway, so the answer is exact for any
         ``max_staleness``; without it, the lookup may miss up to ``max_staleness`` pushes.
         """
-        early = self._prefetched.pop(server, None)
-        if early is not None:
-            if early[0] is kjt:
-                return early[1]
-            self._wait(early[1], server, "prefetch")  # another batch: surface errors, drop the answer
+        early = self._prefetched.get(server)
+        if early is not None and early[0] is kjt:
+            del self._prefetched[server]
+            # a push that carried this lookup (push_async(next_kjt=...)) may be deferred: it completes with
+            # the lookup, so it is the one push allowed to stay in flight beyond max_staleness
+            self.drain(server, (max_staleness or 0) + 1)
+            return early[1]
+        self._drop_prefetch(server)
         self.drain(server, 0 if max_staleness is None else max_staleness)
         return self._call_async(server, _srv._rpc_lookup, (self.name, _batch(kjt), self.compress), "fetch",
                                  ordered=True)
+
+    def _drop_prefetch(self, server: int) -> None:
+        """Wait and drop an unused prefetched lookup (of another batch), so its errors surface."""
+        early = self._prefetched.pop(server, None)
+        if early is not None:
+            self._wait(early[1], server, "prefetch")
 
     def prefetch(self, server: int, kjt: Any, max_staleness: int | None = None) -> None:
         """Start the lookup of a *later* batch ``kjt`` now; the next :meth:`fetch_async` of the same object
@@ -258,10 +280,16 @@ class PSClient:
         """Blocking lookup on one server: pooled sums ``(B, D_s)`` of its shards (the ``rpc_sync`` baseline)."""
         return self.finish_fetch(self.fetch_async(server, kjt), server)
 
-    def push_async(self, server: int, kjt: Any, fetched: torch.Tensor) -> torch.futures.Future:
+    def push_async(self, server: int, kjt: Any, fetched: torch.Tensor, next_kjt: Any = None,
+                   ) -> torch.futures.Future:
         """Start sending ``fetched.grad`` (the gradient of a :meth:`fetch` output) to ``server``.
 
         Each fetched tensor's gradient is sent exactly once: a second push of it raises.
+
+        With ``next_kjt`` the same request also asks for the lookup of that later batch, which the server
+        answers right after applying the push (an exact prefetch in one round trip instead of two); the
+        next :meth:`fetch_async` of that object on ``server`` picks it up. The returned handle then
+        completes with the lookup, not before.
 
         Raises:
             RuntimeError: ``fetched`` has no gradient (backward did not run) or was already pushed.
@@ -275,7 +303,13 @@ class PSClient:
         grad = fetched.grad.detach()
         fetched._fxdist_ps_pushed = True  # type: ignore[attr-defined]
         fetched.grad = None
-        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push", ordered=True)
+        if next_kjt is None:
+            return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push", ordered=True)
+        self._drop_prefetch(server)
+        both = self._call_async(server, _srv._rpc_push_lookup,
+                                (self.name, _batch(kjt), grad, _batch(next_kjt), self.compress), "push", ordered=True)
+        self._prefetched[server] = (next_kjt, _Part(both, 1))
+        return _Part(both, 0)  # type: ignore[return-value]
 
     def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor) -> torch.futures.Future:
         """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output."""
@@ -289,6 +323,14 @@ class PSClient:
     def push(self, server: int, kjt: Any, fetched: torch.Tensor) -> int:
         """Blocking :meth:`push_async` + :meth:`finish_push`."""
         return self.finish_push(self.push_async(server, kjt, fetched), server)
+
+    def settle_push(self, fut: torch.futures.Future, server: int) -> int | None:
+        """Wait for a push, unless it also carries the next step's lookup (``push_async(next_kjt=...)``):
+        then leave it in flight (:meth:`defer_push`) until that lookup is fetched, and return None."""
+        if isinstance(fut, _Part):
+            self.defer_push(server, fut)  # type: ignore[arg-type]
+            return None
+        return self.finish_push(fut, server)
 
     def defer_push(self, server: int, fut: torch.futures.Future) -> None:
         """Keep an in-flight push; the next :meth:`fetch_async` to ``server`` (or :meth:`flush`) waits it."""
@@ -305,7 +347,7 @@ class PSClient:
         for server in list(self._pending):
             self.drain(server, 0)
         for server in list(self._prefetched):
-            self._wait(self._prefetched.pop(server)[1], server, "prefetch")
+            self._drop_prefetch(server)
 
     # ---- pooling ----------------------------------------------------------------------------------------
     def pool(self, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:

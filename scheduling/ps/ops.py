@@ -9,7 +9,9 @@ tensors.
 Blocking baseline          -> what :func:`scheduling.async_rpc` makes of it
 ``ps_fetch(c, s, kjt)``    -> ``h = ps_fetch_start(c, s, kjt)`` ... ``ps_fetch_wait(h)``
 ``ps_push(c, s, kjt, t, after)`` -> ``h = ps_push_start(c, s, kjt, t, after)`` ... ``ps_push_wait(h)``
-(``async_rpc(prefetch=True)``)   -> also ``ps_prefetch(c, s, next_kjt, after=h)``: the next step's lookup
+(``async_rpc(prefetch=True)``)   -> ``ps_push_start(..., next_kjt=n)`` asks for the next step's lookup too,
+                                 ``ps_push_settle(h)`` leaves it in flight until that lookup is fetched
+                                 (with ``max_staleness >= 1``: ``ps_prefetch(c, s, n)`` after the lookup)
 
 Source: torch.fx paper §6.2.3; torch/fx/_symbolic_trace.py ``wrap`` (leaf functions).
 """
@@ -27,7 +29,7 @@ from fxdist.node import has_side_effect
 from .client import get_client
 
 __all__ = ["PendingRPC", "ps_fetch", "ps_fetch_start", "ps_fetch_wait", "ps_push", "ps_push_start",
-           "ps_push_wait", "ps_push_defer", "ps_prefetch", "ps_pool", "ps_backward", "rpc_wait"]
+           "ps_push_wait", "ps_push_settle", "ps_push_defer", "ps_prefetch", "ps_pool", "ps_backward", "rpc_wait"]
 
 
 @dataclass
@@ -71,15 +73,26 @@ def ps_push(client: str, server: int, kjt: Any, fetched: torch.Tensor, after: An
 
 
 @has_side_effect
-def ps_push_start(client: str, server: int, kjt: Any, fetched: torch.Tensor, after: Any = None) -> PendingRPC:
-    """Start a push (``rpc_async``); finish it with :func:`ps_push_wait` or :func:`ps_push_defer`."""
-    return PendingRPC(get_client(client).push_async(server, kjt, fetched), client, server)
+def ps_push_start(client: str, server: int, kjt: Any, fetched: torch.Tensor, after: Any = None,
+                  next_kjt: Any = None) -> PendingRPC:
+    """Start a push (``rpc_async``); finish it with :func:`ps_push_wait` or :func:`ps_push_defer`.
+
+    ``next_kjt`` (not None): the same request prefetches the lookup of that next batch (the handle then
+    completes with it; see ``PSClient.push_async``)."""
+    return PendingRPC(get_client(client).push_async(server, kjt, fetched, next_kjt), client, server)
 
 
 @has_side_effect
 def ps_push_wait(pending: PendingRPC) -> int:
     """Wait for a push; returns the number of rows updated."""
     return get_client(pending.client).finish_push(pending.future, pending.server)
+
+
+@has_side_effect
+def ps_push_settle(pending: PendingRPC) -> int | None:
+    """Wait for a push, or, when it also carries the next step's lookup, leave it in flight until that
+    lookup is fetched (returns None then; see ``PSClient.settle_push``)."""
+    return get_client(pending.client).settle_push(pending.future, pending.server)
 
 
 @has_side_effect
@@ -122,6 +135,7 @@ fxdist.wrap("ps_fetch_wait")
 fxdist.wrap("ps_push")
 fxdist.wrap("ps_push_start")
 fxdist.wrap("ps_push_wait")
+fxdist.wrap("ps_push_settle")
 fxdist.wrap("ps_push_defer")
 fxdist.wrap("ps_prefetch")
 fxdist.wrap("ps_pool")

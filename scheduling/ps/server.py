@@ -405,6 +405,16 @@ def _rpc_push(namespace: str, batch: Batch, grad: torch.Tensor, order: Order | N
     return _in_order(order, "push", lambda: _server().push(namespace, batch, grad))
 
 
+def _rpc_push_lookup(namespace: str, batch: Batch, grad: torch.Tensor, next_batch: Batch,
+                     compress: str | None = None, order: Order | None = None) -> tuple[int, torch.Tensor]:
+    """A push, then the lookup of the next batch, in one request: ``(rows updated, lookup answer)``."""
+    def both() -> tuple[int, torch.Tensor]:
+        server = _server()
+        return server.push(namespace, batch, grad), server.lookup(namespace, next_batch, compress)
+
+    return _in_order(order, "push+lookup", both)
+
+
 def _rpc_state_dict(namespace: str | None = None) -> dict[str, Any]:
     return _server().state_dict(namespace)
 

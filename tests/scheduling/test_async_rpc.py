@@ -201,20 +201,24 @@ def _train_step_graph(client_name: str) -> Graph:
     return g
 
 
-def test_exact_prefetch_follows_the_push_and_stale_prefetch_follows_the_lookup(client):
+def test_exact_prefetch_rides_on_the_push_and_stale_prefetch_follows_the_lookup(client):
     gm = scheduling.async_rpc(_gm(_train_step_graph("graph_ps")), prefetch=True)
     g = gm.graph
     assert [n.name for n in g.nodes if n.op == "placeholder"] == ["kjt", "x", "next_kjt"]
-    assert g.find_nodes(op="placeholder")[-1].args == (None,) and "next_kjt = None" in gm.code  # optional
-    names = order(g)
-    assert names.index("ps_prefetch") == names.index("ps_push_start") + 1
-    assert names.index("ps_prefetch_1") == names.index("ps_push_start_1") + 1
-    assert before(g, "ps_prefetch_1", "bottom_backward")              # overlaps the rest of the step
+    nxt = g.find_nodes(op="placeholder")[-1]
+    assert nxt.args == (None,) and "next_kjt = None" in gm.code     # an optional input
+    pushes = g.find_nodes(op="call_function", target=ops.ps_push_start)
+    assert [p.kwargs.get("next_kjt") for p in pushes] == [nxt, nxt]  # each push asks for the next lookup
+    assert g.find_nodes(op="call_function", target=ops.ps_prefetch) == []
+    settles = g.find_nodes(op="call_function", target=ops.ps_push_settle)
+    assert [s.args[0] for s in settles] == pushes                   # not waited at the step's end
+    assert before(g, "ps_push_start_1", "bottom_backward")
     stale = scheduling.async_rpc(_gm(_train_step_graph("graph_ps")), prefetch=True, max_staleness=1).graph
     pf = stale.find_nodes(op="call_function", target=ops.ps_prefetch)
     assert [p.prev.target for p in pf] == [ops.ps_fetch_start, ops.ps_fetch_start]
     assert all(p.kwargs["max_staleness"] == 1 for p in pf)
-    assert "P" in scheduling.format_timeline(g).split("ps_prefetch ")[1].splitlines()[0]
+    assert all("next_kjt" not in p.kwargs for p in stale.find_nodes(op="call_function", target=ops.ps_push_start))
+    assert "P" in scheduling.format_timeline(stale).split("ps_prefetch ")[1].splitlines()[0]
 
 
 def test_prefetch_skips_computed_batches_and_refuses_varargs(client):

@@ -237,3 +237,33 @@ def test_exact_prefetch_needs_an_ordered_client(cluster):
         client.flush()
     finally:
         client.close()
+
+
+def test_push_carrying_the_next_lookup(cluster):
+    client = PSClient(_tables(), cluster.server_names, optimizer="sgd", name="push_lookup", seed=8)
+    ref = PSClient(_tables(), cluster.server_names, optimizer="sgd", name="push_lookup_ref", seed=8)
+    try:
+        kjt, nxt = _kjt(), _kjt(weighted=False)
+        for c, carry in ((client, True), (ref, False)):
+            part = c.fetch(0, kjt)
+            part.sum().backward()
+            fut = c.push_async(0, kjt, part, next_kjt=nxt if carry else None)
+            if carry:
+                assert c.settle_push(fut, 0) is None                 # left in flight with the lookup
+            else:
+                assert c.settle_push(fut, 0) > 0
+        lookups = sum(s["lookups"] for s in client.stats())
+        after_push = client.finish_fetch(client.fetch_async(0, nxt), 0)   # the carried answer
+        assert sum(s["lookups"] for s in client.stats()) == lookups      # no new request
+        assert torch.equal(after_push, ref.fetch(0, nxt))               # and it saw the push
+        # a bad id in the carried lookup surfaces as the server's ValueError when that lookup is fetched
+        bad = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([11, 0, 0]),
+                                lengths=torch.tensor([1, 1, 1]))
+        part = client.fetch(0, kjt)
+        part.sum().backward()
+        client.settle_push(client.push_async(0, kjt, part, next_kjt=bad), 0)
+        with pytest.raises(ValueError, match="id 11 outside table 't0'"):
+            client.finish_fetch(client.fetch_async(0, bad), 0)
+    finally:
+        client.close(flush=False)
+        ref.close()
