@@ -1,26 +1,38 @@
-"""Training QPS of a DLRM on 2 parameter servers: blocking fetches vs the async_rpc pass.
+"""Training QPS of a DLRM on 2 parameter servers: blocking fetches vs the async_rpc pass and its options.
 
 One trainer (this process, 1 torch thread) and 2 servers on loopback (TCP transport). For an added
-server-side latency of 0, 1 and 5 ms per fetch, the same traced train step runs as is (baseline) and after
-``scheduling.async_rpc`` (async), taking turns step by step, with the ideal overlap bound measured in the same
-run. A third variant, ``async_rpc(max_staleness=1)``, leaves a step's pushes in flight while the next step
-starts; the servers apply each client's requests in issue order, so its training is still exact:
+server-side latency of 0, 1 and 5 ms per fetch (emulating network distance), the same traced train step runs
+as is (baseline) and after ``scheduling.async_rpc`` in four variants:
+
+- ``async_rpc``: each step's lookups overlap the bottom MLP, its pushes the bottom MLP's backward;
+- ``max_staleness=1``: the pushes are waited at the next step's lookup instead (still exact: the servers
+  apply each client's requests in issue order);
+- ``prefetch=True``: each push also asks for the next step's lookup, so that lookup overlaps the rest of
+  the step and the next step's bottom MLP (exact);
+- ``prefetch=True, max_staleness=1``: the next step's lookup starts right after this step's lookup and
+  misses this step's push (1 step stale, the only variant whose training differs from the baseline).
+
+The baseline and ``async_rpc`` take turns step by step; variants whose RPCs outlive a step run in blocks of
+consecutive steps, alternating with the others round by round. Measured in the same run:
 
 - compute C: the train step with the fetches served from memory and the pushes dropped (no RPC);
 - fetch F: the step's RPCs alone (2 fetches, then 2 pushes), blocking one after the other (F_seq, what the
   baseline pays: T_base ~ C + F_seq) and with the independent ones in flight together (F_par);
-- ideal: an overlapped step cannot beat max(C, F_par), so the ideal gain is T_base / max(C, F_par) - 1.
+- ideal: an overlapped step cannot beat max(C, F_par), so the ideal gain is T_base / max(C, F_par) - 1;
+- CPU ms: CPU time per step of all three processes (trainer and servers, every thread). On 2 cores a step
+  cannot take less than half of it, whatever the schedule.
 
-Prints per latency: median step times, QPS, gain % = T_base / T_async - 1, and the share of the ideal gain
-reached (gain / ideal gain). Timings are medians over steps, then over rounds; the spread (min..max of round medians)
-shows the noise of a shared 2-core machine.
+Prints per latency and variant: median step time, QPS, gain % = T_base / T_variant - 1, the share of the
+ideal gain reached (gain / ideal gain), CPU per step, and the spread (min..max of round medians), which shows
+the noise of a shared 2-core machine.
 
-Run: ``.venv/bin/python benchmarks/scheduling.py [--steps 20 --rounds 5]``.
+Run: ``.venv/bin/python benchmarks/scheduling.py [--steps 15 --rounds 5]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -110,6 +122,81 @@ def interleaved(variants: dict, batches) -> dict[str, list[float]]:
     return times
 
 
+def block(fn, batches, client: str) -> float:
+    """Median seconds per step of ``fn(batch, next_batch)`` over consecutive steps (for variants whose RPCs
+    outlive a step), then the client's deferred pushes and prefetches are finished."""
+    t = time_block(fn, list(scheduling.lookahead(batches)))
+    scheduling.ps.get_client(client).flush()
+    return t
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time so far of this process (all its threads) plus the processes ``pids``, in seconds."""
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
+def cpu_per_step(fn, batches, client: str, pids: list[int], passes: int = 2) -> float:
+    """CPU seconds per step of all processes (trainer + servers) over ``passes`` blocks of consecutive steps."""
+    pairs = list(scheduling.lookahead(batches)) * passes
+    c0 = cpu_seconds(pids)
+    for batch, nxt in pairs:
+        fn(batch, nxt)
+    scheduling.ps.get_client(client).flush()
+    return (cpu_seconds(pids) - c0) / len(pairs)
+
+
+# (key, label, exact training?, timed step by step (False: in blocks of consecutive steps))
+ROWS = [("async", "async_rpc", "yes", True),
+        ("defer", "async_rpc(max_staleness=1): pushes waited next step", "yes", False),
+        ("prefetch", "async_rpc(prefetch=True)", "yes", False),
+        ("prefetch_stale", "async_rpc(prefetch=True, max_staleness=1)", "no: 1 step stale", False)]
+
+
+def measure(delay: float, args, batches, gms: dict, base_client: PSClient, pids: list[int],
+            ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Round medians of every variant at one added latency, and each variant's CPU seconds per step."""
+    base_client.set_delays(fetch_delay_s=delay / 1000)
+    local = gms["memory"]
+    stepwise = {"base": lambda b: gms["base"](*b), "async": lambda b: gms["async"](*b),
+                "C": lambda b: local(*batches[0]),
+                "F": lambda b: rpc_step(base_client, b[1], parallel=False),
+                "Fpar": lambda b: rpc_step(base_client, b[1], parallel=True)}
+    blocks = {"defer": (lambda b, nxt: gms["defer"](*b), "defer"),
+              "prefetch": (lambda b, nxt: gms["prefetch"](*b, next_kjt=nxt and nxt[1]), "prefetch"),
+              "prefetch_stale": (lambda b, nxt: gms["prefetch_stale"](*b, next_kjt=nxt and nxt[1]),
+                                 "prefetch_stale")}
+    t: dict[str, list[float]] = {k: [] for k in [*stepwise, *blocks]}
+    for _ in range(args.rounds):
+        for key, values in interleaved(stepwise, batches).items():
+            t[key].append(statistics.median(values))
+        for key, (fn, client) in blocks.items():
+            t[key].append(block(fn, batches, client))
+    cpu = {key: cpu_per_step(lambda b, nxt, k=key: gms[k](*b), batches, key, pids) for key in ("base", "async")}
+    cpu.update({key: cpu_per_step(fn, batches, client, pids) for key, (fn, client) in blocks.items()})
+    return t, cpu
+
+
+def report(delay: float, t: dict[str, list[float]], cpu: dict[str, float], batch_size: int) -> None:
+    m = {k: statistics.median(v) for k, v in t.items()}
+    ideal = m["base"] / max(m["C"], m["Fpar"]) - 1
+    print(f"{delay:g} ms added per fetch: compute C {m['C'] * 1e3:.2f} ms, RPCs blocking Fseq {m['F'] * 1e3:.2f} ms,"
+          f" in parallel Fpar {m['Fpar'] * 1e3:.2f} ms; ideal gain base/max(C, Fpar) - 1 = {ideal * 100:.1f}%")
+    spread = f"{min(t['base']) * 1e3:.1f}..{max(t['base']) * 1e3:.1f}"
+    print(f"  {'variant':<52} {'exact':<17} {'ms/step':>8} {'QPS':>7} {'gain %':>7} {'share':>6} {'CPU ms':>7}"
+          f"  spread ms")
+    print(f"  {'baseline: blocking fetches and pushes':<52} {'yes':<17} {m['base'] * 1e3:>8.2f} "
+          f"{batch_size / m['base']:>7.0f} {'':>7} {'':>6} {cpu['base'] * 1e3:>7.1f}  {spread}")
+    for key, label, exact, _ in ROWS:
+        gain = m["base"] / m[key] - 1
+        print(f"  {label:<52} {exact:<17} {m[key] * 1e3:>8.2f} {batch_size / m[key]:>7.0f} {gain * 100:>7.1f} "
+              f"{gain / ideal:>6.0%} {cpu[key] * 1e3:>7.1f}  {min(t[key]) * 1e3:.1f}..{max(t[key]) * 1e3:.1f}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-size", type=int, default=256)
@@ -128,46 +215,28 @@ def main() -> None:
                                   limit=args.batch_size * args.steps))
     dims = tuple(args.dense_layers)
     print(f"DLRM on PS: batch {args.batch_size}, 26 tables x 1000 x {dims[-1]} {args.sharding} on 2 servers, "
-          f"compress={args.compress}, "
-          f"dense arch {list(dims)}, over arch [64, 1]; {args.steps} steps/block, {args.rounds} rounds; "
-          f"torch threads 1; transport uv (loopback)")
+          f"compress={args.compress}, dense arch {list(dims)}, over arch [64, 1]; {args.steps} steps/block, "
+          f"{args.rounds} rounds; torch threads 1; transport uv (loopback)")
     with LocalCluster(2, timeout_s=60) as cluster:
-        base = build("base", args, dims, cluster.server_names)
-        fast = scheduling.async_rpc(build("async", args, dims, cluster.server_names))
-        stale = scheduling.async_rpc(build("stale1", args, dims, cluster.server_names), max_staleness=1)
+        names = cluster.server_names
+        gms = {"base": build("base", args, dims, names),
+               "async": scheduling.async_rpc(build("async", args, dims, names)),
+               "defer": scheduling.async_rpc(build("defer", args, dims, names), max_staleness=1),
+               "prefetch": scheduling.async_rpc(build("prefetch", args, dims, names), prefetch=True),
+               "prefetch_stale": scheduling.async_rpc(build("prefetch_stale", args, dims, names), prefetch=True,
+                                                      max_staleness=1)}
         base_client = scheduling.ps.get_client("base")
         answers = {s: base_client.fetch(s, batches[0][1]).detach() for s in range(2)}
-        local = build("memory", args, dims, cluster.server_names, base_client, answers)
-        mem_batches = [batches[0]] * len(batches)
-        for gm in (base, fast, stale, local):  # warm-up
-            time_block(gm, batches[:3] if gm is not local else mem_batches[:3])
-        print(f"{'delay':>6} {'base ms':>8} {'async ms':>9} {'QPS base':>9} {'QPS async':>10} {'gain %':>7} "
-              f"{'C ms':>6} {'Fseq ms':>8} {'Fpar ms':>8} {'ideal %':>8} {'share':>6}  spread base/async ms"
-              f"  | deferred pushes (max_staleness=1, exact): ms, gain %, share")
+        gms["memory"] = build("memory", args, dims, names, base_client, answers)
+        for key, gm in gms.items():  # warm-up
+            time_block(gm, [batches[0]] * 3 if key == "memory" else batches[:3])
+        for name in gms:
+            scheduling.ps.get_client(name).flush()
         for delay in args.delays_ms:
-            base_client.set_delays(fetch_delay_s=delay / 1000)
-            variants = {"base": lambda b: base(*b), "async": lambda b: fast(*b),
-                        "C": lambda b: local(*batches[0]),
-                        "F": lambda b: rpc_step(base_client, b[1], parallel=False),
-                        "Fpar": lambda b: rpc_step(base_client, b[1], parallel=True)}
-            t: dict[str, list[float]] = {k: [] for k in [*variants, "stale"]}
-            for _ in range(args.rounds):
-                for key, values in interleaved(variants, batches).items():
-                    t[key].append(statistics.median(values))
-                t["stale"].append(time_block(stale, batches))  # in blocks: its pushes outlive a step
-                scheduling.ps.get_client("stale1").flush()
-            m = {k: statistics.median(v) for k, v in t.items()}
-            gain = m["base"] / m["async"] - 1
-            ideal = m["base"] / max(m["C"], m["Fpar"]) - 1
-            stale_gain = m["base"] / m["stale"] - 1
-            print(f"{delay:>5.0f}m {m['base'] * 1e3:>8.2f} {m['async'] * 1e3:>9.2f} "
-                  f"{args.batch_size / m['base']:>9.0f} {args.batch_size / m['async']:>10.0f} {gain * 100:>7.1f} "
-                  f"{m['C'] * 1e3:>6.2f} {m['F'] * 1e3:>8.2f} {m['Fpar'] * 1e3:>8.2f} {ideal * 100:>8.1f} {gain / ideal:>6.0%}  "
-                  f"{min(t['base']) * 1e3:.1f}..{max(t['base']) * 1e3:.1f} / "
-                  f"{min(t['async']) * 1e3:.1f}..{max(t['async']) * 1e3:.1f}"
-                  f"  | {m['stale'] * 1e3:.2f} {stale_gain * 100:.1f} {stale_gain / ideal:.0%}", flush=True)
+            pids = [p.pid for p in cluster.processes]
+            report(delay, *measure(delay, args, batches, gms, base_client, pids), args.batch_size)
         base_client.set_delays(0.0)
-        for name in ("base", "async", "stale1", "memory"):
+        for name in gms:
             scheduling.ps.get_client(name).close()
 
 
