@@ -15,7 +15,7 @@ overlaps the rest of step ``t`` and the start of step ``t + 1``, costs no extra 
 (it follows the push). Step ``t + 1``'s ``ps_fetch_start`` takes the prefetched answer (and the push
 with it). Call ``PSClient.flush()`` when training stops, to wait for the last of them. "Exact" is about
 this trainer's own pushes; with several trainers, the prefetched lookup sees the others' pushes as of when
-it was served, one step part earlier than without prefetch (their interleaving is not deterministic anyway). With ``max_staleness >= 1`` a separate
+it was served, a fraction of a step earlier than without prefetch (their interleaving is not deterministic anyway). With ``max_staleness >= 1`` a separate
 ``ps_prefetch(ps, 0, %next_kjt)`` starts right after this step's own lookup instead, so it overlaps the
 whole step but misses this step's push (one step of staleness, the bound the option allows).
 
