@@ -1,5 +1,6 @@
-"""End-to-end jobs on Ray: a short default job scraped by a real Prometheus, and a job that loses a
-trainer and a parameter server mid-run.
+"""End-to-end jobs on Ray: a short default job scraped by a real Prometheus, which loses a trainer and a
+parameter server mid-run and recovers; and a job that fails for good, whose server actor the launcher
+still kills.
 
 Both jobs share one Ray session (module fixture, 2 CPUs, no dashboard). The Prometheus server is
 Debian's ``prometheus`` package (installed with apt-get when missing), on 127.0.0.1 with a temporary
@@ -221,3 +222,31 @@ def test_launcher_owns_the_server_actors(scraped_job, ray_session):
     assert after_server["pid"] != first["pid"] and after_server["group"] == 1
     alive = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
     assert not [name for name in alive if name.startswith("fxdist-test-ps")], alive
+
+
+def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeypatch):
+    """A trainer dies with no restarts left: launch() raises, and the server actor it started is gone."""
+    import jobs.ps
+    from jobs.launch import launch
+
+    started = []
+
+    def recording(*args, **kwargs):
+        started.extend(start_servers(*args, **kwargs))
+        return started
+
+    start_servers = jobs.ps.start_servers
+    monkeypatch.setattr(jobs.ps, "start_servers", recording)
+    config = load_config().replace(
+        job={"steps": 4, "batch_size": 32, "checkpoint_every": 0, "max_failures": 0, "progress": False,
+             "name": "fxdist-fail"},
+        model={"table_size": 200, "bottom_mlp": [8], "top_mlp": [8]}, phases={"baseline": False},
+        cluster={"cpus_per_trainer": 0.5, "rpc_timeout_s": 20.0}, metrics={"enabled": False},
+        quant={"enabled": False}, faults={"kill_trainer_at_step": 2})
+    with pytest.raises(Exception, match="(?i)fail|died|error"):
+        launch(config, run_dir=tmp_path / "run", quiet=True)
+    assert len(started) == 1
+    with pytest.raises(ray_session.exceptions.RayActorError):
+        ray_session.get(started[0].set_phase.remote("baseline"), timeout=30)
+    alive = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
+    assert not [name for name in alive if name.startswith("fxdist-fail-ps")], alive
