@@ -104,3 +104,30 @@ def test_build_refuses_a_feature_pooled_by_two_shards():
     weights = {s.key: torch.zeros(4, 2) for s in a}
     assert FusedTables.build(layout, weights, {s.key: None for s in a}, threading.Lock()) is None
     assert FusedTables.build(server_layout(a, 0), weights, {s.key: None for s in a}, threading.Lock()) is not None
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_client_pool_gather_equals_the_per_feature_path(mean):
+    from torchrec import KeyedJaggedTensor
+
+    from scheduling.ps import PSClient
+
+    tables = [TableSpec("a", 9, 3, ("fa",), "mean" if mean else "sum"), TableSpec("b", 9, 3, ("fb", "fc")),
+              TableSpec("c", 9, 3, ("fd",), "mean" if mean else "sum")]
+    client = PSClient(tables, ["ps0", "ps1"], name="pool_gather", configure=False)
+    try:
+        kjt = KeyedJaggedTensor(keys=["fd", "fc", "fb", "fa"], values=torch.arange(9) % 9,
+                                lengths=torch.tensor([2, 0, 1, 1, 0, 2, 1, 2], dtype=torch.int32))
+        parts = [torch.randn(2, client.widths[s], requires_grad=True) for s in client.servers_for()]
+        fast = client.pool(kjt, parts)
+        assert client._gather is not False
+        client._gather = False                                        # force the per-feature path
+        slow = client.pool(kjt, parts)
+        assert fast.keys() == slow.keys() and fast.length_per_key() == slow.length_per_key()
+        assert torch.equal(fast.values(), slow.values())
+        grad = torch.randn_like(fast.values())
+        g_fast = torch.autograd.grad(fast.values(), parts, grad)
+        g_slow = torch.autograd.grad(slow.values(), parts, grad)
+        assert all(torch.equal(a, b) for a, b in zip(g_fast, g_slow))
+    finally:
+        client.close(flush=False)
