@@ -64,10 +64,14 @@ class FusedTables:
         has_state = all(states[k] is not None for k in self.shard_keys)
         self.state = torch.cat([states[k] for k in self.shard_keys]) if has_state else None
         self._offset = offset
-        self.row_start = torch.tensor([spec.row_start for spec, _ in self.layout])
-        self.row_end = torch.tensor([spec.row_end for spec, _ in self.layout])
-        self.num_embeddings = torch.tensor([spec.table.num_embeddings for spec, _ in self.layout])
-        self.partial = any(spec.num_rows < spec.table.num_embeddings for spec, _ in self.layout)
+        # per entry, and a last column for KJT keys this server does not pool: valid ids [low, high), this
+        # shard's rows [start, end) (none for the last column), and the shard's first row in the stack
+        big = 2**62
+        self._meta = torch.tensor([[0] * len(self.layout) + [-big],
+                                   [spec.table.num_embeddings for spec, _ in self.layout] + [big],
+                                   [spec.row_start for spec, _ in self.layout] + [0],
+                                   [spec.row_end for spec, _ in self.layout] + [0],
+                                   self.base.tolist() + [0]])
         self.features = [feat for _, feat in self.layout]
         self.lock = lock
         self._entry_of_key: dict[tuple[str, ...], torch.Tensor] = {}
@@ -97,7 +101,7 @@ class FusedTables:
 
     # ---- batch -> global rows ---------------------------------------------------------------------------
     def _entries(self, keys: tuple[str, ...], where: str) -> torch.Tensor:
-        """``(K,)`` layout position of each KJT key, -1 for keys this server does not pool."""
+        """``(K,)`` layout position of each KJT key, ``J`` (number of entries) for keys not pooled here."""
         found = self._entry_of_key.get(keys)
         if found is None:
             pos = {k: i for i, k in enumerate(keys)}
@@ -106,7 +110,7 @@ class FusedTables:
                 raise ValueError(f"{where}: the batch has no feature {missing[0]!r} (table "
                                  f"{self.layout[self.features.index(missing[0])][0].table.name!r}); got keys "
                                  f"{sorted(keys)}")
-            entry = [-1] * len(keys)
+            entry = [len(self.layout)] * len(keys)  # the "not pooled here" column of _meta
             for j, feat in enumerate(self.features):
                 entry[pos[feat]] = j
             found = self._entry_of_key[keys] = torch.tensor(entry)
@@ -128,24 +132,20 @@ class FusedTables:
         flat_bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
         entry = entry_of_key.index_select(0, torch.div(flat_bag, batch_size, rounding_mode="floor"))
         ids = values.long()
-        if not bool((entry >= 0).all()):
-            used = entry >= 0
-            entry, ids, flat_bag = entry[used], ids[used], flat_bag[used]
-            weights = weights[used] if weights is not None else None
-        limit = self.num_embeddings.index_select(0, entry)
-        bad = (ids < 0) | (ids >= limit)
+        low, high, start, end, base = self._meta.index_select(1, entry)     # (5, N), see __init__
+        bad = (ids < low) | (ids >= high)
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
             spec, feat = self.layout[int(entry[i])]
             raise ValueError(f"{where}: feature {feat!r} has id {int(ids[i])} outside table "
                              f"{spec.table.name!r} rows [0, {spec.table.num_embeddings})")
-        start = self.row_start.index_select(0, entry)
-        if self.partial:
-            keep = (ids >= start) & (ids < self.row_end.index_select(0, entry))
-            entry, ids, flat_bag, start = entry[keep], ids[keep], flat_bag[keep], start[keep]
-            weights = weights[keep] if weights is not None else None
-        rows = ids - start + self.base.index_select(0, entry)
+        rows = ids - start + base
         bags = entry * batch_size + torch.remainder(flat_bag, batch_size)
+        keep = (ids >= start) & (ids < end)      # on this server: a pooled feature, rows of this shard
+        if not bool(keep.all()):
+            sel = keep.nonzero().squeeze(1)
+            rows, bags = rows.index_select(0, sel), bags.index_select(0, sel)
+            weights = weights.index_select(0, sel) if weights is not None else None
         return FusedIndex(rows, bags, weights, batch_size)
 
     # ---- lookup and push --------------------------------------------------------------------------------
