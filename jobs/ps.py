@@ -111,24 +111,6 @@ class PSSparseArch(nn.Module):
         return self.combine(kjt, self.fetch(kjt))
 
 
-def _reset_rpc_process_state() -> None:
-    """Let this process join a new ``torch.distributed.rpc`` group after leaving one.
-
-    torch prefixes the rendezvous store keys with a per-process init counter (``rpc_prefix_<n>``), so a
-    server joining its second group would look for keys the new trainers (a fresh process each, counter
-    0) never write; each group has its own store, so counting from 0 again is safe. Likewise the sequence
-    numbers of rpc's internal all-gather are per process. The same reset as
-    ``scheduling.ps.init_trainer`` does on the trainer side (workaround for torch/distributed/rpc).
-    """
-    from torch.distributed import rpc
-    from torch.distributed.rpc import api as rpc_api
-
-    with rpc._init_counter_lock:
-        rpc._init_counter = 0
-    with rpc_api._all_gather_dict_lock:
-        rpc_api._all_gather_sequence_id.clear()
-
-
 class ServerActor:
     """A Ray actor hosting one parameter server (``scheduling.ps.start_server``) and its metrics exporter.
 
@@ -168,7 +150,6 @@ class ServerActor:
         from scheduling.ps import start_server
 
         self.leave()
-        _reset_rpc_process_state()
         server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
                               fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False)
         self.joined = True

@@ -61,16 +61,7 @@ def init_trainer(name: str, rank: int, world_size: int, *, master_addr: str = "1
         if master_port is None:
             raise ValueError("init_trainer: give master_port (with master_addr) or init_method")
         init_method = f"tcp://{master_addr}:{master_port}"
-    # torch prefixes the rendezvous store keys with a per-process init counter, so a process joining a
-    # second group (after a restart) would look for keys the fresh servers never write. Each group gets its
-    # own store, so counting from 0 again is safe (workaround for torch/distributed/rpc/__init__.py).
-    # Likewise the sequence numbers of rpc's internal all-gather (used by graceful shutdown) are per process.
-    from torch.distributed.rpc import api as _rpc_api
-
-    with rpc._init_counter_lock:
-        rpc._init_counter = 0
-    with _rpc_api._all_gather_dict_lock:
-        _rpc_api._all_gather_sequence_id.clear()
+    _srv.reset_rpc_process_state()  # the process may have been in another group before (restart)
     try:
         rpc.init_rpc(name, rank=rank, world_size=world_size,
                      rpc_backend_options=_srv.rpc_backend_options(init_method, timeout_s))

@@ -31,7 +31,8 @@ from .config import ShardSpec
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
 
-__all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch"]
+__all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch",
+           "reset_rpc_process_state"]
 
 Batch = tuple[tuple[str, ...], torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
@@ -81,6 +82,24 @@ def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: 
     return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s,
                                            num_worker_threads=num_worker_threads, _transports=["uv"],
                                            _channels=["basic"])
+
+
+def reset_rpc_process_state() -> None:
+    """Let this process join a new ``torch.distributed.rpc`` group after leaving one.
+
+    torch prefixes the rendezvous store keys with a per-process init counter, so a process joining a second
+    group (after a restart) would look for keys the other, fresh members never write. Each group gets its own
+    store, so counting from 0 again is safe. Likewise the sequence numbers of rpc's internal all-gather
+    (used by graceful shutdown) are per process. Workaround for torch/distributed/rpc/__init__.py and api.py;
+    called by :func:`start_server` and ``init_trainer``.
+    """
+    from torch.distributed import rpc
+    from torch.distributed.rpc import api as rpc_api
+
+    with rpc._init_counter_lock:
+        rpc._init_counter = 0
+    with rpc_api._all_gather_dict_lock:
+        rpc_api._all_gather_sequence_id.clear()
 
 
 def server_layout(shards: Sequence[ShardSpec], server: int) -> list[tuple[ShardSpec, str]]:
@@ -481,6 +500,7 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
     if checkpoint is not None:
         server.load_state_dict(torch.load(checkpoint, weights_only=False))
     _SERVER = server
+    reset_rpc_process_state()
     rpc.init_rpc(name, rank=rank, world_size=world_size,
                  rpc_backend_options=rpc_backend_options(init_method, timeout_s))
     if block:
