@@ -37,6 +37,7 @@ __all__ = ["optimize", "register_pass", "resolve_pass", "PASSES"]
 
 PASSES: dict[str, str | Callable] = {
     "async_rpc": "scheduling:async_rpc",
+    "async_rpc_prefetch": "scheduling.prefetch:async_rpc_prefetch",
     "fuse": "quant:fuse",
     "reinplace": "fxdist.passes.reinplace:reinplace",
 }

@@ -20,7 +20,7 @@ laptop (``jobs/default.toml`` spells them out). Example::
     parameter_servers = 1    # 0 = embedding tables live in the trainers (DDP)
 
     [phases]
-    passes = ["async_rpc"]   # fxdist.optimize passes of the optimized phase
+    passes = ["async_rpc_prefetch"]   # fxdist.optimize passes of the optimized phase
 
     [metrics]
     port = 9400              # trainer rank r exports on port + r, server i on port + trainers + i
@@ -135,7 +135,7 @@ class ClusterSection:
 class PhasesSection:
     baseline: bool = True
     """Run the baseline phase (eager module, no passes) before the optimized one."""
-    passes: list[str] = field(default_factory=lambda: ["async_rpc"])
+    passes: list[str] = field(default_factory=lambda: ["async_rpc_prefetch"])
     """fxdist.optimize pass names of the optimized phase, applied in order."""
 
 

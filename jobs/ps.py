@@ -17,8 +17,9 @@ the trainers load the tables of the last checkpoint into them:
 Model side: :class:`PSSparseArch` turns ids into a torchrec ``KeyedJaggedTensor`` lookup on the servers
 through ``scheduling.ps.PSEmbeddingBagCollection`` (blocking ``ps_fetch`` nodes, which the
 ``async_rpc`` pass splits into start/wait), and pushes each fetched part's gradient back from an autograd
-hook during backward (:func:`attach_push`, deferred until the next fetch from that server). Servers
-apply the updates with row-wise Adagrad.
+hook during backward (``scheduling.ps.ops.ps_push_in_backward``, deferred until the next fetch from that
+server; with the ``async_rpc_prefetch`` pass the push also carries the next batch's lookup). Servers apply
+the updates with row-wise Adagrad.
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
 """
@@ -33,10 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fxdist
-from fxdist.node import has_side_effect
 
-__all__ = ["PSSparseArch", "ServerActor", "ServerTables", "attach_push", "start_servers", "stop_servers", "to_kjt",
+__all__ = ["PSSparseArch", "ServerActor", "ServerTables", "start_servers", "stop_servers", "to_kjt",
            "tables_to_local"]
 
 CLIENT = "fxdist-job"
@@ -54,35 +53,6 @@ def to_kjt(ids: torch.Tensor) -> Any:
     batch, tables = ids.shape
     return KeyedJaggedTensor(keys=_keys(tables), values=ids.t().reshape(-1),
                              lengths=torch.ones(batch * tables, dtype=torch.int32))
-
-
-class _PushGrad:
-    def __init__(self, client: str, server: int, kjt: Any) -> None:
-        self.client, self.server, self.kjt = client, server, kjt
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        from scheduling.ps import get_client
-
-        ps = get_client(self.client)
-        # in flight while backward and the optimizer step finish; the next fetch from this server (or
-        # ``flush``) waits for it first, so every fetch still sees this trainer's previous updates
-        ps.defer_push(self.server, ps.push_grad_async(self.server, self.kjt, grad))
-
-
-@has_side_effect
-def attach_push(client: str, server: int, kjt: Any, part: torch.Tensor) -> torch.Tensor:
-    """Register a hook that starts pushing ``part``'s gradient to ``server`` during backward; returns ``part``.
-
-    The push is deferred (``PSClient.defer_push``): the trainer's next fetch from that server waits for
-    it, in both phases, so training is exactly as with blocking pushes.
-    """
-    if isinstance(part, torch.Tensor) and part.requires_grad:
-        part.register_hook(_PushGrad(client, server, kjt))
-    return part
-
-
-attach_push.__module__ = __name__
-fxdist.wrap("attach_push")
 
 
 class PSSparseArch(nn.Module):
@@ -104,7 +74,9 @@ class PSSparseArch(nn.Module):
         return self.ebc.fetch(kjt)
 
     def combine(self, kjt: Any, parts: list[torch.Tensor]) -> torch.Tensor:
-        parts = [attach_push(self.client, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
+        from scheduling.ps import ops
+
+        parts = [ops.ps_push_in_backward(self.client, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
         return self.ebc.pool(kjt, parts).values().view(-1, self.num_tables, self.dim)
 
     def forward(self, kjt: Any) -> torch.Tensor:

@@ -74,7 +74,8 @@ def phase_summary(runs: Sequence[Any], batch_size: int) -> dict[str, Any]:
     phase (data batches come from memory, so this is training throughput). Latency percentiles pool
     every step of every trainer. ``loss`` averages the last 10% of steps over trainers.
     ``metrics_percent``: the largest share (in %) of a trainer's phase time spent updating its
-    Prometheus metrics (``PhaseRun.metrics_seconds``).
+    Prometheus metrics (``PhaseRun.metrics_seconds``). ``prefetched_lookups``: lookups of all trainers
+    answered by a prefetch.
     """
     samples = sum(r.samples for r in runs)
     wall = max(r.wall_seconds for r in runs)
@@ -94,6 +95,7 @@ def phase_summary(runs: Sequence[Any], batch_size: int) -> dict[str, Any]:
         "fetch_p50_ms": percentile(fetch, 50) * 1e3 if fetch else None,
         "fetch_p99_ms": percentile(fetch, 99) * 1e3 if fetch else None,
         "loss": sum(losses) / len(losses) if losses else float("nan"),
+        "prefetched_lookups": sum(getattr(r, "prefetched_lookups", 0) for r in runs),
         # the trainer that spent the largest share of its phase time updating metrics
         "metrics_percent": max(100 * getattr(r, "metrics_seconds", 0.0) / r.wall_seconds if r.wall_seconds > 0
                                else 0.0 for r in runs),

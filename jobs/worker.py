@@ -23,6 +23,7 @@ Source: Ray Train ``TorchTrainer`` user guide (report / get_checkpoint); DLRM tr
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import signal
@@ -72,6 +73,8 @@ class PhaseRun:
     """Training seconds since the phase started (callbacks excluded), at the end of each step."""
     callback_seconds: float = 0.0
     """Time spent in ``on_step`` (checkpoints, progress, fault checks); excluded from ``wall_seconds``."""
+    prefetched_lookups: int = 0
+    """Parameter-server lookups answered by a prefetch (``async_rpc_prefetch``) during the phase."""
     metrics_seconds: float = 0.0
     """Time spent updating the Prometheus metrics after each step (``Exporter.observe_step``); part of
     ``wall_seconds``: the direct measure of the export's cost in the training loop."""
@@ -130,12 +133,17 @@ def run_phase(
     loss_fn = nn.BCEWithLogitsLoss()
     run = PhaseRun(phase, start_step)
     batches = shard.batches(config.job.batch_size, start=start_step)
+    ahead = _next_batch_input(module)
+    hits = getattr(getattr(tables, "client", None), "prefetch_hits", 0)
+    upcoming = _prepared(next(batches), tables, device) if start_step < config.job.steps else None
     phase_start = time.perf_counter()
     for step in range(start_step, config.job.steps):
-        batch = next(batches)
-        dense, sparse, labels = _to(batch, tables, device)
+        batch, (dense, sparse, labels) = upcoming
+        upcoming = _prepared(next(batches), tables, device) if step + 1 < config.job.steps else None
+        # a module from async_rpc(prefetch=True) takes the next batch's ids, to look them up in this step
+        kwargs = {ahead: upcoming[1][1]} if ahead is not None and upcoming is not None else {}
         t0 = time.perf_counter()
-        logits = trained(dense, sparse)
+        logits = trained(dense, sparse, **kwargs)
         loss = loss_fn(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -160,6 +168,7 @@ def run_phase(
             on_step(step + 1, run, module, optimizer)
             run.callback_seconds += time.perf_counter() - t1
     run.wall_seconds = time.perf_counter() - phase_start - run.callback_seconds
+    run.prefetched_lookups = getattr(getattr(tables, "client", None), "prefetch_hits", 0) - hits
     return run, info, optimizer
 
 
@@ -170,6 +179,18 @@ def _device(config: JobConfig) -> torch.device:
     import ray.train.torch
 
     return ray.train.torch.get_device()
+
+
+def _next_batch_input(module: nn.Module) -> str | None:
+    """The name of the input through which ``module`` (after ``async_rpc(prefetch=True)``) takes the next
+    batch's sparse ids (``next_<sparse input>``), or None."""
+    params = inspect.signature(module.forward).parameters
+    names = list(params)
+    return f"next_{names[1]}" if len(names) > 1 and f"next_{names[1]}" in params else None
+
+
+def _prepared(batch: Any, tables: Any, device: torch.device) -> tuple[Any, tuple[torch.Tensor, Any, torch.Tensor]]:
+    return batch, _to(batch, tables, device)
 
 
 def _to(batch: Any, tables: Any, device: torch.device) -> tuple[torch.Tensor, Any, torch.Tensor]:

@@ -21,9 +21,11 @@ whole step but misses this step's push (one step of staleness, the bound the opt
 
 Call the module with the next batch: ``gm(dense, kjt, labels, next_kjt=next_batch_kjt)``
 (:func:`lookahead` pairs each batch with the next one); without it (None) nothing is prefetched.
-A lookup is prefetched only when its batch is a graph input, and (without ``max_staleness``) only when the
-graph also pushes to that server: a graph without the push (a forward whose pushes run later, e.g. in
-backward hooks) cannot know when the prefetch would be exact. Others keep the in-step schedule.
+A forward whose pushes run in backward from ``ps_push_in_backward`` hooks (a training forward, without the
+backward in the graph) gets the same: the hook's push carries the next lookup. A lookup is prefetched only
+when its batch is a graph input, and (without ``max_staleness``) only when the graph pushes to that server,
+in the graph or by one such hook: otherwise the pass cannot know when the prefetch would be exact. Others
+keep the in-step schedule.
 
 Source: torchrec ``TrainPipelineSparseDist`` (starts batch ``i + 1``'s input distribution during batch
 ``i``); torch.fx paper §6.2.3 (move the start as early as its inputs allow).
@@ -40,7 +42,7 @@ from fxdist.node import Node
 from .ps import ops
 from .rpc_kinds import node_arg
 
-__all__ = ["add_prefetch", "lookahead"]
+__all__ = ["add_prefetch", "lookahead", "async_rpc_prefetch"]
 
 T = TypeVar("T")
 
@@ -77,7 +79,9 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
         if not (isinstance(batch, Node) and batch.op == "placeholder"):
             continue
         pushes = [s for s in sites if s.pair.kind == "write" and s.dest == site.dest]
-        if not (stale or pushes):  # its pushes, if any, run outside the graph (e.g. in backward hooks)
+        hooks = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.ps_push_in_backward
+                 and ("ps", *n.args[:2]) == site.dest]
+        if not (stale or pushes or len(hooks) == 1):  # its pushes, if any, run outside the graph
             continue
         nxt = _next_input(graph, batch, made)
         if stale:
@@ -85,6 +89,9 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
                 node = graph.call_function(ops.ps_prefetch, (site.dest[1], site.dest[2], nxt),
                                            {"max_staleness": max_staleness, "after": site.start})
             node.meta["async_rpc_prefetch"] = site.start.meta.get("async_rpc", site.start.name)
+        elif not pushes:  # the push runs in backward, from this node's hook: it carries the lookup
+            node = hooks[0]
+            node.update_kwarg("next_kjt", nxt)
         else:  # the last push to the server carries the lookup: one request, answered after the push
             pos = {n: i for i, n in enumerate(graph.nodes)}
             last = max(pushes, key=lambda s: pos[s.start])
@@ -94,6 +101,13 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
                 last.wait.target = ops.ps_push_settle  # do not hold the step's end for the next lookup
         added.append(node)
     return added
+
+
+def async_rpc_prefetch(gm: Any) -> Any:
+    """``async_rpc(gm, prefetch=True)``, as a one-argument pass (``fxdist.optimize(passes=("async_rpc_prefetch",))``)."""
+    from .async_rpc_pass import async_rpc
+
+    return async_rpc(gm, prefetch=True)
 
 
 def lookahead(batches: Iterable[T]) -> Iterator[tuple[T, T | None]]:

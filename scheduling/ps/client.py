@@ -138,6 +138,8 @@ class PSClient:
             collections.deque)
         self._prefetched: dict[int, tuple[Any, torch.futures.Future]] = {}
         self._gather: Any = None  # see _column_gather
+        self.prefetch_hits = 0
+        """Lookups answered by an earlier prefetch (:meth:`prefetch`, ``push_async(next_kjt=...)``)."""
         self.ordered = ordered
         self._key = f"{name}:{uuid.uuid4().hex}"
         self._seq = [0] * len(self.servers)
@@ -223,6 +225,7 @@ class PSClient:
         early = self._prefetched.get(server)
         if early is not None and early[0] is kjt:
             del self._prefetched[server]
+            self.prefetch_hits += 1
             # a push that carried this lookup (push_async(next_kjt=...)) may be deferred: it completes with
             # the lookup, so it is the one push allowed to stay in flight beyond max_staleness
             self.drain(server, (max_staleness or 0) + 1)
@@ -295,6 +298,13 @@ class PSClient:
         grad = fetched.grad.detach()
         fetched._fxdist_ps_pushed = True  # type: ignore[attr-defined]
         fetched.grad = None
+        return self.push_grad_async(server, kjt, grad, next_kjt)
+
+    def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor, next_kjt: Any = None,
+                        ) -> torch.futures.Future:
+        """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output
+        (``next_kjt``: as in :meth:`push_async`)."""
+        grad = grad.detach()
         if next_kjt is None:
             return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push", ordered=True)
         self._drop_prefetch(server)
@@ -302,11 +312,6 @@ class PSClient:
                                 (self.name, _batch(kjt), grad, _batch(next_kjt), self.compress), "push", ordered=True)
         self._prefetched[server] = (next_kjt, _Part(both, 1))
         return _Part(both, 0)  # type: ignore[return-value]
-
-    def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor) -> torch.futures.Future:
-        """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output."""
-        return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad.detach()), "push",
-                                ordered=True)
 
     def finish_push(self, fut: torch.futures.Future, server: int) -> int:
         """Wait for a push; returns the number of rows the server updated."""

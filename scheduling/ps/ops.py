@@ -29,7 +29,7 @@ from fxdist.node import has_side_effect
 from .client import get_client
 
 __all__ = ["PendingRPC", "ps_fetch", "ps_fetch_start", "ps_fetch_wait", "ps_push", "ps_push_start",
-           "ps_push_wait", "ps_push_settle", "ps_push_defer", "ps_prefetch", "ps_pool", "ps_backward", "rpc_wait"]
+           "ps_push_wait", "ps_push_settle", "ps_push_defer", "ps_push_in_backward", "ps_prefetch", "ps_pool", "ps_backward", "rpc_wait"]
 
 
 @dataclass
@@ -101,6 +101,31 @@ def ps_push_defer(pending: PendingRPC) -> None:
     get_client(pending.client).defer_push(pending.server, pending.future)
 
 
+class _PushInBackward:
+    def __init__(self, client: str, server: int, kjt: Any, next_kjt: Any) -> None:
+        self.client, self.server, self.kjt, self.next_kjt = client, server, kjt, next_kjt
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        ps = get_client(self.client)
+        ps.defer_push(self.server, ps.push_grad_async(self.server, self.kjt, grad, self.next_kjt))
+
+
+@has_side_effect
+def ps_push_in_backward(client: str, server: int, kjt: Any, part: torch.Tensor, next_kjt: Any = None,
+                        ) -> torch.Tensor:
+    """Push ``part``'s gradient to the server from an autograd hook, as soon as backward computes it;
+    returns ``part`` (use the returned tensor downstream).
+
+    The push stays in flight (``PSClient.defer_push``): the next fetch from that server (or ``flush``)
+    waits for it, and the server applies it before any later request of this client, so training is as
+    with blocking pushes. ``next_kjt`` (set by ``async_rpc(prefetch=True)``): the push also asks for that
+    next batch's lookup (``PSClient.push_grad_async``).
+    """
+    if isinstance(part, torch.Tensor) and part.requires_grad:
+        part.register_hook(_PushInBackward(client, server, kjt, next_kjt))
+    return part
+
+
 @has_side_effect
 def ps_prefetch(client: str, server: int, next_kjt: Any, max_staleness: int | None = None,
                 after: Any = None) -> None:
@@ -137,6 +162,7 @@ fxdist.wrap("ps_push_start")
 fxdist.wrap("ps_push_wait")
 fxdist.wrap("ps_push_settle")
 fxdist.wrap("ps_push_defer")
+fxdist.wrap("ps_push_in_backward")
 fxdist.wrap("ps_prefetch")
 fxdist.wrap("ps_pool")
 fxdist.wrap("ps_backward")

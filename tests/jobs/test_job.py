@@ -143,8 +143,10 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
         for p in (base, opt):
             assert p["quality"]["auc"] > 0.66 and p["quality_end"]["auc"] > 0.66, (p["quality"], p["quality_end"])
     names = [p["name"] for p in opt["optimize"]["passes"]]
-    assert names == load_config().phases.passes == ["async_rpc"]
+    assert names == load_config().phases.passes == ["async_rpc_prefetch"]
     assert opt["optimize"]["passes"][0]["modified"] and opt["optimize"]["fallback"] is None
+    # with async_rpc_prefetch each push carries the next batch's lookup; the baseline never prefetches
+    assert base["prefetched_lookups"] == 0 and opt["prefetched_lookups"] > 0
     assert r["data"]["parse"]["valid"] > 0
     inf = r["inference"]
     assert inf["quantized_modules"] > 0 and inf["int8"]["qps"] > 0

@@ -11,9 +11,10 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
+import fxdist
 import scheduling
 from scheduling.models import DLRMOnPS, PSTrainStep, criteo_batches, criteo_tables, trace_train_step
-from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection
+from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, ops
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +268,57 @@ def test_push_carrying_the_next_lookup(cluster):
     finally:
         client.close(flush=False)
         ref.close()
+
+
+class _PushInBackwardModel(torch.nn.Module):
+    """Pushes from backward hooks (as jobs/ does), so the graph holds the fetches but not the pushes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.ebc = PSEmbeddingBagCollection(name)
+        self.linear = torch.nn.Linear(10, 1)
+
+    def forward(self, kjt):
+        parts = self.ebc.fetch(kjt)
+        parts = [ops.ps_push_in_backward(self.name, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
+        return self.linear(self.ebc.pool(kjt, parts).values()).squeeze(-1)
+
+
+def _train_with_hooks(cluster, name: str, prefetch: bool, steps: int = 4):
+    client = PSClient(_tables(), cluster.server_names, optimizer="sgd", optimizer_kwargs={"lr": 0.2}, name=name,
+                      seed=9)
+    try:
+        torch.manual_seed(0)
+        model = _PushInBackwardModel(name)
+        module = scheduling.async_rpc(fxdist.symbolic_trace(model), prefetch=True) if prefetch else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        batches = [KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.randint(0, 7, (9,), generator=gen),
+                                     lengths=torch.tensor([2, 1, 1, 2, 0, 3])) for _ in range(steps)]
+        lookups = sum(s["lookups"] for s in client.stats())
+        losses = []
+        for kjt, nxt in scheduling.lookahead(batches):
+            out = module(kjt, next_kjt=nxt) if prefetch else module(kjt)
+            loss = (out - 1.0).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        client.flush()
+        return (losses, client.state_dict(), sum(s["lookups"] for s in client.stats()) - lookups, module,
+                client.prefetch_hits)
+    finally:
+        client.close()
+
+
+def test_prefetch_rides_on_pushes_made_in_backward_hooks(cluster):
+    base = _train_with_hooks(cluster, "hooks_base", prefetch=False)
+    fast = _train_with_hooks(cluster, "hooks_prefetch", prefetch=True)
+    hooks = fast[3].graph.find_nodes(op="call_function", target=ops.ps_push_in_backward)
+    assert len(hooks) == 2 and all(h.kwargs["next_kjt"].name == "next_kjt" for h in hooks)
+    assert fast[0] == base[0] and base[0][-1] < base[0][0]        # same losses, and it learns
+    for key in base[1]:
+        assert torch.equal(fast[1][key], base[1][key]), key       # same tables
+    assert fast[2] == base[2] == 8                                 # no extra lookups ...
+    assert (fast[4], base[4]) == (6, 0)                            # ... and all but the first rode on a push
