@@ -67,3 +67,21 @@ def test_crash_gives_a_clear_error_and_restart_from_checkpoint_continues(tmp_pat
         client.close()
     finally:
         restarted.close()
+
+
+def test_a_crash_under_a_carried_lookup_is_a_clear_error():
+    cluster = LocalCluster(2, timeout_s=20).start()
+    try:
+        client = PSClient(_tables(), cluster.server_names, name="faulty_pf", timeout_s=3.0, seed=2)
+        kjt, nxt = _kjt(0), _kjt(1)
+        part = client.fetch(1, kjt)
+        part.sum().backward()
+        cluster.kill(1)
+        start = time.monotonic()
+        with pytest.raises(PSUnavailableError, match=r"'ps1' \(server 1 of 2, client 'faulty_pf'\)"):
+            client.settle_push(client.push_async(1, kjt, part, next_kjt=nxt), 1)  # the push carries the lookup
+            client.finish_fetch(client.fetch_async(1, nxt), 1)
+        assert time.monotonic() - start < 30
+        client.close(flush=False)
+    finally:
+        cluster.close()
