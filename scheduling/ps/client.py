@@ -381,27 +381,28 @@ class PSClient:
 
     def _column_gather(self, ids: list[int]) -> Any:
         """When every feature comes whole from one server: the output's columns as indices into the
-        concatenated answers, and a ``(F,)`` mask of mean-pooled features; False otherwise (row-wise)."""
+        concatenated answers, a ``(F,)`` mask of mean-pooled features (None when all sum), the widths as a list
+        and as a tensor; False otherwise (row-wise)."""
         if any(len(self._slots[f]) != 1 for f in self.feature_names):
             return False
         start = dict(zip(ids, [0, *torch.tensor([self.widths[s] for s in ids]).cumsum(0).tolist()[:-1]]))
         cols = [start[s] + col + j for f in self.feature_names for s, col, dim in self._slots[f] for j in range(dim)]
         mean = torch.tensor([t.pooling == "mean" for t in self.tables for _ in t.feature_names])
         dims = [self._slots[f][0][2] for f in self.feature_names]
-        return torch.tensor(cols), mean, dims
+        return torch.tensor(cols), (mean if bool(mean.any()) else None), dims, torch.tensor(dims)
 
     def _pool_gather(self, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
         """:meth:`pool` in one ``index_select`` (one ``index_add`` backward) instead of a slice per feature."""
         from torchrec.sparse.jagged_tensor import KeyedTensor
 
-        cols, mean, dims = self._gather
+        cols, mean, dims, repeats = self._gather
         values = (torch.cat(list(parts), dim=1) if len(parts) > 1 else parts[0]).index_select(1, cols)
-        if bool(mean.any()):
+        if mean is not None:
             keys = kjt.keys()
             pos = {k: i for i, k in enumerate(keys)}
             lens = kjt.lengths().view(len(keys), -1).index_select(0, torch.tensor([pos[f] for f in self.feature_names]))
             divisor = torch.where(mean.unsqueeze(1), lens.clamp(min=1), 1).to(values.dtype)   # (F, B)
-            values = values / divisor.t().repeat_interleave(torch.tensor(dims), dim=1)
+            values = values / divisor.t().repeat_interleave(repeats, dim=1)
         return KeyedTensor(keys=self.feature_names, length_per_key=dims, values=values)
 
     # ---- configuration and checkpoints ------------------------------------------------------------------

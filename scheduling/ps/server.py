@@ -244,7 +244,7 @@ class PSServer:
         """
         if self.fetch_delay_s > 0:
             time.sleep(self.fetch_delay_s)
-        self._layout(namespace)
+        self._layout(namespace)  # raises for a client that configured no tables here
         fused = self.fused.get(namespace)
         if fused is not None:
             out = fused.lookup(fused.index(*batch, where=f"server {self.name}"))
