@@ -106,9 +106,16 @@ class PSClient:
         configure: create the shards on the servers now (shards restored from a checkpoint are kept).
         ordered: each server applies this client's lookups and pushes in the order they were issued
             (sequence numbers), so a lookup sent while a push is in flight still sees that push.
+        rank, world_size, group: this trainer's rank among the ``world_size`` trainers that share these
+            tables (the same ``name``), and a key the group shares (e.g. a uuid that rank 0 broadcasts).
+            With ``world_size > 1`` the servers serve the group in step order
+            (:mod:`scheduling.ps.ordering`): every trainer's step-``k`` lookup sees exactly the pushes of
+            steps ``0 .. k-1`` of all trainers, applied in rank order, whatever the schedule (blocking,
+            ``async_rpc``, prefetch), so training is deterministic. Every trainer must then push to each
+            server once per step and run the same number of steps.
 
     Raises:
-        ValueError: bad table declarations or sharding.
+        ValueError: bad table declarations or sharding, or a bad ``rank`` / ``world_size`` / ``group``.
         PSUnavailableError: a server does not answer the configuration call.
     """
 
@@ -117,9 +124,14 @@ class PSClient:
                  optimizer: str = "rowwise_adagrad", optimizer_kwargs: Mapping[str, float] | None = None,
                  name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
                  init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True,
-                 ordered: bool = True) -> None:
+                 ordered: bool = True, rank: int = 0, world_size: int = 1, group: str | None = None) -> None:
         if not servers:
             raise ValueError("PSClient: give at least one server name")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"PSClient: rank {rank} is not in [0, world_size={world_size})")
+        if world_size > 1 and (not group or not ordered):
+            raise ValueError(f"PSClient {name!r}: world_size={world_size} needs ordered=True and a group key "
+                             "shared by the trainers (group=...)")
         if compress not in (None, "fused8bit"):
             raise ValueError(f"PSClient: unknown compress={compress!r} (use None or 'fused8bit')")
         self.tables: list[TableSpec] = table_specs(tables)
@@ -143,6 +155,8 @@ class PSClient:
         self.ordered = ordered
         self._key = f"{name}:{uuid.uuid4().hex}"
         self._seq = [0] * len(self.servers)
+        self._pushes = [0] * len(self.servers)
+        self._group = (f"{group}/{name}", rank, world_size) if world_size > 1 else None  # one order per table set
         self._seq_lock = threading.Lock()
         with _CLIENTS_LOCK:
             if name in _CLIENTS:
@@ -178,7 +192,7 @@ class PSClient:
 
     # ---- RPC plumbing -----------------------------------------------------------------------------------
     def _call_async(self, server: int, fn: Any, args: tuple, what: str, ordered: bool = False,
-                    ) -> torch.futures.Future:
+                    push: bool = False) -> torch.futures.Future:
         from torch.distributed import rpc
 
         if not 0 <= server < len(self.servers):
@@ -187,8 +201,11 @@ class PSClient:
         try:
             if ordered and self.ordered:
                 with self._seq_lock:  # numbered and sent together, so the numbers follow the issue order
-                    order = (self._key, self._seq[server], self.timeout_s)
+                    order: tuple = (self._key, self._seq[server], self.timeout_s)
+                    if self._group is not None:  # step order across the group: pushes issued before this
+                        order += ((*self._group, self._pushes[server]),)
                     self._seq[server] += 1
+                    self._pushes[server] += push
                     return rpc.rpc_async(self.servers[server], fn, (*args, order), timeout=self.timeout_s)
             return rpc.rpc_async(self.servers[server], fn, args, timeout=self.timeout_s)
         except RuntimeError as e:
@@ -306,10 +323,12 @@ class PSClient:
         (``next_kjt``: as in :meth:`push_async`)."""
         grad = grad.detach()
         if next_kjt is None:
-            return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push", ordered=True)
+            return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push", ordered=True,
+                                    push=True)
         self._drop_prefetch(server)
         both = self._call_async(server, _srv._rpc_push_lookup,
-                                (self.name, _batch(kjt), grad, _batch(next_kjt), self.compress), "push", ordered=True)
+                                (self.name, _batch(kjt), grad, _batch(next_kjt), self.compress), "push", ordered=True,
+                                push=True)
         self._prefetched[server] = (next_kjt, _Part(both, 1))
         return _Part(both, 0)  # type: ignore[return-value]
 

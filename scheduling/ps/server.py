@@ -30,6 +30,7 @@ import torch
 from .config import ShardSpec
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
+from .ordering import Order, in_order
 
 __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch",
            "reset_rpc_process_state"]
@@ -381,57 +382,23 @@ def _rpc_configure(*args: Any, **kwargs: Any) -> dict[str, int]:
     return _server().configure(*args, **kwargs)
 
 
-class _Sequencer:
-    """Runs the requests of one client in the order the client issued them (by sequence number)."""
-
-    def __init__(self) -> None:
-        self.next = 0
-        self.cond = threading.Condition()
-
-    def run(self, seq: int, timeout_s: float, what: str, fn: Any) -> Any:
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.next >= seq, timeout_s):
-                raise RuntimeError(f"server {_server().name}: {what} #{seq} waited {timeout_s} s for the "
-                                   f"client's request #{self.next}, which never arrived")
-        try:
-            return fn()
-        finally:
-            with self.cond:
-                self.next = max(self.next, seq + 1)
-                self.cond.notify_all()
-
-
-_SEQUENCERS: dict[str, _Sequencer] = {}
-_SEQUENCERS_LOCK = threading.Lock()
-Order = tuple[str, int, float]  # (client key, sequence number, timeout in seconds)
-
-
-def _in_order(order: Order | None, what: str, fn: Any) -> Any:
-    if order is None:
-        return fn()
-    key, seq, timeout_s = order
-    with _SEQUENCERS_LOCK:
-        seqr = _SEQUENCERS.setdefault(key, _Sequencer())
-    return seqr.run(seq, timeout_s, what, fn)
-
-
 def _rpc_lookup(namespace: str, batch: Batch, compress: str | None = None, order: Order | None = None,
                 ) -> torch.Tensor:
-    return _in_order(order, "lookup", lambda: _server().lookup(namespace, batch, compress))
+    server = _server()
+    return in_order(order, "lookup", server.name, lookup=lambda: server.lookup(namespace, batch, compress))
 
 
 def _rpc_push(namespace: str, batch: Batch, grad: torch.Tensor, order: Order | None = None) -> int:
-    return _in_order(order, "push", lambda: _server().push(namespace, batch, grad))
+    server = _server()
+    return in_order(order, "push", server.name, push=lambda: server.push(namespace, batch, grad))
 
 
 def _rpc_push_lookup(namespace: str, batch: Batch, grad: torch.Tensor, next_batch: Batch,
                      compress: str | None = None, order: Order | None = None) -> tuple[int, torch.Tensor]:
     """A push, then the lookup of the next batch, in one request: ``(rows updated, lookup answer)``."""
-    def both() -> tuple[int, torch.Tensor]:
-        server = _server()
-        return server.push(namespace, batch, grad), server.lookup(namespace, next_batch, compress)
-
-    return _in_order(order, "push+lookup", both)
+    server = _server()
+    return in_order(order, "push+lookup", server.name, push=lambda: server.push(namespace, batch, grad),
+                    lookup=lambda: server.lookup(namespace, next_batch, compress))
 
 
 def _rpc_state_dict(namespace: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""Process bodies for tests/scheduling/test_ps_group.py: one parameter server and W trainers (DDP over gloo),
+spawned as separate processes (functions sent to spawned processes must be importable)."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+TABLES = [("t0", 40, 4, ("f0",)), ("t1", 30, 4, ("f1", "f2"))]
+
+
+class TinyModel(nn.Module):
+    """Dense linear over [dense | pooled embeddings]; the embedding gradients go to the servers from
+    backward hooks (``ps_push_in_backward``), as in the job's DLRM."""
+
+    def __init__(self, client: str) -> None:
+        super().__init__()
+        from scheduling.ps import PSEmbeddingBagCollection
+
+        self.ebc = PSEmbeddingBagCollection(client)
+        self.client = client
+        self.linear = nn.Linear(3 + 12, 1)
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        from scheduling.ps import ops
+
+        parts = self.ebc.fetch(kjt)
+        parts = [ops.ps_push_in_backward(self.client, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
+        kt = self.ebc.pool(kjt, parts)
+        return self.linear(torch.cat([dense, kt.values()], dim=1)).squeeze(1)
+
+
+def batches(rank: int, steps: int, batch_size: int = 8) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+    from torchrec import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 3, (3 * batch_size,), generator=gen)
+        values = torch.randint(0, 30, (int(lengths.sum()),), generator=gen)
+        kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=values, lengths=lengths)
+        out.append((torch.randn(batch_size, 3, generator=gen), kjt, torch.rand(batch_size, generator=gen).round()))
+    return out
+
+
+def server_main(rank: int, world: int, rpc_port: int) -> None:
+    from scheduling.ps import start_server
+
+    start_server(f"ps{rank - 2}", rank, world, master_port=rpc_port, timeout_s=60)
+
+
+def _train(name: str, rank: int, world: int, schedule: str, sync: bool, jitter_s: float, steps: int,
+           servers: list[str], group: str) -> dict[str, Any]:
+    import fxdist
+    from scheduling import lookahead
+    from scheduling.ps import PSClient
+    from scheduling.ps.config import TableSpec
+
+    specs = [TableSpec(n, rows, dim, feats) for n, rows, dim, feats in TABLES]
+    client = PSClient(specs, servers, sharding="row_wise", name=name, seed=7, configure=(rank == 0),
+                      optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1}, rank=rank if sync else 0,
+                      world_size=world if sync else 1, group=group if sync else None)
+    dist.barrier()
+    torch.manual_seed(0)
+    model = TinyModel(name)
+    module = model if schedule == "eager" else fxdist.optimize(model, passes=("async_rpc_prefetch",))
+    ddp = nn.parallel.DistributedDataParallel(module)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    rng = random.Random(rank * 31 + len(schedule))
+    losses = []
+    for (dense, kjt, labels), nxt in lookahead(batches(rank, steps)):
+        kwargs = {"next_kjt": nxt[1]} if schedule != "eager" and nxt is not None else {}
+        loss = nn.functional.binary_cross_entropy_with_logits(ddp(dense, kjt, **kwargs), labels)
+        opt.zero_grad()
+        loss.backward()
+        if jitter_s:
+            time.sleep(rng.random() * jitter_s)  # trainers reach the servers in varying order
+        opt.step()
+        losses.append(loss.item())
+    client.flush()
+    dist.barrier()
+    tables = {k: v.tolist() for k, v in client.state_dict().items()} if rank == 0 else None  # no shared memory
+    dist.barrier()
+    client.close()
+    return {"losses": losses, "tables": tables, "hits": client.prefetch_hits}
+
+
+def trainer_main(rank: int, world: int, rpc_port: int, pg_port: int, num_servers: int, runs: list[tuple],
+                 steps: int, queue: Any) -> None:
+    from scheduling.ps import init_trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
+    init_trainer(f"trainer{rank}", rank, world + num_servers, master_port=rpc_port, timeout_s=60)
+    servers = [f"ps{i}" for i in range(num_servers)]
+    box = [f"group-{time.time_ns()}"]
+    dist.broadcast_object_list(box, src=0)
+    results = {}
+    try:
+        for name, schedule, sync, jitter_s in runs:
+            results[name] = _train(name, rank, world, schedule, sync, jitter_s, steps, servers, box[0])
+    finally:
+        if rank == 0:
+            from torch.distributed import rpc
+            from scheduling.ps import server as srv
+
+            for s in servers:
+                rpc.rpc_sync(s, srv._rpc_stop, ())
+        from torch.distributed import rpc
+
+        rpc.shutdown(graceful=False)
+        dist.destroy_process_group()
+    queue.put((rank, results))
