@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["auc", "log_loss", "binary_metrics", "percentile", "phase_summary", "qps_series"]
+__all__ = ["auc", "auc_standard_error", "log_loss", "binary_metrics", "percentile", "phase_summary", "qps_series",
+           "gain_percent", "median_interval", "interleaved_gain", "parity_check"]
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -44,10 +45,20 @@ def log_loss(probabilities: torch.Tensor, labels: torch.Tensor, eps: float = 1e-
     return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
 
 
+def auc_standard_error(value: float, positives: int, negatives: int) -> float:
+    """Standard error of an AUC measured on ``positives`` + ``negatives`` rows (Hanley & McNeil, Radiology
+    1982, eq. 2): the spread the same model's AUC shows over resamplings of the held-out set."""
+    if not positives or not negatives or math.isnan(value):
+        return float("nan")
+    q1, q2 = value / (2 - value), 2 * value**2 / (1 + value)
+    var = (value * (1 - value) + (positives - 1) * (q1 - value**2) + (negatives - 1) * (q2 - value**2))
+    return math.sqrt(max(var, 0.0) / (positives * negatives))
+
+
 def binary_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """``{"auc", "log_loss", "rows"}`` of click probabilities against labels."""
+    """``{"auc", "log_loss", "rows", "positives"}`` of click probabilities against labels."""
     return {"auc": auc(probabilities, labels), "log_loss": log_loss(probabilities, labels),
-            "rows": int(labels.numel())}
+            "rows": int(labels.numel()), "positives": int((labels.flatten() > 0.5).sum())}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -109,3 +120,100 @@ def gain_percent(baseline: float, optimized: float) -> float:
     if not baseline or math.isnan(baseline):
         return float("nan")
     return 100.0 * (optimized / baseline - 1.0)
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> dict[str, Any]:
+    """Median of ``values`` with its range and a distribution-free confidence interval.
+
+    The interval is ``(x_(k), x_(n+1-k))`` of the sorted values, with the largest ``k`` such that a
+    Binomial(n, 1/2) falls below ``k`` with probability at most ``(1 - confidence) / 2`` (the sign-test
+    interval for a median; Hollander & Wolfe, Nonparametric Statistical Methods, §3.6). With fewer than 6
+    values no 95 % interval exists: ``low``/``high`` are then None and the range is the honest spread.
+
+    Returns:
+        ``{"median", "min", "max", "low", "high", "confidence", "n"}``.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "low": None, "high": None,
+                "confidence": confidence, "n": 0}
+    median = float(torch.tensor(xs, dtype=torch.float64).quantile(0.5))
+    k, tail = 0, 0.0
+    while True:  # P(Binomial(n, 1/2) <= k) for growing k
+        tail += math.comb(n, k) / 2**n
+        if tail > (1 - confidence) / 2:
+            break
+        k += 1
+    low, high = (xs[k - 1], xs[n - k]) if k >= 1 else (None, None)
+    return {"median": median, "min": xs[0], "max": xs[-1], "low": low, "high": high, "confidence": confidence, "n": n}
+
+
+def interleaved_gain(blocks: Sequence[dict[str, Sequence[float]]], baseline: str = "baseline",
+                     optimized: str = "optimized", warmup: int = 1) -> dict[str, Any]:
+    """QPS gain of ``optimized`` over ``baseline`` from interleaved blocks of the same steps.
+
+    Args:
+        blocks: per trainer, ``{phase: [seconds of block 0, block 1, ...]}``; both phases trained the same
+            batches in each block, one right after the other.
+        warmup: leading blocks left out when at least ``warmup + 2`` blocks exist (first-step costs:
+            DDP bucket set-up, the first call of generated code).
+
+    Returns:
+        ``{"block_gain_percent": [...], "median_percent", "min_percent", "max_percent", "low_percent",
+        "high_percent", "confidence", "blocks", "warmup_blocks"}``: each block's gain is
+        ``100 * (T_baseline / T_optimized - 1)`` with ``T`` the slowest trainer's time for the block (the
+        job's QPS ratio for those steps); the median is the reported gain.
+    """
+    count = min(len(b.get(baseline, ())) for b in blocks) if blocks else 0
+    count = min(count, min(len(b.get(optimized, ())) for b in blocks)) if blocks else 0
+    gains = []
+    for i in range(count):
+        t_base = max(b[baseline][i] for b in blocks)
+        t_opt = max(b[optimized][i] for b in blocks)
+        gains.append(100.0 * (t_base / t_opt - 1.0) if t_opt > 0 else float("nan"))
+    skip = warmup if count >= warmup + 2 else 0
+    summary = median_interval([g for g in gains[skip:] if not math.isnan(g)])
+    return {"block_gain_percent": gains, "median_percent": summary["median"], "min_percent": summary["min"],
+            "max_percent": summary["max"], "low_percent": summary["low"], "high_percent": summary["high"],
+            "confidence": summary["confidence"], "blocks": summary["n"], "warmup_blocks": skip}
+
+
+def parity_check(baseline: dict[str, Any], optimized: dict[str, Any], *, sigmas: float = 2.0) -> dict[str, Any]:
+    """Compare the optimized phase's model with the baseline's: held-out AUC and training loss.
+
+    Tolerances come from the baseline's own spread: for the AUC, ``sigmas`` standard errors of the
+    baseline AUC on its held-out rows (:func:`auc_standard_error`); for the loss, ``sigmas`` standard errors
+    of the baseline's mean loss over its last 10 % of steps (the batch-to-batch spread of that mean). The
+    per-step loss curves of rank 0 are compared too: ``max_step_loss_diff`` is 0 when the two phases trained
+    bit-identically (what step-ordered parameter servers give; see ``scheduling.ps.ordering``).
+
+    Args:
+        baseline, optimized: phase summaries (:func:`phase_summary` plus ``quality``).
+
+    Returns:
+        ``{"ok", "auc": {...}, "loss": {...}, "max_step_loss_diff", "identical_losses"}`` where each of
+        ``auc``/``loss`` is ``{"baseline", "optimized", "diff", "tolerance", "ok"}``.
+    """
+    qb, qo = baseline.get("quality") or {}, optimized.get("quality") or {}
+    out: dict[str, Any] = {}
+    a_b, a_o = qb.get("auc", float("nan")), qo.get("auc", float("nan"))
+    pos = qb.get("positives")
+    se = auc_standard_error(a_b, pos, qb.get("rows", 0) - pos) if pos is not None else float("nan")
+    out["auc"] = _within(a_b, a_o, sigmas * se)
+    series_b, series_o = baseline.get("loss_series") or [], optimized.get("loss_series") or []
+    tail = series_b[-max(1, len(series_b) // 10):]
+    spread = float(torch.tensor(tail, dtype=torch.float64).std()) if len(tail) > 1 else float("nan")
+    out["loss"] = _within(baseline.get("loss", float("nan")), optimized.get("loss", float("nan")),
+                          sigmas * spread / math.sqrt(len(tail)) if tail else float("nan"))
+    pairs = list(zip(series_b, series_o))
+    out["max_step_loss_diff"] = max((abs(x - y) for x, y in pairs), default=float("nan"))
+    out["identical_losses"] = bool(pairs) and len(series_b) == len(series_o) and all(x == y for x, y in pairs)
+    out["ok"] = out["identical_losses"] or (out["auc"]["ok"] and out["loss"]["ok"])
+    return out
+
+
+def _within(base: float, opt: float, tolerance: float) -> dict[str, Any]:
+    diff = opt - base
+    ok = (not math.isnan(diff)) and (diff == 0 or (not math.isnan(tolerance) and abs(diff) <= tolerance))
+    return {"baseline": base, "optimized": opt, "diff": diff, "tolerance": tolerance, "ok": ok}

@@ -10,6 +10,7 @@ import torch
 
 from scheduling.ps import server as srv
 from scheduling.ps.config import TableSpec, plan_shards, table_specs
+from scheduling.ps.ordering import in_order
 
 
 def _specs():
@@ -44,7 +45,8 @@ def test_bad_declarations_are_named():
 
 def test_requests_of_a_client_run_in_issue_order():
     done: list[int] = []
-    threads = [threading.Thread(target=srv._in_order, args=(("k", seq, 5.0), "push", lambda s=seq: done.append(s)))
+    threads = [threading.Thread(target=in_order, args=(("k", seq, 5.0), "push", "ps0"),
+                                kwargs={"push": lambda s=seq: done.append(s)})
                for seq in (2, 1, 0)]                      # they arrive in reverse order
     for t in threads:
         t.start()
@@ -54,10 +56,9 @@ def test_requests_of_a_client_run_in_issue_order():
     assert done == [0, 1, 2]
 
 
-def test_a_missing_request_times_out_with_a_clear_error(monkeypatch):
-    monkeypatch.setattr(srv, "_SERVER", srv.PSServer("psX"))
+def test_a_missing_request_times_out_with_a_clear_error():
     with pytest.raises(RuntimeError, match=r"server psX: lookup #1 waited 0.2 s for the client's request #0"):
-        srv._in_order(("gap", 1, 0.2), "lookup", lambda: None)
+        in_order(("gap", 1, 0.2), "lookup", "psX", lookup=lambda: None)
 
 
 def test_row_wise_shards_sum_to_the_full_lookup_and_push_touches_only_their_rows():
