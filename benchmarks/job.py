@@ -1,8 +1,10 @@
 """Benchmark of the main job: QPS of the baseline and optimized phases, and the cost of metrics export.
 
-Part 1 runs the default job (``jobs/default.toml``, Ray, 2 trainers, 1 parameter server) with ``--steps``
-steps per phase, no mid-phase checkpoints and no quantization, and prints the QPS of both phases,
-measured in the same run on the same batches, their ratio, and the trainers' metric-update share.
+Part 1 runs the default job (``jobs/default.toml``, Ray, 2 trainers, 1 parameter server) ``--runs`` times
+with ``--steps`` steps per phase, no mid-phase checkpoints and no quantization. The job trains both phases
+interleaved (alternating blocks of the same steps); each run prints the QPS of both phases, the gain as the
+median of the paired block ratios with its range and interval, the parity check, and the trainers'
+metric-update share; then the gains of all runs and their spread (goal: within +-5 points).
 
 Part 2 measures the Prometheus exporter's overhead without Ray: one process trains the default DLRM
 (local tables, one torch thread) for ``--steps`` steps per trial, alternating trials with and without an
@@ -17,7 +19,7 @@ in-loop figure is the one that counts.
 
 Usage::
 
-    .venv/bin/python benchmarks/job.py [--steps 200] [--trials 7] [--skip-job]
+    .venv/bin/python benchmarks/job.py [--steps 200] [--runs 3] [--trials 7] [--skip-job]
 
 Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself to set it; see FACTS.md).
 Goals: optimized/baseline QPS >= 1 + the scheduling benchmark's gain; export overhead < 1%.
@@ -189,22 +191,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=3, help="job runs (each prints its interleaved gain)")
     parser.add_argument("--skip-job", action="store_true", help="only measure the export overhead")
     args = parser.parse_args()
     _ensure_allocator()
     print(f"allocator: MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}; torch threads per trainer: 1")
     if not args.skip_job:
-        results = run_job(args.steps)
-        base, opt = results["phases"]["baseline"], results["phases"]["optimized"]
-        print(f"job {results['job']}: {args.steps} steps per phase, passes {results['config']['phases']['passes']}")
-        print(f"  baseline  QPS {base['qps']:10.1f}  step p50 {base['step_p50_ms']:.2f} ms  "
-              f"p99 {base['step_p99_ms']:.2f} ms")
-        print(f"  optimized QPS {opt['qps']:10.1f}  step p50 {opt['step_p50_ms']:.2f} ms  "
-              f"p99 {opt['step_p99_ms']:.2f} ms")
-        print(f"  optimized/baseline QPS ratio: {opt['qps'] / base['qps']:.3f} "
-              f"(gain {100 * (opt['qps'] / base['qps'] - 1):+.1f} %)")
-        print(f"  metrics updates in the trainers' loops: baseline {base['metrics_percent']:.3f} %, "
-              f"optimized {opt['metrics_percent']:.3f} % of phase time (largest trainer)")
+        gains = []
+        for run in range(args.runs):
+            results = run_job(args.steps)
+            base, opt, gain = results["phases"]["baseline"], results["phases"]["optimized"], results["gain"]
+            gains.append(gain["median_percent"])
+            interval = (f", 95 % interval {gain['low_percent']:+.1f} .. {gain['high_percent']:+.1f} %"
+                        if gain.get("low_percent") is not None else "")
+            print(f"run {run + 1}: {args.steps} steps per phase in blocks of {results['config']['phases']['block_steps']}, "
+                  f"passes {results['config']['phases']['passes']}")
+            print(f"  baseline  QPS {base['qps']:10.1f}  step p50 {base['step_p50_ms']:.2f} ms  "
+                  f"p99 {base['step_p99_ms']:.2f} ms")
+            print(f"  optimized QPS {opt['qps']:10.1f}  step p50 {opt['step_p50_ms']:.2f} ms  "
+                  f"p99 {opt['step_p99_ms']:.2f} ms")
+            print(f"  interleaved gain (median of {gain['blocks']} block pairs): {gain['median_percent']:+.1f} % "
+                  f"(range {gain['min_percent']:+.1f} .. {gain['max_percent']:+.1f} %{interval}); "
+                  f"parity {'OK' if results['parity']['ok'] else 'FAILED'}"
+                  f"{', losses bit-identical' if results['parity']['identical_losses'] else ''}")
+            print(f"  metrics updates in the trainers' loops: baseline {base['metrics_percent']:.3f} %, "
+                  f"optimized {opt['metrics_percent']:.3f} % of phase time (largest trainer)")
+        spread = max(gains) - min(gains)
+        print(f"gains of {args.runs} runs: {', '.join(f'{g:+.1f} %' for g in gains)}; spread {spread:.1f} points "
+              f"(goal: within +-5 points, i.e. spread <= 10): {'met' if spread <= 10 else 'NOT met'}")
     without, with_ = export_overhead(args.steps, args.trials)
     report_overhead(without, with_, args.steps)
 

@@ -11,7 +11,9 @@ Without ``CONFIG`` the bundled ``jobs/default.toml`` runs: DLRM on the Criteo sa
 single keys, e.g. ``--set job.steps=20 --set cluster.parameter_servers=0``; values are parsed as TOML
 (``20``, ``true``, ``"text"``, ``["fuse"]``), or taken as a string when they do not parse.
 
-Exit status: 0 on success, 2 for a bad config or command line, 1 when the job fails.
+Exit status: 0 on success, 2 for a bad config or command line, 1 when the job fails, 3 when the optimized
+phase's loss or AUC differs from the baseline's by more than the baseline's own spread (``[phases] parity =
+"error"``; the results are written all the same).
 """
 
 from __future__ import annotations
@@ -80,13 +82,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{key} = {value!r}")
             print()
         return 0
-    from jobs.launch import launch
+    from jobs.launch import ParityError, launch
 
     try:
         launch(config, run_dir=args.run_dir, quiet=args.quiet)
     except (ConfigError, FileNotFoundError) as e:
         print(f"fxdist: {e}", file=sys.stderr)
         return 2
+    except ParityError as e:
+        print(f"fxdist: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("fxdist: interrupted", file=sys.stderr)
         return 130

@@ -21,6 +21,8 @@ laptop (``jobs/default.toml`` spells them out). Example::
 
     [phases]
     passes = ["async_rpc_prefetch"]   # fxdist.optimize passes of the optimized phase
+    block_steps = 10         # the phases alternate blocks of this many steps
+    parity = "error"         # "warn": report a loss/AUC difference instead of failing the job
 
     [metrics]
     port = 9400              # trainer rank r exports on port + r, server i on port + trainers + i
@@ -134,9 +136,15 @@ class ClusterSection:
 @dataclass(frozen=True)
 class PhasesSection:
     baseline: bool = True
-    """Run the baseline phase (eager module, no passes) before the optimized one."""
+    """Also train the baseline (eager module, no passes), interleaved with the optimized phase."""
     passes: list[str] = field(default_factory=lambda: ["async_rpc_prefetch"])
     """fxdist.optimize pass names of the optimized phase, applied in order."""
+    block_steps: int = 10
+    """Steps per block: the phases alternate blocks of this many steps over the same batches (the order
+    flips every block); the QPS gain is the median of the paired block ratios."""
+    parity: str = "error"
+    """The optimized phase's loss and AUC must match the baseline's within the baseline's own spread:
+    "error" (exit 3 when they do not), "warn" (report only)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,9 @@ class JobConfig:
             (0 <= self.metrics.port < 65536, "[metrics] port must be in 0..65535"),
             (self.cluster.rpc_timeout_s > 0, "[cluster] rpc_timeout_s must be > 0"),
             (self.cluster.server_fetch_delay_ms >= 0, "[cluster] server_fetch_delay_ms must be >= 0"),
+            (self.phases.block_steps >= 1, "[phases] block_steps must be >= 1"),
+            (self.phases.parity in ("error", "warn"), f"[phases] parity must be \"error\" or \"warn\", got "
+                                                       f"{self.phases.parity!r}"),
         ]
         for ok, message in checks:
             if not ok:

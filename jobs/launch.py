@@ -37,7 +37,7 @@ import torch
 from jobs.config import JobConfig, to_dict
 from jobs.data import resolve_data_path
 
-__all__ = ["launch", "JobState", "write_prometheus_files", "DASHBOARDS"]
+__all__ = ["launch", "JobState", "ParityError", "compare_phases", "write_prometheus_files", "DASHBOARDS"]
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 
@@ -274,11 +274,14 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         "timeline": snap.get("events", []), "starts": snap.get("starts", []),
         "server_joins": snap.get("server_joins", []),
     }
+    results.update(compare_phases(config, results["phases"]))
     if config.quant.enabled:
         log("post-training quantization of the dense model: fp32 vs int8")
         t_quant = time.perf_counter()
-        evaluated = final.get("eval") or {}
-        model_state = evaluated if "model" in evaluated else final  # the model the table's AUC refers to
+        last = list(final["models"])[-1]
+        evaluated = (final.get("eval") or {}).get(last) or {}
+        model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
+            "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
         results["inference"] = inference.compare(config, model_state, data_path)
         results["inference"]["model_step"] = evaluated.get("step", final.get("step"))
         results["inference"]["seconds"] = time.perf_counter() - t_quant
@@ -286,7 +289,32 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     if not quiet:
         print(report.table(results), flush=True)
         log(f"results: {run_dir / 'results.json'}, plot: {run_dir / 'qps.png'}")
+    parity = results.get("parity")
+    if parity is not None and not parity["ok"] and config.phases.parity == "error":
+        raise ParityError(f"parity check failed: the optimized phase (passes {list(config.phases.passes)}) "
+                          f"{report.parity_problem(parity)}; results kept in {run_dir / 'results.json'} "
+                          '(set [phases] parity = "warn" to accept a difference)')
     return results
+
+
+class ParityError(RuntimeError):
+    """The optimized phase's model differs from the baseline's by more than the baseline's own spread."""
+
+
+def compare_phases(config: JobConfig, phases: dict[str, Any]) -> dict[str, Any]:
+    """``{"gain": ..., "parity": ...}`` of the optimized phase against the baseline (empty without both):
+    the interleaved-block QPS gain (:func:`jobs.stats.interleaved_gain`) and the parity check
+    (:func:`jobs.stats.parity_check`, with ``mode`` = ``[phases] parity`` and the passes checked)."""
+    from jobs.stats import interleaved_gain, parity_check
+
+    base, opt = phases.get("baseline"), phases.get("optimized")
+    if not base or not opt:
+        return {}
+    blocks = [{"baseline": b, "optimized": o} for b, o in zip(base.get("block_seconds") or [],
+                                                                opt.get("block_seconds") or [])]
+    parity = parity_check(base, opt)
+    parity.update(mode=config.phases.parity, passes=list(config.phases.passes))
+    return {"gain": interleaved_gain(blocks), "parity": parity}
 
 
 def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, *, quiet: bool,
@@ -345,8 +373,8 @@ def _final_state(result) -> dict[str, Any]:
 
 
 def _restarts(snap: dict[str, Any]) -> int:
-    """Worker-group restarts seen: phase starts beyond the first of each phase."""
+    """Worker-group restarts seen: starts of a phase beyond its first (every restart starts every phase)."""
     seen: dict[str, int] = {}
     for phase, _ in snap.get("starts", []):
         seen[phase] = seen.get(phase, 0) + 1
-    return sum(n - 1 for n in seen.values())
+    return max((n - 1 for n in seen.values()), default=0)

@@ -12,6 +12,10 @@ Metrics (labels ``job``, ``phase`` = baseline | optimized, ``rank``; servers use
 ``fxdist_rpc_fetch_seconds``   histogram  trainer: time blocked on embedding fetches in a step;
                                           server: time to serve one lookup request
 ``fxdist_loss``                gauge      training loss of the last step (binary cross-entropy)
+``fxdist_qps_gain_ratio``      gauge      trainer rank 0: QPS gain of the optimized phase over the baseline
+                                          so far, as a fraction (0.12 = +12 %), from the interleaved
+                                          blocks; label ``stat`` = median | min | max, and low | high (the
+                                          95 % interval of the median, once enough blocks exist)
 =============================  =========  ===========================================================
 
 Source: prometheus client_python (registries, ``start_http_server``); Prometheus naming conventions
@@ -65,6 +69,9 @@ class Exporter:
             registry=self.registry, buckets=FETCH_BUCKETS,
         )
         self.loss = Gauge("fxdist_loss", "Training loss of the last step.", LABELS, registry=self.registry)
+        self.gain = Gauge("fxdist_qps_gain_ratio", "QPS gain of the optimized phase over the baseline (fraction), "
+                          "median of the interleaved block pairs and its interval.", ("job", "stat"),
+                          registry=self.registry)
         self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._server = None
         self._thread: threading.Thread | None = None
@@ -101,6 +108,14 @@ class Exporter:
         if fetch_seconds is not None:
             fetch.observe(fetch_seconds)
         last_loss.set(loss)
+
+    def observe_gain(self, gain: dict[str, Any]) -> None:
+        """Publish :func:`jobs.stats.interleaved_gain` (percent values) as ``fxdist_qps_gain_ratio`` fractions;
+        statistics that do not exist yet (no blocks, no interval) are left out."""
+        for stat in ("median", "min", "max", "low", "high"):
+            value = gain.get(f"{stat}_percent")
+            if value is not None and value == value:
+                self.gain.labels(job=self.job, stat=stat).set(value / 100.0)
 
     def observe_fetch(self, phase: str, seconds: float) -> None:
         """Record one served (server) or issued (trainer) embedding fetch."""

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -101,7 +103,6 @@ class ServerActor:
     def __init__(self, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
                  timeout_s: float) -> None:
         self.name, self.fetch_delay_s, self.timeout_s = name, fetch_delay_s, timeout_s
-        self.phase = "baseline"
         self.joined = False
         self.groups = 0
         self.exporter = None
@@ -129,18 +130,15 @@ class ServerActor:
         if self.exporter is not None:
             lookup, exporter = server.lookup, self.exporter
 
-            def timed_lookup(*args: Any, **kwargs: Any) -> Any:
+            def timed_lookup(namespace: str, *args: Any, **kwargs: Any) -> Any:
                 t0 = time.perf_counter()
                 try:
-                    return lookup(*args, **kwargs)
-                finally:
-                    exporter.observe_fetch(self.phase, time.perf_counter() - t0)
+                    return lookup(namespace, *args, **kwargs)
+                finally:  # the phase label is the client's suffix: fxdist-job-<phase>
+                    exporter.observe_fetch(namespace.rpartition("-")[2], time.perf_counter() - t0)
 
             server.lookup = timed_lookup
         return {"pid": os.getpid(), "group": self.groups}
-
-    def set_phase(self, phase: str) -> None:
-        self.phase = phase
 
     def leave(self) -> None:
         """Leave the RPC group, if in one (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
@@ -204,16 +202,22 @@ class ServerTables:
     """Tables backend of a trainer whose embedding tables live on ``[cluster] parameter_servers`` servers.
 
     ``loop_config["servers"]`` holds the launcher's :class:`ServerActor` handles; rank 0 asks each to
-    join this worker group's RPC group (see the module docstring).
+    join this worker group's RPC group (see the module docstring). Each phase has its own tables on the
+    servers (client ``fxdist-job-<phase>``, :meth:`view`), created from the same seed, so the phases start
+    from the same weights and can train side by side. The trainers of the group share each phase's
+    tables in step order (``PSClient(rank, world_size, group)``, :mod:`scheduling.ps.ordering`): every
+    trainer's step-``k`` lookup sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever
+    the schedule, so the baseline and the optimized phase train identically.
     """
 
-    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any) -> None:
+    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any,
+                 phases: Sequence[str] = ("baseline", "optimized")) -> None:
         import ray
-        from scheduling.ps import PSClient, TableSpec, init_trainer
+        from scheduling.ps import init_trainer
 
         from jobs.metrics import free_port
 
-        c, m = config.cluster, config.model
+        c = config.cluster
         self.rank, self.world, self.config = rank, world, config
         self.num_servers = c.parameter_servers
         self.actors: list[Any] = list(loop_config.get("servers") or [])
@@ -223,23 +227,73 @@ class ServerTables:
         box = [None]
         if rank == 0:
             host = _rpc_host(loop_config)
-            box = [(host, free_port(host))]
+            box = [(host, free_port(host), uuid.uuid4().hex)]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
-        host, port = box[0]
+        host, port, group = box[0]
         total = world + self.num_servers
         joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(self.actors)] if rank == 0 else []
         init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=c.rpc_timeout_s)
         self.joined = ray.get(joins) if joins else []
         if self.joined and loop_config.get("state") is not None:
             loop_config["state"].servers_joined.remote(self.joined)
-        specs = [TableSpec(f"t{j + 1}", m.table_size, m.embedding_dim, (key,))
-                 for j, key in enumerate(_keys(26))]
-        self.client = PSClient(specs, [f"ps{i}" for i in range(self.num_servers)], sharding="table_wise",
-                               optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr}, name=CLIENT,
-                               timeout_s=c.rpc_timeout_s, seed=config.job.seed, configure=(rank == 0))
+        self.views = {phase: _PhaseTables(self, phase, group) for phase in phases}
         self._barrier()
-        self.initial = self.client.state_dict() if rank == 0 else None
+
+    def _barrier(self) -> None:
+        if dist.is_initialized() and self.world > 1:
+            dist.barrier()
+
+    def view(self, phase: str) -> "_PhaseTables":
+        """The tables of ``phase`` (its own client and tables on the servers)."""
+        return self.views[phase]
+
+    def prepare(self, ids: torch.Tensor) -> Any:
+        return to_kjt(ids)
+
+    def kill_server(self, index: int) -> None:
+        """Kill server ``index``'s process (fault injection); Ray restarts the actor."""
+        import ray
+
+        ray.kill(self.actors[index], no_restart=False)
+
+    def close(self, graceful: bool = True) -> None:
+        """Leave the RPC group; the server actors stay (the launcher owns them).
+
+        ``graceful``: first wait for this trainer's pushes and for every trainer to get here (a
+        ``torch.distributed`` barrier), so no update is lost, then rank 0 asks the servers to leave
+        too; after a failure, leave at once (the next worker group's :meth:`ServerActor.join` makes
+        the servers leave the broken group).
+        """
+        import ray
+        from torch.distributed import rpc
+
+        if graceful:
+            for v in self.views.values():
+                v.client.flush()
+            self._barrier()
+        for v in self.views.values():
+            v.client.close(flush=False)
+        rpc.shutdown(graceful=False)
+        if graceful and self.rank == 0 and self.actors:
+            ray.get([a.leave.remote() for a in self.actors], timeout=self.config.cluster.rpc_timeout_s)
+
+
+class _PhaseTables:
+    """One phase's tables on the servers: its :class:`~scheduling.ps.PSClient` (``fxdist-job-<phase>``,
+    configured by rank 0) and the per-step fetch timing."""
+
+    def __init__(self, owner: ServerTables, phase: str, group: str) -> None:
+        from scheduling.ps import PSClient, TableSpec
+
+        config, rank = owner.config, owner.rank
+        c, m = config.cluster, config.model
+        self.owner, self.rank = owner, rank
+        specs = [TableSpec(f"t{j + 1}", m.table_size, m.embedding_dim, (key,)) for j, key in enumerate(_keys(26))]
+        self.client = PSClient(specs, [f"ps{i}" for i in range(owner.num_servers)], sharding="table_wise",
+                               optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr},
+                               name=f"{CLIENT}-{phase}", timeout_s=c.rpc_timeout_s, seed=config.job.seed,
+                               configure=(rank == 0), rank=rank, world_size=owner.world, group=group)
         self._fetch = 0.0
         self._fetched = False
         finish = self.client.finish_fetch
@@ -254,26 +308,11 @@ class ServerTables:
 
         self.client.finish_fetch = timed_finish
 
-    def _barrier(self) -> None:
-        if dist.is_initialized() and self.world > 1:
-            dist.barrier()
-
     def prepare(self, ids: torch.Tensor) -> Any:
         return to_kjt(ids)
 
-    def sparse_arch(self, phase: str) -> nn.Module:
-        if self.rank == 0:
-            for actor in self.actors:
-                actor.set_phase.remote(phase)
-        return PSSparseArch(CLIENT, 26, self.config.model.embedding_dim)
-
-    def reset(self, seed: int) -> None:
-        """Put the initial tables back on the servers (every phase starts from the same weights)."""
-        self.client.flush()
-        self._barrier()
-        if self.rank == 0:
-            self.client.load_state_dict(self.initial)
-        self._barrier()
+    def sparse_arch(self) -> nn.Module:
+        return PSSparseArch(self.client.name, 26, self.owner.config.model.embedding_dim)
 
     def after_backward(self) -> None:
         """Nothing to do: the gradient hooks started the pushes during backward."""
@@ -291,34 +330,15 @@ class ServerTables:
         """Full tables and row-wise Adagrad state, gathered from the servers (rank 0)."""
         return self.client.state_dict() if self.rank == 0 else {}
 
+    def kill_server(self, index: int) -> None:
+        """Fault injection: see :meth:`ServerTables.kill_server`."""
+        self.owner.kill_server(index)
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._barrier()
+        self.owner._barrier()
         if self.rank == 0 and state:
             self.client.load_state_dict(state)
-        self._barrier()
-
-    def kill_server(self, index: int) -> None:
-        """Kill server ``index``'s process (fault injection); Ray restarts the actor."""
-        import ray
-
-        ray.kill(self.actors[index], no_restart=False)
-
-    def close(self, graceful: bool = True) -> None:
-        """Leave the RPC group; the server actors stay (the launcher owns them).
-
-        ``graceful``: first wait for this trainer's pushes and for every trainer to get here (a
-        ``torch.distributed`` barrier), so no update is lost, then rank 0 asks the servers to leave
-        too; after a failure, leave at once (the next worker group's :meth:`ServerActor.join` makes
-        the servers leave the broken group).
-        """
-        import ray
-
-        if graceful:
-            self.client.flush()
-            self._barrier()
-        self.client.close(shutdown_rpc=True, flush=False)
-        if graceful and self.rank == 0 and self.actors:
-            ray.get([a.leave.remote() for a in self.actors], timeout=self.config.cluster.rpc_timeout_s)
+        self.owner._barrier()
 
 
 def tables_to_local(state: dict[str, torch.Tensor], local: nn.Module) -> None:

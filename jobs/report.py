@@ -3,9 +3,11 @@
 ``results`` (as returned by :func:`jobs.launch.launch`) has the keys ``job``, ``config``, ``data``
 (``path``, ``note``, ``parse``: valid / malformed line counts), ``phases`` (``baseline`` and
 ``optimized``: ``qps`` samples/s, ``step_p50_ms``, ``step_p99_ms``, ``fetch_p50_ms``, ``fetch_p99_ms``,
-``loss``, ``quality`` {``auc``, ``log_loss``, ``rows``} of the model after ``quality_step``
+``loss``, ``quality`` {``auc``, ``log_loss``, ``rows``, ``positives``} of the model after ``quality_step``
 (``quality_epochs`` passes over a trainer's shard), ``quality_end`` (the same at the phase end), ``qps_series`` [(seconds, samples/s)], ``optimize``
-{passes run}), ``gain_percent``, ``restarts``, ``faults_fired``, ``inference`` (``fp32`` / ``int8``:
+{passes run}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
+``gain_percent`` (its median), ``parity`` (:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``),
+``restarts``, ``faults_fired``, ``inference`` (``fp32`` / ``int8``:
 ``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized) and
 ``run_dir``.
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 from jobs.stats import gain_percent
 
-__all__ = ["table", "write", "plot", "to_json"]
+__all__ = ["table", "write", "plot", "to_json", "parity_problem"]
 
 
 def _fmt(value: Any, spec: str = ".1f") -> str:
@@ -29,10 +31,50 @@ def _fmt(value: Any, spec: str = ".1f") -> str:
 
 
 def _gain(results: dict[str, Any]) -> float:
+    """The reported QPS gain, percent: the median of the interleaved block pairs (``results["gain"]``), else
+    the ratio of the two phases' QPS."""
+    gain = results.get("gain") or {}
+    if gain.get("median_percent") is not None:
+        return gain["median_percent"]
     phases = results.get("phases", {})
     if "baseline" not in phases or "optimized" not in phases:
         return float("nan")
     return gain_percent(phases["baseline"]["qps"], phases["optimized"]["qps"])
+
+
+def _gain_lines(results: dict[str, Any]) -> list[str]:
+    gain = results.get("gain") or {}
+    line = f"QPS gain, optimized vs baseline: {_fmt(_gain(results), '+.1f')} %"
+    if gain.get("blocks"):
+        line += (f" (median of {gain['blocks']} paired blocks of the same steps; range "
+                 f"{_fmt(gain['min_percent'], '+.1f')} .. {_fmt(gain['max_percent'], '+.1f')} %")
+        if gain.get("low_percent") is not None:
+            line += (f", {100 * gain['confidence']:.0f} % interval {_fmt(gain['low_percent'], '+.1f')} .. "
+                     f"{_fmt(gain['high_percent'], '+.1f')} %")
+        line += ")"
+    return [line]
+
+
+def parity_problem(parity: dict[str, Any]) -> str:
+    """What the parity check found wrong, in words (for the error message)."""
+    bad = [f"{name} {parity[name]['optimized']:.4f} vs baseline {parity[name]['baseline']:.4f} (difference "
+           f"{parity[name]['diff']:+.4f}, tolerance {_fmt(parity[name]['tolerance'], '.4f')})"
+           for name in ("auc", "loss") if not parity[name]["ok"]]
+    return "differs from the baseline: " + "; ".join(bad) if bad else "matches the baseline"
+
+
+def _parity_lines(results: dict[str, Any]) -> list[str]:
+    parity = results.get("parity")
+    if not parity:
+        return []
+    verdict = "OK" if parity["ok"] else ("FAILED" if parity.get("mode") == "error" else "WARNING")
+    same = ("per-step losses bit-identical" if parity["identical_losses"]
+            else f"largest per-step loss difference {_fmt(parity['max_step_loss_diff'], '.2e')}")
+    a, lo = parity["auc"], parity["loss"]
+    return [f"parity of the optimized phase ({', '.join(parity.get('passes', [])) or 'no passes'}): {verdict}: "
+            f"{same}; AUC diff {_fmt(a['diff'], '+.4f')} (tolerance {_fmt(a['tolerance'], '.4f')}), "
+            f"loss diff {_fmt(lo['diff'], '+.4f')} (tolerance {_fmt(lo['tolerance'], '.4f')}), "
+            "tolerances 2 standard errors of the baseline's"]
 
 
 def table(results: dict[str, Any]) -> str:
@@ -63,8 +105,7 @@ def table(results: dict[str, Any]) -> str:
     if shares and (cfg.get("metrics") or {}).get("enabled", True):
         lines.append("metrics updates in the training loop (largest trainer share of phase time): "
                      + ", ".join(f"{name} {_fmt(v, '.3f')} %" for name, v in shares.items()))
-    gain = _gain(results)
-    lines += ["", f"QPS gain, optimized vs baseline: {_fmt(gain, '+.1f')} %"]
+    lines += ["", *_gain_lines(results), *_parity_lines(results)]
     opt = results.get("phases", {}).get("optimized", {}).get("optimize", {})
     if opt:
         ran = ", ".join(f"{r['name']} ({r.get('nodes_added', 0)}+/{r.get('nodes_erased', 0)}-)"

@@ -3,9 +3,10 @@
 ``make_tables(config, ...)`` returns a *tables backend* with one interface used by the training loop:
 
 - ``prepare(ids)``: the model's sparse input for a batch's ``(B, 26)`` ids;
-- ``sparse_arch(phase)``: the module mapping ids ``(B, 26)`` to embeddings ``(B, 26, D)``, or ``None``
+- ``view(phase)``: the backend of one phase's tables (phases train side by side, each with its own
+  tables, from the same initial weights); a view has the methods below;
+- ``sparse_arch()``: the module mapping ids ``(B, 26)`` to embeddings ``(B, 26, D)``, or ``None``
   for the model's own :class:`jobs.model.LocalEmbeddings`;
-- ``reset(seed)``: re-initialise the tables (each phase starts from the same weights);
 - ``after_backward()``: push embedding gradients (servers) or nothing (local tables are DDP parameters);
 - ``sync()``: wait for this trainer's updates in flight (before checkpoints and evaluation);
 - ``fetch_seconds()``: seconds blocked on embedding fetches since the last call, or ``None``;
@@ -30,11 +31,12 @@ class LocalTables:
     def prepare(self, ids: Any) -> Any:
         return ids
 
-    def sparse_arch(self, phase: str) -> nn.Module | None:
-        return None
+    def view(self, phase: str) -> "LocalTables":
+        """Itself: each phase's tables are in its own model."""
+        return self
 
-    def reset(self, seed: int) -> None:
-        """Nothing to do: ``build_model`` re-creates the tables from the seed."""
+    def sparse_arch(self) -> nn.Module | None:
+        return None
 
     def after_backward(self) -> None:
         """Nothing to do: DDP all-reduces the sparse gradients and the optimizer applies them."""
@@ -61,4 +63,5 @@ def make_tables(config, rank: int, world: int, loop_config: dict[str, Any], expo
         return LocalTables()
     from jobs.ps import ServerTables
 
-    return ServerTables(config, rank, world, loop_config, exporter)
+    phases = ("baseline", "optimized") if config.phases.baseline else ("optimized",)
+    return ServerTables(config, rank, world, loop_config, exporter, phases)

@@ -6,14 +6,17 @@
 1. reads its shard of the Criteo data (:class:`jobs.data.CriteoShard`) and starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
    (``jobs.sparse.ServerTables``, over ``torch.distributed.rpc``);
-3. runs each phase from the same initial weights on the same batches: ``baseline`` trains the eager
-   module, ``optimized`` trains ``fxdist.optimize(model, passes)``; both wrapped in DDP;
-4. checkpoints every ``checkpoint_every`` steps (dense weights, optimizer state and server tables in
-   one Ray Train checkpoint) and at the end of each phase, so a restarted worker group resumes at the
-   same phase and step;
+3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module,
+   ``optimized`` trains ``fxdist.optimize(model, passes)`` (both wrapped in DDP), each from the same
+   initial weights with its own optimizer and its own tables; they alternate blocks of
+   ``[phases] block_steps`` steps (the order flips every block), so both see the same machine load
+   and the QPS gain is the median of paired block ratios (:func:`jobs.stats.interleaved_gain`);
+4. checkpoints every ``checkpoint_every`` steps (both phases' dense weights, optimizer states and
+   server tables in one Ray Train checkpoint) and at the end, so a restarted worker group resumes both
+   phases at the same step;
 5. measures the held-out AUC / log loss of each phase's model after ``[job] eval_epochs`` passes over
    its shard (:func:`eval_step`; one epoch by default, where DLRM on Criteo is known to peak and
-   longer training over-fits) and again at the phase end; in the last phase it keeps a copy of the
+   longer training over-fits) and again at the end; for the last phase it keeps a copy of the
    evaluated model, which the launcher quantizes;
 6. sends progress to the launcher's :class:`JobState` actor, and per-phase statistics at phase ends.
 
@@ -40,9 +43,9 @@ from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
 from jobs.model import DLRM, LocalEmbeddings
-from jobs.stats import binary_metrics, phase_summary
+from jobs.stats import binary_metrics, interleaved_gain, phase_summary
 
-__all__ = ["train_loop", "PhaseRun", "build_model", "run_phase", "eval_step"]
+__all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
 
 PHASES = ("baseline", "optimized")
 REGISTER_WAIT_S = 3.0
@@ -78,6 +81,8 @@ class PhaseRun:
     metrics_seconds: float = 0.0
     """Time spent updating the Prometheus metrics after each step (``Exporter.observe_step``); part of
     ``wall_seconds``: the direct measure of the export's cost in the training loop."""
+    blocks: list[float] = field(default_factory=list)
+    """Training seconds of each block of steps (phases alternate block by block; see :func:`block_ends`)."""
 
 
 def _make_trained_module(model: DLRM, phase: str, config: JobConfig) -> tuple[nn.Module, dict[str, Any]]:
@@ -98,6 +103,94 @@ def _make_trained_module(model: DLRM, phase: str, config: JobConfig) -> tuple[nn
     return gm, info
 
 
+class PhaseTrainer:
+    """One phase's model in training: the trained module (eager, or ``fxdist.optimize``), its DDP wrapper,
+    optimizer and batch stream, trained in blocks of steps so that phases can alternate (:meth:`train`).
+
+    Args:
+        tables: The phase's sparse backend (``LocalTables`` or a ``ServerTables`` view): gives
+            ``prepare(ids)``, ``fetch_seconds()`` and ``after_backward()``.
+        start_step: The first step (a resumed trainer continues the batch sequence there).
+        optim_state: Optimizer state to resume from.
+    """
+
+    def __init__(self, phase: str, model: DLRM, tables: Any, shard: CriteoShard, config: JobConfig, *,
+                 start_step: int = 0, optim_state: dict | None = None, exporter: Exporter | None = None) -> None:
+        self.phase, self.model, self.tables, self.config, self.exporter = phase, model, tables, config, exporter
+        self.device = _device(config)
+        model.to(self.device)
+        self.module, self.info = _make_trained_module(model, phase, config)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.trained = nn.parallel.DistributedDataParallel(self.module, device_ids=ids) if distributed else self.module
+        self.optimizer = torch.optim.Adagrad([p for p in self.trained.parameters() if p.requires_grad],
+                                             lr=config.job.lr)
+        if optim_state is not None:
+            self.optimizer.load_state_dict(optim_state)
+        self.loss_fn = nn.BCEWithLogitsLoss()
+        self.run = PhaseRun(phase, start_step)
+        self.step = start_step
+        self._batches = shard.batches(config.job.batch_size, start=start_step)
+        self._ahead = _next_batch_input(self.module)
+        self._hits = self._prefetch_hits()
+        self._upcoming = self._next() if start_step < config.job.steps else None
+
+    def _prefetch_hits(self) -> int:
+        return getattr(getattr(self.tables, "client", None), "prefetch_hits", 0)
+
+    def _next(self) -> tuple[Any, tuple[torch.Tensor, Any, torch.Tensor]]:
+        batch = next(self._batches)
+        return batch, _to(batch, self.tables, self.device)
+
+    def train(self, until: int, on_step: Any = None) -> float:
+        """Train steps ``self.step .. until - 1``; returns their training seconds (``on_step`` excluded).
+
+        ``on_step(step, run, module, optimizer)`` runs after each step (checkpoints, progress, faults).
+        """
+        run, steps = self.run, self.config.job.steps
+        block_start, callbacks = time.perf_counter(), 0.0
+        before = run.wall_seconds
+        while self.step < min(until, steps):
+            batch, (dense, sparse, labels) = self._upcoming
+            self._upcoming = self._next() if self.step + 1 < steps else None
+            # a module from async_rpc(prefetch=True) takes the next batch's ids, to look them up in this step
+            kwargs = {self._ahead: self._upcoming[1][1]} if self._ahead and self._upcoming is not None else {}
+            t0 = time.perf_counter()
+            loss = self.loss_fn(self.trained(dense, sparse, **kwargs), labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.tables.after_backward()
+            self.optimizer.step()
+            t1 = time.perf_counter()
+            self._record(batch.labels.shape[0], t1 - t0, loss.item(), before + t1 - block_start - callbacks)
+            self.step += 1
+            if on_step is not None:
+                t2 = time.perf_counter()
+                on_step(self.step, run, self.module, self.optimizer)
+                callbacks += time.perf_counter() - t2
+        block = time.perf_counter() - block_start - callbacks
+        run.wall_seconds += block
+        run.callback_seconds += callbacks
+        run.blocks.append(block)
+        run.prefetched_lookups = self._prefetch_hits() - self._hits
+        return block
+
+    def _record(self, samples: int, step_seconds: float, loss: float, since_start: float) -> None:
+        run, fetch = self.run, self.tables.fetch_seconds()
+        run.steps += 1
+        run.samples += samples
+        run.step_seconds.append(step_seconds)
+        run.losses.append(loss)
+        run.times.append(since_start)
+        if fetch is not None:
+            run.fetch_seconds.append(fetch)
+        if self.exporter is not None:
+            t_metrics = time.perf_counter()
+            self.exporter.observe_step(self.phase, samples=samples, step_seconds=step_seconds,
+                                       fetch_seconds=fetch, loss=loss)
+            run.metrics_seconds += time.perf_counter() - t_metrics
+
+
 def run_phase(
     phase: str,
     model: DLRM,
@@ -110,66 +203,15 @@ def run_phase(
     exporter: Exporter | None = None,
     on_step: Any = None,
 ) -> tuple[PhaseRun, dict[str, Any], torch.optim.Optimizer]:
-    """Train ``model`` for the rest of ``phase`` (steps ``start_step .. steps - 1``).
-
-    Args:
-        tables: The sparse backend (``LocalTables`` or ``ServerTables``): gives ``fetch_seconds()``
-            and ``after_backward()``.
-        on_step: ``on_step(step, run, module, optimizer)`` after each step (checkpoints, progress, faults).
+    """Train ``model`` for the rest of ``phase`` (steps ``start_step .. steps - 1``) in one block.
 
     Returns:
         (measurements, optimize info, optimizer).
     """
-    device = _device(config)
-    model.to(device)
-    module, info = _make_trained_module(model, phase, config)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    ids = [device.index] if device.type == "cuda" else None
-    trained = nn.parallel.DistributedDataParallel(module, device_ids=ids) if distributed else module
-    params = [p for p in trained.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adagrad(params, lr=config.job.lr)
-    if optim_state is not None:
-        optimizer.load_state_dict(optim_state)
-    loss_fn = nn.BCEWithLogitsLoss()
-    run = PhaseRun(phase, start_step)
-    batches = shard.batches(config.job.batch_size, start=start_step)
-    ahead = _next_batch_input(module)
-    hits = getattr(getattr(tables, "client", None), "prefetch_hits", 0)
-    upcoming = _prepared(next(batches), tables, device) if start_step < config.job.steps else None
-    phase_start = time.perf_counter()
-    for step in range(start_step, config.job.steps):
-        batch, (dense, sparse, labels) = upcoming
-        upcoming = _prepared(next(batches), tables, device) if step + 1 < config.job.steps else None
-        # a module from async_rpc(prefetch=True) takes the next batch's ids, to look them up in this step
-        kwargs = {ahead: upcoming[1][1]} if ahead is not None and upcoming is not None else {}
-        t0 = time.perf_counter()
-        logits = trained(dense, sparse, **kwargs)
-        loss = loss_fn(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        tables.after_backward()
-        optimizer.step()
-        t1 = time.perf_counter()
-        fetch = tables.fetch_seconds()
-        value = loss.item()
-        run.steps += 1
-        run.samples += batch.labels.shape[0]
-        run.step_seconds.append(t1 - t0)
-        run.losses.append(value)
-        run.times.append(t1 - phase_start - run.callback_seconds)
-        if fetch is not None:
-            run.fetch_seconds.append(fetch)
-        if exporter is not None:
-            t_metrics = time.perf_counter()
-            exporter.observe_step(phase, samples=batch.labels.shape[0], step_seconds=t1 - t0,
-                                  fetch_seconds=fetch, loss=value)
-            run.metrics_seconds += time.perf_counter() - t_metrics
-        if on_step is not None:
-            on_step(step + 1, run, module, optimizer)
-            run.callback_seconds += time.perf_counter() - t1
-    run.wall_seconds = time.perf_counter() - phase_start - run.callback_seconds
-    run.prefetched_lookups = getattr(getattr(tables, "client", None), "prefetch_hits", 0) - hits
-    return run, info, optimizer
+    trainer = PhaseTrainer(phase, model, tables, shard, config, start_step=start_step, optim_state=optim_state,
+                           exporter=exporter)
+    trainer.train(config.job.steps, on_step)
+    return trainer.run, trainer.info, trainer.optimizer
 
 
 def _device(config: JobConfig) -> torch.device:
@@ -187,10 +229,6 @@ def _next_batch_input(module: nn.Module) -> str | None:
     params = inspect.signature(module.forward).parameters
     names = list(params)
     return f"next_{names[1]}" if len(names) > 1 and f"next_{names[1]}" in params else None
-
-
-def _prepared(batch: Any, tables: Any, device: torch.device) -> tuple[Any, tuple[torch.Tensor, Any, torch.Tensor]]:
-    return batch, _to(batch, tables, device)
 
 
 def _to(batch: Any, tables: Any, device: torch.device) -> tuple[torch.Tensor, Any, torch.Tensor]:
@@ -259,28 +297,34 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _save_checkpoint(phase: str, step: int, module: nn.Module, optimizer, tables, rank: int, final: bool,
-                     state: Any = None, early: dict[str, Any] | None = None) -> None:
-    """Report a Ray Train checkpoint (rank 0 writes it; every rank reports).
+def _save_checkpoint(step: int, trainers: dict[str, PhaseTrainer], early: dict[str, dict[str, Any]], rank: int,
+                     final: bool, state: Any = None) -> None:
+    """Report a Ray Train checkpoint of every phase at ``step`` (rank 0 writes it; every rank reports).
 
-    ``early``: the phase's mid-phase evaluation so far (``step``, ``quality``, and in the last phase the
-    evaluated model's ``model`` / ``tables``), kept under ``"eval"`` so it survives a restart.
+    Per phase: dense weights, server tables, optimizer state, and ``early``: the phase's mid-phase
+    evaluation so far (``step``, ``quality``, and in the last phase the evaluated model's ``model`` /
+    ``tables``), so it survives a restart.
     """
     import ray.train
 
-    tables.sync()
+    for t in trainers.values():
+        t.tables.sync()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank has pushed its updates for `step` to the servers
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if rank == 0:
-            dense, table_state = _plain_state(module.state_dict()), tables.state_dict()
-            torch.save({"phase": phase, "step": step, "final": final, "model": dense, "tables": table_state,
-                        "optim": optimizer.state_dict(), "eval": early or {}}, os.path.join(tmp, "state.pt"))
-            if state is not None:
-                state.checkpointed.remote(phase, step, digest(dense), digest(table_state))
+            saved: dict[str, Any] = {"step": step, "final": final, "models": {}, "tables": {}, "optim": {},
+                                     "eval": {p: dict(e) for p, e in early.items()}}
+            for phase, t in trainers.items():
+                dense, tables = _plain_state(t.model.state_dict()), t.tables.state_dict()
+                saved["models"][phase], saved["tables"][phase] = dense, tables
+                saved["optim"][phase] = t.optimizer.state_dict()
+                if state is not None:
+                    state.checkpointed.remote(phase, step, digest(dense), digest(tables))
+            torch.save(saved, os.path.join(tmp, "state.pt"))
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report({"phase": phase, "step": step, "final": final}, checkpoint=checkpoint)
+        ray.train.report({"step": step, "final": final}, checkpoint=checkpoint)
 
 
 def _plain_state(state: dict) -> dict:
@@ -376,54 +420,87 @@ def _evaluate_mid_phase(model: DLRM, eval_shard: CriteoShard | None, tables: Any
     return out
 
 
-def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter) -> None:
+def block_ends(start: int, steps: int, block_steps: int, checkpoint_every: int) -> list[int]:
+    """The steps at which the blocks of an interleaved run end: every ``block_steps`` steps after ``start``,
+    at every checkpoint step (both phases must be at the same step there) and at ``steps``.
+
+    >>> block_ends(0, 25, 10, 0), block_ends(10, 40, 10, 15)
+    ([10, 20, 25], [20, 30, 40])
+    """
+    ends = set(range(start + block_steps, steps, block_steps)) if block_steps > 0 else set()
+    if checkpoint_every:
+        ends |= set(range(checkpoint_every, steps, checkpoint_every))
+    return sorted(e for e in ends | {steps} if e > start)
+
+
+def _start_phases(config, rank, shard, tables, resume, state, exporter) -> dict[str, PhaseTrainer]:
+    """A :class:`PhaseTrainer` per phase, from the seed's weights or from the checkpoint ``resume``."""
     phases = [p for p in PHASES if p != "baseline" or config.phases.baseline]
-    if resume is not None:
-        done = phases.index(resume["phase"]) + (1 if resume["final"] else 0)
-        phases = phases[done:]
-    every, steps = config.job.checkpoint_every, config.job.steps
-    shard_rows = max(_gather(len(shard)))
-    at = eval_step(config, shard_rows)
+    start = resume["step"] if resume is not None else 0
+    trainers = {}
     for phase in phases:
-        resuming = resume is not None and resume["phase"] == phase
-        model = build_model(config, tables.sparse_arch(phase))
-        start = 0
+        view = tables.view(phase)
+        model = build_model(config, view.sparse_arch())
         optim_state = None
-        early: dict[str, Any] = {}  # rank 0: the mid-phase evaluation (and snapshot), once done
-        if resuming:
-            model.load_state_dict(resume["model"], strict=False)
-            tables.load_state_dict(resume["tables"])
-            start, optim_state = resume["step"], resume["optim"]
-            early = dict(resume.get("eval") or {})
+        if resume is not None:
+            model.load_state_dict(resume["models"][phase], strict=False)
+            view.load_state_dict(resume["tables"][phase])
+            optim_state = resume["optim"][phase]
             if rank == 0:  # what the model and the (fresh) servers hold now, for the job's record
-                state.restored.remote(phase, start, digest(_plain_state(model.state_dict())),
-                                      digest(tables.state_dict()))
-        else:
-            tables.reset(config.job.seed)
+                state.restored.remote(phase, start, digest(_plain_state(model.state_dict())), digest(view.state_dict()))
+        trainers[phase] = PhaseTrainer(phase, model, view, shard, config, start_step=start, optim_state=optim_state,
+                                       exporter=exporter)
         if rank == 0:
-            state.phase_started.remote(phase, start, steps)
+            state.phase_started.remote(phase, start, config.job.steps)
+    return trainers
 
-        def on_step(step, run, module, optimizer, phase=phase, early=early, model=model):
-            if rank == 0 and (step % 5 == 0 or step == steps):
-                state.progress.remote(phase, step)
-            if step == at and step < steps:
-                early.update(_evaluate_mid_phase(model, eval_shard, tables, step, snapshot=phase == PHASES[-1]))
-            _maybe_inject_faults(config, phase, step, rank, world, state, tables)
-            if every and step % every == 0 and step < steps:
-                _save_checkpoint(phase, step, model, optimizer, tables, rank, final=False, state=state, early=early)
 
-        run, info, optimizer = run_phase(phase, model, tables, shard, config, start_step=start,
-                                         optim_state=optim_state, exporter=exporter, on_step=on_step)
-        tables.sync()
-        runs = _gather(run)  # also a barrier: every rank's updates are on the servers before evaluation
-        end = evaluate(model, eval_shard, tables) if eval_shard is not None else {}
+def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter) -> None:
+    """Train every phase over the same batches, alternating blocks of ``[phases] block_steps`` steps (the
+    order flips every block), each phase keeping its own model, optimizer and tables; then summarise."""
+    if resume is not None and resume.get("final"):
+        return  # every phase finished before this restart
+    steps, every = config.job.steps, config.job.checkpoint_every
+    at = eval_step(config, max(_gather(len(shard))))
+    trainers = _start_phases(config, rank, shard, tables, resume, state, exporter)
+    early = {p: dict(((resume or {}).get("eval") or {}).get(p) or {}) for p in trainers}
+    last = list(trainers)[-1]
+
+    def on_step(step, run, module, optimizer):
+        phase = run.phase
+        if rank == 0 and (step % 5 == 0 or step == steps):
+            state.progress.remote(phase, step)
+        if step == at and step < steps:
+            early[phase].update(_evaluate_mid_phase(trainers[phase].model, eval_shard, trainers[phase].tables,
+                                                    step, snapshot=phase == last))
+        _maybe_inject_faults(config, phase, step, rank, world, state, trainers[phase].tables)
+
+    start = next(iter(trainers.values())).step
+    for b, end in enumerate(block_ends(start, steps, config.phases.block_steps, every)):
+        for phase in (list(trainers) if b % 2 == 0 else list(trainers)[::-1]):
+            trainers[phase].train(end, on_step)
+        if rank == 0 and exporter is not None and len(trainers) > 1:
+            exporter.observe_gain(interleaved_gain([{p: t.run.blocks for p, t in trainers.items()}]))
+        if every and end % every == 0 and end < steps:
+            _save_checkpoint(end, trainers, early, rank, final=False, state=state)
+    _finish_phases(config, rank, shard, eval_shard, trainers, early, state)
+
+
+def _finish_phases(config, rank, shard, eval_shard, trainers, early, state) -> None:
+    """Every phase's summary to the JobState (rank 0), then the final checkpoint."""
+    steps = config.job.steps
+    shard_rows = max(_gather(len(shard)))
+    for phase, t in trainers.items():
+        t.tables.sync()
+        runs = _gather(t.run)  # also a barrier: every rank's updates are on the servers before evaluation
+        end = evaluate(t.model, eval_shard, t.tables) if eval_shard is not None else {}
         if rank == 0:
             summary = phase_summary(runs, config.job.batch_size)
-            quality_step = early.get("step", steps)
-            summary.update(quality=early.get("quality", end), quality_step=quality_step,
+            quality_step = early[phase].get("step", steps)
+            summary.update(quality=early[phase].get("quality", end), quality_step=quality_step,
                            quality_epochs=quality_step * config.job.batch_size / shard_rows,
-                           quality_end=end, optimize=info, resumed_from_step=start,
-                           epochs=steps * config.job.batch_size / shard_rows)
-            ray_get = __import__("ray").get
-            ray_get(state.phase_done.remote(phase, summary))
-        _save_checkpoint(phase, steps, model, optimizer, tables, rank, final=True, state=state, early=early)
+                           quality_end=end, optimize=t.info, resumed_from_step=t.run.start_step,
+                           epochs=steps * config.job.batch_size / shard_rows,
+                           block_seconds=[r.blocks for r in runs])
+            __import__("ray").get(state.phase_done.remote(phase, summary))
+    _save_checkpoint(steps, trainers, early, rank, final=True, state=state)

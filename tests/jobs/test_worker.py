@@ -123,3 +123,21 @@ def test_metrics_updates_are_timed_in_the_training_loop(shard):
     assert summary["metrics_percent"] == pytest.approx(100 * run.metrics_seconds / run.wall_seconds)
     plain, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), shard, CONFIG)
     assert plain.metrics_seconds == 0.0
+
+
+def test_interleaved_blocks_train_each_phase_as_one_uninterrupted_run(shard):
+    from jobs.worker import PhaseTrainer, block_ends
+
+    torch.set_num_threads(1)
+    whole, _, _ = run_phase("optimized", build_model(CONFIG), LocalTables(), shard, CONFIG)
+    trainers = {p: PhaseTrainer(p, build_model(CONFIG), LocalTables(), shard, CONFIG) for p in ("baseline", "optimized")}
+    ends = block_ends(0, 12, 5, 0)
+    assert ends == [5, 10, 12]
+    for b, end in enumerate(ends):
+        for phase in (list(trainers) if b % 2 == 0 else list(trainers)[::-1]):
+            trainers[phase].train(end)
+    for t in trainers.values():
+        assert t.step == 12 and t.run.steps == 12
+        assert t.run.losses == pytest.approx(whole.losses, rel=1e-5, abs=1e-6)
+        assert len(t.run.blocks) == 3 and t.run.wall_seconds == pytest.approx(sum(t.run.blocks))
+        assert t.run.times == sorted(t.run.times) and t.run.times[-1] <= t.run.wall_seconds
