@@ -425,7 +425,7 @@ def block_ends(start: int, steps: int, block_steps: int, checkpoint_every: int) 
     at every checkpoint step (both phases must be at the same step there) and at ``steps``.
 
     >>> block_ends(0, 25, 10, 0), block_ends(10, 40, 10, 15)
-    ([10, 20, 25], [20, 30, 40])
+    ([10, 20, 25], [15, 20, 30, 40])
     """
     ends = set(range(start + block_steps, steps, block_steps)) if block_steps > 0 else set()
     if checkpoint_every:
