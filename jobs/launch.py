@@ -127,8 +127,16 @@ class JobState:
         self.progress_steps[phase] = step
 
     def phase_done(self, phase: str, summary: dict[str, Any]) -> None:
-        self.results[phase] = summary
-        self.event(f"{phase} phase done")
+        """Keep the phase's summary; one that covers more of the phase (an earlier ``resumed_from_step``)
+        is kept instead: a restart after ``phase_done`` but before the phase's final checkpoint was
+        registered re-runs only the phase's last steps."""
+        kept = self.results.get(phase)
+        if kept is not None and kept.get("resumed_from_step", 0) < summary.get("resumed_from_step", 0):
+            self.event(f"{phase} phase done again (from step {summary.get('resumed_from_step')}); "
+                       f"kept the result from step {kept.get('resumed_from_step', 0)}")
+        else:
+            self.results[phase] = summary
+            self.event(f"{phase} phase done")
         self.progress_steps[phase] = self.totals.get(phase, summary.get("steps", 0))
 
     def snapshot(self) -> dict[str, Any]:
@@ -188,15 +196,15 @@ def _fit(trainer, box: dict[str, Any]) -> None:
 def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ctx: dict[str, Any]) -> dict[str, Any]:
     """Poll the JobState actor and draw a tqdm bar per phase until the fit thread ends.
 
-    Each snapshot goes to ``ctx["snap"]`` (what an interrupted launch reports), and ``ctx["on_phase"](snap)``
-    runs when a phase has finished since the last poll.
+    Each snapshot goes to ``ctx["snap"]`` (what an interrupted launch reports), and ``ctx["on_change"](snap)``
+    runs when a phase has finished or a checkpoint was written since the last poll.
     """
     import ray
     from tqdm import tqdm
 
     bars: dict[str, Any] = {}
     snap: dict[str, Any] = ctx.get("snap", {})
-    finished = set(snap.get("results", {}))
+    seen = _milestones(snap)
     try:
         while True:
             alive = thread.is_alive()
@@ -205,9 +213,9 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ct
                 ctx["snap"] = snap
             except Exception:  # a slow actor must not kill the job
                 pass
-            if set(snap.get("results", {})) - finished:
-                finished = set(snap["results"])
-                ctx.get("on_phase", lambda snap: None)(snap)
+            if _milestones(snap) != seen:
+                seen = _milestones(snap)
+                ctx.get("on_change", lambda snap: None)(snap)
             if show:
                 _draw(bars, snap, tqdm)
             if not alive:
@@ -217,6 +225,10 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ct
         for bar in bars.values():
             bar.close()
     return snap
+
+
+def _milestones(snap: dict[str, Any]) -> tuple[tuple[str, ...], int]:
+    return tuple(sorted(snap.get("results", {}))), len(snap.get("checkpoints", []))
 
 
 def _draw(bars: dict[str, Any], snap: dict[str, Any], tqdm: Any) -> None:
@@ -300,7 +312,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                 data_note = f"Criteo data from {data_path}"
             log(data_note)
             results["data"] = {"path": str(data_path), "note": data_note}
-            ctx["on_phase"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
+            ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
             runs.write(run_dir, _with_snapshot(results, _seed_snapshot(previous)))
             snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
         finally:

@@ -4,7 +4,8 @@ A run folder holds a run once it has ``results.json`` or Ray Train's storage ``r
 ``results.json`` has a ``"status"``:
 
 - ``"running"``: written when training starts (with the config and the launcher's pid and host), and
-  again each time a phase finishes, so a launcher killed outright still leaves its finished phases;
+  again each time a phase finishes or a checkpoint is written, so a launcher killed outright still leaves
+  its finished phases;
 - ``"completed"``: the job finished (the full results, see :mod:`jobs.report`);
 - ``"interrupted"``: Ctrl-C / SIGINT (exit status 130): the phases finished so far, the progress of the
   one running, and its checkpoints;
