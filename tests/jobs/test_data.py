@@ -236,8 +236,6 @@ def test_bad_bytes_are_counted_not_fatal(tmp_path):
     ],
 )
 def test_check_data_file_reasons(tmp_path, make, match):
-    import gzip
-
     path = make(tmp_path / "x")
     with pytest.raises(DataError, match=match):
         check_data_file(path, 100)

@@ -23,7 +23,7 @@ import pytest
 from jobs import preflight, runs
 from jobs.cli import main
 from jobs.config import ConfigError, JobConfig, to_dict
-from jobs.data import NUM_DENSE, NUM_SPARSE, write_synthetic_criteo
+from jobs.data import NUM_DENSE, NUM_SPARSE
 from jobs.metrics import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ def test_tables_that_do_not_fit_in_memory_exit_2(tmp_path, capsys, no_ray, table
     err = capsys.readouterr().err
     tables_gib = 26 * table_size * (16 + (1 if servers else 0)) * 4 / 2**30
     assert f"[model] table_size = {table_size}, embedding_dim = 16: the job needs about" in err
-    assert f"One copy of the 26 tables" in err and f"is {tables_gib:.2f} GiB" in err
+    assert "One copy of the 26 tables" in err and f"is {tables_gib:.2f} GiB" in err
     assert "GiB this machine has available" in err
     assert not (tmp_path / "runs").exists()
 
@@ -313,3 +313,102 @@ def test_interrupted_run_is_marked_and_resumed(tmp_path, capsys):
     before = results_path.read_bytes()
     assert main(["launch", "--quiet", "--run-dir", str(run_dir)]) == 2
     assert results_path.read_bytes() == before
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _FakeState:
+    """The JobState actor's methods as ``.remote`` calls (``ray.get`` is patched to return its argument)."""
+
+    def __init__(self, error=None):
+        from jobs.launch import JobState
+
+        self.actor = JobState()
+        self.actor.error = error
+        self.failure = _Remote(self.actor.failure)
+        self.fail = _Remote(self.actor.fail)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypatch, world):
+    import ray
+    import ray.train
+
+    import jobs.worker
+    from fxdist.errors import TraceError
+    from jobs.data import DataError
+
+    class Context:
+        def get_world_rank(self):
+            return world - 1
+
+        def get_world_size(self):
+            return world
+
+    monkeypatch.setattr(ray, "get", lambda x, **kw: x)
+    monkeypatch.setattr(ray.train, "get_context", lambda: Context())
+    calls = []
+
+    def failing(loop_config):
+        calls.append(loop_config)
+        raise loop_config["raise"]
+
+    monkeypatch.setattr(jobs.worker, "_train_loop", failing)
+    state = _FakeState()
+    error = DataError("x.tsv has no valid train line")
+    if world == 1:  # one trainer: return normally, so fit() ends without a retry
+        jobs.worker.train_loop({"state": state, "raise": error})
+    else:  # more: re-raise, so Ray Train tears down the ranks waiting in a collective
+        with pytest.raises(DataError):
+            jobs.worker.train_loop({"state": state, "raise": error})
+    assert state.actor.error == {"kind": "data", "type": "DataError", "message": str(error), "rank": world - 1}
+    # the retried attempt returns at once, without running the loop
+    jobs.worker.train_loop({"state": state, "raise": AssertionError("not reached")})
+    assert len(calls) == 1
+    # a trace error is recorded as a job error; a process-level failure is Ray Train's to retry
+    state = _FakeState()
+    with pytest.raises(RuntimeError, match="connection reset"):
+        jobs.worker.train_loop({"state": state, "raise": RuntimeError("connection reset")})
+    assert state.actor.error is None
+    try:
+        jobs.worker.train_loop({"state": state, "raise": TraceError("control flow")})
+    except TraceError:
+        assert world > 1
+    assert state.actor.error["kind"] == "job"
+
+
+@pytest.mark.parametrize(
+    "error, code, message",
+    [
+        ({"kind": "config", "type": "ConfigError", "message": "bad key", "rank": 0}, 2, "trainer rank 0: ConfigError: bad key"),
+        ({"kind": "data", "type": "DataError", "message": "empty shard", "rank": 1}, 2, "trainer rank 1: DataError: empty shard"),
+        ({"kind": "job", "type": "TraceError", "message": "control flow", "rank": 0}, 1,
+         "job failed: JobFailed: trainer rank 0: TraceError: control flow (stopped on the first attempt)"),
+    ],
+)
+def test_recorded_errors_map_to_exit_codes(monkeypatch, capsys, error, code, message):
+    import jobs.launch
+
+    def launch(*args, **kwargs):
+        raise jobs.launch._recorded_error(error)
+
+    monkeypatch.setattr(jobs.launch, "launch", launch)
+    assert main(["launch", "--quiet"]) == code
+    assert message in capsys.readouterr().err
+
+
+def test_interrupt_exit_code_and_notes(monkeypatch, capsys):
+    import jobs.launch
+
+    def launch(*args, **kwargs):
+        e = KeyboardInterrupt()
+        e.add_note("run folder: /x (interrupted); continue it with `fxdist launch --resume /x`")
+        raise e
+
+    monkeypatch.setattr(jobs.launch, "launch", launch)
+    assert main(["launch", "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert "fxdist: interrupted" in err and "fxdist launch --resume /x" in err
