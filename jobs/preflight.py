@@ -5,7 +5,7 @@
 1. the config's own ranges and cross-key constraints (already checked by :func:`jobs.config.parse_config`);
 2. the passes of ``[phases] passes`` resolve (their modules import; nothing is run);
 3. the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
-   compression, no valid line near the start);
+   compression, no valid line near the start), or enough synthetic rows when none is found;
 4. on this machine only (no Ray cluster): the metrics ports are free (:func:`check_ports`), and the job's
    memory (:func:`estimate_memory`) fits in the memory available (:func:`available_memory_bytes`).
 
@@ -25,7 +25,7 @@ from typing import Any
 from jobs.config import ConfigError, JobConfig
 from jobs.data import NUM_DENSE, NUM_SPARSE, locate_data
 
-__all__ = ["check", "check_passes", "check_ports", "check_memory", "estimate_memory", "MemoryEstimate",
+__all__ = ["check", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "MemoryEstimate",
            "available_memory_bytes"]
 
 GIB = 1024**3
@@ -55,6 +55,8 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
     """
     check_passes(config)
     data = locate_data(config.data.path, config.model.table_size)
+    if data is None:
+        check_synthetic_rows(config)
     if local:
         if config.metrics.enabled:
             check_ports(config)
@@ -64,6 +66,22 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
                 f"(embedding tables {estimate.tables_bytes / GIB:.2f} GiB each copy), "
                 f"{available_memory_bytes() / GIB:.1f} GiB available")
     return data
+
+
+def check_synthetic_rows(config: JobConfig) -> None:
+    """Generated data must give every trainer a training line and, with ``eval_fraction > 0``, the
+    evaluation a held-out line (every k-th line, k = round(1 / eval_fraction), is held out).
+
+    Raises:
+        ConfigError: naming ``[data] synthetic_rows`` and the smallest value that works.
+    """
+    rows, trainers, fraction = config.data.synthetic_rows, config.cluster.trainers, config.data.eval_fraction
+    every = round(1 / fraction) if fraction > 0 else 0
+    need = max(every, trainers + (trainers - 1) // (every - 1) if every > 1 else trainers)
+    if rows < need:
+        raise ConfigError(f"{config.source}: [data] synthetic_rows = {rows}: the generated data must give each of "
+                          f"the {trainers} trainers a training line"
+                          f"{' and hold out every ' + str(every) + '-th line' if every else ''}; use >= {need}")
 
 
 def check_passes(config: JobConfig) -> None:

@@ -412,3 +412,33 @@ def test_interrupt_exit_code_and_notes(monkeypatch, capsys):
     assert main(["launch", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert "fxdist: interrupted" in err and "fxdist launch --resume /x" in err
+
+
+@pytest.mark.parametrize("trainers, eval_fraction", [(2, 0.0), (3, 0.5), (5, 0.3), (2, 0.1)])
+def test_synthetic_rows_check_matches_what_the_shards_need(tmp_path, trainers, eval_fraction):
+    """The smallest synthetic_rows the check accepts is the smallest that gives every shard a line."""
+    from jobs.data import CriteoShard, DataError, write_synthetic_criteo
+
+    def shards_ok(rows: int) -> bool:
+        path = write_synthetic_criteo(tmp_path / "s.tsv", rows)
+        try:
+            for r in range(trainers):
+                CriteoShard(path, 100, rank=r, world_size=trainers, eval_fraction=eval_fraction)
+            if eval_fraction > 0:
+                CriteoShard(path, 100, eval_fraction=eval_fraction, split="eval")
+        except DataError:
+            return False
+        return True
+
+    def check_ok(rows: int) -> bool:
+        config = JobConfig().replace(cluster={"trainers": trainers},
+                                     data={"eval_fraction": eval_fraction, "synthetic_rows": rows})
+        try:
+            preflight.check_synthetic_rows(config)
+        except ConfigError as e:
+            assert "[data] synthetic_rows" in str(e)
+            return False
+        return True
+
+    first = next(rows for rows in range(1, 30) if check_ok(rows))
+    assert shards_ok(first) and not shards_ok(first - 1) and not check_ok(first - 1)
