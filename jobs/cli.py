@@ -3,6 +3,7 @@
 Usage::
 
     fxdist launch [CONFIG.toml] [--set TABLE.KEY=VALUE ...] [--run-dir DIR] [--quiet]
+    fxdist launch --resume RUN_DIR [--set TABLE.KEY=VALUE ...] [--quiet]
     fxdist config [CONFIG.toml]          # print the effective config as TOML-like text
 
 Without ``CONFIG`` the bundled ``jobs/default.toml`` runs: DLRM on the Criteo sample
@@ -11,9 +12,15 @@ Without ``CONFIG`` the bundled ``jobs/default.toml`` runs: DLRM on the Criteo sa
 single keys, e.g. ``--set job.steps=20 --set cluster.parameter_servers=0``; values are parsed as TOML
 (``20``, ``true``, ``"text"``, ``["fuse"]``), or taken as a string when they do not parse.
 
-Exit status: 0 on success, 2 for a bad config or command line, 1 when the job fails, 3 when the optimized
-phase's loss or AUC differs from the baseline's by more than the baseline's own spread (``[phases] parity =
-"error"``; the results are written all the same).
+``--run-dir DIR`` must not hold a run yet: a run is never overwritten. ``--resume RUN_DIR`` continues an
+interrupted or failed run from its last checkpoint with the config it was started with (``--set`` may
+change only the keys of :data:`jobs.runs.RESUMABLE_KEYS`); a completed run is refused.
+
+Exit status: 0 on success; 2 for a bad config, command line, data file or run folder (found before Ray
+starts, or a trainer's deterministic config/data error: the message names the key or file); 1 when the
+job fails; 3 when the optimized phase's loss or AUC differs from the baseline's by more than the
+baseline's own spread (``[phases] parity = "error"``; the results are written all the same); 130 when
+interrupted (Ctrl-C), after writing ``results.json`` with ``"status": "interrupted"``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tomllib
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("config", nargs="?", help="job config (TOML); default: jobs/default.toml")
     launch.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="override one config key (repeatable)")
-    launch.add_argument("--run-dir", help="run folder (default: <[job] run_dir>/<name>-<timestamp>)")
+    launch.add_argument("--run-dir", help="run folder, which must not hold a run yet "
+                                          "(default: <[job] run_dir>/<name>-<timestamp>)")
+    launch.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue an interrupted or failed run from its last checkpoint, with its config")
     launch.add_argument("--quiet", action="store_true", help="no progress bars or table")
     show = sub.add_parser("config", help="print the effective job config")
     show.add_argument("config", nargs="?")
@@ -67,13 +78,42 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config(args: argparse.Namespace) -> JobConfig:
+    """The effective config: CONFIG (or the run's own with --resume) plus the --set overrides.
+
+    Raises:
+        ConfigError, FileNotFoundError: see :func:`load_config`, :func:`jobs.runs.load_config`.
+    """
+    if getattr(args, "resume", None):
+        from jobs import runs
+
+        if args.config:
+            raise ConfigError(f"--resume uses the config the run was started with; drop {args.config!r} "
+                              "(--set may change some keys)")
+        if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+            raise ConfigError("--resume RUN_DIR and --run-dir name different folders; give only --resume")
+        saved = runs.load_config(args.resume)
+        config = apply_overrides(saved, args.overrides)
+        runs.check_resume_changes(saved, config)
+        return config
+    return apply_overrides(load_config(args.config), args.overrides)
+
+
+def _error(e: BaseException, prefix: str = "") -> None:
+    print(f"fxdist: {prefix}{e}", file=sys.stderr)
+    for note in getattr(e, "__notes__", []):
+        print(f"fxdist: {note}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``fxdist`` console script."""
+    """Entry point of the ``fxdist`` console script (exit status: see the module docstring)."""
+    from jobs.data import DataError
+
     args = _parser().parse_args(argv)
     try:
-        config = apply_overrides(load_config(args.config), args.overrides)
+        config = _config(args)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"fxdist: {e}", file=sys.stderr)
+        _error(e)
         return 2
     if args.command == "config":
         for table, values in to_dict(config).items():
@@ -85,18 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jobs.launch import ParityError, launch
 
     try:
-        launch(config, run_dir=args.run_dir, quiet=args.quiet)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"fxdist: {e}", file=sys.stderr)
+        launch(config, run_dir=args.resume or args.run_dir, quiet=args.quiet, resume=bool(args.resume))
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        _error(e)
         return 2
     except ParityError as e:
-        print(f"fxdist: {e}", file=sys.stderr)
+        _error(e)
         return 3
-    except KeyboardInterrupt:
-        print("fxdist: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        _error(e, "interrupted")
         return 130
     except Exception as e:
-        print(f"fxdist: job failed: {type(e).__name__}: {e}", file=sys.stderr)
+        _error(e, f"job failed: {type(e).__name__}: ")
         return 1
     return 0
 

@@ -27,13 +27,25 @@ laptop (``jobs/default.toml`` spells them out). Example::
     [metrics]
     port = 9400              # trainer rank r exports on port + r, server i on port + trainers + i
 
-Unknown tables or keys and values of the wrong type raise :class:`ConfigError` naming the key,
-e.g. ``ConfigError: jobs/default.toml: [cluster] trainers: expected int, got str ('two')``.
+Every numeric key has an allowed range (floats must also be finite), given next to its default in the
+section dataclasses below and checked when the config is loaded, together with the constraints between
+keys (the metrics port range must fit below 65536, fault steps within ``[job] steps``, known pass names, a
+``[job] name`` that is safe as a folder name). Unknown tables or keys, values of the wrong type and values
+out of range raise :class:`ConfigError` naming the key, e.g.
+``ConfigError: jobs/default.toml: [cluster] trainers: expected int, got str ('two')`` or
+``ConfigError: <dict>: [job] lr = nan: must be a finite number in (0, 10]``.
+
+>>> parse_config({"job": {"lr": -1.0}})
+Traceback (most recent call last):
+    ...
+jobs.config.ConfigError: <dict>: [job] lr = -1.0: must be a finite number in (0, 10]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import types
 import typing
@@ -64,26 +76,47 @@ class ConfigError(ValueError):
     """A job config is malformed: the message names the file, the table and the key."""
 
 
+def _key(default: Any, lo: float | None = None, hi: float | None = None, *, above: bool = False,
+         length: tuple[int, int] | None = None) -> Any:
+    """A config key's dataclass field with its allowed range, checked by :meth:`JobConfig.validate`.
+
+    Numbers must satisfy ``lo <= value <= hi`` (``lo < value`` with ``above``; floats must also be
+    finite); for a list, ``length`` bounds its length and ``lo``/``hi`` bound each item.
+    """
+    meta = {"range": (lo, hi, above), "length": length}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+MAX_TABLE_SIZE = 2**32
+"""Largest useful ``[model] table_size``: ids are hashed with CRC-32, so more buckets are never used."""
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+"""``[job] name``: it names the run folder, so only ``[A-Za-z0-9._-]``, not starting with '.', <= 100 chars."""
+
+
 @dataclass(frozen=True)
 class JobSection:
     name: str = "dlrm-criteo"
-    """Job name; the ``job`` label of every metric and the prefix of the run folder."""
-    steps: int = 200
+    """Job name; the ``job`` label of every metric and the prefix of the run folder (see NAME_PATTERN)."""
+    steps: int = _key(200, 1, 10**9)
     """Training steps per phase, per trainer."""
-    batch_size: int = 128
+    batch_size: int = _key(128, 1, 2**20)
     """Samples per step, per trainer."""
-    eval_epochs: float = 1.0
+    eval_epochs: float = _key(1.0, 0, 1000)
     """Held-out AUC / log loss are measured on the model after this many passes over each trainer's shard
     (capped at ``steps``; 0 = at the end of the phase). DLRM on Criteo peaks after about one epoch and
     over-fits when trained longer, while the QPS comparison wants more steps than one epoch has."""
-    seed: int = 0
+    seed: int = _key(0, 0, 2**32 - 1)
     """Seed of the model initialisation (both phases start from the same weights)."""
-    lr: float = 0.01
+    lr: float = _key(0.01, 0, 10, above=True)
     """Adagrad learning rate (dense and embedding parameters)."""
-    checkpoint_every: int = 50
+    checkpoint_every: int = _key(50, 0, 10**9)
     """Steps between checkpoints (dense weights + parameter-server tables); 0 = only at phase ends."""
-    max_failures: int = 2
-    """Ray Train FailureConfig.max_failures: restarts from the last checkpoint before the job fails."""
+    max_failures: int = _key(2, 0, 1000)
+    """Ray Train FailureConfig.max_failures: restarts from the last checkpoint after a process or node
+    failure before the job fails (Ray's -1, retry forever, is not allowed). Deterministic errors (bad data
+    or config, a model that does not trace) end the job on the first attempt."""
     run_dir: str = "runs"
     """Folder that receives ``<name>-<timestamp>/`` with results.json, qps.png and checkpoints."""
     allow_eager_fallback: bool = False
@@ -95,40 +128,44 @@ class JobSection:
 @dataclass(frozen=True)
 class DataSection:
     path: str = ""
-    """Criteo TSV; "" = ../shared/data/criteo/train_examples.txt when present, else synthetic data."""
-    synthetic_rows: int = 20000
+    """Criteo TSV, plain or gzip/bz2/xz-compressed (detected from the first bytes); "" =
+    ../shared/data/criteo/train_examples.txt when present, else synthetic data."""
+    synthetic_rows: int = _key(20000, 1, 10**7)
     """Rows of Criteo-format data generated when no file is found."""
-    eval_fraction: float = 0.1
-    """Fraction of lines (every k-th) held out for AUC / log loss; never trained on."""
+    eval_fraction: float = _key(0.1, 0, 0.5)
+    """Fraction of lines (every k-th, k = round(1 / eval_fraction)) held out for AUC / log loss; never
+    trained on. At most 0.5, so that training keeps at least every other line."""
 
 
 @dataclass(frozen=True)
 class ModelSection:
-    embedding_dim: int = 16
+    embedding_dim: int = _key(16, 1, 4096)
     """D: width of every embedding and of the bottom MLP's output."""
-    table_size: int = 20000
-    """Hash buckets per categorical feature (each of the 26 features has its own table)."""
-    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256])
-    """Hidden widths of the dense (bottom) MLP; its output width is embedding_dim."""
-    top_mlp: list[int] = field(default_factory=lambda: [512, 256])
-    """Hidden widths of the over (top) MLP; its output width is 1 (the click logit)."""
+    table_size: int = _key(20000, 2, MAX_TABLE_SIZE)
+    """Hash buckets per categorical feature (each of the 26 features has its own table). The launcher
+    also checks that the tables fit in the machine's memory (:mod:`jobs.preflight`)."""
+    bottom_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
+    """Hidden widths of the dense (bottom) MLP (1 to 16 layers); its output width is embedding_dim."""
+    top_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
+    """Hidden widths of the over (top) MLP (1 to 16 layers); its output width is 1 (the click logit)."""
 
 
 @dataclass(frozen=True)
 class ClusterSection:
-    trainers: int = 2
+    trainers: int = _key(2, 1, 1024)
     """Ray Train workers (DDP ranks)."""
-    parameter_servers: int = 1
-    """Parameter-server actors holding the embedding tables; 0 keeps the tables in the trainers."""
-    cpus_per_trainer: float = 1.0
+    parameter_servers: int = _key(1, 0, 26)
+    """Parameter-server actors holding the embedding tables; 0 keeps the tables in the trainers. The 26
+    tables are placed table-wise, so more than 26 servers would hold nothing."""
+    cpus_per_trainer: float = _key(1.0, 0, 1024, above=True)
     """Ray CPU resources reserved per trainer (servers reserve none)."""
     use_gpu: bool = False
     """Train on GPUs (nccl); CPU training uses gloo."""
     address: str = ""
     """Ray cluster address; "" = $RAY_ADDRESS if set, else a local ray.init()."""
-    rpc_timeout_s: float = 30.0
+    rpc_timeout_s: float = _key(30.0, 0, 3600, above=True)
     """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
-    server_fetch_delay_ms: float = 1.0
+    server_fetch_delay_ms: float = _key(1.0, 0, 10_000)
     """Added latency per parameter-server lookup, milliseconds: emulates the network round trip to a
     remote server, which a one-machine job does not have (0 = none)."""
 
@@ -137,9 +174,10 @@ class ClusterSection:
 class PhasesSection:
     baseline: bool = True
     """Also train the baseline (eager module, no passes), interleaved with the optimized phase."""
-    passes: list[str] = field(default_factory=lambda: ["async_rpc_prefetch"])
-    """fxdist.optimize pass names of the optimized phase, applied in order."""
-    block_steps: int = 10
+    passes: list[str] = _key(["async_rpc_prefetch"], length=(0, 32))
+    """fxdist.optimize pass names of the optimized phase, applied in order; each must be a name of
+    ``fxdist.pipeline.PASSES`` (checked when the config is loaded)."""
+    block_steps: int = _key(10, 1, 10**9)
     """Steps per block: the phases alternate blocks of this many steps over the same batches (the order
     flips every block); the QPS gain is the median of the paired block ratios."""
     parity: str = "error"
@@ -153,17 +191,18 @@ class MetricsSection:
     """Export Prometheus metrics from every trainer and server."""
     host: str = "127.0.0.1"
     """Address the exporters bind to (loopback by default)."""
-    port: int = 9400
-    """Base port: trainer rank r uses port + r, server i uses port + trainers + i."""
+    port: int = _key(9400, 1, 65535)
+    """Base port: trainer rank r uses port + r, server i uses port + trainers + i; the whole range
+    port .. port + trainers + parameter_servers - 1 must be <= 65535."""
 
 
 @dataclass(frozen=True)
 class QuantSection:
     enabled: bool = True
     """After training, quantize the dense MLPs (quant/) and compare fp32 vs int8."""
-    calibration_batches: int = 8
+    calibration_batches: int = _key(8, 1, 10_000)
     """Batches of training data fed to the observers."""
-    eval_batch_size: int = 256
+    eval_batch_size: int = _key(256, 1, 2**20)
     """Batch size of the inference QPS / accuracy comparison."""
 
 
@@ -171,10 +210,12 @@ class QuantSection:
 class FaultSection:
     """Fault injection, for tests: each fault fires once per job (a marker file records it)."""
 
-    kill_trainer_at_step: int = -1
-    """SIGKILL trainer rank 1 (or 0 with one trainer) at this optimized-phase step; -1 = never."""
-    kill_server_at_step: int = -1
-    """ray.kill() parameter server 0 at this optimized-phase step; -1 = never."""
+    kill_trainer_at_step: int = _key(-1, -1, 10**9)
+    """SIGKILL trainer rank 1 (or 0 with one trainer) at this optimized-phase step (1 .. [job] steps);
+    -1 = never."""
+    kill_server_at_step: int = _key(-1, -1, 10**9)
+    """ray.kill() parameter server 0 at this optimized-phase step (1 .. [job] steps; needs a parameter
+    server); -1 = never."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +235,7 @@ class JobConfig:
         """Return a copy with some keys of some tables changed, e.g. ``replace(job={"steps": 5})``.
 
         Raises:
-            ConfigError: an unknown table or key, or a value of the wrong type.
+            ConfigError: an unknown table or key, or a value of the wrong type or out of range.
         """
         raw = to_dict(self)
         for table, values in sections.items():
@@ -204,31 +245,92 @@ class JobConfig:
         return parse_config(raw, source=self.source)
 
     def validate(self) -> None:
-        """Check cross-field constraints.
+        """Check every key's range (see each section's fields) and the constraints between keys.
 
         Raises:
-            ConfigError: naming the offending key.
+            ConfigError: naming the offending key, its value and the allowed range.
         """
-        checks = [
-            (self.job.steps >= 1, "[job] steps must be >= 1"),
-            (self.job.batch_size >= 1, "[job] batch_size must be >= 1"),
-            (self.job.checkpoint_every >= 0, "[job] checkpoint_every must be >= 0"),
-            (self.job.eval_epochs >= 0, "[job] eval_epochs must be >= 0"),
-            (self.cluster.trainers >= 1, "[cluster] trainers must be >= 1"),
-            (self.cluster.parameter_servers >= 0, "[cluster] parameter_servers must be >= 0"),
-            (self.model.embedding_dim >= 1, "[model] embedding_dim must be >= 1"),
-            (self.model.table_size >= 2, "[model] table_size must be >= 2"),
-            (0.0 <= self.data.eval_fraction < 1.0, "[data] eval_fraction must be in [0, 1)"),
-            (0 <= self.metrics.port < 65536, "[metrics] port must be in 0..65535"),
-            (self.cluster.rpc_timeout_s > 0, "[cluster] rpc_timeout_s must be > 0"),
-            (self.cluster.server_fetch_delay_ms >= 0, "[cluster] server_fetch_delay_ms must be >= 0"),
-            (self.phases.block_steps >= 1, "[phases] block_steps must be >= 1"),
-            (self.phases.parity in ("error", "warn"), f"[phases] parity must be \"error\" or \"warn\", got "
-                                                       f"{self.phases.parity!r}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(f"{self.source}: {message}")
+        for table in _SECTIONS:
+            section = getattr(self, table)
+            for f in dataclasses.fields(section):
+                message = _out_of_range(getattr(section, f.name), f)
+                if message:
+                    raise ConfigError(f"{self.source}: [{table}] {f.name} = {getattr(section, f.name)!r}: {message}")
+        for message in self._cross_field_errors():
+            raise ConfigError(f"{self.source}: {message}")
+
+    def _cross_field_errors(self) -> list[str]:
+        j, c, m, f = self.job, self.cluster, self.metrics, self.faults
+        errors = []
+        if not NAME_PATTERN.fullmatch(j.name):
+            errors.append(f"[job] name = {j.name!r}: it names the run folder, so it may only contain letters, "
+                          "digits, '.', '_' and '-', must not start with '.', and has at most 100 characters")
+        for table, key, value in (("job", "run_dir", j.run_dir), ("metrics", "host", m.host)):
+            if not value.strip():
+                errors.append(f"[{table}] {key} must not be empty")
+        last = m.port + c.trainers + c.parameter_servers - 1
+        if m.enabled and last > 65535:
+            errors.append(f"[metrics] port = {m.port}: the exporters use ports {m.port}..{last} (trainers + "
+                          f"parameter_servers = {c.trainers + c.parameter_servers}), past 65535; use a base <= "
+                          f"{65536 - c.trainers - c.parameter_servers}")
+        for key, step in (("kill_trainer_at_step", f.kill_trainer_at_step),
+                          ("kill_server_at_step", f.kill_server_at_step)):
+            if step != -1 and not 1 <= step <= j.steps:
+                errors.append(f"[faults] {key} = {step}: must be -1 (never) or a step in 1..[job] steps = {j.steps}")
+        if f.kill_server_at_step != -1 and c.parameter_servers == 0:
+            errors.append("[faults] kill_server_at_step is set but [cluster] parameter_servers = 0")
+        if self.phases.parity not in ("error", "warn"):
+            errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
+        unknown = _unknown_passes(self.phases.passes)
+        if unknown:
+            errors.append(f"[phases] passes: unknown pass {unknown[0]!r}; known passes: {', '.join(_known_passes())}")
+        return errors
+
+
+def _out_of_range(value: Any, f: dataclasses.Field) -> str | None:
+    """Why ``value`` is outside field ``f``'s range (its ``_key`` metadata), or None."""
+    if "range" not in f.metadata:
+        return None
+    lo, hi, above = f.metadata["range"]
+    length = f.metadata["length"]
+    if isinstance(value, list):
+        if length is not None and not length[0] <= len(value) <= length[1]:
+            return f"must be a list of {length[0]} to {length[1]} items"
+        bad = [(i, v) for i, v in enumerate(value) if _out_of_range_number(v, lo, hi, above)]
+        if bad:
+            i, v = bad[0]
+            return f"item {i} ({v!r}) is out of range: each must be {_range_text(v, lo, hi, above)}"
+        return None
+    return (f"must be {_range_text(value, lo, hi, above)}" if _out_of_range_number(value, lo, hi, above)
+            else None)
+
+
+def _out_of_range_number(value: Any, lo: float | None, hi: float | None, above: bool) -> bool:
+    if not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return True
+    return (lo is not None and (value <= lo if above else value < lo)) or (hi is not None and value > hi)
+
+
+def _range_text(value: Any, lo: float | None, hi: float | None, above: bool) -> str:
+    if isinstance(value, float):
+        return f"a finite number in {'(' if above else '['}{lo:g}, {hi:g}]"
+    return f"an integer in {lo:_}..{hi:_}"
+
+
+def _known_passes() -> list[str]:
+    from fxdist.pipeline import PASSES
+
+    return sorted(PASSES)
+
+
+def _unknown_passes(passes: list[str]) -> list[str]:
+    """Names not in ``fxdist.pipeline.PASSES`` (resolved by name only: nothing is imported or run)."""
+    if not passes:
+        return []
+    known = set(_known_passes())
+    return [p for p in passes if p not in known]
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name != "source"}

@@ -9,8 +9,23 @@ may be empty). Each line becomes
   processes and runs, unlike Python's ``hash``); empty -> id 0 ("missing");
 - ``label``: 0.0 or 1.0.
 
-Lines that do not parse (wrong field count, a label other than 0/1, a non-integer ``I`` field) are
-counted by reason and skipped; they never stop a job.
+Lines that do not parse are counted by reason and skipped; they never stop a job. Each field is checked
+strictly, so that no single bad value can raise anything else (:func:`parse_line`):
+
+- ``field_count``: not 40 tab-separated fields; ``label``: a label other than ``0``/``1``;
+- ``integer_feature``: an ``I`` field that is not a plain ASCII decimal integer (``1.5``, ``nan``,
+  ``inf``, ``1_000``, ``+3``, spaces); ``integer_range``: an integer outside int64. Negative counts
+  are clamped to 0 before the log transform, as in DLRM's preprocessing (Criteo Kaggle has -1 and -2 in
+  ``I2``);
+- ``categorical_feature``: a ``C`` field that is not 1 to 16 hex digits. Criteo ids are 8 hex digits
+  (32-bit hashes); up to 16 (64-bit ids of other Criteo-format exports) are accepted and hashed as text,
+  anything longer or non-hex means a corrupt or shifted line;
+- ``nul_byte``: a NUL character anywhere; ``encoding``: bytes that are not UTF-8.
+
+Files may be plain, gzip, bz2 or xz-compressed, recognised by their first bytes (not their suffix) and
+read transparently (:func:`open_data`). :func:`check_data_file` runs the launcher's cheap checks before
+a job starts (a directory, an empty or unreadable file, an unsupported compression, no valid line near
+the start), raising :class:`DataError`.
 
 Shapes: a :class:`Batch` holds ``dense (B, 13) float32``, ``sparse (B, 26) int64``, ``labels (B,) float32``.
 
@@ -23,14 +38,18 @@ Source: Criteo Kaggle Display Advertising Challenge format; DLRM (Naumov et al. 
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
 import math
 import random
+import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 import torch
 
@@ -38,9 +57,14 @@ __all__ = [
     "NUM_DENSE",
     "NUM_SPARSE",
     "Batch",
+    "DataError",
+    "MalformedLine",
     "ParseStats",
     "parse_line",
     "CriteoShard",
+    "open_data",
+    "check_data_file",
+    "locate_data",
     "default_criteo_path",
     "resolve_data_path",
     "write_synthetic_criteo",
@@ -66,6 +90,11 @@ class MalformedLine(ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+class DataError(ValueError):
+    """A data file the job cannot use (missing, a directory, empty, unreadable, corrupt, or without any
+    valid line); the message names the file and what is wrong. Deterministic: retrying cannot help."""
 
 
 @dataclass
@@ -97,36 +126,108 @@ def _hash_id(table: int, value: str, table_size: int) -> int:
     return 1 + zlib.crc32(f"{table}:{value}".encode()) % (table_size - 1)
 
 
+_INTEGER = re.compile(r"-?[0-9]+")
+_HEX_ID = re.compile(r"[0-9a-fA-F]{1,16}")
+_INT64 = 2**63
+
+
+def _dense(j: int, raw: str) -> float:
+    """``log(1 + max(x, 0))`` of integer feature ``I<j+1>`` (empty -> 0)."""
+    if not raw:
+        return 0.0
+    if not _INTEGER.fullmatch(raw):
+        raise MalformedLine("integer_feature", f"I{j + 1} is not an integer: {raw[:20]!r}")
+    if len(raw) > 20 or not -_INT64 <= (x := int(raw)) < _INT64:
+        raise MalformedLine("integer_range", f"I{j + 1} is outside int64: {raw[:20]!r}...")
+    return math.log1p(x) if x > 0 else 0.0
+
+
 def parse_line(line: str, table_size: int) -> tuple[list[float], list[int], float]:
     """Parse one Criteo TSV line into (13 dense floats, 26 ids, label).
 
     Raises:
-        MalformedLine: with ``reason`` one of "field_count", "label", "integer_feature".
+        MalformedLine: with ``reason`` one of "nul_byte", "field_count", "label", "integer_feature",
+            "integer_range", "categorical_feature" (see the module docstring); nothing else, for any
+            ``line``.
     """
+    if "\x00" in line:
+        raise MalformedLine("nul_byte", "the line contains a NUL character")
     fields = line.rstrip("\r\n").split("\t")
     if len(fields) != NUM_FIELDS:
         raise MalformedLine("field_count", f"expected {NUM_FIELDS} tab-separated fields, got {len(fields)}")
     if fields[0] not in ("0", "1"):
         raise MalformedLine("label", f"label must be 0 or 1, got {fields[0][:20]!r}")
-    dense = []
-    for j, raw in enumerate(fields[1 : 1 + NUM_DENSE]):
-        if not raw:
-            dense.append(0.0)
-            continue
-        try:
-            x = int(raw)
-        except ValueError:
-            raise MalformedLine("integer_feature", f"I{j + 1} is not an integer: {raw[:20]!r}") from None
-        dense.append(math.log1p(x) if x > 0 else 0.0)
-    sparse = [_hash_id(j, raw, table_size) for j, raw in enumerate(fields[1 + NUM_DENSE :])]
+    dense = [_dense(j, raw) for j, raw in enumerate(fields[1 : 1 + NUM_DENSE])]
+    cats = fields[1 + NUM_DENSE :]
+    for j, raw in enumerate(cats):
+        if raw and not _HEX_ID.fullmatch(raw):
+            raise MalformedLine("categorical_feature", f"C{j + 1} is not 1 to 16 hex digits: {raw[:20]!r}")
+    sparse = [_hash_id(j, raw, table_size) for j, raw in enumerate(cats)]
     return dense, sparse, float(fields[0])
+
+
+_MAGIC = [(b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bz2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open),
+          (b"PK\x03\x04", "zip", None), (b"\x28\xb5\x2f\xfd", "zstd", None)]
+_READ_ERRORS = (OSError, EOFError, lzma.LZMAError)
+"""What a truncated or corrupt compressed file raises while it is read (gzip.BadGzipFile is an OSError)."""
+
+
+def open_data(path: str | Path) -> IO[bytes]:
+    """Open a Criteo file for reading bytes, decompressing gzip, bz2 or xz (told by the first bytes).
+
+    Raises:
+        DataError: ``path`` is missing, a directory or unreadable, or zip/zstd-compressed (not supported:
+            the message says how to convert it).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a Criteo TSV file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    for magic, kind, opener in _MAGIC:
+        if head.startswith(magic):
+            if opener is None:
+                raise DataError(f"{path}: is {kind}-compressed, which is not supported; decompress it, or "
+                                "compress it with gzip, bz2 or xz")
+            return opener(path, "rb")
+    return path.open("rb")
+
+
+def _records(path: Path, table_size: int) -> Iterator[tuple[int, tuple[list[float], list[int], float] | MalformedLine]]:
+    """``(line number, parsed line or MalformedLine)`` for every non-blank line of ``path``.
+
+    Raises:
+        DataError: from :func:`open_data`, or the compressed stream is corrupt or truncated.
+    """
+    with open_data(path) as f:
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield lineno, MalformedLine("encoding", f"not UTF-8 at byte {e.start}")
+                    continue
+                try:
+                    yield lineno, parse_line(line, table_size)
+                except MalformedLine as e:
+                    yield lineno, e
+        except _READ_ERRORS as e:
+            raise DataError(f"{path}: cannot be read after line {lineno}: {type(e).__name__}: {e}") from None
 
 
 class CriteoShard:
     """One trainer's share of a Criteo file, parsed once into memory, served as endless batches.
 
     Args:
-        path: The Criteo TSV file.
+        path: The Criteo TSV file (plain or compressed, see :func:`open_data`).
         table_size: Hash buckets per categorical feature.
         rank: This trainer's index in ``[0, world_size)``.
         world_size: Number of trainers sharing the training lines.
@@ -135,8 +236,8 @@ class CriteoShard:
         split: "train" (this rank's training lines) or "eval" (all held-out lines).
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: bad ``rank``/``world_size``/``split``, or the shard has no valid line.
+        ValueError: bad ``rank``/``world_size``/``split``.
+        DataError: the file is missing, unreadable or corrupt, or the shard has no valid line.
     """
 
     def __init__(
@@ -154,34 +255,28 @@ class CriteoShard:
         if split not in ("train", "eval"):
             raise ValueError(f"CriteoShard: split must be 'train' or 'eval', got {split!r}")
         self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"Criteo data not found: {self.path}")
         self.stats = ParseStats()
         every = round(1 / eval_fraction) if eval_fraction > 0 else 0
         dense, sparse, labels = [], [], []
         valid = 0
-        with self.path.open(encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    d, s, y = parse_line(line, table_size)
-                except MalformedLine as e:
-                    self.stats.record(lineno, e)
-                    continue
-                held_out = every > 0 and valid % every == every - 1
-                train_index = valid - (valid // every if every else 0)
-                valid += 1
-                if split == "eval" and not held_out:
-                    continue
-                if split == "train" and (held_out or train_index % world_size != rank):
-                    continue
-                dense.append(d)
-                sparse.append(s)
-                labels.append(y)
+        for lineno, parsed in _records(self.path, table_size):
+            if isinstance(parsed, MalformedLine):
+                self.stats.record(lineno, parsed)
+                continue
+            held_out = every > 0 and valid % every == every - 1
+            train_index = valid - (valid // every if every else 0)
+            valid += 1
+            if split == "eval" and not held_out:
+                continue
+            if split == "train" and (held_out or train_index % world_size != rank):
+                continue
+            d, s, y = parsed
+            dense.append(d)
+            sparse.append(s)
+            labels.append(y)
         self.stats.valid = valid
         if not labels:
-            raise ValueError(
+            raise DataError(
                 f"CriteoShard: {self.path} has no valid {split} line for rank {rank} of {world_size} "
                 f"({valid} valid, {self.stats.malformed_total} malformed)"
             )
@@ -217,23 +312,76 @@ def default_criteo_path() -> Path:
     return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo" / "train_examples.txt"
 
 
-def resolve_data_path(configured: str, run_dir: Path, synthetic_rows: int, *, seed: int = 0) -> tuple[Path, str]:
-    """Find the job's data: the configured path, else the shared Criteo sample, else synthetic data.
+def check_data_file(path: str | Path, table_size: int, *, where: str = "", scan_lines: int = 1000) -> ParseStats:
+    """The launcher's cheap checks of a data file, before a job starts: it can be opened and decompressed,
+    is not empty, and at least one of its first ``scan_lines`` non-blank lines is a valid Criteo line.
+
+    Args:
+        where: How the message names the file (default: the path), e.g. ``"[data] path = 'x.tsv'"``.
+
+    Returns:
+        The parse statistics of the lines scanned.
+
+    Raises:
+        DataError: naming ``where`` and the reason (no such file, a directory, unreadable, empty,
+            unsupported compression, corrupt, or no valid line among the lines scanned, with their reasons).
+    """
+    where = where or str(path)
+    stats = ParseStats()
+    seen = 0
+    try:
+        for lineno, parsed in _records(Path(path), table_size):
+            seen += 1
+            if isinstance(parsed, MalformedLine):
+                stats.record(lineno, parsed)
+            else:
+                stats.valid += 1
+                break
+            if seen >= scan_lines:
+                break
+    except DataError as e:
+        raise DataError(f"{where}: {str(e).removeprefix(str(path) + ': ')}") from None
+    if seen == 0:
+        raise DataError(f"{where}: the file is empty (no non-blank line)")
+    if stats.valid == 0:
+        raise DataError(f"{where}: none of the first {seen} non-blank lines is a valid Criteo line "
+                        f"(malformed: {dict(stats.malformed)}; first: {stats.examples[0]})")
+    return stats
+
+
+def locate_data(configured: str, table_size: int) -> Path | None:
+    """The job's data file, checked (:func:`check_data_file`): the configured path, else the shared Criteo
+    sample when present; None when synthetic data has to be generated.
+
+    Raises:
+        DataError: the configured file (or the shared sample) cannot be used; the message names the key.
+    """
+    if configured:
+        path = Path(configured).expanduser()
+        check_data_file(path, table_size, where=f"[data] path = {configured!r}")
+        return path
+    shared = default_criteo_path()
+    if shared.is_file():
+        check_data_file(shared, table_size, where=f"the shared Criteo sample {shared}")
+        return shared
+    return None
+
+
+def resolve_data_path(configured: str, run_dir: Path, synthetic_rows: int, *, seed: int = 0,
+                      table_size: int = 20000) -> tuple[Path, str]:
+    """Find the job's data: the configured path, else the shared Criteo sample, else synthetic data
+    (written into ``run_dir``).
 
     Returns:
         (path, note): ``note`` says where the data came from, for the log and the report.
 
     Raises:
-        FileNotFoundError: ``configured`` is set but does not exist.
+        DataError: ``configured`` is set but cannot be used (see :func:`locate_data`).
     """
-    if configured:
-        path = Path(configured).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"[data] path = {configured!r}: no such file")
-        return path, f"Criteo data from {path}"
+    path = locate_data(configured, table_size)
+    if path is not None:
+        return path, (f"Criteo data from {path}" if configured else f"Criteo sample from {path}")
     shared = default_criteo_path()
-    if shared.is_file():
-        return shared, f"Criteo sample from {shared}"
     path = run_dir / "synthetic_criteo.tsv"
     write_synthetic_criteo(path, synthetic_rows, seed=seed)
     return path, (

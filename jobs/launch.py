@@ -2,10 +2,12 @@
 
 :func:`launch` does, in order:
 
-1. creates the run folder ``<run_dir>/<name>-<UTC timestamp>/`` and finds the data (configured path,
-   else ``../shared/data/criteo/train_examples.txt``, else generated Criteo-format data);
+1. runs every check that needs no Ray (:mod:`jobs.preflight`: config ranges, passes, the data file, and on
+   this machine free metrics ports and enough memory) and picks the run folder without creating it
+   (:mod:`jobs.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
 2. joins Ray: an already initialised session, else ``[cluster] address``, else ``$RAY_ADDRESS``,
-   else a local ``ray.init()``;
+   else a local ``ray.init()``; then creates the run folder ``<run_dir>/<name>-<UTC timestamp>/`` (with
+   generated Criteo-format data when no file was found) and a ``results.json`` saying ``"running"``;
 3. writes Prometheus file-based service discovery (``prometheus/targets.json``) and a ready-to-run
    ``prometheus/prometheus.yml`` (from ``dashboards/``) into the run folder;
 4. runs the trainers with Ray Train's ``TorchTrainer`` (DDP over gloo on CPU, nccl on GPU;
@@ -18,6 +20,12 @@
    see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.report`).
 
+A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
+:class:`JobState` actor and ends the job on the first attempt (:func:`jobs.worker.train_loop`); the
+launcher raises it (exit status 2 for config and data, 1 otherwise). Ray Train's retries
+(``max_failures``) are for process and node failures. Whatever ends the job, ``results.json`` says how:
+``"completed"``, ``"interrupted"`` or ``"failed"``, with the phases finished so far (:mod:`jobs.runs`).
+
 Source: Ray Train (TorchTrainer, ScalingConfig, RunConfig, FailureConfig, CheckpointConfig).
 """
 
@@ -25,38 +33,60 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from jobs.config import JobConfig, to_dict
-from jobs.data import resolve_data_path
+from jobs import preflight, runs
+from jobs.config import ConfigError, JobConfig, to_dict
+from jobs.data import DataError, resolve_data_path
 
-__all__ = ["launch", "JobState", "ParityError", "compare_phases", "write_prometheus_files", "DASHBOARDS"]
+__all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases", "write_prometheus_files",
+           "DASHBOARDS"]
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 
 
 class JobState:
-    """Driver-owned actor: progress, phase results and fault markers, shared by all trainer restarts."""
+    """Driver-owned actor: progress, phase results, fault markers and a deterministic error, shared by all
+    trainer restarts.
 
-    def __init__(self) -> None:
+    ``previous``: the results.json of an interrupted or failed run being resumed; its finished phases,
+    checkpoints, fired faults and timeline carry over (not its error).
+    """
+
+    def __init__(self, previous: dict[str, Any] | None = None) -> None:
+        prev = previous or {}
         self.progress_steps: dict[str, int] = {}
         self.totals: dict[str, int] = {}
-        self.starts: list[tuple[str, int]] = []
-        self.results: dict[str, Any] = {}
-        self.fired: set[str] = set()
-        self.parse: dict[str, Any] | None = None
+        self.starts: list[tuple[str, int]] = [tuple(x) for x in prev.get("starts", [])]
+        self.results: dict[str, Any] = dict(prev.get("phases", {}))
+        self.fired: set[str] = set(prev.get("faults_fired", []))
+        self.parse: dict[str, Any] | None = (prev.get("data") or {}).get("parse")
         self.t0 = time.time()
-        self.events: list[tuple[float, str]] = []
-        self.checkpoints: list[dict[str, Any]] = []
-        self.restores: list[dict[str, Any]] = []
-        self.server_joins: list[list[dict[str, int]]] = []
+        self.events: list[tuple[float, str]] = [tuple(x) for x in prev.get("timeline", [])]
+        self.checkpoints: list[dict[str, Any]] = list(prev.get("checkpoints", []))
+        self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
+        self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
+        self.error: dict[str, Any] | None = None
+        if previous is not None:
+            self.event(f"launcher: resuming a run that was {prev.get('status', 'unknown')}")
+
+    def fail(self, kind: str, error_type: str, message: str, rank: int) -> None:
+        """A trainer hit a deterministic error (``kind``: "config", "data" or "job"); the first one is kept
+        and every later attempt of the worker group stops at once (:func:`jobs.worker.train_loop`)."""
+        if self.error is None:
+            self.error = {"kind": kind, "type": error_type, "message": message, "rank": rank}
+            self.event(f"rank {rank}: {error_type}: {message}")
+
+    def failure(self) -> dict[str, Any] | None:
+        """The deterministic error recorded by :meth:`fail`, or None."""
+        return self.error
 
     def fire(self, fault: str) -> bool:
         """True the first time ``fault`` is asked for, False afterwards."""
@@ -98,15 +128,23 @@ class JobState:
         self.progress_steps[phase] = step
 
     def phase_done(self, phase: str, summary: dict[str, Any]) -> None:
-        self.results[phase] = summary
-        self.event(f"{phase} phase done")
+        """Keep the phase's summary; one that covers more of the phase (an earlier ``resumed_from_step``)
+        is kept instead: a restart after ``phase_done`` but before the phase's final checkpoint was
+        registered re-runs only the phase's last steps."""
+        kept = self.results.get(phase)
+        if kept is not None and kept.get("resumed_from_step", 0) < summary.get("resumed_from_step", 0):
+            self.event(f"{phase} phase done again (from step {summary.get('resumed_from_step')}); "
+                       f"kept the result from step {kept.get('resumed_from_step', 0)}")
+        else:
+            self.results[phase] = summary
+            self.event(f"{phase} phase done")
         self.progress_steps[phase] = self.totals.get(phase, summary.get("steps", 0))
 
     def snapshot(self) -> dict[str, Any]:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
                 "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
                 "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
-                "server_joins": list(self.server_joins)}
+                "server_joins": list(self.server_joins), "error": self.error}
 
 
 def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
@@ -149,29 +187,6 @@ def write_prometheus_files(config: JobConfig, run_dir: Path) -> Path:
     return out / "prometheus.yml"
 
 
-def _check_ports(config: JobConfig) -> None:
-    """Fail early, with the fix, when an exporter port of this machine is taken.
-
-    Raises:
-        ConfigError: naming the port in use.
-    """
-    import socket
-
-    from jobs.config import ConfigError
-
-    m, c = config.metrics, config.cluster
-    for port in range(m.port, m.port + c.trainers + c.parameter_servers):
-        with socket.socket() as s:
-            try:
-                s.bind((m.host, port))
-            except OSError as e:
-                raise ConfigError(
-                    f"{config.source}: [metrics] port: {m.host}:{port} is in use ({e.strerror}); the job needs ports "
-                    f"{m.port}..{m.port + c.trainers + c.parameter_servers - 1}. Pick another base, e.g. "
-                    f"--set metrics.port={m.port + 100}, or --set metrics.enabled=false"
-                ) from None
-
-
 def _fit(trainer, box: dict[str, Any]) -> None:
     try:
         box["result"] = trainer.fit()
@@ -179,36 +194,55 @@ def _fit(trainer, box: dict[str, Any]) -> None:
         box["error"] = e
 
 
-def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool) -> dict[str, Any]:
-    """Poll the JobState actor and draw a tqdm bar per phase until the fit thread ends."""
+def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Poll the JobState actor and draw a tqdm bar per phase until the fit thread ends.
+
+    Each snapshot goes to ``ctx["snap"]`` (what an interrupted launch reports), and ``ctx["on_change"](snap)``
+    runs when a phase has finished or a checkpoint was written since the last poll.
+    """
     import ray
     from tqdm import tqdm
 
     bars: dict[str, Any] = {}
-    snap: dict[str, Any] = {}
-    while True:
-        alive = thread.is_alive()
-        try:
-            snap = ray.get(state.snapshot.remote(), timeout=10)
-        except Exception:  # a slow actor must not kill the job
-            pass
-        if show:
-            for phase, total in snap.get("totals", {}).items():
-                bar = bars.get(phase)
-                if bar is None:
-                    bar = bars[phase] = tqdm(total=total, desc=f"{phase:>9}", unit="step", leave=True)
-                if bar.disable:
-                    continue
-                bar.n = snap["progress"].get(phase, 0)
-                bar.refresh()
-                if phase in snap.get("results", {}):
-                    bar.close()
-        if not alive:
-            break
-        thread.join(timeout=0.5)
-    for bar in bars.values():
-        bar.close()
+    snap: dict[str, Any] = ctx.get("snap", {})
+    seen = _milestones(snap)
+    try:
+        while True:
+            alive = thread.is_alive()
+            try:
+                snap = ray.get(state.snapshot.remote(), timeout=10)
+                ctx["snap"] = snap
+            except Exception:  # a slow actor must not kill the job
+                pass
+            if _milestones(snap) != seen:
+                seen = _milestones(snap)
+                ctx.get("on_change", lambda snap: None)(snap)
+            if show:
+                _draw(bars, snap, tqdm)
+            if not alive:
+                break
+            thread.join(timeout=0.5)
+    finally:
+        for bar in bars.values():
+            bar.close()
     return snap
+
+
+def _milestones(snap: dict[str, Any]) -> tuple[tuple[str, ...], int]:
+    return tuple(sorted(snap.get("results", {}))), len(snap.get("checkpoints", []))
+
+
+def _draw(bars: dict[str, Any], snap: dict[str, Any], tqdm: Any) -> None:
+    for phase, total in snap.get("totals", {}).items():
+        bar = bars.get(phase)
+        if bar is None:
+            bar = bars[phase] = tqdm(total=total, desc=f"{phase:>9}", unit="step", leave=True)
+        if bar.disable:
+            continue
+        bar.n = snap["progress"].get(phase, 0)
+        bar.refresh()
+        if phase in snap.get("results", {}):
+            bar.close()
 
 
 def _trainer(config: JobConfig, loop_config: dict[str, Any], run_dir: Path):
@@ -232,59 +266,73 @@ def _trainer(config: JobConfig, loop_config: dict[str, Any], run_dir: Path):
     )
 
 
-def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool = False) -> dict[str, Any]:
+def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool = False,
+           resume: bool = False) -> dict[str, Any]:
     """Run the job described by ``config`` and return its results (also written to ``results.json``).
+
+    Every check that needs no Ray runs first (:func:`jobs.preflight.check`, :func:`jobs.runs.choose`);
+    the run folder is created only once they pass and Ray has started.
 
     Args:
         config: The job config.
-        run_dir: The run folder; default ``<[job] run_dir>/<name>-<UTC timestamp>``.
+        run_dir: The run folder; default ``<[job] run_dir>/<name>-<UTC timestamp>``. It must not hold a
+            run yet, unless ``resume`` (see :mod:`jobs.runs`).
         quiet: No progress bars or table (tests).
+        resume: Continue the interrupted or failed run in ``run_dir`` from its last checkpoint (``config``
+            should be :func:`jobs.runs.load_config` of it).
 
     Returns:
-        The results dict (see :mod:`jobs.report` for its keys).
+        The results dict (see :mod:`jobs.report` for its keys), with ``"status": "completed"``.
 
     Raises:
+        ConfigError: a bad config, a taken port, not enough memory, a run folder that holds a run (or
+            cannot be resumed), or a trainer's deterministic config error; nothing was started or retried.
+        jobs.data.DataError: the data cannot be used (found before Ray starts, or by a trainer).
+        JobFailed: a trainer's deterministic error of another kind (e.g. a model that does not trace).
         ray.train.TrainingFailedError (or the trainer's exception): training failed more than
             ``max_failures`` times; the run folder keeps the logs and checkpoints.
+        KeyboardInterrupt: Ctrl-C; results.json then says ``"status": "interrupted"``.
     """
-    import ray
-
-    from jobs import inference, report
-
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[fxdist] {msg}", flush=True))
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(run_dir) if run_dir else Path(config.job.run_dir) / f"{config.job.name}-{stamp}"
-    run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data_path, data_note = resolve_data_path(config.data.path, run_dir, config.data.synthetic_rows,
-                                             seed=config.job.seed)
-    log(data_note)
+    data_path = preflight.check(config, local=not _expect_cluster(config), log=log)
+    run_dir = runs.choose(config, run_dir, resume=resume)
+    previous = runs.read(run_dir) if resume else None
     started_ray, on_cluster = _join_ray(config, log=log)
+    ctx: dict[str, Any] = {"previous": previous}
+    results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(config),
+                               "config_source": config.source, "run_dir": str(run_dir),
+                               "launcher": {"pid": os.getpid(), "host": socket.gethostname()},
+                               "resumes": (previous or {}).get("resumes", 0) + (1 if resume else 0)}
     try:
-        snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log)
-    finally:
-        if started_ray:
-            ray.shutdown()
-    results = {
-        "job": config.job.name, "config": to_dict(config), "config_source": config.source,
-        "data": {"path": str(data_path), "note": data_note, "parse": snap.get("parse")},
-        "phases": snap.get("results", {}), "train_seconds": train_seconds,
-        "restarts": _restarts(snap), "faults_fired": snap.get("fired", []), "run_dir": str(run_dir),
-        "checkpoints": snap.get("checkpoints", []), "restores": snap.get("restores", []),
-        "timeline": snap.get("events", []), "starts": snap.get("starts", []),
-        "server_joins": snap.get("server_joins", []),
-    }
-    results.update(compare_phases(config, results["phases"]))
-    if config.quant.enabled:
-        log("post-training quantization of the dense model: fp32 vs int8")
-        t_quant = time.perf_counter()
-        last = list(final["models"])[-1]
-        evaluated = (final.get("eval") or {}).get(last) or {}
-        model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
-            "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
-        results["inference"] = inference.compare(config, model_state, data_path)
-        results["inference"]["model_step"] = evaluated.get("step", final.get("step"))
-        results["inference"]["seconds"] = time.perf_counter() - t_quant
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if data_path is None:
+                data_path, data_note = resolve_data_path("", run_dir, config.data.synthetic_rows,
+                                                         seed=config.job.seed, table_size=config.model.table_size)
+            else:
+                data_note = f"Criteo data from {data_path}"
+            log(data_note)
+            results["data"] = {"path": str(data_path), "note": data_note}
+            ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
+            runs.write(run_dir, _with_snapshot(results, _seed_snapshot(previous)))
+            snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
+        finally:
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+        results = _with_snapshot(results, snap)
+        results.update(status="completed", train_seconds=train_seconds)
+        results.update(compare_phases(config, results["phases"]))
+        if config.quant.enabled:
+            results["inference"] = _quantize(config, final, data_path, log)
+    except BaseException as e:
+        if run_dir.is_dir():
+            _record_end(run_dir, results, ctx, e)
+        raise
+    from jobs import report
+
+    results.pop("launcher", None)
     report.write(results, run_dir)
     if not quiet:
         print(report.table(results), flush=True)
@@ -317,25 +365,108 @@ def compare_phases(config: JobConfig, phases: dict[str, Any]) -> dict[str, Any]:
     return {"gain": interleaved_gain(blocks), "parity": parity}
 
 
+class JobFailed(RuntimeError):
+    """A trainer hit a deterministic error that is not about the config or the data (e.g. the model does
+    not trace): the job stopped on the first attempt, without Ray Train's retries."""
+
+
+def _expect_cluster(config: JobConfig) -> bool:
+    """Whether the job will run on a Ray cluster (the same rule as :func:`_join_ray`), known before Ray
+    starts unless a Ray session is already initialised."""
+    import ray
+
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if ray.is_initialized():
+        return bool(address) and len(ray.nodes()) > 1
+    return bool(address)
+
+
+def _seed_snapshot(previous: dict[str, Any] | None) -> dict[str, Any]:
+    prev = previous or {}
+    return {"results": prev.get("phases", {}), "parse": (prev.get("data") or {}).get("parse"),
+            "fired": prev.get("faults_fired", []), "checkpoints": prev.get("checkpoints", []),
+            "restores": prev.get("restores", []), "events": prev.get("timeline", []),
+            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", [])}
+
+
+def _with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, Any]:
+    """``results`` plus what the JobState snapshot says (phases finished, checkpoints, timeline...)."""
+    out = dict(results)
+    out["data"] = {**results.get("data", {}), "parse": snap.get("parse")}
+    out.update(phases=snap.get("results", {}), restarts=_restarts(snap), faults_fired=snap.get("fired", []),
+               checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
+               timeline=snap.get("events", []), starts=snap.get("starts", []),
+               server_joins=snap.get("server_joins", []))
+    return out
+
+
+def _record_end(run_dir: Path, results: dict[str, Any], ctx: dict[str, Any], error: BaseException) -> None:
+    """Write results.json of a run that did not complete: "interrupted" (Ctrl-C) or "failed"."""
+    snap = ctx.get("snap") or _seed_snapshot(ctx.get("previous"))
+    out = _with_snapshot(results, snap)
+    running = {p: n for p, n in snap.get("progress", {}).items() if p not in snap.get("results", {})}
+    if isinstance(error, KeyboardInterrupt):
+        out.update(status="interrupted", progress=running)
+    else:
+        out.update(status="failed", error=f"{type(error).__name__}: {error}", progress=running)
+    out["resume"] = f"fxdist launch --resume {run_dir}"
+    out.pop("launcher", None)
+    try:
+        runs.write(run_dir, out)
+    except OSError:  # the original error matters more
+        return
+    error.add_note(f"run folder: {run_dir} ({out['status']}); continue it with `{out['resume']}`")
+
+
+def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: Any) -> dict[str, Any]:
+    """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.inference`)."""
+    from jobs import inference
+
+    log("post-training quantization of the dense model: fp32 vs int8")
+    t_quant = time.perf_counter()
+    last = list(final["models"])[-1]
+    evaluated = (final.get("eval") or {}).get(last) or {}
+    model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
+        "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
+    out = inference.compare(config, model_state, data_path)
+    out["model_step"] = evaluated.get("step", final.get("step"))
+    out["seconds"] = time.perf_counter() - t_quant
+    return out
+
+
+def _recorded_error(error: dict[str, Any]) -> Exception:
+    """The launcher-side exception for a trainer's deterministic error (exit 2 for config/data, else 1)."""
+    message = f"trainer rank {error['rank']}: {error['type']}: {error['message']} (stopped on the first attempt)"
+    if error["kind"] == "config":
+        return ConfigError(message)
+    if error["kind"] == "data":
+        return DataError(message)
+    return JobFailed(message)
+
+
 def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, *, quiet: bool,
-           log: Any) -> tuple[dict[str, Any], dict[str, Any], float]:
+           log: Any, ctx: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Start the server actors, run the TorchTrainer, kill the actors (also on errors and Ctrl-C).
+
+    ``ctx["snap"]`` keeps the last JobState snapshot, also when this raises.
 
     Returns:
         (the JobState snapshot, the final checkpoint's contents, training seconds).
+
+    Raises:
+        the trainers' recorded deterministic error (:func:`_recorded_error`) before fit()'s own.
     """
     import ray
 
     servers: list[Any] = []
+    state = None
     try:
         metrics_port = None
-        if config.metrics.enabled and not on_cluster:
-            _check_ports(config)
         if config.metrics.enabled:
             prom = write_prometheus_files(config, run_dir)
             metrics_port = config.metrics.port
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
-        state = ray.remote(num_cpus=0)(JobState).remote()
+        state = ray.remote(num_cpus=0)(JobState).remote(ctx.get("previous"))
         if config.cluster.parameter_servers:
             from jobs.ps import start_servers
 
@@ -351,11 +482,21 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
         state.event.remote("launcher: TorchTrainer.fit started")
         thread = threading.Thread(target=_fit, args=(trainer, box), daemon=True)
         thread.start()
-        _follow(state, box, thread, show=not quiet and config.job.progress)
+        _follow(state, box, thread, not quiet and config.job.progress, ctx)
+        train_seconds = time.perf_counter() - t0
+        snap = ctx["snap"] = ray.get(state.snapshot.remote(), timeout=60)
+        if snap.get("error"):
+            raise _recorded_error(snap["error"]) from box.get("error")
         if "error" in box:
             raise box["error"]
-        train_seconds = time.perf_counter() - t0
-        return ray.get(state.snapshot.remote()), _final_state(box["result"]), train_seconds
+        return snap, _final_state(box["result"]), train_seconds
+    except BaseException:
+        if state is not None:
+            try:  # what finished, for results.json (the actor dies with ray.shutdown)
+                ctx["snap"] = ray.get(state.snapshot.remote(), timeout=5)
+            except BaseException:
+                pass
+        raise
     finally:
         if servers:
             from jobs.ps import stop_servers

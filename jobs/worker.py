@@ -342,8 +342,42 @@ def _load_checkpoint() -> dict | None:
         return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
 
 
+def _deterministic_errors() -> dict[type, str]:
+    """Error types that a retry cannot fix -> the kind the launcher maps to an exit status."""
+    from fxdist.errors import TraceError
+    from jobs.config import ConfigError
+    from jobs.data import DataError
+
+    return {ConfigError: "config", DataError: "data", TraceError: "job"}
+
+
 def train_loop(loop_config: dict[str, Any]) -> None:
-    """Ray Train entry point: run every phase of the job on this trainer.
+    """Ray Train entry point: run the job on this trainer, stopping for good on a deterministic error.
+
+    A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not
+    trace) is recorded on the launcher's JobState actor; with one trainer the loop then returns, so
+    ``fit()`` ends without a retry; with more it re-raises (the other ranks may wait in a collective, and
+    only a restart frees them), and every later attempt returns at once, seeing the recorded error. Ray
+    Train's retries are thus left to process and node failures.
+    """
+    import ray
+    import ray.train
+
+    state = loop_config["state"]
+    if ray.get(state.failure.remote()) is not None:
+        return  # an earlier attempt hit a deterministic error: nothing to retry
+    try:
+        _train_loop(loop_config)
+    except tuple(_deterministic_errors()) as e:
+        kind = next(k for t, k in _deterministic_errors().items() if isinstance(e, t))
+        ctx = ray.train.get_context()
+        ray.get(state.fail.remote(kind, type(e).__name__, str(e), ctx.get_world_rank()))
+        if ctx.get_world_size() > 1:
+            raise
+
+
+def _train_loop(loop_config: dict[str, Any]) -> None:
+    """Run every phase of the job on this trainer.
 
     ``loop_config`` keys: ``config`` (the job config as plain dicts), ``data_path``, ``run_dir``,
     ``metrics_port`` (base port, or None), ``state`` (the JobState actor handle), ``servers`` (the

@@ -32,7 +32,10 @@ def test_values_are_parsed_into_sections(tmp_path):
         ('[cluster]\ntrainers = "two"\n', r"\[cluster\] trainers: expected int, got str \('two'\)"),
         ("[cluster]\ntrainers = true\n", r"\[cluster\] trainers: expected int, got bool"),
         ('[phases]\npasses = ["fuse", 3]\n', r"\[phases\] passes\[1\]: expected str, got int"),
-        ("[job]\nsteps = 0\n", r"\[job\] steps must be >= 1"),
+        ("[job]\nsteps = 0\n", r"\[job\] steps = 0: must be an integer in 1\.\.1_000_000_000"),
+        ("[job]\nlr = nan\n", r"\[job\] lr = nan: must be a finite number in \(0, 10\]"),
+        ('[phases]\npasses = ["async_rpc", "fusee"]\n', r"\[phases\] passes: unknown pass 'fusee'; known passes: "
+                                                        r"async_rpc, async_rpc_prefetch, dce, fuse, reinplace"),
         ("[job]\nsteps = \n", r"invalid TOML"),
     ],
 )
@@ -65,13 +68,13 @@ def test_cli_config_command_and_bad_config_exit_status(capsys, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[job]\nsteps = -1\n")
     assert main(["launch", str(bad)]) == 2
-    assert "[job] steps must be >= 1" in capsys.readouterr().err
+    assert "[job] steps = -1: must be an integer in 1..1_000_000_000" in capsys.readouterr().err
 
 
 def test_taken_metrics_port_is_a_config_error():
     import socket
 
-    from jobs.launch import _check_ports
+    from jobs.preflight import check_ports
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,4 +82,98 @@ def test_taken_metrics_port_is_a_config_error():
         port = s.getsockname()[1]
         config = JobConfig().replace(metrics={"port": port})
         with pytest.raises(ConfigError, match=rf"127.0.0.1:{port} is in use.*--set metrics.port="):
-            _check_ports(config)
+            check_ports(config)
+
+
+# Every numeric key of every section has a range; one value just outside it per bound, and the message
+# names the table, the key, the value and the allowed range.
+OUT_OF_RANGE = [
+    ("job", "steps", 0, r"an integer in 1\.\.1_000_000_000"),
+    ("job", "batch_size", 2**20 + 1, r"an integer in 1\.\.1_048_576"),
+    ("job", "eval_epochs", float("inf"), r"a finite number in \[0, 1000\]"),
+    ("job", "eval_epochs", -0.5, r"a finite number in \[0, 1000\]"),
+    ("job", "seed", -1, r"an integer in 0\.\.4_294_967_295"),
+    ("job", "lr", -1.0, r"a finite number in \(0, 10\]"),
+    ("job", "lr", 0.0, r"a finite number in \(0, 10\]"),
+    ("job", "lr", float("nan"), r"a finite number in \(0, 10\]"),
+    ("job", "checkpoint_every", -1, r"an integer in 0\.\.1_000_000_000"),
+    ("job", "max_failures", -1, r"an integer in 0\.\.1_000"),
+    ("data", "synthetic_rows", 0, r"an integer in 1\.\.10_000_000"),
+    ("data", "eval_fraction", 0.9, r"a finite number in \[0, 0\.5\]"),
+    ("model", "embedding_dim", 10**6, r"an integer in 1\.\.4_096"),
+    ("model", "table_size", 1, r"an integer in 2\.\.4_294_967_296"),
+    ("model", "table_size", 2**32 + 1, r"an integer in 2\.\.4_294_967_296"),
+    ("model", "bottom_mlp", [], r"a list of 1 to 16 items"),
+    ("model", "top_mlp", [8, 0], r"item 1 \(0\) is out of range: each must be an integer in 1\.\.65_536"),
+    ("cluster", "trainers", 0, r"an integer in 1\.\.1_024"),
+    ("cluster", "parameter_servers", 27, r"an integer in 0\.\.26"),
+    ("cluster", "cpus_per_trainer", 0.0, r"a finite number in \(0, 1024\]"),
+    ("cluster", "rpc_timeout_s", float("inf"), r"a finite number in \(0, 3600\]"),
+    ("cluster", "server_fetch_delay_ms", -1.0, r"a finite number in \[0, 10000\]"),
+    ("phases", "passes", ["dce"] * 33, r"a list of 0 to 32 items"),
+    ("phases", "block_steps", 0, r"an integer in 1\.\.1_000_000_000"),
+    ("metrics", "port", 0, r"an integer in 1\.\.65_535"),
+    ("quant", "calibration_batches", -1, r"an integer in 1\.\.10_000"),
+    ("quant", "calibration_batches", 0, r"an integer in 1\.\.10_000"),
+    ("quant", "eval_batch_size", 0, r"an integer in 1\.\.1_048_576"),
+    ("faults", "kill_trainer_at_step", -2, r"an integer in -1\.\.1_000_000_000"),
+]
+
+
+def test_parity_mode_is_error_or_warn():
+    assert JobConfig().replace(phases={"parity": "warn"}).phases.parity == "warn"
+    with pytest.raises(ConfigError, match=r'\[phases\] parity = \'off\': must be "error" or "warn"'):
+        JobConfig().replace(phases={"parity": "off"})
+
+
+@pytest.mark.parametrize("table, key, value, allowed", OUT_OF_RANGE)
+def test_every_key_has_a_range(table, key, value, allowed):
+    with pytest.raises(ConfigError, match=rf"\[{table}\] {key} = .*: .*{allowed}"):
+        JobConfig().replace(**{table: {key: value}})
+
+
+def test_the_range_table_covers_every_numeric_key():
+    import dataclasses
+
+    tested = {(t, k) for t, k, _, _ in OUT_OF_RANGE}
+    config = JobConfig()
+    for table in to_dict(config):
+        for f in dataclasses.fields(getattr(config, table)):
+            numeric = f.type in ("int", "float", "list[int]", "list[str]")
+            assert numeric == ("range" in f.metadata), (table, f.name)
+            assert not numeric or (table, f.name) in tested or f.name == "kill_server_at_step", (table, f.name)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        # the exporters use port .. port + trainers + servers - 1
+        ({"metrics": {"port": 65535}}, r"\[metrics\] port = 65535: the exporters use ports 65535\.\.65537 .*"
+                                       r"use a base <= 65533"),
+        ({"job": {"name": "../../etc/x"}}, r"\[job\] name = '\.\./\.\./etc/x': it names the run folder, so it may "
+                                           r"only contain letters, digits, '\.', '_' and '-', must not start with '\.'"),
+        ({"job": {"name": ".hidden"}}, r"must not start with '\.'"),
+        ({"job": {"name": "a/b"}}, r"\[job\] name = 'a/b'"),
+        ({"job": {"name": ""}}, r"\[job\] name = ''"),
+        ({"job": {"run_dir": " "}}, r"\[job\] run_dir must not be empty"),
+        ({"metrics": {"host": ""}}, r"\[metrics\] host must not be empty"),
+        ({"faults": {"kill_trainer_at_step": 201}}, r"\[faults\] kill_trainer_at_step = 201: must be -1 \(never\) "
+                                                    r"or a step in 1\.\.\[job\] steps = 200"),
+        ({"faults": {"kill_server_at_step": 0}}, r"\[faults\] kill_server_at_step = 0"),
+        ({"faults": {"kill_server_at_step": 5}, "cluster": {"parameter_servers": 0}},
+         r"kill_server_at_step is set but \[cluster\] parameter_servers = 0"),
+    ],
+)
+def test_constraints_between_keys(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        JobConfig().replace(**changes)
+
+
+def test_edges_of_the_ranges_are_accepted():
+    config = JobConfig().replace(
+        job={"name": "a.b_c-1", "max_failures": 0, "lr": 10, "eval_epochs": 0, "seed": 2**32 - 1},
+        metrics={"port": 65533}, data={"eval_fraction": 0.5}, model={"table_size": 2},
+        cluster={"parameter_servers": 0}, phases={"passes": []}, faults={"kill_trainer_at_step": 200})
+    assert config.metrics.port == 65533 and config.job.name == "a.b_c-1"
+    # with metrics off, the port range does not matter
+    assert JobConfig().replace(metrics={"enabled": False, "port": 65535}).metrics.port == 65535

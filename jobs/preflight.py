@@ -1,0 +1,216 @@
+"""Checks ``fxdist launch`` runs before it starts Ray: everything that can be known to fail, fails here.
+
+:func:`check` runs, cheapest first, and raises on the first problem (the CLI exits with status 2):
+
+1. the config's own ranges and cross-key constraints (already checked by :func:`jobs.config.parse_config`);
+2. the passes of ``[phases] passes`` resolve (their modules import; nothing is run);
+3. the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
+   compression, no valid line near the start), or enough synthetic rows when none is found;
+4. on this machine only (no Ray cluster): the metrics ports are free (:func:`check_ports`), and the job's
+   memory (:func:`estimate_memory`) fits in the memory available (:func:`available_memory_bytes`).
+
+On a cluster the trainers and servers run on other hosts, so ports and memory are left to them.
+
+Source: Ray Train ``TorchTrainer`` (retries are for process and node failures, not for a job that cannot
+run); Linux ``/proc/meminfo`` (``MemAvailable``).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.config import ConfigError, JobConfig
+from jobs.data import NUM_DENSE, NUM_SPARSE, locate_data
+
+__all__ = ["check", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "MemoryEstimate", "server_table_copies",
+           "available_memory_bytes"]
+
+GIB = 1024**3
+FLOAT_BYTES = 4
+DENSE_COPIES = 4
+"""Per trainer and phase: dense weights, their gradients, Adagrad's ``sum`` state and DDP's gradient buckets."""
+
+
+def server_table_copies(phases: int) -> int:
+    """With parameter servers, copies of the tables (weights + row-wise Adagrad state) at a checkpoint, for
+    ``phases`` phases trained side by side (each its own table set): the servers' own (one per phase), the
+    copy a server answers ``state_dict`` with (1), the checkpoint trainer rank 0 gathers (one per phase) and
+    the evaluated-model snapshot (1) (see jobs/ps.py ``ServerTables`` and jobs/worker.py
+    ``_save_checkpoint`` / ``_evaluate_mid_phase``)."""
+    return 2 * phases + 2
+
+
+def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
+    """Run every check that needs no Ray (see the module docstring).
+
+    Args:
+        local: The job runs on this machine (no Ray cluster): also check ports and memory.
+        log: ``log(message)`` for what was checked, or None.
+
+    Returns:
+        The data file, or None when synthetic data is to be generated.
+
+    Raises:
+        ConfigError: a pass that does not resolve, a taken port, or not enough memory.
+        jobs.data.DataError: the data file cannot be used.
+    """
+    check_passes(config)
+    data = locate_data(config.data.path, config.model.table_size)
+    if data is None:
+        check_synthetic_rows(config)
+    if local:
+        if config.metrics.enabled:
+            check_ports(config)
+        estimate = check_memory(config)
+        if log is not None:
+            log(f"memory: the job needs about {estimate.total_bytes / GIB:.2f} GiB "
+                f"(embedding tables {estimate.tables_bytes / GIB:.2f} GiB each copy), "
+                f"{available_memory_bytes() / GIB:.1f} GiB available")
+    return data
+
+
+def check_synthetic_rows(config: JobConfig) -> None:
+    """Generated data must give every trainer a training line and, with ``eval_fraction > 0``, the
+    evaluation a held-out line (every k-th line, k = round(1 / eval_fraction), is held out).
+
+    Raises:
+        ConfigError: naming ``[data] synthetic_rows`` and the smallest value that works.
+    """
+    rows, trainers, fraction = config.data.synthetic_rows, config.cluster.trainers, config.data.eval_fraction
+    every = round(1 / fraction) if fraction > 0 else 0
+    need = max(every, trainers + (trainers - 1) // (every - 1) if every > 1 else trainers)
+    if rows < need:
+        raise ConfigError(f"{config.source}: [data] synthetic_rows = {rows}: the generated data must give each of "
+                          f"the {trainers} trainers a training line"
+                          f"{' and hold out every ' + str(every) + '-th line' if every else ''}; use >= {need}")
+
+
+def check_passes(config: JobConfig) -> None:
+    """Resolve every pass of ``[phases] passes`` (imports its module, runs nothing).
+
+    Raises:
+        ConfigError: an unknown pass (listing the known ones), or one whose module cannot be imported.
+    """
+    from fxdist.pipeline import resolve_pass
+
+    for name in config.phases.passes:
+        try:
+            resolve_pass(name)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"{config.source}: [phases] passes: {e}") from None
+
+
+def check_ports(config: JobConfig) -> None:
+    """Fail early, with the fix, when an exporter port of this machine is taken.
+
+    Raises:
+        ConfigError: naming the port in use.
+    """
+    m, c = config.metrics, config.cluster
+    last = m.port + c.trainers + c.parameter_servers - 1
+    for port in range(m.port, last + 1):
+        with socket.socket() as s:
+            try:
+                s.bind((m.host, port))
+            except OSError as e:
+                raise ConfigError(
+                    f"{config.source}: [metrics] port: {m.host}:{port} is in use ({e.strerror}); the job needs ports "
+                    f"{m.port}..{last}. Pick another base, e.g. --set metrics.port={m.port + 100}, or "
+                    "--set metrics.enabled=false"
+                ) from None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a job holds in memory at its peak (a checkpoint in the last phase), in bytes."""
+
+    tables_bytes: int
+    """One copy of the 26 tables: ``26 * table_size * D`` float32, plus the row-wise Adagrad state
+    (``26 * table_size`` float32) when they live on parameter servers."""
+    table_copies: int
+    """How many copies exist at once (see :func:`server_table_copies`; in-trainer tables: 2 per trainer and
+    phase, weights and Adagrad's dense ``sum``, plus rank 0's evaluated-model snapshot)."""
+    dense_bytes: int
+    """Dense (MLP) parameters of all trainers, times DENSE_COPIES."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tables_bytes * self.table_copies + self.dense_bytes
+
+
+def dense_parameters(config: JobConfig) -> int:
+    """Parameters of the DLRM's bottom and top MLPs (weights and biases)."""
+    m = config.model
+    features = NUM_SPARSE + 1
+    count = 0
+    for inputs, widths in ((NUM_DENSE, [*m.bottom_mlp, m.embedding_dim]),
+                           (m.embedding_dim + features * (features - 1) // 2, [*m.top_mlp, 1])):
+        for width in widths:
+            count += inputs * width + width
+            inputs = width
+    return count
+
+
+def estimate_memory(config: JobConfig) -> MemoryEstimate:
+    """The job's peak memory on one machine (see :class:`MemoryEstimate`)."""
+    m, c = config.model, config.cluster
+    phases = 2 if config.phases.baseline else 1  # trained side by side, each with its own tables
+    weights = NUM_SPARSE * m.table_size * m.embedding_dim * FLOAT_BYTES
+    dense = dense_parameters(config) * FLOAT_BYTES * DENSE_COPIES * c.trainers * phases
+    if c.parameter_servers:
+        return MemoryEstimate(weights + NUM_SPARSE * m.table_size * FLOAT_BYTES, server_table_copies(phases), dense)
+    return MemoryEstimate(weights, 2 * c.trainers * phases + 1, dense)
+
+
+def available_memory_bytes() -> int:
+    """Memory available to new processes: psutil's ``virtual_memory().available`` when installed, else
+    ``MemAvailable`` of ``/proc/meminfo`` (Linux).
+
+    Raises:
+        OSError: neither is available.
+    """
+    try:
+        import psutil
+    except ImportError:
+        pass
+    else:
+        return int(psutil.virtual_memory().available)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable line")
+
+
+def check_memory(config: JobConfig, available: int | None = None) -> MemoryEstimate:
+    """Refuse a job whose estimated peak memory exceeds what this machine has available.
+
+    Args:
+        available: Bytes available (default: :func:`available_memory_bytes`).
+
+    Raises:
+        ConfigError: naming ``[model] table_size`` / ``embedding_dim``, what the tables need and what the
+            machine has.
+    """
+    estimate = estimate_memory(config)
+    if available is None:
+        try:
+            available = available_memory_bytes()
+        except OSError:
+            return estimate  # not Linux and no psutil: nothing to compare with
+    if estimate.total_bytes > available:
+        m, c = config.model, config.cluster
+        where = (f"on the {c.parameter_servers} parameter server(s) with row-wise Adagrad state"
+                 if c.parameter_servers else f"in each of the {c.trainers} trainers")
+        raise ConfigError(
+            f"{config.source}: [model] table_size = {m.table_size}, embedding_dim = {m.embedding_dim}: the job "
+            f"needs about {estimate.total_bytes / GIB:.1f} GiB, more than the {available / GIB:.1f} GiB this "
+            f"machine has available. One copy of the 26 tables ({where}) is {estimate.tables_bytes / GIB:.2f} "
+            f"GiB and about {estimate.table_copies} copies exist at a checkpoint; the dense models take "
+            f"{estimate.dense_bytes / GIB:.2f} GiB. Lower table_size or embedding_dim, or run on a Ray cluster "
+            "([cluster] address)"
+        )
+    return estimate

@@ -1,0 +1,447 @@
+"""``fxdist launch`` refuses what cannot succeed before Ray starts, and never leaves or loses a run folder.
+
+Every test here goes through the CLI (``jobs.cli.main``) and checks the exit status, the message, and
+that nothing was started (``_join_ray`` fails the test if reached) or left behind (no run folder).
+The Ray-backed tests (a deterministic error stops on the first attempt; an interrupted run is marked and
+resumed) are at the end.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import preflight, runs
+from jobs.cli import main
+from jobs.config import ConfigError, JobConfig, to_dict
+from jobs.data import NUM_DENSE, NUM_SPARSE
+from jobs.metrics import free_port_block
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fail the test if the launcher gets as far as joining Ray."""
+    import jobs.launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher reached Ray although a cheap check should have failed")
+
+    monkeypatch.setattr(jobs.launch, "_join_ray", refuse)
+
+
+def _launch(tmp_path: Path, *sets: str, run_dir: Path | None = None) -> int:
+    args = ["launch", "--quiet", "--set", f'job.run_dir="{tmp_path / "runs"}"']
+    for s in sets:
+        args += ["--set", s]
+    if run_dir is not None:
+        args += ["--run-dir", str(run_dir)]
+    return main(args)
+
+
+def _criteo_line(label: str = "1") -> str:
+    return "\t".join([label, *["1"] * NUM_DENSE, *["68fd1e64"] * NUM_SPARSE]) + "\n"
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (['phases.passes=["async_rpc", "asyncrpc"]'],
+         "[phases] passes: unknown pass 'asyncrpc'; known passes: async_rpc, async_rpc_prefetch, dce"),
+        (["job.max_failures=-1"], "[job] max_failures = -1: must be an integer in 0..1_000"),
+        (["job.lr=nan"], "[job] lr = nan: must be a finite number in (0, 10]"),
+        (["metrics.port=65535"], "[metrics] port = 65535: the exporters use ports 65535..65537"),
+        (['job.name="../../etc/x"'], "[job] name = '../../etc/x': it names the run folder"),
+        (["model.bottom_mlp=[]"], "[model] bottom_mlp = []: must be a list of 1 to 16 items"),
+    ],
+)
+def test_bad_config_exits_2_before_anything_starts(tmp_path, capsys, no_ray, sets, message):
+    assert _launch(tmp_path, *sets) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda p: p, "no such file"),
+        (lambda p: p.mkdir(), "is a directory, expected a Criteo TSV file"),
+        (lambda p: p.write_bytes(b""), "the file is empty"),
+        (lambda p: p.write_text("x\ty\n"), "none of the first 1 non-blank lines is a valid Criteo line"),
+        (lambda p: p.write_bytes(b"\x28\xb5\x2f\xfdzstd"), "is zstd-compressed, which is not supported"),
+    ],
+)
+def test_unusable_data_file_exits_2_before_ray_and_leaves_no_folder(tmp_path, capsys, no_ray, make, reason):
+    data = tmp_path / "data.tsv"
+    make(data)
+    run_dir = tmp_path / "run"
+    assert _launch(tmp_path, f'data.path="{data}"', run_dir=run_dir) == 2
+    err = capsys.readouterr().err
+    assert f"[data] path = '{data}': {reason}" in err
+    assert not run_dir.exists() and not (tmp_path / "runs").exists()
+
+
+def test_gzip_data_passes_the_checks(tmp_path):
+    data = tmp_path / "data.txt"  # gzip content, no .gz suffix
+    with gzip.open(data, "wt") as f:
+        f.write(_criteo_line() * 10)
+    config = JobConfig().replace(data={"path": str(data)}, metrics={"enabled": False})
+    assert preflight.check(config, local=False) == data
+
+
+def test_taken_port_exits_2_and_leaves_no_folder(tmp_path, capsys, no_ray):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert _launch(tmp_path, f"metrics.port={port}", run_dir=tmp_path / "run") == 2
+    assert f"127.0.0.1:{port} is in use" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("table_size, servers", [(10**8, 1), (10**9, 1), (10**8, 0)])
+def test_tables_that_do_not_fit_in_memory_exit_2(tmp_path, capsys, no_ray, table_size, servers):
+    assert _launch(tmp_path, f"model.table_size={table_size}", f"cluster.parameter_servers={servers}",
+                   "metrics.enabled=false") == 2
+    err = capsys.readouterr().err
+    tables_gib = 26 * table_size * (16 + (1 if servers else 0)) * 4 / 2**30
+    assert f"[model] table_size = {table_size}, embedding_dim = 16: the job needs about" in err
+    assert "One copy of the 26 tables" in err and f"is {tables_gib:.2f} GiB" in err
+    assert "GiB this machine has available" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_memory_estimate_counts_tables_optimizer_state_and_copies():
+    config = JobConfig().replace(model={"table_size": 1000, "embedding_dim": 8})
+    est = preflight.estimate_memory(config)  # 1 parameter server: weights + row-wise Adagrad state
+    # two phases side by side: a table set each on the servers and in each checkpoint, plus two transients
+    assert est.tables_bytes == 26 * 1000 * (8 + 1) * 4 and est.table_copies == 2 * 2 + 2
+    one = preflight.estimate_memory(config.replace(phases={"baseline": False}))
+    assert one.table_copies == 2 + 2 and one.dense_bytes * 2 == est.dense_bytes
+    local = preflight.estimate_memory(config.replace(cluster={"parameter_servers": 0, "trainers": 3}))
+    assert local.tables_bytes == 26 * 1000 * 8 * 4 and local.table_copies == 2 * 3 * 2 + 1
+    # dense parameters: 13-512-256-8 bottom, (8 + 351)-512-256-1 top
+    bottom = 13 * 512 + 512 + 512 * 256 + 256 + 256 * 8 + 8
+    top = 359 * 512 + 512 + 512 * 256 + 256 + 256 + 1
+    assert preflight.dense_parameters(config) == bottom + top
+    fits = preflight.check_memory(config, available=est.total_bytes)
+    assert fits == est
+    with pytest.raises(ConfigError, match=r"more than the 0\.0 GiB this machine has available"):
+        preflight.check_memory(config, available=est.total_bytes - 1)
+    assert preflight.available_memory_bytes() > 0
+
+
+def _fake_run(run_dir: Path, status: str | None, *, checkpoint: bool = True, **extra) -> None:
+    run_dir.mkdir(parents=True)
+    results = {"job": "x", "config": to_dict(JobConfig()), "phases": {"baseline": {"qps": 1.0}}, **extra}
+    if status is not None:
+        results["status"] = status
+    (run_dir / "results.json").write_text(json.dumps(results))
+    if checkpoint:
+        (run_dir / "ray" / "train").mkdir(parents=True)
+
+
+@pytest.mark.parametrize("status", ["completed", None, "interrupted", "failed"])
+def test_a_run_is_never_overwritten(tmp_path, capsys, no_ray, status):
+    run_dir = tmp_path / "run"
+    _fake_run(run_dir, status)
+    before = (run_dir / "results.json").read_bytes()
+    assert _launch(tmp_path, run_dir=run_dir) == 2
+    err = capsys.readouterr().err
+    assert f"already holds a run (status: {status or 'completed'})" in err
+    assert f"fxdist launch --resume {run_dir}" in err
+    assert (run_dir / "results.json").read_bytes() == before
+
+
+def test_run_dir_with_only_other_files_is_used(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "prometheus").mkdir(parents=True)  # e.g. a Prometheus config written beforehand
+    assert runs.choose(JobConfig(), run_dir) == run_dir.resolve()
+    first = runs.choose(JobConfig().replace(job={"run_dir": str(tmp_path)}), None)
+    first.mkdir()
+    second = runs.choose(JobConfig().replace(job={"run_dir": str(tmp_path)}), None)
+    assert second != first and second.parent == first.parent  # same second: a suffix, never the same folder
+
+
+@pytest.mark.parametrize(
+    "setup, args, message",
+    [
+        (lambda d: _fake_run(d, "completed"), [], "the run completed; there is nothing to resume"),
+        (lambda d: _fake_run(d, None), [], "the run completed; there is nothing to resume"),
+        (lambda d: d.mkdir(), [], "no run there"),
+        (lambda d: _fake_run(d, "running", launcher={"pid": os.getppid(), "host": socket.gethostname()}), [],
+         "the run is still running"),
+        (lambda d: _fake_run(d, "interrupted"), ["--set", "model.table_size=100"],
+         "[model] table_size cannot change when resuming (the run used 20000, --set gives 100)"),
+        (lambda d: _fake_run(d, "interrupted"), ["jobs/default.toml"], "--resume uses the config the run was"),
+    ],
+)
+def test_resume_refusals(tmp_path, capsys, no_ray, setup, args, message):
+    run_dir = tmp_path / "run"
+    setup(run_dir)
+    assert main(["launch", "--quiet", "--resume", str(run_dir), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_uses_the_saved_config_with_allowed_overrides(tmp_path):
+    run_dir = tmp_path / "run"
+    _fake_run(run_dir, "failed")
+    saved = runs.load_config(run_dir)
+    assert saved.job.steps == JobConfig().job.steps and saved.source.endswith("results.json")
+    changed = saved.replace(metrics={"port": 9700}, job={"max_failures": 5})
+    runs.check_resume_changes(saved, changed)  # allowed: no exception
+
+
+# ---- with Ray ------------------------------------------------------------------------------------------
+
+SMALL = ["job.steps=12", "job.batch_size=32", "job.checkpoint_every=4", "job.progress=false", "job.eval_epochs=0",
+         "model.table_size=500", "model.bottom_mlp=[16]", "model.top_mlp=[16]", "cluster.cpus_per_trainer=0.5",
+         "cluster.rpc_timeout_s=20.0", "quant.calibration_batches=1", "quant.eval_batch_size=64"]
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+@pytest.mark.timeout(400)
+def test_deterministic_data_error_stops_on_the_first_attempt(tmp_path, capsys):
+    """One valid line and two trainers: rank 1's shard is empty. The trainer's DataError is recorded and
+    not retried although max_failures = 2; exit 2 with the worker's message; results.json says failed."""
+    pytest.importorskip("ray")
+    data = tmp_path / "one.tsv"
+    data.write_text(_criteo_line() + "bad line\n")
+    run_dir = tmp_path / "run"
+    rc = main(["launch", "--quiet", "--run-dir", str(run_dir), *_sets(SMALL),
+               *_sets([f'data.path="{data}"', "data.eval_fraction=0.0", "metrics.enabled=false",
+                       "job.max_failures=2", "cluster.parameter_servers=0", "quant.enabled=false"])])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "trainer rank 1: DataError: CriteoShard:" in err and "has no valid train line for rank 1 of 2" in err
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "failed" and "has no valid train line" in results["error"]
+    assert results["phases"] == {}
+    # the loop ran once: a retried attempt returns before loading data (no second "loop started")
+    started = [what for _, what in results["timeline"] if what == "rank 0: training loop started"]
+    assert len(started) == 1, results["timeline"]
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended early with {proc.returncode}:\n{proc.stderr.read()}")
+        time.sleep(0.5)
+    raise AssertionError("timed out waiting for the job")
+
+
+def test_job_state_keeps_the_fuller_phase_result():
+    """A restart between a phase's end and its final checkpoint re-runs the phase's last steps: the
+    result that covers the whole phase is kept; seeds from a resumed run carry over, errors do not."""
+    from jobs.launch import JobState
+
+    state = JobState({"status": "interrupted", "phases": {"baseline": {"steps": 10, "resumed_from_step": 0}},
+                      "faults_fired": ["trainer"], "starts": [["baseline", 0]], "error": "old"})
+    state.phase_done("baseline", {"steps": 2, "resumed_from_step": 8})
+    assert state.results["baseline"]["steps"] == 10 and "done again (from step 8)" in state.events[-1][1]
+    state.phase_done("optimized", {"steps": 10, "resumed_from_step": 0})
+    assert not state.fire("trainer") and state.fire("server") and state.failure() is None
+    state.fail("data", "DataError", "empty shard", 1)
+    state.fail("job", "TraceError", "later", 0)
+    assert state.snapshot()["error"] == {"kind": "data", "type": "DataError", "message": "empty shard", "rank": 1}
+
+
+@pytest.mark.timeout(500)
+def test_interrupted_run_is_marked_and_resumed(tmp_path, capsys):
+    """SIGINT during the optimized phase: exit 130 and results.json "interrupted" with the baseline's results;
+    --resume finishes the optimized phase from its checkpoint and keeps the baseline; the finished run is
+    then refused."""
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    base = free_port_block(3)
+    args = [sys.executable, "-m", "jobs.cli", "launch", "--run-dir", str(run_dir), *_sets(SMALL),
+            *_sets([f"metrics.port={base}", "job.steps=600", "job.checkpoint_every=50", "quant.enabled=false"])]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    results_path = run_dir / "results.json"
+
+    def optimized_checkpointed() -> bool:
+        """Ray Train has registered a checkpoint of the optimized phase (its checkpoint manager snapshot)."""
+        try:
+            snapshot = json.loads((run_dir / "ray" / "train" / "checkpoint_manager_snapshot.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return (snapshot.get("latest_checkpoint_result") or {}).get("metrics", {}).get("phase") == "optimized"
+
+    try:
+        _wait_for(optimized_checkpointed, proc, 300)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc == 130, err
+    assert "fxdist: interrupted" in err and f"fxdist launch --resume {run_dir}" in err
+    interrupted = json.loads(results_path.read_text())
+    assert interrupted["status"] == "interrupted" and list(interrupted["phases"]) == ["baseline"]
+    assert interrupted["phases"]["baseline"]["steps"] == 600 and 0 < interrupted["progress"]["optimized"] < 600
+    baseline = interrupted["phases"]["baseline"]
+
+    # metrics.port may change on resume (a fresh block: ports are shared with other jobs on this machine)
+    assert main(["launch", "--quiet", "--resume", str(run_dir), "--set", f"metrics.port={free_port_block(3)}"]) == 0
+    done = json.loads(results_path.read_text())
+    assert done["status"] == "completed" and done["resumes"] == 1
+    kept = ("qps", "steps", "samples", "wall_seconds")  # kept from before the interruption, not re-run
+    assert {k: done["phases"]["baseline"][k] for k in kept} == {k: baseline[k] for k in kept}
+    assert [p for p, _ in done["starts"]].count("baseline") == 1
+    optimized = done["phases"]["optimized"]
+    assert optimized["resumed_from_step"] >= 50 and optimized["steps"] == 600 - optimized["resumed_from_step"]
+    assert ("optimized", optimized["resumed_from_step"]) in [(r["phase"], r["step"]) for r in done["restores"]]
+
+    capsys.readouterr()
+    assert main(["launch", "--quiet", "--resume", str(run_dir)]) == 2
+    assert "the run completed; there is nothing to resume" in capsys.readouterr().err
+    before = results_path.read_bytes()
+    assert main(["launch", "--quiet", "--run-dir", str(run_dir)]) == 2
+    assert results_path.read_bytes() == before
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _FakeState:
+    """The JobState actor's methods as ``.remote`` calls (``ray.get`` is patched to return its argument)."""
+
+    def __init__(self, error=None):
+        from jobs.launch import JobState
+
+        self.actor = JobState()
+        self.actor.error = error
+        self.failure = _Remote(self.actor.failure)
+        self.fail = _Remote(self.actor.fail)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypatch, world):
+    import ray
+    import ray.train
+
+    import jobs.worker
+    from fxdist.errors import TraceError
+    from jobs.data import DataError
+
+    class Context:
+        def get_world_rank(self):
+            return world - 1
+
+        def get_world_size(self):
+            return world
+
+    monkeypatch.setattr(ray, "get", lambda x, **kw: x)
+    monkeypatch.setattr(ray.train, "get_context", lambda: Context())
+    calls = []
+
+    def failing(loop_config):
+        calls.append(loop_config)
+        raise loop_config["raise"]
+
+    monkeypatch.setattr(jobs.worker, "_train_loop", failing)
+    state = _FakeState()
+    error = DataError("x.tsv has no valid train line")
+    if world == 1:  # one trainer: return normally, so fit() ends without a retry
+        jobs.worker.train_loop({"state": state, "raise": error})
+    else:  # more: re-raise, so Ray Train tears down the ranks waiting in a collective
+        with pytest.raises(DataError):
+            jobs.worker.train_loop({"state": state, "raise": error})
+    assert state.actor.error == {"kind": "data", "type": "DataError", "message": str(error), "rank": world - 1}
+    # the retried attempt returns at once, without running the loop
+    jobs.worker.train_loop({"state": state, "raise": AssertionError("not reached")})
+    assert len(calls) == 1
+    # a trace error is recorded as a job error; a process-level failure is Ray Train's to retry
+    state = _FakeState()
+    with pytest.raises(RuntimeError, match="connection reset"):
+        jobs.worker.train_loop({"state": state, "raise": RuntimeError("connection reset")})
+    assert state.actor.error is None
+    try:
+        jobs.worker.train_loop({"state": state, "raise": TraceError("control flow")})
+    except TraceError:
+        assert world > 1
+    assert state.actor.error["kind"] == "job"
+
+
+@pytest.mark.parametrize(
+    "error, code, message",
+    [
+        ({"kind": "config", "type": "ConfigError", "message": "bad key", "rank": 0}, 2, "trainer rank 0: ConfigError: bad key"),
+        ({"kind": "data", "type": "DataError", "message": "empty shard", "rank": 1}, 2, "trainer rank 1: DataError: empty shard"),
+        ({"kind": "job", "type": "TraceError", "message": "control flow", "rank": 0}, 1,
+         "job failed: JobFailed: trainer rank 0: TraceError: control flow (stopped on the first attempt)"),
+    ],
+)
+def test_recorded_errors_map_to_exit_codes(monkeypatch, capsys, error, code, message):
+    import jobs.launch
+
+    def launch(*args, **kwargs):
+        raise jobs.launch._recorded_error(error)
+
+    monkeypatch.setattr(jobs.launch, "launch", launch)
+    assert main(["launch", "--quiet"]) == code
+    assert message in capsys.readouterr().err
+
+
+def test_interrupt_exit_code_and_notes(monkeypatch, capsys):
+    import jobs.launch
+
+    def launch(*args, **kwargs):
+        e = KeyboardInterrupt()
+        e.add_note("run folder: /x (interrupted); continue it with `fxdist launch --resume /x`")
+        raise e
+
+    monkeypatch.setattr(jobs.launch, "launch", launch)
+    assert main(["launch", "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert "fxdist: interrupted" in err and "fxdist launch --resume /x" in err
+
+
+@pytest.mark.parametrize("trainers, eval_fraction", [(2, 0.0), (3, 0.5), (5, 0.3), (2, 0.1)])
+def test_synthetic_rows_check_matches_what_the_shards_need(tmp_path, trainers, eval_fraction):
+    """The smallest synthetic_rows the check accepts is the smallest that gives every shard a line."""
+    from jobs.data import CriteoShard, DataError, write_synthetic_criteo
+
+    def shards_ok(rows: int) -> bool:
+        path = write_synthetic_criteo(tmp_path / "s.tsv", rows)
+        try:
+            for r in range(trainers):
+                CriteoShard(path, 100, rank=r, world_size=trainers, eval_fraction=eval_fraction)
+            if eval_fraction > 0:
+                CriteoShard(path, 100, eval_fraction=eval_fraction, split="eval")
+        except DataError:
+            return False
+        return True
+
+    def check_ok(rows: int) -> bool:
+        config = JobConfig().replace(cluster={"trainers": trainers},
+                                     data={"eval_fraction": eval_fraction, "synthetic_rows": rows})
+        try:
+            preflight.check_synthetic_rows(config)
+        except ConfigError as e:
+            assert "[data] synthetic_rows" in str(e)
+            return False
+        return True
+
+    first = next(rows for rows in range(1, 30) if check_ok(rows))
+    assert shards_ok(first) and not shards_ok(first - 1) and not check_ok(first - 1)
