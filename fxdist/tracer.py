@@ -79,6 +79,17 @@ def _transfer_attrs(fr: object, to: object) -> None:
             setattr(to, name, value)
 
 
+def _not_a_function(fn: Any) -> AssertionError:
+    """torch.fx's error for a root that is neither an nn.Module nor a Python function (a C builtin such
+    as ``F.conv2d``, a class...), with a note saying what to trace instead."""
+    err = AssertionError(f"Expected FunctionType, got {type(fn)}")
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    err.add_note(f"symbolic_trace needs an nn.Module or a Python function (def/lambda); {name} is a "
+                 f"{type(fn).__name__}, whose code cannot be run on Proxies. Trace a function that calls it "
+                 f"instead, e.g. symbolic_trace(lambda x: {name}(x)): the call becomes one call_function node.")
+    return err
+
+
 def _call_root(fn: Callable[..., Any], args: list[Any]) -> Any:
     """Calls the traced function; the outermost frame recorded in ``node.stack_trace``."""
     return fn(*args)
@@ -450,8 +461,8 @@ class Tracer(TracerBase):
             if isinstance(root, torch.nn.Module):
                 self.root = root
                 fn = getattr(type(root), self.traced_func_name, None)
-                if fn is None:
-                    raise AttributeError(f"traced_func_name={self.traced_func_name} doesn't exist in "
+                if fn is None:  # AssertionError, as torch.fx
+                    raise AssertionError(f"traced_func_name={self.traced_func_name} doesn't exist in "
                                          f"{type(root).__name__}")
                 self.root_module_name = root._get_name()
                 self.submodule_paths = {mod: name for name, mod in root.named_modules()}
@@ -467,7 +478,7 @@ class Tracer(TracerBase):
             self._collect_tensor_attrs(self.root, [])
             self.__dict__.pop("_attr_name_cache", None)
             if not isinstance(fn, FunctionType):
-                raise TypeError(f"can only trace Python functions, got {type(fn).__name__}")
+                raise _not_a_function(fn)
             fn_globals = fn.__globals__
             fn, args = self.create_args_for_root(fn, isinstance(root, torch.nn.Module), concrete_args)
             with _Patcher() as patcher:
