@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
 # submodules torch.fx has loaded by then, imported with the package.
 _SUBMODULES: dict[str, tuple[str, ...]] = {
     "node": (), "graph": (), "codegen": (), "graph_module": (), "proxy": (), "tracer": (), "errors": (),
-    "interpreter": (), "subgraph_rewriter": (), "immutable_collections": (), "interop": (),
+    "interpreter": (), "subgraph_rewriter": (), "immutable_collections": (), "interop": (), "annotate": (),
     "pipeline": (),
     "passes": ("shape_prop", "reinplace", "graph_drawer", "utils", "utils.matcher_utils"),
     "experimental": ("proxy_tensor",),
