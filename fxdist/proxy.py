@@ -429,7 +429,8 @@ def _is_iter_probe(frame: FrameType, insts: list[dis.Instruction], idx: int) -> 
     a TypeError's message there. Walks the argument's bytecode backwards by stack effect; anything
     unusual (jumps inside the argument) answers False.
     """
-    if idx >= len(insts) or insts[idx].opname != "CALL" or insts[idx].arg != 1:
+    # Python 3.11's specialized PRECALL calls a builtin itself, so a warm frame may stop there
+    if idx >= len(insts) or insts[idx].opname not in ("CALL", "PRECALL") or insts[idx].arg != 1:
         return False
     i = idx - 1
     while i >= 0 and insts[i].opname in _CALL_PREFIX:

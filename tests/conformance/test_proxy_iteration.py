@@ -105,3 +105,11 @@ def test_iter_probe_is_a_type_error_too():
     with pytest.raises(fx.TraceError) as info:
         fx.symbolic_trace(lambda x: iter(x))
     assert isinstance(info.value, TypeError)
+
+
+def test_iter_probe_is_recognized_in_a_warm_frame_too():
+    # after a few eager runs, Python 3.11 specializes the call; the frame then stops at PRECALL
+    for _ in range(64):
+        probe_then_add(torch.ones(1))
+    gm = fx.symbolic_trace(probe_then_add)
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_function", "output"]
