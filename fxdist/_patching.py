@@ -3,9 +3,11 @@
 ``_Patcher`` records every change (a global name, a class attribute such as ``nn.Module.__call__``)
 and undoes all of them, in reverse order, when its ``with`` block exits, also when tracing raised.
 ``wrap("name")`` at module scope registers a global function whose calls on Proxies are recorded as one
-``call_function`` node instead of being traced through.
+``call_function`` node instead of being traced through. ``ProxyableClassMeta`` makes constructing a
+class from Proxies one ``call_function`` node. The ``__fx_already_patched`` flag is set with ``setattr``
+(torch.fx writes it inside its class body, where Python mangles the name, so it never deduplicates).
 
-Source: torch/fx/_symbolic_trace.py (``_Patcher``, ``wrap``, ``_autowrap_check``).
+Source: torch/fx/_symbolic_trace.py (``_Patcher``, ``wrap``, ``_autowrap_check``, ``ProxyableClassMeta``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Conversion between fxdist and torch.fx GraphModules: ``from_torch_fx`` and ``to_torch_fx``.
+"""Conversion between fxdist and torch.fx GraphModules (``from_torch_fx``, ``to_torch_fx``), and
+``enter_torch_fx_trace``: what fxdist's tracer takes over from torch.fx's registries (``torch.fx.wrap``
+leaves, ``ProxyableClassMeta`` classes, the ``is_fx_tracing()`` flag) so libraries written for torch.fx
+trace the same with fxdist.
 
 The only module under ``fxdist/`` that imports ``torch.fx`` (docs/CONTRACTS.md). Both directions copy
 the node list one node at a time, keeping opcode, target, the structure of args/kwargs, node name,

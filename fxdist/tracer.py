@@ -8,8 +8,14 @@ restored even when tracing raises), calls ``forward`` with Proxies:
   modules are traced through;
 * reading a parameter becomes ``get_attr``; other tensor constants are stored on the root as
   ``_tensor_constant0``, ``_tensor_constant1``... and read back with ``get_attr``;
-* functions registered with :func:`wrap` (and everything in ``autowrap_modules``, ``math`` by default)
-  are recorded as ``call_function`` instead of being traced through.
+* functions registered with :func:`wrap` or with ``torch.fx.wrap`` (libraries such as torchrec register
+  theirs with torch.fx), and everything in ``autowrap_modules`` (``math`` by default), are recorded as
+  ``call_function`` instead of being traced through; so are the leaves a GraphModule being retraced
+  recorded (``meta["is_wrapped"]``), builtins such as ``len`` included;
+* constructing a class made with :class:`ProxyableClassMeta` (fxdist's or torch.fx's) from Proxies is
+  recorded as a ``call_function`` to the class;
+* while tracing, ``torch.fx._symbolic_trace.is_fx_tracing()`` is True, so library code takes the same
+  branches as under torch.fx (``fxdist.interop.enter_torch_fx_trace``).
 
 ``concrete_args`` specializes arguments: their value is fixed while tracing (so control flow on them is
 static) and guarded in the graph by an assertion; ``PH`` marks parts that stay symbolic.
