@@ -23,7 +23,9 @@ torchrec = pytest.importorskip("torchrec")
 
 from torchrec.datasets.utils import Batch  # noqa: E402
 from torchrec.models.deepfm import SimpleDeepFMNN  # noqa: E402
-from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain  # noqa: E402
+from torchrec.distributed.test_utils.test_model import ModelInput  # noqa: E402
+from torchrec.models.deepfm import SimpleDeepFMNNWrapper  # noqa: E402
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain, DLRMWrapper  # noqa: E402
 from torchrec.models.experimental.transformerdlrm import DLRM_Transformer  # noqa: E402
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig  # noqa: E402
 from torchrec.modules.embedding_modules import (  # noqa: E402
@@ -86,6 +88,19 @@ def test_dlrm_train_with_a_torchrec_batch_argument():
     ours, _ = assert_same_as_torch_fx(model, Batch(dense, kjt, torch.ones(4)))
     loss = [n for n in ours.graph.nodes if n.op == "call_module" and n.target == "loss_fn"]
     assert len(loss) == 1
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("make", [lambda: DLRMWrapper(_ebc(), 4, [16, 8], [16, 1]),
+                                  lambda: SimpleDeepFMNNWrapper(4, _ebc(), 16, 8)], ids=["DLRMWrapper", "DeepFMWrapper"])
+def test_model_input_wrappers(make, training):
+    torch.manual_seed(0)
+    dense, kjt = _inputs()
+    model = make().train(training)
+    batch = ModelInput(float_features=dense, idlist_features=kjt, idscore_features=None, label=torch.rand(4))
+    ours, _ = assert_same_as_torch_fx(model, batch)
+    losses = [n for n in ours.graph.nodes if n.target is torch.nn.functional.binary_cross_entropy_with_logits]
+    assert len(losses) == (1 if training else 0)  # self.training is static while tracing
 
 
 class BagsAndSequences(nn.Module):
