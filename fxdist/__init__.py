@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "symbolic_trace": "tracer",
     "wrap": "tracer",
     "PH": "tracer",
+    "ProxyableClassMeta": "tracer",
     "TraceError": "errors",
     "Interpreter": "interpreter",
     "Transformer": "interpreter",
@@ -39,17 +40,33 @@ _EXPORTS: dict[str, str] = {
     "register_pass": "pipeline",
 }
 
+# Submodules reachable as attributes (``fx.node``, ``fx.passes.shape_prop``...), as they are on
+# ``torch.fx`` right after ``import torch.fx``; each is imported on first access. Subpackages list the
+# submodules torch.fx has loaded by then, imported with the package.
+_SUBMODULES: dict[str, tuple[str, ...]] = {
+    "node": (), "graph": (), "codegen": (), "graph_module": (), "proxy": (), "tracer": (), "errors": (),
+    "interpreter": (), "subgraph_rewriter": (), "immutable_collections": (), "interop": (), "annotate": (),
+    "pipeline": (),
+    "passes": ("shape_prop", "reinplace", "graph_drawer", "utils", "utils.matcher_utils"),
+    "experimental": ("proxy_tensor",),
+}
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(f"fxdist.{module}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"fxdist.{name}")
+        for child in _SUBMODULES[name]:
+            importlib.import_module(f"fxdist.{name}.{child}")
+    else:
         raise AttributeError(f"module 'fxdist' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"fxdist.{module}"), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

@@ -1,4 +1,7 @@
-"""Conversion between fxdist and torch.fx GraphModules: ``from_torch_fx`` and ``to_torch_fx``.
+"""Conversion between fxdist and torch.fx GraphModules (``from_torch_fx``, ``to_torch_fx``), and
+``enter_torch_fx_trace``: what fxdist's tracer takes over from torch.fx's registries (``torch.fx.wrap``
+leaves, ``ProxyableClassMeta`` classes, the ``is_fx_tracing()`` flag) so libraries written for torch.fx
+trace the same with fxdist.
 
 The only module under ``fxdist/`` that imports ``torch.fx`` (docs/CONTRACTS.md). Both directions copy
 the node list one node at a time, keeping opcode, target, the structure of args/kwargs, node name,
@@ -15,16 +18,18 @@ does not is renamed by the receiving graph's namespace (e.g. torch.fx allows ``o
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, NamedTuple
 
 import torch.fx
 from torch import nn
 
+from fxdist._patching import _Patcher, _recording_constructor
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 
-__all__ = ["from_torch_fx", "to_torch_fx"]
+__all__ = ["from_torch_fx", "to_torch_fx", "enter_torch_fx_trace"]
 
 
 def _map(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
@@ -111,3 +116,54 @@ def to_torch_fx(gm: GraphModule) -> torch.fx.GraphModule:
     result = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
     result.meta = dict(gm.meta)
     return result
+
+
+
+
+class TorchFxTraceHooks(NamedTuple):
+    """What fxdist's tracer takes over from torch.fx for one trace (see :func:`enter_torch_fx_trace`)."""
+
+    functions: list[tuple[tuple[int, str], dict[str, Any]]]
+    """``((id(globals), name), globals)`` items of ``torch.fx._symbolic_trace._wrapped_fns_to_patch``."""
+    methods: list[tuple[type, str]]
+    """``(class, method name)`` pairs of ``_wrapped_methods_to_patch``."""
+    proxyable_classes: dict[type, None]
+    """torch.fx's ``_proxyable_classes`` (the live registry, not a copy)."""
+
+
+def enter_torch_fx_trace(patcher: _Patcher) -> TorchFxTraceHooks:
+    """Make an fxdist trace look like a torch.fx trace to library code, until ``patcher`` exits.
+
+    1. ``torch.fx._symbolic_trace.is_fx_tracing()`` / ``is_fx_symbolic_tracing()`` return True
+       meanwhile: torchrec's ``assert_fx_safe`` and ``fx_marker``, torch.compile'd functions
+       (dynamo inlines them or raises its "Detected that you are using FX" RuntimeError) and
+       ``torch.nested`` take their torch.fx branch.
+    2. Constructing a class made with ``torch.fx.ProxyableClassMeta`` (torchrec's ``KeyedTensor``,
+       ``KeyedJaggedTensor``, ``JaggedTensor``) from fxdist Proxies records a ``call_function``, as
+       fxdist's own ``ProxyableClassMeta`` does.
+    3. The leaf functions and methods registered with ``torch.fx.wrap`` are returned, so fxdist's
+       tracer patches them as leaves too. Libraries written for torch.fx (torchrec wraps dozens of
+       helpers, e.g. in ``torchrec/modules/embedding_modules.py``) call ``torch.fx.wrap("name")`` or
+       ``@torch.fx.wrap`` at module scope; the registry is read on every trace, so functions
+       registered after fxdist was imported count as well.
+
+    Args:
+        patcher: the tracer's patcher; everything is restored when it exits, also on errors.
+
+    Returns:
+        TorchFxTraceHooks; all empty if ``torch.fx._symbolic_trace`` was never imported.
+
+    Source: torch/fx/_symbolic_trace.py (``wrap``, ``_wrapped_fns_to_patch``,
+    ``_patch_wrapped_functions``, ``ProxyableClassMeta``, ``_is_fx_tracing_flag`` set by ``Tracer.trace``).
+    """
+    module = sys.modules.get("torch.fx._symbolic_trace")
+    if module is None:
+        return TorchFxTraceHooks([], [], {})
+    if hasattr(module, "_is_fx_tracing_flag"):
+        patcher.patch_value(module, "_is_fx_tracing_flag", True)
+    meta = getattr(module, "ProxyableClassMeta", None)
+    if meta is not None:
+        patcher.patch_method(meta, "__call__", _recording_constructor(meta.__call__))
+    return TorchFxTraceHooks(list(getattr(module, "_wrapped_fns_to_patch", {}).items()),
+                             list(getattr(module, "_wrapped_methods_to_patch", [])),
+                             getattr(module, "_proxyable_classes", {}))

@@ -16,6 +16,7 @@ torch.fx paper §4.1 (symbolic tracing with Proxy objects and ``__torch_function
 
 from __future__ import annotations
 
+import builtins
 import collections
 import dis
 import enum
@@ -230,9 +231,11 @@ class TracerBase:
         """Called when a Proxy is iterated (``for``, ``*args``). Override to return an iterator.
 
         Raises:
-            ProxyIterationError: (a TraceError and TypeError) always, in this base implementation.
+            TraceError: always, in this base implementation. Deliberately not a ``TypeError``: CPython
+                replaces a TypeError from ``__iter__`` by its own message when C code iterates
+                (``x in proxy``, ``dict(proxy)``, unpacking in C), which would hide this one.
         """
-        raise ProxyIterationError(
+        raise TraceError(
             "Proxy object cannot be iterated. This can be attempted when the Proxy is used in a loop "
             "or as a *args or **kwargs function argument. See the torch.fx docs on pytorch.org for a "
             "more detailed explanation of what types of control flow can be traced, and check out the "
@@ -368,6 +371,8 @@ class Proxy:
         try:
             return self.tracer.iter(self)
         except TraceError as e:
+            if type(e) is TraceError and _is_iter_probe(caller, insts, idx):
+                e = ProxyIterationError(*e.args)
             raise add_user_note(e, caller, _ITER_HINT) from None
 
     def __abs__(self) -> Proxy:
@@ -409,6 +414,40 @@ class Proxy:
             return tracer.create_proxy("call_method", orig_method.__name__, args, kwargs)
         return tracer.create_proxy("call_function", orig_method, args, kwargs,
                                    name=_snake_case(orig_method.__name__))
+
+
+_CALL_PREFIX = frozenset({"PRECALL", "KW_NAMES"})
+
+
+def _is_iter_probe(frame: FrameType, insts: list[dis.Instruction], idx: int) -> bool:
+    """Whether ``frame`` is executing ``iter(<expression>)`` with the builtin ``iter``.
+
+    That is the idiom ``try: iter(x) except TypeError:`` with which libraries ask "is this
+    iterable?" (transformers' ``ModelOutput.__post_init__``); for it, iterating a Proxy raises a
+    TraceError that is also a TypeError, so the probe answers "no". Everywhere else (``for``, ``in``,
+    ``dict(proxy)``, ``**proxy``, C code) it is a plain TraceError as in torch.fx: CPython would replace
+    a TypeError's message there. Walks the argument's bytecode backwards by stack effect; anything
+    unusual (jumps inside the argument) answers False.
+    """
+    # Python 3.11's specialized PRECALL calls a builtin itself, so a warm frame may stop there
+    if idx >= len(insts) or insts[idx].opname not in ("CALL", "PRECALL") or insts[idx].arg != 1:
+        return False
+    i = idx - 1
+    while i >= 0 and insts[i].opname in _CALL_PREFIX:
+        i -= 1
+    pushed = 0
+    while i >= 0 and pushed < 1:
+        inst = insts[i]
+        if inst.is_jump_target or inst.opcode in dis.hasjrel or inst.opcode in dis.hasjabs:
+            return False
+        pushed += dis.stack_effect(inst.opcode, inst.arg if inst.opcode >= dis.HAVE_ARGUMENT else None, jump=False)
+        i -= 1
+    if pushed != 1 or i < 0:
+        return False
+    callee = insts[i]
+    if callee.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or callee.argval != "iter":
+        return False
+    return frame.f_globals.get("iter", builtins.iter) is builtins.iter
 
 
 def _is_assert(frame: FrameType) -> bool:

@@ -8,8 +8,14 @@ restored even when tracing raises), calls ``forward`` with Proxies:
   modules are traced through;
 * reading a parameter becomes ``get_attr``; other tensor constants are stored on the root as
   ``_tensor_constant0``, ``_tensor_constant1``... and read back with ``get_attr``;
-* functions registered with :func:`wrap` (and everything in ``autowrap_modules``, ``math`` by default)
-  are recorded as ``call_function`` instead of being traced through.
+* functions registered with :func:`wrap` or with ``torch.fx.wrap`` (libraries such as torchrec register
+  theirs with torch.fx), and everything in ``autowrap_modules`` (``math`` by default), are recorded as
+  ``call_function`` instead of being traced through; so are the leaves a GraphModule being retraced
+  recorded (``meta["is_wrapped"]``), builtins such as ``len`` included;
+* constructing a class made with :class:`ProxyableClassMeta` (fxdist's or torch.fx's) from Proxies is
+  recorded as a ``call_function`` to the class;
+* while tracing, ``torch.fx._symbolic_trace.is_fx_tracing()`` is True, so library code takes the same
+  branches as under torch.fx (``fxdist.interop.enter_torch_fx_trace``).
 
 ``concrete_args`` specializes arguments: their value is fixed while tracing (so control flow on them is
 static) and guarded in the graph by an assertion; ``PH`` marks parts that stay symbolic.
@@ -23,6 +29,7 @@ import collections
 import functools
 import inspect
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from itertools import chain
@@ -33,23 +40,24 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxdist._pytree_codegen import PyTreeCodeGen
-from fxdist._patching import _autowrap_check, _patch_wrapped_functions, _Patcher, wrap
+from fxdist._patching import (ProxyableClassMeta, _autowrap_check, _patch_recorded_leaves,
+                              _patch_wrapped_functions, _Patcher, _proxyable_classes, _TraceState, wrap)
 from fxdist._stack_trace import register_stack_trace_root
 from fxdist.proxy import BASE_TYPES, ParameterProxy, Proxy, Scope, ScopeContextManager, TracerBase
 
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
 
-__all__ = ["Tracer", "symbolic_trace", "wrap", "PH", "PHBase", "PHWithMeta", "is_fx_tracing"]
+__all__ = ["Tracer", "symbolic_trace", "wrap", "PH", "PHBase", "PHWithMeta", "is_fx_tracing",
+           "ProxyableClassMeta"]
 
 _orig_module_call: Callable[..., Any] = torch.nn.Module.__call__
 _orig_module_getattr: Callable[..., Any] = torch.nn.Module.__getattr__
-_is_tracing = False
 
 
 def is_fx_tracing() -> bool:
     """True while an fxdist ``Tracer.trace`` is running."""
-    return _is_tracing
+    return _TraceState.active
 
 
 class PHBase:
@@ -77,6 +85,17 @@ def _transfer_attrs(fr: object, to: object) -> None:
             setattr(to, name, value)
 
 
+def _not_a_function(fn: Any) -> AssertionError:
+    """torch.fx's error for a root that is neither an nn.Module nor a Python function (a C builtin such
+    as ``F.conv2d``, a class...), with a note saying what to trace instead."""
+    err = AssertionError(f"Expected FunctionType, got {type(fn)}")
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    err.add_note(f"symbolic_trace needs an nn.Module or a Python function (def/lambda); {name} is a "
+                 f"{type(fn).__name__}, whose code cannot be run on Proxies. Trace a function that calls it "
+                 f"instead, e.g. symbolic_trace(lambda x: {name}(x)): the call becomes one call_function node.")
+    return err
+
+
 def _call_root(fn: Callable[..., Any], args: list[Any]) -> Any:
     """Calls the traced function; the outermost frame recorded in ``node.stack_trace``."""
     return fn(*args)
@@ -97,6 +116,23 @@ def _patch_function(fn: FunctionType, nargs: int) -> FunctionType:
     code = co.replace(co_argcount=nargs, co_posonlyargcount=0, co_kwonlyargcount=0,
                       co_flags=co.co_flags & ~_HAS_VARSTUFF)
     return FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+_NO_TORCH_FX = collections.namedtuple("_NoTorchFx", "functions methods proxyable_classes")([], [], {})
+
+
+def _enter_torch_fx_trace(patcher: _Patcher) -> Any:
+    """torch.fx's tracing flag and proxyable classes taken over until ``patcher`` exits, and its
+    ``torch.fx.wrap`` registry (leaves for fxdist too). See ``fxdist.interop.enter_torch_fx_trace``.
+
+    The one place the tracer consults torch.fx; fxdist.interop is imported only when torch.fx is
+    already loaded (it always is after ``import torch``; the tracer never loads it itself).
+    """
+    if "torch.fx._symbolic_trace" not in sys.modules:
+        return _NO_TORCH_FX
+    from fxdist.interop import enter_torch_fx_trace
+
+    return enter_torch_fx_trace(patcher)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,6 +234,11 @@ class Tracer(TracerBase):
         if isinstance(a, (torch.ScriptObject, pytree.TreeSpec)):
             prefix = "_torchbind_obj" if isinstance(a, torch.ScriptObject) else "_tree_spec_constant"
             return self._constant(a, prefix)
+        if type(a) in _proxyable_classes or type(a) in self.__dict__.get("_foreign_proxyable_classes", ()):
+            # an instance whose construction was not traced: a constant attribute of the root
+            qualname = self.get_fresh_qualname(f"_{type(a).__name__}_constant_")
+            setattr(self.root, qualname, a)
+            return self.create_node("get_attr", qualname, (), {})
         return super().create_arg(a)
 
     def _constant(self, value: Any, prefix: str) -> Any:
@@ -420,15 +461,14 @@ class Tracer(TracerBase):
             TraceError: the code needs a concrete value (control flow, iteration, ``len``), with a
                 note naming the user's file, line and source.
         """
-        global _is_tracing
-        was_tracing, _is_tracing = _is_tracing, True
+        was_tracing, _TraceState.active = _TraceState.active, True
         self._stack_cache: dict[int, Any] = {}  # see fxdist._stack_trace.user_frames
         try:
             if isinstance(root, torch.nn.Module):
                 self.root = root
                 fn = getattr(type(root), self.traced_func_name, None)
-                if fn is None:
-                    raise AttributeError(f"traced_func_name={self.traced_func_name} doesn't exist in "
+                if fn is None:  # AssertionError, as torch.fx
+                    raise AssertionError(f"traced_func_name={self.traced_func_name} doesn't exist in "
                                          f"{type(root).__name__}")
                 self.root_module_name = root._get_name()
                 self.submodule_paths = {mod: name for name, mod in root.named_modules()}
@@ -444,13 +484,17 @@ class Tracer(TracerBase):
             self._collect_tensor_attrs(self.root, [])
             self.__dict__.pop("_attr_name_cache", None)
             if not isinstance(fn, FunctionType):
-                raise TypeError(f"can only trace Python functions, got {type(fn).__name__}")
+                raise _not_a_function(fn)
             fn_globals = fn.__globals__
             fn, args = self.create_args_for_root(fn, isinstance(root, torch.nn.Module), concrete_args)
             with _Patcher() as patcher:
                 self._patch_module_hooks(patcher)
-                _patch_wrapped_functions(patcher)
+                hooks = _enter_torch_fx_trace(patcher)
+                self._foreign_proxyable_classes = hooks.proxyable_classes
+                _patch_wrapped_functions(patcher, hooks.functions, hooks.methods)
                 _autowrap_check(patcher, fn_globals, self._autowrap_function_ids)
+                if isinstance(root, GraphModule):
+                    _patch_recorded_leaves(patcher, fn_globals, root.graph.nodes)
                 for module in self._autowrap_search:
                     _autowrap_check(patcher, module.__dict__, self._autowrap_function_ids)
                 result = _call_root(fn, args)
@@ -459,7 +503,7 @@ class Tracer(TracerBase):
                                  type_expr=ann.get("return", None))
             self.submodule_paths = None
         finally:
-            _is_tracing = was_tracing
+            _TraceState.active = was_tracing
             self._stack_cache = {}  # release the frames it holds
         return self.graph
 
@@ -488,6 +532,8 @@ class Tracer(TracerBase):
                 return _orig_module_call(mod, *args, **kwargs)
 
             _autowrap_check(patcher, getattr(getattr(mod, "forward", mod), "__globals__", {}), ids)
+            if isinstance(mod, GraphModule):
+                _patch_recorded_leaves(patcher, getattr(mod.forward, "__globals__", {}), mod.graph.nodes)
             return self.call_module(mod, forward, args, kwargs)
 
         patcher.patch_method(torch.nn.Module, "__getattr__", module_getattr_wrapper, deduplicate=False)

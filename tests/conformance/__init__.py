@@ -1,0 +1,2 @@
+"""torch.fx conformance: the same program run with ``torch.fx`` and ``fxdist`` gives the same graph,
+result, printed text and exception class (issue #11)."""
