@@ -1,0 +1,125 @@
+"""Graph leaves of :func:`scheduling.parameter_servers`: ``nn.EmbeddingBag`` / ``nn.Embedding`` inputs in the
+servers' ``KeyedJaggedTensor`` wire format, and the lookups' outputs in the shapes those modules return.
+
+Each is registered with :func:`fxdist.wrap` (one ``call_function`` node when traced again) and is pure.
+
+Shapes:
+    ``bag_to_kjt(f, input (B, L))`` or ``bag_to_kjt(f, input (N,), offsets (B,) | (B + 1,))`` -> one key
+    ``f`` with ``B`` bags; ``index_to_kjt(f, index (*S))`` -> one key, ``prod(S)`` bags of one id each;
+    ``index_output(kt, index (*S))`` -> ``(*S, D)``.
+
+The conversion of the same input tensors (same objects, not modified in place since: same ``_version``) gives
+the same ``KeyedJaggedTensor`` object again, so a lookup prefetched for the next batch (``PSClient`` matches
+prefetched batches by identity) is found when that batch's own step converts it.
+
+Source: ``torch.nn.functional.embedding_bag`` (input/offsets conventions, ``padding_idx``); torchrec
+``KeyedJaggedTensor`` (key-major ``lengths``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+import fxdist
+
+__all__ = ["bag_to_kjt", "index_to_kjt", "index_output"]
+
+_RECENT: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
+_KEEP = 2  # this batch and the next one (prefetch)
+
+
+def _stamp(tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else (None, t) for t in tensors)
+
+
+def _same(stamp: tuple[Any, ...], tensors: tuple[Any, ...]) -> bool:
+    for (ref, version), t in zip(stamp, tensors):
+        if ref is None:
+            if t is not None:
+                return False
+        elif not isinstance(t, torch.Tensor) or ref() is not t or t._version != version:
+            return False
+    return True
+
+
+def _cached(key: str, tensors: tuple[Any, ...], make: Any) -> Any:
+    recent = _RECENT.setdefault(key, [])
+    for stamp, kjt in recent:
+        if _same(stamp, tensors):
+            return kjt
+    kjt = make()
+    recent.append((_stamp(tensors), kjt))
+    del recent[:-_KEEP]
+    return kjt
+
+
+def _kjt(feature: str, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
+         padding_idx: int | None) -> Any:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    values = values.reshape(-1).long()
+    if weights is not None:
+        weights = weights.reshape(-1)
+    if padding_idx is not None:  # padding ids leave their bag (and a mean's count), as in F.embedding_bag
+        keep = values != padding_idx
+        if not bool(keep.all()):
+            bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+            lengths = torch.bincount(bags[keep], minlength=lengths.numel())
+            values = values[keep]
+            weights = weights[keep] if weights is not None else None
+    return KeyedJaggedTensor(keys=[feature], values=values, lengths=lengths.int(), weights=weights)
+
+
+def bag_to_kjt(feature: str, input: Any, offsets: Any = None, per_sample_weights: Any = None,
+               include_last_offset: bool = False, padding_idx: int | None = None) -> Any:
+    """``nn.EmbeddingBag``'s ``(input, offsets, per_sample_weights)`` as a one-key ``KeyedJaggedTensor``.
+
+    Returns None when ``input`` is None (a ``next_<input>`` that was not given).
+
+    Raises:
+        ValueError: 2-D input with offsets, 1-D input without them, or input of another rank (as
+            ``F.embedding_bag`` does), naming ``feature``.
+    """
+    if input is None:
+        return None
+
+    def make() -> Any:
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError(f"{feature}: offsets must be None when input is 2-D {tuple(input.shape)}")
+            lengths = torch.full((input.shape[0],), input.shape[1], dtype=torch.long)
+        elif input.dim() == 1:
+            if offsets is None:
+                raise ValueError(f"{feature}: a 1-D input needs offsets (bag starts)")
+            starts = offsets.long()
+            ends = starts[1:] if include_last_offset else torch.cat([starts[1:], torch.tensor([input.numel()])])
+            starts = starts[:-1] if include_last_offset else starts
+            lengths = ends - starts
+        else:
+            raise ValueError(f"{feature}: input must be 1-D (with offsets) or 2-D, got {input.dim()}-D")
+        return _kjt(feature, input, lengths, per_sample_weights, padding_idx)
+
+    return _cached(f"{feature}|bag|{include_last_offset}|{padding_idx}", (input, offsets, per_sample_weights), make)
+
+
+def index_to_kjt(feature: str, index: Any, padding_idx: int | None = None) -> Any:
+    """``nn.Embedding``'s index tensor ``(*S)`` as a one-key ``KeyedJaggedTensor`` of ``prod(S)`` one-id bags
+    (a ``padding_idx`` entry becomes an empty bag: a zero row). None when ``index`` is None."""
+    if index is None:
+        return None
+    return _cached(f"{feature}|index|{padding_idx}", (index,), lambda: _kjt(feature, index, torch.ones(index.numel(), dtype=torch.long),
+                                                  None, padding_idx))
+
+
+def index_output(kt: Any, index: torch.Tensor) -> torch.Tensor:
+    """The pooled ``KeyedTensor`` of :func:`index_to_kjt`'s bags as ``nn.Embedding`` returns it: ``(*S, D)``."""
+    values = kt.values()
+    return values.reshape(*index.shape, values.shape[-1])
+
+
+fxdist.wrap("bag_to_kjt")
+fxdist.wrap("index_to_kjt")
+fxdist.wrap("index_output")
