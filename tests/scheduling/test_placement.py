@@ -48,7 +48,7 @@ class TwoTower(nn.Module):
     def forward(self, dense, user_ids, user_offsets, item_ids, item_weights, history):
         user = self.sparse.user(user_ids, user_offsets)
         item = self.sparse.item(item_ids, per_sample_weights=item_weights)
-        hist = self.history(history).mean(dim=1)
+        hist = self.history(history).mean(dim=1) + self.history(history[:, 0])  # one table, two calls
         return self.top(torch.cat([self.dense(dense), user, item, hist], dim=1)).squeeze(1)
 
 
@@ -225,3 +225,141 @@ def test_plain_module_with_embedding_bags_trains_as_with_local_tables(cluster):
         torch.testing.assert_close(tables[key], local_tables[key], rtol=1e-5, atol=1e-6)
     assert sorted(n for n, _ in gm.named_parameters()) == sorted(
         n for n, _ in model.named_parameters() if n not in tables)
+
+
+def test_the_plan_is_printed_and_recorded(cluster, capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.big = nn.EmbeddingBag(40_000, 8)          # 1.28 MB: over the row-wise minimum, and unbalanced whole
+    model.small = nn.EmbeddingBag(300, 8)
+    model.tiny = nn.EmbeddingBag(100, 8)
+    ids = torch.randint(0, 100, (4, 2))
+    expected = [m(ids) for m in (model.big, model.small, model.tiny)]
+    gm = scheduling.parameter_servers(_Split(model), optimizer="sgd", lr=0.1, plan={"seq.tiny": 1})
+    try:
+        printed = capsys.readouterr().out
+        assert [line.split() for line in printed.splitlines()] == [line.split() for line in [
+            "parameter_servers plan: 3 tables on 2 servers, optimizer sgd (lr=0.1)",
+            "table      module     rows x dim  sharding    server(s)  bytes",
+            "seq.big    seq.big    40000 x 8   row_wise    ps0,ps1    1280000",
+            "seq.small  seq.small  300 x 8     table_wise  ps0        9600",
+            "seq.tiny   seq.tiny   100 x 8     table_wise  ps1        3200",
+            "bytes per server: ps0 649600, ps1 643200"]]
+        meta = gm.meta["fxdist"]["placement"]
+        assert meta["server_bytes"] == {"ps0": 640000 + 9600, "ps1": 640000 + 3200}
+        assert [(t["table"], t["sharding"], t["servers"], t["reason"]) for t in meta["tables"]] == [
+            ("seq.big", "row_wise", ["ps0", "ps1"], "large"), ("seq.small", "table_wise", ["ps0"], "balanced"),
+            ("seq.tiny", "table_wise", ["ps1"], "override")]
+        assert meta["plan_text"] == printed.rstrip("\n")
+        with torch.no_grad():
+            for got, want in zip(gm(ids), expected):
+                torch.testing.assert_close(got, want)
+    finally:
+        placement.close(gm)
+
+
+class _Split(nn.Module):
+    def __init__(self, seq: nn.Module) -> None:
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, ids):
+        return self.seq.big(ids), self.seq.small(ids), self.seq.tiny(ids)
+
+
+class _Hidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+class Mixed(nn.Module):
+    """One movable table (called twice) and one of each kind the pass must leave local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ok = nn.EmbeddingBag(10, 4)
+        self.maxpool = nn.EmbeddingBag(10, 4, mode="max")
+        self.normed = nn.Embedding(10, 4, max_norm=1.0)
+        self.mutated = nn.EmbeddingBag(10, 4)
+        self.tied = nn.Embedding(10, 4)
+        self.seq = EmbeddingCollection(tables=[EmbeddingConfig(name="s", embedding_dim=4, num_embeddings=10,
+                                                               feature_names=["s"])])
+        self.hidden = _Hidden()
+
+    def forward(self, ids, kjt):
+        d = self.mutated(ids)
+        d.mul_(2)
+        e = self.tied(ids).sum(1) + self.tied.weight.sum()
+        f = self.seq(kjt)["s"].values().sum()
+        return (self.ok(ids) + self.ok(ids[:, :1]) + self.maxpool(ids) + self.normed(ids).sum(1) + d + e + f
+                + self.hidden(ids))
+
+
+class _HiddenLeafTracer(placement.EmbeddingLeafTracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Hidden) or super().is_leaf_module(m, qualname)
+
+
+def test_modules_that_cannot_move_are_reported_and_stay_local(cluster):
+    torch.manual_seed(0)
+    model = Mixed()
+    ids = torch.randint(0, 10, (3, 2))
+    kjt = KeyedJaggedTensor(keys=["s"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2]))
+    with torch.no_grad():
+        expected = model(ids, kjt)
+    tracer = _HiddenLeafTracer()
+    graph = tracer.trace(model)
+    traced = fxdist.GraphModule(tracer.root, graph)
+    with pytest.warns(PlacementWarning) as record:
+        gm = scheduling.parameter_servers(traced, optimizer="sgd", lr=0.1, verbose=False)
+    try:
+        why = {w.message.args[0].split(" ")[1]: str(w.message) for w in record if w.category is PlacementWarning}
+        assert set(why) == {"maxpool", "normed", "mutated", "tied", "seq", "hidden.emb"}
+        assert "(EmbeddingBag, node %maxpool): mode='max' pooling" in why["maxpool"]
+        assert "(Embedding, node %normed): max_norm=1.0 renormalises" in why["normed"]
+        assert "modified in place by %mul_ (call_method mul_)" in why["mutated"]
+        assert "read directly by %tied_weight (get_attr tied.weight)" in why["tied"]
+        assert "(EmbeddingCollection, node %seq): torchrec EmbeddingCollection returns unpooled" in why["seq"]
+        assert "inside leaf module hidden (_Hidden)" in why["hidden.emb"]
+        assert all(w.endswith("it stays on the trainer") for w in why.values())
+        meta = gm.meta["fxdist"]["placement"]
+        assert {k["module"] for k in meta["not_moved"]} == set(why)
+        modules = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+        assert modules == {"maxpool", "normed", "mutated", "tied", "seq", "hidden"}    # local, still called
+        assert [t["table"] for t in meta["tables"]] == ["ok"] and list(meta["clients"]) == ["ok"]
+        assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_pool)) == 2  # "ok" called twice
+        with torch.no_grad():
+            torch.testing.assert_close(gm(ids, kjt), expected)
+    finally:
+        placement.close(gm)
+
+
+def test_one_optimizer_per_server(cluster):
+    from scheduling.ps import PSClient
+
+    other = PSClient(_ebc_tables(), cluster.server_names, optimizer="rowwise_adagrad", name="other_optimizer")
+    try:
+        with pytest.raises(ValueError, match=r"already serve client 'other_optimizer' with optimizer "
+                                             r"rowwise_adagrad .*one optimizer for all its tables"):
+            scheduling.parameter_servers(TwoTower(), optimizer="sgd", lr=0.1, verbose=False)
+        with pytest.raises(ValueError, match="unknown parameter-server optimizer 'adam'"):
+            scheduling.parameter_servers(TwoTower(), optimizer="adam", verbose=False)
+    finally:
+        other.close()
+
+
+def test_optimize_accepts_a_partial_and_names_it(cluster):
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.05, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoOpPassWarning)
+        gm = fxdist.optimize(TwoTower(), passes=(ps, "async_rpc"))
+    try:
+        assert [r["name"] for r in gm.meta["fxdist"]["passes"]] == ["parameter_servers", "async_rpc"]
+        assert all(r["modified"] for r in gm.meta["fxdist"]["passes"])
+        assert gm.meta["fxdist"]["placement"]["optimizer"] == {"name": "sgd", "lr": 0.05}
+    finally:
+        placement.close(gm)
