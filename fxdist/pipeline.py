@@ -140,19 +140,25 @@ class _Adapter:
     def __call__(self, gm: Any) -> Any:
         from fxdist.passes.pass_base import PassResult
 
-        before = str(gm.graph)
+        before = (str(gm.graph), _state_ids(gm))
         out = self.fn(gm)
         if not isinstance(out, PassResult):
             if out is None:  # an in-place pass that returns nothing
                 out = gm
             if not hasattr(out, "graph"):
                 raise TypeError(f"pass {self.name!r} returned {type(out).__name__}, expected a GraphModule")
-            out = PassResult(out, out is not gm or str(out.graph) != before)
+            out = PassResult(out, out is not gm or (str(out.graph), _state_ids(out)) != before)
         meta = out.graph_module.meta.setdefault("fxdist", {})
         reason = meta.pop(UNCHANGED_REASON, None)
         if not out.modified:
             meta.setdefault("unchanged", {})[self.name] = reason or _default_reason(self.name, self.fn)
         return out
+
+
+def _state_ids(gm: nn.Module) -> list[tuple[str, int]]:
+    """Names and identities of the submodules, parameters and buffers (a pass may swap them, graph unchanged)."""
+    named = [*gm.named_modules(), *gm.named_parameters(), *gm.named_buffers()]
+    return [(name, id(obj)) for name, obj in named]
 
 
 def _default_reason(name: str, fn: Callable) -> str:
