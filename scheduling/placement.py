@@ -34,7 +34,8 @@ Configuration (what trains what):
 - Prefetch: after ``async_rpc_prefetch`` each step's push also asks for the next batch's lookup; pass the next
   batch as ``next_<input name>`` (e.g. ``gm(dense, kjt, next_kjt=nxt)``, pairs from
   :func:`scheduling.lookahead`). This works for a lookup whose batch is a graph input (a KeyedJaggedTensor
-  input of an ``EmbeddingBagCollection``); a converted ``nn.EmbeddingBag`` input keeps the in-step schedule.
+  input of an ``EmbeddingBagCollection``) or converted from inputs only (``nn.EmbeddingBag(ids, offsets)``:
+  pass ``next_ids=..., next_offsets=...``); a module called twice in a step keeps the in-step schedule.
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches in the graph, then scheduled); torchrec
 ``DistributedModelParallel`` (shard a user's model's embedding modules by a plan, leave the rest dense).
@@ -176,11 +177,21 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     if c.kind == "ebc":
         return args[0], lambda kt: kt
     if c.kind == "bag":
-        kjt = graph.call_function(placement_ops.bag_to_kjt, (c.qualname, *args[:3]),
-                                  {"include_last_offset": m.include_last_offset, "padding_idx": m.padding_idx})
-        return kjt, lambda kt: graph.call_method("values", (kt,))
-    kjt = graph.call_function(placement_ops.index_to_kjt, (c.qualname, args[0]), {"padding_idx": m.padding_idx})
-    return kjt, lambda kt: graph.call_function(placement_ops.index_output, (kt, args[0]))
+        fn, fn_args = placement_ops.bag_to_kjt, (c.qualname, *args[:3])
+        kwargs = {"include_last_offset": m.include_last_offset, "padding_idx": m.padding_idx}
+        finish = lambda kt: graph.call_method("values", (kt,))  # noqa: E731
+    else:
+        fn, fn_args, kwargs = placement_ops.index_to_kjt, (c.qualname, args[0]), {"padding_idx": m.padding_idx}
+        finish = lambda kt: graph.call_function(placement_ops.index_output, (kt, args[0]))  # noqa: E731
+    # the conversion goes right after its inputs, so that async_rpc can start the lookup that early
+    inputs = [a for a in fn_args if isinstance(a, Node)]
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    after = max(inputs + [n for n in graph.nodes if n.op == "placeholder"], key=pos.__getitem__)
+    with graph.inserting_after(after):
+        kjt = graph.call_function(fn, fn_args, kwargs)
+    kjt.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    kjt.meta["parameter_servers"] = c.qualname
+    return kjt, finish
 
 
 def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> None:

@@ -28,7 +28,7 @@ import fxdist
 __all__ = ["bag_to_kjt", "index_to_kjt", "index_output"]
 
 _RECENT: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
-_KEEP = 2  # this batch and the next one (prefetch)
+_KEEP = 4  # this batch, the next one (prefetch; converted first in a step) and slack
 
 
 def _stamp(tensors: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -120,6 +120,8 @@ def index_output(kt: Any, index: torch.Tensor) -> torch.Tensor:
     return values.reshape(*index.shape, values.shape[-1])
 
 
+bag_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]  # see scheduling.prefetch
+index_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]
 fxdist.wrap("bag_to_kjt")
 fxdist.wrap("index_to_kjt")
 fxdist.wrap("index_output")

@@ -218,8 +218,12 @@ def test_plain_module_with_embedding_bags_trains_as_with_local_tables(cluster):
         model.history.weight[0].zero_()
     batches = _two_tower_batches(4)
     local_losses, local_tables = _train_local(copy.deepcopy(model), batches)
-    losses, tables, gm, _ = _train_on_servers(model, batches, [])
+    nexts = [(1, "next_user_ids"), (2, "next_user_offsets"), (3, "next_item_ids"), (4, "next_item_weights")]
+    losses, tables, gm, hits = _train_on_servers(model, batches, nexts)
     torch.testing.assert_close(losses, local_losses, rtol=1e-5, atol=1e-6)
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    assert placeholders[6:] == [name for _, name in nexts]  # history is read twice per step: not prefetched
+    assert hits == 3 * 2                                    # user and item lookups of steps 2..4
     assert tables.keys() == local_tables.keys() == {"sparse.user.weight", "sparse.item.weight", "history.weight"}
     for key in tables:
         torch.testing.assert_close(tables[key], local_tables[key], rtol=1e-5, atol=1e-6)
