@@ -157,7 +157,7 @@ def group_servers(what: str = "parameter servers") -> list[str]:
         NoGroupError: no RPC group runs in this process, or it has no parameter server; the message says how
             to start one.
     """
-    if _ACTIVE:
+    if _ACTIVE and _ACTIVE[-1]._rpc_up:
         return list(_ACTIVE[-1].server_names)
     from torch.distributed import rpc
 

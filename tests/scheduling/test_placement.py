@@ -293,6 +293,8 @@ class Mixed(nn.Module):
         self.seq = EmbeddingCollection(tables=[EmbeddingConfig(name="s", embedding_dim=4, num_embeddings=10,
                                                                feature_names=["s"])])
         self.hidden = _Hidden()
+        self.frozen = nn.EmbeddingBag(10, 4)
+        self.frozen.weight.requires_grad_(False)
 
     def forward(self, ids, kjt):
         d = self.mutated(ids)
@@ -300,7 +302,7 @@ class Mixed(nn.Module):
         e = self.tied(ids).sum(1) + self.tied.weight.sum()
         f = self.seq(kjt)["s"].values().sum()
         return (self.ok(ids) + self.ok(ids[:, :1]) + self.maxpool(ids) + self.normed(ids).sum(1) + d + e + f
-                + self.hidden(ids))
+                + self.hidden(ids) + self.frozen(ids))
 
 
 class _HiddenLeafTracer(placement.EmbeddingLeafTracer):
@@ -334,8 +336,10 @@ def test_modules_that_cannot_move_are_reported_and_stay_local(cluster):
         assert {k["module"] for k in meta["not_moved"]} == set(why)
         modules = {n.target for n in gm.graph.nodes if n.op == "call_module"}
         assert modules == {"maxpool", "normed", "mutated", "tied", "seq", "hidden"}    # local, still called
-        assert [t["table"] for t in meta["tables"]] == ["ok"] and list(meta["clients"]) == ["ok"]
-        assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_pool)) == 2  # "ok" called twice
+        assert [t["table"] for t in meta["tables"]] == ["ok", "frozen"] and list(meta["clients"]) == ["ok", "frozen"]
+        assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_pool)) == 3  # "ok" called twice
+        hooks = gm.graph.find_nodes(op="call_function", target=ops.ps_push_in_backward)
+        assert sorted(h.args[0] for h in hooks) == ["ps:ok", "ps:ok"]                 # no pushes for a frozen table
         with torch.no_grad():
             torch.testing.assert_close(gm(ids, kjt), expected)
     finally:
@@ -357,13 +361,30 @@ def test_one_optimizer_per_server(cluster):
 
 
 def test_optimize_accepts_a_partial_and_names_it(cluster):
-    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.05, verbose=False)
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.05, verbose=False, servers=["ps1"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoOpPassWarning)
         gm = fxdist.optimize(TwoTower(), passes=(ps, "async_rpc"))
     try:
         assert [r["name"] for r in gm.meta["fxdist"]["passes"]] == ["parameter_servers", "async_rpc"]
         assert all(r["modified"] for r in gm.meta["fxdist"]["passes"])
-        assert gm.meta["fxdist"]["placement"]["optimizer"] == {"name": "sgd", "lr": 0.05}
+        meta = gm.meta["fxdist"]["placement"]
+        assert meta["optimizer"] == {"name": "sgd", "lr": 0.05} and meta["servers"] == ["ps1"]
+        assert {s for t in meta["tables"] for s in t["servers"]} == {"ps1"}
+        assert {c.args[0] for c in gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)} == {
+            "ps:sparse.user", "ps:sparse.item", "ps:history"}
     finally:
         placement.close(gm)
+
+
+def test_pass_object_for_the_pass_manager(cluster):
+    from fxdist.passes.pass_base import PassManager
+
+    traced = placement._as_graph_module(TwoTower())
+    result = PassManager([scheduling.ParameterServers(optimizer="sgd", lr=0.05, options={"verbose": False})]).run(traced)
+    try:
+        assert result.modified and result.graph_module.meta["fxdist"]["passes"][0]["name"] == "parameter-servers"
+        assert not any(n.op == "call_module" and "sparse" in str(n.target) for n in result.graph_module.graph.nodes)
+        assert any(n.op == "call_module" for n in traced.graph.nodes if n.target == "sparse.user")  # input untouched
+    finally:
+        placement.close(result.graph_module)
