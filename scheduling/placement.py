@@ -1,7 +1,8 @@
 """The ``parameter_servers`` pass: move the embedding tables of *your own* model to parameter servers.
 
-Your model stays as written: a torchrec ``DLRM`` / ``DLRM_DCN`` with an ``EmbeddingBagCollection``, or any
-``nn.Module`` with ``nn.EmbeddingBag`` / ``nn.Embedding`` tables, anywhere in its submodules. The pass finds
+Your model stays as written: a torchrec ``DLRM`` / ``DLRM_DCN`` with an ``EmbeddingBagCollection``, a torchrec
+``EmbeddingCollection`` (sequence embeddings), or any ``nn.Module`` with ``nn.EmbeddingBag`` / ``nn.Embedding``
+tables, anywhere in its submodules. The pass finds
 those modules in the traced graph, puts their tables on the servers of the running group (current weights, so
 the model computes the same), and replaces each call by blocking lookups that :func:`scheduling.async_rpc`
 can then schedule::
@@ -13,9 +14,10 @@ can then schedule::
     ... one fetch + hook per server holding a shard ...
     %kt = ps_pool("ps:...", %sparse_features, %ps_push_in_backward, %ps_push_in_backward_1)
 
-``nn.EmbeddingBag`` inputs ``(input, offsets)`` or 2-D ``input`` and ``nn.Embedding`` index tensors are turned
-into the servers' ``KeyedJaggedTensor`` format in the graph (:mod:`scheduling.placement_ops`), and the lookup's
-result back into what the module returned (``(B, D)``; ``(*S, D)``).
+``nn.EmbeddingBag`` inputs ``(input, offsets)`` or 2-D ``input``, ``nn.Embedding`` index tensors and
+``EmbeddingCollection`` inputs (each id a bag of its own) are turned into the servers' ``KeyedJaggedTensor`` format
+in the graph (:mod:`scheduling.placement_ops`), and the lookup's result back into what the module returned
+(``(B, D)``; ``(*S, D)``; ``{feature: JaggedTensor}``).
 
 Configuration (what trains what):
 
@@ -100,6 +102,9 @@ def _tables_of(c: Candidate) -> list[tuple[TableInfo, torch.Tensor]]:
     if c.kind == "ebc":
         return [(TableInfo(spec, c.qualname, f"{c.qualname}.embedding_bags.{spec.name}"),
                  m.embedding_bags[spec.name].weight) for spec in table_specs(m.embedding_bag_configs())]
+    if c.kind == "ec":  # one-id bags, pooled by sum: the rows themselves
+        return [(TableInfo(spec, c.qualname, f"{c.qualname}.embeddings.{spec.name}"), m.embeddings[spec.name].weight)
+                for spec in table_specs(m.embedding_configs())]
     pooling = m.mode if c.kind == "bag" else "sum"
     spec = TableSpec(c.qualname, m.num_embeddings, m.embedding_dim, (c.qualname,), pooling)
     return [(TableInfo(spec, c.qualname, c.qualname), m.weight)]
@@ -176,7 +181,13 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     m = c.module
     if c.kind == "ebc":
         return args[0], lambda kt: kt
-    if c.kind == "bag":
+    if c.kind == "ec":
+        features = tuple(f for cfg in m.embedding_configs() for f in cfg.feature_names)
+        names = tuple(n for names in m.embedding_names_by_table() for n in names)
+        fn, fn_args, kwargs = placement_ops.sequence_to_kjt, (args[0], features), {}
+        finish = lambda kt: graph.call_function(placement_ops.sequence_output,  # noqa: E731
+                                                (kt, args[0], features, names, m.need_indices()))
+    elif c.kind == "bag":
         fn, fn_args = placement_ops.bag_to_kjt, (c.qualname, *args[:3])
         kwargs = {"include_last_offset": m.include_last_offset, "padding_idx": m.padding_idx}
         finish = lambda kt: graph.call_method("values", (kt,))  # noqa: E731

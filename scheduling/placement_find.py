@@ -6,7 +6,6 @@ A module moves only as a whole: if one of its calls cannot move, none does (a ta
 
 Rules, one check each (:data:`CHECKS`), in the order they are tried::
 
-    torchrec EmbeddingCollection       -> local: unpooled (sequence) lookups; the servers answer pooled bags
     nn.EmbeddingBag(mode="max")        -> local: the servers pool by sum or mean
     max_norm set                       -> local: renormalises looked-up rows in place, on the trainer
     scale_grad_by_freq                 -> local: scales gradients by in-batch frequency; the servers do not
@@ -126,13 +125,12 @@ def inplace_user(node: Node, modules: dict[str, nn.Module]) -> Node | None:
 def _weights(kind: str, m: nn.Module) -> list[torch.Tensor]:
     if kind == "ebc":
         return [m.embedding_bags[c.name].weight for c in m.embedding_bag_configs()]
+    if kind == "ec":
+        return [m.embeddings[c.name].weight for c in m.embedding_configs()]
     return [m.weight]
 
 
 def _module_options(kind: str, m: nn.Module) -> str | None:
-    if kind == "ec":
-        return ("torchrec EmbeddingCollection returns unpooled (sequence) embeddings; the parameter servers "
-                "answer pooled bags only")
     if kind == "bag" and m.mode == "max":
         return "mode='max' pooling: the parameter servers pool by sum or mean"
     if kind in ("bag", "embedding") and m.max_norm is not None:
@@ -152,11 +150,11 @@ def _tables(kind: str, m: nn.Module) -> str | None:
         if w.is_meta or w.dtype != torch.float32:
             where = "on the meta device" if w.is_meta else f"of dtype {w.dtype}"
             return f"its weights are {where}; the servers hold float32 tables initialised from them"
-    if kind == "ebc":
+    if kind in ("ebc", "ec"):
         from .ps.config import table_specs
 
         try:
-            table_specs(m.embedding_bag_configs())
+            table_specs(m.embedding_bag_configs() if kind == "ebc" else m.embedding_configs())
         except ValueError as e:
             return f"the servers cannot hold its tables: {e}"
     if len({w.requires_grad for w in weights}) > 1:

@@ -6,7 +6,10 @@ Each is registered with :func:`fxdist.wrap` (one ``call_function`` node when tra
 Shapes:
     ``bag_to_kjt(f, input (B, L))`` or ``bag_to_kjt(f, input (N,), offsets (B,) | (B + 1,))`` -> one key
     ``f`` with ``B`` bags; ``index_to_kjt(f, index (*S))`` -> one key, ``prod(S)`` bags of one id each;
-    ``index_output(kt, index (*S))`` -> ``(*S, D)``.
+    ``index_output(kt, index (*S))`` -> ``(*S, D)``; ``sequence_to_kjt(kjt, features)`` (torchrec
+    ``EmbeddingCollection`` input) -> the same features, each id its own bag, every feature padded with empty bags
+    to the longest one's id count ``W``; ``sequence_output(kt (W, F * D), kjt, ...)`` -> ``{name: JaggedTensor}``
+    with values ``(N_f, D)``, as ``EmbeddingCollection`` returns.
 
 The conversion of the same input tensors (same objects, not modified in place since: same ``_version``) gives
 the same ``KeyedJaggedTensor`` object again, so a lookup prefetched for the next batch (``PSClient`` matches
@@ -25,22 +28,23 @@ import torch
 
 import fxdist
 
-__all__ = ["bag_to_kjt", "index_to_kjt", "index_output"]
+__all__ = ["bag_to_kjt", "index_to_kjt", "index_output", "sequence_to_kjt", "sequence_output"]
 
 _RECENT: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
 _KEEP = 4  # this batch, the next one (prefetch; converted first in a step) and slack
 
 
-def _stamp(tensors: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else (None, t) for t in tensors)
+def _stamp(objects: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Weak references (and tensors' in-place version counters) of ``objects``; None stays None."""
+    return tuple((None, None) if o is None else (weakref.ref(o), getattr(o, "_version", None)) for o in objects)
 
 
-def _same(stamp: tuple[Any, ...], tensors: tuple[Any, ...]) -> bool:
-    for (ref, version), t in zip(stamp, tensors):
+def _same(stamp: tuple[Any, ...], objects: tuple[Any, ...]) -> bool:
+    for (ref, version), o in zip(stamp, objects):
         if ref is None:
-            if t is not None:
+            if o is not None:
                 return False
-        elif not isinstance(t, torch.Tensor) or ref() is not t or t._version != version:
+        elif ref() is not o or getattr(o, "_version", None) != version:
             return False
     return True
 
@@ -114,6 +118,40 @@ def index_to_kjt(feature: str, index: Any, padding_idx: int | None = None) -> An
                                                   None, padding_idx))
 
 
+def sequence_to_kjt(kjt: Any, features: tuple[str, ...]) -> Any:
+    """A torchrec ``EmbeddingCollection`` input as one-id bags the servers pool to the rows themselves
+    (see the module docstring). None when ``kjt`` is None."""
+    if kjt is None:
+        return None
+
+    def make() -> Any:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        per_key = kjt.to_dict()
+        counts = [per_key[f].values().numel() for f in features]
+        width = max(counts + [1])
+        lengths = torch.cat([torch.arange(width) < n for n in counts]).int()
+        values = torch.cat([per_key[f].values().long() for f in features])
+        return KeyedJaggedTensor(keys=list(features), values=values, lengths=lengths)
+
+    return _cached(f"{'|'.join(features)}|sequence", (kjt,), make)
+
+
+def sequence_output(kt: Any, kjt: Any, features: tuple[str, ...], names: tuple[str, ...],
+                    need_indices: bool = False) -> dict[str, Any]:
+    """The pooled one-id bags of :func:`sequence_to_kjt` as ``EmbeddingCollection`` returns them:
+    ``{name: JaggedTensor(values (N_f, D), lengths of the input)}`` (``weights`` = the ids if ``need_indices``)."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    per_key, pooled = kjt.to_dict(), kt.to_dict()
+    out = {}
+    for feature, name in zip(features, names):
+        ids = per_key[feature].values()
+        out[name] = JaggedTensor(values=pooled[feature][:ids.numel()], lengths=per_key[feature].lengths(),
+                                 weights=ids if need_indices else None)
+    return out
+
+
 def index_output(kt: Any, index: torch.Tensor) -> torch.Tensor:
     """The pooled ``KeyedTensor`` of :func:`index_to_kjt`'s bags as ``nn.Embedding`` returns it: ``(*S, D)``."""
     values = kt.values()
@@ -122,6 +160,9 @@ def index_output(kt: Any, index: torch.Tensor) -> torch.Tensor:
 
 bag_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]  # see scheduling.prefetch
 index_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]
+sequence_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]
 fxdist.wrap("bag_to_kjt")
 fxdist.wrap("index_to_kjt")
 fxdist.wrap("index_output")
+fxdist.wrap("sequence_to_kjt")
+fxdist.wrap("sequence_output")

@@ -281,7 +281,8 @@ class _Hidden(nn.Module):
 
 
 class Mixed(nn.Module):
-    """One movable table (called twice) and one of each kind the pass must leave local."""
+    """Movable tables (one called twice, one frozen, one sequence) and one of each kind the pass must leave
+    local."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -324,22 +325,22 @@ def test_modules_that_cannot_move_are_reported_and_stay_local(cluster):
         gm = scheduling.parameter_servers(traced, optimizer="sgd", lr=0.1, verbose=False)
     try:
         why = {w.message.args[0].split(" ")[1]: str(w.message) for w in record if w.category is PlacementWarning}
-        assert set(why) == {"maxpool", "normed", "mutated", "tied", "seq", "hidden.emb"}
+        assert set(why) == {"maxpool", "normed", "mutated", "tied", "hidden.emb"}
         assert "(EmbeddingBag, node %maxpool): mode='max' pooling" in why["maxpool"]
         assert "(Embedding, node %normed): max_norm=1.0 renormalises" in why["normed"]
         assert "modified in place by %mul_ (call_method mul_)" in why["mutated"]
         assert "read directly by %tied_weight (get_attr tied.weight)" in why["tied"]
-        assert "(EmbeddingCollection, node %seq): torchrec EmbeddingCollection returns unpooled" in why["seq"]
         assert "inside leaf module hidden (_Hidden)" in why["hidden.emb"]
         assert all(w.endswith("it stays on the trainer") for w in why.values())
         meta = gm.meta["fxdist"]["placement"]
         assert {k["module"] for k in meta["not_moved"]} == set(why)
         modules = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-        assert modules == {"maxpool", "normed", "mutated", "tied", "seq", "hidden"}    # local, still called
-        assert [t["table"] for t in meta["tables"]] == ["ok", "frozen"] and list(meta["clients"]) == ["ok", "frozen"]
-        assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_pool)) == 3  # "ok" called twice
+        assert modules == {"maxpool", "normed", "mutated", "tied", "hidden"}    # local, still called
+        assert [t["table"] for t in meta["tables"]] == ["s", "ok", "frozen"]
+        assert list(meta["clients"]) == ["seq", "ok", "frozen"]
+        assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_pool)) == 4  # "ok" called twice
         hooks = gm.graph.find_nodes(op="call_function", target=ops.ps_push_in_backward)
-        assert sorted(h.args[0] for h in hooks) == ["ps:ok", "ps:ok"]                 # no pushes for a frozen table
+        assert sorted(h.args[0] for h in hooks) == ["ps:ok", "ps:ok", "ps:seq"]       # no pushes for a frozen table
         with torch.no_grad():
             torch.testing.assert_close(gm(ids, kjt), expected)
     finally:
@@ -371,8 +372,9 @@ def test_optimize_accepts_a_partial_and_names_it(cluster):
         meta = gm.meta["fxdist"]["placement"]
         assert meta["optimizer"] == {"name": "sgd", "lr": 0.05} and meta["servers"] == ["ps1"]
         assert {s for t in meta["tables"] for s in t["servers"]} == {"ps1"}
-        assert {c.args[0] for c in gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)} == {
-            "ps:sparse.user", "ps:sparse.item", "ps:history"}
+        clients = {c.args[0] for c in gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)}
+        assert clients == set(meta["clients"].values())       # unique in the process: "ps:sparse.user#2" ...
+        assert {c.split("#")[0] for c in clients} == {"ps:sparse.user", "ps:sparse.item", "ps:history"}
     finally:
         placement.close(gm)
 
@@ -388,3 +390,39 @@ def test_pass_object_for_the_pass_manager(cluster):
         assert any(n.op == "call_module" for n in traced.graph.nodes if n.target == "sparse.user")  # input untouched
     finally:
         placement.close(result.graph_module)
+
+
+class Sequence(nn.Module):
+    """torchrec EmbeddingCollection (sequence embeddings, one table read by two features) and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name="words", embedding_dim=4, num_embeddings=13, feature_names=["title", "body"]),
+            EmbeddingConfig(name="tags", embedding_dim=4, num_embeddings=7, feature_names=["tag"])])
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, dense, kjt):
+        seq = self.ec(kjt)
+        pooled = [seq[f].to_padded_dense(desired_length=3).sum(1) for f in ("title", "body", "tag")]
+        return self.head(torch.cat(pooled, dim=1)).squeeze(1) + dense.sum(1)
+
+
+def test_embedding_collection_trains_as_with_local_tables(cluster):
+    torch.manual_seed(0)
+    model = Sequence()
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(4):
+        lengths = torch.randint(0, 4, (9,), generator=gen)
+        values = torch.cat([torch.randint(0, 13, (int(lengths[:6].sum()),), generator=gen),
+                            torch.randint(0, 7, (int(lengths[6:].sum()),), generator=gen)])
+        kjt = KeyedJaggedTensor(keys=["title", "body", "tag"], values=values, lengths=lengths)
+        batches.append(((torch.rand(3, 2, generator=gen), kjt), torch.rand(3, generator=gen)))
+    local_losses, local_tables = _train_local(copy.deepcopy(model), batches)
+    losses, tables, gm, hits = _train_on_servers(model, batches, [(1, "next_kjt")])
+    torch.testing.assert_close(losses, local_losses, rtol=1e-5, atol=1e-6)
+    assert tables.keys() == local_tables.keys() == {"ec.embeddings.words.weight", "ec.embeddings.tags.weight"}
+    for key in tables:
+        torch.testing.assert_close(tables[key], local_tables[key], rtol=1e-5, atol=1e-6)
+    assert hits == 3 * 2                                                   # both servers, steps 2..4
