@@ -296,6 +296,9 @@ class Mixed(nn.Module):
         self.hidden = _Hidden()
         self.frozen = nn.EmbeddingBag(10, 4)
         self.frozen.weight.requires_grad_(False)
+        self.padded = nn.Embedding(10, 4, padding_idx=0)
+        with torch.no_grad():
+            self.padded.weight[0] = 1.0
 
     def forward(self, ids, kjt):
         d = self.mutated(ids)
@@ -303,7 +306,7 @@ class Mixed(nn.Module):
         e = self.tied(ids).sum(1) + self.tied.weight.sum()
         f = self.seq(kjt)["s"].values().sum()
         return (self.ok(ids) + self.ok(ids[:, :1]) + self.maxpool(ids) + self.normed(ids).sum(1) + d + e + f
-                + self.hidden(ids) + self.frozen(ids))
+                + self.hidden(ids) + self.frozen(ids) + self.padded(ids).sum(1))
 
 
 class _HiddenLeafTracer(placement.EmbeddingLeafTracer):
@@ -325,7 +328,8 @@ def test_modules_that_cannot_move_are_reported_and_stay_local(cluster):
         gm = scheduling.parameter_servers(traced, optimizer="sgd", lr=0.1, verbose=False)
     try:
         why = {w.message.args[0].split(" ")[1]: str(w.message) for w in record if w.category is PlacementWarning}
-        assert set(why) == {"maxpool", "normed", "mutated", "tied", "hidden.emb"}
+        assert set(why) == {"maxpool", "normed", "mutated", "tied", "hidden.emb", "padded"}
+        assert "(Embedding, node %padded): padding_idx=0 and row 0 is not zero" in why["padded"]
         assert "(EmbeddingBag, node %maxpool): mode='max' pooling" in why["maxpool"]
         assert "(Embedding, node %normed): max_norm=1.0 renormalises" in why["normed"]
         assert "modified in place by %mul_ (call_method mul_)" in why["mutated"]
@@ -335,7 +339,7 @@ def test_modules_that_cannot_move_are_reported_and_stay_local(cluster):
         meta = gm.meta["fxdist"]["placement"]
         assert {k["module"] for k in meta["not_moved"]} == set(why)
         modules = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-        assert modules == {"maxpool", "normed", "mutated", "tied", "hidden"}    # local, still called
+        assert modules == {"maxpool", "normed", "mutated", "tied", "hidden", "padded"}  # local, still called
         assert [t["table"] for t in meta["tables"]] == ["s", "ok", "frozen"]
         assert list(meta["clients"]) == ["seq", "ok", "frozen"]
         assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_pool)) == 4  # "ok" called twice
