@@ -31,6 +31,9 @@ Configuration (what trains what):
   tables are no longer parameters of ``gm``).
 - A module called from several nodes moves once (one table on the servers) and pushes once per call; with SGD
   that equals one step on the summed gradient.
+- Each moved module gets one ``PSClient`` (its namespace on the servers) named ``"<client>:<module path>"``,
+  made unique in the process (``"#2"`` appended when taken before: a server keeps the shards of a name it has
+  seen); ``gm.meta["fxdist"]["placement"]["clients"]`` lists them.
 - After the last step call :func:`flush` (waits the pushes still in flight); :func:`table_state_dict` reads the
   tables back under your model's state-dict names; :func:`close` unregisters the clients.
 - Prefetch: after ``async_rpc_prefetch`` each step's push also asks for the next batch's lookup; pass the next
