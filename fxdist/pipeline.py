@@ -14,6 +14,15 @@ Passes are named (resolved lazily with importlib, so fxdist's core never imports
 recompiles after each, times them, and records ``{"name", "ms", "nodes_added", "nodes_erased",
 "modified"}`` per pass in ``gm.meta["fxdist"]["passes"]``.
 
+A pass that changes nothing gets a :class:`NoOpPassWarning` naming it and why (``"async_rpc: changed
+nothing: no blocking RPC found ..."``): the reason a pass records in ``gm.meta["fxdist"]["unchanged_reason"]``
+while it runs, else the pass's entry in :data:`NO_OP_REASONS`. The reasons are kept in
+``gm.meta["fxdist"]["unchanged"]`` (pass name -> reason).
+
+A pass (or the function inside a ``functools.partial``) may carry ``fxdist_leaf_module``, a predicate
+``nn.Module -> bool``: ``optimize`` then traces with those modules as leaves (one ``call_module`` node each), on
+top of ``tracer_class``. The ``parameter_servers`` pass uses it to keep embedding modules whole.
+
 Afterwards every submodule of the result whose state is unchanged is swapped back for the original
 module object, so the result shares the caller's ``Parameter`` objects (and buffers): an optimizer built
 on ``model.parameters()`` or ``DistributedDataParallel(gm)`` trains the same tensors. Parameters a pass
@@ -26,22 +35,43 @@ torch/fx/passes/infra/pass_manager.py.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["optimize", "register_pass", "resolve_pass", "PASSES"]
+__all__ = ["optimize", "register_pass", "resolve_pass", "PASSES", "NO_OP_REASONS", "NoOpPassWarning"]
 
 PASSES: dict[str, str | Callable] = {
     "async_rpc": "scheduling:async_rpc",
     "async_rpc_prefetch": "scheduling.prefetch:async_rpc_prefetch",
+    "parameter_servers": "scheduling.placement:parameter_servers",
     "fuse": "quant:fuse",
     "reinplace": "fxdist.passes.reinplace:reinplace",
 }
 """Pass name -> ``"module:attribute"`` (imported on first use) or a callable ``gm -> GraphModule``."""
+
+_NO_RPC = ("no blocking RPC found (torch.distributed.rpc.rpc_sync, or parameter-server ps_fetch/ps_push leaves; "
+           "run the parameter_servers pass first to move embedding tables to servers)")
+NO_OP_REASONS: dict[str, str] = {
+    "async_rpc": _NO_RPC,
+    "async_rpc_prefetch": _NO_RPC,
+    "parameter_servers": "no embedding module found",
+    "dce": "no dead node found",
+    "reinplace": "no out-of-place op could be made in-place",
+}
+"""Pass name -> why it changes nothing, when the pass itself records no reason."""
+
+UNCHANGED_REASON = "unchanged_reason"
+"""Key of ``gm.meta["fxdist"]`` where a pass may put why it changed nothing (read and removed by ``optimize``)."""
+
+
+class NoOpPassWarning(UserWarning):
+    """A pass run by :func:`optimize` changed nothing (the message names the pass and why)."""
 
 _TRACE_HINT = (
     "fxdist.optimize could not trace {cls}. Ways out: make the untraceable submodule a leaf (subclass "
@@ -78,7 +108,9 @@ def resolve_pass(spec: str | Callable) -> tuple[str, Callable]:
         ImportError: the module implementing a named pass cannot be imported.
     """
     if callable(spec):
-        name = getattr(spec, "name", None) or getattr(spec, "__name__", None) or type(spec).__name__
+        inner = spec.func if isinstance(spec, functools.partial) else spec
+        name = getattr(spec, "name", None) or getattr(inner, "name", None) or getattr(inner, "__name__", None) \
+            or type(inner).__name__
         return str(name), spec
     if spec not in PASSES:
         raise ValueError(f"fxdist.optimize: unknown pass {spec!r}; known passes: {', '.join(sorted(PASSES))} "
@@ -108,15 +140,61 @@ class _Adapter:
     def __call__(self, gm: Any) -> Any:
         from fxdist.passes.pass_base import PassResult
 
-        before = str(gm.graph)
+        before = (str(gm.graph), _state_ids(gm))
         out = self.fn(gm)
-        if isinstance(out, PassResult):
-            return out
-        if out is None:  # an in-place pass that returns nothing
-            out = gm
-        if not hasattr(out, "graph"):
-            raise TypeError(f"pass {self.name!r} returned {type(out).__name__}, expected a GraphModule")
-        return PassResult(out, out is not gm or str(out.graph) != before)
+        if not isinstance(out, PassResult):
+            if out is None:  # an in-place pass that returns nothing
+                out = gm
+            if not hasattr(out, "graph"):
+                raise TypeError(f"pass {self.name!r} returned {type(out).__name__}, expected a GraphModule")
+            out = PassResult(out, out is not gm or (str(out.graph), _state_ids(out)) != before)
+        meta = out.graph_module.meta.setdefault("fxdist", {})
+        reason = meta.pop(UNCHANGED_REASON, None)
+        if not out.modified:
+            meta.setdefault("unchanged", {})[self.name] = reason or _default_reason(self.name, self.fn)
+        return out
+
+
+def _state_ids(gm: nn.Module) -> list[tuple[str, int]]:
+    """Names and identities of the submodules, parameters and buffers (a pass may swap them, graph unchanged)."""
+    named = [*gm.named_modules(), *gm.named_parameters(), *gm.named_buffers()]
+    return [(name, id(obj)) for name, obj in named]
+
+
+def _default_reason(name: str, fn: Callable) -> str:
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    return NO_OP_REASONS.get(name) or NO_OP_REASONS.get(getattr(inner, "__name__", "")) or "the graph is unchanged"
+
+
+def _leaf_predicates(named: list[tuple[str, Callable]]) -> list[Callable[[nn.Module], bool]]:
+    """The ``fxdist_leaf_module`` predicates of the passes (looking inside ``functools.partial``)."""
+    preds = []
+    for _, fn in named:
+        inner = fn.func if isinstance(fn, functools.partial) else fn
+        pred = getattr(fn, "fxdist_leaf_module", None) or getattr(inner, "fxdist_leaf_module", None)
+        if pred is not None and pred not in preds:
+            preds.append(pred)
+    return preds
+
+
+def _tracer_with_leaves(tracer_class: type | None, preds: list[Callable[[nn.Module], bool]]) -> type:
+    """``tracer_class`` (default ``fxdist.Tracer``) that also keeps modules matching ``preds`` as leaves."""
+    import fxdist
+
+    base = tracer_class or fxdist.Tracer
+
+    def is_leaf_module(self: Any, m: nn.Module, module_qualified_name: str) -> bool:
+        return any(p(m) for p in preds) or base.is_leaf_module(self, m, module_qualified_name)
+
+    return type(f"{base.__name__}WithPassLeaves", (base,), {"is_leaf_module": is_leaf_module})
+
+
+def _warn_unchanged(gm: Any, records: list[dict[str, Any]]) -> None:
+    unchanged = gm.meta.get("fxdist", {}).get("unchanged", {})
+    for record in records:
+        if not record["modified"] and record["name"] in unchanged:
+            warnings.warn(f"{record['name']}: changed nothing: {unchanged[record['name']]}", NoOpPassWarning,
+                          stacklevel=3)
 
 
 def _trace(module: nn.Module, tracer_class: type | None, concrete_args: dict | None) -> Any:
@@ -219,12 +297,16 @@ def optimize(
         example_inputs: If given, each pass that changes the graph is checked to keep the outputs
             (``PassVerificationError`` otherwise).
         concrete_args: Passed to the tracer (arguments to specialise, as in ``symbolic_trace``).
-        tracer_class: A ``fxdist.Tracer`` subclass (e.g. one with more leaf modules).
+        tracer_class: A ``fxdist.Tracer`` subclass (e.g. one with more leaf modules); passes may add leaves
+            (``fxdist_leaf_module``, see the module docstring).
 
     Returns:
         A ``GraphModule`` (or a DDP around one) with ``meta["fxdist"]``: ``passes`` (one record per pass),
         ``traced_nodes`` (node count after tracing), ``new_parameters`` (names of parameters that are
-        not the caller's objects).
+        not the caller's objects), ``unchanged`` (pass name -> why it changed nothing).
+
+    Warns:
+        NoOpPassWarning: once per pass that changed nothing, naming it and why.
 
     Raises:
         TraceError (or what the tracer raised): ``module`` cannot be traced; a note lists the remedies.
@@ -238,9 +320,11 @@ def optimize(
     if not isinstance(module, nn.Module):
         raise TypeError(f"fxdist.optimize expects an nn.Module, got {type(module).__name__}")
     named = [resolve_pass(p) for p in passes]
-    gm = _trace(module, tracer_class, concrete_args)
+    preds = _leaf_predicates(named)
+    gm = _trace(module, _tracer_with_leaves(tracer_class, preds) if preds else tracer_class, concrete_args)
     traced_nodes = len(gm.graph.nodes)
     out = _run_passes(gm, named, example_inputs) if named else gm
+    _warn_unchanged(out, out.meta.get("fxdist", {}).get("passes", [])[-len(named):] if named else [])
     _restore_originals(out, module)
     originals = {id(p) for p in module.parameters()}
     meta = out.meta.setdefault("fxdist", {})

@@ -2,6 +2,9 @@
 
 - :func:`async_rpc` (``scheduling.async_rpc(gm) -> GraphModule``): the pass; :func:`lookahead` pairs each
   batch with the next for its ``prefetch=True`` mode.
+- :func:`parameter_servers` (``scheduling.parameter_servers(gm, optimizer=..., lr=...) -> GraphModule``): move
+  the embedding tables of your own model to the running parameter servers (:mod:`scheduling.placement`);
+  ``fxdist.optimize(model, passes=("parameter_servers", "async_rpc_prefetch"))`` then schedules the lookups.
 - :mod:`scheduling.ps`: the parameter-server runtime it schedules.
 - :mod:`scheduling.models`: a DLRM whose tables live on parameter servers, and its train step.
 """
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["async_rpc", "AsyncRPC", "format_timeline", "lookahead"]
+__all__ = ["async_rpc", "AsyncRPC", "format_timeline", "lookahead", "parameter_servers", "ParameterServers"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from . import async_rpc_pass as _mod
 
         value = getattr(_mod, name)
+    elif name in ("parameter_servers", "ParameterServers"):
+        from . import placement as _placement
+
+        value = getattr(_placement, name)
     elif name == "lookahead":
         from .prefetch import lookahead as value
     elif name == "format_timeline":

@@ -23,7 +23,8 @@ Call the module with the next batch: ``gm(dense, kjt, labels, next_kjt=next_batc
 (:func:`lookahead` pairs each batch with the next one); without it (None) nothing is prefetched.
 A forward whose pushes run in backward from ``ps_push_in_backward`` hooks (a training forward, without the
 backward in the graph) gets the same: the hook's push carries the next lookup. A lookup is prefetched only
-when its batch is a graph input, and (without ``max_staleness``) only when the graph pushes to that server,
+when its batch is a graph input (or converted in the graph from inputs only, by a function marked
+``fxdist_batch_conversion``, e.g. :func:`scheduling.placement_ops.bag_to_kjt`), and (without ``max_staleness``) only when the graph pushes to that server,
 in the graph or by one such hook: otherwise the pass cannot know when the prefetch would be exact. Others
 keep the in-step schedule.
 
@@ -56,6 +57,29 @@ def _next_input(graph: Graph, batch: Node, made: dict[Node, Node]) -> Node:
     return made[batch]
 
 
+def _next_batch(graph: Graph, batch: Any, made: dict[Node, Node], dry_run: bool = False) -> Node | None:
+    """The node holding the next step's batch: ``next_<batch>`` for an input, or, for a batch converted in the
+    graph from inputs only by a function marked ``fxdist_batch_conversion`` (e.g. ``nn.EmbeddingBag``'s
+    ``(input, offsets)`` -> KeyedJaggedTensor), the same conversion of their ``next_`` inputs (created once,
+    after the inputs). None when the batch is neither. ``dry_run``: only say whether it would be None."""
+    if not isinstance(batch, Node):
+        return None
+    if batch.op == "placeholder":
+        return batch if dry_run else _next_input(graph, batch, made)
+    if not (batch.op == "call_function" and getattr(batch.target, "fxdist_batch_conversion", False)):
+        return None
+    if not all(n.op == "placeholder" for n in batch.all_input_nodes):
+        return None
+    if dry_run or batch in made:
+        return made.get(batch, batch)
+    nexts = {n: _next_input(graph, n, made) for n in batch.all_input_nodes}
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        made[batch] = graph.node_copy(batch, lambda n: nexts[n])
+    made[batch].meta["async_rpc_prefetch"] = batch.name
+    return made[batch]
+
+
 def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> list[Node]:
     """Add the prefetches (after the RPCs were split and scheduled); returns the nodes that start them:
     push starts given ``next_kjt``, or (``max_staleness >= 1``) new ``ps_prefetch`` nodes.
@@ -76,14 +100,14 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
         if sum(s.dest == site.dest for s in reads) > 1:  # one prefetch slot per (client, server)
             continue
         batch = node_arg(site.start, 2, "kjt")
-        if not (isinstance(batch, Node) and batch.op == "placeholder"):
+        if _next_batch(graph, batch, made, dry_run=True) is None:
             continue
         pushes = [s for s in sites if s.pair.kind == "write" and s.dest == site.dest]
         hooks = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.ps_push_in_backward
                  and ("ps", *n.args[:2]) == site.dest]
         if not (stale or pushes or len(hooks) == 1):  # its pushes, if any, run outside the graph
             continue
-        nxt = _next_input(graph, batch, made)
+        nxt = _next_batch(graph, batch, made)
         if stale:
             with graph.inserting_after(site.start):
                 node = graph.call_function(ops.ps_prefetch, (site.dest[1], site.dest[2], nxt),

@@ -51,6 +51,7 @@ _EXPORTS = {
     "PSServer": "server", "start_server": "server", "stop_server": "server",
     "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
     "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "launch",
+    "group_servers": "launch", "NoGroupError": "launch",
     "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,7 @@
 """Start a small parameter-server group on this machine: N server processes plus this process as trainer.
 
-Used by the tests, the benchmark and the Criteo example. On a cluster, start each server with
+Used by the tests, the benchmark and the Criteo example; :func:`group_servers` finds the servers of the group
+this process is in (what :func:`scheduling.parameter_servers` places tables on). On a cluster, start each server with
 :func:`scheduling.ps.start_server` wherever it runs (e.g. in a Ray actor) and each trainer with
 :func:`scheduling.ps.init_trainer`; this module only automates the loopback case.
 """
@@ -13,7 +14,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LocalCluster", "free_port"]
+__all__ = ["LocalCluster", "free_port", "group_servers", "NoGroupError"]
+
+_ACTIVE: list["LocalCluster"] = []  # started and not closed, in this process
+
+_HOW_TO_START = (
+    "Start one first: on one machine `with scheduling.ps.LocalCluster(num_servers=2): ...` (servers in child "
+    "processes, this process joins as the trainer); in a job, start each server with "
+    "scheduling.ps.start_server(...) and join as a trainer with scheduling.ps.init_trainer(...) (jobs/ps.py "
+    "does both)"
+)
+
+
+class NoGroupError(RuntimeError):
+    """No parameter-server group (``torch.distributed.rpc``) is running in this process, or it has no server."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -79,6 +93,7 @@ class LocalCluster:
             self.kill_all()
             raise
         self._rpc_up = True
+        _ACTIVE.append(self)
         return self
 
     def kill(self, index: int) -> None:
@@ -101,6 +116,8 @@ class LocalCluster:
 
         from .server import _rpc_stop
 
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         try:
             if self._rpc_up:
                 futs = []
@@ -125,3 +142,41 @@ class LocalCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def group_servers(what: str = "parameter servers") -> list[str]:
+    """RPC worker names of the parameter servers of the group this process belongs to, in rank order.
+
+    The servers of a running :class:`LocalCluster` of this process; otherwise every other member of the
+    ``torch.distributed.rpc`` group that answers as a server (one small RPC to each member).
+
+    Args:
+        what: who asks (first words of the error message).
+
+    Raises:
+        NoGroupError: no RPC group runs in this process, or it has no parameter server; the message says how
+            to start one.
+    """
+    if _ACTIVE and _ACTIVE[-1]._rpc_up:
+        return list(_ACTIVE[-1].server_names)
+    from torch.distributed import rpc
+
+    if not rpc.is_available() or not rpc.api._is_current_rpc_agent_set():
+        raise NoGroupError(f"{what}: no parameter-server group is running in this process. {_HOW_TO_START}.")
+    from .server import _rpc_stats
+
+    me = rpc.get_worker_info().name
+    others = sorted((w for w in rpc.api._get_current_rpc_agent().get_worker_infos() if w.name != me),
+                    key=lambda w: w.id)
+    futs = [(w.name, rpc.rpc_async(w.name, _rpc_stats, (), timeout=10.0)) for w in others]
+    servers = []
+    for name, fut in futs:
+        try:
+            fut.wait()
+        except RuntimeError:  # a trainer (no server in that process), or unreachable
+            continue
+        servers.append(name)
+    if not servers:
+        raise NoGroupError(f"{what}: the RPC group of worker {me!r} has no parameter server "
+                           f"(members: {[w.name for w in others]}). {_HOW_TO_START}.")
+    return servers

@@ -177,3 +177,52 @@ def test_ddp_module_is_rewrapped_with_the_same_process_group(tmp_path):
         assert model.bottom[0].weight.grad is not None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_pass_that_changes_nothing_is_warned_with_its_reason():
+    from fxdist.pipeline import NO_OP_REASONS, NoOpPassWarning
+
+    def records_its_reason(gm):
+        gm.meta.setdefault("fxdist", {})["unchanged_reason"] = "nothing to do here"
+        return gm
+
+    with pytest.warns(NoOpPassWarning) as record:
+        gm = fxdist.optimize(Doubler(), passes=("dce", records_its_reason, _mul_two_to_add, "async_rpc"))
+    assert [str(w.message) for w in record if w.category is NoOpPassWarning] == [
+        f"dce: changed nothing: {NO_OP_REASONS['dce']}",
+        "records_its_reason: changed nothing: nothing to do here",
+        f"async_rpc: changed nothing: {NO_OP_REASONS['async_rpc']}"]     # _mul_two_to_add changed the graph
+    assert gm.meta["fxdist"]["unchanged"] == {"dce": NO_OP_REASONS["dce"],
+                                              "records_its_reason": "nothing to do here",
+                                              "async_rpc": NO_OP_REASONS["async_rpc"]}
+    assert "unchanged_reason" not in gm.meta["fxdist"]
+    assert "no blocking RPC found" in NO_OP_REASONS["async_rpc"]
+
+
+def test_passes_can_add_leaf_modules_and_partials_keep_their_name():
+    import functools
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.branchy = Branchy()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.branchy(self.lin(x))
+
+    seen = []
+
+    def count_calls(gm, label="calls"):
+        seen.append((label, [n.target for n in gm.graph.nodes if n.op == "call_module"]))
+        return gm
+
+    count_calls.fxdist_leaf_module = lambda m: isinstance(m, Branchy)
+    model = Model()
+    gm = fxdist.optimize(model, passes=(functools.partial(count_calls, label="leaf"),))  # Branchy alone fails
+    assert seen == [("leaf", ["lin", "branchy"])]
+    assert [r["name"] for r in gm.meta["fxdist"]["passes"]] == ["count_calls"]
+    x = torch.randn(2, 3)
+    assert torch.allclose(gm(x), model(x))
+    with pytest.raises(fxdist.TraceError):  # without the pass's leaf, the control flow is traced
+        fxdist.optimize(model, passes=(_mul_two_to_add,))

@@ -1,0 +1,387 @@
+"""The ``parameter_servers`` pass: move the embedding tables of *your own* model to parameter servers.
+
+Your model stays as written: a torchrec ``DLRM`` / ``DLRM_DCN`` with an ``EmbeddingBagCollection``, a torchrec
+``EmbeddingCollection`` (sequence embeddings), or any ``nn.Module`` with ``nn.EmbeddingBag`` / ``nn.Embedding``
+tables, anywhere in its submodules. The pass finds
+those modules in the traced graph, puts their tables on the servers of the running group (current weights, so
+the model computes the same), and replaces each call by blocking lookups that :func:`scheduling.async_rpc`
+can then schedule::
+
+    %kt = call_module[sparse_arch.embedding_bag_collection](%sparse_features)
+        ->
+    %ps_fetch = ps_fetch("ps:sparse_arch.embedding_bag_collection", 0, %sparse_features)
+    %ps_push_in_backward = ps_push_in_backward("ps:...", 0, %sparse_features, %ps_fetch)
+    ... one fetch + hook per server holding a shard ...
+    %kt = ps_pool("ps:...", %sparse_features, %ps_push_in_backward, %ps_push_in_backward_1)
+
+``nn.EmbeddingBag`` inputs ``(input, offsets)`` or 2-D ``input``, ``nn.Embedding`` index tensors and
+``EmbeddingCollection`` inputs (each id a bag of its own) are turned into the servers' ``KeyedJaggedTensor`` format
+in the graph (:mod:`scheduling.placement_ops`), and the lookup's result back into what the module returned
+(``(B, D)``; ``(*S, D)``; ``{feature: JaggedTensor}``).
+
+Configuration (what trains what):
+
+- The tables are trained *on the servers* by the pass's ``optimizer`` (``"sgd"``: ``w -= lr * g`` on the touched
+  rows, exactly ``torch.optim.SGD`` without momentum; ``"rowwise_adagrad"``). The gradient of each lookup is
+  pushed from an autograd hook (``ps_push_in_backward``) as soon as ``loss.backward()`` computes it. One
+  optimizer for every table: a server runs one optimizer for all its tables (``scheduling.ps.server``), so
+  per-table optimizers are not supported, and the pass refuses servers that a live client with other optimizer
+  settings uses.
+- The dense part is trained by *your* optimizer: build it on ``gm.parameters()`` after the pass (the moved
+  tables are no longer parameters of ``gm``).
+- A module called from several nodes moves once (one table on the servers) and pushes once per call; with SGD
+  that equals one step on the summed gradient.
+- Each moved module gets one ``PSClient`` (its namespace on the servers) named ``"<client>:<module path>"``,
+  made unique in the process (``"#2"`` appended when taken before: a server keeps the shards of a name it has
+  seen); ``gm.meta["fxdist"]["placement"]["clients"]`` lists them.
+- After the last step call :func:`flush` (waits the pushes still in flight); :func:`table_state_dict` reads the
+  tables back under your model's state-dict names; :func:`close` unregisters the clients.
+- Prefetch: after ``async_rpc_prefetch`` each step's push also asks for the next batch's lookup; pass the next
+  batch as ``next_<input name>`` (e.g. ``gm(dense, kjt, next_kjt=nxt)``, pairs from
+  :func:`scheduling.lookahead`). This works for a lookup whose batch is a graph input (a KeyedJaggedTensor
+  input of an ``EmbeddingBagCollection``) or converted from inputs only (``nn.EmbeddingBag(ids, offsets)``:
+  pass ``next_ids=..., next_offsets=...``); a module called twice in a step keeps the in-step schedule.
+
+Source: torch.fx paper §6.2.3 (parameter-server fetches in the graph, then scheduled); torchrec
+``DistributedModelParallel`` (shard a user's model's embedding modules by a plan, leave the rest dense).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, TextIO
+
+import torch
+from torch import nn
+
+import fxdist
+from fxdist.graph_module import GraphModule
+from fxdist.node import Node
+from fxdist.passes.pass_base import PassBase, PassResult
+
+from . import placement_ops
+from .placement_find import Candidate, NotMoved, find_embeddings, is_embedding_module
+from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of
+from .ps import ops
+from .ps.config import TableSpec, table_specs
+
+__all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
+           "table_state_dict", "client_names"]
+
+logger = logging.getLogger("scheduling.placement")
+_USED_NAMES: set[str] = set()
+
+
+class PlacementWarning(UserWarning):
+    """An embedding module stays on the trainer (the message says which and why)."""
+
+
+class EmbeddingLeafTracer(fxdist.Tracer):
+    """fxdist's tracer with every embedding module the pass can see as a leaf (torchrec EBC/EC, nn.EmbeddingBag,
+    nn.Embedding), so each call is one ``call_module`` node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_embedding_module(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _as_graph_module(gm: Any) -> GraphModule:
+    if isinstance(gm, GraphModule):
+        return gm
+    if not isinstance(gm, nn.Module):
+        raise TypeError(f"parameter_servers expects a GraphModule or an nn.Module, got {type(gm).__name__}")
+    tracer = EmbeddingLeafTracer()
+    graph = tracer.trace(gm)
+    return GraphModule(tracer.root, graph, type(gm).__name__)
+
+
+# ---- tables and clients ---------------------------------------------------------------------------------------
+def _tables_of(c: Candidate) -> list[tuple[TableInfo, torch.Tensor]]:
+    """(table, weight) pairs of one module, in its declaration order."""
+    m = c.module
+    if c.kind == "ebc":
+        return [(TableInfo(spec, c.qualname, f"{c.qualname}.embedding_bags.{spec.name}"),
+                 m.embedding_bags[spec.name].weight) for spec in table_specs(m.embedding_bag_configs())]
+    if c.kind == "ec":  # one-id bags, pooled by sum: the rows themselves
+        return [(TableInfo(spec, c.qualname, f"{c.qualname}.embeddings.{spec.name}"), m.embeddings[spec.name].weight)
+                for spec in table_specs(m.embedding_configs())]
+    pooling = m.mode if c.kind == "bag" else "sum"
+    spec = TableSpec(c.qualname, m.num_embeddings, m.embedding_dim, (c.qualname,), pooling)
+    return [(TableInfo(spec, c.qualname, c.qualname), m.weight)]
+
+
+def _client_name(prefix: str, qualname: str) -> str:
+    """``<prefix>:<qualname>``, made unique in this process (a server keeps the shards of a name it has seen)."""
+    from .ps.client import _CLIENTS
+
+    base = name = f"{prefix}:{qualname}"
+    k = 1
+    while name in _USED_NAMES or name in _CLIENTS:
+        k += 1
+        name = f"{base}#{k}"
+    _USED_NAMES.add(name)
+    return name
+
+
+def _check_optimizer(servers: Sequence[str], optimizer: str, kwargs: Mapping[str, float]) -> None:
+    """Raise ValueError when a live client on these servers runs another optimizer (one per server process)."""
+    from .ps.client import _CLIENTS
+    from .ps.optimizer import make_optimizer
+
+    make_optimizer(optimizer, **kwargs)  # unknown names / arguments fail here, before anything is created
+    for other in list(_CLIENTS.values()):
+        if set(other.servers) & set(servers) and (other.optimizer, other.optimizer_kwargs) != (optimizer, dict(kwargs)):
+            raise ValueError(f"parameter_servers: servers {sorted(set(other.servers) & set(servers))} already serve "
+                             f"client {other.name!r} with optimizer {other.optimizer} {other.optimizer_kwargs}; a "
+                             f"server runs one optimizer for all its tables, so {optimizer} {dict(kwargs)} would "
+                             "change that client's training too. Use the same optimizer, or close() that client")
+
+
+def _use_shards(client: Any, shards: list[Any]) -> None:
+    """Give an unconfigured PSClient an explicit shard list (the plan's) instead of its own ``plan_shards``."""
+    from .ps.server import server_layout
+
+    client.shards = list(shards)
+    client.layouts = [server_layout(client.shards, s) for s in range(len(client.servers))]
+    client.widths = [sum(sp.table.embedding_dim for sp, _ in lay) for lay in client.layouts]
+    client._slots = client._feature_slots()
+    client._gather = None
+
+
+def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
+                  placed: dict[str, TablePlacement], servers: list[str], prefix: str, optimizer: str,
+                  kwargs: Mapping[str, float], timeout_s: float) -> dict[str, Any]:
+    """One configured PSClient per module (its namespace on the servers), tables set to the module's weights."""
+    from .ps.client import PSClient
+
+    clients: dict[str, Any] = {}
+    try:
+        for c in found:
+            pairs = tables[c.qualname]
+            client = PSClient([t.spec for t, _ in pairs], servers, optimizer=optimizer, optimizer_kwargs=kwargs,
+                              name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False)
+            clients[c.qualname] = client
+            _use_shards(client, [sp for t, _ in pairs for sp in shards_of(placed[t.path], len(servers))])
+            client.configure({t.spec.name: w.detach().float().clone() for t, w in pairs})
+    except BaseException:
+        for client in clients.values():
+            client.close(flush=False)
+        raise
+    return clients
+
+
+# ---- the graph rewrite ----------------------------------------------------------------------------------------
+def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
+    """(the KeyedJaggedTensor node, a function turning the pooled KeyedTensor node into the module's output)."""
+    import inspect
+
+    bound = inspect.signature(c.module.forward).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    args = list(bound.arguments.values())
+    m = c.module
+    if c.kind == "ebc":
+        return args[0], lambda kt: kt
+    if c.kind == "ec":
+        features = tuple(f for cfg in m.embedding_configs() for f in cfg.feature_names)
+        names = tuple(n for names in m.embedding_names_by_table() for n in names)
+        fn, fn_args, kwargs = placement_ops.sequence_to_kjt, (args[0], features), {}
+        finish = lambda kt: graph.call_function(placement_ops.sequence_output,  # noqa: E731
+                                                (kt, args[0], features, names, m.need_indices()))
+    elif c.kind == "bag":
+        fn, fn_args = placement_ops.bag_to_kjt, (c.qualname, *args[:3])
+        kwargs = {"include_last_offset": m.include_last_offset, "padding_idx": m.padding_idx}
+        finish = lambda kt: graph.call_method("values", (kt,))  # noqa: E731
+    else:
+        fn, fn_args, kwargs = placement_ops.index_to_kjt, (c.qualname, args[0]), {"padding_idx": m.padding_idx}
+        finish = lambda kt: graph.call_function(placement_ops.index_output, (kt, args[0]))  # noqa: E731
+    # the conversion goes right after its inputs, so that async_rpc can start the lookup that early
+    inputs = [a for a in fn_args if isinstance(a, Node)]
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    after = max(inputs + [n for n in graph.nodes if n.op == "placeholder"], key=pos.__getitem__)
+    with graph.inserting_after(after):
+        kjt = graph.call_function(fn, fn_args, kwargs)
+    kjt.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    kjt.meta["parameter_servers"] = c.qualname
+    return kjt, finish
+
+
+def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> None:
+    """Replace every call of ``c`` by fetches (+ backward pushes) and the pooling, then drop the module."""
+    graph = gm.graph
+    for node in c.nodes:
+        anchor = node.prev
+        with graph.inserting_before(node):
+            kjt, finish = _wire_input(graph, c, node)
+            ids = client.servers_for()
+            # every fetch before the first hook: async_rpc does not hoist a fetch above an impure node
+            # (the hook) that reads the same batch, so interleaving them would serialise the lookups
+            parts = [graph.call_function(ops.ps_fetch, (client.name, s, kjt)) for s in ids]
+            if trainable:
+                parts = [graph.call_function(ops.ps_push_in_backward, (client.name, s, kjt, p))
+                         for s, p in zip(ids, parts)]
+            out = finish(graph.call_function(ops.ps_pool, (client.name, kjt, *parts)))
+        new = anchor.next
+        while new is not node:
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            new.meta["parameter_servers"] = c.qualname
+            new = new.next
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    gm.delete_submodule(c.qualname)
+    parent = c.qualname.rpartition(".")[0]
+    while parent:  # containers left empty (e.g. a SparseArch traced through) go too
+        mod = gm.get_submodule(parent)
+        if any(True for _ in mod.children()) or any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
+            break
+        gm.delete_submodule(parent)
+        parent = parent.rpartition(".")[0]
+
+
+# ---- the pass -------------------------------------------------------------------------------------------------
+def _report(gm: GraphModule, kept: list[NotMoved]) -> None:
+    for item in kept:
+        warnings.warn(f"parameter_servers: {item.message()}; it stays on the trainer", PlacementWarning, stacklevel=3)
+    gm.meta.setdefault("fxdist", {}).setdefault("placement", {})["not_moved"] = [asdict(k) for k in kept]
+
+
+def _record(gm: GraphModule, placements: list[TablePlacement], servers: list[str], clients: dict[str, Any],
+            optimizer: dict[str, Any]) -> str:
+    header = (f"parameter_servers plan: {len(placements)} tables on {len(servers)} servers, optimizer "
+              f"{optimizer['name']} ({', '.join(f'{k}={v}' for k, v in optimizer.items() if k != 'name')})")
+    text = format_plan(placements, servers, header)
+    meta = gm.meta.setdefault("fxdist", {}).setdefault("placement", {})
+    meta.update({
+        "servers": list(servers), "optimizer": optimizer, "plan_text": text,
+        "tables": [{"table": p.table.spec.name, "module": p.table.module, "path": p.table.path,
+                    "rows": p.table.spec.num_embeddings, "dim": p.table.spec.embedding_dim, "sharding": p.sharding,
+                    "servers": [servers[s] for s in p.servers], "bytes": p.table.nbytes, "reason": p.reason}
+                   for p in placements],
+        "server_bytes": dict(zip(servers, server_bytes(placements, len(servers)))),
+        "clients": {**meta.get("clients", {}), **{q: c.name for q, c in clients.items()}},
+    })
+    return text
+
+
+def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0.01, *,
+                      plan: Mapping[str, Any] | None = None, servers: Sequence[str] | None = None,
+                      client: str = "ps", optimizer_kwargs: Mapping[str, float] | None = None,
+                      timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None) -> GraphModule:
+    """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
+
+    Args:
+        gm: a GraphModule traced with embedding modules as leaves (:class:`EmbeddingLeafTracer`;
+            ``fxdist.optimize`` does that for this pass), or an ``nn.Module``, traced here.
+        optimizer: the servers' optimizer for every table, ``"rowwise_adagrad"`` or ``"sgd"``.
+        lr: its learning rate; ``optimizer_kwargs`` adds others (e.g. ``{"eps": 1e-8}``).
+        plan: per-table overrides ``{table name | weight path: "table_wise" | "row_wise" | server index}``
+            (see :mod:`scheduling.placement_plan` for the automatic choice).
+        servers: RPC names of the servers to use (default: every server of the group).
+        client: prefix of the clients' names (``"<client>:<module path>"``).
+        timeout_s: RPC timeout of the clients, in seconds.
+        verbose: print the plan (it is always logged at INFO on ``scheduling.placement``); ``file``: where.
+
+    Returns:
+        ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
+        ``server_bytes``, ``clients``) and ``not_moved`` (modules left local, with the reason).
+
+    Raises:
+        scheduling.ps.NoGroupError: there is something to move but no parameter-server group runs here.
+        ValueError: a bad ``plan`` entry, unknown optimizer, or servers used by a client with another optimizer.
+        scheduling.ps.PSUnavailableError: a server did not answer the configuration.
+    """
+    gm = _as_graph_module(gm)
+    found, kept = find_embeddings(gm)
+    _report(gm, kept)
+    if not found:
+        gm.meta["fxdist"]["unchanged_reason"] = (
+            f"no movable embedding module ({len(kept)} stay local, see the warnings)" if kept else
+            "no embedding module found (torchrec EmbeddingBagCollection, nn.EmbeddingBag or nn.Embedding called "
+            "as a call_module node; trace with scheduling.placement.EmbeddingLeafTracer)")
+        return gm
+    from .ps.launch import group_servers
+
+    names = list(servers) if servers else group_servers("parameter_servers")
+    kwargs = {"lr": lr, **(optimizer_kwargs or {})}
+    _check_optimizer(names, optimizer, kwargs)
+    tables = {c.qualname: _tables_of(c) for c in found}
+    placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
+    placed = {p.table.path: p for p in placements}
+    clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s)
+    for c in found:
+        _rewrite(gm, c, clients[c.qualname], trainable=any(w.requires_grad for _, w in tables[c.qualname]))
+    gm.graph.lint()
+    gm.recompile()
+    text = _record(gm, placements, names, clients, {"name": optimizer, **kwargs})
+    logger.info("%s", text)
+    if verbose:
+        print(text, file=file or sys.stdout)
+    return gm
+
+
+parameter_servers.fxdist_leaf_module = is_embedding_module  # type: ignore[attr-defined]  # see fxdist.optimize
+
+
+@dataclass(frozen=True)
+class ParameterServers(PassBase):
+    """Pass object for :class:`fxdist.passes.pass_base.PassManager`; see :func:`parameter_servers`."""
+
+    name: ClassVar[str] = "parameter-servers"
+    fxdist_leaf_module: ClassVar[Any] = staticmethod(is_embedding_module)
+    optimizer: str = "rowwise_adagrad"
+    """The servers' optimizer."""
+    lr: float = 0.01
+    """Its learning rate."""
+    plan: Mapping[str, Any] | None = None
+    """Per-table sharding overrides."""
+    servers: tuple[str, ...] | None = None
+    """Servers to use (default: all of the group)."""
+    client: str = "ps"
+    """Prefix of the clients' names."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Other keyword arguments of :func:`parameter_servers`."""
+
+    def call(self, gm: GraphModule) -> PassResult:
+        before = str(gm.graph)
+        gm = parameter_servers(gm, self.optimizer, self.lr, plan=self.plan, servers=self.servers,
+                               client=self.client, **self.options)
+        return PassResult(gm, str(gm.graph) != before)
+
+
+# ---- after the pass -------------------------------------------------------------------------------------------
+def client_names(gm: Any) -> list[str]:
+    """Names of the clients the pass created for ``gm`` (a GraphModule, or a DDP around one)."""
+    gm = getattr(gm, "module", gm) if isinstance(gm, nn.parallel.DistributedDataParallel) else gm
+    return list(gm.meta.get("fxdist", {}).get("placement", {}).get("clients", {}).values())
+
+
+def flush(gm: Any) -> None:
+    """Wait every push still in flight (and drop unused prefetches) of ``gm``'s clients; call after training."""
+    from .ps.client import get_client
+
+    for name in client_names(gm):
+        get_client(name).flush()
+
+
+def close(gm: Any) -> None:
+    """:func:`flush`, then unregister ``gm``'s clients (their tables stay on the servers)."""
+    from .ps.client import get_client
+
+    for name in client_names(gm):
+        get_client(name).close()
+
+
+def table_state_dict(gm: Any) -> dict[str, torch.Tensor]:
+    """The moved tables as in the original model's ``state_dict``: ``{"<path>.weight": (N, D)}``."""
+    from .ps.client import get_client
+
+    meta = gm.meta["fxdist"]["placement"]
+    out = {}
+    for qualname, name in meta["clients"].items():
+        state = get_client(name).state_dict()
+        for t in meta["tables"]:
+            if t["module"] == qualname:
+                out[f"{t['path']}.weight"] = state[f"{t['table']}.weight"]
+    return out
