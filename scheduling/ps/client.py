@@ -22,6 +22,7 @@ import torch
 
 from . import server as _srv
 from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
+from .storage import STORAGES
 
 __all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer"]
 
@@ -102,6 +103,8 @@ class PSClient:
             tables: trainers sharing tables use the same name.
         timeout_s: every RPC fails with :class:`PSUnavailableError` after this many seconds.
         compress: ``"fused8bit"`` to receive lookups quantized with FBGEMM's fused 8-bit row-wise format.
+        storage: how the servers store the rows: ``"fp32"``, ``"fp16"`` or ``"fused8bit"`` (2x and about 4x
+            less memory; :mod:`scheduling.ps.storage`); lookups answer float32 either way.
         seed: seed of the initial weights; ``init_weights`` ``{table: (N, D)}`` overrides them.
         configure: create the shards on the servers now (shards restored from a checkpoint are kept).
         ordered: each server applies this client's lookups and pushes in the order they were issued
@@ -124,7 +127,8 @@ class PSClient:
                  optimizer: str = "rowwise_adagrad", optimizer_kwargs: Mapping[str, float] | None = None,
                  name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
                  init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True,
-                 ordered: bool = True, rank: int = 0, world_size: int = 1, group: str | None = None) -> None:
+                 ordered: bool = True, rank: int = 0, world_size: int = 1, group: str | None = None,
+                 storage: str = "fp32") -> None:
         if not servers:
             raise ValueError("PSClient: give at least one server name")
         if not 0 <= rank < world_size:
@@ -132,6 +136,8 @@ class PSClient:
         if world_size > 1 and (not group or not ordered):
             raise ValueError(f"PSClient {name!r}: world_size={world_size} needs ordered=True and a group key "
                              "shared by the trainers (group=...)")
+        if storage not in STORAGES:
+            raise ValueError(f"PSClient: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
         if compress not in (None, "fused8bit"):
             raise ValueError(f"PSClient: unknown compress={compress!r} (use None or 'fused8bit')")
         self.tables: list[TableSpec] = table_specs(tables)
@@ -143,6 +149,7 @@ class PSClient:
         self.optimizer = optimizer
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.seed = seed
+        self.storage = storage
         self.layouts = [_srv.server_layout(self.shards, s) for s in range(len(self.servers))]
         self.widths = [sum(sp.table.embedding_dim for sp, _ in lay) for lay in self.layouts]
         self._slots = self._feature_slots()
@@ -432,7 +439,8 @@ class PSClient:
             mine = {t: w for t, w in (init_weights or {}).items()
                     if any(sp.server == s and sp.table.name == t for sp in self.shards)}
             futs.append(self._call_async(s, _srv._rpc_configure, (self.name, self.shards, s, self.optimizer,
-                                                                   self.optimizer_kwargs, self.seed, mine or None),
+                                                                   self.optimizer_kwargs, self.seed, mine or None,
+                                                                   self.storage),
                                          "configure"))
         for s, fut in enumerate(futs):
             self._wait(fut, s, "configure")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ShardSpec
+from .storage import RowStore
 
 __all__ = ["FusedTables", "FusedIndex"]
 
@@ -46,11 +47,15 @@ class FusedTables:
 
     Args:
         layout: the ``(shard, feature)`` pairs in output-column order (``server_layout``).
-        weights: per shard key, its ``(rows, D)`` weight; states: its ``(rows,)`` optimizer state or None.
+        weights: per shard key, its ``(rows, D)`` weight (in the form of :attr:`store`); states: its ``(rows,)``
+            optimizer state or None.
         lock: guards updates of the stacked tensors (shared with the shards' own locks).
 
     Use :meth:`build`, which returns None when the layout cannot be stacked.
     """
+
+    store: RowStore = RowStore()
+    """How the stacked rows are stored (:mod:`scheduling.ps.storage`); set by the server."""
 
     def __init__(self, layout: Sequence[tuple[ShardSpec, str]], weights: dict[str, torch.Tensor],
                  states: dict[str, torch.Tensor | None], lock: threading.Lock) -> None:
@@ -151,7 +156,7 @@ class FusedTables:
     # ---- lookup and push --------------------------------------------------------------------------------
     def lookup(self, idx: FusedIndex) -> torch.Tensor:
         """Pooled sums ``(B, J * D)``, entry ``j``'s ``D`` columns at ``j * D`` (layout order)."""
-        rows = self.weight.index_select(0, idx.rows)
+        rows = self.store.gather(self.weight, idx.rows)
         if idx.weights is not None:
             rows = rows * idx.weights.unsqueeze(1)
         num = len(self.layout)

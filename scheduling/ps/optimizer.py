@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .storage import RowStore
+
+_FP32 = RowStore()
+
 __all__ = ["RowWiseOptimizer", "RowWiseSGD", "RowWiseAdagrad", "make_optimizer"]
 
 
@@ -27,10 +31,12 @@ class RowWiseOptimizer:
         return None
 
     def step(self, weight: torch.Tensor, state: torch.Tensor | None, rows: torch.Tensor,
-             grads: torch.Tensor) -> None:
+             grads: torch.Tensor, store: RowStore | None = None) -> None:
         """Update ``weight[rows]`` in place.
 
-        Shapes: weight ``(R, D)``, rows ``(U,)`` unique local row ids (int64), grads ``(U, D)``.
+        Shapes: weight ``(R, D)`` float32, or stored rows of ``store`` (:mod:`scheduling.ps.storage`:
+        decoded, updated in float32, encoded back); rows ``(U,)`` unique local row ids (int64); grads
+        ``(U, D)``.
         """
         raise NotImplementedError
 
@@ -43,8 +49,8 @@ class RowWiseSGD(RowWiseOptimizer):
     """Learning rate."""
     name = "sgd"
 
-    def step(self, weight, state, rows, grads):  # noqa: D102 - see base class
-        _apply(weight, rows, grads, self.lr)
+    def step(self, weight, state, rows, grads, store=None):  # noqa: D102 - see base class
+        _apply(weight, rows, grads, self.lr, store)
 
 
 @dataclass
@@ -62,17 +68,17 @@ class RowWiseAdagrad(RowWiseOptimizer):
     def init_state(self, num_rows, dim):  # noqa: D102 - see base class
         return torch.full((num_rows,), float(self.initial_accumulator_value))
 
-    def step(self, weight, state, rows, grads):  # noqa: D102 - see base class
+    def step(self, weight, state, rows, grads, store=None):  # noqa: D102 - see base class
         assert state is not None
         acc = state.index_select(0, rows) + grads.pow(2).mean(dim=1)
         state.index_copy_(0, rows, acc)
-        _apply(weight, rows, grads / (acc.sqrt() + self.eps).unsqueeze(1), self.lr)
+        _apply(weight, rows, grads / (acc.sqrt() + self.eps).unsqueeze(1), self.lr, store)
 
 
-def _apply(weight: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, lr: float) -> None:
-    """``weight[rows] -= lr * update`` for unique ``rows``: gather, update, scatter back (half the time of
-    ``index_add_``, whose CPU kernel also handles repeated rows)."""
-    weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(update, alpha=lr))
+def _apply(weight: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, lr: float,
+           store: RowStore | None) -> None:
+    """``weight[rows] -= lr * update`` for unique ``rows`` (see :meth:`RowStore.apply`)."""
+    (store or _FP32).apply(weight, rows, update, lr)
 
 
 def make_optimizer(name: str, **kwargs: float) -> RowWiseOptimizer:

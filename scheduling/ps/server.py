@@ -31,6 +31,7 @@ from .config import ShardSpec
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
 from .ordering import Order, in_order
+from .storage import RowStore, make_store
 
 __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch",
            "reset_rpc_process_state"]
@@ -112,8 +113,10 @@ def server_layout(shards: Sequence[ShardSpec], server: int) -> list[tuple[ShardS
 class _Shard:
     spec: ShardSpec
     weight: torch.Tensor
+    """The rows, in the form of ``store``."""
     state: torch.Tensor | None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    store: RowStore = field(default_factory=RowStore)
 
 
 class PSServer:
@@ -133,6 +136,7 @@ class PSServer:
         self.optimizer: RowWiseOptimizer | None = None
         self.layouts: dict[str, list[tuple[ShardSpec, str]]] = {}
         self.fused: dict[str, FusedTables | None] = {}
+        self.stores: dict[str, RowStore] = {}
         self._lock = threading.Lock()
         self.num_lookups = 0
         self.num_pushes = 0
@@ -140,12 +144,13 @@ class PSServer:
     # ---- set-up -----------------------------------------------------------------------------------------
     def configure(self, namespace: str, shards: Sequence[ShardSpec], server: int, optimizer: str,
                   optimizer_kwargs: dict[str, float], seed: int,
-                  init_weights: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+                  init_weights: dict[str, torch.Tensor] | None = None, storage: str = "fp32") -> dict[str, int]:
         """Create the shards this server holds for ``namespace`` (a client name; trainers sharing tables use
         the same one). Shards already present, e.g. from a checkpoint, are kept.
 
         Weights of a new shard: ``init_weights[table][row_start:row_end]`` when given, else uniform in
-        ``(-1/sqrt(N), 1/sqrt(N))`` (torchrec's default) from a generator seeded by ``(seed, shard)``.
+        ``(-1/sqrt(N), 1/sqrt(N))`` (torchrec's default) from a generator seeded by ``(seed, shard)``; stored
+        as ``storage`` says (:mod:`scheduling.ps.storage`: "fp32", "fp16" or "fused8bit").
 
         Returns:
             ``{shard key: rows}`` of the shards now held.
@@ -155,19 +160,21 @@ class PSServer:
         """
         with self._lock:
             self.optimizer = make_optimizer(optimizer, **optimizer_kwargs)
+            store = self.stores[namespace] = make_store(storage, seed)
             mine = [s for s in shards if s.server == server]
             for idx, spec in enumerate(mine):
                 key = f"{namespace}/{spec.key}"
                 old = self.shards.get(key)
                 if old is not None:
-                    if old.spec.num_rows != spec.num_rows or old.weight.shape[1] != spec.table.embedding_dim:
+                    if (old.spec.num_rows, old.spec.table.embedding_dim) != (spec.num_rows, spec.table.embedding_dim):
                         raise ValueError(f"server {self.name}: shard {key} exists with shape "
-                                         f"{tuple(old.weight.shape)}, client asks for "
+                                         f"({old.spec.num_rows}, {old.spec.table.embedding_dim}), client asks for "
                                          f"({spec.num_rows}, {spec.table.embedding_dim})")
                     old.spec = spec
                     continue
-                self.shards[key] = _Shard(spec, self._init_weight(spec, seed, idx, init_weights),
-                                               self.optimizer.init_state(spec.num_rows, spec.table.embedding_dim))
+                self.shards[key] = _Shard(spec, store.encode(self._init_weight(spec, seed, idx, init_weights)),
+                                          self.optimizer.init_state(spec.num_rows, spec.table.embedding_dim),
+                                          store=store)
             self.layouts[namespace] = server_layout(mine, server)
             self._fuse(namespace)
             return {k: s.spec.num_rows for k, s in self.shards.items() if k.startswith(namespace + "/")}
@@ -185,6 +192,7 @@ class PSServer:
                                   {k: sh.state for k, sh in shards.items()}, threading.Lock())
         self.fused[namespace] = fused
         if fused is not None:
+            fused.store = next(iter(shards.values())).store
             for key, (weight, state) in fused.shard_views().items():
                 shard = shards[key]
                 shard.weight, shard.state, shard.lock = weight, state, fused.lock
@@ -264,7 +272,7 @@ class PSServer:
         for spec, feat in self._layout(namespace):
             ids, bags, wts = self._bag(spec, feat, feats)
             shard = self.shards[f"{namespace}/{spec.key}"]
-            rows = shard.weight.index_select(0, ids)
+            rows = shard.store.gather(shard.weight, ids)
             if wts is not None:
                 rows = rows * wts.unsqueeze(1)
             pooled = torch.zeros(batch_size, spec.table.embedding_dim).index_add_(0, bags, rows)
@@ -297,7 +305,7 @@ class PSServer:
             rows, summed = fused.row_grads(fused.index(*batch, where=f"server {self.name}"), grad)
             if rows.numel():
                 with fused.lock:
-                    self.optimizer.step(fused.weight, fused.state, rows, summed)
+                    self.optimizer.step(fused.weight, fused.state, rows, summed, fused.store)
             touched = rows.numel()
         self.num_pushes += 1
         return touched
@@ -326,7 +334,7 @@ class PSServer:
                                                                                  torch.cat([p[1] for p in parts]))
             shard = self.shards[key]
             with shard.lock:
-                self.optimizer.step(shard.weight, shard.state, uniq, summed)
+                self.optimizer.step(shard.weight, shard.state, uniq, summed, shard.store)
             touched += uniq.numel()
         return touched
 
@@ -339,17 +347,29 @@ class PSServer:
             if namespace is not None and not key.startswith(namespace + "/"):
                 continue
             with shard.lock:
-                out[key] = {"spec": shard.spec, "weight": shard.weight.clone(),
+                out[key] = {"spec": shard.spec, "weight": shard.store.decode(shard.weight).clone(),
                             "state": None if shard.state is None else shard.state.clone()}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the shards named in ``state`` (others are kept)."""
+        """Replace the shards named in ``state`` (float32 weights; others are kept), stored as their
+        namespace's storage says."""
         for key, entry in state.items():
-            self.shards[key] = _Shard(entry["spec"], entry["weight"].clone(),
-                                      None if entry["state"] is None else entry["state"].clone())
+            old = self.shards.get(key)
+            store = old.store if old is not None else self.stores.get(key.rpartition("/")[0], RowStore())
+            self.shards[key] = _Shard(entry["spec"], store.encode(entry["weight"].clone()),
+                                      None if entry["state"] is None else entry["state"].clone(), store=store)
         for namespace in self.layouts:
             self._fuse(namespace)
+
+    def memory(self) -> dict[str, int]:
+        """``{"rows", "bytes"}`` held: embedding rows of every shard, and the bytes of their stored rows plus
+        optimizer state."""
+        rows = sum(sh.spec.num_rows for sh in self.shards.values())
+        size = sum(sh.weight.numel() * sh.weight.element_size()
+                   + (0 if sh.state is None else sh.state.numel() * sh.state.element_size())
+                   for sh in self.shards.values())
+        return {"rows": rows, "bytes": size}
 
     def save(self, directory: str) -> str:
         """Write ``<directory>/<name>.pt`` atomically; returns its path."""
@@ -426,7 +446,7 @@ def _rpc_stop() -> bool:
 
 def _rpc_stats() -> dict[str, int]:
     s = _server()
-    return {"lookups": s.num_lookups, "pushes": s.num_pushes, "pid": os.getpid()}
+    return {"lookups": s.num_lookups, "pushes": s.num_pushes, "pid": os.getpid(), **s.memory()}
 
 
 def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "127.0.0.1",

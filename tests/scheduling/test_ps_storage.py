@@ -1,0 +1,95 @@
+"""Reduced-precision row storage on the server: memory, lookups and training against fp32 storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduling.ps.config import TableSpec, plan_shards
+from scheduling.ps.server import PSServer
+from scheduling.ps.storage import make_store
+
+TABLES = [TableSpec("a", 50, 16, ("fa",)), TableSpec("b", 30, 16, ("fb", "fc"))]
+INIT = {"a": torch.randn(50, 16) * 0.1, "b": torch.randn(30, 16) * 0.1}
+
+
+def _server(storage: str, optimizer: str = "sgd", fused: bool = True) -> PSServer:
+    srv = PSServer("ps0")
+    srv.configure("ns", plan_shards(TABLES, 1), 0, optimizer, {"lr": 0.5}, seed=1, init_weights=INIT,
+                  storage=storage)
+    if not fused:
+        srv.fused["ns"] = None
+    return srv
+
+
+def _batch(seed: int, batch_size: int = 8):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (3 * batch_size,), generator=gen)
+    values = torch.randint(0, 30, (int(lengths.sum()),), generator=gen)
+    return ("fa", "fb", "fc"), values, lengths.int(), None
+
+
+@pytest.mark.parametrize("storage, ratio, atol", [("fp16", 2.0, 2e-3), ("fused8bit", 4 * 16 / (16 + 8), 2e-3)])
+def test_reduced_storage_saves_memory_and_answers_close_to_fp32(storage, ratio, atol):
+    full, small = _server("fp32"), _server(storage)
+    assert full.memory()["rows"] == small.memory()["rows"] == 80
+    assert full.memory()["bytes"] / small.memory()["bytes"] == pytest.approx(ratio)
+    batch = _batch(0)
+    exact = full.lookup("ns", batch)
+    approx = small.lookup("ns", batch)
+    assert approx.dtype == torch.float32 and approx.shape == exact.shape
+    assert not torch.equal(approx, exact)
+    torch.testing.assert_close(approx, exact, atol=atol * 3, rtol=0)  # up to 3 rows per bag
+    state = small.state_dict("ns")                    # checkpoints hold float32 rows
+    assert all(e["weight"].dtype == torch.float32 for e in state.values())
+    copy = PSServer("ps1")
+    copy.configure("ns", plan_shards(TABLES, 1), 0, "sgd", {"lr": 0.5}, seed=1, storage=storage)
+    copy.load_state_dict(state)
+    torch.testing.assert_close(copy.lookup("ns", batch), approx)
+
+
+def test_fp16_fused_and_per_shard_paths_agree():
+    fast, slow = _server("fp16", "rowwise_adagrad"), _server("fp16", "rowwise_adagrad", fused=False)
+    for step in range(5):
+        batch = _batch(step)
+        out = fast.lookup("ns", batch)
+        assert torch.equal(out, slow.lookup("ns", batch))
+        grad = torch.randn_like(out)
+        assert fast.push("ns", batch, grad) == slow.push("ns", batch, grad)
+    for key, entry in fast.state_dict().items():
+        assert torch.equal(entry["weight"], slow.state_dict()[key]["weight"])
+
+
+def test_stochastic_rounding_keeps_updates_smaller_than_the_8bit_step():
+    store = make_store("fused8bit", seed=0)
+    rows = torch.linspace(-1, 1, 16).repeat(4, 1)             # quantization step 2/255 ~ 7.8e-3
+    update = torch.zeros(4, 16)
+    update[:, 5] = 1e-3                                        # one inner element: min and max stay put
+    stored, nearest = store.encode(rows), store.encode(rows)
+    idx = torch.arange(4)
+    for _ in range(400):
+        store.apply(stored, idx, update, lr=1.0)
+        nearest = store.encode(store.decode(nearest) - update)  # FBGEMM's round-to-nearest each time
+    moved = (store.decode(stored) - rows)[:, 5]
+    assert moved.mean().item() == pytest.approx(-0.4, abs=0.05)
+    assert torch.equal(store.decode(nearest), store.decode(store.encode(rows)))  # nearest lost every update
+
+
+def test_training_with_reduced_storage_tracks_fp32_training():
+    servers = {name: _server(name, "rowwise_adagrad") for name in ("fp32", "fp16", "fused8bit")}
+    target = torch.randn(8, 48)
+    for step in range(60):
+        batch = _batch(step % 5)
+        for srv in servers.values():
+            out = srv.lookup("ns", batch)
+            srv.push("ns", batch, 2 * (out - target) / out.numel())
+    losses = {n: float(((s.lookup("ns", _batch(0)) - target) ** 2).mean()) for n, s in servers.items()}
+    start = float(((_server("fp32").lookup("ns", _batch(0)) - target) ** 2).mean())
+    assert losses["fp32"] < 0.8 * start
+    assert losses["fp16"] == pytest.approx(losses["fp32"], rel=0.02)
+    assert losses["fused8bit"] == pytest.approx(losses["fp32"], rel=0.1)
+
+
+def test_unknown_storage_is_refused():
+    with pytest.raises(ValueError, match=r"unknown row storage 'int4'; use one of fp32, fp16, fused8bit"):
+        _server("int4")
