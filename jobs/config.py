@@ -148,6 +148,9 @@ class ModelSection:
     """Hidden widths of the dense (bottom) MLP (1 to 16 layers); its output width is embedding_dim."""
     top_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
     """Hidden widths of the over (top) MLP (1 to 16 layers); its output width is 1 (the click logit)."""
+    server_storage: str = "fp32"
+    """How the parameter servers store the rows: "fp32", "fp16" (half the memory) or "fused8bit" (FBGEMM's
+    fused 8-bit row-wise form, about a quarter; see scheduling.ps.storage). Lookups answer float32."""
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,9 @@ class JobConfig:
                 errors.append(f"[faults] {key} = {step}: must be -1 (never) or a step in 1..[job] steps = {j.steps}")
         if f.kill_server_at_step != -1 and c.parameter_servers == 0:
             errors.append("[faults] kill_server_at_step is set but [cluster] parameter_servers = 0")
+        if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):
+            errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be "fp32", "fp16" or '
+                          '"fused8bit"')
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         unknown = _unknown_passes(self.phases.passes)

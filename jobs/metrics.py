@@ -12,6 +12,8 @@ Metrics (labels ``job``, ``phase`` = baseline | optimized, ``rank``; servers use
 ``fxdist_rpc_fetch_seconds``   histogram  trainer: time blocked on embedding fetches in a step;
                                           server: time to serve one lookup request
 ``fxdist_loss``                gauge      training loss of the last step (binary cross-entropy)
+``fxdist_ps_rows``             gauge      parameter server: embedding rows it holds (all table sets)
+``fxdist_ps_bytes``            gauge      parameter server: bytes of its stored rows and optimizer state
 ``fxdist_qps_gain_ratio``      gauge      trainer rank 0: QPS gain of the optimized phase over the baseline
                                           so far, as a fraction (0.12 = +12 %), from the interleaved
                                           blocks; label ``stat`` = median | min | max, and low | high (the
@@ -69,6 +71,10 @@ class Exporter:
             registry=self.registry, buckets=FETCH_BUCKETS,
         )
         self.loss = Gauge("fxdist_loss", "Training loss of the last step.", LABELS, registry=self.registry)
+        self.ps_rows = Gauge("fxdist_ps_rows", "Embedding rows held by this parameter server.", ("job", "rank"),
+                             registry=self.registry)
+        self.ps_bytes = Gauge("fxdist_ps_bytes", "Bytes of the rows and optimizer state this parameter server "
+                              "holds.", ("job", "rank"), registry=self.registry)
         self.gain = Gauge("fxdist_qps_gain_ratio", "QPS gain of the optimized phase over the baseline (fraction), "
                           "median of the interleaved block pairs and its interval.", ("job", "stat"),
                           registry=self.registry)
@@ -108,6 +114,11 @@ class Exporter:
         if fetch_seconds is not None:
             fetch.observe(fetch_seconds)
         last_loss.set(loss)
+
+    def observe_memory(self, rows: int, bytes: int) -> None:  # noqa: A002 - the field's name
+        """A parameter server's rows and bytes held (``PSServer.memory()``)."""
+        self.ps_rows.labels(job=self.job, rank=self.rank).set(rows)
+        self.ps_bytes.labels(job=self.job, rank=self.rank).set(bytes)
 
     def observe_gain(self, gain: dict[str, Any]) -> None:
         """Publish :func:`jobs.stats.interleaved_gain` (percent values) as ``fxdist_qps_gain_ratio`` fractions;

@@ -129,6 +129,7 @@ class ServerActor:
         self.groups += 1
         if self.exporter is not None:
             lookup, exporter = server.lookup, self.exporter
+            last = [0.0]  # when the memory gauges were last set
 
             def timed_lookup(namespace: str, *args: Any, **kwargs: Any) -> Any:
                 t0 = time.perf_counter()
@@ -136,6 +137,9 @@ class ServerActor:
                     return lookup(namespace, *args, **kwargs)
                 finally:  # the phase label is the client's suffix: fxdist-job-<phase>
                     exporter.observe_fetch(namespace.rpartition("-")[2], time.perf_counter() - t0)
+                    if t0 - last[0] > 1.0:  # rows and bytes held, at most once a second
+                        last[0] = t0
+                        exporter.observe_memory(**server.memory())
 
             server.lookup = timed_lookup
         return {"pid": os.getpid(), "group": self.groups}
@@ -293,7 +297,8 @@ class _PhaseTables:
         self.client = PSClient(specs, [f"ps{i}" for i in range(owner.num_servers)], sharding="table_wise",
                                optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr},
                                name=f"{CLIENT}-{phase}", timeout_s=c.rpc_timeout_s, seed=config.job.seed,
-                               configure=(rank == 0), rank=rank, world_size=owner.world, group=group)
+                               configure=(rank == 0), rank=rank, world_size=owner.world, group=group,
+                               storage=m.server_storage)
         self._fetch = 0.0
         self._fetched = False
         finish = self.client.finish_fetch
