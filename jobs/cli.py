@@ -5,6 +5,7 @@ Usage::
     fxdist launch [CONFIG.toml] [--set TABLE.KEY=VALUE ...] [--run-dir DIR] [--quiet]
     fxdist launch --resume RUN_DIR [--set TABLE.KEY=VALUE ...] [--quiet]
     fxdist config [CONFIG.toml]          # print the effective config as TOML-like text
+    fxdist data synth --lines N --out DIR [--files K] [--gzip] [--seed S] [--max-cardinality C]
 
 Without ``CONFIG`` the bundled ``jobs/default.toml`` runs: DLRM on the Criteo sample
 (../shared/data/criteo/train_examples.txt, or generated Criteo-format data when absent), 2 trainers,
@@ -75,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the effective job config")
     show.add_argument("config", nargs="?")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
+    synth = data.add_parser("synth", help="write synthetic Criteo-format data (Zipf ids, Criteo Kaggle's "
+                                          "per-feature cardinalities, learnable labels; see jobs/synth.py)")
+    synth.add_argument("--lines", type=int, required=True, help="lines to write (all files together)")
+    synth.add_argument("--out", required=True, help="output folder (train_<i>.tsv files)")
+    synth.add_argument("--files", type=int, default=1, help="number of files (like Criteo's day_0..day_23)")
+    synth.add_argument("--gzip", action="store_true", help="write .tsv.gz files")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--max-cardinality", type=int, default=10_000_000, help="cap on each feature's distinct ids")
     return parser
 
 
@@ -110,6 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jobs.data import DataError
 
     args = _parser().parse_args(argv)
+    if args.command == "data":
+        from jobs import synth
+
+        try:
+            return synth.main(args.lines, args.out, files=args.files, gzip_output=args.gzip, seed=args.seed,
+                              max_cardinality=args.max_cardinality)
+        except (ValueError, OSError) as e:
+            _error(e)
+            return 2
     try:
         config = _config(args)
     except (ConfigError, FileNotFoundError) as e:
