@@ -142,7 +142,8 @@ def compare(config: JobConfig, final: dict[str, Any], data_path: str | Path, *, 
             if measured["qps"] > fp32["qps"]:
                 int8 = measured
             else:  # the dense module was faster, the whole model with its lookup is not: keep fp32
-                info.update(kept_fp32=True, int8_measured=measured,
+                info.update(kept_fp32=True, int8_measured=measured, quantized_modules=0,
+                            layers=[{**x, "chosen": False} for x in info["layers"]],
                             note=f"kept fp32: the selected int8 model ran at {measured['qps'] / fp32['qps']:.2f}x "
                                  "fp32 end to end (embedding lookup included)")
         return {

@@ -48,3 +48,19 @@ def test_compare_keeps_fp32_when_no_layer_is_faster_in_int8(data_path):
     assert f"int8 speed-up: 1.00x (kept fp32: no layer is faster in int8 on this CPU ({cpu_isa()}))" in text
     assert "bottom.0 1000.0 / 2000.0 -> fp32" in text
     assert re.search(r"^fp32\s+\d", text, re.M) and not re.search(r"^int8\s+\d", text, re.M)  # no int8 row
+
+
+def test_compare_keeps_fp32_when_the_selection_is_slower_end_to_end(data_path, monkeypatch):
+    import jobs.inference as inference
+
+    def qps(model, batches, **kwargs):  # the whole model (with its lookup) measured slower in int8
+        return 900.0 if isinstance(model, inference._Quantized) else 1000.0
+
+    monkeypatch.setattr(inference, "_inference_qps", qps)
+    int8_faster = lambda subject, variant, run: 1e-3 if variant.startswith("int8") else 2e-3  # noqa: E731
+    r = compare(CONFIG, {"model": build_model(CONFIG).state_dict()}, data_path, timer=int8_faster)
+    assert r["int8_measured"]["qps"] == 900.0 and 0 <= r["int8_measured"]["auc"] <= 1
+    assert r["kept_fp32"] and r["speedup"] == 1.0 and r["int8"] == r["fp32"] and r["quantized_modules"] == 0
+    assert r["note"] == "kept fp32: the selected int8 model ran at 0.90x fp32 end to end (embedding lookup included)"
+    assert len(r["layers"]) == 4 and not any(x["chosen"] for x in r["layers"])
+    assert "int8 for 4 of 4 layers: 2.00x the fp32 module" in r["selection"]

@@ -119,6 +119,18 @@ def test_cost_model_skips_negligible_layers():
     assert report.chosen == ["_0"] and type(q.get_submodule("2")) is nn.Linear
 
 
+def test_cost_model_counts_a_fused_linear_relu_like_its_linear():
+    import quant
+    from fxdist.passes.cost_model import estimate
+
+    model, x = _mlp(), _batches(1)[0]
+    fused = quant.fuse(fx.symbolic_trace(model), patterns=True)
+    assert type(fused.get_submodule("0")) is nni.LinearReLU
+    plain = {n.name: n for n in estimate(fx.symbolic_trace(model), x, profile=PROFILE).nodes}
+    costs = {n.name: n for n in estimate(fused, x, profile=PROFILE).nodes}
+    assert costs["_0"].flops == plain["_0"].flops == 2 * 32 * 16 * 64 and costs["_2"].flops == plain["_2"].flops
+
+
 class TwoHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
