@@ -66,7 +66,7 @@ Timer = Callable[[str, str, Callable[[], Any]], float]
 MODULE = "<module>"
 
 
-def best_time(repeats: int = 5, min_block_seconds: float = 0.002, min_seconds: float = 0.05) -> Timer:
+def best_time(repeats: int = 5, min_block_seconds: float = 0.002, min_seconds: float = 0.1) -> Timer:
     """A :data:`Timer`: the best of at least ``repeats`` blocks, each of enough calls to last
     ``min_block_seconds``; more blocks run until ``min_seconds`` have passed (at most ``20 * repeats``).
 
