@@ -15,11 +15,12 @@ Steps (one function each):
     (quantizing them could save at most that share). The others are measured, largest predicted first.
  3. Measure each candidate: the fp32 module on its input, the int8 module on that input quantized with the
     observer's qparams, and the boundary it pays when its neighbours stay fp32 (``quantize_per_tensor`` of the
-    input plus ``dequantize`` of the output).
+    input plus ``dequantize`` of the output). Variants are timed in alternating rounds (``rounds``), keeping
+    each one's best, so a burst of load from other processes hits all of them.
  4. Choose the layers faster in int8. A function op static PTQ would quantize (``add``, ``cat``...) stays int8
     only when every input arrives in int8 from a chosen layer, so it adds no ``quantize``. Convert that subset
     (the rest excluded in ``prepare``, which places the dequantize/quantize boundaries) and measure the whole
-    module against fp32. If it is not faster, retry with the layers that are faster even after paying their
+    module against fp32 (the best fp32 time seen). If it is not faster, retry with the layers that are faster even after paying their
     own boundary; if no try is faster, keep the fp32 module.
 
 The result carries a :class:`SelectionReport` (``gm.meta["quant_selection"]``): per layer the fp32 and int8
@@ -66,7 +67,7 @@ Timer = Callable[[str, str, Callable[[], Any]], float]
 MODULE = "<module>"
 
 
-def best_time(repeats: int = 5, min_block_seconds: float = 0.002, min_seconds: float = 0.1) -> Timer:
+def best_time(repeats: int = 5, min_block_seconds: float = 0.002, min_seconds: float = 0.05) -> Timer:
     """A :data:`Timer`: the best of at least ``repeats`` blocks, each of enough calls to last
     ``min_block_seconds``; more blocks run until ``min_seconds`` have passed (at most ``20 * repeats``).
 
@@ -267,7 +268,7 @@ class SelectInt8(PassBase):
 
     Raises:
         QuantizationError: ``calibration`` is empty, or the module is in training mode (from ``prepare``).
-        ValueError: ``min_share`` is not in [0, 1).
+        ValueError: ``min_share`` is not in [0, 1), or ``rounds`` < 1.
     """
 
     name: ClassVar[str] = "select-int8"
@@ -278,6 +279,9 @@ class SelectInt8(PassBase):
     """Measures one callable (:data:`Timer`); None: :func:`best_time` with ``repeats``."""
     repeats: int = 5
     """Timing blocks per measurement of the default timer."""
+    rounds: int = 3
+    """Each comparison (a layer's fp32 / int8 / q/dq, the module's fp32 / int8) is timed in this many
+    alternating rounds and each variant's best is kept, so a burst of load hits every variant, not one."""
     min_share: float = 0.01
     """Candidates predicted to take less than this share of all candidates' fp32 time are not measured."""
     profile: Any = None
@@ -292,6 +296,8 @@ class SelectInt8(PassBase):
             raise QuantizationError("SelectInt8: calibration is empty; pass batches of positional inputs")
         if not 0 <= self.min_share < 1:
             raise ValueError(f"SelectInt8: min_share must be in [0, 1), got {self.min_share}")
+        if self.rounds < 1:
+            raise ValueError(f"SelectInt8: rounds must be >= 1, got {self.rounds}")
 
     def call(self, gm: Any) -> PassResult:
         with torch.no_grad():
@@ -308,9 +314,10 @@ class SelectInt8(PassBase):
         total_s = sum(c.predicted_s for c in candidates) or 1.0
         measured = [c for c in candidates if c.predicted_s >= self.min_share * total_s]
         for c in sorted(measured, key=lambda c: -c.predicted_s):
-            _measure_layer(timer, c)
-        fp32_s = timer(MODULE, "fp32", lambda: gm(*inputs))
-        all_int8_s = timer(MODULE, "int8", lambda: full(*inputs))
+            _measure_layer(timer, c, self.rounds)
+        fp32_run = lambda: gm(*inputs)  # noqa: E731
+        whole = _interleaved(timer, MODULE, {"fp32": fp32_run, "int8": lambda: full(*inputs)}, self.rounds)
+        fp32_s, all_int8_s = whole["fp32"], whole["int8"]
         faster = [c for c in measured if c.times["int8"] < c.times["fp32"]]
         paying = [c for c in faster if c.times["int8"] + c.times["q/dq"] < c.times["fp32"]]
         tries: list[tuple[tuple[str, ...], float]] = []
@@ -319,7 +326,10 @@ class SelectInt8(PassBase):
             if not subset or any(names == t[0] for t in tries):
                 continue
             module = self._convert(gm, _exclusions(prepared, set(names)))[1]
-            tries.append((names, timer(MODULE, "int8:" + "+".join(names), lambda: module(*inputs))))
+            variant = "int8:" + "+".join(names)
+            times = _interleaved(timer, MODULE, {variant: lambda: module(*inputs), "fp32": fp32_run}, self.rounds)
+            fp32_s = min(fp32_s, times["fp32"])  # the best fp32 seen: any doubt favours fp32
+            tries.append((names, times[variant]))
             if tries[-1][1] < fp32_s:
                 report = self._report(candidates, measured, set(names), fp32_s, all_int8_s, tries)
                 return module, report
@@ -376,18 +386,27 @@ class SelectInt8(PassBase):
                                reason, tries_us)
 
 
-def _measure_layer(timer: Timer, c: _Candidate) -> None:
+def _interleaved(timer: Timer, subject: str, runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Best seconds per call of each run, timed in ``rounds`` alternating rounds."""
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(rounds):
+        for variant, run in runs.items():
+            best[variant] = min(best[variant], timer(subject, variant, run))
+    return best
+
+
+def _measure_layer(timer: Timer, c: _Candidate, rounds: int) -> None:
     """Step 3: fp32, int8 (kernel on an int8 input) and boundary times of one candidate, in seconds."""
     scale, zero_point = c.observer.calculate_qparams()
     scale, zero_point, dtype = float(scale), int(zero_point), c.observer.dtype
     x = c.x
     xq = torch.quantize_per_tensor(x, scale, zero_point, dtype)
     yq = c.int8_module(xq)
-    name = c.node.name
-    c.times["fp32"] = timer(name, "fp32", lambda: c.float_module(x))
-    c.times["int8"] = timer(name, "int8", lambda: c.int8_module(xq))
-    c.times["q/dq"] = timer(name, "q/dq", lambda: (torch.quantize_per_tensor(x, scale, zero_point, dtype),
-                                                    yq.dequantize()))
+    c.times = _interleaved(timer, c.node.name, {
+        "fp32": lambda: c.float_module(x),
+        "int8": lambda: c.int8_module(xq),
+        "q/dq": lambda: (torch.quantize_per_tensor(x, scale, zero_point, dtype), yq.dequantize()),
+    }, rounds)
 
 
 def _choice(c: _Candidate, measured: bool, chosen: bool, min_share: float) -> LayerChoice:

@@ -70,6 +70,8 @@ def test_quantizes_the_layers_faster_in_int8_and_keeps_the_slower_one_fp32():
     assert not report.kept_fp32 and report.speedup == pytest.approx(30 / (4 + 1 + 10 + 5 + 1))
     assert report.all_int8_speedup == pytest.approx(30 / (4 + 30 + 5 + 3))
     assert (MODULE, "int8:_0+_4") in timer.calls and q.meta["quant_selection"] is report
+    first = [c for c in timer.calls if c[0] == "_0"]  # alternating rounds (default 3), not one variant at a time
+    assert first == [("_0", "fp32"), ("_0", "int8"), ("_0", "q/dq")] * 3
     with torch.no_grad():
         torch.testing.assert_close(q(batches[0]), model(batches[0]), atol=0.1, rtol=0.1)
     assert "_2" in str(report) and "int8 for 2 of 3 layers" in str(report)
