@@ -10,6 +10,11 @@ the median per-call time (ms) over rounds is reported. Other engineers' jobs sha
 speedups are medians of per-round paired ratios (all variants timed back to back in each round). Each row prints speedup = fp32 / fxdist int8 and ratio = torch.ao /
 fxdist int8 (> 1: fxdist is faster).
 
+Per-layer selection (issue #14): int8 pays on CPUs with AVX-512 VNNI, far less on AVX2-only ones. The script
+prints the ISA seen (:func:`quant.cpu_isa`) and, per model, :func:`quant.select_int8`'s per-layer choice (fp32 and
+int8 µs per call on the calibration batch of 64 rows, speed-up, chosen), and times the selected module as a fourth
+variant ("selected": fp32 where no layer pays); selected = fp32 / selected latency.
+
 Allocator: the script re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (FACTS.md: glibc's default returns
 large blocks to the OS and page-faults on every batch) and prints it.
 
@@ -76,6 +81,8 @@ def build(n_items: int, epochs: int, data_path: Path | None) -> dict:
             ao_prepared(b)
     ao = convert_fx(ao_prepared)
     ao_s = time.perf_counter() - t0
+    selected, selection = quant.select_int8(fx.symbolic_trace(fp32), calib)
+    print(selection, flush=True)
     x = data.train[:256]
     print(
         f"n_items={n_items}: trained {epochs} epochs in {train_s:.1f}s; quantize fxdist {ours_s:.1f}s, "
@@ -84,7 +91,7 @@ def build(n_items: int, epochs: int, data_path: Path | None) -> dict:
         f"torch.ao {_relative_error(ao, fp32, x):.4f}",
         flush=True,
     )
-    return {"data": data, "variants": {"fp32": fp32, "fxdist": ours, "torch.ao": ao}}
+    return {"data": data, "variants": {"fp32": fp32, "fxdist": ours, "torch.ao": ao, "selected": selected}}
 
 
 def main() -> None:
@@ -97,7 +104,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--data", type=Path, default=None, help="movielens-100k folder (default ../shared/data)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, quantized engine {torch.backends.quantized.engine}, "
+    print(f"torch {torch.__version__}, quantized engine {torch.backends.quantized.engine}, ISA {quant.cpu_isa()}, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}, cpus {os.cpu_count()}, "
           f"load average {os.getloadavg()[0]:.1f} (other jobs share these cores: expect noise)")
     rows = []
@@ -120,11 +127,13 @@ def main() -> None:
                 # paired per-round ratios (each round times all variants back to back): robust to load drift
                 speedup = _median_ratio(samples["fp32"], samples["fxdist"])
                 vs_ao = _median_ratio(samples["torch.ao"], samples["fxdist"])
+                selected = _median_ratio(samples["fp32"], samples["selected"])
                 rows.append((n_items, threads, batch, speedup, vs_ao))
                 print(
                     f"n_items {n_items:>5}  threads {threads}  batch {batch:>3}  fp32 {med['fp32']:8.3f} ms  "
                     f"fxdist int8 {med['fxdist']:8.3f} ms  torch.ao int8 {med['torch.ao']:8.3f} ms  "
-                    f"speedup {speedup:5.2f}x  torch.ao/fxdist {vs_ao:5.2f}",
+                    f"selected {med['selected']:8.3f} ms  speedup {speedup:5.2f}x  selected {selected:5.2f}x  "
+                    f"torch.ao/fxdist {vs_ao:5.2f}",
                     flush=True,
                 )
     best = max(r[3] for r in rows)

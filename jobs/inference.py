@@ -2,10 +2,16 @@
 
 The trained model is rebuilt in the launching process from the final checkpoint (dense weights, plus
 the parameter servers' tables when the job had servers). Its dense part (:class:`jobs.model.DenseDLRM`:
-bottom MLP, interaction, top MLP) goes through quant/'s passes (trace with fxdist, fuse, prepare with
-FBGEMM observers, calibrate on training batches, convert to int8 kernels); the embedding lookup stays
-fp32. Both versions then score the held-out rows: inference QPS (rows/s, embedding lookup included,
-batch ``[quant] eval_batch_size``, one thread) and AUC / log loss.
+bottom MLP, interaction, top MLP) goes through quant/'s passes (trace with fxdist, fuse, then
+:func:`quant.select_int8`: FBGEMM static int8, calibrated on training batches, for only the layers measured
+faster in int8 on this CPU); the embedding lookup stays fp32. Both versions then score the held-out rows:
+inference QPS (rows/s, embedding lookup included, batch ``[quant] eval_batch_size``, one thread) and
+AUC / log loss.
+
+int8 pays on CPUs with AVX-512 VNNI (4-6x) and often not on AVX2-only ones (FACTS.md). When no layer is
+faster, or the selected int8 model is not faster end to end, the fp32 model is kept: ``kept_fp32`` is True,
+``speedup`` is 1.0 and ``int8`` repeats the fp32 scores, so a slowdown is never reported as the optimized
+model; ``note`` says why and ``all_int8_speedup`` what plain static PTQ of every layer measured.
 
 Source: torch.fx paper §6.2.1 (quantization); FBGEMM; DLRM inference.
 """
@@ -55,25 +61,31 @@ class _Quantized(nn.Module):
         return self.dense(dense, self.embeddings(sparse))
 
 
-def quantize_dense(model: nn.Module, calibration: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[nn.Module, dict]:
-    """int8 version of ``DenseDLRM(model)`` calibrated on ``[(dense, embedded), ...]``.
+def quantize_dense(model: nn.Module, calibration: list[tuple[torch.Tensor, torch.Tensor]], *,
+                   timer: Any = None) -> tuple[nn.Module, dict]:
+    """The dense model ``DenseDLRM(model)`` with int8 for the layers that pay, calibrated on ``[(dense, embedded), ...]``.
+
+    Args:
+        timer: a :data:`quant.select.Timer` for the per-layer measurements (tests inject one); None: measured.
 
     Returns:
-        (quantized dense module, info): ``info["method"]`` names the path taken.
+        (dense module, info): ``info`` has ``method``, ``fused_modules``, ``quantized_modules`` (0 when fp32
+        is kept), ``isa``, ``layers`` (one dict per candidate layer: ``name``, ``fp32_us``, ``int8_us``,
+        ``speedup``, ``chosen``...), ``kept_fp32``, ``note`` and ``selection`` (the report's text).
     """
     import fxdist
-    from quant import calibrate, convert, fuse, prepare
+    from quant import fuse, select_int8
 
     dense = DenseDLRM(model).eval()
     fused = fuse(fxdist.symbolic_trace(dense), patterns=True)
-    prepared = prepare(fused, example_inputs=calibration[0], backend="fbgemm")
-    calibrate(prepared, calibration, progress=False)
-    int8 = convert(prepared)
+    chosen, report = select_int8(fused, calibration, timer=timer)
     fused_modules = sum(1 for m in fused.modules() if type(m).__module__.startswith("torch.ao.nn.intrinsic"))
-    quantized_modules = sum(1 for m in int8.modules() if type(m).__module__.startswith("torch.ao.nn.quantized"))
-    info = {"method": "quant: fuse(Linear+ReLU) + prepare + calibrate + convert (FBGEMM int8)",
-            "fused_modules": fused_modules, "quantized_modules": quantized_modules}
-    return int8, info
+    quantized_modules = sum(1 for m in chosen.modules() if type(m).__module__.startswith("torch.ao.nn.quantized"))
+    info = {"method": "quant: fuse(Linear+ReLU) + select_int8 (FBGEMM static int8 for the layers measured faster)",
+            "fused_modules": fused_modules, "quantized_modules": quantized_modules, "isa": report.isa,
+            "layers": report.as_dict()["layers"], "kept_fp32": report.kept_fp32, "note": report.reason,
+            "all_int8_speedup": report.all_int8_speedup, "selection": str(report)}
+    return chosen, info
 
 
 def _inference_qps(model: nn.Module, batches: list, *, min_seconds: float = 1.0) -> float:
@@ -96,8 +108,17 @@ def _quality(model: nn.Module, batches: list) -> dict[str, float]:
     return binary_metrics(probs, torch.cat([b.labels for b in batches]))
 
 
-def compare(config: JobConfig, final: dict[str, Any], data_path: str | Path) -> dict[str, Any]:
-    """fp32 vs int8 inference QPS and accuracy of the trained model on the held-out rows."""
+def compare(config: JobConfig, final: dict[str, Any], data_path: str | Path, *, timer: Any = None) -> dict[str, Any]:
+    """fp32 vs int8 inference QPS and accuracy of the trained model on the held-out rows.
+
+    Args:
+        timer: passed to :func:`quantize_dense` (tests inject one); None: measured on this CPU.
+
+    Returns:
+        :func:`quantize_dense`'s info plus ``rows``, ``batch_size``, ``threads``, ``fp32`` and ``int8``
+        (``qps`` in rows/s, ``auc``, ``log_loss``; ``int8`` is the model chosen: a copy of ``fp32`` when
+        ``kept_fp32``) and ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is kept, else > 1).
+    """
     q = config.quant
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -112,17 +133,27 @@ def compare(config: JobConfig, final: dict[str, Any], data_path: str | Path) -> 
                            for b, _ in zip(train.batches(q.eval_batch_size), range(q.calibration_batches))]
         with warnings.catch_warnings():  # torch.ao's deprecation notices, once per observer/module
             warnings.simplefilter("ignore", UserWarning)
-            int8_dense, info = quantize_dense(model, calibration)
-        int8 = _Quantized(model.sparse_arch, int8_dense).eval()
-        fp32_qps, int8_qps = _inference_qps(model, batches), _inference_qps(int8, batches)
+            int8_dense, info = quantize_dense(model, calibration, timer=timer)
+        fp32 = {"qps": _inference_qps(model, batches), **_quality(model, batches)}
+        int8 = dict(fp32)
+        if not info["kept_fp32"]:
+            chosen = _Quantized(model.sparse_arch, int8_dense).eval()
+            measured = {"qps": _inference_qps(chosen, batches), **_quality(chosen, batches)}
+            if measured["qps"] > fp32["qps"]:
+                int8 = measured
+            else:  # the dense module was faster, the whole model with its lookup is not: keep fp32
+                info.update(kept_fp32=True, int8_measured=measured, quantized_modules=0,
+                            layers=[{**x, "chosen": False} for x in info["layers"]],
+                            note=f"kept fp32: the selected int8 model ran at {measured['qps'] / fp32['qps']:.2f}x "
+                                 "fp32 end to end (embedding lookup included)")
         return {
             **info,
             "rows": sum(b.labels.shape[0] for b in batches),
             "batch_size": q.eval_batch_size,
             "threads": 1,
-            "fp32": {"qps": fp32_qps, **_quality(model, batches)},
-            "int8": {"qps": int8_qps, **_quality(int8, batches)},
-            "speedup": int8_qps / fp32_qps,
+            "fp32": fp32,
+            "int8": int8,
+            "speedup": int8["qps"] / fp32["qps"],
         }
     finally:
         torch.set_num_threads(threads)

@@ -120,10 +120,15 @@ def table(results: dict[str, Any]) -> str:
             f"{inf['method']}",
             f"{'':<10} {'QPS':>10} {'AUC':>7} {'logloss':>8}",
         ]
-        for name in ("fp32", "int8"):
+        for name in ("fp32",) if inf.get("kept_fp32") else ("fp32", "int8"):
             r = inf[name]
             lines.append(f"{name:<10} {_fmt(r['qps']):>10} {_fmt(r['auc'], '.4f'):>7} {_fmt(r['log_loss'], '.4f'):>8}")
-        lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x")
+        if inf.get("layers") is not None:  # quant.select_int8: per-layer fp32 / int8 µs per call, measured here
+            lines.append(f"int8 layer selection on this CPU ({inf.get('isa')}), µs per call fp32 / int8: " + "; ".join(
+                f"{x['target']} {_fmt(x['fp32_us'])} / {_fmt(x['int8_us'])} -> {'int8' if x['chosen'] else 'fp32'}"
+                for x in inf["layers"]))
+        note = f" ({inf['note']})" if inf.get("note") else ""
+        lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x{note}")
     parse = (results.get("data") or {}).get("parse") or {}
     if parse:
         bad = sum(parse.get("malformed", {}).values())

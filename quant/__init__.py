@@ -7,6 +7,8 @@ Entry points (each returns a new GraphModule; the argument is never mutated):
 * :func:`prepare` -> :func:`calibrate` -> :func:`convert` -- static int8 PTQ on FBGEMM (§6.2.1).
 * :func:`quantize_dynamic` -- dynamic int8 Linear/LSTM and 8-bit row-wise embedding bags.
 * :func:`sqnr_report` -- per-layer quantization error.
+* :func:`select_int8` (pass :class:`SelectInt8`) -- static int8 for only the layers measured faster on this CPU
+  (keeps fp32 where int8 does not pay, e.g. on AVX2 without VNNI); :class:`SelectionReport` says why.
 
 torch.ao's observers, qconfigs and quantized modules are the building blocks; the graph work is ours.
 """
@@ -23,9 +25,11 @@ from quant.fuse_onednn import FuseConvPointwise, OneDNNConv2d
 from quant.fuse_patterns import FuseReluPatterns
 from quant.prepare import prepare
 from quant.report import LayerError, format_report, sqnr_report
+from quant.select import LayerChoice, SelectInt8, SelectionReport, cpu_isa, select_int8
 
 __all__ = [
     "fuse", "prepare", "calibrate", "convert", "quantize_dynamic", "sqnr_report", "format_report", "LayerError",
+    "select_int8", "SelectInt8", "SelectionReport", "LayerChoice", "cpu_isa",
     "FuseConvBn", "FuseReluPatterns", "FuseConvPointwise", "OneDNNConv2d", "QuantizeDynamic", "FusionError", "QuantizationError",
 ]
 

@@ -66,7 +66,11 @@ def resolve_qconfig(
     node: Any, mapping: QConfigMapping, modules: dict[str, nn.Module], exclude_names: Iterable[str] = (),
     exclude_types: Iterable[Any] = (),
 ) -> Any:
-    """The qconfig of ``node``: module name (longest prefix), regex, object type, then global; None = float."""
+    """The qconfig of ``node``: module name (longest prefix), regex, object type, then global; None = float.
+
+    ``exclude_names`` holds module names (a ``call_module`` node whose target is one of them or below one) and
+    node names (a ``call_function``/``call_method`` node of that name, e.g. ``"cat_1"``).
+    """
     if node.op == "call_module":
         mod = modules.get(node.target)
         target, mod_type = str(node.target), type(mod)
@@ -85,6 +89,8 @@ def resolve_qconfig(
         key = mod_type
     else:
         key = node.target
+        if node.name in exclude_names:  # a function/method call is excluded by its node name
+            return None
         if any(key is t or key == t for t in exclude_types):
             return None
     if key in mapping.object_type_qconfigs:
@@ -173,7 +179,10 @@ def prepare(
         qconfig_mapping: torch.ao ``QConfigMapping``; default ``get_default_qconfig_mapping(backend)``
             (HistogramObserver on activations, per-channel MinMax weights, reduce_range on x86/fbgemm).
         example_inputs: positional inputs, used to tell float tensors from other values.
-        exclude_names: module names (and their children) kept in float.
+        exclude_names: module names (and their children) kept in float; also node names of function and
+            method calls (``"cat_1"``, ``"add_relu"``: node names of the prepared graph, which preparing the same model
+            again reproduces).
+            :class:`~quant.select.SelectInt8` uses both.
         exclude_types: module types, functions or method names kept in float.
         backend: ``"x86"`` or ``"fbgemm"`` (the default mapping's backend).
 

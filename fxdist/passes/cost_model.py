@@ -200,6 +200,9 @@ def _module_flops(module: torch.nn.Module, node: Node) -> int | None:
     if not out or in_shape is None:
         return None
     out_shape = tuple(out[0].shape)
+    if isinstance(module, torch.nn.Sequential) and len(module) and type(module).__module__.startswith(
+            "torch.ao.nn.intrinsic"):
+        module = module[0]  # a fused Linear/Conv + ReLU (quant's prepare): the first part does the FLOPs
     if isinstance(module, torch.nn.Linear):
         return 2 * math.prod(in_shape[:-1]) * module.in_features * module.out_features
     if isinstance(module, torch.nn.modules.conv._ConvNd):
