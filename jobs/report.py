@@ -8,7 +8,8 @@
 {passes run}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
 ``gain_percent`` (its median), ``parity`` (:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``),
 ``restarts``, ``faults_fired``, ``inference`` (``fp32`` / ``int8``:
-``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized) and
+``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized; ``isa``; ``layers``:
+the per-layer int8 choice of ``quant.select_int8``; ``kept_fp32``: no layer paid, the int8 row is the fp32 model) and
 ``run_dir``.
 """
 
