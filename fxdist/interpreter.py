@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fxdist.graph import Graph
-from fxdist.graph_module import GraphModule
+from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Argument, Node, Target, map_aggregate, map_arg
 from fxdist.proxy import Proxy
 from fxdist.tracer import Tracer
@@ -78,7 +78,10 @@ class Interpreter:
             GraphModule that owns ``graph``.
         garbage_collect_values: Drop each value from ``self.env`` right after its last use (default).
             Pass False to inspect every intermediate value in ``self.env`` after ``run``.
-        graph: The graph to execute; defaults to ``module.graph``.
+        graph: The graph to execute; defaults to ``module.graph``. A torch.fx GraphModule (``module``,
+            when ``graph`` is None) or torch.fx Graph is converted first (``fxdist.interop.as_fxdist``:
+            ``self.module``/``self.graph`` are then fxdist objects whose nodes share the torch.fx
+            nodes' ``meta`` dicts).
 
     Attributes:
         env: Node -> value computed so far in the current ``run``.
@@ -87,6 +90,10 @@ class Interpreter:
     """
 
     def __init__(self, module: torch.nn.Module, garbage_collect_values: bool = True, graph: Graph | None = None):
+        if _is_torch_fx(module if graph is None else graph):  # a torch-built GraphModule or Graph
+            from fxdist.interop import as_fxdist
+
+            module, graph = (as_fxdist(module), None) if graph is None else (module, as_fxdist(graph))
         self.module = module
         self.submodules = dict(module.named_modules())
         if graph is None:
@@ -308,10 +315,10 @@ class Transformer(Interpreter):
     """
 
     def __init__(self, module: GraphModule) -> None:
-        super().__init__(module)
+        super().__init__(module)  # converts a torch.fx GraphModule: use self.module / self.graph below
         self.new_graph = Graph()
-        self.new_graph.set_codegen(module.graph._codegen)  # keeps a pytree signature, for example
-        self.tracer = _TransformerTracer(self.new_graph, module)
+        self.new_graph.set_codegen(self.graph._codegen)  # keeps a pytree signature, for example
+        self.tracer = _TransformerTracer(self.new_graph, self.module)
 
     def run_node(self, n: Node) -> Any:
         last_before = next(iter(reversed(self.new_graph.nodes)), None)
