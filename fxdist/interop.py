@@ -26,7 +26,7 @@ from torch import nn
 
 from fxdist._patching import _Patcher, _recording_constructor
 from fxdist.graph import Graph
-from fxdist.graph_module import GraphModule
+from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Node
 
 __all__ = ["from_torch_fx", "graph_from_torch_fx", "to_torch_fx", "as_fxdist", "write_back", "is_torch_fx",
@@ -138,7 +138,7 @@ def is_torch_fx(obj: Any) -> bool:
     Decided from the classes' module names, so it imports nothing; fxdist's constructors and passes
     use the same test (``fxdist.graph_module._is_torch_fx``) before importing this module lazily.
     """
-    return any(c.__module__.startswith("torch.fx") for c in type(obj).__mro__)
+    return _is_torch_fx(obj)
 
 
 def as_fxdist(obj: Any) -> Any:

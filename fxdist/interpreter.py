@@ -78,10 +78,10 @@ class Interpreter:
             GraphModule that owns ``graph``.
         garbage_collect_values: Drop each value from ``self.env`` right after its last use (default).
             Pass False to inspect every intermediate value in ``self.env`` after ``run``.
-        graph: The graph to execute; defaults to ``module.graph``. A torch.fx GraphModule (``module``,
-            when ``graph`` is None) or torch.fx Graph is converted first (``fxdist.interop.as_fxdist``:
-            ``self.module``/``self.graph`` are then fxdist objects whose nodes share the torch.fx
-            nodes' ``meta`` dicts).
+        graph: The graph to execute; defaults to ``module.graph``. A torch.fx Graph (also that of a
+            torch.fx GraphModule ``module``: ``make_fx``, ``torch.export``'s ``graph_module``) is
+            converted first (``fxdist.interop.as_fxdist``): ``self.graph`` is then an fxdist Graph
+            whose nodes share the torch.fx nodes' ``meta`` dicts, and ``self.module`` stays ``module``.
 
     Attributes:
         env: Node -> value computed so far in the current ``run``.
@@ -90,10 +90,6 @@ class Interpreter:
     """
 
     def __init__(self, module: torch.nn.Module, garbage_collect_values: bool = True, graph: Graph | None = None):
-        if _is_torch_fx(module if graph is None else graph):  # a torch-built GraphModule or Graph
-            from fxdist.interop import as_fxdist
-
-            module, graph = (as_fxdist(module), None) if graph is None else (module, as_fxdist(graph))
         self.module = module
         self.submodules = dict(module.named_modules())
         if graph is None:
@@ -102,6 +98,10 @@ class Interpreter:
                 raise TypeError(
                     f"Interpreter: {type(module).__name__} has no .graph; pass graph= or a GraphModule"
                 )
+        if _is_torch_fx(graph):  # the door for torch-built graphs (make_fx, torch.export, torch.fx tracers)
+            from fxdist.interop import as_fxdist
+
+            graph = as_fxdist(graph)
         self.graph: Graph = graph
         self.env: dict[Node, Any] = {}
         self.name = "Interpreter"
@@ -315,10 +315,10 @@ class Transformer(Interpreter):
     """
 
     def __init__(self, module: GraphModule) -> None:
-        super().__init__(module)  # converts a torch.fx GraphModule: use self.module / self.graph below
+        super().__init__(module)  # converts a torch.fx graph: use self.graph below
         self.new_graph = Graph()
         self.new_graph.set_codegen(self.graph._codegen)  # keeps a pytree signature, for example
-        self.tracer = _TransformerTracer(self.new_graph, self.module)
+        self.tracer = _TransformerTracer(self.new_graph, module)
 
     def run_node(self, n: Node) -> Any:
         last_before = next(iter(reversed(self.new_graph.nodes)), None)

@@ -114,9 +114,10 @@ class ShapeProp(Interpreter):
       ``nonzero``/``item`` and their ``_assert_scalar`` guards), as torch.fx's ShapeProp does.
 
     A torch.fx GraphModule (``make_fx``, ``torch.export``'s ``graph_module``, ``symbolic_trace``) is
-    accepted as is: it is converted (``fxdist.interop.as_fxdist``) to nodes sharing its nodes' ``meta``
-    dicts, so the metadata lands on the caller's torch.fx graph as with torch.fx; ``meta["val"]`` is
-    then left alone, as torch.fx's ShapeProp leaves it (torch.export keeps symbolic values there).
+    accepted as is: its graph is converted (``fxdist.interop.as_fxdist``) to nodes sharing its nodes'
+    ``meta`` dicts, so the metadata lands on the caller's torch.fx graph as with torch.fx;
+    ``meta["val"]`` is then left alone, as torch.fx's ShapeProp leaves it (torch.export keeps
+    symbolic values there).
 
     Example:
 
@@ -145,11 +146,10 @@ class ShapeProp(Interpreter):
     """
 
     def __init__(self, gm: GraphModule, fake_mode: FakeTensorMode | None = None) -> None:
-        # A torch.fx GraphModule is converted here; our nodes share the meta dicts of its nodes, and we
-        # leave meta["val"] to torch's producers (torch.export records symbolic FakeTensors there).
+        # The Interpreter converts a torch.fx graph; our nodes share the meta dicts of its nodes, and
+        # we leave meta["val"] to torch's producers (torch.export records symbolic FakeTensors there).
         self._record_val = not _is_torch_fx(gm)
         super().__init__(gm)
-        gm = self.module
         if fake_mode is None:
             from torch._guards import detect_fake_mode
 

@@ -152,8 +152,9 @@ def test_graph_module_accepts_rewriting_tracer_graph_and_its_assert() -> None:
 def test_interpreter_runs_torch_graph(producer: str) -> None:
     build, inputs = PRODUCERS[producer]
     expected = torch.fx.Interpreter(build()).run(*inputs)
-    interp = fx.Interpreter(build())
-    assert isinstance(interp.module, fx.GraphModule) and isinstance(interp.graph, fx.Graph)
+    gm = build()
+    interp = fx.Interpreter(gm)
+    assert interp.module is gm and isinstance(interp.graph, fx.Graph)  # torch.fx keeps the module too
     _assert_same_values(interp.run(*inputs), expected)
 
 
