@@ -510,6 +510,8 @@ def _replace_pattern(
         replaced = _replace_pattern(converted, pattern, replacement, match_filters, ignore_literals,
                                     replacement_callback)
         write_back(gm, converted)
+        if isinstance(replacement, torch.nn.Module):
+            gm.delete_all_unused_submodules()  # as _copy_attributes did on the copy (torch.fx does too)
         return replaced
     graph = gm.graph
     pattern_graph = _as_graph(pattern, "pattern")

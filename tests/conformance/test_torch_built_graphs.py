@@ -343,3 +343,70 @@ def test_symbolic_trace_retraces_torch_graph_module(producer: str) -> None:
     assert isinstance(ours, fx.GraphModule)
     assert _ops(ours) == _ops(theirs)
     _assert_same_values(ours(*inputs), theirs(*inputs))
+
+
+def test_replace_pattern_replacement_with_submodule_writes_it_back() -> None:
+    """A replacement that calls a submodule: the caller's torch.fx module receives that submodule (the
+    new ``call_module`` target) together with the new graph, as with torch.fx's replace_pattern."""
+
+    class Replacement(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = torch.nn.Tanh()
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.act(x) * y
+
+    def pattern(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) + y
+
+    theirs, mine = torch.fx.symbolic_trace(_MLP), torch.fx.symbolic_trace(_MLP)
+    torch.fx.subgraph_rewriter.replace_pattern(theirs, pattern, torch.fx.symbolic_trace(Replacement()))
+    assert len(fx.replace_pattern(mine, pattern, torch.fx.symbolic_trace(Replacement()))) == 1
+    assert ("call_module", "act") in _ops(mine)
+    assert _ops(mine) == _ops(theirs)
+    assert isinstance(mine.get_submodule("act"), torch.nn.Tanh)
+    assert [name for name, _ in mine.named_modules()] == [name for name, _ in theirs.named_modules()]
+    torch.testing.assert_close(mine(_X), theirs(_X))
+
+
+def test_graph_from_torch_fx_copies_and_refuses_other_types() -> None:
+    from fxdist.interop import graph_from_torch_fx
+
+    source = torch.fx.symbolic_trace(_WRAPPED).graph
+    graph = graph_from_torch_fx(source)
+    assert isinstance(graph, fx.Graph) and str(graph) == str(source)
+    first = next(iter(graph.nodes))
+    first.meta["mark"] = 1
+    assert "mark" not in next(iter(source.nodes)).meta  # a copy, unlike the doors' shared meta
+    with pytest.raises(TypeError, match="expects a torch.fx.Graph, got Graph"):
+        graph_from_torch_fx(graph)
+
+
+def test_replace_pattern_of_a_submodule_call_deletes_it_as_torch_fx() -> None:
+    """Pattern and replacement call submodules: the matched submodule goes, the new one comes."""
+
+    def holding(**modules: torch.nn.Module) -> torch.nn.Module:
+        class Holder(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                for name, m in modules.items():
+                    self.add_module(name, m)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for m in self.children():
+                    x = m(x)
+                return x
+        return Holder()
+
+    def build() -> torch.fx.GraphModule:
+        return torch.fx.symbolic_trace(holding(a=torch.nn.ReLU(), b=_MLP.lin))
+
+    def args() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        return torch.fx.symbolic_trace(holding(a=torch.nn.ReLU())), torch.fx.symbolic_trace(holding(t=torch.nn.Tanh()))
+
+    theirs, mine = build(), build()
+    assert len(torch.fx.subgraph_rewriter.replace_pattern(theirs, *args())) == len(fx.replace_pattern(mine, *args())) == 1
+    assert [name for name, _ in mine.named_modules()] == [name for name, _ in theirs.named_modules()] == ["", "b", "t"]
+    assert _ops(mine) == _ops(theirs)
+    torch.testing.assert_close(mine(_X), theirs(_X))
