@@ -9,6 +9,14 @@ type annotation and a shallow copy of ``meta``; the new GraphModule *shares* the
 parameters and buffers of the old one (no tensor is copied), so a model can go to torch.compile or
 torch.ao and come back.
 
+The doors: fxdist's ``GraphModule(root, graph)``, ``Interpreter``/``Transformer``, ``ShapeProp``,
+``reinplace`` and ``replace_pattern`` accept torch-built graphs (``make_fx``, ``torch.export``'s
+``graph_module``, torch.fx tracers such as ``RewritingTracer``) directly: they recognise a torch.fx
+object by its classes' module names (``graph_module._is_torch_fx``, no torch.fx import) and call
+:func:`as_fxdist` lazily, whose nodes share the torch.fx nodes' ``meta`` dicts; the in-place passes
+rewrite an fxdist copy and hand the torch.fx module the result with :func:`write_back`. ShapeProp's
+bookkeeping of unbacked symbols (``rebind_unbacked``) lives here too (:func:`run_with_unbacked_bindings`).
+
 Limits: graphs whose torch.fx code generator is not the plain ``CodeGen`` (``_PyTreeCodeGen`` from
 ``concrete_args``/pytree inputs, ``_BoxedCodeGen``) are refused with a ValueError, because fxdist
 would generate a different ``forward`` signature. A node name that one side reserves and the other
