@@ -73,6 +73,12 @@ def _compile_forward(code: PythonCode, filename: str, func_name: str) -> Callabl
     return namespace[func_name]
 
 
+def _is_torch_fx(obj: Any) -> bool:
+    """Whether ``obj`` is a torch.fx object (GraphModule, Graph...), without importing torch.fx: the
+    test each door of fxdist runs before converting with ``fxdist.interop.as_fxdist``."""
+    return any(c.__module__.startswith("torch.fx") for c in type(obj).__mro__)
+
+
 # -- copying attributes from the root ----------------------------------------------------------------
 def _copy_attr(from_module: nn.Module, to_module: nn.Module, target: str) -> None:
     """Make ``to_module.<target>`` the same object as ``from_module.<target>``, creating empty
@@ -210,11 +216,14 @@ class GraphModule(nn.Module):
         root: an ``nn.Module`` whose submodules/parameters/buffers named by the graph's
             ``get_attr``/``call_module`` targets are shared into this module, or a dict mapping each
             such qualified name to the object to install.
-        graph: the graph to generate ``forward`` from; its ``owning_module`` becomes this module.
+        graph: the graph to generate ``forward`` from; its ``owning_module`` becomes this module. A
+            ``torch.fx.Graph`` (from ``make_fx``, ``torch.export``, a torch.fx tracer) is converted
+            first with ``fxdist.interop.as_fxdist`` (same nodes, shared ``meta`` dicts).
         class_name: the name of this instance's class (shown by ``repr`` and in errors).
 
     Raises:
         RuntimeError: ``root`` is neither a Module nor a dict, or a dict lacks a referenced target.
+        ValueError: a torch.fx ``graph`` uses a pytree or boxed calling convention.
         AttributeError: a Module ``root`` lacks a referenced target.
 
     Example::
@@ -238,6 +247,10 @@ class GraphModule(nn.Module):
 
     def __init__(self, root: nn.Module | dict[str, Any], graph: Graph, class_name: str = "GraphModule") -> None:
         super().__init__()
+        if _is_torch_fx(graph):  # the door for torch-built graphs (make_fx, torch.export, torch.fx tracers)
+            from fxdist.interop import as_fxdist
+
+            graph = as_fxdist(graph)
         type(self).__name__ = type(self).__qualname__ = class_name
         targets = [n.target for n in graph.nodes if n.op in ("get_attr", "call_module")]
         for t in targets:

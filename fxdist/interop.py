@@ -9,6 +9,14 @@ type annotation and a shallow copy of ``meta``; the new GraphModule *shares* the
 parameters and buffers of the old one (no tensor is copied), so a model can go to torch.compile or
 torch.ao and come back.
 
+The doors: fxdist's ``GraphModule(root, graph)``, ``Interpreter``/``Transformer``, ``ShapeProp``,
+``reinplace`` and ``replace_pattern`` accept torch-built graphs (``make_fx``, ``torch.export``'s
+``graph_module``, torch.fx tracers such as ``RewritingTracer``) directly: they recognise a torch.fx
+object by its classes' module names (``graph_module._is_torch_fx``, no torch.fx import) and call
+:func:`as_fxdist` lazily, whose nodes share the torch.fx nodes' ``meta`` dicts; the in-place passes
+rewrite an fxdist copy and hand the torch.fx module the result with :func:`write_back`. ShapeProp's
+bookkeeping of unbacked symbols (``rebind_unbacked``) lives here too (:func:`run_with_unbacked_bindings`).
+
 Limits: graphs whose torch.fx code generator is not the plain ``CodeGen`` (``_PyTreeCodeGen`` from
 ``concrete_args``/pytree inputs, ``_BoxedCodeGen``) are refused with a ValueError, because fxdist
 would generate a different ``forward`` signature. A node name that one side reserves and the other
@@ -26,10 +34,11 @@ from torch import nn
 
 from fxdist._patching import _Patcher, _recording_constructor
 from fxdist.graph import Graph
-from fxdist.graph_module import GraphModule
+from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Node
 
-__all__ = ["from_torch_fx", "to_torch_fx", "enter_torch_fx_trace"]
+__all__ = ["from_torch_fx", "graph_from_torch_fx", "to_torch_fx", "as_fxdist", "write_back", "is_torch_fx",
+           "run_with_unbacked_bindings", "enter_torch_fx_trace"]
 
 
 def _map(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
@@ -48,8 +57,11 @@ def _map(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
     return a
 
 
-def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type) -> None:
-    """Append a copy of every node of ``src_nodes`` to ``dst_graph`` (either library's Graph)."""
+def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type, share_meta: bool = False) -> dict[Any, Any]:
+    """Append a copy of every node of ``src_nodes`` to ``dst_graph`` (either library's Graph).
+
+    Returns the map from each source node to its copy. With ``share_meta`` the copy uses the source
+    node's very ``meta`` dict (what a pass records on one is seen on the other)."""
     env: dict[Any, Any] = {}
 
     def lookup(n: Any) -> Any:
@@ -62,15 +74,39 @@ def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type) -> None:
     for node in src_nodes:
         new = dst_graph.create_node(node.op, node.target, _map(node.args, lookup, src_kind),
                                     _map(node.kwargs, lookup, src_kind), name=node.name, type_expr=node.type)
-        new.meta = copy.copy(node.meta)
+        new.meta = node.meta if share_meta else copy.copy(node.meta)
         env[node] = new
+    return env
+
+
+def _check_codegen(graph: torch.fx.Graph, owner: str) -> None:
+    codegen = graph._codegen
+    if type(codegen) is not torch.fx.graph.CodeGen:
+        raise ValueError(f"from_torch_fx: {owner}'s graph uses {type(codegen).__name__} (a pytree or "
+                         "boxed calling convention), which fxdist does not generate; trace without concrete_args "
+                         "/ pytree inputs (for torch.export, use ExportedProgram.graph_module, not .module())")
+
+
+def _graph_from_torch_fx(graph: torch.fx.Graph, share_meta: bool, owner: str) -> tuple[Graph, dict[Any, Node]]:
+    _check_codegen(graph, owner)
+    result = Graph()
+    env = _copy_nodes(graph.nodes, result, torch.fx.Node, share_meta)
+    return result, env
+
+
+def _module_from_torch_fx(gm: torch.fx.GraphModule, share_meta: bool) -> GraphModule:
+    graph, _ = _graph_from_torch_fx(gm.graph, share_meta, gm.__class__.__name__)
+    result = GraphModule(gm, graph, class_name=gm.__class__.__name__)
+    result.meta = dict(getattr(gm, "meta", {}))
+    return result
 
 
 def from_torch_fx(gm: torch.fx.GraphModule) -> GraphModule:
     """Convert a torch.fx GraphModule into an fxdist one that shares its submodules and parameters.
 
     Args:
-        gm: a ``torch.fx.GraphModule`` (e.g. from ``torch.fx.symbolic_trace``).
+        gm: a ``torch.fx.GraphModule`` (e.g. from ``torch.fx.symbolic_trace``, ``make_fx`` or
+            ``torch.export.export(...).graph_module``).
 
     Returns:
         An fxdist ``GraphModule`` with the same nodes (op, target, args, names, types, meta), the
@@ -82,16 +118,95 @@ def from_torch_fx(gm: torch.fx.GraphModule) -> GraphModule:
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"from_torch_fx expects a torch.fx.GraphModule, got {type(gm).__name__}")
-    codegen = gm.graph._codegen
-    if type(codegen) is not torch.fx.graph.CodeGen:
-        raise ValueError(f"from_torch_fx: {gm.__class__.__name__}'s graph uses {type(codegen).__name__} (a pytree or "
-                         "boxed calling convention), which fxdist does not generate; trace without concrete_args "
-                         "/ pytree inputs")
-    graph = Graph()
-    _copy_nodes(gm.graph.nodes, graph, torch.fx.Node)
-    result = GraphModule(gm, graph, class_name=gm.__class__.__name__)
-    result.meta = dict(getattr(gm, "meta", {}))
-    return result
+    return _module_from_torch_fx(gm, share_meta=False)
+
+
+def graph_from_torch_fx(graph: torch.fx.Graph) -> Graph:
+    """Convert a torch.fx Graph (e.g. from ``RewritingTracer().trace(m)``) into an fxdist Graph.
+
+    Args:
+        graph: a ``torch.fx.Graph``.
+
+    Returns:
+        An fxdist ``Graph`` with the same nodes (op, target, args, names, types, a shallow copy of
+        each ``meta``) and no owning module.
+
+    Raises:
+        TypeError: ``graph`` is not a torch.fx Graph.
+        ValueError: it uses a non-default code generator (pytree/boxed calling convention).
+    """
+    if not isinstance(graph, torch.fx.Graph):
+        raise TypeError(f"graph_from_torch_fx expects a torch.fx.Graph, got {type(graph).__name__}")
+    return _graph_from_torch_fx(graph, share_meta=False, owner="Graph")[0]
+
+
+def is_torch_fx(obj: Any) -> bool:
+    """Whether ``obj`` is an instance of a torch.fx class (or of a subclass of one).
+
+    Decided from the classes' module names, so it imports nothing; fxdist's constructors and passes
+    use the same test (``fxdist.graph_module._is_torch_fx``) before importing this module lazily.
+    """
+    return _is_torch_fx(obj)
+
+
+def as_fxdist(obj: Any) -> Any:
+    """The door fxdist's constructors and passes open for torch-built graphs: a torch.fx
+    ``GraphModule`` becomes an fxdist ``GraphModule`` (sharing submodules, parameters and buffers) and a
+    torch.fx ``Graph`` an fxdist ``Graph``; anything else is returned unchanged.
+
+    Unlike :func:`from_torch_fx`, each new node shares the ``meta`` dict of its torch.fx node, so
+    what an analysis records (``ShapeProp``'s ``tensor_meta``) is visible on the caller's torch.fx
+    graph too, as it would be had torch.fx run the analysis.
+
+    Raises:
+        ValueError: the graph uses a pytree or boxed calling convention (see the module docstring).
+    """
+    if isinstance(obj, torch.fx.GraphModule):
+        return _module_from_torch_fx(obj, share_meta=True)
+    if isinstance(obj, torch.fx.Graph):
+        return _graph_from_torch_fx(obj, share_meta=True, owner="Graph")[0]
+    return obj
+
+
+def write_back(target: torch.fx.GraphModule, source: GraphModule) -> None:
+    """Make the torch.fx GraphModule ``target`` compute what the fxdist ``source`` computes, in place:
+    its graph is replaced by a copy of ``source.graph`` (nodes share ``meta`` dicts) and the submodules
+    and attributes that new ``get_attr``/``call_module`` nodes name are taken from ``source``.
+
+    Used by in-place passes (``replace_pattern``, ``reinplace``) given a torch.fx GraphModule, so
+    code written for torch.fx that keeps using its module sees the change.
+    """
+    graph = torch.fx.Graph(tracer_cls=getattr(target.graph, "_tracer_cls", None),
+                           tracer_extras=getattr(target.graph, "_tracer_extras", None))
+    _copy_nodes(source.graph.nodes, graph, Node, share_meta=True)
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and not _has_path(target, node.target):
+            *prefix, field = node.target.split(".")
+            owner: nn.Module = target
+            for item in prefix:
+                if not hasattr(owner, item):
+                    owner.add_module(item, nn.Module())
+                owner = getattr(owner, item)
+            value = source.get_submodule(node.target) if node.op == "call_module" else _get_path(source, node.target)
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                owner.register_buffer(field, value)
+            else:
+                setattr(owner, field, value)
+    target.graph = graph
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for atom in path.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _has_path(obj: Any, path: str) -> bool:
+    try:
+        _get_path(obj, path)
+    except AttributeError:
+        return False
+    return True
 
 
 def to_torch_fx(gm: GraphModule) -> torch.fx.GraphModule:
@@ -118,6 +233,41 @@ def to_torch_fx(gm: GraphModule) -> torch.fx.GraphModule:
     return result
 
 
+
+
+def run_with_unbacked_bindings(shape_env: Any, node: Node, run: Callable[[], Any]) -> Any:
+    """Run one node under a fake mode and keep its unbacked symbols consistent, as torch.fx's
+    ``ShapeProp.run_node`` does: a node whose ``meta["unbacked_bindings"]`` names symbols from an
+    earlier trace (``torch.export`` records them for ``nonzero``, ``item``...) has the fresh symbols of
+    ``run()``'s result bound to those old ones in ``shape_env`` (so shapes print as ``u0`` again and the
+    graph's ``_assert_scalar`` guards keep applying), and the fresh bindings are recorded in
+    ``meta["unbacked_bindings"]``.
+
+    Args:
+        shape_env: the fake mode's ``ShapeEnv`` (None: ``run()`` is only called).
+        node: the node being run (fxdist's; only ``op`` and ``meta`` are read).
+        run: runs the node under the fake mode and returns its value.
+
+    Returns:
+        ``run()``'s value.
+
+    Raises:
+        AssertionError: from ``rebind_unbacked`` when the old bindings cannot be matched (e.g. a
+            ``ShapeEnv`` other than the one the graph was exported with), as in torch.fx.
+
+    Source: torch/fx/passes/shape_prop.py (``ShapeProp.run_node``);
+    torch/fx/experimental/symbolic_shapes.py (``rebind_unbacked``, ``compute_unbacked_bindings``).
+    """
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings, rebind_unbacked
+
+    with enable_python_dispatcher():
+        result = run()
+        if shape_env is not None:
+            rebind_unbacked(shape_env, node, result)
+    if shape_env is not None and (bindings := compute_unbacked_bindings(shape_env, result)):
+        node.meta["unbacked_bindings"] = bindings
+    return result
 
 
 class TorchFxTraceHooks(NamedTuple):

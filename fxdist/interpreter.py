@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fxdist.graph import Graph
-from fxdist.graph_module import GraphModule
+from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Argument, Node, Target, map_aggregate, map_arg
 from fxdist.proxy import Proxy
 from fxdist.tracer import Tracer
@@ -78,7 +78,10 @@ class Interpreter:
             GraphModule that owns ``graph``.
         garbage_collect_values: Drop each value from ``self.env`` right after its last use (default).
             Pass False to inspect every intermediate value in ``self.env`` after ``run``.
-        graph: The graph to execute; defaults to ``module.graph``.
+        graph: The graph to execute; defaults to ``module.graph``. A torch.fx Graph (also that of a
+            torch.fx GraphModule ``module``: ``make_fx``, ``torch.export``'s ``graph_module``) is
+            converted first (``fxdist.interop.as_fxdist``): ``self.graph`` is then an fxdist Graph
+            whose nodes share the torch.fx nodes' ``meta`` dicts, and ``self.module`` stays ``module``.
 
     Attributes:
         env: Node -> value computed so far in the current ``run``.
@@ -95,6 +98,10 @@ class Interpreter:
                 raise TypeError(
                     f"Interpreter: {type(module).__name__} has no .graph; pass graph= or a GraphModule"
                 )
+        if _is_torch_fx(graph):  # the door for torch-built graphs (make_fx, torch.export, torch.fx tracers)
+            from fxdist.interop import as_fxdist
+
+            graph = as_fxdist(graph)
         self.graph: Graph = graph
         self.env: dict[Node, Any] = {}
         self.name = "Interpreter"
@@ -308,9 +315,9 @@ class Transformer(Interpreter):
     """
 
     def __init__(self, module: GraphModule) -> None:
-        super().__init__(module)
+        super().__init__(module)  # converts a torch.fx graph: use self.graph below
         self.new_graph = Graph()
-        self.new_graph.set_codegen(module.graph._codegen)  # keeps a pytree signature, for example
+        self.new_graph.set_codegen(self.graph._codegen)  # keeps a pytree signature, for example
         self.tracer = _TransformerTracer(self.new_graph, module)
 
     def run_node(self, n: Node) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fxdist.graph import Graph
-from fxdist.graph_module import GraphModule
+from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Node
 
 __all__ = [
@@ -307,6 +307,10 @@ def _forms_cycle(match: InternalMatch, compute: list[Node]) -> bool:
 
 
 def _as_graph(obj: Callable[..., Any] | Graph | GraphModule, role: str) -> Graph:
+    if _is_torch_fx(obj):  # a torch.fx GraphModule or Graph (make_fx, torch.export, symbolic_trace)
+        from fxdist.interop import as_fxdist
+
+        obj = as_fxdist(obj)
     if isinstance(obj, GraphModule):
         return obj.graph
     if isinstance(obj, Graph):
@@ -453,8 +457,11 @@ def replace_pattern(
         return relu
 
     Args:
-        gm: The module to rewrite in place.
-        pattern: A callable (traced with ``fxdist.symbolic_trace``), Graph or GraphModule.
+        gm: The module to rewrite in place. A torch.fx GraphModule (``symbolic_trace``, ``make_fx``,
+            ``torch.export``'s ``graph_module``) is rewritten too: an fxdist copy is rewritten and ``gm``
+            gets its graph; the returned matches then name the copy's nodes.
+        pattern: A callable (traced with ``fxdist.symbolic_trace``), Graph or GraphModule (fxdist's or
+            torch.fx's).
         replacement: Same kinds; it must take as many parameters as ``pattern``.
 
     Returns:
@@ -496,6 +503,16 @@ def _replace_pattern(
     ignore_literals: bool = False,
     replacement_callback: Callable[[InternalMatch, Graph, Graph], Graph] | None = None,
 ) -> list[ReplacedPatterns]:
+    if _is_torch_fx(gm):  # the door: rewrite an fxdist copy, then give the torch.fx module its graph
+        from fxdist.interop import as_fxdist, write_back
+
+        converted = as_fxdist(gm)
+        replaced = _replace_pattern(converted, pattern, replacement, match_filters, ignore_literals,
+                                    replacement_callback)
+        write_back(gm, converted)
+        if isinstance(replacement, torch.nn.Module):
+            gm.delete_all_unused_submodules()  # as _copy_attributes did on the copy (torch.fx does too)
+        return replaced
     graph = gm.graph
     pattern_graph = _as_graph(pattern, "pattern")
     if replacement is None and replacement_callback is None:
@@ -510,7 +527,8 @@ def _replace_pattern(
     changed: dict[Node, Node] = {}
     replaced = []
     for match in matches:
-        replacement_graph = replacement_callback(match, graph, pattern_graph) if replacement_callback else common
+        replacement_graph = (_as_graph(replacement_callback(match, graph, pattern_graph), "replacement")
+                             if replacement_callback else common)
         if replacement_callback is not None:
             _check_arity(pattern_graph, replacement_graph)
         copied, new_nodes = _copy_replacement(graph, match, replacement_graph, changed)

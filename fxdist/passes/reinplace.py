@@ -77,7 +77,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from fxdist.graph_module import GraphModule
+from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Node, map_arg
 from fxdist.passes.pass_base import PassBase, PassResult
 
@@ -145,15 +145,24 @@ def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool
             Off by default, as in torch.fx.
 
     Returns:
-        ``gm``, recompiled. Outputs are unchanged and the inputs are never mutated (beyond what the
+        ``gm``, recompiled (for a torch.fx ``gm``: an fxdist copy, see below). Outputs are unchanged and the inputs are never mutated (beyond what the
         graph itself does with ``copy_``).
 
     Raises:
         ValueError: ``sample_args`` has not one value per placeholder.
         RuntimeError: the graph cannot run on FakeTensors of ``sample_args`` (names the node).
 
+    A torch.fx GraphModule (``torch.fx.experimental.proxy_tensor.make_fx``) is converted first; the
+    result is the converted fxdist GraphModule, and ``gm`` gets its graph too (torch.fx's contract).
+
     Source: torch/fx/passes/reinplace.py; seed 002.
     """
+    if _is_torch_fx(gm):  # the door for torch-built graphs
+        from fxdist.interop import as_fxdist, write_back
+
+        result = reinplace(as_fxdist(gm), *sample_args, reuse_overwritten_inputs=reuse_overwritten_inputs)
+        write_back(gm, result)
+        return result
     state = _propagate_fake_metadata(gm, sample_args)
     state.reuse_overwritten_inputs = reuse_overwritten_inputs
     redundant: dict[Node, bool] = {}  # node -> whether its write may still be needed (step 5)

@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 
-from fxdist.graph_module import GraphModule
+from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.interpreter import Interpreter
 from fxdist.node import Node
 
@@ -108,7 +108,16 @@ class ShapeProp(Interpreter):
     * ``node.meta["val"]``: the value with every tensor replaced by a storage-less stand-in (the
       ``FakeTensor`` itself under a fake mode, else a ``meta``-device tensor of the same shape,
       strides and dtype), for nodes whose value is made of tensors and plain scalars;
-    * ``node.meta["type"]``: the Python type of the value (every node).
+    * ``node.meta["type"]``: the Python type of the value (every node);
+    * under a fake mode with a ``ShapeEnv``: ``node.meta["unbacked_bindings"]``, with the fresh
+      unbacked symbols first bound to the ones the graph recorded (``torch.export`` graphs with
+      ``nonzero``/``item`` and their ``_assert_scalar`` guards), as torch.fx's ShapeProp does.
+
+    A torch.fx GraphModule (``make_fx``, ``torch.export``'s ``graph_module``, ``symbolic_trace``) is
+    accepted as is: its graph is converted (``fxdist.interop.as_fxdist``) to nodes sharing its nodes'
+    ``meta`` dicts, so the metadata lands on the caller's torch.fx graph as with torch.fx;
+    ``meta["val"]`` is then left alone, as torch.fx's ShapeProp leaves it (torch.export keeps
+    symbolic values there).
 
     Example:
 
@@ -137,6 +146,9 @@ class ShapeProp(Interpreter):
     """
 
     def __init__(self, gm: GraphModule, fake_mode: FakeTensorMode | None = None) -> None:
+        # The Interpreter converts a torch.fx graph; our nodes share the meta dicts of its nodes, and
+        # we leave meta["val"] to torch's producers (torch.export records symbolic FakeTensors there).
+        self._record_val = not _is_torch_fx(gm)
         super().__init__(gm)
         if fake_mode is None:
             from torch._guards import detect_fake_mode
@@ -156,10 +168,13 @@ class ShapeProp(Interpreter):
         if self.fake_mode is None:
             result = super().run_node(n)
         else:
+            from fxdist.interop import run_with_unbacked_bindings
+
             self.module = self.fake_module
             try:
+                run = super().run_node
                 with self.fake_mode:
-                    result = super().run_node(n)
+                    result = run_with_unbacked_bindings(self.fake_mode.shape_env, n, lambda: run(n))
             finally:
                 self.module = self.real_module
         self._record(n, result)
@@ -175,12 +190,12 @@ class ShapeProp(Interpreter):
         leaves, spec = pytree.tree_flatten(result, is_leaf=_is_leaf)
         n.meta["type"] = type(result)
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
-            if all(isinstance(leaf, _SCALARS) for leaf in leaves):
+            if self._record_val and all(isinstance(leaf, _SCALARS) for leaf in leaves):
                 n.meta["val"] = result
             return
         metas = [extract_tensor_metadata(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         n.meta["tensor_meta"] = pytree.tree_unflatten(metas, spec)
-        if all(isinstance(x, (torch.Tensor, *_SCALARS)) for x in leaves):
+        if self._record_val and all(isinstance(x, (torch.Tensor, *_SCALARS)) for x in leaves):
             vals = [self._stand_in(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             if not any(v is None for v, x in zip(vals, leaves) if isinstance(x, torch.Tensor)):
                 n.meta["val"] = pytree.tree_unflatten(vals, spec)
