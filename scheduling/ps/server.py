@@ -47,6 +47,11 @@ def _rendezvous_handler(url: str, **kwargs: Any) -> Any:
 
     torch's ``tcp://`` handler waits up to 30 minutes for missing members; this one gives up after
     ``timeout_s`` seconds, so an absent server fails fast.
+
+    Security: the store is torch's ``TCPStore``, which rank 0 hosts and which listens on every interface
+    whatever ``host`` says (torch binds its server socket that way), without authentication; anyone who can
+    reach the port can read and write the group's rendezvous keys. ``torch.distributed.rpc`` keeps it for the
+    group's lifetime (its shutdown uses it). Run the group on a trusted network, or firewall the port.
     """
     from datetime import timedelta
     from urllib.parse import parse_qs, urlparse
