@@ -28,7 +28,8 @@ tests/fx/test_codegen.py):
    submodule replaced on the GraphModule is seen without ``recompile()``. A ``call_module`` target is
    a submodule path, so every component is in its parent's ``_modules``. ``get_attr`` keeps
    torch.fx's attribute chain (its parents may be plain objects; get_attr nodes are few).
-   ``CodeGen(fast_module_access=False)`` emits torch.fx's form everywhere.
+   ``CodeGen(fast_module_access=False)`` emits torch.fx's form everywhere; ``torch.jit.script`` gets
+   that form (``GraphModule.__prepare_scriptable__``).
 2. ``operator`` functions without a template are called as ``operator.not_(x)``; in-place operators
    (``iadd``, ``setitem``, ...) are called as functions rather than as ``x += y`` statements.
 3. ``torch.Tensor.add`` used as a function is spelled ``torch.Tensor.add``.
@@ -321,6 +322,8 @@ class CodeGen:
 
     Source: torch/fx/graph.py ``CodeGen``.
     """
+
+    fast_module_access: bool = True  # (a class default too: torch.fx subclasses may skip __init__)
 
     def __init__(self, *, fast_module_access: bool = True) -> None:
         self._body_transformer: Callable[[list[str]], list[str]] | None = None

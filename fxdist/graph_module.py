@@ -22,6 +22,9 @@ Design choices where fxdist differs (documented, tested in tests/fx/test_graph_m
   (torch.fx: ``AttributeError``); ``graph.lint()`` reports such targets either way.
   Measured by benchmarks/ir.py: a forward with 128 nested submodule calls runs at 0.8-0.9x eager's
   time and 0.5-0.6x torch.fx's.
+  ``torch.jit.script(gm)`` works as for torch.fx: ``__prepare_scriptable__`` hands TorchScript a
+  shallow clone whose ``forward`` uses torch.fx's ``self.a.b`` form (TorchScript cannot compile
+  ``_modules[...]``); ``gm`` itself keeps its code.
 * Tracebacks: the source is registered in ``linecache`` under ``<fxdist-generated-N>``, so
   tracebacks and pdb show the generated lines. No ``__call__`` wrapper is installed (it would cost
   two Python calls per invocation); ``gm._lineno_map`` maps a line back to its node.
@@ -231,6 +234,9 @@ class GraphModule(nn.Module):
     Source: torch/fx/graph_module.py ``GraphModule``.
     """
 
+    # TorchScript must not compile this property (torch.fx lists the same one).
+    __jit_unused_properties__ = ["graph"]
+
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
         base = _base_class(cls)
         impl = type(base.__name__, (base,), {"_fxdist_per_instance": True, "__module__": base.__module__})
@@ -283,7 +289,7 @@ class GraphModule(nn.Module):
     @property
     def code(self) -> str:
         """The Python source of the generated ``forward``."""
-        if "_code" not in self.__dict__:
+        if not hasattr(self, "_code"):
             raise RuntimeError("GraphModule.code: no code has been generated yet; assign .graph or call recompile()")
         return self._code
 
@@ -294,6 +300,14 @@ class GraphModule(nn.Module):
             The ``PythonCode`` that was compiled.
         """
         python_code = self._graph.python_code(root_module="self")
+        self._install_code(python_code)
+        for child in self.children():
+            if isinstance(child, GraphModule):
+                child.recompile()
+        return python_code
+
+    def _install_code(self, python_code: PythonCode) -> None:
+        """Compile ``python_code`` as this instance's class ``forward`` and record its text."""
         cls = type(self)
         holder = cls.__dict__.get("_fxdist_source")
         if holder is None:
@@ -312,10 +326,28 @@ class GraphModule(nn.Module):
         self._code = python_code.src
         self._lineno_map = python_code._lineno_map
         self._prologue_start = python_code._prologue_start
-        for child in self.children():
-            if isinstance(child, GraphModule):
-                child.recompile()
-        return python_code
+
+    def __prepare_scriptable__(self) -> GraphModule:
+        """``torch.jit.script`` hook: the module to script in place of this one.
+
+        TorchScript cannot compile the ``self._modules['a']`` reads of the default fast module
+        access, so this returns a shallow clone (sharing every submodule, parameter and buffer)
+        whose ``forward`` is generated in torch.fx's ``self.a.b`` form; ``self`` is left unchanged.
+        A module whose codegen already uses that form is returned as is.
+
+        Source: torch/jit/_script.py ``call_prepare_scriptable_func``.
+        """
+        codegen = self._graph._codegen
+        if not getattr(codegen, "fast_module_access", False):
+            return self
+        compat = copy.copy(codegen)
+        compat.fast_module_access = False
+        clone = _new_instance(_base_class(type(self)), type(self).__name__)
+        clone.__dict__.update(self.__dict__)
+        for key in ("_modules", "_parameters", "_buffers"):  # torch.jit replaces prepared children in them
+            clone.__dict__[key] = dict(self.__dict__[key])
+        clone._install_code(compat.gen_python_code(self._graph.nodes, "self"))
+        return clone
 
     def print_readable(self, print_output: bool = True, include_stride: bool = False,
                        include_device: bool = False, colored: bool = False) -> str:
