@@ -183,6 +183,13 @@ def _pickled_meta(node: Node) -> dict[str, Any]:
     return {} if trace is None else {"stack_trace": trace}
 
 
+def _compat_python_code(graph: Graph) -> PythonCode:
+    """The graph's code with torch.fx's ``self.a.b`` module access (its codegen copied, not changed)."""
+    compat = copy.copy(graph._codegen)
+    compat.fast_module_access = False
+    return compat.gen_python_code(graph.nodes, "self")
+
+
 def _base_class(cls: type) -> type:
     """The user-visible class behind a per-instance GraphModule class."""
     for t in cls.__mro__:
@@ -254,6 +261,7 @@ class GraphModule(nn.Module):
             for target in targets:
                 _copy_attr(root, self, target)
         elif isinstance(root, dict):
+            self._dict_root = True  # values may be any objects: keep torch.fx's attribute access
             missing = [t for t in targets if t not in root]
             if missing:
                 raise RuntimeError(f"GraphModule: the graph references {missing}, which the root dict lacks")
@@ -299,12 +307,31 @@ class GraphModule(nn.Module):
         Returns:
             The ``PythonCode`` that was compiled.
         """
-        python_code = self._graph.python_code(root_module="self")
+        python_code = self._python_code()
         self._install_code(python_code)
         for child in self.children():
             if isinstance(child, GraphModule):
                 child.recompile()
         return python_code
+
+    def _python_code(self) -> PythonCode:
+        """The graph's code; in torch.fx's ``self.a.b`` form when the fast ``_modules[...]`` reads
+        could fail: a dict root, or a ``call_module`` target not reachable through ``_modules``."""
+        codegen = self._graph._codegen
+        if getattr(codegen, "fast_module_access", False) and not self._fast_access_safe():
+            return _compat_python_code(self._graph)
+        return self._graph.python_code(root_module="self")
+
+    def _fast_access_safe(self) -> bool:
+        if self.__dict__.get("_dict_root", False):
+            return False
+        for node in self._graph.find_nodes(op="call_module", sort=False):
+            mod: Any = self
+            for part in node.target.split("."):
+                mod = mod._modules.get(part) if isinstance(mod, nn.Module) else None
+                if mod is None:
+                    return False
+        return True
 
     def _install_code(self, python_code: PythonCode) -> None:
         """Compile ``python_code`` as this instance's class ``forward`` and record its text."""
@@ -337,16 +364,13 @@ class GraphModule(nn.Module):
 
         Source: torch/jit/_script.py ``call_prepare_scriptable_func``.
         """
-        codegen = self._graph._codegen
-        if not getattr(codegen, "fast_module_access", False):
+        if "_modules[" not in self._code:
             return self
-        compat = copy.copy(codegen)
-        compat.fast_module_access = False
         clone = _new_instance(_base_class(type(self)), type(self).__name__)
         clone.__dict__.update(self.__dict__)
         for key in ("_modules", "_parameters", "_buffers"):  # torch.jit replaces prepared children in them
             clone.__dict__[key] = dict(self.__dict__[key])
-        clone._install_code(compat.gen_python_code(self._graph.nodes, "self"))
+        clone._install_code(_compat_python_code(self._graph))
         return clone
 
     def print_readable(self, print_output: bool = True, include_stride: bool = False,
@@ -447,6 +471,9 @@ class GraphModule(nn.Module):
     def __copy__(self) -> GraphModule:
         res = _base_class(type(self))(self, self._graph, type(self).__name__)
         res.meta = self.meta
+        if self.__dict__.get("_dict_root", False):
+            res._dict_root = True
+            res.recompile()
         return res
 
     def _replicate_for_data_parallel(self) -> GraphModule:
@@ -466,7 +493,7 @@ class GraphModule(nn.Module):
         Raises:
             ValueError: ``module_name`` is not an identifier.
         """
-        write_folder(self, Path(folder), module_name, self._graph.python_code(root_module="self"))
+        write_folder(self, Path(folder), module_name, self._python_code())
 
     # -- hooks used by Graph (torch.fx names) -----------------------------------------------------
     def _register_create_node_hook(self, f: Callable[[Node], Any]) -> None:
