@@ -17,9 +17,12 @@ Design choices where fxdist differs (documented, tested in tests/fx/test_graph_m
   resolved at call time, so a replaced submodule is used even before ``recompile()``; DataParallel
   replicas and deep copies use their own submodules. We chose this over binding submodules as
   globals at ``recompile()`` (a little faster still) because bound globals go stale when a
-  submodule is replaced without ``recompile()`` and break DataParallel replicas. One visible
-  difference: calling a GraphModule whose ``call_module`` target was deleted raises ``KeyError``
-  (torch.fx: ``AttributeError``); ``graph.lint()`` reports such targets either way.
+  submodule is replaced without ``recompile()`` and break DataParallel replicas. ``recompile()``
+  falls back to torch.fx's ``self.a.b`` text where a fast read could fail: for a dict root (its
+  values may be any objects) and when a ``call_module`` target is not reachable through
+  ``_modules``. One visible difference remains: calling a GraphModule whose ``call_module`` target
+  was deleted *after* the last ``recompile()`` raises ``KeyError`` (torch.fx: ``AttributeError``);
+  ``graph.lint()`` reports such targets either way.
   Measured by benchmarks/ir.py: a forward with 128 nested submodule calls runs at 0.8-0.9x eager's
   time and 0.5-0.6x torch.fx's.
   ``torch.jit.script(gm)`` works as for torch.fx: ``__prepare_scriptable__`` hands TorchScript a

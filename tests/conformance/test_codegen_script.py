@@ -9,6 +9,7 @@ No ``from __future__ import annotations`` here: the tracer records string annota
 TorchScript rejects those for torch.fx too.
 """
 
+import copy
 import math
 import typing
 from typing import Any, List  # noqa: UP035 - TorchScript reads typing.List in generated code
@@ -83,6 +84,7 @@ class Annotated(torch.nn.Module):
 
 
 def _trace(lib: Any, model: torch.nn.Module, **kwargs: Any) -> Any:
+    model = copy.deepcopy(model)  # tracing adds _tensor_constantN attributes to the root
     return lib.GraphModule(model, lib.Tracer(**kwargs).trace(model))
 
 
