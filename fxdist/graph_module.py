@@ -28,9 +28,13 @@ Design choices where fxdist differs (documented, tested in tests/fx/test_graph_m
   ``torch.jit.script(gm)`` works as for torch.fx: ``__prepare_scriptable__`` hands TorchScript a
   shallow clone whose ``forward`` uses torch.fx's ``self.a.b`` form (TorchScript cannot compile
   ``_modules[...]``); ``gm`` itself keeps its code.
-* Tracebacks: the source is registered in ``linecache`` under ``<fxdist-generated-N>``, so
-  tracebacks and pdb show the generated lines. No ``__call__`` wrapper is installed (it would cost
-  two Python calls per invocation); ``gm._lineno_map`` maps a line back to its node.
+* Tracebacks, as torch.fx: the source is registered in ``linecache`` under torch.fx's file name
+  (``<eval_with_key>.N from user.py:12 in forward``), so tracebacks and pdb show the generated
+  lines; ``gm._lineno_map`` maps a line back to its node; an exception raised by a generated line
+  prints torch.fx's "Call using an FX-traced Module, line X of the traced Module's generated
+  forward function:" report to stderr and is re-raised without its traceback. The ``__call__``
+  wrapper doing this is one Python function (torch.fx: two). Unlike torch.fx, the linecache entry
+  is dropped when the module is garbage-collected or recompiled.
 * Pickle and ``deepcopy`` keep the graph itself (node list with names, targets, args, types and
   ``stack_trace``), not the generated text: no re-tracing, so graphs that are not re-traceable
   round-trip too.
@@ -41,8 +45,9 @@ from __future__ import annotations
 import copy
 import itertools
 import linecache
+import sys
+import traceback
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,7 +55,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _addindent
 
-from fxdist._graph_module_io import write_folder
+from fxdist._graph_module_io import graph_from_spec, graph_to_spec, pickled_meta, write_folder
 from fxdist.codegen import PythonCode
 from fxdist.graph import Graph
 from fxdist.node import Node
@@ -60,12 +65,58 @@ __all__ = ["GraphModule"]
 _source_ids = itertools.count()
 
 
-def _register_source(src: str) -> str:
-    """Put ``src`` in ``linecache`` under a fresh fake filename and return that filename."""
-    filename = f"<fxdist-generated-{next(_source_ids)}>"
-    # mtime None: linecache.checkcache() never evicts the entry.
+def _register_source(src: str, co_fields: dict[str, Any] | None) -> str:
+    """Put ``src`` in ``linecache`` under a fresh fake filename and return that filename.
+
+    The name is torch.fx's: ``<eval_with_key>.N``, followed by `` from file.py:12 in forward`` (the
+    traced function's ``co_filename``/``co_firstlineno``/``co_name``, from ``graph._co_fields``) when
+    the tracer recorded them. Tools (torch.fx's ``_WrappedCall``, dynamo) look for ``eval_with_key``.
+    Source: torch/fx/graph_module.py ``_EvalCacheLoader.cache``.
+    """
+    filename = f"<eval_with_key>.{next(_source_ids)}"
+    if co_fields and all(k in co_fields for k in ("co_filename", "co_firstlineno", "co_name")):
+        filename += f" from {co_fields['co_filename']}:{co_fields['co_firstlineno']} in {co_fields['co_name']}"
+    # mtime None: linecache.checkcache() never evicts the entry; _forget_source drops it with the module.
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     return filename
+
+
+def _fx_error_message(frame: traceback.FrameSummary) -> str:
+    """torch.fx's report for an exception raised by a generated line: the traceback, then the line
+    with two lines of context before and after and a ``~~~ <--- HERE`` marker.
+
+    Source: torch/fx/graph_module.py ``_WrappedCall._generate_error_message`` (same text).
+    """
+    err_lineno = frame.lineno or 0
+    line = frame.line or ""
+    all_src_lines = linecache.getlines(frame.filename)
+    custom_msg = ("Call using an FX-traced Module, "
+                  f"line {err_lineno} of the traced Module's generated forward function:")
+    before_err = "".join(all_src_lines[err_lineno - 2:err_lineno])
+    marker = "~" * len(line) + "~~~ <--- HERE"
+    err_and_after_err = "\n".join(all_src_lines[err_lineno:err_lineno + 2])
+    return "\n".join([traceback.format_exc(), custom_msg, before_err, marker, err_and_after_err])
+
+
+def _make_call(impl: type) -> Callable[..., Any]:
+    """The ``__call__`` of a per-instance class: when the innermost frame of an exception is generated
+    code, print torch.fx's message to stderr and re-raise without the traceback, as torch.fx does.
+    ``nn.Module.__call__`` is looked up at each call (the tracer patches it). One Python frame a call.
+
+    Source: torch/fx/graph_module.py ``_WrappedCall.__call__``.
+    """
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super(impl, self).__call__(*args, **kwargs)
+        except Exception as e:
+            top = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ is not None else None
+            if top is not None and "eval_with_key" in top.filename:
+                print(_fx_error_message(top), file=sys.stderr)
+                raise e.with_traceback(None)  # noqa: B904 - torch.fx drops the traceback (printed above)
+            raise
+
+    return __call__
 
 
 def _forget_source(holder: dict[str, str]) -> None:
@@ -123,69 +174,6 @@ def _install(module: Any, field: str, value: Any) -> None:
         setattr(module, field, value)
 
 
-# -- graph <-> picklable node list -------------------------------------------------------------------
-@dataclass(frozen=True)
-class _NodeRef:
-    """Stands for the node at ``index`` in a serialized node list."""
-
-    index: int
-
-
-def _map_nodes(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
-    """Rebuild the plain containers of an argument with ``fn`` applied to every ``kind`` leaf."""
-    if isinstance(a, kind):
-        return fn(a)
-    if isinstance(a, tuple):
-        items = [_map_nodes(x, fn, kind) for x in a]
-        return type(a)(*items) if hasattr(type(a), "_fields") else tuple(items)
-    if isinstance(a, list):
-        return [_map_nodes(x, fn, kind) for x in a]
-    if isinstance(a, dict):
-        return {k: _map_nodes(v, fn, kind) for k, v in a.items()}
-    if isinstance(a, slice):
-        return slice(_map_nodes(a.start, fn, kind), _map_nodes(a.stop, fn, kind), _map_nodes(a.step, fn, kind))
-    return a
-
-
-def _graph_to_spec(graph: Graph, meta: Callable[[Node], dict[str, Any]]) -> dict[str, Any]:
-    """The graph as a list of ``(op, target, args, kwargs, name, type, meta)`` with node references
-    replaced by ``_NodeRef`` (flat, so pickling a 10k-node graph does not recurse 10k deep)."""
-    index: dict[Node, int] = {}
-
-    def ref(n: Node) -> _NodeRef:
-        return _NodeRef(index[n])
-
-    nodes = []
-    for i, n in enumerate(graph.nodes):
-        nodes.append((n.op, n.target, _map_nodes(n.args, ref, Node), _map_nodes(n.kwargs, ref, Node),
-                      n.name, n.type, meta(n)))
-        index[n] = i
-    codegen = graph._codegen
-    return {"graph_cls": type(graph), "nodes": nodes, "codegen": codegen,
-            "tracer_cls": getattr(graph, "_tracer_cls", None)}
-
-
-def _graph_from_spec(spec: dict[str, Any]) -> Graph:
-    graph = spec["graph_cls"]()
-    graph._codegen = spec["codegen"]
-    if spec.get("tracer_cls") is not None:
-        graph._tracer_cls = spec["tracer_cls"]
-    made: list[Node] = []
-    for op, target, args, kwargs, name, type_expr, meta in spec["nodes"]:
-        node = graph.create_node(op, target, _map_nodes(args, lambda r: made[r.index], _NodeRef),
-                                 _map_nodes(kwargs, lambda r: made[r.index], _NodeRef), name=name,
-                                 type_expr=type_expr)
-        node.meta.update(meta)
-        made.append(node)
-    return graph
-
-
-def _pickled_meta(node: Node) -> dict[str, Any]:
-    """What of ``node.meta`` survives pickling: the stack trace, as in torch.fx."""
-    trace = node.meta.get("stack_trace")
-    return {} if trace is None else {"stack_trace": trace}
-
-
 def _compat_python_code(graph: Graph) -> PythonCode:
     """The graph's code with torch.fx's ``self.a.b`` module access (its codegen copied, not changed)."""
     compat = copy.copy(graph._codegen)
@@ -211,7 +199,7 @@ def _rebuild_graph_module(base: type, class_name: str, body: dict[str, Any], spe
     """Unpickling entry point (referenced by ``GraphModule.__reduce__``)."""
     gm = _new_instance(base, class_name)
     gm.__dict__.update(body)
-    gm.graph = _graph_from_spec(spec)
+    gm.graph = graph_from_spec(spec)
     return gm
 
 
@@ -250,6 +238,7 @@ class GraphModule(nn.Module):
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
         base = _base_class(cls)
         impl = type(base.__name__, (base,), {"_fxdist_per_instance": True, "__module__": base.__module__})
+        impl.__call__ = _make_call(impl)
         return super().__new__(impl)
 
     def __init__(self, root: nn.Module | dict[str, Any], graph: Graph, class_name: str = "GraphModule") -> None:
@@ -344,7 +333,7 @@ class GraphModule(nn.Module):
             holder = {}
             cls._fxdist_source = holder
             weakref.finalize(self, _forget_source, holder)
-        filename = _register_source(python_code.src)
+        filename = _register_source(python_code.src, getattr(self._graph, "_co_fields", None))
         try:
             forward = _compile_forward(python_code, filename, getattr(self._graph._codegen, "_func_name", "forward"))
         except BaseException:
@@ -456,7 +445,7 @@ class GraphModule(nn.Module):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the module state and the graph (not the code); see the module docstring."""
         body = {k: v for k, v in self.__dict__.items() if k != "_graph"}
-        spec = _graph_to_spec(self._graph, _pickled_meta)
+        spec = graph_to_spec(self._graph, pickled_meta)
         return (_rebuild_graph_module, (_base_class(type(self)), type(self).__name__, body, spec))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GraphModule:
@@ -464,9 +453,9 @@ class GraphModule(nn.Module):
         memo[id(self)] = res
         body = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_graph"}, memo)
         res.__dict__.update(body)
-        spec = _graph_to_spec(self._graph, lambda n: copy.copy(n.meta))
+        spec = graph_to_spec(self._graph, lambda n: copy.copy(n.meta))
         spec["codegen"] = copy.deepcopy(spec["codegen"], memo)
-        res.graph = _graph_from_spec(spec)
+        res.graph = graph_from_spec(spec)
         for hook in getattr(self, "_deepcopy_hooks", ()):
             hook(res)
         return res
