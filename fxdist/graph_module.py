@@ -29,7 +29,8 @@ Design choices where fxdist differs (documented, tested in tests/fx/test_graph_m
   shallow clone whose ``forward`` uses torch.fx's ``self.a.b`` form (TorchScript cannot compile
   ``_modules[...]``); ``gm`` itself keeps its code.
 * Tracebacks, as torch.fx: the source is registered in ``linecache`` under torch.fx's file name
-  (``<eval_with_key>.N from user.py:12 in forward``), so tracebacks and pdb show the generated
+  (``<eval_with_key>.fxdist.N from user.py:12 in forward``; torch.fx: ``<eval_with_key>.N ...``,
+  see ``_register_source``), so tracebacks and pdb show the generated
   lines; ``gm._lineno_map`` maps a line back to its node; an exception raised by a generated line
   prints torch.fx's "Call using an FX-traced Module, line X of the traced Module's generated
   forward function:" report to stderr and is re-raised without its traceback. The ``__call__``
@@ -68,12 +69,15 @@ _source_ids = itertools.count()
 def _register_source(src: str, co_fields: dict[str, Any] | None) -> str:
     """Put ``src`` in ``linecache`` under a fresh fake filename and return that filename.
 
-    The name is torch.fx's: ``<eval_with_key>.N``, followed by `` from file.py:12 in forward`` (the
+    The name is torch.fx's, ``<eval_with_key>.N`` followed by `` from file.py:12 in forward`` (the
     traced function's ``co_filename``/``co_firstlineno``/``co_name``, from ``graph._co_fields``) when
-    the tracer recorded them. Tools (torch.fx's ``_WrappedCall``, dynamo) look for ``eval_with_key``.
+    the tracer recorded them, except that N is ``fxdist.0``, ``fxdist.1``...: torch.fx numbers its
+    own modules from 0 in the same ``linecache``, and a shared name would make tracebacks and
+    ``torch.jit.script`` read the other library's source. Tools (torch.fx's ``_WrappedCall``, torch's
+    structured logging) look for ``eval_with_key`` in the name.
     Source: torch/fx/graph_module.py ``_EvalCacheLoader.cache``.
     """
-    filename = f"<eval_with_key>.{next(_source_ids)}"
+    filename = f"<eval_with_key>.fxdist.{next(_source_ids)}"
     if co_fields and all(k in co_fields for k in ("co_filename", "co_firstlineno", "co_name")):
         filename += f" from {co_fields['co_filename']}:{co_fields['co_firstlineno']} in {co_fields['co_name']}"
     # mtime None: linecache.checkcache() never evicts the entry; _forget_source drops it with the module.

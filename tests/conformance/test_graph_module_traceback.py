@@ -4,8 +4,11 @@ torch.fx compiles ``forward`` under the file name ``<eval_with_key>.N from user.
 in ``linecache``) and, when an exception's innermost frame is a generated line, prints the traceback
 plus "Call using an FX-traced Module, line X of the traced Module's generated forward function:" with
 the surrounding generated lines to stderr, then re-raises the exception without its traceback.
+fxdist numbers its files ``<eval_with_key>.fxdist.N``: torch.fx's ``<eval_with_key>.N`` names live in the
+same ``linecache``, and a shared name made torch.jit.script compile the other library's source.
 """
 
+import operator
 import re
 import traceback
 from typing import Any
@@ -16,7 +19,7 @@ import torch.fx
 
 import fxdist as fx
 
-_KEY = re.compile(r"<eval_with_key>\.\d+")
+_KEY = re.compile(r"<eval_with_key>\.(fxdist\.)?\d+")  # fxdist's N is fxdist.N (no clash with torch.fx's)
 
 
 class Net(torch.nn.Module):
@@ -38,7 +41,7 @@ def _filename(gm: Any) -> str:
 def test_co_filename_names_user_source_like_torch_fx(root: Any) -> None:
     ours, theirs = fx.symbolic_trace(root), torch.fx.symbolic_trace(root)
     assert _KEY.sub("KEY", _filename(ours)) == _KEY.sub("KEY", _filename(theirs))
-    assert re.fullmatch(rf"<eval_with_key>\.\d+ from {re.escape(__file__)}:\d+ in (forward|bad_shapes)",
+    assert re.fullmatch(rf"<eval_with_key>\.fxdist\.\d+ from {re.escape(__file__)}:\d+ in (forward|bad_shapes)",
                         _filename(ours))
     assert ours._lineno_map == theirs._lineno_map
     assert ours._prologue_start == theirs._prologue_start
@@ -48,7 +51,7 @@ def test_hand_built_graph_has_plain_key() -> None:
     g = fx.Graph()
     g.output(g.call_function(torch.neg, (g.placeholder("x"),)))
     gm = fx.GraphModule(torch.nn.Module(), g)
-    assert re.fullmatch(r"<eval_with_key>\.\d+", _filename(gm))
+    assert re.fullmatch(r"<eval_with_key>\.fxdist\.\d+", _filename(gm))
 
 
 def test_lineno_map_maps_generated_lines_to_nodes() -> None:
@@ -94,3 +97,21 @@ def test_error_outside_generated_code_prints_nothing(capsys: pytest.CaptureFixtu
         assert capsys.readouterr().err == ""
         # the traceback is kept: its frames reach the generated forward
         assert any("eval_with_key" in f.filename for f in traceback.extract_tb(info.value.__traceback__))
+
+
+def test_file_names_never_clash_with_torch_fx() -> None:
+    """Interleaved fxdist and torch.fx modules each keep their own source in linecache."""
+    import linecache
+
+    pairs = []
+    for i in range(3):
+        for lib in (fx, torch.fx):
+            g = lib.Graph()
+            g.output(g.call_function(operator.add, (g.placeholder("x"), i)))
+            gm = lib.GraphModule(torch.nn.Module(), g)
+            pairs.append((gm, f"add = x + {i}"))
+    names = [_filename(gm) for gm, _ in pairs]
+    assert len(set(names)) == len(names)
+    for gm, line in pairs:
+        assert line in "".join(linecache.getlines(_filename(gm)))
+        assert torch.jit.script(gm)(torch.zeros(1)).item() == int(line[-1])
