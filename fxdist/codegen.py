@@ -30,8 +30,10 @@ tests/fx/test_codegen.py):
    torch.fx's attribute chain (its parents may be plain objects; get_attr nodes are few).
    ``CodeGen(fast_module_access=False)`` emits torch.fx's form everywhere; ``torch.jit.script`` gets
    that form (``GraphModule.__prepare_scriptable__``).
-2. ``operator`` functions without a template are called as ``operator.not_(x)``; in-place operators
-   (``iadd``, ``setitem``, ...) are called as functions rather than as ``x += y`` statements.
+2. ``operator`` functions without a template are called as ``operator.not_(x)``. In-place operators
+   print as ``iadd = x;  iadd += y`` (torch.fx: ``x += y;  iadd = x``, which rebinds ``x``, so a later
+   user of an int ``x`` sees the sum: eager and torch.fx's own Interpreter do not) and ``setitem`` as
+   ``x[i] = v;  setitem = None`` (torch.fx binds ``x``; ``operator.setitem`` returns None).
 3. ``torch.Tensor.add`` used as a function is spelled ``torch.Tensor.add``.
 4. Constants without a valid-Python ``repr`` become globals (torch.fx emits invalid text for them).
 5. No ``wrap("fn")`` statements: fxdist pickles the graph, it never re-traces the generated code.
@@ -52,7 +54,7 @@ import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
 from fxdist._namespace import RESERVED_NAMES, Namespace, sanitize
-from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
+from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, INPLACE_OPERATORS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
                               TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, safe_attr, snake_case,
                               stack_summary, torch_path, torch_path_of_singleton)
 from fxdist.node import Node
@@ -437,6 +439,10 @@ class CodeGen:
             if id(target) in TIGHT_LEFT and ops[0].startswith("-"):
                 ops[0] = f"({ops[0]})"
             return f"{lhs} = {template[0].format(*ops)}"
+        if not kwargs and (id(target) in INPLACE_OPERATORS or target is operator.setitem):
+            stmt = _inplace_statement(em, node, lhs)
+            if stmt is not None:
+                return stmt
         if (target is getattr and len(args) == 2 and not kwargs and is_plain_ident(args[1])):
             return f"{lhs} = {em.operand(args[0])}.{args[1]}"
         return f"{lhs} = {em.callable_ref(target)}({em.call_args(args, kwargs)})"
@@ -463,6 +469,25 @@ class CodeGen:
         if node.type is not None:
             em.return_annotation = f" -> {em.type_ref(node.type)}"
         return self.generate_output(node.args[0] if node.args else None, repr_fn=em.arg)
+
+
+def _inplace_statement(em: _Emitter, node: Node, lhs: str) -> str | None:
+    """``x *= y`` / ``x[i] = v`` as statements (TorchScript compiles them; it has no ``operator.imul``).
+
+    ``imul = x;  imul *= y`` binds the result without rebinding ``x``: eager's value whether ``x`` is
+    a tensor (mutated in place, ``imul`` is the same object), a list (likewise) or an int (``x`` keeps
+    its value for later users). torch.fx prints ``x *= y;  imul = x``, which changes ``x`` for its
+    later users when ``x`` is immutable. ``setitem`` binds None, as ``operator.setitem`` returns.
+    """
+    args = node.args
+    if node.target is operator.setitem:
+        if len(args) != 3:
+            return None
+        return f"{em.operand(args[0])}[{em.arg(args[1])}] = {em.arg(args[2])};  {lhs} = None"
+    if len(args) != 2:
+        return None
+    name = em.names[node]
+    return f"{lhs} = {em.arg(args[0])};  {name} {INPLACE_OPERATORS[id(node.target)]} {em.arg(args[1])}"
 
 
 def _str_target(node: Node) -> str:
