@@ -1,7 +1,8 @@
 """GraphModule I/O: the picklable form of its graph, and ``GraphModule.to_folder``.
 
 Pickle and ``deepcopy`` keep the graph as a flat node list (``graph_to_spec``/``graph_from_spec``),
-not the generated text, so graphs that cannot be re-traced round-trip too.
+not the generated text, so graphs that cannot be re-traced round-trip too. ``torch.ops`` operators
+(ATen, custom ops, higher-order ops) do not pickle; the spec names them by their ``torch.ops`` path.
 
 ``to_folder`` writes a GraphModule as an importable Python package.
 Source: torch/fx/graph_module.py ``GraphModule.to_folder``. Differences: every child module is saved
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from fxdist._namespace import sanitize
-from fxdist._pysource import FIXED_GLOBALS, importable_path, is_plain_ident, torch_path_of_singleton
+from fxdist._pysource import (FIXED_GLOBALS, importable_path, is_plain_ident, resolve_torch_path, torch_path,
+                              torch_path_of_singleton)
 from fxdist.node import Node
 
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ class _NodeRef:
     index: int
 
 
-def _map_nodes(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
+def _map_nodes(a: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
     """Rebuild the plain containers of an argument with ``fn`` applied to every ``kind`` leaf."""
     if isinstance(a, kind):
         return fn(a)
@@ -57,17 +59,47 @@ def _map_nodes(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
     return a
 
 
+@dataclass(frozen=True)
+class _TorchOpRef:
+    """Stands for a ``torch.ops`` operator (``torch.ops.aten.add.Tensor``, a custom op, a higher-order
+    op): these objects do not pickle, so the spec keeps their verified dotted path and the loading
+    process looks it up again (a custom op's library must be loaded there, as for torch.fx)."""
+
+    path: str
+
+    def resolve(self) -> Any:
+        try:
+            return resolve_torch_path(self.path)
+        except (AttributeError, LookupError, RuntimeError) as e:
+            raise RuntimeError(f"unpickling a GraphModule: operator {self.path} does not exist in this process; "
+                               "load the library that defines it (torch.library / torch.ops.load_library) "
+                               "before unpickling") from e
+
+
+_OPERATORS = (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)
+
+
+def _encode_leaf(index: dict[Node, int]) -> Callable[[Any], Any]:
+    def encode(a: Any) -> Any:
+        if isinstance(a, Node):
+            return _NodeRef(index[a])
+        path = torch_path(a)
+        return a if path is None else _TorchOpRef(path)
+
+    return encode
+
+
 def graph_to_spec(graph: Graph, meta: Callable[[Node], dict[str, Any]]) -> dict[str, Any]:
     """The graph as a list of ``(op, target, args, kwargs, name, type, meta)`` with node references
-    replaced by ``_NodeRef`` (flat, so pickling a 10k-node graph does not recurse 10k deep)."""
+    replaced by ``_NodeRef`` (flat, so pickling a 10k-node graph does not recurse 10k deep) and
+    ``torch.ops`` operators by ``_TorchOpRef``."""
     index: dict[Node, int] = {}
-
-    def ref(n: Node) -> _NodeRef:
-        return _NodeRef(index[n])
-
+    encode = _encode_leaf(index)
+    kinds = (Node, *_OPERATORS)
     nodes = []
     for i, n in enumerate(graph.nodes):
-        nodes.append((n.op, n.target, _map_nodes(n.args, ref, Node), _map_nodes(n.kwargs, ref, Node),
+        target = encode(n.target) if isinstance(n.target, _OPERATORS) else n.target
+        nodes.append((n.op, target, _map_nodes(n.args, encode, kinds), _map_nodes(n.kwargs, encode, kinds),
                       n.name, n.type, meta(n)))
         index[n] = i
     codegen = graph._codegen
@@ -81,10 +113,16 @@ def graph_from_spec(spec: dict[str, Any]) -> Graph:
     if spec.get("tracer_cls") is not None:
         graph._tracer_cls = spec["tracer_cls"]
     made: list[Node] = []
+
+    def decode(r: Any) -> Any:
+        return made[r.index] if isinstance(r, _NodeRef) else r.resolve()
+
+    kinds = (_NodeRef, _TorchOpRef)
     for op, target, args, kwargs, name, type_expr, meta in spec["nodes"]:
-        node = graph.create_node(op, target, _map_nodes(args, lambda r: made[r.index], _NodeRef),
-                                 _map_nodes(kwargs, lambda r: made[r.index], _NodeRef), name=name,
-                                 type_expr=type_expr)
+        if isinstance(target, _TorchOpRef):
+            target = target.resolve()
+        node = graph.create_node(op, target, _map_nodes(args, decode, kinds), _map_nodes(kwargs, decode, kinds),
+                                 name=name, type_expr=type_expr)
         node.meta.update(meta)
         made.append(node)
     return graph
