@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import builtins
 import enum
+import inspect
 import math
 import operator
 import types
@@ -333,14 +334,29 @@ class CodeGen:
         self.fast_module_access = fast_module_access
 
     # -- torch.fx customisation hooks ----------------------------------------------------------
-    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
-        """``def forward(self, a, b) -> T:``; inserts ``self`` when missing."""
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *, expanded_def: bool = False) -> str:
+        """``def forward(self, a, b) -> T:``; inserts ``self`` when missing. With ``expanded_def``
+        one parameter a line, as torch.fx formats it."""
         if not free_vars or free_vars[0] != "self":
             free_vars.insert(0, "self")
+        if expanded_def:
+            params = "".join(_multiline_item(v) for v in free_vars)
+            return f"def {self._func_name}(\n{params}){maybe_return_annotation}:"
         return f"def {self._func_name}({', '.join(free_vars)}){maybe_return_annotation}:"
 
-    def generate_output(self, output_args: Any, *, repr_fn: Callable[[Any], str] = repr) -> str:
-        """The ``return ...`` statement (not indented)."""
+    def generate_output(self, output_args: Any, *, descs: list[str] | None = None,
+                        repr_fn: Callable[[Any], str] | None = None) -> str:
+        """The ``return ...`` statement (not indented); with ``descs`` (one per item of a list or
+        tuple output) one item a line, each followed by ``# desc``, as torch.fx formats it.
+
+        Overrides may omit ``descs``/``repr_fn``: like torch.fx, fxdist passes only the keyword
+        arguments an override's signature names.
+        """
+        repr_fn = repr if repr_fn is None else repr_fn
+        if descs is not None and isinstance(output_args, (list, tuple)):
+            left, right = ("(", ")") if isinstance(output_args, tuple) else ("[", "]")
+            items = "".join(f"    {repr_fn(item)},  # {desc}\n" for item, desc in zip(output_args, descs))
+            return f"return {left}\n{items}{right}"
         return f"return {repr_fn(output_args)}"
 
     def process_inputs(self, *args: Any) -> Any:
@@ -412,6 +428,9 @@ class CodeGen:
         prologue = self.gen_fn_def(em.free_vars, em.return_annotation)
         offset = prologue.count("\n") + 1
         line_nodes = em.line_nodes if len(em.line_nodes) == len(lines) else [None] * len(lines)
+        if any("\n" in line for line in lines):  # a multi-line statement: indent and map each line
+            pairs = [(part, index) for line, index in zip(lines, line_nodes) for part in line.split("\n")]
+            lines, line_nodes = [p for p, _ in pairs], [i for _, i in pairs]
         last = line_nodes[-1] if line_nodes else None
         lineno_map = dict(zip(range(offset, offset + len(lines) + 1), [*line_nodes, last]))
         body = "\n    ".join(lines)
@@ -468,7 +487,7 @@ class CodeGen:
     def _emit_output(self, em: _Emitter, node: Node, annotation: str) -> str:
         if node.type is not None:
             em.return_annotation = f" -> {em.type_ref(node.type)}"
-        return self.generate_output(node.args[0] if node.args else None, repr_fn=em.arg)
+        return _call_hook(self, "generate_output", node.args[0] if node.args else None, repr_fn=em.arg)
 
 
 def _inplace_statement(em: _Emitter, node: Node, lhs: str) -> str | None:
@@ -488,6 +507,26 @@ def _inplace_statement(em: _Emitter, node: Node, lhs: str) -> str | None:
         return None
     name = em.names[node]
     return f"{lhs} = {em.arg(args[0])};  {name} {INPLACE_OPERATORS[id(node.target)]} {em.arg(args[1])}"
+
+
+def _call_hook(codegen: CodeGen, name: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``codegen.<name>`` with only the keyword arguments its signature accepts (an override
+    written for an older torch.fx may lack ``repr_fn``). Source: torch/fx/graph.py
+    ``CodeGen._call_method_with_signature_check``."""
+    method = getattr(codegen, name)
+    if getattr(type(codegen), name) is not getattr(CodeGen, name):
+        params = inspect.signature(method).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return method(*args, **kwargs)
+
+
+def _multiline_item(text: str) -> str:
+    """One parameter of an expanded ``def``: ``    a,\n``, a ``# comment`` kept after the comma."""
+    if "#" in text:
+        arg, comment = text.split("#", 1)
+        return f"    {arg.rstrip()},  # {comment.lstrip()}\n"
+    return f"    {text},\n"
 
 
 def _str_target(node: Node) -> str:
