@@ -7,13 +7,15 @@ imported here) and dropout-style random ops in training mode.
 
 torch registers some of its own ops with torch.fx's registry when their modules are imported (the
 waits of functional collectives, dynamo's stream ops...); ``_TORCH_REGISTERED_OPS`` lists them by name
-so fxdist keeps them too. Higher-order ops follow torch.fx (registered effect, or the op wrapped by
-``auto_functionalized``).
+so fxdist keeps them too, and torch.fx's registry itself is honoured (libraries such as torchrec
+register with ``@torch.fx.has_side_effect``). Higher-order ops follow torch.fx (registered effect,
+or the op wrapped by ``auto_functionalized``).
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,6 +78,16 @@ _TORCH_REGISTERED_FUNCTIONS = {
     "torch._functorch.predispatch": frozenset({"_enter_dual_level", "_exit_dual_level", "_jvp_increment_nesting",
                                                "_jvp_decrement_nesting"}),
 }
+
+
+def _torch_fx_registered(target: Any) -> bool:
+    """Whether ``target`` is in torch.fx's own registry, which torch modules and libraries fill with
+    ``@torch.fx.has_side_effect`` (e.g. torchrec's ``annotate_embedding_names``). Code written for
+    torch.fx registers there, so fxdist honours it. The module is looked up, never imported: ``import
+    torch`` has loaded it already, and fxdist does not depend on it otherwise."""
+    node_module = sys.modules.get("torch.fx.node")
+    registry = getattr(node_module, "_side_effectful_functions", None)
+    return registry is not None and target in registry
 
 
 def has_side_effect(fn: _F) -> _F:
@@ -182,7 +194,7 @@ def target_is_impure(op: str, target: Any, args: tuple[Any, ...], kwargs: dict[s
             return impure_random
         return _in_place_name(target) or target in _IMPURE_METHODS
     try:
-        if target in _side_effectful_functions or target in _RANDOM_FUNCTIONS:
+        if target in _side_effectful_functions or target in _RANDOM_FUNCTIONS or _torch_fx_registered(target):
             return True
         dropout_like = target in _DROPOUT_LIKE
     except TypeError:  # unhashable callable

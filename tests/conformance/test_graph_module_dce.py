@@ -79,3 +79,14 @@ def test_everything_torch_registers_with_torch_fx_is_kept(fn: Any) -> None:
 def test_python_level_collectives_kept_only_by_fxdist() -> None:
     """A documented extension: an unused ``dist.all_reduce(t)`` still reduces ``t`` in place."""
     assert _kept(fx, dist.all_reduce) and not _kept(torch.fx, dist.all_reduce)
+
+
+def logged(x: Any) -> Any:
+    return x
+
+
+torch.fx.has_side_effect(logged)  # code written for torch.fx registers there (torchrec does)
+
+
+def test_functions_registered_with_torch_fx_are_kept() -> None:
+    assert _kept(fx, logged) and _kept(torch.fx, logged)
