@@ -115,3 +115,18 @@ def test_file_names_never_clash_with_torch_fx() -> None:
     for gm, line in pairs:
         assert line in "".join(linecache.getlines(_filename(gm)))
         assert torch.jit.script(gm)(torch.zeros(1)).item() == int(line[-1])
+
+
+def test_subclass_call_is_wrapped_like_torch_fx(capsys: pytest.CaptureFixture[str]) -> None:
+    """A GraphModule subclass's own ``__call__`` runs, and errors in generated lines are still reported."""
+    for lib in (fx, torch.fx):
+        class Doubling(lib.GraphModule):  # type: ignore[name-defined, misc]
+            def __call__(self, *args: Any) -> Any:
+                return super().__call__(*args) * 2
+
+        traced = lib.symbolic_trace(bad_shapes)
+        gm = Doubling(traced, traced.graph)
+        torch.testing.assert_close(gm(torch.ones(2, 2)), bad_shapes(torch.ones(2, 2)) * 2)
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            gm(torch.ones(2, 3))
+        assert "Call using an FX-traced Module" in capsys.readouterr().err
