@@ -12,7 +12,7 @@ TorchScript rejects those for torch.fx too.
 import copy
 import math
 import typing
-from typing import Any, List  # noqa: UP035 - TorchScript reads typing.List in generated code
+from typing import Any, List, Optional  # noqa: UP035 - TorchScript reads typing aliases in generated code
 
 import pytest
 import torch
@@ -204,3 +204,36 @@ def test_script_custom_codegen() -> None:
         outputs.append(torch.jit.script(gm)([torch.ones(2), torch.full((2,), 2.0)]))
     torch.testing.assert_close(outputs[0], outputs[1])
     torch.testing.assert_close(outputs[0], torch.full((2,), 3.0))
+
+
+def f_operators(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return (-x, x // 2, x / 2, x % 3, x ** 2, x @ y.t(), x[0, 1:], x[..., None], x > y, x == y,
+            ~(x > 0), (x > 0) & (y < 1), (x > 0) | (y < 1), (x > 0) ^ (y < 1))
+
+
+def f_methods(x: torch.Tensor, y: torch.Tensor) -> Any:
+    return x.view(-1).clamp(min=0.0, max=float("inf")).to(torch.float64).sum(dim=0, keepdim=True)
+
+
+def f_creation(x: torch.Tensor, y: torch.Tensor) -> Any:
+    z = torch.zeros(2, 3, dtype=torch.float32, device=torch.device("cpu"))
+    return z + x.size(0) + math.pi, torch.cat([x, y], dim=0), torch.nn.functional.relu(x, inplace=False)
+
+
+def f_shapes(x: torch.Tensor, y: torch.Tensor) -> Any:
+    n = x.shape[0]
+    return x.reshape(n * x.shape[1]), x.dim(), y.numel()
+
+
+def f_optional(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> Any:  # noqa: UP007 - TorchScript
+    return x + 1
+
+
+@pytest.mark.parametrize("fn", [f_operators, f_methods, f_creation, f_shapes, f_optional],
+                         ids=lambda f: f.__name__)
+def test_script_functions_match_torch_fx(fn: Any) -> None:
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    args = (x,) if fn is f_optional else (x, y)
+    ours, theirs = torch.jit.script(fx.symbolic_trace(fn)), torch.jit.script(torch.fx.symbolic_trace(fn))
+    torch.testing.assert_close(ours(*args), theirs(*args))
+    torch.testing.assert_close(ours(*args), fn(*args))
