@@ -130,6 +130,15 @@ def _make_call(impl: type) -> Callable[..., Any]:
     return __call__
 
 
+def _call_restoring_fast_code(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``__call__`` of a clone made for ``torch.jit.script``, once scripting is over: put back the
+    usual wrapper and the fast code, then call."""
+    cls = type(self)
+    cls.__call__ = _make_call(cls)
+    self.recompile()
+    return self(*args, **kwargs)
+
+
 def _report_generated_frame(e: Exception) -> None:
     """When ``e`` was raised by a generated line: print torch.fx's report and re-raise ``e`` without
     its traceback (the report shows it), as torch.fx does; otherwise return."""
@@ -374,6 +383,10 @@ class GraphModule(nn.Module):
         whose ``forward`` is generated in torch.fx's ``self.a.b`` form; ``self`` is left unchanged.
         A module whose codegen already uses that form is returned as is.
 
+        Scripting a *parent* module stores the clone in the parent's ``_modules`` (torch.jit does
+        that with whatever this hook returns); the clone computes the same, and its first Python call
+        recompiles it to the fast form.
+
         Source: torch/jit/_script.py ``call_prepare_scriptable_func``.
         """
         if "_modules[" not in self._code:
@@ -383,6 +396,7 @@ class GraphModule(nn.Module):
         for key in ("_modules", "_parameters", "_buffers"):  # torch.jit replaces prepared children in them
             clone.__dict__[key] = dict(self.__dict__[key])
         clone._install_code(_compat_python_code(self._graph))
+        type(clone).__call__ = _call_restoring_fast_code
         return clone
 
     def print_readable(self, print_output: bool = True, include_stride: bool = False,

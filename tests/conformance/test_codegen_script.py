@@ -237,3 +237,25 @@ def test_script_functions_match_torch_fx(fn: Any) -> None:
     ours, theirs = torch.jit.script(fx.symbolic_trace(fn)), torch.jit.script(torch.fx.symbolic_trace(fn))
     torch.testing.assert_close(ours(*args), theirs(*args))
     torch.testing.assert_close(ours(*args), fn(*args))
+
+
+class Parent(torch.nn.Module):
+    def __init__(self, child: torch.nn.Module) -> None:
+        super().__init__()
+        self.child = child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x) * 2
+
+
+def test_script_parent_of_graph_module() -> None:
+    """torch.jit.script stores the prepared clone in the parent; it computes the same and gets the fast
+    code back on its first Python call."""
+    parent = Parent(fx.symbolic_trace(MLP()))
+    ref = Parent(torch.fx.symbolic_trace(copy.deepcopy(parent.child)))
+    x = torch.randn(3, 6)
+    scripted, scripted_ref = torch.jit.script(parent), torch.jit.script(ref)
+    torch.testing.assert_close(scripted(x), scripted_ref(x))
+    torch.testing.assert_close(parent(x), scripted(x))
+    assert "_modules[" in parent.child.code
+    torch.testing.assert_close(parent(x), ref(x))
