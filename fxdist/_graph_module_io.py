@@ -1,5 +1,10 @@
-"""``GraphModule.to_folder``: write a GraphModule as an importable Python package.
+"""GraphModule I/O: the picklable form of its graph, and ``GraphModule.to_folder``.
 
+Pickle and ``deepcopy`` keep the graph as a flat node list (``graph_to_spec``/``graph_from_spec``),
+not the generated text, so graphs that cannot be re-traced round-trip too. ``torch.ops`` operators
+(ATen, custom ops, higher-order ops) do not pickle; the spec names them by their ``torch.ops`` path.
+
+``to_folder`` writes a GraphModule as an importable Python package.
 Source: torch/fx/graph_module.py ``GraphModule.to_folder``. Differences: every child module is saved
 as its own ``.pt`` file (torch.fx prints ``repr`` for a few module types, which loses dtypes and
 breaks for string options such as ``padding_mode``); file paths are computed relative to
@@ -11,19 +16,123 @@ non-persistent buffers keep their values (``buffers.pt``).
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from fxdist._namespace import sanitize
-from fxdist._pysource import FIXED_GLOBALS, importable_path, is_plain_ident, torch_path_of_singleton
+from fxdist._pysource import (FIXED_GLOBALS, importable_path, is_plain_ident, resolve_torch_path, torch_path,
+                              torch_path_of_singleton)
+from fxdist.node import Node
 
 if TYPE_CHECKING:
     from fxdist.codegen import PythonCode
+    from fxdist.graph import Graph
     from fxdist.graph_module import GraphModule
 
-__all__ = ["write_folder"]
+__all__ = ["graph_from_spec", "graph_to_spec", "pickled_meta", "write_folder"]
+
+
+# -- graph <-> picklable node list -------------------------------------------------------------------
+@dataclass(frozen=True)
+class _NodeRef:
+    """Stands for the node at ``index`` in a serialized node list."""
+
+    index: int
+
+
+def _map_nodes(a: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
+    """Rebuild the plain containers of an argument with ``fn`` applied to every ``kind`` leaf."""
+    if isinstance(a, kind):
+        return fn(a)
+    if isinstance(a, tuple):
+        items = [_map_nodes(x, fn, kind) for x in a]
+        return type(a)(*items) if hasattr(type(a), "_fields") else tuple(items)
+    if isinstance(a, list):
+        return [_map_nodes(x, fn, kind) for x in a]
+    if isinstance(a, dict):
+        return {k: _map_nodes(v, fn, kind) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(_map_nodes(a.start, fn, kind), _map_nodes(a.stop, fn, kind), _map_nodes(a.step, fn, kind))
+    return a
+
+
+@dataclass(frozen=True)
+class _TorchOpRef:
+    """Stands for a ``torch.ops`` operator (``torch.ops.aten.add.Tensor``, a custom op, a higher-order
+    op): these objects do not pickle, so the spec keeps their verified dotted path and the loading
+    process looks it up again (a custom op's library must be loaded there, as for torch.fx)."""
+
+    path: str
+
+    def resolve(self) -> Any:
+        try:
+            return resolve_torch_path(self.path)
+        except (AttributeError, LookupError, RuntimeError) as e:
+            raise RuntimeError(f"unpickling a GraphModule: operator {self.path} does not exist in this process; "
+                               "load the library that defines it (torch.library / torch.ops.load_library) "
+                               "before unpickling") from e
+
+
+_OPERATORS = (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)
+
+
+def _encode_leaf(index: dict[Node, int]) -> Callable[[Any], Any]:
+    def encode(a: Any) -> Any:
+        if isinstance(a, Node):
+            return _NodeRef(index[a])
+        path = torch_path(a)
+        return a if path is None else _TorchOpRef(path)
+
+    return encode
+
+
+def graph_to_spec(graph: Graph, meta: Callable[[Node], dict[str, Any]]) -> dict[str, Any]:
+    """The graph as a list of ``(op, target, args, kwargs, name, type, meta)`` with node references
+    replaced by ``_NodeRef`` (flat, so pickling a 10k-node graph does not recurse 10k deep) and
+    ``torch.ops`` operators by ``_TorchOpRef``."""
+    index: dict[Node, int] = {}
+    encode = _encode_leaf(index)
+    kinds = (Node, *_OPERATORS)
+    nodes = []
+    for i, n in enumerate(graph.nodes):
+        target = encode(n.target) if isinstance(n.target, _OPERATORS) else n.target
+        nodes.append((n.op, target, _map_nodes(n.args, encode, kinds), _map_nodes(n.kwargs, encode, kinds),
+                      n.name, n.type, meta(n)))
+        index[n] = i
+    codegen = graph._codegen
+    return {"graph_cls": type(graph), "nodes": nodes, "codegen": codegen,
+            "tracer_cls": getattr(graph, "_tracer_cls", None)}
+
+
+def graph_from_spec(spec: dict[str, Any]) -> Graph:
+    graph = spec["graph_cls"]()
+    graph._codegen = spec["codegen"]
+    if spec.get("tracer_cls") is not None:
+        graph._tracer_cls = spec["tracer_cls"]
+    made: list[Node] = []
+
+    def decode(r: Any) -> Any:
+        return made[r.index] if isinstance(r, _NodeRef) else r.resolve()
+
+    kinds = (_NodeRef, _TorchOpRef)
+    for op, target, args, kwargs, name, type_expr, meta in spec["nodes"]:
+        if isinstance(target, _TorchOpRef):
+            target = target.resolve()
+        node = graph.create_node(op, target, _map_nodes(args, decode, kinds), _map_nodes(kwargs, decode, kinds),
+                                 name=name, type_expr=type_expr)
+        node.meta.update(meta)
+        made.append(node)
+    return graph
+
+
+def pickled_meta(node: Node) -> dict[str, Any]:
+    """What of ``node.meta`` survives pickling: the stack trace, as in torch.fx."""
+    trace = node.meta.get("stack_trace")
+    return {} if trace is None else {"stack_trace": trace}
+
 
 _HEADER = '''\
 # Generated by fxdist GraphModule.to_folder; import this package and instantiate {module_name}().

@@ -4,11 +4,18 @@ Source: torch/fx/node.py ``_side_effectful_functions``/``has_side_effect`` and
 torch/_library/utils.py ``is_impure``, extended (fxdist rule) with in-place methods and functions,
 ``torch.distributed`` RPC and collective calls (recognized by name, so ``torch.distributed`` is never
 imported here) and dropout-style random ops in training mode.
+
+torch registers some of its own ops with torch.fx's registry when their modules are imported (the
+waits of functional collectives, dynamo's stream ops...); ``_TORCH_REGISTERED_OPS`` lists them by name
+so fxdist keeps them too, and torch.fx's registry itself is honoured (libraries such as torchrec
+register with ``@torch.fx.has_side_effect``). Higher-order ops follow torch.fx (registered effect,
+or the op wrapped by ``auto_functionalized``).
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -47,6 +54,40 @@ _side_effectful_functions.update(filter(None, map(_resolve, [
     "profiler._record_function_enter_new", "profiler._record_function_enter_new.default",
     "profiler._record_function_exit", "profiler._record_function_exit._RecordFunction",
 ])))
+
+
+# Operators torch 2.13 itself registers with torch.fx's ``has_side_effect`` when the Python module
+# defining or using them is imported (found by listing torch.fx.node._side_effectful_functions after
+# importing those modules). Matched by schema name, so no torch.distributed/dynamo import is needed
+# and an op registered later (a namespace created on import) is still recognized.
+_TORCH_REGISTERED_OPS = frozenset({
+    # torch/distributed/_functional_collectives.py: the waits and point-to-point ops of functional
+    # collectives (all_reduce & co. return new tensors and stay pure, as in torch.fx)
+    "_c10d_functional::wait_tensor", "_c10d_functional::isend", "_c10d_functional::irecv",
+    "_c10d_functional::batch_p2p_ops",
+    "ao::wait_tensor",  # torch/_functorch/_activation_offloading/offload_ops.py
+    "inductor::accumulate_grad_", "inductor::resize_storage_bytes_",  # torch/fx/node.py
+    "pippy::_pipe_split",  # torch/distributed/pipelining/_IR.py
+    "prims::_sink_tokens", "prims::_unsafe_set_version_counter",  # torch/_prims, torch/_dynamo/tensor_version_op.py
+    *(f"streams::{name}" for name in (  # torch/_dynamo/variables/streams.py
+        "fork", "join", "record_event", "record_stream", "sync_dealloc", "synchronize_device",
+        "synchronize_event", "synchronize_stream", "wait_event", "wait_stream")),
+})
+# Python functions torch registers the same way: module -> names.
+_TORCH_REGISTERED_FUNCTIONS = {
+    "torch._functorch.predispatch": frozenset({"_enter_dual_level", "_exit_dual_level", "_jvp_increment_nesting",
+                                               "_jvp_decrement_nesting"}),
+}
+
+
+def _torch_fx_registered(target: Any) -> bool:
+    """Whether ``target`` is in torch.fx's own registry, which torch modules and libraries fill with
+    ``@torch.fx.has_side_effect`` (e.g. torchrec's ``annotate_embedding_names``). Code written for
+    torch.fx registers there, so fxdist honours it. The module is looked up, never imported: ``import
+    torch`` has loaded it already, and fxdist does not depend on it otherwise."""
+    node_module = sys.modules.get("torch.fx.node")
+    registry = getattr(node_module, "_side_effectful_functions", None)
+    return registry is not None and target in registry
 
 
 def has_side_effect(fn: _F) -> _F:
@@ -102,7 +143,24 @@ def _training_flag(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     return flag is not False or inplace is not False
 
 
-def _op_overload_impure(op: Any, impure_random: bool) -> bool | None:
+def _get_effect(op: Any) -> Any:
+    try:
+        from torch._higher_order_ops.effects import _get_effect as get
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return get(op)
+
+
+def _higher_order_impure(op: Any, args: tuple[Any, ...]) -> bool:
+    """torch/_library/utils.py ``is_impure`` for higher-order ops: auto_functionalized is as impure as
+    the op it wraps (registered ones only, as torch.fx); others by registered effect or registry."""
+    if getattr(op, "__name__", None) in ("auto_functionalized", "auto_functionalized_v2") and args:
+        schema = getattr(args[0], "_schema", None)
+        return args[0] in _side_effectful_functions or (schema is not None and schema.name in _TORCH_REGISTERED_OPS)
+    return _get_effect(op) is not None or op in _side_effectful_functions
+
+
+def _op_overload_impure(op: Any, impure_random: bool, args: tuple[Any, ...] = ()) -> bool | None:
     """Verdict for ATen ops (mutable schema, random tag, registered effect); None when not an op."""
     if isinstance(op, torch._ops.OpOverloadPacket):
         if op in _side_effectful_functions:
@@ -110,16 +168,14 @@ def _op_overload_impure(op: Any, impure_random: bool) -> bool | None:
         op = getattr(op, "default", None)
         if op is None:
             return False
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return _higher_order_impure(op, args)
     if not isinstance(op, torch._ops.OpOverload):
         return None
-    if op._schema.is_mutable or op in _side_effectful_functions:
+    if op._schema.is_mutable or op in _side_effectful_functions or op._schema.name in _TORCH_REGISTERED_OPS:
         return True
     if impure_random and torch.Tag.nondeterministic_seeded in op.tags:
         return True
-    try:
-        from torch._higher_order_ops.effects import _get_effect
-    except ImportError:  # pragma: no cover - older torch
-        return False
     return _get_effect(op) is not None
 
 
@@ -138,12 +194,12 @@ def target_is_impure(op: str, target: Any, args: tuple[Any, ...], kwargs: dict[s
             return impure_random
         return _in_place_name(target) or target in _IMPURE_METHODS
     try:
-        if target in _side_effectful_functions or target in _RANDOM_FUNCTIONS:
+        if target in _side_effectful_functions or target in _RANDOM_FUNCTIONS or _torch_fx_registered(target):
             return True
         dropout_like = target in _DROPOUT_LIKE
     except TypeError:  # unhashable callable
         dropout_like = False
-    verdict = _op_overload_impure(target, impure_random)
+    verdict = _op_overload_impure(target, impure_random, args)
     if verdict is not None:
         return verdict
     if dropout_like:
@@ -151,6 +207,8 @@ def target_is_impure(op: str, target: Any, args: tuple[Any, ...], kwargs: dict[s
     if impure_random and getattr(target, "_nondeterministic_seeded", False):
         return True
     if _in_place_name(getattr(target, "__name__", None)) or _is_distributed_call(target):
+        return True
+    if getattr(target, "__name__", None) in _TORCH_REGISTERED_FUNCTIONS.get(getattr(target, "__module__", None), ()):
         return True
     schema = getattr(target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)

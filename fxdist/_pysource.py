@@ -49,6 +49,13 @@ for _name, _tpl in {
     "pos": "+{}", "neg": "-{}", "invert": "~{}",
 }.items():
     OPERATOR_TEMPLATES[id(getattr(operator, _name))] = (_tpl, _tpl.count("{}"))
+# id(in-place operator function) -> augmented assignment operator (torch/fx/graph.py inplace_methods).
+INPLACE_OPERATORS: dict[int, str] = {
+    id(getattr(operator, f"i{name}")): op for name, op in {
+        "add": "+=", "and": "&=", "floordiv": "//=", "lshift": "<<=", "mod": "%=", "mul": "*=",
+        "matmul": "@=", "or": "|=", "pow": "**=", "rshift": ">>=", "sub": "-=", "truediv": "/=", "xor": "^=",
+    }.items()
+}
 # Operators whose left operand binds tighter than a unary minus: (-1) ** x, (-1)[0].
 TIGHT_LEFT = {id(operator.pow), id(operator.getitem)}
 

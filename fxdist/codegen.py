@@ -28,9 +28,12 @@ tests/fx/test_codegen.py):
    submodule replaced on the GraphModule is seen without ``recompile()``. A ``call_module`` target is
    a submodule path, so every component is in its parent's ``_modules``. ``get_attr`` keeps
    torch.fx's attribute chain (its parents may be plain objects; get_attr nodes are few).
-   ``CodeGen(fast_module_access=False)`` emits torch.fx's form everywhere.
-2. ``operator`` functions without a template are called as ``operator.not_(x)``; in-place operators
-   (``iadd``, ``setitem``, ...) are called as functions rather than as ``x += y`` statements.
+   ``CodeGen(fast_module_access=False)`` emits torch.fx's form everywhere; ``torch.jit.script`` gets
+   that form (``GraphModule.__prepare_scriptable__``).
+2. ``operator`` functions without a template are called as ``operator.not_(x)``. In-place operators
+   print as ``iadd = x;  iadd += y`` (torch.fx: ``x += y;  iadd = x``, which rebinds ``x``, so a later
+   user of an int ``x`` sees the sum: eager and torch.fx's own Interpreter do not) and ``setitem`` as
+   ``x[i] = v;  setitem = None`` (torch.fx binds ``x``; ``operator.setitem`` returns None).
 3. ``torch.Tensor.add`` used as a function is spelled ``torch.Tensor.add``.
 4. Constants without a valid-Python ``repr`` become globals (torch.fx emits invalid text for them).
 5. No ``wrap("fn")`` statements: fxdist pickles the graph, it never re-traces the generated code.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import builtins
 import enum
+import inspect
 import math
 import operator
 import types
@@ -51,7 +55,7 @@ import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
 from fxdist._namespace import RESERVED_NAMES, Namespace, sanitize
-from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
+from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, INPLACE_OPERATORS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
                               TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, safe_attr, snake_case,
                               stack_summary, torch_path, torch_path_of_singleton)
 from fxdist.node import Node
@@ -322,20 +326,37 @@ class CodeGen:
     Source: torch/fx/graph.py ``CodeGen``.
     """
 
+    fast_module_access: bool = True  # (a class default too: torch.fx subclasses may skip __init__)
+
     def __init__(self, *, fast_module_access: bool = True) -> None:
         self._body_transformer: Callable[[list[str]], list[str]] | None = None
         self._func_name: str = "forward"
         self.fast_module_access = fast_module_access
 
     # -- torch.fx customisation hooks ----------------------------------------------------------
-    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
-        """``def forward(self, a, b) -> T:``; inserts ``self`` when missing."""
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *, expanded_def: bool = False) -> str:
+        """``def forward(self, a, b) -> T:``; inserts ``self`` when missing. With ``expanded_def``
+        one parameter a line, as torch.fx formats it."""
         if not free_vars or free_vars[0] != "self":
             free_vars.insert(0, "self")
+        if expanded_def:
+            params = "".join(_multiline_item(v) for v in free_vars)
+            return f"def {self._func_name}(\n{params}){maybe_return_annotation}:"
         return f"def {self._func_name}({', '.join(free_vars)}){maybe_return_annotation}:"
 
-    def generate_output(self, output_args: Any, *, repr_fn: Callable[[Any], str] = repr) -> str:
-        """The ``return ...`` statement (not indented)."""
+    def generate_output(self, output_args: Any, *, descs: list[str] | None = None,
+                        repr_fn: Callable[[Any], str] | None = None) -> str:
+        """The ``return ...`` statement (not indented); with ``descs`` (one per item of a list or
+        tuple output) one item a line, each followed by ``# desc``, as torch.fx formats it.
+
+        Overrides may omit ``descs``/``repr_fn``: like torch.fx, fxdist passes only the keyword
+        arguments an override's signature names.
+        """
+        repr_fn = repr if repr_fn is None else repr_fn
+        if descs is not None and isinstance(output_args, (list, tuple)):
+            left, right = ("(", ")") if isinstance(output_args, tuple) else ("[", "]")
+            items = "".join(f"    {repr_fn(item)},  # {desc}\n" for item, desc in zip(output_args, descs))
+            return f"return {left}\n{items}{right}"
         return f"return {repr_fn(output_args)}"
 
     def process_inputs(self, *args: Any) -> Any:
@@ -407,6 +428,9 @@ class CodeGen:
         prologue = self.gen_fn_def(em.free_vars, em.return_annotation)
         offset = prologue.count("\n") + 1
         line_nodes = em.line_nodes if len(em.line_nodes) == len(lines) else [None] * len(lines)
+        if any("\n" in line for line in lines):  # a multi-line statement: indent and map each line
+            pairs = [(part, index) for line, index in zip(lines, line_nodes) for part in line.split("\n")]
+            lines, line_nodes = [p for p, _ in pairs], [i for _, i in pairs]
         last = line_nodes[-1] if line_nodes else None
         lineno_map = dict(zip(range(offset, offset + len(lines) + 1), [*line_nodes, last]))
         body = "\n    ".join(lines)
@@ -434,6 +458,10 @@ class CodeGen:
             if id(target) in TIGHT_LEFT and ops[0].startswith("-"):
                 ops[0] = f"({ops[0]})"
             return f"{lhs} = {template[0].format(*ops)}"
+        if not kwargs and (id(target) in INPLACE_OPERATORS or target is operator.setitem):
+            stmt = _inplace_statement(em, node, lhs)
+            if stmt is not None:
+                return stmt
         if (target is getattr and len(args) == 2 and not kwargs and is_plain_ident(args[1])):
             return f"{lhs} = {em.operand(args[0])}.{args[1]}"
         return f"{lhs} = {em.callable_ref(target)}({em.call_args(args, kwargs)})"
@@ -459,7 +487,46 @@ class CodeGen:
     def _emit_output(self, em: _Emitter, node: Node, annotation: str) -> str:
         if node.type is not None:
             em.return_annotation = f" -> {em.type_ref(node.type)}"
-        return self.generate_output(node.args[0] if node.args else None, repr_fn=em.arg)
+        return _call_hook(self, "generate_output", node.args[0] if node.args else None, repr_fn=em.arg)
+
+
+def _inplace_statement(em: _Emitter, node: Node, lhs: str) -> str | None:
+    """``x *= y`` / ``x[i] = v`` as statements (TorchScript compiles them; it has no ``operator.imul``).
+
+    ``imul = x;  imul *= y`` binds the result without rebinding ``x``: eager's value whether ``x`` is
+    a tensor (mutated in place, ``imul`` is the same object), a list (likewise) or an int (``x`` keeps
+    its value for later users). torch.fx prints ``x *= y;  imul = x``, which changes ``x`` for its
+    later users when ``x`` is immutable. ``setitem`` binds None, as ``operator.setitem`` returns.
+    """
+    args = node.args
+    if node.target is operator.setitem:
+        if len(args) != 3:
+            return None
+        return f"{em.operand(args[0])}[{em.arg(args[1])}] = {em.arg(args[2])};  {lhs} = None"
+    if len(args) != 2:
+        return None
+    name = em.names[node]
+    return f"{lhs} = {em.arg(args[0])};  {name} {INPLACE_OPERATORS[id(node.target)]} {em.arg(args[1])}"
+
+
+def _call_hook(codegen: CodeGen, name: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``codegen.<name>`` with only the keyword arguments its signature accepts (an override
+    written for an older torch.fx may lack ``repr_fn``). Source: torch/fx/graph.py
+    ``CodeGen._call_method_with_signature_check``."""
+    method = getattr(codegen, name)
+    if getattr(type(codegen), name) is not getattr(CodeGen, name):
+        params = inspect.signature(method).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return method(*args, **kwargs)
+
+
+def _multiline_item(text: str) -> str:
+    """One parameter of an expanded ``def``: ``    a,\n``, a ``# comment`` kept after the comma."""
+    if "#" in text:
+        arg, comment = text.split("#", 1)
+        return f"    {arg.rstrip()},  # {comment.lstrip()}\n"
+    return f"    {text},\n"
 
 
 def _str_target(node: Node) -> str:

@@ -18,7 +18,8 @@ identical; see tests/fx/test_graph.py):
 5. A ``Graph`` pickles as a flat node list (no recursion limit); a pickled or deep-copied ``Node`` comes
    back as its counterpart in one copy of its graph; ``reversed(graph.nodes)`` is a view.
 6. A node is never named ``self`` or ``operator``; assigning ``node.name`` reserves that name in the
-   graph's namespace; ``print_tabular`` needs no ``tabulate``.
+   graph's namespace; ``print_tabular`` prints torch.fx's table through ``tabulate`` when it is
+   installed and the same layout from its own formatter when not (torch.fx raises ImportError).
 """
 
 from __future__ import annotations
@@ -502,9 +503,21 @@ class Graph:
         return s + "".join("\n    " + line for line in lines if line)
 
     def print_tabular(self) -> None:
-        """Print the nodes as a table with columns opcode, name, target, args, kwargs."""
-        rows = [[str(c) for c in (n.op, n.name, n.target, n.args, n.kwargs)] for n in self.nodes]
-        print(_tabulate(rows, ["opcode", "name", "target", "args", "kwargs"]))
+        """Print the nodes as a table with columns opcode, name, target, args, kwargs.
+
+        With the ``tabulate`` package installed the text is torch.fx's (it calls ``tabulate`` the same
+        way). Without it, torch.fx prints an install hint and raises ``ImportError``; fxdist prints the
+        same ``simple`` layout from its own formatter (identical for cells without newlines or
+        numbers-only columns). Source: torch/fx/graph.py ``Graph.print_tabular``.
+        """
+        node_specs = [[n.op, n.name, n.target, n.args, n.kwargs] for n in self.nodes]
+        headers = ["opcode", "name", "target", "args", "kwargs"]
+        try:
+            from tabulate import tabulate
+        except ImportError:
+            print(_tabulate([[str(c) for c in row] for row in node_specs], headers))
+            return
+        print(tabulate(node_specs, headers=headers))
 
     # -- checks and cleanup -------------------------------------------------------------------------
     def lint(self) -> None:
@@ -564,8 +577,9 @@ def _attr_reference_exists(mod: torch.nn.Module, qualified_name: str) -> bool:
 
 
 def _tabulate(rows: list[list[str]], headers: list[str]) -> str:
-    """A plain-text table in the layout of ``tabulate``'s default ("simple") format."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    """A plain-text table in the layout of ``tabulate``'s default ("simple") format: columns
+    left-aligned, at least 2 wider than their header, 2 spaces apart, trailing spaces stripped."""
+    widths = [max([len(h) + 2] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
     lines += [fmt.format(*r) for r in rows]

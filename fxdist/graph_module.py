@@ -17,14 +17,25 @@ Design choices where fxdist differs (documented, tested in tests/fx/test_graph_m
   resolved at call time, so a replaced submodule is used even before ``recompile()``; DataParallel
   replicas and deep copies use their own submodules. We chose this over binding submodules as
   globals at ``recompile()`` (a little faster still) because bound globals go stale when a
-  submodule is replaced without ``recompile()`` and break DataParallel replicas. One visible
-  difference: calling a GraphModule whose ``call_module`` target was deleted raises ``KeyError``
-  (torch.fx: ``AttributeError``); ``graph.lint()`` reports such targets either way.
+  submodule is replaced without ``recompile()`` and break DataParallel replicas. ``recompile()``
+  falls back to torch.fx's ``self.a.b`` text where a fast read could fail: for a dict root (its
+  values may be any objects) and when a ``call_module`` target is not reachable through
+  ``_modules``. One visible difference remains: calling a GraphModule whose ``call_module`` target
+  was deleted *after* the last ``recompile()`` raises ``KeyError`` (torch.fx: ``AttributeError``);
+  ``graph.lint()`` reports such targets either way.
   Measured by benchmarks/ir.py: a forward with 128 nested submodule calls runs at 0.8-0.9x eager's
   time and 0.5-0.6x torch.fx's.
-* Tracebacks: the source is registered in ``linecache`` under ``<fxdist-generated-N>``, so
-  tracebacks and pdb show the generated lines. No ``__call__`` wrapper is installed (it would cost
-  two Python calls per invocation); ``gm._lineno_map`` maps a line back to its node.
+  ``torch.jit.script(gm)`` works as for torch.fx: ``__prepare_scriptable__`` hands TorchScript a
+  shallow clone whose ``forward`` uses torch.fx's ``self.a.b`` form (TorchScript cannot compile
+  ``_modules[...]``); ``gm`` itself keeps its code.
+* Tracebacks, as torch.fx: the source is registered in ``linecache`` under torch.fx's file name
+  (``<eval_with_key>.fxdist.N from user.py:12 in forward``; torch.fx: ``<eval_with_key>.N ...``,
+  see ``_register_source``), so tracebacks and pdb show the generated
+  lines; ``gm._lineno_map`` maps a line back to its node; an exception raised by a generated line
+  prints torch.fx's "Call using an FX-traced Module, line X of the traced Module's generated
+  forward function:" report to stderr and is re-raised without its traceback. The ``__call__``
+  wrapper doing this is one Python function (torch.fx: two). Unlike torch.fx, the linecache entry
+  is dropped when the module is garbage-collected or recompiled.
 * Pickle and ``deepcopy`` keep the graph itself (node list with names, targets, args, types and
   ``stack_trace``), not the generated text: no re-tracing, so graphs that are not re-traceable
   round-trip too.
@@ -35,8 +46,9 @@ from __future__ import annotations
 import copy
 import itertools
 import linecache
+import sys
+import traceback
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,7 +56,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _addindent
 
-from fxdist._graph_module_io import write_folder
+from fxdist._graph_module_io import graph_from_spec, graph_to_spec, pickled_meta, write_folder
 from fxdist.codegen import PythonCode
 from fxdist.graph import Graph
 from fxdist.node import Node
@@ -54,12 +66,86 @@ __all__ = ["GraphModule"]
 _source_ids = itertools.count()
 
 
-def _register_source(src: str) -> str:
-    """Put ``src`` in ``linecache`` under a fresh fake filename and return that filename."""
-    filename = f"<fxdist-generated-{next(_source_ids)}>"
-    # mtime None: linecache.checkcache() never evicts the entry.
+def _register_source(src: str, co_fields: dict[str, Any] | None) -> str:
+    """Put ``src`` in ``linecache`` under a fresh fake filename and return that filename.
+
+    The name is torch.fx's, ``<eval_with_key>.N`` followed by `` from file.py:12 in forward`` (the
+    traced function's ``co_filename``/``co_firstlineno``/``co_name``, from ``graph._co_fields``) when
+    the tracer recorded them, except that N is ``fxdist.0``, ``fxdist.1``...: torch.fx numbers its
+    own modules from 0 in the same ``linecache``, and a shared name would make tracebacks and
+    ``torch.jit.script`` read the other library's source. Tools (torch.fx's ``_WrappedCall``, torch's
+    structured logging) look for ``eval_with_key`` in the name.
+    Source: torch/fx/graph_module.py ``_EvalCacheLoader.cache``.
+    """
+    filename = f"<eval_with_key>.fxdist.{next(_source_ids)}"
+    if co_fields and all(k in co_fields for k in ("co_filename", "co_firstlineno", "co_name")):
+        filename += f" from {co_fields['co_filename']}:{co_fields['co_firstlineno']} in {co_fields['co_name']}"
+    # mtime None: linecache.checkcache() never evicts the entry; _forget_source drops it with the module.
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     return filename
+
+
+def _fx_error_message(frame: traceback.FrameSummary) -> str:
+    """torch.fx's report for an exception raised by a generated line: the traceback, then the line
+    with two lines of context before and after and a ``~~~ <--- HERE`` marker.
+
+    Source: torch/fx/graph_module.py ``_WrappedCall._generate_error_message`` (same text).
+    """
+    err_lineno = frame.lineno or 0
+    line = frame.line or ""
+    all_src_lines = linecache.getlines(frame.filename)
+    custom_msg = ("Call using an FX-traced Module, "
+                  f"line {err_lineno} of the traced Module's generated forward function:")
+    before_err = "".join(all_src_lines[err_lineno - 2:err_lineno])
+    marker = "~" * len(line) + "~~~ <--- HERE"
+    err_and_after_err = "\n".join(all_src_lines[err_lineno:err_lineno + 2])
+    return "\n".join([traceback.format_exc(), custom_msg, before_err, marker, err_and_after_err])
+
+
+def _make_call(impl: type) -> Callable[..., Any]:
+    """The ``__call__`` of a per-instance class: when the innermost frame of an exception is generated
+    code, print torch.fx's message to stderr and re-raise without the traceback, as torch.fx does.
+    ``nn.Module.__call__`` is looked up at each call (the tracer patches it); a ``__call__`` defined by
+    a GraphModule subclass is called through ``super()``. One Python frame a call (about 0.2 µs).
+
+    Source: torch/fx/graph_module.py ``_WrappedCall.__call__``.
+    """
+    if impl.__mro__[1].__call__ is nn.Module.__call__:
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return nn.Module.__call__(self, *args, **kwargs)
+            except Exception as e:
+                _report_generated_frame(e)
+                raise
+    else:
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super(impl, self).__call__(*args, **kwargs)
+            except Exception as e:
+                _report_generated_frame(e)
+                raise
+
+    return __call__
+
+
+def _call_restoring_fast_code(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``__call__`` of a clone made for ``torch.jit.script``, once scripting is over: put back the
+    usual wrapper and the fast code, then call."""
+    cls = type(self)
+    cls.__call__ = _make_call(cls)
+    self.recompile()
+    return self(*args, **kwargs)
+
+
+def _report_generated_frame(e: Exception) -> None:
+    """When ``e`` was raised by a generated line: print torch.fx's report and re-raise ``e`` without
+    its traceback (the report shows it), as torch.fx does; otherwise return."""
+    top = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ is not None else None
+    if top is not None and "eval_with_key" in top.filename:
+        print(_fx_error_message(top), file=sys.stderr)
+        raise e.with_traceback(None)
 
 
 def _forget_source(holder: dict[str, str]) -> None:
@@ -123,67 +209,11 @@ def _install(module: Any, field: str, value: Any) -> None:
         setattr(module, field, value)
 
 
-# -- graph <-> picklable node list -------------------------------------------------------------------
-@dataclass(frozen=True)
-class _NodeRef:
-    """Stands for the node at ``index`` in a serialized node list."""
-
-    index: int
-
-
-def _map_nodes(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
-    """Rebuild the plain containers of an argument with ``fn`` applied to every ``kind`` leaf."""
-    if isinstance(a, kind):
-        return fn(a)
-    if isinstance(a, tuple):
-        items = [_map_nodes(x, fn, kind) for x in a]
-        return type(a)(*items) if hasattr(type(a), "_fields") else tuple(items)
-    if isinstance(a, list):
-        return [_map_nodes(x, fn, kind) for x in a]
-    if isinstance(a, dict):
-        return {k: _map_nodes(v, fn, kind) for k, v in a.items()}
-    if isinstance(a, slice):
-        return slice(_map_nodes(a.start, fn, kind), _map_nodes(a.stop, fn, kind), _map_nodes(a.step, fn, kind))
-    return a
-
-
-def _graph_to_spec(graph: Graph, meta: Callable[[Node], dict[str, Any]]) -> dict[str, Any]:
-    """The graph as a list of ``(op, target, args, kwargs, name, type, meta)`` with node references
-    replaced by ``_NodeRef`` (flat, so pickling a 10k-node graph does not recurse 10k deep)."""
-    index: dict[Node, int] = {}
-
-    def ref(n: Node) -> _NodeRef:
-        return _NodeRef(index[n])
-
-    nodes = []
-    for i, n in enumerate(graph.nodes):
-        nodes.append((n.op, n.target, _map_nodes(n.args, ref, Node), _map_nodes(n.kwargs, ref, Node),
-                      n.name, n.type, meta(n)))
-        index[n] = i
-    codegen = graph._codegen
-    return {"graph_cls": type(graph), "nodes": nodes, "codegen": codegen,
-            "tracer_cls": getattr(graph, "_tracer_cls", None)}
-
-
-def _graph_from_spec(spec: dict[str, Any]) -> Graph:
-    graph = spec["graph_cls"]()
-    graph._codegen = spec["codegen"]
-    if spec.get("tracer_cls") is not None:
-        graph._tracer_cls = spec["tracer_cls"]
-    made: list[Node] = []
-    for op, target, args, kwargs, name, type_expr, meta in spec["nodes"]:
-        node = graph.create_node(op, target, _map_nodes(args, lambda r: made[r.index], _NodeRef),
-                                 _map_nodes(kwargs, lambda r: made[r.index], _NodeRef), name=name,
-                                 type_expr=type_expr)
-        node.meta.update(meta)
-        made.append(node)
-    return graph
-
-
-def _pickled_meta(node: Node) -> dict[str, Any]:
-    """What of ``node.meta`` survives pickling: the stack trace, as in torch.fx."""
-    trace = node.meta.get("stack_trace")
-    return {} if trace is None else {"stack_trace": trace}
+def _compat_python_code(graph: Graph) -> PythonCode:
+    """The graph's code with torch.fx's ``self.a.b`` module access (its codegen copied, not changed)."""
+    compat = copy.copy(graph._codegen)
+    compat.fast_module_access = False
+    return compat.gen_python_code(graph.nodes, "self")
 
 
 def _base_class(cls: type) -> type:
@@ -204,7 +234,7 @@ def _rebuild_graph_module(base: type, class_name: str, body: dict[str, Any], spe
     """Unpickling entry point (referenced by ``GraphModule.__reduce__``)."""
     gm = _new_instance(base, class_name)
     gm.__dict__.update(body)
-    gm.graph = _graph_from_spec(spec)
+    gm.graph = graph_from_spec(spec)
     return gm
 
 
@@ -240,9 +270,13 @@ class GraphModule(nn.Module):
     Source: torch/fx/graph_module.py ``GraphModule``.
     """
 
+    # TorchScript must not compile this property (torch.fx lists the same one).
+    __jit_unused_properties__ = ["graph"]
+
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
         base = _base_class(cls)
         impl = type(base.__name__, (base,), {"_fxdist_per_instance": True, "__module__": base.__module__})
+        impl.__call__ = _make_call(impl)
         return super().__new__(impl)
 
     def __init__(self, root: nn.Module | dict[str, Any], graph: Graph, class_name: str = "GraphModule") -> None:
@@ -261,6 +295,7 @@ class GraphModule(nn.Module):
             for target in targets:
                 _copy_attr(root, self, target)
         elif isinstance(root, dict):
+            self._dict_root = True  # values may be any objects: keep torch.fx's attribute access
             missing = [t for t in targets if t not in root]
             if missing:
                 raise RuntimeError(f"GraphModule: the graph references {missing}, which the root dict lacks")
@@ -296,7 +331,7 @@ class GraphModule(nn.Module):
     @property
     def code(self) -> str:
         """The Python source of the generated ``forward``."""
-        if "_code" not in self.__dict__:
+        if not hasattr(self, "_code"):
             raise RuntimeError("GraphModule.code: no code has been generated yet; assign .graph or call recompile()")
         return self._code
 
@@ -306,14 +341,41 @@ class GraphModule(nn.Module):
         Returns:
             The ``PythonCode`` that was compiled.
         """
-        python_code = self._graph.python_code(root_module="self")
+        python_code = self._python_code()
+        self._install_code(python_code)
+        for child in self.children():
+            if isinstance(child, GraphModule):
+                child.recompile()
+        return python_code
+
+    def _python_code(self) -> PythonCode:
+        """The graph's code; in torch.fx's ``self.a.b`` form when the fast ``_modules[...]`` reads
+        could fail: a dict root, or a ``call_module`` target not reachable through ``_modules``."""
+        codegen = self._graph._codegen
+        if getattr(codegen, "fast_module_access", False) and not self._fast_access_safe():
+            return _compat_python_code(self._graph)
+        return self._graph.python_code(root_module="self")
+
+    def _fast_access_safe(self) -> bool:
+        if self.__dict__.get("_dict_root", False):
+            return False
+        for node in self._graph.find_nodes(op="call_module", sort=False):
+            mod: Any = self
+            for part in node.target.split("."):
+                mod = mod._modules.get(part) if isinstance(mod, nn.Module) else None
+                if mod is None:
+                    return False
+        return True
+
+    def _install_code(self, python_code: PythonCode) -> None:
+        """Compile ``python_code`` as this instance's class ``forward`` and record its text."""
         cls = type(self)
         holder = cls.__dict__.get("_fxdist_source")
         if holder is None:
             holder = {}
             cls._fxdist_source = holder
             weakref.finalize(self, _forget_source, holder)
-        filename = _register_source(python_code.src)
+        filename = _register_source(python_code.src, getattr(self._graph, "_co_fields", None))
         try:
             forward = _compile_forward(python_code, filename, getattr(self._graph._codegen, "_func_name", "forward"))
         except BaseException:
@@ -325,10 +387,30 @@ class GraphModule(nn.Module):
         self._code = python_code.src
         self._lineno_map = python_code._lineno_map
         self._prologue_start = python_code._prologue_start
-        for child in self.children():
-            if isinstance(child, GraphModule):
-                child.recompile()
-        return python_code
+
+    def __prepare_scriptable__(self) -> GraphModule:
+        """``torch.jit.script`` hook: the module to script in place of this one.
+
+        TorchScript cannot compile the ``self._modules['a']`` reads of the default fast module
+        access, so this returns a shallow clone (sharing every submodule, parameter and buffer)
+        whose ``forward`` is generated in torch.fx's ``self.a.b`` form; ``self`` is left unchanged.
+        A module whose codegen already uses that form is returned as is.
+
+        Scripting a *parent* module stores the clone in the parent's ``_modules`` (torch.jit does
+        that with whatever this hook returns); the clone computes the same, and its first Python call
+        recompiles it to the fast form.
+
+        Source: torch/jit/_script.py ``call_prepare_scriptable_func``.
+        """
+        if "_modules[" not in self._code:
+            return self
+        clone = _new_instance(_base_class(type(self)), type(self).__name__)
+        clone.__dict__.update(self.__dict__)
+        for key in ("_modules", "_parameters", "_buffers"):  # torch.jit replaces prepared children in them
+            clone.__dict__[key] = dict(self.__dict__[key])
+        clone._install_code(_compat_python_code(self._graph))
+        type(clone).__call__ = _call_restoring_fast_code
+        return clone
 
     def print_readable(self, print_output: bool = True, include_stride: bool = False,
                        include_device: bool = False, colored: bool = False) -> str:
@@ -410,7 +492,7 @@ class GraphModule(nn.Module):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the module state and the graph (not the code); see the module docstring."""
         body = {k: v for k, v in self.__dict__.items() if k != "_graph"}
-        spec = _graph_to_spec(self._graph, _pickled_meta)
+        spec = graph_to_spec(self._graph, pickled_meta)
         return (_rebuild_graph_module, (_base_class(type(self)), type(self).__name__, body, spec))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GraphModule:
@@ -418,9 +500,9 @@ class GraphModule(nn.Module):
         memo[id(self)] = res
         body = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_graph"}, memo)
         res.__dict__.update(body)
-        spec = _graph_to_spec(self._graph, lambda n: copy.copy(n.meta))
+        spec = graph_to_spec(self._graph, lambda n: copy.copy(n.meta))
         spec["codegen"] = copy.deepcopy(spec["codegen"], memo)
-        res.graph = _graph_from_spec(spec)
+        res.graph = graph_from_spec(spec)
         for hook in getattr(self, "_deepcopy_hooks", ()):
             hook(res)
         return res
@@ -428,6 +510,9 @@ class GraphModule(nn.Module):
     def __copy__(self) -> GraphModule:
         res = _base_class(type(self))(self, self._graph, type(self).__name__)
         res.meta = self.meta
+        if self.__dict__.get("_dict_root", False):
+            res._dict_root = True
+            res.recompile()
         return res
 
     def _replicate_for_data_parallel(self) -> GraphModule:
@@ -447,7 +532,7 @@ class GraphModule(nn.Module):
         Raises:
             ValueError: ``module_name`` is not an identifier.
         """
-        write_folder(self, Path(folder), module_name, self._graph.python_code(root_module="self"))
+        write_folder(self, Path(folder), module_name, self._python_code())
 
     # -- hooks used by Graph (torch.fx names) -----------------------------------------------------
     def _register_create_node_hook(self, f: Callable[[Node], Any]) -> None:

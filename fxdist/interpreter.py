@@ -161,10 +161,11 @@ class Interpreter:
             RuntimeError: ``len(args_list)`` differs from the number of placeholders.
         """
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        if len(args_list) != len(placeholders):
+        if len(args_list) != len(placeholders):  # torch.fx's message, word for word
+            detail = "extra arguments" if len(args_list) > len(placeholders) else "missing arguments"
             raise RuntimeError(
                 f"Interpreter.boxed_run expected {len(placeholders)} arguments for placeholders "
-                f"{[p.name for p in placeholders]} but received {len(args_list)}"
+                f"but received {len(args_list)} ({detail})"
             )
         env = dict(zip(placeholders, args_list))
         args_list.clear()

@@ -164,7 +164,7 @@ def test_traceback_shows_generated_line(net: Net) -> None:
     with pytest.raises(ValueError, match="boom") as info:
         gm(torch.randn(2))
     frames = traceback.extract_tb(info.value.__traceback__)
-    generated = [f for f in frames if f.filename.startswith("<fxdist-generated-")]
+    generated = [f for f in frames if f.filename.startswith("<eval_with_key>.")]
     assert len(generated) == 1 and generated[0].line.startswith("explode = ")
     offset = generated[0].lineno - gm._prologue_start
     assert list(g.nodes)[gm._lineno_map[offset]].name == "explode"
