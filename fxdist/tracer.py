@@ -416,8 +416,8 @@ class Tracer(TracerBase):
     def _specialize(self, name: str, value: Any, sig: inspect.Signature) -> Any:
         """Placeholders ``name_1``, ``name_2``... for the leaves of a concrete argument, each guarded
         by an assertion that the runtime value equals the one traced with (``PH`` leaves stay
-        symbolic). Unlike torch.fx, a guarded placeholder defaults to the traced value, so the
-        GraphModule can be called without it."""
+        symbolic). Unlike torch.fx, a guarded placeholder defaults to the traced value (when it can be a
+        graph constant), so the GraphModule can be called without it."""
         count = 0
         param = sig.parameters[name]
 
@@ -430,7 +430,10 @@ class Tracer(TracerBase):
                 if x is not PH:
                     _transfer_attrs(x, out.node)
                 return out
-            out = self.create_proxy("placeholder", f"{name}_{count}", (x,), {})
+            try:
+                out = self.create_proxy("placeholder", f"{name}_{count}", (x,), {})
+            except NotImplementedError:  # not a graph constant (e.g. a function): no default, as torch.fx
+                out = self.create_proxy("placeholder", f"{name}_{count}", (), {})
             message = f"{name} has been specialized to have value {x} but got another value"
             if type(x) is bool or (type(x) in BASE_TYPES and type(x) is not torch.Tensor):
                 torch._assert(out == x, message)

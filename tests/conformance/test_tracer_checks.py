@@ -47,3 +47,22 @@ def test_mutable_operations_as_torch_fx(module, check):
 def test_missing_attribute_as_torch_fx():
     ours, theirs = _outcome(fxdist, MissingAttribute(), False), _outcome(torch.fx, MissingAttribute(), False)
     assert ours == theirs and ours[0] is AttributeError
+
+
+def _apply_twice(x, fn, n):
+    for _ in range(n):
+        x = fn(x) + 1
+    return x
+
+
+def test_partial_tracing_with_a_function_as_concrete_arg_like_torch_fx():
+    concrete = {"fn": torch.relu, "n": 2}
+    with pytest.warns(UserWarning, match="Was not able to add assertion to guarantee correct input fn"):
+        ours = fxdist.symbolic_trace(_apply_twice, concrete_args=concrete)
+    theirs = torch.fx.symbolic_trace(_apply_twice, concrete_args=concrete)
+    assert [(n.op, n.name) for n in ours.graph.nodes] == [(n.op, n.name) for n in theirs.graph.nodes]
+    x = torch.randn(4)
+    expected = _apply_twice(x, torch.relu, 2)
+    torch.testing.assert_close(theirs(x, torch.relu, 2), expected)
+    torch.testing.assert_close(ours(x, torch.relu, 2), expected)
+    torch.testing.assert_close(ours(x, n_1=2, fn_1=torch.relu), expected)
