@@ -306,13 +306,15 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     try:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            if data_path is None:
+            if config.user_model:
+                data_note = f"your batches from {config.data.batches}, your model from {config.model.factory}"
+            elif data_path is None:
                 data_path, data_note = resolve_data_path("", run_dir, config.data.synthetic_rows,
                                                          seed=config.job.seed, table_size=config.model.table_size)
             else:
                 data_note = f"Criteo data from {data_path}"
             log(data_note)
-            results["data"] = {"path": str(data_path), "note": data_note}
+            results["data"] = {"path": str(data_path or ""), "note": data_note}
             ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
             runs.write(run_dir, _with_snapshot(results, _seed_snapshot(previous)))
             snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
@@ -324,7 +326,9 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         results = _with_snapshot(results, snap)
         results.update(status="completed", train_seconds=train_seconds)
         results.update(compare_phases(config, results["phases"]))
-        if config.quant.enabled:
+        if config.quant.enabled and config.user_model:
+            results["inference"] = {"skipped": "built-in DLRM only (your model is not quantized)"}
+        elif config.quant.enabled:
             results["inference"] = _quantize(config, final, data_path, log)
     except BaseException as e:
         if run_dir.is_dir():
@@ -471,7 +475,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             from jobs.ps import start_servers
 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
-        loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path),
+        loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path or ""),
                        "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state, "servers": servers,
                        "rpc_host": None if on_cluster else "127.0.0.1"}
         trainer = _trainer(config, loop_config, run_dir)
