@@ -133,6 +133,8 @@ def table(results: dict[str, Any]) -> str:
         ran = ", ".join(f"{r['name']} ({r.get('nodes_added', 0)}+/{r.get('nodes_erased', 0)}-)"
                         for r in opt.get("passes", [])) or "none"
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
+        if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
+            lines += opt["placement"].splitlines()
     inf = results.get("inference")
     if inf and inf.get("skipped"):
         lines += ["", f"int8 comparison: {inf['skipped']}"]

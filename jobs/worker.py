@@ -101,6 +101,7 @@ def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables
         return model, info
     if first is not None:
         tables.attach(gm)
+        info["placement"] = gm.meta["fxdist"].get("placement", {}).get("plan_text")
     info["passes"] = list(gm.meta.get("fxdist", {}).get("passes", []))
     return gm, info
 

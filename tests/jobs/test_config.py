@@ -35,7 +35,7 @@ def test_values_are_parsed_into_sections(tmp_path):
         ("[job]\nsteps = 0\n", r"\[job\] steps = 0: must be an integer in 1\.\.1_000_000_000"),
         ("[job]\nlr = nan\n", r"\[job\] lr = nan: must be a finite number in \(0, 10\]"),
         ('[phases]\npasses = ["async_rpc", "fusee"]\n', r"\[phases\] passes: unknown pass 'fusee'; known passes: "
-                                                        r"async_rpc, async_rpc_prefetch, dce, fuse, reinplace"),
+                                                        r"async_rpc, async_rpc_prefetch, dce, fuse, parameter_servers, reinplace"),
         ("[job]\nsteps = \n", r"invalid TOML"),
     ],
 )
