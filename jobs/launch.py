@@ -307,13 +307,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     try:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            if config.user_model:
-                data_note = f"your batches from {config.data.batches}, your model from {config.model.factory}"
-            elif data_path is None:
-                data_path, data_note = resolve_data_path("", run_dir, config.data.synthetic_rows,
-                                                         seed=config.job.seed, table_size=config.model.table_size)
-            else:
-                data_note = f"Criteo data from {data_path}"
+            data_path, data_note = _data(config, data_path, run_dir)
             log(data_note)
             results["data"] = {"path": str(data_path or ""), "note": data_note}
             ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
@@ -348,6 +342,16 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                           f"{report.parity_problem(parity)}; results kept in {run_dir / 'results.json'} "
                           '(set [phases] parity = "warn" to accept a difference)')
     return results
+
+
+def _data(config: JobConfig, data_path: Path | None, run_dir: Path) -> tuple[Path | None, str]:
+    """(the Criteo file, generated into ``run_dir`` when none was found; None for your batches), and a note."""
+    if config.user_model:
+        return None, f"your batches from {config.data.batches}, your model from {config.model.factory}"
+    if data_path is None:
+        return resolve_data_path("", run_dir, config.data.synthetic_rows, seed=config.job.seed,
+                                 table_size=config.model.table_size)
+    return data_path, f"Criteo data from {data_path}"
 
 
 class ParityError(RuntimeError):
