@@ -10,8 +10,10 @@ tests check bad entry points before Ray starts (exit status 2).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -249,3 +251,27 @@ def test_bundled_config_is_found_from_anywhere(tmp_path, monkeypatch):
     assert Path(config.source).resolve() == REPO / "jobs" / "movielens.toml" and config.user_model
     with pytest.raises(FileNotFoundError):
         load_config("elsewhere/movielens.toml")
+
+
+def test_user_model_with_local_tables_trains_the_same_in_both_phases():
+    """No parameter servers: the tables stay in the model; both phases train it over the same batches (no Ray)."""
+    from jobs.config import load_config
+    from jobs.sparse import LocalTables
+    from jobs.workload import UserWorkload
+    from jobs.worker import evaluate, run_phase
+
+    config = load_config().replace(
+        job={"steps": 6, "batch_size": 16}, model={"factory": f"{HERE}:make_model", "embedding_dim": 4},
+        data={"batches": f"{HERE}:batches"}, cluster={"parameter_servers": 0}, phases={"passes": ["dce"]})
+    workload = UserWorkload(config, 0, 1)
+    assert workload.rows == 12 * 16 and workload.has_eval
+    out = {}
+    for phase in ("baseline", "optimized"):
+        model = workload.build(LocalTables())
+        with warnings.catch_warnings():  # dce may find nothing to remove (NoOpPassWarning)
+            warnings.simplefilter("ignore")
+            run, info, _ = run_phase(phase, model, LocalTables(), workload, config)
+        out[phase] = run.losses, evaluate(model, workload, LocalTables())
+    assert [r["name"] for r in info["passes"]] == ["dce"]
+    assert out["baseline"][0] == out["optimized"][0] and len(out["baseline"][0]) == 6
+    assert out["baseline"][1] == out["optimized"][1] and out["baseline"][1]["rows"] == 8 * 16
