@@ -17,8 +17,8 @@
    also on errors and Ctrl-C); the trainers report to a :class:`JobState` actor, which the launcher
    polls for the progress bars;
 5. quantizes the dense model of the last phase that the AUC refers to (after ``[job] eval_epochs``,
-   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`; the built-in
-   DLRM only: for your model the table says "int8 comparison: built-in DLRM only");
+   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`; for your model
+   :mod:`jobs.user_inference`: its ``nn.Linear`` layers as dynamic int8);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.report`).
 
 A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
@@ -321,9 +321,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         results = _with_snapshot(results, snap)
         results.update(status="completed", train_seconds=train_seconds)
         results.update(compare_phases(config, results["phases"]))
-        if config.quant.enabled and config.user_model:
-            results["inference"] = {"skipped": "built-in DLRM only"}
-        elif config.quant.enabled:
+        if config.quant.enabled:
             results["inference"] = _quantize(config, final, data_path, log)
     except BaseException as e:
         if run_dir.is_dir():
@@ -437,7 +435,12 @@ def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: An
     evaluated = (final.get("eval") or {}).get(last) or {}
     model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
         "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
-    out = inference.compare(config, model_state, data_path)
+    if config.user_model:  # your model: its dense Linear layers, dynamic int8 (jobs.user_inference)
+        from jobs import user_inference
+
+        out = user_inference.compare(config, model_state)
+    else:
+        out = inference.compare(config, model_state, data_path)
     out["model_step"] = evaluated.get("step", final.get("step"))
     out["seconds"] = time.perf_counter() - t_quant
     return out

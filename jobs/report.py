@@ -135,21 +135,7 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
         if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
             lines += opt["placement"].splitlines()
-    inf = results.get("inference")
-    if inf and inf.get("skipped"):
-        lines += ["", f"int8 comparison: {inf['skipped']}"]
-    elif inf:
-        at = f", model after step {inf['model_step']}" if inf.get("model_step") is not None else ""
-        lines += [
-            "",
-            f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread{at}): "
-            f"{inf['method']}",
-            f"{'':<10} {'QPS':>10} {'AUC':>7} {'logloss':>8}",
-        ]
-        for name in ("fp32", "int8"):
-            r = inf[name]
-            lines.append(f"{name:<10} {_fmt(r['qps']):>10} {_fmt(r['auc'], '.4f'):>7} {_fmt(r['log_loss'], '.4f'):>8}")
-        lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x")
+    lines += _inference_lines(results.get("inference"), cols)
     parse = (results.get("data") or {}).get("parse") or {}
     if parse:
         bad = sum(parse.get("malformed", {}).values())
@@ -161,6 +147,23 @@ def table(results: dict[str, Any]) -> str:
     if results.get("restarts"):
         lines.append(f"restarts from checkpoint: {results['restarts']} (faults injected: {results.get('faults_fired')})")
     return "\n".join(lines)
+
+
+def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[str]:
+    """The fp32-vs-int8 comparison (or why there is none)."""
+    if not inf:
+        return []
+    if inf.get("skipped"):
+        return ["", f"int8 comparison: {inf['skipped']}"]
+    at = f", model after step {inf['model_step']}" if inf.get("model_step") is not None else ""
+    lines = ["", f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread{at}): "
+                 f"{inf['method']}",
+             f"{'':<10} {'QPS':>10}" + "".join(f" {_LABELS[k]:>8}" for k in cols)]
+    for name in ("fp32", "int8"):
+        r = inf[name]
+        lines.append(f"{name:<10} {_fmt(r['qps']):>10}" + "".join(f" {_fmt(r.get(k), '.4f'):>8}" for k in cols))
+    lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x")
+    return lines
 
 
 def _quality_notes(results: dict[str, Any], steps: Any, cols: tuple[str, ...] = _COLUMNS["auc"]) -> list[str]:

@@ -9,7 +9,7 @@ A *workload* gives the training loop (:mod:`jobs.worker`) everything that depend
   (rank 0; None elsewhere);
 - ``inputs(batch, tables, device)``: ``(args, kwargs, labels)`` of the model's call;
 - ``loss(output, labels)`` and ``quality(outputs, labels)``: the training loss and the held-out metrics;
-- ``quantizable``: whether the launcher's fp32-vs-int8 comparison applies (the built-in DLRM only).
+- ``quantizable``: the evaluated model is snapshotted for the launcher's fp32-vs-int8 comparison.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -88,7 +88,7 @@ class UserWorkload:
         ConfigError: an entry point that does not resolve, or an epoch without a batch.
     """
 
-    quantizable = False
+    quantizable = True
     parse = None
 
     def __init__(self, config: JobConfig, rank: int, world_size: int) -> None:

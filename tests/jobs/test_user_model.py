@@ -4,7 +4,7 @@ The model and the batches below live only in this file, which the project's code
 them through the entry points ``tests.jobs.test_user_model:make_model`` / ``:batches`` (the Ray workers import
 this module too: they inherit the test process's ``PYTHONPATH``). Two Ray jobs share one Ray session: this
 model with 2 trainers and 1 parameter server (its torchrec EBC and nn.EmbeddingBag tables moved by the
-``parameter_servers`` pass; a trainer killed mid-run), and the bundled MovieLens-100K example. The other
+``parameter_servers`` pass; a trainer killed mid-run; its Linear layers quantized afterwards), and the bundled MovieLens-100K example. The other
 tests check bad entry points before Ray starts (exit status 2).
 """
 
@@ -159,7 +159,12 @@ def test_user_model_trains_on_parameter_servers_with_parity(user_job):
     assert base["loss_series"] == opt["loss_series"] and base["quality"]["auc"] == opt["quality"]["auc"]
     assert 0.5 < base["quality"]["auc"] <= 1 and base["quality"]["rows"] == 8 * 32
     assert r["gain"]["blocks"] >= 1 and r["gain_percent"] == r["gain"]["median_percent"]
-    assert r["inference"] == {"skipped": "built-in DLRM only"}
+    # fp32 vs int8: the model the table's AUC refers to, rebuilt in the launcher with the servers' tables, its
+    # two nn.Linear layers as dynamic int8
+    inf = r["inference"]
+    assert inf["quantized_modules"] == 2 and inf["int8"]["qps"] > 0 and inf["rows"] == 8 * 32
+    assert inf["fp32"]["auc"] == pytest.approx(opt["quality"]["auc"], abs=1e-4) and inf["model_step"] == 20
+    assert abs(inf["int8"]["auc"] - inf["fp32"]["auc"]) < 0.05
     assert opt["optimize"]["placement"].startswith("parameter_servers plan: 2 tables on 1 servers")
 
 
@@ -182,7 +187,8 @@ def test_user_model_results_table(user_job):
     assert re.search(r"^baseline\s+\d+\.\d", text, re.M) and re.search(r"^optimized\s+\d+\.\d", text, re.M)
     assert re.search(r"QPS gain, optimized vs baseline: [+-]\d+\.\d %", text)
     assert "parity of the optimized phase (async_rpc_prefetch): OK: per-step losses bit-identical" in text
-    assert "\nint8 comparison: built-in DLRM only\n" in text
+    assert re.search(r"^inference on 256 held-out rows .*quant.quantize_dynamic", text, re.M)
+    assert re.search(r"^int8 +\d+\.\d +0\.\d{4} +\d\.\d{4}$", text, re.M) and "int8 speed-up" in text
     assert "parameter_servers plan: 2 tables on 1 servers" in text  # the optimized phase's plan
     assert re.search(r"^  t_cat +ebc +100 x 8 +table_wise +ps0", text, re.M)
     assert re.search(r"^  tags +tags +50 x 8 +table_wise +ps0", text, re.M)
