@@ -159,10 +159,15 @@ def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[
     lines = ["", f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread{at}): "
                  f"{inf['method']}",
              f"{'':<10} {'QPS':>10}" + "".join(f" {_LABELS[k]:>8}" for k in cols)]
-    for name in ("fp32", "int8"):
+    for name in ("fp32",) if inf.get("kept_fp32") else ("fp32", "int8"):
         r = inf[name]
         lines.append(f"{name:<10} {_fmt(r['qps']):>10}" + "".join(f" {_fmt(r.get(k), '.4f'):>8}" for k in cols))
-    lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x")
+    if inf.get("layers") is not None:  # quant.select_int8 (main's jobs.inference): per-layer µs per call
+        lines.append(f"int8 layer selection on this CPU ({inf.get('isa')}), µs per call fp32 / int8: " + "; ".join(
+            f"{x['target']} {_fmt(x['fp32_us'])} / {_fmt(x['int8_us'])} -> {'int8' if x['chosen'] else 'fp32'}"
+            for x in inf["layers"]))
+    note = f" ({inf['note']})" if inf.get("note") else ""
+    lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x{note}")
     return lines
 
 
