@@ -1,6 +1,6 @@
 """Job configuration: a TOML file parsed into frozen dataclasses, with errors that name the bad key.
 
-A config has seven tables; every key is optional and defaults to the values below, which run on one
+A config has nine tables; every key is optional and defaults to the values below, which run on one
 laptop (``jobs/default.toml`` spells them out). Example::
 
     [job]
@@ -10,8 +10,13 @@ laptop (``jobs/default.toml`` spells them out). Example::
 
     [data]
     path = ""                # "" = ../shared/data/criteo/train_examples.txt if present, else synthetic
+    batches = ""             # "package.module:function" yielding your batches ("" = the Criteo reader)
+
+    [train]
+    loss = "bce_with_logits" # "mse", or "package.module:function"
 
     [model]
+    factory = ""             # "package.module:function" returning your nn.Module ("" = the built-in DLRM)
     embedding_dim = 16
     table_size = 20000       # hash buckets per categorical feature (26 tables)
 
@@ -63,6 +68,7 @@ __all__ = [
     "MetricsSection",
     "QuantSection",
     "FaultSection",
+    "TrainSection",
     "JobConfig",
     "DEFAULT_CONFIG",
     "load_config",
@@ -135,10 +141,22 @@ class DataSection:
     eval_fraction: float = _key(0.1, 0, 0.5)
     """Fraction of lines (every k-th, k = round(1 / eval_fraction)) held out for AUC / log loss; never
     trained on. At most 0.5, so that training keeps at least every other line."""
+    batches: str = ""
+    """Your data: ``"package.module:function"`` called with a :class:`jobs.entry.DataContext`, returning an
+    iterable of batches (the contract: :mod:`jobs.entry`); "" = the Criteo reader (``path`` above). Needs
+    ``[model] factory``."""
+    options: dict = field(default_factory=dict)
+    """Free-form keys for your ``batches`` function (``DataContext.options``), e.g. ``{min_rating = 1}``."""
 
 
 @dataclass(frozen=True)
 class ModelSection:
+    factory: str = ""
+    """Your model: ``"package.module:function"`` returning an ``nn.Module``, called as ``factory(config)``
+    (the :class:`JobConfig`) or ``factory()``, after ``torch.manual_seed([job] seed)``; "" = the built-in
+    DLRM (the keys below). Needs ``[data] batches``."""
+    options: dict = field(default_factory=dict)
+    """Free-form keys for your ``factory`` (read them from ``config.model.options``)."""
     embedding_dim: int = _key(16, 1, 4096)
     """D: width of every embedding and of the bottom MLP's output."""
     table_size: int = _key(20000, 2, MAX_TABLE_SIZE)
@@ -222,6 +240,15 @@ class FaultSection:
 
 
 @dataclass(frozen=True)
+class TrainSection:
+    loss: str = "bce_with_logits"
+    """The training loss of ``model(*inputs)`` against the batch's labels: "bce_with_logits" (labels in
+    {0, 1}; quality = held-out AUC and log loss), "mse" (quality = held-out RMSE), or
+    ``"package.module:function"``, ``loss(output, labels) -> scalar tensor`` (quality = held-out mean loss).
+    The built-in DLRM trains with "bce_with_logits"."""
+
+
+@dataclass(frozen=True)
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     data: DataSection = field(default_factory=DataSection)
@@ -231,6 +258,7 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     quant: QuantSection = field(default_factory=QuantSection)
     faults: FaultSection = field(default_factory=FaultSection)
+    train: TrainSection = field(default_factory=TrainSection)
     source: str = "<defaults>"
     """Where the config came from (a path, or "<defaults>")."""
 
@@ -287,10 +315,29 @@ class JobConfig:
                           '"fused8bit"')
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
+        errors += self._entry_point_errors()
         unknown = _unknown_passes(self.phases.passes)
         if unknown:
             errors.append(f"[phases] passes: unknown pass {unknown[0]!r}; known passes: {', '.join(_known_passes())}")
         return errors
+
+
+    @property
+    def user_model(self) -> bool:
+        """The job trains a model of ``[model] factory`` (not the built-in DLRM)."""
+        return bool(self.model.factory)
+
+    def _entry_point_errors(self) -> list[str]:
+        """Keys that must go together (the spelling of each entry point is checked by :mod:`jobs.entry`)."""
+        m, d, t = self.model, self.data, self.train
+        if bool(m.factory) != bool(d.batches):
+            given, missing = ("[model] factory", "[data] batches") if m.factory else ("[data] batches", "[model] factory")
+            return [f"{given} is set but {missing} is not: your model needs your batches and the other way round "
+                    "(the built-in DLRM reads the Criteo data); set both, or neither"]
+        if not m.factory and t.loss != "bce_with_logits":
+            return [f'[train] loss = {t.loss!r}: the built-in DLRM trains with "bce_with_logits" (other losses need '
+                    "[model] factory)"]
+        return []
 
 
 def _out_of_range(value: Any, f: dataclasses.Field) -> str | None:
@@ -393,14 +440,32 @@ def _resolve(annotation: Any) -> type:
     return annotation
 
 
+def bundled_config(path: str | Path) -> Path | None:
+    """The bundled config a relative ``path`` names when it is not a file here: ``jobs/<name>.toml`` (or
+    ``<name>.toml``) -> the file of that name next to this module, so ``fxdist launch jobs/movielens.toml``
+    works from the repository root and from an installed package alike; None otherwise.
+
+    >>> bundled_config("jobs/movielens.toml").name, bundled_config("elsewhere/movielens.toml")
+    ('movielens.toml', None)
+    """
+    path = Path(path)
+    if path.is_absolute() or path.parent not in (Path("."), Path("jobs")):
+        return None
+    bundled = DEFAULT_CONFIG.with_name(path.name)
+    return bundled if bundled.is_file() else None
+
+
 def load_config(path: str | Path | None = None) -> JobConfig:
-    """Read a job config from a TOML file (``None``: the bundled ``jobs/default.toml``).
+    """Read a job config from a TOML file (``None``: the bundled ``jobs/default.toml``; a missing
+    ``jobs/<name>.toml``: the bundled file of that name, see :func:`bundled_config`).
 
     Raises:
         FileNotFoundError: the file does not exist.
         ConfigError: the TOML is invalid (with line and column), or a table/key/value is wrong.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file() and bundled_config(path) is not None:
+        path = bundled_config(path)
     if not path.is_file():
         raise FileNotFoundError(f"job config not found: {path}")
     try:

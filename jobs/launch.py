@@ -17,7 +17,8 @@
    also on errors and Ctrl-C); the trainers report to a :class:`JobState` actor, which the launcher
    polls for the progress bars;
 5. quantizes the dense model of the last phase that the AUC refers to (after ``[job] eval_epochs``,
-   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`);
+   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`; for your model
+   :mod:`jobs.user_inference`: its ``nn.Linear`` layers as dynamic int8);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.report`).
 
 A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
@@ -306,13 +307,9 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     try:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            if data_path is None:
-                data_path, data_note = resolve_data_path("", run_dir, config.data.synthetic_rows,
-                                                         seed=config.job.seed, table_size=config.model.table_size)
-            else:
-                data_note = f"Criteo data from {data_path}"
+            data_path, data_note = _data(config, data_path, run_dir)
             log(data_note)
-            results["data"] = {"path": str(data_path), "note": data_note}
+            results["data"] = {"path": str(data_path or ""), "note": data_note}
             ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
             runs.write(run_dir, _with_snapshot(results, _seed_snapshot(previous)))
             snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
@@ -343,6 +340,16 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                           f"{report.parity_problem(parity)}; results kept in {run_dir / 'results.json'} "
                           '(set [phases] parity = "warn" to accept a difference)')
     return results
+
+
+def _data(config: JobConfig, data_path: Path | None, run_dir: Path) -> tuple[Path | None, str]:
+    """(the Criteo file, generated into ``run_dir`` when none was found; None for your batches), and a note."""
+    if config.user_model:
+        return None, f"your batches from {config.data.batches}, your model from {config.model.factory}"
+    if data_path is None:
+        return resolve_data_path("", run_dir, config.data.synthetic_rows, seed=config.job.seed,
+                                 table_size=config.model.table_size)
+    return data_path, f"Criteo data from {data_path}"
 
 
 class ParityError(RuntimeError):
@@ -428,7 +435,12 @@ def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: An
     evaluated = (final.get("eval") or {}).get(last) or {}
     model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
         "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
-    out = inference.compare(config, model_state, data_path)
+    if config.user_model:  # your model: its dense Linear layers, dynamic int8 (jobs.user_inference)
+        from jobs import user_inference
+
+        out = user_inference.compare(config, model_state)
+    else:
+        out = inference.compare(config, model_state, data_path)
     out["model_step"] = evaluated.get("step", final.get("step"))
     out["seconds"] = time.perf_counter() - t_quant
     return out
@@ -471,7 +483,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             from jobs.ps import start_servers
 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
-        loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path),
+        loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path or ""),
                        "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state, "servers": servers,
                        "rpc_host": None if on_cluster else "127.0.0.1"}
         trainer = _trainer(config, loop_config, run_dir)

@@ -4,7 +4,8 @@
 
 1. the config's own ranges and cross-key constraints (already checked by :func:`jobs.config.parse_config`);
 2. the passes of ``[phases] passes`` resolve (their modules import; nothing is run);
-3. the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
+3. your model (``[model] factory``): every entry point imports, the factory returns an ``nn.Module`` and the
+   first train batch follows the batch contract (:func:`jobs.entry.check`); else the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
    compression, no valid line near the start), or enough synthetic rows when none is found;
 4. on this machine only (no Ray cluster): the metrics ports are free (:func:`check_ports`), and the job's
    memory (:func:`estimate_memory`) fits in the memory available (:func:`available_memory_bytes`).
@@ -51,13 +52,23 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
         log: ``log(message)`` for what was checked, or None.
 
     Returns:
-        The data file, or None when synthetic data is to be generated.
+        The data file, or None when synthetic data is to be generated or the job reads your batches.
 
     Raises:
-        ConfigError: a pass that does not resolve, a taken port, or not enough memory.
+        ConfigError: a pass or entry point that does not resolve, bad batches, a taken port, or not enough
+            memory (the memory estimate is the built-in DLRM's; your model's is not estimated).
         jobs.data.DataError: the data file cannot be used.
     """
     check_passes(config)
+    if config.user_model:
+        from jobs import entry
+
+        note = entry.check(config)
+        if log is not None:
+            log(note)
+        if local and config.metrics.enabled:
+            check_ports(config)
+        return None
     data = locate_data(config.data.path, config.model.table_size)
     if data is None:
         check_synthetic_rows(config)

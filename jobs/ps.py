@@ -21,6 +21,9 @@ hook during backward (``scheduling.ps.ops.ps_push_in_backward``, deferred until 
 server; with the ``async_rpc_prefetch`` pass the push also carries the next batch's lookup). Servers apply
 the updates with row-wise Adagrad.
 
+Your model (``[model] factory``): :class:`UserServerTables` sets up the same RPC group (:class:`ServerGroup`)
+and leaves the tables to the ``scheduling.parameter_servers`` pass, run first on each phase's module.
+
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
 """
 
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 
-__all__ = ["PSSparseArch", "ServerActor", "ServerTables", "start_servers", "stop_servers", "to_kjt",
+__all__ = ["PSSparseArch", "ServerActor", "ServerGroup", "ServerTables", "UserServerTables", "start_servers", "stop_servers", "to_kjt",
            "tables_to_local"]
 
 CLIENT = "fxdist-job"
@@ -135,8 +138,8 @@ class ServerActor:
                 t0 = time.perf_counter()
                 try:
                     return lookup(namespace, *args, **kwargs)
-                finally:  # the phase label is the client's suffix: fxdist-job-<phase>
-                    exporter.observe_fetch(namespace.rpartition("-")[2], time.perf_counter() - t0)
+                finally:  # the phase label is the client's suffix: fxdist-job-<phase>[:<module path>]
+                    exporter.observe_fetch(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
                     if t0 - last[0] > 1.0:  # rows and bytes held, at most once a second
                         last[0] = t0
                         exporter.observe_memory(**server.memory())
@@ -202,20 +205,15 @@ def _rpc_host(loop_config: dict[str, Any]) -> str:
     return ray.util.get_node_ip_address()
 
 
-class ServerTables:
-    """Tables backend of a trainer whose embedding tables live on ``[cluster] parameter_servers`` servers.
+class ServerGroup:
+    """This worker group's ``torch.distributed.rpc`` group: the ``world`` trainers and the launcher's
+    :class:`ServerActor` s (``loop_config["servers"]``), which rank 0 asks to join (see the module docstring).
 
-    ``loop_config["servers"]`` holds the launcher's :class:`ServerActor` handles; rank 0 asks each to
-    join this worker group's RPC group (see the module docstring). Each phase has its own tables on the
-    servers (client ``fxdist-job-<phase>``, :meth:`view`), created from the same seed, so the phases start
-    from the same weights and can train side by side. The trainers of the group share each phase's
-    tables in step order (``PSClient(rank, world_size, group)``, :mod:`scheduling.ps.ordering`): every
-    trainer's step-``k`` lookup sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever
-    the schedule, so the baseline and the optimized phase train identically.
+    Attributes: ``rank``, ``world``, ``config``, ``num_servers``, ``servers`` (RPC names ``ps<i>``), ``group``
+    (a key rank 0 drew and broadcast: the trainers share tables in step order under it), ``joined``.
     """
 
-    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any,
-                 phases: Sequence[str] = ("baseline", "optimized")) -> None:
+    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any]) -> None:
         import ray
         from scheduling.ps import init_trainer
 
@@ -224,6 +222,7 @@ class ServerTables:
         c = config.cluster
         self.rank, self.world, self.config = rank, world, config
         self.num_servers = c.parameter_servers
+        self.servers = [f"ps{i}" for i in range(self.num_servers)]
         self.actors: list[Any] = list(loop_config.get("servers") or [])
         if len(self.actors) != self.num_servers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
@@ -234,26 +233,24 @@ class ServerTables:
             box = [(host, free_port(host), uuid.uuid4().hex)]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
-        host, port, group = box[0]
+        host, port, self.group = box[0]
         total = world + self.num_servers
         joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(self.actors)] if rank == 0 else []
         init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=c.rpc_timeout_s)
         self.joined = ray.get(joins) if joins else []
         if self.joined and loop_config.get("state") is not None:
             loop_config["state"].servers_joined.remote(self.joined)
-        self.views = {phase: _PhaseTables(self, phase, group) for phase in phases}
-        self._barrier()
 
     def _barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
             dist.barrier()
 
-    def view(self, phase: str) -> "_PhaseTables":
-        """The tables of ``phase`` (its own client and tables on the servers)."""
+    def view(self, phase: str) -> Any:
+        """The tables of ``phase`` (its own clients and tables on the servers)."""
         return self.views[phase]
 
-    def prepare(self, ids: torch.Tensor) -> Any:
-        return to_kjt(ids)
+    def prepare(self, ids: Any) -> Any:
+        return ids
 
     def kill_server(self, index: int) -> None:
         """Kill server ``index``'s process (fault injection); Ray restarts the actor."""
@@ -274,34 +271,58 @@ class ServerTables:
 
         if graceful:
             for v in self.views.values():
-                v.client.flush()
+                v.sync()
             self._barrier()
         for v in self.views.values():
-            v.client.close(flush=False)
+            v.close()
         rpc.shutdown(graceful=False)
         if graceful and self.rank == 0 and self.actors:
             ray.get([a.leave.remote() for a in self.actors], timeout=self.config.cluster.rpc_timeout_s)
 
 
-class _PhaseTables:
-    """One phase's tables on the servers: its :class:`~scheduling.ps.PSClient` (``fxdist-job-<phase>``,
-    configured by rank 0) and the per-step fetch timing."""
+class ServerTables(ServerGroup):
+    """Tables backend of a trainer of the built-in DLRM whose 26 embedding tables live on ``[cluster]
+    parameter_servers`` servers (in the :class:`ServerGroup`).
 
-    def __init__(self, owner: ServerTables, phase: str, group: str) -> None:
-        from scheduling.ps import PSClient, TableSpec
+    Each phase has its own tables on the
+    servers (client ``fxdist-job-<phase>``, :meth:`view`), created from the same seed, so the phases start
+    from the same weights and can train side by side. The trainers of the group share each phase's
+    tables in step order (``PSClient(rank, world_size, group)``, :mod:`scheduling.ps.ordering`): every
+    trainer's step-``k`` lookup sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever
+    the schedule, so the baseline and the optimized phase train identically.
+    """
 
-        config, rank = owner.config, owner.rank
-        c, m = config.cluster, config.model
-        self.owner, self.rank = owner, rank
-        specs = [TableSpec(f"t{j + 1}", m.table_size, m.embedding_dim, (key,)) for j, key in enumerate(_keys(26))]
-        self.client = PSClient(specs, [f"ps{i}" for i in range(owner.num_servers)], sharding="table_wise",
-                               optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr},
-                               name=f"{CLIENT}-{phase}", timeout_s=c.rpc_timeout_s, seed=config.job.seed,
-                               configure=(rank == 0), rank=rank, world_size=owner.world, group=group,
-                               storage=m.server_storage)
-        self._fetch = 0.0
-        self._fetched = False
-        finish = self.client.finish_fetch
+    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any,
+                 phases: Sequence[str] = ("baseline", "optimized")) -> None:
+        super().__init__(config, rank, world, loop_config)
+        self.views = {phase: _PhaseTables(self, phase, self.group) for phase in phases}
+        self._barrier()
+
+    def prepare(self, ids: torch.Tensor) -> Any:
+        return to_kjt(ids)
+
+
+class UserServerTables(ServerGroup):
+    """Tables backend of a trainer of *your* model (``[model] factory``) with parameter servers: each phase's
+    module gets the ``scheduling.parameter_servers`` pass first (:meth:`_UserPhaseTables.placement_pass`), which
+    moves its embedding tables to this group's servers under the clients ``fxdist-job-<phase>:<module path>``,
+    shared by the trainers in step order (``rank`` / ``world_size`` / ``group`` of the pass)."""
+
+    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any,
+                 phases: Sequence[str] = ("baseline", "optimized")) -> None:
+        super().__init__(config, rank, world, loop_config)
+        self.views = {phase: _UserPhaseTables(self, phase) for phase in phases}
+        self._barrier()
+
+
+class _FetchTimer:
+    """Seconds blocked in ``finish_fetch`` of some PSClients since the last :meth:`fetch_seconds`."""
+
+    def __init__(self) -> None:
+        self._fetch, self._fetched = 0.0, False
+
+    def wrap(self, client: Any) -> None:
+        finish = client.finish_fetch
 
         def timed_finish(fut: Any, server: int) -> torch.Tensor:
             t0 = time.perf_counter()
@@ -311,7 +332,107 @@ class _PhaseTables:
                 self._fetch += time.perf_counter() - t0
                 self._fetched = True
 
-        self.client.finish_fetch = timed_finish
+        client.finish_fetch = timed_finish
+
+    def fetch_seconds(self) -> float | None:
+        value, fetched = self._fetch, self._fetched
+        self._fetch, self._fetched = 0.0, False
+        return value if fetched else None
+
+
+class _UserPhaseTables(_FetchTimer):
+    """One phase's tables of your model: set up by the ``parameter_servers`` pass, then read through its module."""
+
+    def __init__(self, owner: ServerGroup, phase: str) -> None:
+        super().__init__()
+        self.owner, self.phase, self.rank = owner, phase, owner.rank
+        self.gm: Any = None
+
+    def placement_pass(self) -> Any:
+        """The ``parameter_servers`` pass for this phase (the first pass of its module)."""
+        import functools
+
+        from scheduling.placement import parameter_servers
+
+        c = self.owner.config
+        return functools.partial(parameter_servers, optimizer="rowwise_adagrad", lr=c.job.lr,
+                                 servers=tuple(self.owner.servers), client=f"{CLIENT}-{self.phase}",
+                                 timeout_s=c.cluster.rpc_timeout_s, verbose=self.rank == 0, rank=self.rank,
+                                 world_size=self.owner.world, group=self.owner.group)
+
+    def attach(self, gm: Any) -> None:
+        """``gm`` went through :meth:`placement_pass`: time its clients' fetches; wait until every rank has
+        (rank 0 configured the tables)."""
+        from scheduling.placement import client_names
+        from scheduling.ps import get_client
+
+        self.gm = gm
+        for name in client_names(gm):
+            self.wrap(get_client(name))
+        self.owner._barrier()
+
+    def _clients(self) -> list[Any]:
+        from scheduling.placement import client_names
+        from scheduling.ps import get_client
+
+        return [get_client(n) for n in client_names(self.gm)] if self.gm is not None else []
+
+    def prepare(self, ids: Any) -> Any:
+        return ids
+
+    def sparse_arch(self) -> None:
+        return None
+
+    def after_backward(self) -> None:
+        """Nothing to do: the gradient hooks started the pushes during backward."""
+
+    def sync(self) -> None:
+        for client in self._clients():
+            client.flush()
+
+    def prefetch_hits(self) -> int:
+        return sum(client.prefetch_hits for client in self._clients())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The tables under your model's state-dict names, with the row-wise Adagrad state (rank 0)."""
+        from scheduling.placement import table_state_dict
+
+        return table_state_dict(self.gm, optimizer_state=True) if self.rank == 0 and self.gm is not None else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from scheduling.placement import load_table_state_dict
+
+        self.owner._barrier()
+        if self.rank == 0 and state:
+            load_table_state_dict(self.gm, state)
+        self.owner._barrier()
+
+    def kill_server(self, index: int) -> None:
+        self.owner.kill_server(index)
+
+    def close(self) -> None:
+        for client in self._clients():
+            client.close(flush=False)
+
+
+class _PhaseTables(_FetchTimer):
+    """One phase's tables on the servers: its :class:`~scheduling.ps.PSClient` (``fxdist-job-<phase>``,
+    configured by rank 0) and the per-step fetch timing."""
+
+    def __init__(self, owner: ServerTables, phase: str, group: str) -> None:
+        from scheduling.ps import PSClient, TableSpec
+
+        super().__init__()
+        config, rank = owner.config, owner.rank
+        c, m = config.cluster, config.model
+        self.owner, self.rank = owner, rank
+        specs = [TableSpec(f"t{j + 1}", m.table_size, m.embedding_dim, (key,)) for j, key in enumerate(_keys(26))]
+        self.client = PSClient(specs, [f"ps{i}" for i in range(owner.num_servers)], sharding="table_wise",
+                               optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr},
+                               name=f"{CLIENT}-{phase}", timeout_s=c.rpc_timeout_s, seed=config.job.seed,
+                               configure=(rank == 0), rank=rank, world_size=owner.world, group=group,
+                               storage=m.server_storage)
+        self.wrap(self.client)
 
     def prepare(self, ids: torch.Tensor) -> Any:
         return to_kjt(ids)
@@ -326,10 +447,11 @@ class _PhaseTables:
         """Wait for this trainer's deferred pushes (before checkpoints and evaluation)."""
         self.client.flush()
 
-    def fetch_seconds(self) -> float | None:
-        value, fetched = self._fetch, self._fetched
-        self._fetch, self._fetched = 0.0, False
-        return value if fetched else None
+    def prefetch_hits(self) -> int:
+        return self.client.prefetch_hits
+
+    def close(self) -> None:
+        self.client.close(flush=False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tables and row-wise Adagrad state, gathered from the servers (rank 0)."""

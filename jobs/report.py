@@ -60,7 +60,7 @@ def parity_problem(parity: dict[str, Any]) -> str:
     """What the parity check found wrong, in words (for the error message)."""
     bad = [f"{name} {parity[name]['optimized']:.4f} vs baseline {parity[name]['baseline']:.4f} (difference "
            f"{parity[name]['diff']:+.4f}, tolerance {_fmt(parity[name]['tolerance'], '.4f')})"
-           for name in ("auc", "loss") if not parity[name]["ok"]]
+           for name in (*_metrics(parity), "loss") if not parity[name]["ok"]]
     return "differs from the baseline: " + "; ".join(bad) if bad else "matches the baseline"
 
 
@@ -71,17 +71,39 @@ def _parity_lines(results: dict[str, Any]) -> list[str]:
     verdict = "OK" if parity["ok"] else ("FAILED" if parity.get("mode") == "error" else "WARNING")
     same = ("per-step losses bit-identical" if parity["identical_losses"]
             else f"largest per-step loss difference {_fmt(parity['max_step_loss_diff'], '.2e')}")
-    a, lo = parity["auc"], parity["loss"]
+    metric = _metrics(parity)[0]
+    a, lo = parity[metric], parity["loss"]
     return [f"parity of the optimized phase ({', '.join(parity.get('passes', [])) or 'no passes'}): {verdict}: "
-            f"{same}; AUC diff {_fmt(a['diff'], '+.4f')} (tolerance {_fmt(a['tolerance'], '.4f')}), "
-            f"loss diff {_fmt(lo['diff'], '+.4f')} (tolerance {_fmt(lo['tolerance'], '.4f')}), "
-            "tolerances 2 standard errors of the baseline's"]
+            f"{same}; {_LABELS.get(metric, metric)} diff {_fmt(a['diff'], '+.4f')} (tolerance "
+            f"{_fmt(a['tolerance'], '.4f')}), loss diff {_fmt(lo['diff'], '+.4f')} (tolerance "
+            f"{_fmt(lo['tolerance'], '.4f')}), tolerances 2 standard errors of the baseline's"]
+
+
+_LABELS = {"auc": "AUC", "log_loss": "logloss", "rmse": "RMSE", "mae": "MAE", "eval_loss": "eval loss"}
+_COLUMNS = {"auc": ("auc", "log_loss"), "rmse": ("rmse", "mae"), "eval_loss": ("eval_loss",)}
+"""The held-out metric of a phase's quality -> the columns of the results table."""
+
+
+def _metrics(parity: dict[str, Any]) -> list[str]:
+    return list(parity.get("metrics") or ["auc"])
+
+
+def _columns(results: dict[str, Any]) -> tuple[str, ...]:
+    """The quality columns of the table: AUC and log loss, RMSE and MAE, or the held-out loss."""
+    for p in results.get("phases", {}).values():
+        q = p.get("quality") or {}
+        for key, columns in _COLUMNS.items():
+            if key in q:
+                return columns
+    return _COLUMNS["auc"]
 
 
 def table(results: dict[str, Any]) -> str:
     """The human-readable summary printed at the end of a job."""
     cfg = results.get("config", {})
     c, j = cfg.get("cluster", {}), cfg.get("job", {})
+    cols = _columns(results)
+    heads = "".join(f" {_LABELS[k]:>8}" for k in cols)
     lines = [
         f"fxdist job {results.get('job')}: {c.get('trainers')} trainers, {c.get('parameter_servers')} parameter "
         f"servers, {j.get('steps')} steps per phase, batch {j.get('batch_size')} per trainer"
@@ -89,7 +111,7 @@ def table(results: dict[str, Any]) -> str:
            if c.get("parameter_servers") and c.get("server_fetch_delay_ms") else ""),
         "",
         f"{'phase':<10} {'QPS':>10} {'step p50':>9} {'step p99':>9} {'fetch p50':>10} {'fetch p99':>10} "
-        f"{'loss':>7} {'AUC':>7} {'logloss':>8}",
+        f"{'loss':>7}{heads}",
         f"{'':<10} {'samples/s':>10} {'ms':>9} {'ms':>9} {'ms':>10} {'ms':>10}",
     ]
     for name, p in results.get("phases", {}).items():
@@ -97,10 +119,10 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"{name:<10} {_fmt(p.get('qps')):>10} {_fmt(p.get('step_p50_ms'), '.2f'):>9} "
             f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('fetch_p50_ms'), '.3f'):>10} "
-            f"{_fmt(p.get('fetch_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7} "
-            f"{_fmt(q.get('auc'), '.4f'):>7} {_fmt(q.get('log_loss'), '.4f'):>8}"
+            f"{_fmt(p.get('fetch_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7}"
+            + "".join(f" {_fmt(q.get(k), '.4f'):>8}" for k in cols)
         )
-    lines += _quality_notes(results, j.get("steps"))
+    lines += _quality_notes(results, j.get("steps"), cols)
     shares = {name: p["metrics_percent"] for name, p in results.get("phases", {}).items()
               if p.get("metrics_percent") is not None}
     if shares and (cfg.get("metrics") or {}).get("enabled", True):
@@ -112,24 +134,9 @@ def table(results: dict[str, Any]) -> str:
         ran = ", ".join(f"{r['name']} ({r.get('nodes_added', 0)}+/{r.get('nodes_erased', 0)}-)"
                         for r in opt.get("passes", [])) or "none"
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
-    inf = results.get("inference")
-    if inf:
-        at = f", model after step {inf['model_step']}" if inf.get("model_step") is not None else ""
-        lines += [
-            "",
-            f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread{at}): "
-            f"{inf['method']}",
-            f"{'':<10} {'QPS':>10} {'AUC':>7} {'logloss':>8}",
-        ]
-        for name in ("fp32",) if inf.get("kept_fp32") else ("fp32", "int8"):
-            r = inf[name]
-            lines.append(f"{name:<10} {_fmt(r['qps']):>10} {_fmt(r['auc'], '.4f'):>7} {_fmt(r['log_loss'], '.4f'):>8}")
-        if inf.get("layers") is not None:  # quant.select_int8: per-layer fp32 / int8 µs per call, measured here
-            lines.append(f"int8 layer selection on this CPU ({inf.get('isa')}), µs per call fp32 / int8: " + "; ".join(
-                f"{x['target']} {_fmt(x['fp32_us'])} / {_fmt(x['int8_us'])} -> {'int8' if x['chosen'] else 'fp32'}"
-                for x in inf["layers"]))
-        note = f" ({inf['note']})" if inf.get("note") else ""
-        lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x{note}")
+        if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
+            lines += opt["placement"].splitlines()
+    lines += _inference_lines(results.get("inference"), cols)
     parse = (results.get("data") or {}).get("parse") or {}
     if parse:
         bad = sum(parse.get("malformed", {}).values())
@@ -143,19 +150,42 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _quality_notes(results: dict[str, Any], steps: Any) -> list[str]:
-    """What the AUC / logloss columns refer to, and the end-of-phase values when those differ."""
+def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[str]:
+    """The fp32-vs-int8 comparison (or why there is none)."""
+    if not inf:
+        return []
+    if inf.get("skipped"):
+        return ["", f"int8 comparison: {inf['skipped']}"]
+    at = f", model after step {inf['model_step']}" if inf.get("model_step") is not None else ""
+    lines = ["", f"inference on {inf['rows']} held-out rows (batch {inf['batch_size']}, {inf['threads']} thread{at}): "
+                 f"{inf['method']}",
+             f"{'':<10} {'QPS':>10}" + "".join(f" {_LABELS[k]:>8}" for k in cols)]
+    for name in ("fp32",) if inf.get("kept_fp32") else ("fp32", "int8"):
+        r = inf[name]
+        lines.append(f"{name:<10} {_fmt(r['qps']):>10}" + "".join(f" {_fmt(r.get(k), '.4f'):>8}" for k in cols))
+    if inf.get("layers") is not None:  # quant.select_int8 (main's jobs.inference): per-layer µs per call
+        lines.append(f"int8 layer selection on this CPU ({inf.get('isa')}), µs per call fp32 / int8: " + "; ".join(
+            f"{x['target']} {_fmt(x['fp32_us'])} / {_fmt(x['int8_us'])} -> {'int8' if x['chosen'] else 'fp32'}"
+            for x in inf["layers"]))
+    note = f" ({inf['note']})" if inf.get("note") else ""
+    lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x{note}")
+    return lines
+
+
+def _quality_notes(results: dict[str, Any], steps: Any, cols: tuple[str, ...] = _COLUMNS["auc"]) -> list[str]:
+    """What the quality columns (AUC / logloss, or RMSE / MAE...) refer to, and the end-of-phase values when
+    those differ."""
     phases = results.get("phases", {})
     first = next(iter(phases.values()), {})
     if "quality_step" not in first:
         return []
     rows = (first.get("quality") or {}).get("rows")
     step, epochs = first["quality_step"], first.get("quality_epochs")
-    lines = [f"AUC, logloss: {rows} held-out rows, model after step {step} of {steps}"
+    lines = [f"{', '.join(_LABELS[k] for k in cols)}: {rows} held-out rows, model after step {step} of {steps}"
              + (f" ({epochs:.2f} epochs over each trainer's shard)" if epochs is not None else "")]
     if step != steps:
-        ends = ", ".join(f"{name} AUC {_fmt((p.get('quality_end') or {}).get('auc'), '.4f')} "
-                         f"logloss {_fmt((p.get('quality_end') or {}).get('log_loss'), '.4f')}"
+        ends = ", ".join(f"{name} " + " ".join(f"{_LABELS[k]} {_fmt((p.get('quality_end') or {}).get(k), '.4f')}"
+                                               for k in cols)
                          for name, p in phases.items())
         lines.append(f"  at the phase end (step {steps}, {_fmt(first.get('epochs'), '.1f')} epochs): {ends}")
     return lines
@@ -189,7 +219,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
         ax_loss.plot(range(1, len(losses) + 1), losses, label=name)
     ax_qps.set(title=f"{results.get('job')}: training QPS", xlabel="seconds since phase start",
                ylabel="samples/s (all trainers)")
-    ax_loss.set(title="training loss (rank 0)", xlabel="step", ylabel="BCE loss")
+    ax_loss.set(title="training loss (rank 0)", xlabel="step", ylabel=(results.get("config", {}).get("train") or {}).get("loss", "bce_with_logits"))
     for ax in (ax_qps, ax_loss):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -10,6 +10,9 @@
 - ``after_backward()``: push embedding gradients (servers) or nothing (local tables are DDP parameters);
 - ``sync()``: wait for this trainer's updates in flight (before checkpoints and evaluation);
 - ``fetch_seconds()``: seconds blocked on embedding fetches since the last call, or ``None``;
+- ``prefetch_hits()``: lookups answered by a prefetch so far;
+- ``placement_pass()`` / ``attach(gm)`` (only for your model on servers): the ``parameter_servers`` pass the
+  phase's module gets first, and the module it produced;
 - ``state_dict()`` / ``load_state_dict(state)``: the tables' contents for checkpoints (rank 0);
 - ``close()``.
 
@@ -44,6 +47,9 @@ class LocalTables:
     def fetch_seconds(self) -> float | None:
         return None
 
+    def prefetch_hits(self) -> int:
+        return 0
+
     def sync(self) -> None:
         """Nothing in flight."""
 
@@ -61,7 +67,8 @@ def make_tables(config, rank: int, world: int, loop_config: dict[str, Any], expo
     """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``."""
     if config.cluster.parameter_servers == 0:
         return LocalTables()
-    from jobs.ps import ServerTables
+    from jobs.ps import ServerTables, UserServerTables
 
     phases = ("baseline", "optimized") if config.phases.baseline else ("optimized",)
-    return ServerTables(config, rank, world, loop_config, exporter, phases)
+    cls = UserServerTables if config.user_model else ServerTables
+    return cls(config, rank, world, loop_config, exporter, phases)

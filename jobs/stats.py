@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["auc", "auc_standard_error", "log_loss", "binary_metrics", "percentile", "phase_summary", "qps_series",
+__all__ = ["auc", "auc_standard_error", "log_loss", "binary_metrics", "regression_metrics", "percentile", "phase_summary", "qps_series",
            "gain_percent", "median_interval", "interleaved_gain", "parity_check"]
 
 
@@ -59,6 +59,28 @@ def binary_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> dict[st
     """``{"auc", "log_loss", "rows", "positives"}`` of click probabilities against labels."""
     return {"auc": auc(probabilities, labels), "log_loss": log_loss(probabilities, labels),
             "rows": int(labels.numel()), "positives": int((labels.flatten() > 0.5).sum())}
+
+
+def regression_metrics(predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """``{"rmse", "rmse_se", "mae", "rows"}`` of predictions against targets (e.g. ratings).
+
+    ``rmse_se`` is the standard error of the RMSE over resamplings of the rows, by the delta method: with the
+    per-row squared errors ``e_i``, ``se(mean e) = std(e) / sqrt(n)`` and ``se(sqrt(m)) = se(m) / (2 sqrt(m))``.
+
+    Shapes: ``predictions (N,)``, ``targets (N,)``.
+
+    >>> r = regression_metrics(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    >>> round(r["rmse"], 4), round(r["rmse_se"], 4), r["mae"], r["rows"]
+    (1.0, 0.5, 0.5, 4)
+    """
+    err = predictions.detach().double().flatten() - targets.detach().double().flatten()
+    sq = err**2
+    n = sq.numel()
+    mse = float(sq.mean()) if n else float("nan")
+    rmse = math.sqrt(mse) if n else float("nan")
+    se_mse = float(sq.std() / math.sqrt(n)) if n > 1 else float("nan")
+    return {"rmse": rmse, "rmse_se": se_mse / (2 * rmse) if rmse > 0 else float("nan"),
+            "mae": float(err.abs().mean()) if n else float("nan"), "rows": int(n)}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -180,10 +202,12 @@ def interleaved_gain(blocks: Sequence[dict[str, Sequence[float]]], baseline: str
 
 
 def parity_check(baseline: dict[str, Any], optimized: dict[str, Any], *, sigmas: float = 2.0) -> dict[str, Any]:
-    """Compare the optimized phase's model with the baseline's: held-out AUC and training loss.
+    """Compare the optimized phase's model with the baseline's: its held-out quality metric and training loss.
 
     Tolerances come from the baseline's own spread: for the AUC, ``sigmas`` standard errors of the
-    baseline AUC on its held-out rows (:func:`auc_standard_error`); for the loss, ``sigmas`` standard errors
+    baseline AUC on its held-out rows (:func:`auc_standard_error`); for an RMSE (regression jobs, see
+    :func:`regression_metrics`) or a held-out mean loss (``eval_loss``, your own loss), ``sigmas`` of its
+    standard error (``rmse_se`` / ``eval_loss_se``); for the loss, ``sigmas`` standard errors
     of the baseline's mean loss over its last 10 % of steps (the batch-to-batch spread of that mean). The
     per-step loss curves of rank 0 are compared too: ``max_step_loss_diff`` is 0 when the two phases trained
     bit-identically (what step-ordered parameter servers give; see ``scheduling.ps.ordering``).
@@ -192,15 +216,22 @@ def parity_check(baseline: dict[str, Any], optimized: dict[str, Any], *, sigmas:
         baseline, optimized: phase summaries (:func:`phase_summary` plus ``quality``).
 
     Returns:
-        ``{"ok", "auc": {...}, "loss": {...}, "max_step_loss_diff", "identical_losses"}`` where each of
-        ``auc``/``loss`` is ``{"baseline", "optimized", "diff", "tolerance", "ok"}``.
+        ``{"ok", "metrics", <metric>: {...}, "loss": {...}, "max_step_loss_diff", "identical_losses"}`` where
+        ``metrics`` names the held-out metric checked (``["auc"]``, ``["rmse"]`` or ``["eval_loss"]``, from the
+        baseline's quality) and each of ``<metric>``/``loss`` is ``{"baseline", "optimized", "diff",
+        "tolerance", "ok"}``.
     """
     qb, qo = baseline.get("quality") or {}, optimized.get("quality") or {}
-    out: dict[str, Any] = {}
-    a_b, a_o = qb.get("auc", float("nan")), qo.get("auc", float("nan"))
-    pos = qb.get("positives")
-    se = auc_standard_error(a_b, pos, qb.get("rows", 0) - pos) if pos is not None else float("nan")
-    out["auc"] = _within(a_b, a_o, sigmas * se)
+    out: dict[str, Any] = {"metrics": []}
+    metric = next((m for m in ("rmse", "eval_loss") if m in qb), "auc")
+    out["metrics"].append(metric)
+    if metric == "auc":
+        a_b, a_o = qb.get("auc", float("nan")), qo.get("auc", float("nan"))
+        pos = qb.get("positives")
+        se = auc_standard_error(a_b, pos, qb.get("rows", 0) - pos) if pos is not None else float("nan")
+        out["auc"] = _within(a_b, a_o, sigmas * se)
+    else:
+        out[metric] = _within(qb[metric], qo.get(metric, float("nan")), sigmas * qb.get(f"{metric}_se", float("nan")))
     series_b, series_o = baseline.get("loss_series") or [], optimized.get("loss_series") or []
     tail = series_b[-max(1, len(series_b) // 10):]
     spread = float(torch.tensor(tail, dtype=torch.float64).std()) if len(tail) > 1 else float("nan")
@@ -209,7 +240,7 @@ def parity_check(baseline: dict[str, Any], optimized: dict[str, Any], *, sigmas:
     pairs = list(zip(series_b, series_o))
     out["max_step_loss_diff"] = max((abs(x - y) for x, y in pairs), default=float("nan"))
     out["identical_losses"] = bool(pairs) and len(series_b) == len(series_o) and all(x == y for x, y in pairs)
-    out["ok"] = out["identical_losses"] or (out["auc"]["ok"] and out["loss"]["ok"])
+    out["ok"] = out["identical_losses"] or (out[metric]["ok"] and out["loss"]["ok"])
     return out
 
 

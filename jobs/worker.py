@@ -3,11 +3,14 @@
 ``train_loop(loop_config)`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer``. Each of the
 ``trainers`` processes:
 
-1. reads its shard of the Criteo data (:class:`jobs.data.CriteoShard`) and starts its metrics exporter;
+1. reads its shard of the data (:mod:`jobs.workload`: the Criteo reader, or your ``[data] batches``) and
+   starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
-   (``jobs.sparse.ServerTables``, over ``torch.distributed.rpc``);
-3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module,
-   ``optimized`` trains ``fxdist.optimize(model, passes)`` (both wrapped in DDP), each from the same
+   (``jobs.ps.ServerTables``, over ``torch.distributed.rpc``; for your model ``jobs.ps.UserServerTables``,
+   whose ``parameter_servers`` pass moves its tables there);
+3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module (your model
+   on servers: after only the ``parameter_servers`` pass, so its lookups block), ``optimized`` trains
+   ``fxdist.optimize(model, passes)`` (both wrapped in DDP), each from the same
    initial weights with its own optimizer and its own tables; they alternate blocks of
    ``[phases] block_steps`` steps (the order flips every block), so both see the same machine load
    and the QPS gain is the median of paired block ratios (:func:`jobs.stats.interleaved_gain`);
@@ -42,22 +45,13 @@ from torch import nn
 from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
-from jobs.model import DLRM, LocalEmbeddings
-from jobs.stats import binary_metrics, interleaved_gain, phase_summary
+from jobs.stats import interleaved_gain, phase_summary
+from jobs.workload import CriteoWorkload, build_model, make_workload
 
 __all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
 
 PHASES = ("baseline", "optimized")
 REGISTER_WAIT_S = 3.0
-
-
-def build_model(config: JobConfig, sparse_arch: nn.Module | None = None) -> DLRM:
-    """The job's DLRM, initialised from ``[job] seed`` (same weights in every phase and rank)."""
-    m = config.model
-    torch.manual_seed(config.job.seed)
-    if sparse_arch is None:
-        sparse_arch = LocalEmbeddings(26, m.table_size, m.embedding_dim)
-    return DLRM(sparse_arch, dim=m.embedding_dim, bottom=m.bottom_mlp, top=m.top_mlp)
 
 
 @dataclass
@@ -85,20 +79,29 @@ class PhaseRun:
     """Training seconds of each block of steps (phases alternate block by block; see :func:`block_ends`)."""
 
 
-def _make_trained_module(model: DLRM, phase: str, config: JobConfig) -> tuple[nn.Module, dict[str, Any]]:
-    """The module trained in ``phase``: the eager model, or ``fxdist.optimize(model, passes)``."""
+def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables: Any = None,
+                         ) -> tuple[nn.Module, dict[str, Any]]:
+    """The module trained in ``phase``: the eager model, or ``fxdist.optimize(model, passes)``; when the
+    tables backend has a ``placement_pass`` (your model on servers), that pass comes first in both phases
+    (no eager fallback then: the tables must move)."""
     info: dict[str, Any] = {"passes": [], "fallback": None}
-    if phase == "baseline" or not config.phases.passes:
+    first = getattr(tables, "placement_pass", None)
+    passes = [first()] if first is not None else []
+    passes += list(config.phases.passes) if phase != "baseline" else []
+    if not passes:
         return model, info
     import fxdist
 
     try:
-        gm = fxdist.optimize(model, passes=tuple(config.phases.passes))
+        gm = fxdist.optimize(model, passes=tuple(passes))
     except Exception as e:  # the tracer's error carries the hint; we only decide whether to go on
-        if not config.job.allow_eager_fallback:
+        if not config.job.allow_eager_fallback or first is not None:
             raise
         info["fallback"] = f"{type(e).__name__}: {e}"
         return model, info
+    if first is not None:
+        tables.attach(gm)
+        info["placement"] = gm.meta["fxdist"].get("placement", {}).get("plan_text")
     info["passes"] = list(gm.meta.get("fxdist", {}).get("passes", []))
     return gm, info
 
@@ -110,16 +113,23 @@ class PhaseTrainer:
     Args:
         tables: The phase's sparse backend (``LocalTables`` or a ``ServerTables`` view): gives
             ``prepare(ids)``, ``fetch_seconds()`` and ``after_backward()``.
+        data: The workload (:mod:`jobs.workload`), or a :class:`~jobs.data.CriteoShard` for the DLRM.
         start_step: The first step (a resumed trainer continues the batch sequence there).
         optim_state: Optimizer state to resume from.
+
+    Prefetch: a module from ``async_rpc_prefetch`` takes ``next_<input>`` arguments; each step passes the next
+    batch's input of that name (positional inputs are named by the module's ``forward`` signature).
     """
 
-    def __init__(self, phase: str, model: DLRM, tables: Any, shard: CriteoShard, config: JobConfig, *,
+    def __init__(self, phase: str, model: nn.Module, tables: Any, data: Any, config: JobConfig, *,
                  start_step: int = 0, optim_state: dict | None = None, exporter: Exporter | None = None) -> None:
         self.phase, self.model, self.tables, self.config, self.exporter = phase, model, tables, config, exporter
+        self.workload = CriteoWorkload(config, data) if isinstance(data, CriteoShard) else data
         self.device = _device(config)
         model.to(self.device)
-        self.module, self.info = _make_trained_module(model, phase, config)
+        self.module, self.info = _make_trained_module(model, phase, config, tables)
+        # your model on servers is evaluated through its module (its own tables left the trainer)
+        self.evaluated = self.module if hasattr(tables, "attach") else model
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.trained = nn.parallel.DistributedDataParallel(self.module, device_ids=ids) if distributed else self.module
@@ -127,20 +137,28 @@ class PhaseTrainer:
                                              lr=config.job.lr)
         if optim_state is not None:
             self.optimizer.load_state_dict(optim_state)
-        self.loss_fn = nn.BCEWithLogitsLoss()
+        self.loss_fn = self.workload.loss
         self.run = PhaseRun(phase, start_step)
         self.step = start_step
-        self._batches = shard.batches(config.job.batch_size, start=start_step)
-        self._ahead = _next_batch_input(self.module)
+        self._batches = self.workload.train_batches(start_step)
+        self._names, self._ahead = _next_batch_inputs(self.module)
         self._hits = self._prefetch_hits()
         self._upcoming = self._next() if start_step < config.job.steps else None
 
     def _prefetch_hits(self) -> int:
-        return getattr(getattr(self.tables, "client", None), "prefetch_hits", 0)
+        return self.tables.prefetch_hits()
 
-    def _next(self) -> tuple[Any, tuple[torch.Tensor, Any, torch.Tensor]]:
+    def _next(self) -> tuple[Any, tuple[tuple, dict[str, Any], torch.Tensor]]:
         batch = next(self._batches)
-        return batch, _to(batch, self.tables, self.device)
+        return batch, self.workload.inputs(batch, self.tables, self.device)
+
+    def _lookahead(self) -> dict[str, Any]:
+        """``{next_<input>: the next batch's <input>}`` for the module's ``next_*`` parameters."""
+        if not self._ahead or self._upcoming is None:
+            return {}
+        args, kwargs, _ = self._upcoming[1]
+        given = {**dict(zip(self._names, args)), **kwargs}
+        return {nxt: given[name] for nxt, name in self._ahead.items() if name in given}
 
     def train(self, until: int, on_step: Any = None) -> float:
         """Train steps ``self.step .. until - 1``; returns their training seconds (``on_step`` excluded).
@@ -151,18 +169,18 @@ class PhaseTrainer:
         block_start, callbacks = time.perf_counter(), 0.0
         before = run.wall_seconds
         while self.step < min(until, steps):
-            batch, (dense, sparse, labels) = self._upcoming
+            batch, (args, kwargs, labels) = self._upcoming
             self._upcoming = self._next() if self.step + 1 < steps else None
-            # a module from async_rpc(prefetch=True) takes the next batch's ids, to look them up in this step
-            kwargs = {self._ahead: self._upcoming[1][1]} if self._ahead and self._upcoming is not None else {}
+            # a module from async_rpc(prefetch=True) takes the next batch's inputs, to look them up in this step
+            ahead = self._lookahead()
             t0 = time.perf_counter()
-            loss = self.loss_fn(self.trained(dense, sparse, **kwargs), labels)
+            loss = self.loss_fn(self.trained(*args, **kwargs, **ahead), labels)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.tables.after_backward()
             self.optimizer.step()
             t1 = time.perf_counter()
-            self._record(batch.labels.shape[0], t1 - t0, loss.item(), before + t1 - block_start - callbacks)
+            self._record(labels.shape[0], t1 - t0, loss.item(), before + t1 - block_start - callbacks)
             self.step += 1
             if on_step is not None:
                 t2 = time.perf_counter()
@@ -193,9 +211,9 @@ class PhaseTrainer:
 
 def run_phase(
     phase: str,
-    model: DLRM,
+    model: nn.Module,
     tables: Any,
-    shard: CriteoShard,
+    shard: Any,
     config: JobConfig,
     *,
     start_step: int = 0,
@@ -223,34 +241,30 @@ def _device(config: JobConfig) -> torch.device:
     return ray.train.torch.get_device()
 
 
-def _next_batch_input(module: nn.Module) -> str | None:
-    """The name of the input through which ``module`` (after ``async_rpc(prefetch=True)``) takes the next
-    batch's sparse ids (``next_<sparse input>``), or None."""
+def _next_batch_inputs(module: nn.Module) -> tuple[list[str], dict[str, str]]:
+    """(the names of ``module.forward``'s inputs, ``{"next_<input>": "<input>"}`` for every ``next_*``
+    parameter that ``async_rpc(prefetch=True)`` added), so each step can pass the next batch's inputs."""
     params = inspect.signature(module.forward).parameters
-    names = list(params)
-    return f"next_{names[1]}" if len(names) > 1 and f"next_{names[1]}" in params else None
-
-
-def _to(batch: Any, tables: Any, device: torch.device) -> tuple[torch.Tensor, Any, torch.Tensor]:
-    """(dense, model's sparse input, labels) on ``device``; a KeyedJaggedTensor stays on the CPU (servers)."""
-    sparse = tables.prepare(batch.sparse)
-    if isinstance(sparse, torch.Tensor):
-        sparse = sparse.to(device)
-    return batch.dense.to(device), sparse, batch.labels.to(device)
+    ahead = {n: n[len("next_"):] for n in params if n.startswith("next_") and n[len("next_"):] in params}
+    return [n for n in params if n not in ahead], ahead
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, shard: CriteoShard, tables: Any, batch_size: int = 512) -> dict[str, float]:
-    """AUC and log loss of ``model`` on every row of ``shard``."""
+def evaluate(model: nn.Module, workload: Any, tables: Any) -> dict[str, float]:
+    """The held-out quality of ``model`` on the workload's eval batches (:meth:`quality`: AUC and log loss
+    for the DLRM); ``{}`` when this rank has none."""
+    batches = workload.eval_batches()
+    if batches is None:
+        return {}
     model.eval()
     device = next(model.parameters()).device
-    scores, labels = [], []
-    for batch in shard.all_batches(batch_size):
-        dense, sparse, y = _to(batch, tables, device)
-        scores.append(torch.sigmoid(model(dense, sparse)).cpu())
+    outputs, labels = [], []
+    for batch in batches:
+        args, kwargs, y = workload.inputs(batch, tables, device)
+        outputs.append(model(*args, **kwargs).detach().cpu())
         labels.append(y.cpu())
     model.train()
-    return binary_metrics(torch.cat(scores), torch.cat(labels))
+    return workload.quality(outputs, labels)
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -399,22 +413,17 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         exporter = Exporter(config.job.name, rank)
         exporter.touch(PHASES)
         exporter.serve(loop_config["metrics_port"] + rank, config.metrics.host)
-    shard = CriteoShard(loop_config["data_path"], config.model.table_size, rank=rank, world_size=world,
-                        eval_fraction=config.data.eval_fraction)
-    if rank == 0:
-        state.parse_stats.remote(shard.stats.as_dict(), len(shard))
-    eval_shard = None
-    if rank == 0 and config.data.eval_fraction > 0:
-        eval_shard = CriteoShard(loop_config["data_path"], config.model.table_size,
-                                 eval_fraction=config.data.eval_fraction, split="eval")
+    workload = make_workload(config, rank, world, loop_config["data_path"])
+    if rank == 0 and workload.parse is not None:
+        state.parse_stats.remote(workload.parse, workload.rows)
     resume = _load_checkpoint()
     tables = make_tables(config, rank, world, loop_config, exporter)
     if rank == 0:
         state.event.remote("rank 0: data loaded, tables ready")
-    tables.prepare(shard.sparse[:2])  # warm-up (first use imports torchrec), outside the timed phases
+    workload.warm_up(tables)
     graceful = False
     try:
-        _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter)
+        _run_phases(config, rank, world, workload, tables, resume, state, exporter)
         graceful = True
     finally:
         tables.close(graceful=graceful)
@@ -435,23 +444,28 @@ def eval_step(config: JobConfig, shard_rows: int) -> int:
     return max(1, min(steps, math.ceil(epochs * shard_rows / config.job.batch_size)))
 
 
-def _evaluate_mid_phase(model: DLRM, eval_shard: CriteoShard | None, tables: Any, step: int,
-                        snapshot: bool) -> dict[str, Any]:
+def _evaluate_mid_phase(t: PhaseTrainer, step: int, snapshot: bool) -> dict[str, Any]:
     """All ranks: held-out quality of ``model`` now (rank 0), and with ``snapshot`` a copy of its dense
     weights and tables (the model the job quantizes). Between two barriers, so no trainer's timed step
     waits for rank 0's evaluation."""
+    tables, model = t.tables, t.model
     tables.sync()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank's updates for `step` are on the servers
     out: dict[str, Any] = {}
-    if eval_shard is not None:
-        out = {"step": step, "quality": evaluate(model, eval_shard, tables)}
-        if snapshot:
+    if _has_eval(t.workload):
+        out = {"step": step, "quality": evaluate(t.evaluated, t.workload, tables)}
+        if snapshot and t.workload.quantizable:
             out["model"] = {k: v.detach().clone() for k, v in _plain_state(model.state_dict()).items()}
             out["tables"] = tables.state_dict()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return out
+
+
+def _has_eval(workload: Any) -> bool:
+    """This rank evaluates (rank 0, with held-out data)."""
+    return bool(getattr(workload, "has_eval", False))
 
 
 def block_ends(start: int, steps: int, block_steps: int, checkpoint_every: int) -> list[int]:
@@ -467,36 +481,38 @@ def block_ends(start: int, steps: int, block_steps: int, checkpoint_every: int) 
     return sorted(e for e in ends | {steps} if e > start)
 
 
-def _start_phases(config, rank, shard, tables, resume, state, exporter) -> dict[str, PhaseTrainer]:
-    """A :class:`PhaseTrainer` per phase, from the seed's weights or from the checkpoint ``resume``."""
+def _start_phases(config, rank, workload, tables, resume, state, exporter) -> dict[str, PhaseTrainer]:
+    """A :class:`PhaseTrainer` per phase, from the seed's weights or from the checkpoint ``resume`` (dense
+    weights before the module is built, tables after: your model's tables exist once its pass has run)."""
     phases = [p for p in PHASES if p != "baseline" or config.phases.baseline]
     start = resume["step"] if resume is not None else 0
     trainers = {}
     for phase in phases:
         view = tables.view(phase)
-        model = build_model(config, view.sparse_arch())
+        model = workload.build(view)
         optim_state = None
         if resume is not None:
             model.load_state_dict(resume["models"][phase], strict=False)
-            view.load_state_dict(resume["tables"][phase])
             optim_state = resume["optim"][phase]
+        trainers[phase] = PhaseTrainer(phase, model, view, workload, config, start_step=start, optim_state=optim_state,
+                                       exporter=exporter)
+        if resume is not None:
+            view.load_state_dict(resume["tables"][phase])
             if rank == 0:  # what the model and the (fresh) servers hold now, for the job's record
                 state.restored.remote(phase, start, digest(_plain_state(model.state_dict())), digest(view.state_dict()))
-        trainers[phase] = PhaseTrainer(phase, model, view, shard, config, start_step=start, optim_state=optim_state,
-                                       exporter=exporter)
         if rank == 0:
             state.phase_started.remote(phase, start, config.job.steps)
     return trainers
 
 
-def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, exporter) -> None:
+def _run_phases(config, rank, world, workload, tables, resume, state, exporter) -> None:
     """Train every phase over the same batches, alternating blocks of ``[phases] block_steps`` steps (the
     order flips every block), each phase keeping its own model, optimizer and tables; then summarise."""
     if resume is not None and resume.get("final"):
         return  # every phase finished before this restart
     steps, every = config.job.steps, config.job.checkpoint_every
-    at = eval_step(config, max(_gather(len(shard))))
-    trainers = _start_phases(config, rank, shard, tables, resume, state, exporter)
+    at = eval_step(config, max(_gather(workload.rows)))
+    trainers = _start_phases(config, rank, workload, tables, resume, state, exporter)
     early = {p: dict(((resume or {}).get("eval") or {}).get(p) or {}) for p in trainers}
     last = list(trainers)[-1]
 
@@ -505,8 +521,7 @@ def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, e
         if rank == 0 and (step % 5 == 0 or step == steps):
             state.progress.remote(phase, step)
         if step == at and step < steps:
-            early[phase].update(_evaluate_mid_phase(trainers[phase].model, eval_shard, trainers[phase].tables,
-                                                    step, snapshot=phase == last))
+            early[phase].update(_evaluate_mid_phase(trainers[phase], step, snapshot=phase == last))
         _maybe_inject_faults(config, phase, step, rank, world, state, trainers[phase].tables)
 
     start = next(iter(trainers.values())).step
@@ -517,17 +532,17 @@ def _run_phases(config, rank, world, shard, eval_shard, tables, resume, state, e
             exporter.observe_gain(interleaved_gain([{p: t.run.blocks for p, t in trainers.items()}]))
         if every and end % every == 0 and end < steps:
             _save_checkpoint(end, trainers, early, rank, final=False, state=state)
-    _finish_phases(config, rank, shard, eval_shard, trainers, early, state)
+    _finish_phases(config, rank, workload, trainers, early, state)
 
 
-def _finish_phases(config, rank, shard, eval_shard, trainers, early, state) -> None:
+def _finish_phases(config, rank, workload, trainers, early, state) -> None:
     """Every phase's summary to the JobState (rank 0), then the final checkpoint."""
     steps = config.job.steps
-    shard_rows = max(_gather(len(shard)))
+    shard_rows = max(_gather(workload.rows))
     for phase, t in trainers.items():
         t.tables.sync()
         runs = _gather(t.run)  # also a barrier: every rank's updates are on the servers before evaluation
-        end = evaluate(t.model, eval_shard, t.tables) if eval_shard is not None else {}
+        end = evaluate(t.evaluated, workload, t.tables) if _has_eval(workload) else {}
         if rank == 0:
             summary = phase_summary(runs, config.job.batch_size)
             quality_step = early[phase].get("step", steps)

@@ -35,7 +35,15 @@ Configuration (what trains what):
   made unique in the process (``"#2"`` appended when taken before: a server keeps the shards of a name it has
   seen); ``gm.meta["fxdist"]["placement"]["clients"]`` lists them.
 - After the last step call :func:`flush` (waits the pushes still in flight); :func:`table_state_dict` reads the
-  tables back under your model's state-dict names; :func:`close` unregisters the clients.
+  tables back under your model's state-dict names (with ``optimizer_state=True`` also the row-wise Adagrad
+  state, ``"<path>.momentum"``), :func:`load_table_state_dict` writes such a dict back (checkpoint restore);
+  :func:`close` unregisters the clients.
+- Several trainers (data parallel, ``rank`` / ``world_size`` / ``group``): every trainer runs the pass on the same
+  model (same weights, same client names); rank 0 creates the tables on the servers, the others attach to them,
+  and the servers serve the trainers in step order (:mod:`scheduling.ps.ordering`: a step-``k`` lookup sees
+  exactly the pushes of steps ``0 .. k-1`` of every trainer), so training is deterministic whatever the
+  schedule. The other ranks must not run a step before rank 0's pass has returned: synchronise after the pass
+  (e.g. ``torch.distributed.barrier()``).
 - Prefetch: after ``async_rpc_prefetch`` each step's push also asks for the next batch's lookup; pass the next
   batch as ``next_<input name>`` (e.g. ``gm(dense, kjt, next_kjt=nxt)``, pairs from
   :func:`scheduling.lookahead`). This works for a lookup whose batch is a graph input (a KeyedJaggedTensor
@@ -70,7 +78,7 @@ from .ps import ops
 from .ps.config import TableSpec, table_specs
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
-           "table_state_dict", "client_names"]
+           "table_state_dict", "load_table_state_dict", "client_names"]
 
 logger = logging.getLogger("scheduling.placement")
 _USED_NAMES: set[str] = set()
@@ -153,19 +161,24 @@ def _use_shards(client: Any, shards: list[Any]) -> None:
 
 def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
                   placed: dict[str, TablePlacement], servers: list[str], prefix: str, optimizer: str,
-                  kwargs: Mapping[str, float], timeout_s: float) -> dict[str, Any]:
-    """One configured PSClient per module (its namespace on the servers), tables set to the module's weights."""
+                  kwargs: Mapping[str, float], timeout_s: float, group: tuple[int, int, str | None] = (0, 1, None),
+                  ) -> dict[str, Any]:
+    """One PSClient per module (its namespace on the servers); rank 0 of ``group`` ``(rank, world_size, key)``
+    sets the tables to the module's weights, the other ranks attach to them."""
     from .ps.client import PSClient
 
+    rank, world_size, key = group
     clients: dict[str, Any] = {}
     try:
         for c in found:
             pairs = tables[c.qualname]
             client = PSClient([t.spec for t, _ in pairs], servers, optimizer=optimizer, optimizer_kwargs=kwargs,
-                              name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False)
+                              name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False,
+                              rank=rank, world_size=world_size, group=key)
             clients[c.qualname] = client
             _use_shards(client, [sp for t, _ in pairs for sp in shards_of(placed[t.path], len(servers))])
-            client.configure({t.spec.name: w.detach().float().clone() for t, w in pairs})
+            if rank == 0:
+                client.configure({t.spec.name: w.detach().float().clone() for t, w in pairs})
     except BaseException:
         for client in clients.values():
             client.close(flush=False)
@@ -268,7 +281,8 @@ def _record(gm: GraphModule, placements: list[TablePlacement], servers: list[str
 def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0.01, *,
                       plan: Mapping[str, Any] | None = None, servers: Sequence[str] | None = None,
                       client: str = "ps", optimizer_kwargs: Mapping[str, float] | None = None,
-                      timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None) -> GraphModule:
+                      timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None,
+                      rank: int = 0, world_size: int = 1, group: str | None = None) -> GraphModule:
     """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
 
     Args:
@@ -282,6 +296,10 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
         client: prefix of the clients' names (``"<client>:<module path>"``).
         timeout_s: RPC timeout of the clients, in seconds.
         verbose: print the plan (it is always logged at INFO on ``scheduling.placement``); ``file``: where.
+        rank, world_size, group: this trainer's rank among ``world_size`` data-parallel trainers that share the
+            tables, and a key they share (e.g. a uuid rank 0 broadcasts); rank 0 creates the tables, the others
+            attach, and the servers serve the group in step order (see the module docstring). Default: one
+            trainer.
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
@@ -289,7 +307,8 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
 
     Raises:
         scheduling.ps.NoGroupError: there is something to move but no parameter-server group runs here.
-        ValueError: a bad ``plan`` entry, unknown optimizer, or servers used by a client with another optimizer.
+        ValueError: a bad ``plan`` entry, unknown optimizer, servers used by a client with another optimizer, or
+            ``world_size > 1`` without a ``group`` key.
         scheduling.ps.PSUnavailableError: a server did not answer the configuration.
     """
     gm = _as_graph_module(gm)
@@ -309,7 +328,8 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     tables = {c.qualname: _tables_of(c) for c in found}
     placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
     placed = {p.table.path: p for p in placements}
-    clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s)
+    clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s,
+                            (rank, world_size, group))
     for c in found:
         _rewrite(gm, c, clients[c.qualname], trainable=any(w.requires_grad for _, w in tables[c.qualname]))
     gm.graph.lint()
@@ -373,15 +393,56 @@ def close(gm: Any) -> None:
         get_client(name).close()
 
 
-def table_state_dict(gm: Any) -> dict[str, torch.Tensor]:
-    """The moved tables as in the original model's ``state_dict``: ``{"<path>.weight": (N, D)}``."""
+def table_state_dict(gm: Any, optimizer_state: bool = False) -> dict[str, torch.Tensor]:
+    """The moved tables as in the original model's ``state_dict``: ``{"<path>.weight": (N, D)}``; with
+    ``optimizer_state`` also the servers' row-wise Adagrad state ``{"<path>.momentum": (N,)}`` (when the
+    optimizer has one). Waits this trainer's pushes first."""
     from .ps.client import get_client
 
-    meta = gm.meta["fxdist"]["placement"]
+    meta = _placement_meta(gm)
     out = {}
     for qualname, name in meta["clients"].items():
         state = get_client(name).state_dict()
         for t in meta["tables"]:
             if t["module"] == qualname:
                 out[f"{t['path']}.weight"] = state[f"{t['table']}.weight"]
+                if optimizer_state and f"{t['table']}.momentum" in state:
+                    out[f"{t['path']}.momentum"] = state[f"{t['table']}.momentum"]
     return out
+
+
+def load_table_state_dict(gm: Any, state: Mapping[str, torch.Tensor]) -> None:
+    """Write tables (as from :func:`table_state_dict`, optionally with ``"<path>.momentum"``) to the servers.
+
+    Shapes: ``"<path>.weight"`` ``(N, D)``; ``"<path>.momentum"`` ``(N,)`` (absent: the servers' optimizer
+    state of that table starts from zero).
+
+    Raises:
+        KeyError: a moved table's ``"<path>.weight"`` is missing from ``state`` (the message lists the keys).
+        ValueError: a weight's shape differs from the table's.
+    """
+    from .ps.client import get_client
+
+    meta = _placement_meta(gm)
+    for qualname, name in meta["clients"].items():
+        mine = {}
+        for t in (t for t in meta["tables"] if t["module"] == qualname):
+            key = f"{t['path']}.weight"
+            if key not in state:
+                raise KeyError(f"load_table_state_dict: no {key!r} in the state (keys: {sorted(state)})")
+            if tuple(state[key].shape) != (t["rows"], t["dim"]):
+                raise ValueError(f"load_table_state_dict: {key!r} has shape {tuple(state[key].shape)}, the table on "
+                                 f"the servers is ({t['rows']}, {t['dim']})")
+            mine[f"{t['table']}.weight"] = state[key]
+            if f"{t['path']}.momentum" in state:
+                mine[f"{t['table']}.momentum"] = state[f"{t['path']}.momentum"]
+        get_client(name).load_state_dict(mine)
+
+
+def _placement_meta(gm: Any) -> dict[str, Any]:
+    gm = getattr(gm, "module", gm) if isinstance(gm, nn.parallel.DistributedDataParallel) else gm
+    meta = getattr(gm, "meta", {}).get("fxdist", {}).get("placement", {})
+    if "clients" not in meta:
+        raise ValueError(f"{type(gm).__name__} has no tables on parameter servers (run the parameter_servers "
+                         "pass on it first)")
+    return meta

@@ -67,3 +67,34 @@ def test_parity_check_accepts_identical_and_close_runs_and_rejects_a_different_m
     assert 0 < close["auc"]["tolerance"] < 0.06 and close["auc"]["ok"]
     worse = parity_check(_phase(losses, 0.71), _phase([x + 0.2 for x in losses], 0.60))
     assert not worse["ok"] and not worse["auc"]["ok"] and not worse["loss"]["ok"]
+
+
+def test_rmse_standard_error_matches_the_spread_of_resampled_rmses():
+    from jobs.stats import regression_metrics
+
+    gen = torch.Generator().manual_seed(2)
+    targets = torch.randint(1, 6, (3000,), generator=gen).float()
+    predictions = targets + torch.randn(3000, generator=gen) * 0.9
+    r = regression_metrics(predictions, targets)
+    boot = []
+    for _ in range(200):
+        idx = torch.randint(0, 3000, (3000,), generator=gen)
+        boot.append(regression_metrics(predictions[idx], targets[idx])["rmse"])
+    assert r["rmse"] == pytest.approx(0.9, rel=0.05)
+    assert r["rmse_se"] == pytest.approx(float(torch.tensor(boot).std()), rel=0.25)
+
+
+def test_parity_on_rmse_uses_the_baselines_standard_error():
+    losses = [1.2 - 0.01 * i + 0.02 * math.sin(i) for i in range(40)]
+
+    def phase(series, rmse):
+        return {"loss_series": series, "loss": sum(series[-4:]) / 4, "quality": {"rmse": rmse, "rmse_se": 0.01}}
+
+    close = parity_check(phase(losses, 0.95), phase([x + 1e-4 for x in losses], 0.96))
+    assert close["ok"] and close["metrics"] == ["rmse"] and "auc" not in close
+    assert close["rmse"]["tolerance"] == pytest.approx(0.02) and close["rmse"]["ok"]
+    worse = parity_check(phase(losses, 0.95), phase([x + 1e-4 for x in losses], 0.98))
+    assert not worse["ok"] and not worse["rmse"]["ok"] and worse["loss"]["ok"]
+    from jobs.report import parity_problem
+
+    assert parity_problem(worse).startswith("differs from the baseline: rmse 0.9800 vs baseline 0.9500")

@@ -430,3 +430,31 @@ def test_embedding_collection_trains_as_with_local_tables(cluster):
     for key in tables:
         torch.testing.assert_close(tables[key], local_tables[key], rtol=1e-5, atol=1e-6)
     assert hits == 3 * 2                                                   # both servers, steps 2..4
+
+
+def test_table_state_round_trip_with_optimizer_state(cluster):
+    """table_state_dict(optimizer_state=True) then load_table_state_dict restores weights and row-wise Adagrad
+    state exactly (a job's checkpoint); a missing table or a wrong shape is refused before anything is sent."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("bag", nn.EmbeddingBag(30, 4, mode="sum"))
+    gm = placement.parameter_servers(model, optimizer="rowwise_adagrad", lr=0.1, client="roundtrip", verbose=False)
+    ids = torch.randint(0, 30, (8, 3))
+    gm(ids).sum().backward()
+    placement.flush(gm)
+    saved = placement.table_state_dict(gm, optimizer_state=True)
+    assert sorted(saved) == ["bag.momentum", "bag.weight"] and saved["bag.momentum"].abs().sum() > 0
+    assert sorted(placement.table_state_dict(gm)) == ["bag.weight"]
+    gm(ids).sum().backward()  # one more step changes both
+    placement.flush(gm)
+    assert not torch.equal(placement.table_state_dict(gm)["bag.weight"], saved["bag.weight"])
+    placement.load_table_state_dict(gm, saved)
+    again = placement.table_state_dict(gm, optimizer_state=True)
+    assert all(torch.equal(again[k], saved[k]) for k in saved)
+    with pytest.raises(KeyError, match="no 'bag.weight' in the state"):
+        placement.load_table_state_dict(gm, {"other.weight": saved["bag.weight"]})
+    with pytest.raises(ValueError, match=r"'bag.weight' has shape \(29, 4\), the table on the servers is \(30, 4\)"):
+        placement.load_table_state_dict(gm, {"bag.weight": saved["bag.weight"][:29]})
+    with pytest.raises(ValueError, match="no tables on parameter servers"):
+        placement.load_table_state_dict(nn.Linear(2, 2), saved)
+    placement.close(gm)

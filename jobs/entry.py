@@ -1,0 +1,264 @@
+"""Your model and data in ``fxdist launch``: entry points, the batch contract, losses and quality metrics.
+
+A job trains your model instead of the built-in DLRM when its config names three entry points, each
+``"package.module:function"`` (``module:Class.method`` works too); the module must be importable by the
+Ray workers as well (on one machine they inherit the launcher's ``PYTHONPATH``)::
+
+    [model]
+    factory = "mypkg.models:make_model"    # factory(config) -> nn.Module, or factory() -> nn.Module
+    [data]
+    batches = "mypkg.data:batches"         # batches(ctx: DataContext) -> iterable of batches
+    [train]
+    loss = "mse"                           # "bce_with_logits" | "mse" | "mypkg.losses:my_loss"
+
+``factory`` is called after ``torch.manual_seed([job] seed)``, once per phase and trainer (every call must
+give the same weights, so that both phases start alike). ``batches(ctx)`` is called with a
+:class:`DataContext` for ``ctx.split == "train"`` (this trainer's batches: shard by ``ctx.rank`` /
+``ctx.world_size``) and ``"eval"`` (the held-out batches, read on rank 0; return ``[]`` for none). The train
+iterable is one epoch: when it ends, the job calls ``batches`` again. It must be deterministic (the same
+batches for the same ``ctx``): each phase reads its own copy and they are compared step by step.
+
+A batch is one of (labels: a ``(B,)`` or ``(B, 1)`` float tensor; the inputs: tensors, torchrec
+``KeyedJaggedTensor`` s or anything your ``forward`` takes)::
+
+    (input_1, ..., input_n, labels)        # a tuple or list: model(input_1, ..., input_n)
+    {"name": input, ..., "labels": labels} # a dict: model(name=input, ...)
+    a dataclass with a ``labels`` field    # its other fields as keyword arguments
+
+Tensors move to the trainer's device; other inputs (``KeyedJaggedTensor``) stay on the CPU. With
+``async_rpc_prefetch`` the optimized module takes ``next_<input>`` arguments: the job passes the next
+batch's input of the same name (see :func:`jobs.worker.PhaseTrainer`).
+
+Every entry point is imported and checked before Ray starts (:func:`check`): the factory is called once and
+must return an ``nn.Module``, and the first train batch must follow the contract; a problem is a
+:class:`jobs.config.ConfigError` naming the key (``fxdist launch`` exits with status 2).
+
+Source: Ray Train ``train_loop_per_worker`` (user code run in every worker); torchrec ``KeyedJaggedTensor``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobs.config import ConfigError, JobConfig
+
+__all__ = ["DataContext", "resolve", "split_batch", "make_model", "data_context", "epoch_batches", "endless", "loss_fn",
+           "quality", "check", "BUILTIN_LOSSES"]
+
+BUILTIN_LOSSES = ("bce_with_logits", "mse")
+
+
+@dataclass(frozen=True)
+class DataContext:
+    """What ``batches(ctx)`` gets."""
+
+    split: str
+    """"train" (this trainer's share of the training data) or "eval" (the held-out data)."""
+    rank: int
+    """This trainer's rank in ``[0, world_size)`` (0 for "eval")."""
+    world_size: int
+    """Trainers sharing the training data (1 for "eval")."""
+    batch_size: int
+    """``[job] batch_size``: samples per step and trainer."""
+    seed: int
+    """``[job] seed``."""
+    path: str = ""
+    """``[data] path`` ("" = your function's default)."""
+    eval_fraction: float = 0.1
+    """``[data] eval_fraction``: the share of the data to hold out for "eval"."""
+    options: dict = field(default_factory=dict)
+    """``[data] options``."""
+
+
+def resolve(spec: str, key: str, source: str = "<config>") -> Callable:
+    """The callable ``"package.module:attr.path"`` names.
+
+    Raises:
+        ConfigError: naming ``key``: not of that form, the module does not import (with the import error),
+            no such attribute, or not callable.
+    """
+    module_name, colon, attr = spec.partition(":")
+    where = f"{source}: {key} = {spec!r}"
+    if not colon or not module_name or not attr:
+        raise ConfigError(f"{where}: expected 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises while importing
+        raise ConfigError(f"{where}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{where}: {attr!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _takes(fn: Callable, count: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): let the call decide
+        return True
+    return True
+
+
+def make_model(config: JobConfig) -> nn.Module:
+    """``factory(config)`` (or ``factory()``) of ``[model] factory``, after ``torch.manual_seed([job] seed)``.
+
+    Raises:
+        ConfigError: the factory cannot be resolved, takes other arguments, or returns no ``nn.Module``.
+    """
+    factory = resolve(config.model.factory, "[model] factory", config.source)
+    torch.manual_seed(config.job.seed)
+    if _takes(factory, 1):
+        model = factory(config)
+    elif _takes(factory, 0):
+        model = factory()
+    else:
+        raise ConfigError(f"{config.source}: [model] factory = {config.model.factory!r}: must take the job config "
+                          "or no argument")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{config.source}: [model] factory = {config.model.factory!r} returned a "
+                          f"{type(model).__name__}, expected an nn.Module")
+    return model
+
+
+def data_context(config: JobConfig, split: str, rank: int = 0, world_size: int = 1) -> DataContext:
+    d = config.data
+    return DataContext(split, rank, world_size, config.job.batch_size, config.job.seed, d.path, d.eval_fraction,
+                       dict(d.options))
+
+
+def _batches(config: JobConfig, ctx: DataContext) -> Iterable[Any]:
+    fn = resolve(config.data.batches, "[data] batches", config.source)
+    if not _takes(fn, 1):
+        raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r}: must take one argument, "
+                          "a jobs.entry.DataContext")
+    out = fn(ctx)
+    if out is None or not isinstance(out, Iterable):
+        raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} returned "
+                          f"{type(out).__name__}, expected an iterable of batches ({ctx.split} split)")
+    return out
+
+
+def epoch_batches(config: JobConfig, ctx: DataContext) -> list[Any]:
+    """One epoch of ``ctx.split``'s batches (a list)."""
+    return list(_batches(config, ctx))
+
+
+def endless(config: JobConfig, ctx: DataContext, start: int = 0) -> Iterator[Any]:
+    """Train batches without end: ``batches(ctx)`` again after each epoch, from batch ``start`` on.
+
+    Raises:
+        ConfigError: an epoch without any batch.
+    """
+    seen = 0
+    while True:
+        empty = True
+        for batch in _batches(config, ctx):
+            empty = False
+            if seen >= start:
+                yield batch
+            seen += 1
+        if empty:
+            raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no batch for the "
+                              f"train split of rank {ctx.rank} of {ctx.world_size}")
+
+
+def split_batch(batch: Any, where: str = "batch") -> tuple[tuple, dict[str, Any], torch.Tensor]:
+    """``(args, kwargs, labels)`` of a batch (see the module docstring for the three forms).
+
+    Raises:
+        ConfigError: another type, no labels, or labels that are not a tensor.
+    """
+    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
+        if len(batch) < 2:
+            raise ConfigError(f"{where}: a tuple batch is (input_1, ..., input_n, labels); got {len(batch)} item(s)")
+        args, kwargs, labels = tuple(batch[:-1]), {}, batch[-1]
+    elif isinstance(batch, dict) or (dataclasses.is_dataclass(batch) and not isinstance(batch, type)):
+        items = dict(batch) if isinstance(batch, dict) else {f.name: getattr(batch, f.name)
+                                                              for f in dataclasses.fields(batch)}
+        if "labels" not in items:
+            raise ConfigError(f"{where}: a {type(batch).__name__} batch needs a 'labels' entry (has "
+                              f"{sorted(items)})")
+        labels = items.pop("labels")
+        args, kwargs = (), items
+    else:
+        raise ConfigError(f"{where}: expected a tuple (inputs..., labels), a dict or a dataclass with 'labels', got "
+                          f"{type(batch).__name__}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() == 0:
+        raise ConfigError(f"{where}: labels must be a (B,) tensor, got {type(labels).__name__}"
+                          f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else ''}")
+    return args, kwargs, labels
+
+
+def loss_fn(config: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss(output, labels)`` of ``[train] loss``; built-ins flatten ``(B, 1)`` outputs to ``(B,)``."""
+    name = config.train.loss
+    if name == "bce_with_logits":
+        return lambda out, y: nn.functional.binary_cross_entropy_with_logits(out.reshape(y.shape), y.float())
+    if name == "mse":
+        return lambda out, y: nn.functional.mse_loss(out.reshape(y.shape), y.float())
+    if ":" not in name:
+        raise ConfigError(f"{config.source}: [train] loss = {name!r}: expected one of {', '.join(BUILTIN_LOSSES)} "
+                          "or 'package.module:function'")
+    fn = resolve(name, "[train] loss", config.source)
+    if not _takes(fn, 2):
+        raise ConfigError(f"{config.source}: [train] loss = {name!r}: must take (output, labels)")
+    return fn
+
+
+def quality(config: JobConfig, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
+    """Held-out quality of the outputs of every eval batch: AUC / log loss ("bce_with_logits"), RMSE with its
+    standard error ("mse", :func:`jobs.stats.regression_metrics`), else the mean loss over batches with its
+    standard error (``eval_loss``, ``eval_loss_se``)."""
+    from jobs.stats import binary_metrics, regression_metrics
+
+    if not outputs:
+        return {}
+    name = config.train.loss
+    y = torch.cat([t.reshape(-1).float() for t in labels])
+    if name in BUILTIN_LOSSES:
+        out = torch.cat([o.detach().reshape(-1).float().cpu() for o in outputs])
+        return binary_metrics(torch.sigmoid(out), y) if name == "bce_with_logits" else regression_metrics(out, y)
+    fn = loss_fn(config)
+    values = torch.tensor([float(fn(o, t)) for o, t in zip(outputs, labels)], dtype=torch.float64)
+    sizes = torch.tensor([t.shape[0] for t in labels], dtype=torch.float64)
+    mean = float((values * sizes).sum() / sizes.sum())
+    se = float(values.std() / math.sqrt(len(values))) if len(values) > 1 else float("nan")
+    return {"eval_loss": mean, "eval_loss_se": se, "rows": int(sizes.sum())}
+
+
+def check(config: JobConfig) -> str:
+    """Import every entry point and run the cheap checks (see the module docstring); returns a note for the log.
+
+    Raises:
+        ConfigError: naming the key and what is wrong.
+    """
+    model = make_model(config)
+    loss_fn(config)
+    ctx = data_context(config, "train", 0, config.cluster.trainers)
+    first = next(iter(_batches(config, ctx)), None)
+    if first is None:
+        raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train batch for "
+                          f"rank 0 of {config.cluster.trainers}")
+    args, kwargs, _ = split_batch(first, f"{config.source}: [data] batches = {config.data.batches!r}: first batch")
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{config.source}: [data] batches: the first batch's inputs do not fit "
+                          f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {e}") from None
+    params = sum(p.numel() for p in model.parameters())
+    return (f"your model: {type(model).__name__} from {config.model.factory} ({params:_} parameters); "
+            f"batches from {config.data.batches}; loss {config.train.loss}")
