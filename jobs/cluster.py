@@ -64,14 +64,22 @@ def interface_of(address: str, interfaces: dict[str, list[Any]] | None = None) -
     ``interfaces``: ``psutil.net_if_addrs()`` (read when None): name -> list of entries with ``.address``.
     """
     if interfaces is None:
-        import psutil
-
-        interfaces = psutil.net_if_addrs()
+        interfaces = _psutil().net_if_addrs()
     for name, addrs in interfaces.items():
         for entry in addrs:
             if entry.family in (socket.AF_INET, socket.AF_INET6) and entry.address.split("%")[0] == address:
                 return name
     return None
+
+
+def _psutil() -> Any:
+    """psutil (requirements.txt); without it, the copy Ray vendors, which ``import ray`` puts on sys.path."""
+    try:
+        import psutil
+    except ImportError:
+        import ray  # noqa: F401  (adds ray/thirdparty_files to sys.path)
+        import psutil
+    return psutil
 
 
 def node_address() -> str:
