@@ -39,7 +39,8 @@ import socket
 from typing import Any
 
 __all__ = ["PLACEMENTS", "SETUP_HOOK", "interface_of", "is_loopback", "node_address", "set_socket_ifnames",
-           "serve_exporter", "where", "server_nodes", "trainer_strategy", "placement_lines"]
+           "serve_exporter", "where", "server_nodes", "trainer_strategy", "placement_lines", "file_sd_groups",
+           "launcher_address", "loopback_elsewhere"]
 
 PLACEMENTS = ("pack", "spread")
 """Values of ``[cluster] placement``."""
@@ -186,3 +187,49 @@ def placement_lines(results: dict[str, Any]) -> list[str]:
     where_ = ", ".join(f"{name} {p.get('address')} (node {str(p.get('node_id'))[:8]})"
                        for name, p in sorted(placed.items(), key=lambda kv: (kv[0].startswith("ps"), kv[0])))
     return [f"placement ({mode}, {len(nodes)} node{'s' if len(nodes) != 1 else ''}): {where_}"]
+
+
+def launcher_address(placement: dict[str, Any]) -> str | None:
+    """The launcher's Ray node address when some process reported a placement and Ray runs, else None."""
+    if not placement:
+        return None
+    try:
+        return node_address()
+    except Exception:  # Ray not initialised: every address counts as reachable
+        return None
+
+
+def loopback_elsewhere(placement: dict[str, Any], here: str | None) -> list[str]:
+    """Names of the processes whose exporter listens on loopback on another node than ``here``."""
+    return sorted(name for name, info in placement.items()
+                  if info.get("metrics") and is_loopback(info["metrics"][0]) and here is not None
+                  and info.get("address") != here)
+
+
+def file_sd_groups(config: Any, placement: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prometheus file-SD target groups of a job, one per exporter (see ``jobs.launch.write_prometheus_files``).
+
+    A process in ``placement`` (``JobState.placed``: :func:`where`) is listed at the (address, port) its
+    exporter reported, with label ``node``; one not reported yet at the configured ``host:port + offset``
+    (trainer rank r: r; server i: trainers + i), or not at all with ``[metrics] host = "node"``. Exporters
+    on loopback of another node than the launcher's (:func:`loopback_elsewhere`) are left out.
+    """
+    m, c = config.metrics, config.cluster
+    host = "127.0.0.1" if m.host in ("", "0.0.0.0") else m.host
+    away = set(loopback_elsewhere(placement, launcher_address(placement)))
+    names = [(f"trainer{r}", "trainer", m.port + r) for r in range(c.trainers)]
+    names += [(f"ps{i}", "parameter_server", m.port + c.trainers + i) for i in range(c.parameter_servers)]
+    groups = []
+    for name, role, port in names:
+        labels = {"fxdist_job": config.job.name, "role": role}
+        info = placement.get(name) or {}
+        if info.get("metrics"):
+            addr, port = info["metrics"]
+            labels["node"] = info.get("address", "")
+        elif m.host == "node":
+            continue
+        else:
+            addr = host
+        if name not in away:
+            groups.append({"targets": [f"{addr}:{port}"], "labels": labels})
+    return groups

@@ -47,7 +47,7 @@ from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.data import DataError, resolve_data_path
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases", "write_prometheus_files",
-           "loopback_elsewhere", "DASHBOARDS"]
+           "DASHBOARDS"]
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 
@@ -185,33 +185,14 @@ def write_prometheus_files(config: JobConfig, run_dir: Path, placement: dict[str
     r at ``host:port + r`` and parameter server i at ``host:port + trainers + i`` (left out with
     ``[metrics] host = "node"``, whose address is known only once the exporter runs). An exporter bound to
     loopback on another node than the launcher's cannot be scraped from here: it is left out (see
-    :func:`loopback_elsewhere`). The file is replaced atomically (Prometheus re-reads it). Returns the
+    :func:`jobs.cluster.file_sd_groups`). The file is replaced atomically (Prometheus re-reads it). Returns the
     prometheus.yml path.
     """
-    from jobs.cluster import is_loopback
+    from jobs.cluster import file_sd_groups
 
-    m, c = config.metrics, config.cluster
     out = run_dir / "prometheus"
     out.mkdir(parents=True, exist_ok=True)
-    host = "127.0.0.1" if m.host in ("", "0.0.0.0") else m.host
-    placement = placement or {}
-    here = _launcher_address(placement)
-    names = [(f"trainer{r}", "trainer", m.port + r) for r in range(c.trainers)]
-    names += [(f"ps{i}", "parameter_server", m.port + c.trainers + i) for i in range(c.parameter_servers)]
-    groups = []
-    for name, role, port in names:
-        labels = {"fxdist_job": config.job.name, "role": role}
-        info = placement.get(name) or {}
-        if info.get("metrics"):
-            addr, port = info["metrics"]
-            labels["node"] = info.get("address", "")
-            if is_loopback(addr) and here is not None and info.get("address") != here:
-                continue
-        elif m.host == "node":
-            continue
-        else:
-            addr = host
-        groups.append({"targets": [f"{addr}:{port}"], "labels": labels})
+    groups = file_sd_groups(config, placement or {})
     tmp = out / "targets.json.tmp"
     tmp.write_text(json.dumps(groups, indent=2) + "\n")
     tmp.replace(out / "targets.json")
@@ -219,27 +200,6 @@ def write_prometheus_files(config: JobConfig, run_dir: Path, placement: dict[str
     rendered = template.replace("{{TARGETS_DIR}}", str(out)).replace("{{RULES}}", str(DASHBOARDS / "rules.yml"))
     (out / "prometheus.yml").write_text(rendered)
     return out / "prometheus.yml"
-
-
-def _launcher_address(placement: dict[str, Any]) -> str | None:
-    """The launcher's Ray node address when Ray runs and some process reported a placement, else None."""
-    if not placement:
-        return None
-    try:
-        from jobs.cluster import node_address
-
-        return node_address()
-    except Exception:  # Ray not initialised: treat every address as reachable
-        return None
-
-
-def loopback_elsewhere(placement: dict[str, Any], here: str | None) -> list[str]:
-    """Names of the processes whose exporter listens on loopback on another node than ``here``."""
-    from jobs.cluster import is_loopback
-
-    return sorted(name for name, info in placement.items()
-                  if info.get("metrics") and is_loopback(info["metrics"][0]) and here is not None
-                  and info.get("address") != here)
 
 
 def _fit(trainer, box: dict[str, Any]) -> None:
@@ -569,7 +529,9 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
 def _retarget(config: JobConfig, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str]) -> None:
     """Rewrite targets.json with the exporters' real addresses; warn about unreachable ones once each."""
     write_prometheus_files(config, run_dir, placement)
-    for name in loopback_elsewhere(placement, _launcher_address(placement)):
+    from jobs.cluster import launcher_address, loopback_elsewhere
+
+    for name in loopback_elsewhere(placement, launcher_address(placement)):
         if name not in warned:
             warned.add(name)
             log(f"{name}'s metrics exporter listens on 127.0.0.1 of node {placement[name].get('address')}: "

@@ -15,7 +15,7 @@ import pytest
 
 import jobs.cluster as cluster
 from jobs.config import ConfigError, load_config, parse_config
-from jobs.launch import JobState, loopback_elsewhere, write_prometheus_files
+from jobs.launch import JobState, write_prometheus_files
 from jobs.metrics import Exporter
 
 Addr = namedtuple("Addr", "family address")
@@ -121,7 +121,7 @@ def test_targets_follow_the_reported_addresses(tmp_path, monkeypatch):
     # ps0's exporter listens on its own node's loopback: unreachable from here, left out
     assert [(g["targets"], g["labels"]["node"]) for g in groups] == [
         (["127.0.0.1:19000"], "10.0.0.1"), (["127.0.0.1:40000"], "10.0.0.1")]
-    assert loopback_elsewhere(placement, "10.0.0.1") == ["ps0"]
+    assert cluster.loopback_elsewhere(placement, "10.0.0.1") == ["ps0"]
     node = config.replace(metrics={"host": "node"})
     write_prometheus_files(node, tmp_path)  # addresses not known yet
     assert json.loads((tmp_path / "prometheus" / "targets.json").read_text()) == []
