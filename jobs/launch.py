@@ -72,7 +72,7 @@ class JobState:
         self.events: list[tuple[float, str]] = [tuple(x) for x in prev.get("timeline", [])]
         self.checkpoints: list[dict[str, Any]] = list(prev.get("checkpoints", []))
         self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
-        self.server_joins: list[list[dict[str, Any]]] = list(prev.get("server_joins", []))
+        self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
         self.placement: dict[str, dict[str, Any]] = {}
         self.error: dict[str, Any] | None = None
         if previous is not None:
@@ -115,13 +115,9 @@ class JobState:
         latest report wins (a restarted process may run elsewhere)."""
         self.placement[name] = dict(info)
 
-    def servers_joined(self, joined: list[dict[str, Any]]) -> None:
-        """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group", "node_id",
-        "address", ...}, ...]`` (:meth:`jobs.ps.ServerActor.join`); also updates :meth:`placed`."""
+    def servers_joined(self, joined: list[dict[str, int]]) -> None:
+        """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
         self.server_joins.append(joined)
-        for i, j in enumerate(joined):
-            if "node_id" in j:
-                self.placed(f"ps{i}", {k: v for k, v in j.items() if k != "group"})
         self.event("servers joined: " + ", ".join(f"ps{i} pid {j['pid']} group {j['group']}"
                                                   for i, j in enumerate(joined)))
 

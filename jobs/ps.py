@@ -126,8 +126,7 @@ class ServerActor:
         When ``addr`` is not loopback, TensorPipe first gets this node's interface
         (:func:`jobs.cluster.set_socket_ifnames`).
 
-        Returns once every member has joined: ``{"pid": this process, "group": groups joined so far}`` and
-        where it runs (``node_id``, ``address``, ``hostname``, ``metrics``: :meth:`where`).
+        Returns once every member has joined: ``{"pid": this process, "group": groups joined so far}``.
 
         Raises:
             RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
@@ -158,7 +157,7 @@ class ServerActor:
                         exporter.observe_memory(**server.memory())
 
             server.lookup = timed_lookup
-        return {**self.where(), "pid": os.getpid(), "group": self.groups}
+        return {"pid": os.getpid(), "group": self.groups}
 
     def leave(self) -> None:
         """Leave the RPC group, if in one (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
@@ -264,6 +263,9 @@ class ServerTables:
         self.joined = ray.get(joins) if joins else []
         if self.joined and loop_config.get("state") is not None:
             loop_config["state"].servers_joined.remote(self.joined)
+            places = ray.get([a.where.remote() for a in self.actors], timeout=c.rpc_timeout_s)
+            for i, info in enumerate(places):  # where each server runs now (a restarted one may have moved)
+                loop_config["state"].placed.remote(f"ps{i}", info)
         self.views = {phase: _PhaseTables(self, phase, group) for phase in phases}
         self._barrier()
 

@@ -135,10 +135,10 @@ def test_targets_follow_the_reported_addresses(tmp_path, monkeypatch):
 def test_job_state_records_placement_and_the_table_line():
     state = JobState()
     state.placed("trainer0", _where("10.0.0.1", None))
-    state.servers_joined([{**_where("10.0.0.2", None), "group": 1}])
+    state.placed("ps0", _where("10.0.0.2", None))
     state.placed("trainer1", _where("10.0.0.3", None))
     placed = state.snapshot()["placement"]
-    assert set(placed) == {"trainer0", "trainer1", "ps0"} and "group" not in placed["ps0"]
+    assert set(placed) == {"trainer0", "trainer1", "ps0"}
     line = cluster.placement_lines({"placement": placed, "config": {"cluster": {"placement": "spread"}}})
     assert line == ["placement (spread, 3 nodes): trainer0 10.0.0.1 (node node-10.), trainer1 10.0.0.3 "
                     "(node node-10.), ps0 10.0.0.2 (node node-10.)"]
