@@ -184,6 +184,10 @@ class ClusterSection:
     """Train on GPUs (nccl); CPU training uses gloo."""
     address: str = ""
     """Ray cluster address; "" = $RAY_ADDRESS if set, else a local ray.init()."""
+    placement: str = "pack"
+    """Where Ray puts trainers and parameter servers: "pack" (Ray Train's PACK placement group; servers by
+    Ray's default scheduling) or "spread" (trainers SPREAD over nodes, servers round-robin over the nodes,
+    those that cannot hold a trainer first). See jobs.cluster; results.json's "placement" says where each ran."""
     rpc_timeout_s: float = _key(30.0, 0, 3600, above=True)
     """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
     server_fetch_delay_ms: float = _key(1.0, 0, 10_000)
@@ -211,7 +215,8 @@ class MetricsSection:
     enabled: bool = True
     """Export Prometheus metrics from every trainer and server."""
     host: str = "127.0.0.1"
-    """Address the exporters bind to (loopback by default)."""
+    """Address the exporters bind to, on the node where each runs: loopback by default; "node" = the node's
+    Ray address (reachable from other hosts, for a Prometheus elsewhere on a cluster)."""
     port: int = _key(9400, 1, 65535)
     """Base port: trainer rank r uses port + r, server i uses port + trainers + i; the whole range
     port .. port + trainers + parameter_servers - 1 must be <= 65535."""
@@ -313,6 +318,8 @@ class JobConfig:
         if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):
             errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be "fp32", "fp16" or '
                           '"fused8bit"')
+        if c.placement not in ("pack", "spread"):
+            errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         errors += self._entry_point_errors()

@@ -74,6 +74,7 @@ class JobState:
         self.checkpoints: list[dict[str, Any]] = list(prev.get("checkpoints", []))
         self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
         self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
+        self.placement: dict[str, dict[str, Any]] = {}
         self.error: dict[str, Any] | None = None
         if previous is not None:
             self.event(f"launcher: resuming a run that was {prev.get('status', 'unknown')}")
@@ -110,6 +111,11 @@ class JobState:
         self.restores.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
         self.event(f"restored {phase} step {step}")
 
+    def placed(self, name: str, info: dict[str, Any]) -> None:
+        """``name`` (``trainer<r>`` or ``ps<i>``) runs where ``info`` says (:func:`jobs.cluster.where`); the
+        latest report wins (a restarted process may run elsewhere)."""
+        self.placement[name] = dict(info)
+
     def servers_joined(self, joined: list[dict[str, int]]) -> None:
         """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
         self.server_joins.append(joined)
@@ -145,7 +151,7 @@ class JobState:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
                 "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
                 "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
-                "server_joins": list(self.server_joins), "error": self.error}
+                "server_joins": list(self.server_joins), "placement": dict(self.placement), "error": self.error}
 
 
 def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
@@ -156,32 +162,37 @@ def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
     if ray.is_initialized():
         return False, bool(address) and len(ray.nodes()) > 1
     if address:
+        from jobs.cluster import SETUP_HOOK
+
         log(f"joining the Ray cluster at {address}")
-        ray.init(address=address, log_to_driver=False)
+        # every worker process sets GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME to its node's interface on start
+        ray.init(address=address, log_to_driver=False, runtime_env={"worker_process_setup_hook": SETUP_HOOK})
         return True, True
     log("starting Ray locally (set RAY_ADDRESS or [cluster] address to use a cluster)")
     ray.init(include_dashboard=False, log_to_driver=False)
     return True, False
 
 
-def write_prometheus_files(config: JobConfig, run_dir: Path) -> Path:
+def write_prometheus_files(config: JobConfig, run_dir: Path, placement: dict[str, Any] | None = None) -> Path:
     """Write ``prometheus/targets.json`` (file-based service discovery) and ``prometheus/prometheus.yml``.
 
-    Targets: trainer rank r at ``host:port + r``, parameter server i at ``host:port + trainers + i``;
-    each target carries labels ``fxdist_job`` and ``role``. Returns the prometheus.yml path.
+    Targets, one group each, with labels ``fxdist_job``, ``role`` (trainer | parameter_server) and, once
+    known, ``node`` (the node's Ray address): the (address, port) each exporter reported in ``placement``
+    (``JobState.placed``, :func:`jobs.cluster.serve_exporter`); until then the configured ones, trainer rank
+    r at ``host:port + r`` and parameter server i at ``host:port + trainers + i`` (left out with
+    ``[metrics] host = "node"``, whose address is known only once the exporter runs). An exporter bound to
+    loopback on another node than the launcher's cannot be scraped from here: it is left out (see
+    :func:`jobs.cluster.file_sd_groups`). The file is replaced atomically (Prometheus re-reads it). Returns the
+    prometheus.yml path.
     """
-    m, c = config.metrics, config.cluster
+    from jobs.cluster import file_sd_groups
+
     out = run_dir / "prometheus"
     out.mkdir(parents=True, exist_ok=True)
-    host = "127.0.0.1" if m.host in ("", "0.0.0.0") else m.host
-    groups = [
-        {"targets": [f"{host}:{m.port + r}" for r in range(c.trainers)],
-         "labels": {"fxdist_job": config.job.name, "role": "trainer"}},
-    ]
-    if c.parameter_servers:
-        groups.append({"targets": [f"{host}:{m.port + c.trainers + i}" for i in range(c.parameter_servers)],
-                       "labels": {"fxdist_job": config.job.name, "role": "parameter_server"}})
-    (out / "targets.json").write_text(json.dumps(groups, indent=2) + "\n")
+    groups = file_sd_groups(config, placement or {})
+    tmp = out / "targets.json.tmp"
+    tmp.write_text(json.dumps(groups, indent=2) + "\n")
+    tmp.replace(out / "targets.json")
     template = (DASHBOARDS / "prometheus.yml").read_text()
     rendered = template.replace("{{TARGETS_DIR}}", str(out)).replace("{{RULES}}", str(DASHBOARDS / "rules.yml"))
     (out / "prometheus.yml").write_text(rendered)
@@ -218,6 +229,9 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ct
             if _milestones(snap) != seen:
                 seen = _milestones(snap)
                 ctx.get("on_change", lambda snap: None)(snap)
+            if snap.get("placement", {}) != ctx.get("placement", {}):
+                ctx["placement"] = snap.get("placement", {})
+                ctx.get("on_placement", lambda snap: None)(snap)
             if show:
                 _draw(bars, snap, tqdm)
             if not alive:
@@ -250,6 +264,7 @@ def _trainer(config: JobConfig, loop_config: dict[str, Any], run_dir: Path):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from jobs.cluster import trainer_strategy
     from jobs.worker import train_loop
 
     c = config.cluster
@@ -258,7 +273,8 @@ def _trainer(config: JobConfig, loop_config: dict[str, Any], run_dir: Path):
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=c.trainers, use_gpu=c.use_gpu,
-                                     resources_per_worker={"CPU": c.cpus_per_trainer}),
+                                     resources_per_worker={"CPU": c.cpus_per_trainer},
+                                     placement_strategy=trainer_strategy(c.placement)),
         run_config=RunConfig(
             name="train", storage_path=str((run_dir / "ray").resolve()),
             failure_config=FailureConfig(max_failures=config.job.max_failures),
@@ -403,7 +419,7 @@ def _with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, A
     out.update(phases=snap.get("results", {}), restarts=_restarts(snap), faults_fired=snap.get("fired", []),
                checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
                timeline=snap.get("events", []), starts=snap.get("starts", []),
-               server_joins=snap.get("server_joins", []))
+               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}))
     return out
 
 
@@ -478,6 +494,8 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             prom = write_prometheus_files(config, run_dir)
             metrics_port = config.metrics.port
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
+            ctx["on_placement"] = lambda snap: _retarget(config, run_dir, snap.get("placement", {}), log,
+                                                        ctx.setdefault("warned", set()))
         state = ray.remote(num_cpus=0)(JobState).remote(ctx.get("previous"))
         if config.cluster.parameter_servers:
             from jobs.ps import start_servers
@@ -514,6 +532,18 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             from jobs.ps import stop_servers
 
             stop_servers(servers)
+
+
+def _retarget(config: JobConfig, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str]) -> None:
+    """Rewrite targets.json with the exporters' real addresses; warn about unreachable ones once each."""
+    write_prometheus_files(config, run_dir, placement)
+    from jobs.cluster import launcher_address, loopback_elsewhere
+
+    for name in loopback_elsewhere(placement, launcher_address(placement)):
+        if name not in warned:
+            warned.add(name)
+            log(f"{name}'s metrics exporter listens on 127.0.0.1 of node {placement[name].get('address')}: "
+                'left out of targets.json (set [metrics] host = "node" to scrape it from another host)')
 
 
 def _final_state(result) -> dict[str, Any]:

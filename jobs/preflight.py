@@ -122,10 +122,11 @@ def check_ports(config: JobConfig) -> None:
     """
     m, c = config.metrics, config.cluster
     last = m.port + c.trainers + c.parameter_servers - 1
+    host = "0.0.0.0" if m.host == "node" else m.host  # "node": this machine's Ray address, not known yet
     for port in range(m.port, last + 1):
         with socket.socket() as s:
             try:
-                s.bind((m.host, port))
+                s.bind((host, port))
             except OSError as e:
                 raise ConfigError(
                     f"{config.source}: [metrics] port: {m.host}:{port} is in use ({e.strerror}); the job needs ports "

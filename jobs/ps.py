@@ -109,14 +109,25 @@ class ServerActor:
         self.joined = False
         self.groups = 0
         self.exporter = None
+        self.metrics: tuple[str, int] | None = None
         if metrics is not None:
+            from jobs.cluster import serve_exporter
             from jobs.metrics import Exporter
 
             self.exporter = Exporter(job, name)
-            self.exporter.serve(metrics[1], metrics[0])
+            self.metrics = serve_exporter(self.exporter, metrics[0], metrics[1])
 
-    def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, int]:
+    def where(self) -> dict[str, Any]:
+        """Where this server runs and its exporter's bound (address, port): :func:`jobs.cluster.where`."""
+        from jobs.cluster import where
+
+        return where(self.metrics)
+
+    def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, Any]:
         """Leave the current RPC group if any, then join the one at ``addr:port`` as ``rank`` of ``world``.
+
+        When ``addr`` is not loopback, TensorPipe first gets this node's interface
+        (:func:`jobs.cluster.set_socket_ifnames`).
 
         Returns once every member has joined: ``{"pid": this process, "group": groups joined so far}``.
 
@@ -125,7 +136,11 @@ class ServerActor:
         """
         from scheduling.ps import start_server
 
+        from jobs.cluster import is_loopback, set_socket_ifnames
+
         self.leave()
+        if not is_loopback(addr):
+            set_socket_ifnames()
         server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
                               fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False)
         self.joined = True
@@ -167,16 +182,20 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
 
     Actor ``i`` is named ``<job>-ps<i>-<tag>``, reserves no CPU and is restarted by Ray up to
     ``[job] max_failures`` times after its process dies; it exports metrics on
-    ``metrics_port + trainers + i`` (None: no exporter). Returns the handles (for ``loop_config``).
+    ``metrics_port + trainers + i`` of its node (None: no exporter; another free port of its node when that
+    one is taken there). ``[cluster] placement`` picks its node (:func:`jobs.cluster.server_options`).
+    Returns the handles (for ``loop_config``).
     """
     import ray
+
+    from jobs.cluster import server_options
 
     c = config.cluster
     cls = ray.remote(num_cpus=0, max_restarts=max(0, config.job.max_failures))(ServerActor)
     actors = []
-    for i in range(c.parameter_servers):
+    for i, options in enumerate(server_options(config)):
         metrics = (config.metrics.host, metrics_port + c.trainers + i) if metrics_port is not None else None
-        actors.append(cls.options(name=f"{config.job.name}-ps{i}-{tag}").remote(
+        actors.append(cls.options(name=f"{config.job.name}-ps{i}-{tag}", **options).remote(
             f"ps{i}", job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
             timeout_s=c.rpc_timeout_s))
     return actors
@@ -217,6 +236,7 @@ class ServerGroup:
         import ray
         from scheduling.ps import init_trainer
 
+        from jobs.cluster import is_loopback, set_socket_ifnames
         from jobs.metrics import free_port
 
         c = config.cluster
@@ -235,11 +255,16 @@ class ServerGroup:
             dist.broadcast_object_list(box, src=0)
         host, port, self.group = box[0]
         total = world + self.num_servers
+        if not is_loopback(host):  # TensorPipe listens on and advertises this node's interface
+            set_socket_ifnames()
         joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(self.actors)] if rank == 0 else []
         init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=c.rpc_timeout_s)
         self.joined = ray.get(joins) if joins else []
         if self.joined and loop_config.get("state") is not None:
             loop_config["state"].servers_joined.remote(self.joined)
+            places = ray.get([a.where.remote() for a in self.actors], timeout=c.rpc_timeout_s)
+            for i, info in enumerate(places):  # where each server runs now (a restarted one may have moved)
+                loop_config["state"].placed.remote(f"ps{i}", info)
 
     def _barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:

@@ -7,7 +7,8 @@
 (``quality_epochs`` passes over a trainer's shard), ``quality_end`` (the same at the phase end), ``qps_series`` [(seconds, samples/s)], ``optimize``
 {passes run}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
 ``gain_percent`` (its median), ``parity`` (:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``),
-``restarts``, ``faults_fired``, ``inference`` (``fp32`` / ``int8``:
+``restarts``, ``faults_fired``, ``placement`` (``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``,
+``hostname``, ``pid``, ``metrics`` [address, port]: :func:`jobs.cluster.where`), ``inference`` (``fp32`` / ``int8``:
 ``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized; ``isa``; ``layers``:
 the per-layer int8 choice of ``quant.select_int8``; ``kept_fp32``: no layer paid, the int8 row is the fp32 model) and
 ``run_dir``.
@@ -20,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jobs.cluster import placement_lines
 from jobs.stats import gain_percent
 
 __all__ = ["table", "write", "plot", "to_json", "parity_problem"]
@@ -147,6 +149,7 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"each phase passes {epochs:.1f} times over each trainer's shard")
     if results.get("restarts"):
         lines.append(f"restarts from checkpoint: {results['restarts']} (faults injected: {results.get('faults_fired')})")
+    lines += placement_lines(results)  # where each trainer and server ran (jobs.cluster)
     return "\n".join(lines)
 
 

@@ -399,6 +399,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     """
     import ray.train
 
+    from jobs.cluster import serve_exporter, where
     from jobs.sparse import make_tables
 
     config = parse_config(loop_config["config"], source=loop_config.get("source", "<job>"))
@@ -408,11 +409,12 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     if rank == 0:
         state.event.remote("rank 0: training loop started")
     torch.set_num_threads(max(1, int(config.cluster.cpus_per_trainer)))
-    exporter = None
+    exporter, bound = None, None
     if loop_config.get("metrics_port") is not None:
         exporter = Exporter(config.job.name, rank)
         exporter.touch(PHASES)
-        exporter.serve(loop_config["metrics_port"] + rank, config.metrics.host)
+        bound = serve_exporter(exporter, config.metrics.host, loop_config["metrics_port"] + rank)
+    state.placed.remote(f"trainer{rank}", where(bound))  # where this trainer and its exporter run
     workload = make_workload(config, rank, world, loop_config["data_path"])
     if rank == 0 and workload.parse is not None:
         state.parse_stats.remote(workload.parse, workload.rows)

@@ -11,6 +11,7 @@ want=$(cat requirements.txt pyproject.toml scripts/bootstrap.sh | sha256sum | cu
 # Debian packages used by the tests: graphviz's `dot` (graph drawing) and a Prometheus server.
 need_apt=()
 command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)  # tests/jobs/test_cluster.py: network namespaces
 command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ] || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

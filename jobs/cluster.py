@@ -1,0 +1,235 @@
+"""Running a job on a Ray cluster: node addresses, network interfaces, placement and where things ran.
+
+Every address a job uses comes from where a process actually runs, never from the launcher's host name:
+
+- the ``torch.distributed.rpc`` rendezvous is hosted by trainer rank 0 on its node's Ray address
+  (``ray.util.get_node_ip_address()``), on a port picked there (:class:`jobs.ps.ServerTables`);
+- each metrics exporter binds on its own node (:func:`serve_exporter`): on ``127.0.0.1`` by default, or on
+  the node's Ray address with ``[metrics] host = "node"``; it reports the (address, port) it really bound to
+  (:func:`where`), and the launcher rewrites Prometheus' file-SD ``targets.json`` with them;
+- gloo (DDP) and TensorPipe (the parameter-server RPC group) pick the address they listen on and advertise
+  from ``GLOO_SOCKET_IFNAME`` / ``TP_SOCKET_IFNAME``; otherwise they resolve the host name, which on many
+  hosts (and in network namespaces) gives ``127.0.0.1``, so remote peers connect to their own loopback.
+  :func:`set_socket_ifnames` sets both to the interface that owns the node's Ray address. On a cluster the
+  launcher passes it to ``ray.init`` as ``runtime_env={"worker_process_setup_hook": SETUP_HOOK}``, so every
+  worker process (Ray Train's trainers included, whose gloo group exists before the train loop runs) sets
+  them on start; the RPC group members also call it before joining a group whose rendezvous address is not
+  loopback. On one host over loopback nothing is set.
+
+Placement (``[cluster] placement``):
+
+- ``"pack"`` (default): Ray Train's ``PACK`` placement group for the trainers; the parameter servers use
+  Ray's default scheduling (which keeps zero-CPU actors near the launcher's node);
+- ``"spread"``: the trainers' placement group is ``SPREAD`` (one trainer per node where possible); the
+  servers go round-robin over the alive nodes, those that cannot hold a trainer (fewer CPUs / GPUs than one
+  trainer reserves) first, each pinned there with a ``NodeAffinitySchedulingStrategy`` (:func:`server_nodes`).
+  The affinity is hard: measured with Ray 2.60, a soft one sent a zero-CPU actor to another node although
+  the chosen node (a head started with ``--num-cpus 0``) could run it. A restart of a server whose node
+  is gone therefore fails (node failures are not handled yet).
+
+Source: Ray placement groups and scheduling strategies; Ray runtime_env ``worker_process_setup_hook``;
+torch.distributed's ``GLOO_SOCKET_IFNAME`` and TensorPipe's ``TP_SOCKET_IFNAME``; psutil.net_if_addrs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Any
+
+__all__ = ["PLACEMENTS", "SETUP_HOOK", "interface_of", "is_loopback", "node_address", "set_socket_ifnames",
+           "serve_exporter", "where", "server_nodes", "trainer_strategy", "placement_lines", "file_sd_groups",
+           "launcher_address", "loopback_elsewhere"]
+
+PLACEMENTS = ("pack", "spread")
+"""Values of ``[cluster] placement``."""
+SETUP_HOOK = "jobs.cluster.set_socket_ifnames"
+"""The ``worker_process_setup_hook`` the launcher gives ``ray.init`` on a cluster."""
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address, or ``localhost``) is a loopback address."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_of(address: str, interfaces: dict[str, list[Any]] | None = None) -> str | None:
+    """The name of the network interface that holds IP ``address`` (``"eth0"``), or None.
+
+    ``interfaces``: ``psutil.net_if_addrs()`` (read when None): name -> list of entries with ``.address``.
+    """
+    if interfaces is None:
+        interfaces = _psutil().net_if_addrs()
+    for name, addrs in interfaces.items():
+        for entry in addrs:
+            if entry.family in (socket.AF_INET, socket.AF_INET6) and entry.address.split("%")[0] == address:
+                return name
+    return None
+
+
+def _psutil() -> Any:
+    """psutil (requirements.txt); without it, the copy Ray vendors, which ``import ray`` puts on sys.path."""
+    try:
+        import psutil
+    except ImportError:
+        import ray  # noqa: F401  (adds ray/thirdparty_files to sys.path)
+        import psutil
+    return psutil
+
+
+def node_address() -> str:
+    """This process's Ray node address (``ray.util.get_node_ip_address()``)."""
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+def set_socket_ifnames(address: str | None = None) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` and ``TP_SOCKET_IFNAME`` to the interface that owns ``address``.
+
+    ``address``: default this node's Ray address (:func:`node_address`). Nothing is set for a loopback
+    address, for an address no local interface holds, or for a variable that is already set (the user's
+    choice wins). Safe to call more than once. Ray calls it with no argument as a
+    ``worker_process_setup_hook`` (:data:`SETUP_HOOK`).
+
+    Returns:
+        The interface name, or None when nothing was set.
+    """
+    address = address or node_address()
+    if is_loopback(address):
+        return None
+    name = interface_of(address)
+    if name is None:
+        return None
+    for var in IFNAME_VARS:
+        os.environ.setdefault(var, name)
+    return name
+
+
+def serve_exporter(exporter: Any, host: str, port: int) -> tuple[str, int]:
+    """Serve ``exporter`` (:class:`jobs.metrics.Exporter`) on this node and return the (address, port) bound.
+
+    ``host``: ``[metrics] host``; ``"node"`` means this node's Ray address. ``port`` is tried first; when
+    it is taken on this node (the launcher checked only its own), a free port of this node is used instead.
+    """
+    address = node_address() if host == "node" else host
+    try:
+        bound = exporter.serve(port, address)
+    except OSError:
+        bound = exporter.serve(0, address)
+    return address, bound
+
+
+def where(metrics: tuple[str, int] | None = None) -> dict[str, Any]:
+    """Where this process runs: ``{"node_id", "address", "hostname", "pid", "metrics": [address, port] | None,
+    "ifnames": {"GLOO_SOCKET_IFNAME": ..., "TP_SOCKET_IFNAME": ...}}`` (the variables that are set)."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "address": node_address(),
+            "hostname": socket.gethostname(), "pid": os.getpid(),
+            "metrics": list(metrics) if metrics is not None else None,
+            "ifnames": {var: os.environ[var] for var in IFNAME_VARS if var in os.environ}}
+
+
+def trainer_strategy(placement: str) -> str:
+    """Ray Train's ``ScalingConfig(placement_strategy=...)`` for ``[cluster] placement``."""
+    return {"pack": "PACK", "spread": "SPREAD"}[placement]
+
+
+def server_nodes(nodes: list[dict[str, Any]], count: int, cpus_per_trainer: float, use_gpu: bool) -> list[str]:
+    """Node ids for ``count`` parameter servers under ``placement = "spread"``: round-robin over the alive
+    nodes, those that cannot hold a trainer first (fewer CPUs than ``cpus_per_trainer``, or no GPU with
+    ``use_gpu``), then by fewer CPUs and node id (a stable order).
+
+    ``nodes``: ``ray.nodes()`` (dicts with ``Alive``, ``NodeID``, ``Resources``).
+
+    Raises:
+        RuntimeError: no alive node.
+    """
+    alive = [n for n in nodes if n.get("Alive")]
+    if not alive:
+        raise RuntimeError("placement: Ray reports no alive node")
+
+    def key(n: dict[str, Any]) -> tuple[bool, float, str]:
+        res = n.get("Resources", {})
+        fits = res.get("CPU", 0.0) >= cpus_per_trainer and (not use_gpu or res.get("GPU", 0.0) >= 1)
+        return fits, res.get("CPU", 0.0), n["NodeID"]
+
+    order = [n["NodeID"] for n in sorted(alive, key=key)]
+    return [order[i % len(order)] for i in range(count)]
+
+
+def server_options(config: Any) -> list[dict[str, Any]]:
+    """``.options(...)`` keyword arguments of each server actor for ``[cluster] placement`` (empty for pack)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    c = config.cluster
+    if c.placement != "spread":
+        return [{} for _ in range(c.parameter_servers)]
+    ids = server_nodes(ray.nodes(), c.parameter_servers, c.cpus_per_trainer, c.use_gpu)
+    return [{"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} for node_id in ids]
+
+
+def placement_lines(results: dict[str, Any]) -> list[str]:
+    """The results table's lines on where each trainer and server ran (``results["placement"]``)."""
+    placed = results.get("placement") or {}
+    if not placed:
+        return []
+    mode = ((results.get("config") or {}).get("cluster") or {}).get("placement", "pack")
+    nodes = {p.get("node_id") for p in placed.values()}
+    where_ = ", ".join(f"{name} {p.get('address')} (node {str(p.get('node_id'))[:8]})"
+                       for name, p in sorted(placed.items(), key=lambda kv: (kv[0].startswith("ps"), kv[0])))
+    return [f"placement ({mode}, {len(nodes)} node{'s' if len(nodes) != 1 else ''}): {where_}"]
+
+
+def launcher_address(placement: dict[str, Any]) -> str | None:
+    """The launcher's Ray node address when some process reported a placement and Ray runs, else None."""
+    if not placement:
+        return None
+    try:
+        return node_address()
+    except Exception:  # Ray not initialised: every address counts as reachable
+        return None
+
+
+def loopback_elsewhere(placement: dict[str, Any], here: str | None) -> list[str]:
+    """Names of the processes whose exporter listens on loopback on another node than ``here``."""
+    return sorted(name for name, info in placement.items()
+                  if info.get("metrics") and is_loopback(info["metrics"][0]) and here is not None
+                  and info.get("address") != here)
+
+
+def file_sd_groups(config: Any, placement: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prometheus file-SD target groups of a job, one per exporter (see ``jobs.launch.write_prometheus_files``).
+
+    A process in ``placement`` (``JobState.placed``: :func:`where`) is listed at the (address, port) its
+    exporter reported, with label ``node``; one not reported yet at the configured ``host:port + offset``
+    (trainer rank r: r; server i: trainers + i), or not at all with ``[metrics] host = "node"``. Exporters
+    on loopback of another node than the launcher's (:func:`loopback_elsewhere`) are left out.
+    """
+    m, c = config.metrics, config.cluster
+    host = "127.0.0.1" if m.host in ("", "0.0.0.0") else m.host
+    away = set(loopback_elsewhere(placement, launcher_address(placement)))
+    names = [(f"trainer{r}", "trainer", m.port + r) for r in range(c.trainers)]
+    names += [(f"ps{i}", "parameter_server", m.port + c.trainers + i) for i in range(c.parameter_servers)]
+    groups = []
+    for name, role, port in names:
+        labels = {"fxdist_job": config.job.name, "role": role}
+        info = placement.get(name) or {}
+        if info.get("metrics"):
+            addr, port = info["metrics"]
+            labels["node"] = info.get("address", "")
+        elif m.host == "node":
+            continue
+        else:
+            addr = host
+        if name not in away:
+            groups.append({"targets": [f"{addr}:{port}"], "labels": labels})
+    return groups

@@ -1,0 +1,145 @@
+"""Cluster helpers without Ray (:mod:`jobs.cluster`): interfaces, server placement, exporter binding, the
+file-SD targets rewritten with the addresses the processes reported, and the results-table line.
+
+The end-to-end check on a 3-host cluster is tests/jobs/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from collections import namedtuple
+
+import pytest
+
+import jobs.cluster as cluster
+from jobs.config import ConfigError, load_config, parse_config
+from jobs.launch import JobState, write_prometheus_files
+from jobs.metrics import Exporter
+
+Addr = namedtuple("Addr", "family address")
+
+
+def test_interface_of_finds_the_interface_holding_an_address():
+    fake = {"lo": [Addr(socket.AF_INET, "127.0.0.1")],
+            "eth1": [Addr(socket.AF_PACKET, "aa:bb:cc:dd:ee:ff"), Addr(socket.AF_INET, "10.77.0.2"),
+                     Addr(socket.AF_INET6, "fe80::1%eth1")]}
+    assert cluster.interface_of("10.77.0.2", fake) == "eth1"
+    assert cluster.interface_of("fe80::1", fake) == "eth1"
+    assert cluster.interface_of("10.77.0.3", fake) is None
+    assert cluster.interface_of("127.0.0.1") is not None  # this machine's loopback, through psutil
+
+
+def _non_loopback_ipv4() -> tuple[str, str] | None:
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and not cluster.is_loopback(a.address):
+                return name, a.address
+    return None
+
+
+def test_set_socket_ifnames(monkeypatch):
+    for var in cluster.IFNAME_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert cluster.set_socket_ifnames("127.0.0.1") is None  # one host over loopback: nothing changes
+    assert cluster.set_socket_ifnames("192.0.2.55") is None  # an address no interface here holds
+    assert not any(var in __import__("os").environ for var in cluster.IFNAME_VARS)
+    found = _non_loopback_ipv4()
+    if found is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    name, address = found
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")  # the user's choice is kept
+    assert cluster.set_socket_ifnames(address) == name
+    import os
+
+    assert os.environ["TP_SOCKET_IFNAME"] == name and os.environ["GLOO_SOCKET_IFNAME"] == "mine"
+
+
+def _node(node_id: str, cpus: float | None, alive: bool = True, gpus: float = 0) -> dict:
+    res = {"memory": 1e9}
+    if cpus is not None:
+        res["CPU"] = cpus
+    if gpus:
+        res["GPU"] = gpus
+    return {"NodeID": node_id, "Alive": alive, "Resources": res}
+
+
+def test_server_nodes_prefers_nodes_without_room_for_a_trainer():
+    nodes = [_node("c", 4), _node("a", 2), _node("head", None), _node("dead", 0, alive=False)]
+    assert cluster.server_nodes(nodes, 1, 1.0, False) == ["head"]
+    assert cluster.server_nodes(nodes, 4, 1.0, False) == ["head", "a", "c", "head"]
+    # a node too small for one trainer comes first; with use_gpu, any node without a GPU
+    assert cluster.server_nodes([_node("big", 8), _node("small", 1)], 2, 2.0, False) == ["small", "big"]
+    assert cluster.server_nodes([_node("gpu", 8, gpus=1), _node("cpu", 16)], 1, 1.0, True) == ["cpu"]
+    with pytest.raises(RuntimeError, match="no alive node"):
+        cluster.server_nodes([_node("dead", 1, alive=False)], 1, 1.0, False)
+
+
+def test_placement_is_checked_and_mapped_to_ray_train():
+    assert load_config().cluster.placement == "pack"
+    assert cluster.trainer_strategy("pack") == "PACK" and cluster.trainer_strategy("spread") == "SPREAD"
+    with pytest.raises(ConfigError, match=r'\[cluster\] placement = \'ring\': must be "pack" or "spread"'):
+        parse_config({"cluster": {"placement": "ring"}})
+
+
+def test_serve_exporter_falls_back_to_a_free_port_of_its_node():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        e = Exporter("demo", "0")
+        try:
+            address, bound = cluster.serve_exporter(e, "127.0.0.1", port)
+            assert address == "127.0.0.1" and bound != port
+            body = urllib.request.urlopen(f"http://127.0.0.1:{bound}/metrics", timeout=5).read().decode()
+            assert "fxdist_samples_total" in body or "fxdist_loss" in body
+        finally:
+            e.close()
+
+
+def _where(address: str, metrics: tuple[str, int] | None) -> dict:
+    return {"node_id": f"node-{address}", "address": address, "hostname": "h", "pid": 1,
+            "metrics": list(metrics) if metrics else None, "ifnames": {}}
+
+
+def test_targets_follow_the_reported_addresses(tmp_path, monkeypatch):
+    config = load_config().replace(metrics={"port": 19000}, job={"name": "t"})
+    write_prometheus_files(config, tmp_path)
+    groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
+    assert [g["targets"] for g in groups] == [["127.0.0.1:19000"], ["127.0.0.1:19001"], ["127.0.0.1:19002"]]
+    assert [g["labels"]["role"] for g in groups] == ["trainer", "trainer", "parameter_server"]
+    # what the processes reported: trainer1 moved to another port, the server is on another node
+    monkeypatch.setattr(cluster, "node_address", lambda: "10.0.0.1")
+    placement = {"trainer0": _where("10.0.0.1", ("127.0.0.1", 19000)),
+                 "trainer1": _where("10.0.0.1", ("127.0.0.1", 40000)),
+                 "ps0": _where("10.0.0.2", ("127.0.0.1", 19002))}
+    write_prometheus_files(config, tmp_path, placement)
+    groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
+    # ps0's exporter listens on its own node's loopback: unreachable from here, left out
+    assert [(g["targets"], g["labels"]["node"]) for g in groups] == [
+        (["127.0.0.1:19000"], "10.0.0.1"), (["127.0.0.1:40000"], "10.0.0.1")]
+    assert cluster.loopback_elsewhere(placement, "10.0.0.1") == ["ps0"]
+    node = config.replace(metrics={"host": "node"})
+    write_prometheus_files(node, tmp_path)  # addresses not known yet
+    assert json.loads((tmp_path / "prometheus" / "targets.json").read_text()) == []
+    placement["ps0"] = _where("10.0.0.2", ("10.0.0.2", 19002))
+    write_prometheus_files(node, tmp_path, {"ps0": placement["ps0"]})
+    groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
+    assert groups == [{"targets": ["10.0.0.2:19002"], "labels": {"fxdist_job": "t", "role": "parameter_server",
+                                                                 "node": "10.0.0.2"}}]
+
+
+def test_job_state_records_placement_and_the_table_line():
+    state = JobState()
+    state.placed("trainer0", _where("10.0.0.1", None))
+    state.placed("ps0", _where("10.0.0.2", None))
+    state.placed("trainer1", _where("10.0.0.3", None))
+    placed = state.snapshot()["placement"]
+    assert set(placed) == {"trainer0", "trainer1", "ps0"}
+    line = cluster.placement_lines({"placement": placed, "config": {"cluster": {"placement": "spread"}}})
+    assert line == ["placement (spread, 3 nodes): trainer0 10.0.0.1 (node node-10.), trainer1 10.0.0.3 "
+                    "(node node-10.), ps0 10.0.0.2 (node node-10.)"]
+    assert cluster.placement_lines({}) == []
