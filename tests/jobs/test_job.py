@@ -37,14 +37,6 @@ SHORT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _prometheus_binary() -> str:
     binary = shutil.which("prometheus")
     if binary:

@@ -130,6 +130,18 @@ class Branchy(nn.Module):
         return -x
 
 
+class LinThenBranchy(nn.Module):
+    """A traceable Linear feeding an untraceable Branchy (traceable with Branchy as a leaf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.branchy = Branchy()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.branchy(self.lin(x))
+
+
 def test_untraceable_model_gets_the_tracer_error_and_a_hint():
     with pytest.raises(fxdist.TraceError) as info:
         fxdist.optimize(Branchy(), passes=())
@@ -140,20 +152,11 @@ def test_untraceable_model_gets_the_tracer_error_and_a_hint():
 
 
 def test_tracer_class_with_leaf_modules():
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.branchy = Branchy()
-            self.lin = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return self.branchy(self.lin(x))
-
     class LeafTracer(fxdist.Tracer):
         def is_leaf_module(self, m, qualname):
             return isinstance(m, Branchy) or super().is_leaf_module(m, qualname)
 
-    model = Model()
+    model = LinThenBranchy()
     gm = fxdist.optimize(model, passes=(), tracer_class=LeafTracer)
     x = torch.randn(2, 3)
     assert torch.allclose(gm(x), model(x))
@@ -202,15 +205,6 @@ def test_a_pass_that_changes_nothing_is_warned_with_its_reason():
 def test_passes_can_add_leaf_modules_and_partials_keep_their_name():
     import functools
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.branchy = Branchy()
-            self.lin = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return self.branchy(self.lin(x))
-
     seen = []
 
     def count_calls(gm, label="calls"):
@@ -218,7 +212,7 @@ def test_passes_can_add_leaf_modules_and_partials_keep_their_name():
         return gm
 
     count_calls.fxdist_leaf_module = lambda m: isinstance(m, Branchy)
-    model = Model()
+    model = LinThenBranchy()
     gm = fxdist.optimize(model, passes=(functools.partial(count_calls, label="leaf"),))  # Branchy alone fails
     assert seen == [("leaf", ["lin", "branchy"])]
     assert [r["name"] for r in gm.meta["fxdist"]["passes"]] == ["count_calls"]

@@ -85,14 +85,6 @@ def not_a_module(config) -> str:
     return "a string"
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 USER_JOB = f"""
 [job]
 name = "user-model"
