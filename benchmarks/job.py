@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's `scheduling` package, not benchmarks/scheduling.py
 
 
 def _ensure_allocator() -> None:
