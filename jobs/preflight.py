@@ -36,12 +36,17 @@ DENSE_COPIES = 4
 
 
 def server_table_copies(phases: int) -> int:
-    """With parameter servers, copies of the tables (weights + row-wise Adagrad state) at a checkpoint, for
-    ``phases`` phases trained side by side (each its own table set): the servers' own (one per phase), the
-    copy a server answers ``state_dict`` with (1), the checkpoint trainer rank 0 gathers (one per phase) and
-    the evaluated-model snapshot (1) (see jobs/ps.py ``ServerTables`` and jobs/worker.py
-    ``_save_checkpoint`` / ``_evaluate_mid_phase``)."""
-    return 2 * phases + 2
+    """With parameter servers, float32 copies of the tables (weights + row-wise Adagrad state) at a checkpoint,
+    besides the servers' own (one per phase, counted in ``MemoryEstimate.server_bytes``, in their storage
+    form), for ``phases`` phases trained side by side (each its own table set): the copy a server answers
+    ``state_dict`` with (1), the checkpoint trainer rank 0 gathers (one per phase) and the evaluated-model
+    snapshot (1) (see jobs/ps.py ``ServerTables`` and jobs/worker.py ``_save_checkpoint`` /
+    ``_evaluate_mid_phase``)."""
+    return phases + 2
+
+
+STORED_ROW_BYTES = {"fp32": lambda dim: 4 * dim, "fp16": lambda dim: 2 * dim, "fused8bit": lambda dim: dim + 8}
+"""Bytes of one stored row of width ``dim`` per ``[model] server_storage`` (scheduling.ps.storage)."""
 
 
 def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
@@ -147,10 +152,13 @@ class MemoryEstimate:
     phase, weights and Adagrad's dense ``sum``, plus rank 0's evaluated-model snapshot)."""
     dense_bytes: int
     """Dense (MLP) parameters of all trainers, times DENSE_COPIES."""
+    server_bytes: int = 0
+    """The servers' own table sets (one per phase), rows in ``[model] server_storage`` form plus the fp32
+    row-wise Adagrad state."""
 
     @property
     def total_bytes(self) -> int:
-        return self.tables_bytes * self.table_copies + self.dense_bytes
+        return self.tables_bytes * self.table_copies + self.server_bytes + self.dense_bytes
 
 
 def dense_parameters(config: JobConfig) -> int:
@@ -173,7 +181,9 @@ def estimate_memory(config: JobConfig) -> MemoryEstimate:
     weights = NUM_SPARSE * m.table_size * m.embedding_dim * FLOAT_BYTES
     dense = dense_parameters(config) * FLOAT_BYTES * DENSE_COPIES * c.trainers * phases
     if c.parameter_servers:
-        return MemoryEstimate(weights + NUM_SPARSE * m.table_size * FLOAT_BYTES, server_table_copies(phases), dense)
+        state = NUM_SPARSE * m.table_size * FLOAT_BYTES
+        stored = NUM_SPARSE * m.table_size * STORED_ROW_BYTES[m.server_storage](m.embedding_dim)
+        return MemoryEstimate(weights + state, server_table_copies(phases), dense, phases * (stored + state))
     return MemoryEstimate(weights, 2 * c.trainers * phases + 1, dense)
 
 
@@ -221,7 +231,9 @@ def check_memory(config: JobConfig, available: int | None = None) -> MemoryEstim
             f"{config.source}: [model] table_size = {m.table_size}, embedding_dim = {m.embedding_dim}: the job "
             f"needs about {estimate.total_bytes / GIB:.1f} GiB, more than the {available / GIB:.1f} GiB this "
             f"machine has available. One copy of the 26 tables ({where}) is {estimate.tables_bytes / GIB:.2f} "
-            f"GiB and about {estimate.table_copies} copies exist at a checkpoint; the dense models take "
+            f"GiB and about {estimate.table_copies} float32 copies exist at a checkpoint, besides the servers' own "
+            f"({estimate.server_bytes / GIB:.2f} GiB, [model] server_storage = {m.server_storage!r}); the dense "
+            "models take "
             f"{estimate.dense_bytes / GIB:.2f} GiB. Lower table_size or embedding_dim, or run on a Ray cluster "
             "([cluster] address)"
         )

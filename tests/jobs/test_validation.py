@@ -125,9 +125,13 @@ def test_memory_estimate_counts_tables_optimizer_state_and_copies():
     config = JobConfig().replace(model={"table_size": 1000, "embedding_dim": 8})
     est = preflight.estimate_memory(config)  # 1 parameter server: weights + row-wise Adagrad state
     # two phases side by side: a table set each on the servers and in each checkpoint, plus two transients
-    assert est.tables_bytes == 26 * 1000 * (8 + 1) * 4 and est.table_copies == 2 * 2 + 2
+    assert est.tables_bytes == 26 * 1000 * (8 + 1) * 4 and est.table_copies == 2 + 2
+    assert est.server_bytes == 2 * est.tables_bytes  # fp32 storage: the servers hold one copy per phase
     one = preflight.estimate_memory(config.replace(phases={"baseline": False}))
-    assert one.table_copies == 2 + 2 and one.dense_bytes * 2 == est.dense_bytes
+    assert one.table_copies == 1 + 2 and one.server_bytes == est.tables_bytes and one.dense_bytes * 2 == est.dense_bytes
+    small = preflight.estimate_memory(config.replace(model={"server_storage": "fused8bit"}))
+    assert small.server_bytes == 2 * 26 * 1000 * ((8 + 8) + 4)  # D + 8 bytes a row, plus the fp32 Adagrad state
+    assert small.total_bytes < est.total_bytes
     local = preflight.estimate_memory(config.replace(cluster={"parameter_servers": 0, "trainers": 3}))
     assert local.tables_bytes == 26 * 1000 * 8 * 4 and local.table_copies == 2 * 3 * 2 + 1
     # dense parameters: 13-512-256-8 bottom, (8 + 351)-512-256-1 top
