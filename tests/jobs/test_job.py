@@ -253,5 +253,10 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
     assert len(started) == 1
     with pytest.raises(ray_session.exceptions.RayActorError):
         ray_session.get(started[0].leave.remote(), timeout=30)
-    alive = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
+    deadline = time.monotonic() + 15  # the name is released once the GCS has processed the kill
+    while True:
+        alive = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
+        if not [name for name in alive if name.startswith("fxdist-fail-ps")] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert not [name for name in alive if name.startswith("fxdist-fail-ps")], alive
