@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 import torch.fx
 from torch import nn
 
+from fxdist._graph_module_io import _map_nodes
 from fxdist._patching import _Patcher, _recording_constructor
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule, _is_torch_fx
@@ -39,22 +40,6 @@ from fxdist.node import Node
 
 __all__ = ["from_torch_fx", "graph_from_torch_fx", "to_torch_fx", "as_fxdist", "write_back", "is_torch_fx",
            "run_with_unbacked_bindings", "enter_torch_fx_trace"]
-
-
-def _map(a: Any, fn: Callable[[Any], Any], kind: type) -> Any:
-    """Rebuild tuples/lists/dicts/slices of an argument, applying ``fn`` to each ``kind`` leaf."""
-    if isinstance(a, kind):
-        return fn(a)
-    if isinstance(a, tuple):
-        items = [_map(x, fn, kind) for x in a]
-        return type(a)(*items) if hasattr(type(a), "_fields") else tuple(items)
-    if isinstance(a, list):
-        return [_map(x, fn, kind) for x in a]
-    if isinstance(a, dict):
-        return {k: _map(v, fn, kind) for k, v in a.items()}
-    if isinstance(a, slice):
-        return slice(_map(a.start, fn, kind), _map(a.stop, fn, kind), _map(a.step, fn, kind))
-    return a
 
 
 def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type, share_meta: bool = False) -> dict[Any, Any]:
@@ -72,8 +57,8 @@ def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type, share_meta: bool
                                "run graph.lint() on the source graph") from None
 
     for node in src_nodes:
-        new = dst_graph.create_node(node.op, node.target, _map(node.args, lookup, src_kind),
-                                    _map(node.kwargs, lookup, src_kind), name=node.name, type_expr=node.type)
+        new = dst_graph.create_node(node.op, node.target, _map_nodes(node.args, lookup, src_kind),
+                                    _map_nodes(node.kwargs, lookup, src_kind), name=node.name, type_expr=node.type)
         new.meta = node.meta if share_meta else copy.copy(node.meta)
         env[node] = new
     return env
