@@ -104,7 +104,6 @@ def _trial(with_exporter: bool, steps: int, shard, config) -> dict:
     """One training run of ``steps`` steps; with the exporter, it is scraped every second by another process."""
     import json
     import subprocess
-    import sys
 
     import torch
 
