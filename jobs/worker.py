@@ -513,7 +513,8 @@ def _run_phases(config, rank, world, workload, tables, resume, state, exporter) 
     if resume is not None and resume.get("final"):
         return  # every phase finished before this restart
     steps, every = config.job.steps, config.job.checkpoint_every
-    at = eval_step(config, max(_gather(workload.rows)))
+    shard_rows = max(_gather(workload.rows))
+    at = eval_step(config, shard_rows)
     trainers = _start_phases(config, rank, workload, tables, resume, state, exporter)
     early = {p: dict(((resume or {}).get("eval") or {}).get(p) or {}) for p in trainers}
     last = list(trainers)[-1]
@@ -534,13 +535,13 @@ def _run_phases(config, rank, world, workload, tables, resume, state, exporter) 
             exporter.observe_gain(interleaved_gain([{p: t.run.blocks for p, t in trainers.items()}]))
         if every and end % every == 0 and end < steps:
             _save_checkpoint(end, trainers, early, rank, final=False, state=state)
-    _finish_phases(config, rank, workload, trainers, early, state)
+    _finish_phases(config, rank, workload, trainers, early, state, shard_rows)
 
 
-def _finish_phases(config, rank, workload, trainers, early, state) -> None:
-    """Every phase's summary to the JobState (rank 0), then the final checkpoint."""
+def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: int) -> None:
+    """Every phase's summary to the JobState (rank 0), then the final checkpoint; ``shard_rows``: the largest
+    trainer's shard."""
     steps = config.job.steps
-    shard_rows = max(_gather(workload.rows))
     for phase, t in trainers.items():
         t.tables.sync()
         runs = _gather(t.run)  # also a barrier: every rank's updates are on the servers before evaluation
