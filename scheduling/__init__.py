@@ -6,7 +6,7 @@
   the embedding tables of your own model to the running parameter servers (:mod:`scheduling.placement`);
   ``fxdist.optimize(model, passes=("parameter_servers", "async_rpc_prefetch"))`` then schedules the lookups.
 - :mod:`scheduling.ps`: the parameter-server runtime it schedules.
-- :mod:`scheduling.models`: a DLRM whose tables live on parameter servers, and its train step.
+- :mod:`scheduling.criteo`: torchrec's ``DLRM`` built for the Criteo tables, and Criteo batches (KJTs).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ the rendezvous TCP store, so make a trainer rank 0 (the store must outlive serve
     kt = ebc(kjt)                                   # KeyedTensor (B, sum D); fetch = blocking rpc_sync
     parts = ebc.fetch(kjt); kt = ebc.pool(kjt, parts)   # training: keep the parts, then after
     loss.backward(); ebc.push(kjt, parts)               # backward push each part's gradient once
-    # (or PSEmbeddingBagCollection("ps", push_in_backward=True), or scheduling.models.PSTrainStep)
+    # (or PSEmbeddingBagCollection("ps", push_in_backward=True); for your own model, the
+    # scheduling.parameter_servers pass does all this in its graph)
     client.push_async(s, kjt, part, next_kjt=next_batch_kjt)  # the push also asks for the next lookup,
                                                     # which the next client.fetch(s, next_batch_kjt) takes
     client.checkpoint("/ckpt")                      # each server writes /ckpt/<name>.pt

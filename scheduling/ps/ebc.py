@@ -21,7 +21,7 @@ class PSEmbeddingBagCollection(nn.Module):
     """Pooled embedding lookups served by a :class:`PSClient`'s servers.
 
     ``forward`` = :meth:`fetch` (one blocking ``ps_fetch`` leaf per server holding a shard) + :meth:`pool`.
-    For training, call :meth:`push` after backward with the fetched parts (``PSTrainStep`` does), or build
+    For training, call :meth:`push` after backward with the fetched parts, or build
     it with ``push_in_backward=True`` to push each gradient from an autograd hook during backward (eager
     mode only).
 

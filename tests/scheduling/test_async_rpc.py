@@ -16,7 +16,6 @@ from fxdist.graph_module import GraphModule
 import scheduling
 from scheduling.async_rpc_pass import AsyncRPC
 from scheduling.ps import ops
-from scheduling.ps.client import get_client
 from tests.scheduling._graphs import before, offline_client, order
 
 
@@ -139,31 +138,6 @@ def test_pass_object_reports_modification(client):
     g = Graph()
     g.output(g.call_function(torch.relu, (g.placeholder("x"),)))
     assert not AsyncRPC()(_gm(g)).modified
-
-
-def test_traced_dlrm_train_step_schedule():
-    from scheduling.models import DLRMOnPS, PSTrainStep, trace_train_step
-
-    client = offline_client("traced_ps")
-    client.tables  # two tables of dim 4
-    try:
-        model = DLRMOnPS("traced_ps", dense_layers=(8, 4), over_layers=(8, 1))
-        step = PSTrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "traced_opt")
-        gm = trace_train_step(step)
-        assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_fetch)) == 2
-        assert len(gm.graph.find_nodes(op="call_function", target=ops.ps_push)) == 2
-        scheduling.async_rpc(gm)
-        names = order(gm.graph)
-        g = gm.graph
-        assert names[3:5] == ["ps_fetch_start", "ps_fetch_start_1"]          # right after the 3 placeholders
-        assert before(g, "relu_1", "ps_fetch_wait")                          # dense arch overlaps the fetches
-        assert names.index("ps_pool") == names.index("ps_fetch_wait_1") + 1
-        assert names.index("ps_push_start") == names.index("ps_backward") + 1
-        assert before(g, "optimizer_step", "ps_push_wait")                   # bottom backward overlaps pushes
-        assert names[-3:] == ["ps_push_wait", "ps_push_wait_1", "output"]
-        g.lint()
-    finally:
-        get_client("traced_ps").close(flush=False)
 
 
 def test_leaves_trace_as_single_impure_nodes(client):

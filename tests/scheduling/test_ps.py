@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
 import fxdist
 import scheduling
-from scheduling.models import DLRMOnPS, PSTrainStep, criteo_batches, criteo_tables, trace_train_step
-from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, ops
+from scheduling import placement
+from scheduling.criteo import criteo_batches, criteo_dlrm, criteo_tables
+from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, get_client, ops
+from tests.scheduling._graphs import before, order
 
 
 @pytest.fixture(scope="module")
@@ -162,34 +165,42 @@ def test_out_of_range_id_is_a_clear_error(cluster):
 
 
 def _train(cluster, criteo_path, name: str, mode: str | None, steps: int = 4):
-    client = PSClient(criteo_tables(50, 4, 6), cluster.server_names, sharding="row_wise",
-                      optimizer_kwargs={"lr": 0.1}, name=name, seed=11)
+    """torchrec's DLRM with its 6 tables row-wise on the 2 servers (the ``parameter_servers`` pass, row-wise
+    Adagrad), scheduled by ``async_rpc`` in ``mode``, trained as users write it (Adagrad on the dense part)."""
+    torch.manual_seed(0)
+    model = criteo_dlrm(50, 4, 6, dense_layers=(8, 4), over_layers=(8, 1))
+    gm = scheduling.parameter_servers(model, "rowwise_adagrad", lr=0.1, client=name, verbose=False,
+                                      plan={t.name: "row_wise" for t in criteo_tables(50, 4, 6)})
+    client = get_client(placement.client_names(gm)[0])
     try:
-        torch.manual_seed(0)
-        model = DLRMOnPS(name, dense_layers=(8, 4), over_layers=(8, 1))
-        gm = trace_train_step(PSTrainStep(model, torch.optim.Adagrad(model.parameters(), lr=0.05), f"{name}_opt"))
         if mode == "exact":
             scheduling.async_rpc(gm)
         elif mode is not None and mode.startswith("stale"):
             scheduling.async_rpc(gm, max_staleness=int(mode[-1]))
         elif mode is not None and mode.startswith("prefetch"):
             scheduling.async_rpc(gm, prefetch=True, max_staleness=1 if mode == "prefetch_stale1" else None)
+        opt = torch.optim.Adagrad(gm.parameters(), lr=0.05)
         batches = criteo_batches(criteo_path, 32, num_embeddings=50, num_tables=6, limit=32 * steps)
         lookups = sum(s["lookups"] for s in client.stats())
-        if mode is not None and mode.startswith("prefetch"):
-            losses = [float(gm(*batch, next_kjt=_next_kjt(nxt, copy=mode == "prefetch_other")))
-                      for batch, nxt in scheduling.lookahead(batches)]
-        else:
-            losses = [float(gm(*batch)) for batch in batches]
+        losses = []
+        for (dense, kjt, labels), nxt in scheduling.lookahead(batches):
+            extra = {}
+            if mode is not None and mode.startswith("prefetch"):
+                extra["next_sparse_features"] = _next_kjt(nxt, copy=mode == "prefetch_other")
+            loss = F.binary_cross_entropy_with_logits(gm(dense, kjt, **extra).squeeze(-1), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
         client.flush()
         lookups = sum(s["lookups"] for s in client.stats()) - lookups
         with torch.no_grad():
             dense, kjt, _ = next(criteo_batches(criteo_path, 16, num_embeddings=50, num_tables=6, limit=16))
-            logits = model(dense, kjt)
-        return (losses, client.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}, logits,
+            logits = gm(dense, kjt)
+        return (losses, placement.table_state_dict(gm), {k: v.clone() for k, v in gm.state_dict().items()}, logits,
                 lookups)
     finally:
-        client.close()
+        placement.close(gm)
 
 
 def _next_kjt(nxt, copy: bool):
@@ -199,6 +210,26 @@ def _next_kjt(nxt, copy: bool):
     if not copy:
         return kjt
     return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().clone(), lengths=kjt.lengths().clone())
+
+
+def test_torchrec_dlrm_lookups_overlap_the_dense_arch(cluster):
+    torch.manual_seed(0)
+    gm = scheduling.parameter_servers(criteo_dlrm(50, 4, 6, dense_layers=(8, 4), over_layers=(8, 1)), "sgd",
+                                      lr=0.1, client="schedule", verbose=False,
+                                      plan={t.name: "row_wise" for t in criteo_tables(50, 4, 6)})
+    try:
+        g = gm.graph
+        assert len(g.find_nodes(op="call_function", target=ops.ps_fetch)) == 2          # one per server
+        assert len(g.find_nodes(op="call_function", target=ops.ps_push_in_backward)) == 2
+        scheduling.async_rpc(gm)
+        names = order(g)
+        assert names[:4] == ["dense_features", "sparse_features", "ps_fetch_start", "ps_fetch_start_1"]
+        assert before(g, "relu_1", "ps_fetch_wait")                   # the dense arch overlaps the lookups
+        assert names.index("ps_pool") == names.index("ps_push_in_backward_1") + 1
+        assert g.find_nodes(op="call_function", target=ops.ps_fetch) == []
+        g.lint()
+    finally:
+        placement.close(gm)
 
 
 def test_training_with_async_rpc_is_exactly_the_baseline(cluster, criteo_path):

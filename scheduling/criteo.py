@@ -1,0 +1,97 @@
+"""Criteo input for torchrec's DLRM: table configs, a factory, and batches from the Criteo TSV.
+
+The model is torchrec's own ``torchrec.models.dlrm.DLRM``; put its tables on parameter servers with
+:func:`scheduling.parameter_servers` (``fxdist.optimize(model, passes=("parameter_servers", "async_rpc"))``)::
+
+    model = criteo_dlrm(num_embeddings=1000, dim=16)
+    gm = fxdist.optimize(model, passes=("parameter_servers", "async_rpc_prefetch"))
+    for (dense, kjt, labels), nxt in scheduling.lookahead(criteo_batches(path, 256)):
+        logits = gm(dense, kjt, next_sparse_features=None if nxt is None else nxt[1])
+
+Source: torchrec ``DLRM`` (Naumov et al. 2019); the Criteo Kaggle display-advertising format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+__all__ = ["criteo_tables", "criteo_dlrm", "criteo_batches", "CRITEO_DENSE", "CRITEO_SPARSE"]
+
+CRITEO_DENSE = 13
+CRITEO_SPARSE = 26
+
+
+# ---- Criteo ---------------------------------------------------------------------------------------------
+def criteo_tables(num_embeddings: int = 1000, dim: int = 16, num_tables: int = CRITEO_SPARSE) -> list[EmbeddingBagConfig]:
+    """One table per categorical feature ``C1..C<num_tables>`` (ids hashed modulo ``num_embeddings``)."""
+    return [EmbeddingBagConfig(name=f"t_C{i}", embedding_dim=dim, num_embeddings=num_embeddings,
+                               feature_names=[f"C{i}"]) for i in range(1, num_tables + 1)]
+
+
+def criteo_dlrm(num_embeddings: int = 1000, dim: int = 16, num_tables: int = CRITEO_SPARSE,
+                dense_layers: Sequence[int] = (64, 16), over_layers: Sequence[int] = (64, 1)) -> nn.Module:
+    """torchrec's ``DLRM`` over :func:`criteo_tables` (an ``EmbeddingBagCollection``) and the 13 dense features.
+
+    Shapes: ``forward(dense_features (B, 13) float, sparse_features KJT with keys C1..)`` -> logits ``(B, 1)``.
+
+    Raises:
+        ValueError: ``dense_layers[-1] != dim`` (torchrec's interaction needs the dense arch to end at the
+            embedding dim).
+    """
+    from torchrec.models.dlrm import DLRM
+
+    if not dense_layers or dense_layers[-1] != dim:
+        raise ValueError(f"criteo_dlrm: dense_layers must end at the embedding dim {dim}, got {list(dense_layers)}")
+    ebc = EmbeddingBagCollection(tables=criteo_tables(num_embeddings, dim, num_tables))
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=CRITEO_DENSE,
+                dense_arch_layer_sizes=list(dense_layers), over_arch_layer_sizes=list(over_layers))
+
+
+def _parse_criteo(path: Path, limit: int | None) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
+    labels, dense, cats = [], [], []
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if limit is not None and len(labels) >= limit:
+                break
+            cols = line.rstrip("\n").split("\t")
+            if len(cols) != 1 + CRITEO_DENSE + CRITEO_SPARSE:
+                raise ValueError(f"{path}:{lineno}: expected {1 + CRITEO_DENSE + CRITEO_SPARSE} tab-separated "
+                                 f"columns (label, I1..I13, C1..C26), got {len(cols)}")
+            labels.append(float(cols[0]))
+            dense.append([math.log1p(max(float(v), 0.0)) if v else 0.0 for v in cols[1:1 + CRITEO_DENSE]])
+            cats.append(cols[1 + CRITEO_DENSE:])
+    return torch.tensor(labels), torch.tensor(dense), cats
+
+
+def criteo_batches(path: str | Path, batch_size: int, num_embeddings: int = 1000,
+                   num_tables: int = CRITEO_SPARSE, limit: int | None = None,
+                   ) -> Iterator[tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]]:
+    """Batches ``(dense (B, 13) float, kjt with keys C1.., labels (B,) float)`` from the Criteo TSV.
+
+    Dense values become ``log(1 + max(x, 0))`` (empty: 0); a categorical value is its hex string as an
+    integer modulo ``num_embeddings``, an empty one an empty bag. The last partial batch is dropped.
+
+    Raises:
+        ValueError: a line without 40 columns (names the file and line).
+    """
+    labels, dense, cats = _parse_criteo(Path(path), limit)
+    keys = [f"C{i}" for i in range(1, num_tables + 1)]
+    for lo in range(0, len(labels) - batch_size + 1, batch_size):
+        rows = cats[lo:lo + batch_size]
+        values, lengths = [], []
+        for k in range(num_tables):
+            for row in rows:
+                if row[k]:
+                    values.append(int(row[k], 16) % num_embeddings)
+                    lengths.append(1)
+                else:
+                    lengths.append(0)
+        kjt = KeyedJaggedTensor(keys=keys, values=torch.tensor(values, dtype=torch.long),
+                                lengths=torch.tensor(lengths, dtype=torch.int32))
+        yield dense[lo:lo + batch_size], kjt, labels[lo:lo + batch_size]
