@@ -1,12 +1,17 @@
-"""Training QPS of a DLRM on 2 parameter servers: blocking fetches vs the async_rpc pass and its options.
+"""Training QPS of torchrec's DLRM on 2 parameter servers: blocking fetches vs the async_rpc pass and its options.
 
-One trainer (this process, 1 torch thread) and 2 servers on loopback (TCP transport). For an added
-server-side latency of 0, 1 and 5 ms per fetch (emulating network distance), the same traced train step runs
-as is (baseline) and after ``scheduling.async_rpc`` in four variants:
+One trainer (this process, 1 torch thread) and 2 servers on loopback (TCP transport). The model is torchrec's
+``DLRM`` (26 tables x 1000 rows), its tables moved to the servers by ``scheduling.parameter_servers``
+(row-wise Adagrad on the servers, SGD on the dense part), trained as users write a step: forward, BCE loss,
+``loss.backward()`` (which pushes each lookup's gradient from an autograd hook as soon as it is computed, so
+the pushes overlap the bottom MLP's backward), ``optimizer.step()``. For an added server-side latency of 0, 1
+and 5 ms per fetch (emulating network distance), the placed model runs as is (baseline: blocking lookups,
+the pushes waited at the end of the step) and after ``scheduling.async_rpc`` in four variants:
 
-- ``async_rpc``: each step's lookups overlap the bottom MLP, its pushes the bottom MLP's backward;
-- ``max_staleness=1``: the pushes are waited at the next step's lookup instead (still exact: the servers
-  apply each client's requests in issue order);
+- ``async_rpc``: each step's lookups overlap the bottom MLP (pushes waited at the end of the step);
+- ``max_staleness=1``: the pushes are waited at the next step's lookup instead, which may even be sent
+  before the last push is acknowledged (still exact: the servers apply each client's requests in issue
+  order);
 - ``prefetch=True``: each push also asks for the next step's lookup, so that lookup overlaps the rest of
   the step and the next step's bottom MLP (exact);
 - ``prefetch=True, max_staleness=1``: the next step's lookup starts right after this step's lookup and
@@ -16,6 +21,7 @@ The baseline and ``async_rpc`` take turns step by step; variants whose RPCs outl
 consecutive steps, alternating with the others round by round. Measured in the same run:
 
 - compute C: the train step with the fetches served from memory and the pushes dropped (no RPC);
+  the placed model's client is swapped for one that answers from memory;
 - fetch F: the step's RPCs alone (2 fetches, then 2 pushes), blocking one after the other (F_seq, what the
   baseline pays: T_base ~ C + F_seq) and with the independent ones in flight together (F_par);
 - ideal: an overlapped step cannot beat max(C, F_par), so the ideal gain is T_base / max(C, F_par) - 1;
@@ -49,53 +55,74 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import scheduling  # noqa: E402
-from scheduling.models import DLRMOnPS, PSTrainStep, criteo_batches, criteo_tables, trace_train_step  # noqa: E402
-from scheduling.ps import LocalCluster, PSClient  # noqa: E402
+from scheduling import placement  # noqa: E402
+from scheduling.criteo import criteo_batches, criteo_dlrm, criteo_tables  # noqa: E402
+from scheduling.ps import LocalCluster, PSClient, get_client  # noqa: E402
 
 CRITEO = REPO.parent / "shared" / "data" / "criteo" / "train_examples.txt"
 
 
 class MemoryClient(PSClient):
-    """Serves fetches from memory and drops pushes: the step's compute without any RPC."""
+    """Takes the name of a placed model's client: serves its fetches from memory and drops its pushes (the
+    step's compute without any RPC)."""
 
-    def __init__(self, like: PSClient, name: str, answers: dict[int, torch.Tensor]) -> None:
-        super().__init__(like.tables, like.servers, sharding={s.table.name: "row_wise" if s.num_rows <
-                                                              s.table.num_embeddings else "table_wise"
-                                                              for s in like.shards}, name=name, configure=False)
+    def __init__(self, like: PSClient, answers: dict[int, torch.Tensor]) -> None:
+        like.close(flush=False)  # unregistered; its tables stay on the servers, unused
+        super().__init__(like.tables, like.servers, name=like.name, configure=False)
+        self.shards, self.layouts, self.widths, self._slots = like.shards, like.layouts, like.widths, like._slots
         self.answers = answers
 
     def fetch(self, server, kjt):
         return self.answers[server].clone().requires_grad_(torch.is_grad_enabled())
 
-    def push(self, server, kjt, fetched):
-        fetched.grad = None
-        return 0
+    def push_grad_async(self, server, kjt, grad, next_kjt=None):
+        return None
+
+    def defer_push(self, server, fut):
+        pass
 
 
-def build(name: str, args, dims: tuple[int, ...], servers: list[str], memory_of: PSClient | None = None,
-          answers=None):
-    if memory_of is None:
-        PSClient(criteo_tables(1000, dims[-1]), servers, sharding=args.sharding, optimizer_kwargs={"lr": 0.01},
-                 name=name, seed=0, compress=args.compress, ordered=not args.unordered)
-    else:
-        MemoryClient(memory_of, name, answers)
+class Step:
+    """One training step of a placed torchrec DLRM, as a user writes it; ``wait=True``: the step also waits
+    its pushes (which ``loss.backward()`` started from hooks) before returning."""
+
+    def __init__(self, model, gm, prefetch: bool = False, wait: bool = False) -> None:
+        self.model, self.gm, self.prefetch, self.wait = model, gm, prefetch, wait
+        self.client = placement.client_names(gm)[0]
+        self.opt = torch.optim.SGD(gm.parameters(), lr=0.01)
+
+    def __call__(self, dense, kjt, labels, next_kjt=None) -> None:
+        extra = {"next_sparse_features": next_kjt} if self.prefetch else {}
+        loss = F.binary_cross_entropy_with_logits(self.gm(dense, kjt, **extra).squeeze(-1), labels)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        if self.wait:
+            get_client(self.client).flush()
+
+
+def build(name: str, args, dims: tuple[int, ...], async_options: dict | None) -> tuple:
+    """(torchrec's DLRM, the same with its tables on the servers (client prefix ``name``) and then, unless
+    ``async_options`` is None, ``scheduling.async_rpc(gm, **async_options)``)."""
     torch.manual_seed(0)
-    model = DLRMOnPS(name, dense_layers=dims, over_layers=(64, 1))
-    MODELS[name] = model
-    step = PSTrainStep(model, torch.optim.SGD(model.parameters(), lr=0.01), f"{name}_opt")
-    return trace_train_step(step)
+    model = criteo_dlrm(1000, dims[-1], dense_layers=dims, over_layers=(64, 1))
+    gm = scheduling.parameter_servers(model, "rowwise_adagrad", lr=0.01, client=name, verbose=False,
+                                      plan={t.name: args.sharding for t in criteo_tables(1000, dims[-1])})
+    if async_options is not None:
+        gm = scheduling.async_rpc(gm, **async_options)
+    return model, gm
 
 
-MODELS: dict[str, DLRMOnPS] = {}
-
-
-def top_step(model: DLRMOnPS, client: PSClient, batch, answers: dict[int, torch.Tensor]) -> None:
+def top_step(model, client: PSClient, batch, answers: dict[int, torch.Tensor]) -> None:
     """C_top, the compute between a step's lookups and its pushes: pool the answers, interaction and over
     arch, loss, and the backward pass down to the answers' gradients (eager, same shapes as the step)."""
     dense, kjt, labels = batch
-    cut = torch.randn(dense.shape[0], model.dim, requires_grad=True)     # stands for the dense arch output
+    dim = client.tables[0].embedding_dim
+    cut = torch.randn(dense.shape[0], dim, requires_grad=True)     # stands for the dense arch output
     parts = [answers[s].clone().requires_grad_(True) for s in range(len(answers))]
-    logits = model.top(cut, client.pool(kjt, parts))
+    kt = client.pool(kjt, parts)
+    sparse = torch.cat(list(kt.to_dict().values()), dim=1).reshape(dense.shape[0], -1, dim)
+    logits = model.over_arch(model.inter_arch(cut, sparse))
     F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels).backward()
     model.zero_grad(set_to_none=True)
 
@@ -163,7 +190,7 @@ def block(fn, batches, client: str) -> float:
     """Median seconds per step of ``fn(batch, next_batch)`` over consecutive steps (for variants whose RPCs
     outlive a step), then the client's deferred pushes and prefetches are finished."""
     t = time_block(fn, list(scheduling.lookahead(batches)))
-    scheduling.ps.get_client(client).flush()
+    get_client(client).flush()
     return t
 
 
@@ -182,39 +209,37 @@ def cpu_per_step(fn, batches, client: str, pids: list[int], passes: int = 2) -> 
     c0 = cpu_seconds(pids)
     for batch, nxt in pairs:
         fn(batch, nxt)
-    scheduling.ps.get_client(client).flush()
+    get_client(client).flush()
     return (cpu_seconds(pids) - c0) / len(pairs)
 
 
 # (key, label, exact training?, timed step by step (False: in blocks of consecutive steps))
-ROWS = [("async", "async_rpc", "yes", True),
+ROWS = [("async", "async_rpc: pushes waited at the step's end", "yes", True),
         ("defer", "async_rpc(max_staleness=1): pushes waited next step", "yes", False),
         ("prefetch", "async_rpc(prefetch=True)", "yes", False),
         ("prefetch_stale", "async_rpc(prefetch=True, max_staleness=1)", "no: 1 step stale", False)]
 
 
-def measure(delay: float, args, batches, gms: dict, base_client: PSClient, pids: list[int], answers,
+def measure(delay: float, args, batches, steps: dict[str, Step], base_client: PSClient, pids: list[int], answers,
             ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Round medians of every variant at one added latency, and each variant's CPU seconds per step."""
     base_client.set_delays(fetch_delay_s=delay / 1000)
-    local = gms["memory"]
-    stepwise = {"base": lambda b: gms["base"](*b), "async": lambda b: gms["async"](*b),
-                "C": lambda b: local(*batches[0]),
+    stepwise = {"base": lambda b: steps["base"](*b), "async": lambda b: steps["async"](*b),
+                "C": lambda b: steps["memory"](*batches[0]),
                 "F": lambda b: rpc_step(base_client, b[1], parallel=False),
                 "Fpar": lambda b: rpc_step(base_client, b[1], parallel=True),
-                "Ctop": lambda b: top_step(MODELS["memory"], base_client, b, answers),
+                "Ctop": lambda b: top_step(steps["memory"].model, base_client, b, answers),
                 "Fchain": lambda b: rpc_chain(base_client, b[1])}
-    blocks = {"defer": (lambda b, nxt: gms["defer"](*b), "defer"),
-              "prefetch": (lambda b, nxt: gms["prefetch"](*b, next_kjt=nxt and nxt[1]), "prefetch"),
-              "prefetch_stale": (lambda b, nxt: gms["prefetch_stale"](*b, next_kjt=nxt and nxt[1]),
-                                 "prefetch_stale")}
+    blocks = {key: (lambda b, nxt, k=key: steps[k](*b, next_kjt=nxt and nxt[1]), steps[key].client)
+              for key in ("defer", "prefetch", "prefetch_stale")}
     t: dict[str, list[float]] = {k: [] for k in [*stepwise, *blocks]}
     for _ in range(args.rounds):
         for key, values in interleaved(stepwise, batches).items():
             t[key].append(statistics.median(values))
         for key, (fn, client) in blocks.items():
             t[key].append(block(fn, batches, client))
-    cpu = {key: cpu_per_step(lambda b, nxt, k=key: gms[k](*b), batches, key, pids) for key in ("base", "async")}
+    cpu = {key: cpu_per_step(lambda b, nxt, k=key: steps[k](*b), batches, steps[key].client, pids)
+           for key in ("base", "async")}
     cpu.update({key: cpu_per_step(fn, batches, client, pids) for key, (fn, client) in blocks.items()})
     return t, cpu
 
@@ -231,7 +256,7 @@ def report(delay: float, t: dict[str, list[float]], cpu: dict[str, float], batch
     spread = f"{min(t['base']) * 1e3:.1f}..{max(t['base']) * 1e3:.1f}"
     print(f"  {'variant':<52} {'exact':<17} {'ms/step':>8} {'QPS':>7} {'gain %':>7} {'share':>6} {'of exact':>8} "
           f"{'CPU ms':>7}  spread ms")
-    print(f"  {'baseline: blocking fetches and pushes':<52} {'yes':<17} {m['base'] * 1e3:>8.2f} "
+    print(f"  {"baseline: blocking fetches, pushes waited at end":<52} {'yes':<17} {m['base'] * 1e3:>8.2f} "
           f"{batch_size / m['base']:>7.0f} {'':>7} {'':>6} {'':>8} {cpu['base'] * 1e3:>7.1f}  {spread}")
     for key, label, is_exact, _ in ROWS:
         gain = m["base"] / m[key] - 1
@@ -249,8 +274,6 @@ def main() -> None:
     ap.add_argument("--delays-ms", type=float, nargs="*", default=[0.0, 1.0, 5.0])
     ap.add_argument("--dense-layers", type=int, nargs="*", default=[512, 256, 16])
     ap.add_argument("--sharding", choices=["table_wise", "row_wise"], default="table_wise")
-    ap.add_argument("--compress", choices=["fused8bit"], default=None)
-    ap.add_argument("--unordered", action="store_true", help="servers do not order a client's requests")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not CRITEO.is_file():
@@ -258,30 +281,26 @@ def main() -> None:
     batches = list(criteo_batches(CRITEO, args.batch_size, num_embeddings=1000,
                                   limit=args.batch_size * args.steps))
     dims = tuple(args.dense_layers)
-    print(f"DLRM on PS: batch {args.batch_size}, 26 tables x 1000 x {dims[-1]} {args.sharding} on 2 servers, "
-          f"compress={args.compress}, dense arch {list(dims)}, over arch [64, 1]; {args.steps} steps/block, "
+    print(f"torchrec DLRM on PS (parameter_servers pass): batch {args.batch_size}, 26 tables x 1000 x {dims[-1]} "
+          f"{args.sharding} on 2 servers, dense arch {list(dims)}, over arch [64, 1]; {args.steps} steps/block, "
           f"{args.rounds} rounds; torch threads 1; transport uv (loopback)")
-    with LocalCluster(2, timeout_s=60) as cluster:
-        names = cluster.server_names
-        gms = {"base": build("base", args, dims, names),
-               "async": scheduling.async_rpc(build("async", args, dims, names)),
-               "defer": scheduling.async_rpc(build("defer", args, dims, names), max_staleness=1),
-               "prefetch": scheduling.async_rpc(build("prefetch", args, dims, names), prefetch=True),
-               "prefetch_stale": scheduling.async_rpc(build("prefetch_stale", args, dims, names), prefetch=True,
-                                                      max_staleness=1)}
-        base_client = scheduling.ps.get_client("base")
+    with LocalCluster(2, timeout_s=120) as cluster:
+        options = {"base": None, "async": {}, "defer": {"max_staleness": 1}, "prefetch": {"prefetch": True},
+                   "prefetch_stale": {"prefetch": True, "max_staleness": 1}, "memory": None}
+        steps = {key: Step(*build(key, args, dims, opts), prefetch=bool(opts and opts.get("prefetch")),
+                           wait=key in ("base", "async", "memory")) for key, opts in options.items()}
+        base_client = get_client(steps["base"].client)
         answers = {s: base_client.fetch(s, batches[0][1]).detach() for s in range(2)}
-        gms["memory"] = build("memory", args, dims, names, base_client, answers)
-        for key, gm in gms.items():  # warm-up
-            time_block(gm, [batches[0]] * 3 if key == "memory" else batches[:3])
-        for name in gms:
-            scheduling.ps.get_client(name).flush()
+        MemoryClient(get_client(steps["memory"].client), answers)
+        for key, step in steps.items():  # warm-up
+            time_block(step, [batches[0]] * 3 if key == "memory" else batches[:3])
+            get_client(step.client).flush()
         for delay in args.delays_ms:
             pids = [p.pid for p in cluster.processes]
-            report(delay, *measure(delay, args, batches, gms, base_client, pids, answers), args.batch_size)
+            report(delay, *measure(delay, args, batches, steps, base_client, pids, answers), args.batch_size)
         base_client.set_delays(0.0)
-        for name in gms:
-            scheduling.ps.get_client(name).close()
+        for step in steps.values():
+            get_client(step.client).close()
 
 
 if __name__ == "__main__":
