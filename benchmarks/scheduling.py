@@ -256,7 +256,7 @@ def report(delay: float, t: dict[str, list[float]], cpu: dict[str, float], batch
     spread = f"{min(t['base']) * 1e3:.1f}..{max(t['base']) * 1e3:.1f}"
     print(f"  {'variant':<52} {'exact':<17} {'ms/step':>8} {'QPS':>7} {'gain %':>7} {'share':>6} {'of exact':>8} "
           f"{'CPU ms':>7}  spread ms")
-    print(f"  {"baseline: blocking fetches, pushes waited at end":<52} {'yes':<17} {m['base'] * 1e3:>8.2f} "
+    print(f"  {'baseline: blocking fetches, pushes waited at end':<52} {'yes':<17} {m['base'] * 1e3:>8.2f} "
           f"{batch_size / m['base']:>7.0f} {'':>7} {'':>6} {'':>8} {cpu['base'] * 1e3:>7.1f}  {spread}")
     for key, label, is_exact, _ in ROWS:
         gain = m["base"] / m[key] - 1
