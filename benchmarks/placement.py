@@ -38,15 +38,15 @@ MOVIELENS = ROOT.parent / "shared" / "data" / "movielens-100k" / "u.data"
 
 
 def _criteo_models(dim: int = 16, rows: int = 20000) -> dict[str, Callable[[], Any]]:
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.models.dlrm import DLRM, DLRM_DCN
+    from torchrec import EmbeddingBagCollection
+    from torchrec.models.dlrm import DLRM_DCN
+
+    from scheduling.criteo import criteo_dlrm, criteo_tables
 
     def ebc():
-        return EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{j}", embedding_dim=dim, num_embeddings=rows,
-                                                                 feature_names=[f"C{j + 1}"]) for j in range(26)])
+        return EmbeddingBagCollection(tables=criteo_tables(rows, dim))
 
-    return {"DLRM": lambda: DLRM(embedding_bag_collection=ebc(), dense_in_features=13,
-                                 dense_arch_layer_sizes=[512, 256, dim], over_arch_layer_sizes=[512, 256, 1]),
+    return {"DLRM": lambda: criteo_dlrm(rows, dim, dense_layers=(512, 256, dim), over_layers=(512, 256, 1)),
             "DLRM_DCN": lambda: DLRM_DCN(embedding_bag_collection=ebc(), dense_in_features=13,
                                          dense_arch_layer_sizes=[512, 256, dim], over_arch_layer_sizes=[512, 256, 1],
                                          dcn_num_layers=3, dcn_low_rank_dim=64)}
