@@ -1,28 +1,40 @@
-"""A DLRM built from torchrec's own ``DenseArch``, ``InteractionArch`` and ``OverArch``, with one
-``nn.EmbeddingBag`` per categorical feature, trained briefly on the Criteo sample.
+"""torchrec's own ``DLRM`` on the Criteo sample, and its int8 form: torchrec's quantized tables, fxdist's passes
+for the rest.
 
-The embedding bags are what FBGEMM's 8-bit row-wise kernels quantize (``torch.ao.nn.quantized.EmbeddingBag``);
-the dense and over arches are torchrec ``MLP``s of ``Perceptron`` (Linear + ReLU) layers, which static PTQ turns
-into ``nniq.LinearReLU``.
+The model is ``torchrec.models.dlrm.DLRM`` (built by :func:`scheduling.criteo.criteo_dlrm`: an
+``EmbeddingBagCollection`` of 26 tables, one per categorical feature; torchrec ``MLP``s of ``Perceptron``
+(Linear + ReLU) layers for the dense and over arches). For int8:
 
-Shapes: ``dense (B, 13)`` float (log-transformed counts), ``sparse (B, 26)`` int64 (hashed ids, one per table)
--> logits ``(B,)``.
+- the tables: torchrec's ``quantize_embeddings`` (``torchrec.inference.modules``) swaps the EBC for
+  ``torchrec.quant.embedding_modules.EmbeddingBagCollection`` (8-bit row-wise rows with a per-row scale and bias,
+  FBGEMM's ``IntNBitTableBatchedEmbeddingBagsCodegen``): :func:`quantize_tables`;
+- the dense and over arches: fxdist's static PTQ (``quant.prepare`` / ``calibrate`` / ``convert``) on the graph
+  traced with the EBC as a leaf (:func:`trace_dlrm`), which turns each Perceptron into ``nniq.LinearReLU``.
 
-Source: Naumov et al. 2019 (DLRM); torchrec/models/dlrm.py; torch.fx paper §6.2.1.
+Shapes: ``dense (B, 13)`` float (log-transformed counts), ``sparse (B, 26)`` int64 (hashed ids, one per table),
+given to the model as ``(dense, criteo_kjt(sparse))`` -> logits ``(B, 1)``.
+
+Source: Naumov et al. 2019 (DLRM); torchrec/models/dlrm.py; torchrec/inference/modules.py
+(``quantize_embeddings``); torch.fx paper §6.2.1.
 """
 
 from __future__ import annotations
 
+import copy
 import zlib
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["EmbeddingBagDLRM", "load_criteo", "train_dlrm", "default_criteo_path"]
+import fxdist as fx
+
+__all__ = ["load_criteo", "criteo_kjt", "train_dlrm", "quantize_tables", "trace_dlrm",
+           "default_criteo_path"]
 
 NUM_DENSE, NUM_SPARSE = 13, 26
+KEYS = [f"C{i}" for i in range(1, NUM_SPARSE + 1)]
 
 
 def default_criteo_path() -> Path:
@@ -58,46 +70,67 @@ def load_criteo(path: str | Path | None = None, *, table_size: int = 1000) -> tu
     return dense_t, torch.tensor(sparse, dtype=torch.long), torch.tensor(labels)
 
 
-class EmbeddingBagDLRM(nn.Module):
-    """torchrec's DLRM arches around 26 ``nn.EmbeddingBag`` tables (sum pooling, one id per row and table)."""
+def criteo_kjt(sparse: torch.Tensor) -> Any:
+    """``(B, 26)`` ids -> torchrec ``KeyedJaggedTensor`` with keys ``C1..C26``, one id per bag.
 
-    def __init__(
-        self, table_size: int = 1000, dim: int = 16, dense_layers: Sequence[int] = (64, 16),
-        over_layers: Sequence[int] = (64, 32, 1),
-    ) -> None:
-        super().__init__()
-        from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+    Raises:
+        ValueError: ``sparse`` is not ``(B, 26)``.
+    """
+    from torchrec import KeyedJaggedTensor
 
-        if dense_layers[-1] != dim:
-            raise ValueError(f"the dense arch must end at the embedding dim {dim}, got {list(dense_layers)}")
-        self.tables = nn.ModuleList(nn.EmbeddingBag(table_size, dim, mode="sum") for _ in range(NUM_SPARSE))
-        self.dense_arch = DenseArch(NUM_DENSE, list(dense_layers))
-        self.inter_arch = InteractionArch(NUM_SPARSE)
-        over_in = dim + NUM_SPARSE * (NUM_SPARSE + 1) // 2
-        self.over_arch = OverArch(over_in, list(over_layers))
-
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        ids = sparse.t().contiguous()  # (26, B): each table reads one contiguous row (FBGEMM needs contiguous ids)
-        pooled = [table(ids[i].unsqueeze(1)) for i, table in enumerate(self.tables)]
-        embedded = torch.stack(pooled, dim=1)
-        x = self.dense_arch(dense)
-        return self.over_arch(self.inter_arch(x, embedded)).squeeze(1)
+    if sparse.dim() != 2 or sparse.shape[1] != NUM_SPARSE:
+        raise ValueError(f"criteo_kjt: expected ids of shape (B, {NUM_SPARSE}), got {tuple(sparse.shape)}")
+    return KeyedJaggedTensor(keys=KEYS, values=sparse.t().reshape(-1),
+                             lengths=torch.ones(sparse.numel(), dtype=torch.int32))
 
 
 def train_dlrm(
     dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor, *, epochs: int = 2, batch_size: int = 128,
-    lr: float = 3e-3, seed: int = 0, **model_kwargs: object,
-) -> EmbeddingBagDLRM:
-    """Train :class:`EmbeddingBagDLRM` with Adam and binary cross-entropy; returns it in eval mode."""
+    lr: float = 3e-3, seed: int = 0, table_size: int = 1000, dim: int = 16,
+    dense_layers: tuple[int, ...] = (64, 16), over_layers: tuple[int, ...] = (64, 32, 1),
+) -> nn.Module:
+    """Train torchrec's DLRM (:func:`scheduling.criteo.criteo_dlrm` with these sizes) with Adam and binary
+    cross-entropy on ``(dense, criteo_kjt(sparse))``; returns it in eval mode."""
+    from scheduling.criteo import criteo_dlrm
+
     torch.manual_seed(seed)
-    model = EmbeddingBagDLRM(**model_kwargs)
+    model = criteo_dlrm(table_size, dim, dense_layers=dense_layers, over_layers=over_layers)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
         for idx in torch.randperm(len(labels), generator=gen).split(batch_size):
             opt.zero_grad()
-            loss = nn.functional.binary_cross_entropy_with_logits(model(dense[idx], sparse[idx]), labels[idx])
-            loss.backward()
+            logits = model(dense[idx], criteo_kjt(sparse[idx])).squeeze(1)
+            nn.functional.binary_cross_entropy_with_logits(logits, labels[idx]).backward()
             opt.step()
     return model.eval()
+
+
+def quantize_tables(model: nn.Module, dtype: torch.dtype = torch.qint8) -> nn.Module:
+    """A copy of ``model`` (eval mode) whose torchrec ``EmbeddingBagCollection``s are torchrec's quantized EBC
+    (8-bit row-wise for ``torch.qint8``, 4-bit for ``torch.quint4x2``), via ``quantize_embeddings``."""
+    from torchrec.inference.modules import quantize_embeddings
+
+    return quantize_embeddings(copy.deepcopy(model), dtype=dtype, inplace=True).eval()
+
+
+def _is_ebc(m: nn.Module) -> bool:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+
+    return isinstance(m, (EmbeddingBagCollection, QuantEmbeddingBagCollection))
+
+
+class _EBCLeafTracer(fx.Tracer):
+    """fxdist's tracer with torchrec's EBCs (float or quantized) as leaves: one ``call_module`` node each."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return _is_ebc(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def trace_dlrm(model: nn.Module) -> fx.GraphModule:
+    """``model`` traced by fxdist with each torchrec EBC as a leaf, ready for ``quant.prepare``."""
+    tracer = _EBCLeafTracer()
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
