@@ -38,10 +38,12 @@ class ServerEndpoints:
 
     def __init__(self, server: Any = None) -> None:
         self.server = server
+        self.why_none = "call start_server() first"
+        """What the error says when no server runs (a restarted Ray actor: it lost its tables)."""
 
     def _server(self) -> Any:
-        if self.server is None:
-            raise RuntimeError(f"no parameter server runs in process {os.getpid()}; call start_server() first")
+        if self.server is None:  # a RuntimeError: clients report the server as unavailable
+            raise RuntimeError(f"no parameter server runs in process {os.getpid()}; {self.why_none}")
         return self.server
 
     def configure(self, *args: Any, **kwargs: Any) -> dict[str, int]:

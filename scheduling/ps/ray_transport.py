@@ -4,8 +4,10 @@ A server is a Ray actor of class :class:`PSActor` (the transport-independent
 :class:`~scheduling.ps.endpoints.ServerEndpoints` around a :class:`~scheduling.ps.server.PSServer`): a
 client's request is ``handle.lookup.remote(namespace, batch, compress, order)``, an ``ObjectRef``, waited
 with ``ray.get``. There is no ``torch.distributed.rpc`` group: no rendezvous, no group to restart. When Ray
-restarts a server actor after its process died (``max_restarts``), the same handle reaches the new process
-(an empty server until tables are configured or loaded again).
+restarts a server actor after its process died (``max_restarts``), the same handle reaches the new process,
+which answers every request with a transport error (``PSUnavailableError`` on the client) until it is
+``reset()``, with the last checkpoint or empty for the trainers to load one: a client never silently reads a
+server that lost its tables.
 
 The actor is threaded (``max_concurrency``): the step order across trainers
 (:mod:`scheduling.ps.ordering`) holds a request until the earlier ones arrive, as TensorPipe's worker
@@ -37,7 +39,7 @@ from .endpoints import ServerEndpoints
 from .server import PSServer
 
 __all__ = ["PSActor", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "start_actors", "register_servers",
-           "unregister_servers", "is_ray_server"]
+           "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors"]
 
 ACTOR_OPTIONS = {"num_cpus": 0, "max_concurrency": 32}
 """``ray.remote`` options of a server actor: no CPU reserved, up to 32 requests served at once."""
@@ -64,7 +66,11 @@ class PSActor(ServerEndpoints):
         torch.set_num_threads(num_threads)
         self.name, self.delays = name, (fetch_delay_s, push_delay_s)
         super().__init__()
-        self.reset(checkpoint)
+        if restarted_actor():  # the tables died with the old process: refuse requests until reset()
+            self.why_none = (f"server {name} is a restarted Ray actor that lost its tables; reset() it (with the "
+                             "last checkpoint) before use")
+        else:
+            self.reset(checkpoint)
 
     def reset(self, checkpoint: str | None = None) -> dict[str, int]:
         """Drop every table and serve an empty server (or ``checkpoint``'s tables): ``{"pid"}``."""
@@ -73,6 +79,11 @@ class PSActor(ServerEndpoints):
             server.load_state_dict(torch.load(checkpoint, weights_only=False))
         self.server = server
         return {"pid": os.getpid()}
+
+
+def restarted_actor() -> bool:
+    """Whether this process is a Ray actor that Ray restarted after its previous process died."""
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def start_actors(names: Sequence[str], checkpoints: Sequence[str | None] | None = None,
