@@ -189,8 +189,9 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bo
     """Split every blocking RPC of ``gm`` into start + wait and schedule them for overlap (in place).
 
     Args:
-        gm: a GraphModule (e.g. from ``fxdist.symbolic_trace``) calling ``torch.distributed.rpc.rpc_sync``
-            or the parameter-server leaves ``ps_fetch``/``ps_push``.
+        gm: a GraphModule (e.g. from ``fxdist.symbolic_trace``) calling ``torch.distributed.rpc.rpc_sync``,
+            the parameter-server leaves ``ps_fetch``/``ps_push`` (either transport), or Ray actors
+            (``ray.get(handle.m.remote(x))`` traced with :class:`scheduling.ray_calls.RayTracer`).
         max_staleness: None (default) keeps training exact; an int ``k >= 0`` lets pushes stay in flight
             across steps, fetches waiting until at most ``k`` are pending for their server.
         prefetch: also start each parameter-server lookup of the *next* step inside this one, after this
