@@ -224,7 +224,7 @@ class PSClient:
 
     def _unavailable(self, server: int, what: str, err: BaseException) -> PSUnavailableError:
         return PSUnavailableError(f"parameter server {self.transport.names[server]!r} (server {server} of "
-                                  f"{len(self.servers)}, client {self.name!r}, {self.transport.name}) failed during {what} within "
+                                  f"{len(self.servers)}, client {self.name!r}) failed during {what} within "
                                   f"timeout_s={self.timeout_s}: {str(err).splitlines()[0] if str(err) else err!r}")
 
     def _wait(self, fut: torch.futures.Future, server: int, what: str) -> Any:
