@@ -188,6 +188,9 @@ class ClusterSection:
     """Where Ray puts trainers and parameter servers: "pack" (Ray Train's PACK placement group; servers by
     Ray's default scheduling) or "spread" (trainers SPREAD over nodes, servers round-robin over the nodes,
     those that cannot hold a trainer first). See jobs.cluster; results.json's "placement" says where each ran."""
+    transport: str = "torch_rpc"
+    """How trainers reach the parameter servers: "torch_rpc" (a torch.distributed.rpc group per worker group)
+    or "ray" (the server actors' methods called directly; no rendezvous). See scheduling.ps.transport."""
     rpc_timeout_s: float = _key(30.0, 0, 3600, above=True)
     """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
     server_fetch_delay_ms: float = _key(1.0, 0, 10_000)
@@ -318,6 +321,8 @@ class JobConfig:
         if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):
             errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be "fp32", "fp16" or '
                           '"fused8bit"')
+        if c.transport not in ("torch_rpc", "ray"):
+            errors.append(f'[cluster] transport = {c.transport!r}: must be "torch_rpc" or "ray"')
         if c.placement not in ("pack", "spread"):
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
         if self.phases.parity not in ("error", "warn"):

@@ -506,7 +506,8 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
                        "rpc_host": None if on_cluster else "127.0.0.1"}
         trainer = _trainer(config, loop_config, run_dir)
         log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers "
-            f"(Ray actors), {config.job.steps} steps per phase, passes {list(config.phases.passes)}")
+            f"(Ray actors, transport {config.cluster.transport}), {config.job.steps} steps per phase, "
+            f"passes {list(config.phases.passes)}")
         box: dict[str, Any] = {}
         t0 = time.perf_counter()
         state.event.remote("launcher: TorchTrainer.fit started")

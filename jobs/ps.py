@@ -14,6 +14,11 @@ the trainers load the tables of the last checkpoint into them:
 - a killed server: Ray restarts its actor (``max_restarts``), the trainers' RPCs to it fail with
   ``PSUnavailableError``, Ray Train restarts the group, and the restarted server joins it.
 
+With ``[cluster] transport = "ray"`` there is no RPC group: the trainers call the server actors' methods
+directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has them :meth:`ServerActor.reset`
+to an empty server instead of joining; the trainers then load the checkpoint's tables as above. A restarted
+server actor needs no re-admission: the same handles reach it.
+
 Model side: :class:`PSSparseArch` turns ids into a torchrec ``KeyedJaggedTensor`` lookup on the servers
 through ``scheduling.ps.PSEmbeddingBagCollection`` (blocking ``ps_fetch`` nodes, which the
 ``async_rpc`` pass splits into start/wait), and pushes each fetched part's gradient back from an autograd
@@ -38,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from scheduling.ps.endpoints import ServerEndpoints
 
 
 __all__ = ["PSSparseArch", "ServerActor", "ServerGroup", "ServerTables", "UserServerTables", "start_servers", "stop_servers", "to_kjt",
@@ -88,8 +95,13 @@ class PSSparseArch(nn.Module):
         return self.combine(kjt, self.fetch(kjt))
 
 
-class ServerActor:
-    """A Ray actor hosting one parameter server (``scheduling.ps.start_server``) and its metrics exporter.
+class ServerActor(ServerEndpoints):
+    """A Ray actor hosting one parameter server and its metrics exporter.
+
+    ``[cluster] transport = "torch_rpc"``: the server joins each worker group's RPC group
+    (``scheduling.ps.start_server``), as below. ``"ray"``: the actor itself serves the requests (its
+    :class:`~scheduling.ps.endpoints.ServerEndpoints` methods, called as ``handle.lookup.remote(...)``);
+    each worker group's rank 0 calls :meth:`reset` instead of :meth:`join` (an empty server, no group).
 
     The launcher creates it (named, restartable by Ray) before the trainers start, and it outlives every
     trainer worker group: each group's rank 0 calls :meth:`join`, which leaves the previous group's RPC
@@ -105,6 +117,8 @@ class ServerActor:
 
     def __init__(self, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
                  timeout_s: float) -> None:
+        super().__init__()  # no server until join() / reset(): a restarted actor refuses requests till then
+        self.why_none = f"server {name} has not been reset since its actor (re)started"
         self.name, self.fetch_delay_s, self.timeout_s = name, fetch_delay_s, timeout_s
         self.joined = False
         self.groups = 0
@@ -145,22 +159,37 @@ class ServerActor:
                               fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False)
         self.joined = True
         self.groups += 1
-        if self.exporter is not None:
-            lookup, exporter = server.lookup, self.exporter
-            last = [0.0]  # when the memory gauges were last set
-
-            def timed_lookup(namespace: str, *args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return lookup(namespace, *args, **kwargs)
-                finally:  # the phase label is the client's suffix: fxdist-job-<phase>[:<module path>]
-                    exporter.observe_fetch(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
-                    if t0 - last[0] > 1.0:  # rows and bytes held, at most once a second
-                        last[0] = t0
-                        exporter.observe_memory(**server.memory())
-
-            server.lookup = timed_lookup
+        self._instrument(server)
         return {"pid": os.getpid(), "group": self.groups}
+
+    def reset(self) -> dict[str, Any]:
+        """``ray`` transport: serve an empty server from now on (the trainers configure the tables or load
+        the checkpoint's); returns as :meth:`join` (``group``: resets so far)."""
+        from scheduling.ps.server import PSServer
+
+        self.server = PSServer(self.name, fetch_delay_s=self.fetch_delay_s)
+        self.groups += 1
+        self._instrument(self.server)
+        return {"pid": os.getpid(), "group": self.groups}
+
+    def _instrument(self, server: Any) -> None:
+        """Time ``server``'s lookups (and its memory, at most once a second) on the exporter, if any."""
+        if self.exporter is None:
+            return
+        lookup, exporter = server.lookup, self.exporter
+        last = [0.0]  # when the memory gauges were last set
+
+        def timed_lookup(namespace: str, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return lookup(namespace, *args, **kwargs)
+            finally:  # the phase label is the client's suffix: fxdist-job-<phase>[:<module path>]
+                exporter.observe_fetch(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
+                if t0 - last[0] > 1.0:  # rows and bytes held, at most once a second
+                    last[0] = t0
+                    exporter.observe_memory(**server.memory())
+
+        server.lookup = timed_lookup
 
     def leave(self) -> None:
         """Leave the RPC group, if in one (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
@@ -173,6 +202,7 @@ class ServerActor:
     def close(self) -> None:
         """Leave the group and stop the exporter (the launcher then kills the actor)."""
         self.leave()
+        self.server = None
         if self.exporter is not None:
             self.exporter.close()
 
@@ -191,7 +221,9 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
     from jobs.cluster import server_options
 
     c = config.cluster
-    cls = ray.remote(num_cpus=0, max_restarts=max(0, config.job.max_failures))(ServerActor)
+    # with the ray transport the actor serves requests itself, several at once (the step order holds some)
+    threads = {"max_concurrency": 32} if c.transport == "ray" else {}
+    cls = ray.remote(num_cpus=0, max_restarts=max(0, config.job.max_failures), **threads)(ServerActor)
     actors = []
     for i, options in enumerate(server_options(config)):
         metrics = (config.metrics.host, metrics_port + c.trainers + i) if metrics_port is not None else None
@@ -234,19 +266,51 @@ class ServerGroup:
 
     def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any]) -> None:
         import ray
-        from scheduling.ps import init_trainer
-
-        from jobs.cluster import is_loopback, set_socket_ifnames
-        from jobs.metrics import free_port
 
         c = config.cluster
         self.rank, self.world, self.config = rank, world, config
+        self.transport = c.transport
         self.num_servers = c.parameter_servers
         self.servers = [f"ps{i}" for i in range(self.num_servers)]
         self.actors: list[Any] = list(loop_config.get("servers") or [])
         if len(self.actors) != self.num_servers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
                                f"[cluster] parameter_servers = {self.num_servers}")
+        if self.transport == "ray":
+            self.joined = self._reset_servers()
+        else:
+            self.joined = self._join_rpc_group(loop_config)
+        if self.joined and loop_config.get("state") is not None:
+            loop_config["state"].servers_joined.remote(self.joined)
+            places = ray.get([a.where.remote() for a in self.actors], timeout=c.rpc_timeout_s)
+            for i, info in enumerate(places):  # where each server runs now (a restarted one may have moved)
+                loop_config["state"].placed.remote(f"ps{i}", info)
+
+    def _reset_servers(self) -> list[dict[str, Any]]:
+        """``ray`` transport: rank 0 empties every server actor (:meth:`ServerActor.reset`) before the others
+        hear the group key; every trainer registers the actors under ``ps<i>`` for its clients."""
+        import ray
+        from scheduling.ps.ray_transport import register_servers
+
+        register_servers(dict(zip(self.servers, self.actors)))
+        timeout = self.config.cluster.rpc_timeout_s
+        joined = ray.get([a.reset.remote() for a in self.actors], timeout=timeout) if self.rank == 0 else []
+        box = [uuid.uuid4().hex if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        self.group = box[0]
+        return joined
+
+    def _join_rpc_group(self, loop_config: dict[str, Any]) -> list[dict[str, Any]]:
+        """``torch_rpc`` transport: rank 0 picks the rendezvous and has every server actor join; all trainers
+        join the group (returns the servers' answers on rank 0)."""
+        import ray
+        from scheduling.ps import init_trainer
+
+        from jobs.cluster import is_loopback, set_socket_ifnames
+        from jobs.metrics import free_port
+
+        c, rank, world = self.config.cluster, self.rank, self.world
         box = [None]
         if rank == 0:
             host = _rpc_host(loop_config)
@@ -259,12 +323,7 @@ class ServerGroup:
             set_socket_ifnames()
         joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(self.actors)] if rank == 0 else []
         init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=c.rpc_timeout_s)
-        self.joined = ray.get(joins) if joins else []
-        if self.joined and loop_config.get("state") is not None:
-            loop_config["state"].servers_joined.remote(self.joined)
-            places = ray.get([a.where.remote() for a in self.actors], timeout=c.rpc_timeout_s)
-            for i, info in enumerate(places):  # where each server runs now (a restarted one may have moved)
-                loop_config["state"].placed.remote(f"ps{i}", info)
+        return ray.get(joins) if joins else []
 
     def _barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
@@ -300,6 +359,11 @@ class ServerGroup:
             self._barrier()
         for v in self.views.values():
             v.close()
+        if self.transport == "ray":  # no group to leave; the launcher owns the actors
+            from scheduling.ps.ray_transport import unregister_servers
+
+            unregister_servers(self.servers)
+            return
         rpc.shutdown(graceful=False)
         if graceful and self.rank == 0 and self.actors:
             ray.get([a.leave.remote() for a in self.actors], timeout=self.config.cluster.rpc_timeout_s)
@@ -456,7 +520,7 @@ class _PhaseTables(_FetchTimer):
                                optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr},
                                name=f"{CLIENT}-{phase}", timeout_s=c.rpc_timeout_s, seed=config.job.seed,
                                configure=(rank == 0), rank=rank, world_size=owner.world, group=group,
-                               storage=m.server_storage)
+                               storage=m.server_storage, transport=c.transport)
         self.wrap(self.client)
 
     def prepare(self, ids: torch.Tensor) -> Any:

@@ -5,7 +5,10 @@
 - :func:`parameter_servers` (``scheduling.parameter_servers(gm, optimizer=..., lr=...) -> GraphModule``): move
   the embedding tables of your own model to the running parameter servers (:mod:`scheduling.placement`);
   ``fxdist.optimize(model, passes=("parameter_servers", "async_rpc_prefetch"))`` then schedules the lookups.
-- :mod:`scheduling.ps`: the parameter-server runtime it schedules.
+- :mod:`scheduling.ps`: the parameter-server runtime it schedules, over ``torch_rpc`` or ``ray``
+  (:mod:`scheduling.ps.transport`).
+- :mod:`scheduling.ray_calls`: trace a model's own ``ray.get(handle.m.remote(x))`` calls (``RayTracer``) so
+  :func:`async_rpc` overlaps them.
 - :mod:`scheduling.criteo`: torchrec's ``DLRM`` built for the Criteo tables, and Criteo batches (KJTs).
 """
 

@@ -48,7 +48,7 @@ from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
 
 from .prefetch import add_prefetch
-from .rpc_kinds import AsyncPair, destination, pair_for
+from .rpc_kinds import AsyncPair, destination, pair_for, presplit_pair_for
 from .timeline import format_timeline
 
 __all__ = ["async_rpc", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]
@@ -79,11 +79,17 @@ def split_rpcs(graph: Graph, max_staleness: int | None = None) -> list[RPCSite]:
 
     The start gets the blocking node's args and kwargs (plus ``max_staleness`` for parameter-server
     fetches when given); the wait (or, for writes with ``max_staleness``, the defer node) takes the start.
+    A start + wait the graph already has (a ``presplit`` pair, e.g. ``ray.get(ray_remote(...))``) is kept as is.
     """
     sites: list[RPCSite] = []
     for node in list(graph.nodes):
         pair = pair_for(node)
         if pair is None:
+            pair = presplit_pair_for(node)
+            if pair is not None:
+                start = node.args[0]
+                start.meta["async_rpc"] = node.meta["async_rpc"] = node.name
+                sites.append(RPCSite(len(sites), pair, start, node, destination(start, pair)))
             continue
         kwargs = dict(node.kwargs)
         if max_staleness is not None and pair.kind == "read" and pair.family == "ps":
@@ -183,8 +189,9 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bo
     """Split every blocking RPC of ``gm`` into start + wait and schedule them for overlap (in place).
 
     Args:
-        gm: a GraphModule (e.g. from ``fxdist.symbolic_trace``) calling ``torch.distributed.rpc.rpc_sync``
-            or the parameter-server leaves ``ps_fetch``/``ps_push``.
+        gm: a GraphModule (e.g. from ``fxdist.symbolic_trace``) calling ``torch.distributed.rpc.rpc_sync``,
+            the parameter-server leaves ``ps_fetch``/``ps_push`` (either transport), or Ray actors
+            (``ray.get(handle.m.remote(x))`` traced with :class:`scheduling.ray_calls.RayTracer`).
         max_staleness: None (default) keeps training exact; an int ``k >= 0`` lets pushes stay in flight
             across steps, fetches waiting until at most ``k`` are pending for their server.
         prefetch: also start each parameter-server lookup of the *next* step inside this one, after this

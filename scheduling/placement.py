@@ -292,7 +292,9 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
         lr: its learning rate; ``optimizer_kwargs`` adds others (e.g. ``{"eps": 1e-8}``).
         plan: per-table overrides ``{table name | weight path: "table_wise" | "row_wise" | server index}``
             (see :mod:`scheduling.placement_plan` for the automatic choice).
-        servers: RPC names of the servers to use (default: every server of the group).
+        servers: names of the servers to use (default: every server of the group): ``torch_rpc`` worker names,
+            or names of Ray server actors registered in this process (``LocalCluster(transport="ray")``, a job
+            with ``[cluster] transport = "ray"``), for which the clients use the ``ray`` transport.
         client: prefix of the clients' names (``"<client>:<module path>"``).
         timeout_s: RPC timeout of the clients, in seconds.
         verbose: print the plan (it is always logged at INFO on ``scheduling.placement``); ``file``: where.

@@ -5,17 +5,26 @@ One :class:`AsyncPair` per blocking target (a table, one entry a line)::
     torch.distributed.rpc.rpc_sync(to, f, args)  -> fut = rpc_async(to, f, args); rpc_wait(fut)     read
     ps_fetch(client, server, kjt)                -> h = ps_fetch_start(...); ps_fetch_wait(h)        read
     ps_push(client, server, kjt, t, after)       -> h = ps_push_start(...); ps_push_wait(h) / defer  write
+    ray_call(handle, "m", *args)                 -> ref = ray_remote(handle, "m", *args); ray.get(ref)  read
+      (scheduling.ray_calls; a traced ray.get(handle.m.remote(x)) is already such a start + wait pair)
 
 A *read* may run concurrently with any other read; a *write* is ordered after every earlier RPC and
 before every later one to the same destination (``None`` = unknown destination, overlaps everything).
 A plain ``rpc_sync`` is assumed to be a read (it usually fetches values); register your own pair with
 ``kind="write"`` for remote calls that update state.
 
+A pair with ``presplit=True`` is also recognised already split: a wait node whose argument is a start node
+used by nothing else (code that starts and waits itself, as ``ray.get(handle.m.remote(x))`` does); the pass
+then only moves the two. Transport-specific pairs live in their own modules (:data:`EXTENSIONS`), imported
+here only once the library they are about has been imported, so the pass never imports Ray.
+
 Source: torch.fx paper §6.2.3.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,7 +35,8 @@ from fxdist.node import Node
 
 from .ps import ops
 
-__all__ = ["AsyncPair", "register_async_pair", "pair_for", "destination", "node_arg"]
+__all__ = ["AsyncPair", "register_async_pair", "pair_for", "presplit_pair_for", "destination", "node_arg",
+           "EXTENSIONS"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +57,24 @@ class AsyncPair:
     """Destinations compare equal only within one family (``"ps"`` for the parameter-server ops)."""
     defer: Callable[..., Any] | None = None
     """For writes: called instead of ``wait`` when the pass runs with ``max_staleness``."""
+    presplit: bool = False
+    """Also recognise ``wait(start(...))`` (the start used only there) as this RPC, already split."""
 
 
 _PAIRS: dict[Any, AsyncPair] = {}
+EXTENSIONS = {"ray": "scheduling.ray_calls"}
+"""library module -> the module registering its pairs, imported once the library is loaded (a graph can
+call the library's functions only then)."""
+_LOADED: set[str] = set()
+
+
+def _load_extensions() -> None:
+    if len(_LOADED) == len(EXTENSIONS):
+        return
+    for library, module in EXTENSIONS.items():
+        if library not in _LOADED and library in sys.modules:
+            _LOADED.add(library)
+            importlib.import_module(module)
 
 
 def register_async_pair(pair: AsyncPair) -> AsyncPair:
@@ -62,10 +87,24 @@ def pair_for(node: Node) -> AsyncPair | None:
     """The pair whose blocking target ``node`` calls, or None."""
     if node.op != "call_function":
         return None
+    _load_extensions()
     try:
         return _PAIRS.get(node.target)
     except TypeError:  # unhashable target
         return None
+
+
+def presplit_pair_for(node: Node) -> AsyncPair | None:
+    """The ``presplit`` pair for which ``node`` is the wait of a start node that only it uses, or None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return None
+    _load_extensions()
+    start = node.args[0]
+    for pair in _PAIRS.values():
+        if (pair.presplit and node.target is pair.wait and start.op == "call_function" and start.target is pair.start
+                and len(start.users) == 1):
+            return pair
+    return None
 
 
 def node_arg(node: Node, position: int, keyword: str, default: Any = None) -> Any:
@@ -76,10 +115,14 @@ def node_arg(node: Node, position: int, keyword: str, default: Any = None) -> An
 
 
 def destination(node: Node, pair: AsyncPair) -> Hashable | None:
-    """A hashable name of where the RPC goes, or None when some part of it is computed in the graph."""
-    parts = []
+    """A hashable name of where the RPC goes, or None when some part of it is computed in the graph (an
+    attribute of the module, ``get_attr``, counts as a constant: e.g. a Ray actor handle)."""
+    parts: list[Any] = []
     for pos, kw in pair.dest_args:
         value = node_arg(node, pos, kw)
+        if isinstance(value, Node) and value.op == "get_attr":
+            parts.append(("get_attr", value.target))
+            continue
         if isinstance(value, Node):
             return None
         try:

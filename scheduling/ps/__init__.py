@@ -1,4 +1,4 @@
-"""Parameter-server runtime over ``torch.distributed.rpc`` (TensorPipe, TCP transport).
+"""Parameter-server runtime over ``torch.distributed.rpc`` (TensorPipe, TCP transport) or Ray actors.
 
 Embedding tables (torchrec ``EmbeddingBagConfig``) are sharded table-wise or row-wise over N server
 processes; trainers fetch pooled embeddings for a ``KeyedJaggedTensor`` and push sparse gradients, which the
@@ -35,6 +35,16 @@ the trainer. When traced
 (``fxdist.symbolic_trace``), fetches and pushes are single impure ``call_function`` nodes
 (:mod:`scheduling.ps.ops`), which :func:`scheduling.async_rpc` splits into start/wait pairs.
 
+Transports (:mod:`scheduling.ps.transport`): the above is ``torch_rpc``. With ``ray`` the servers are Ray
+actors (:class:`~scheduling.ps.ray_transport.PSActor`), called as ``handle.lookup.remote(...)`` and waited
+with ``ray.get``; no group, no rendezvous::
+
+    with LocalCluster(num_servers=2, transport="ray") as cluster:   # actors registered as "ps0", "ps1"
+        client = PSClient(tables, cluster.server_names, ...)       # picks transport="ray" for those names
+
+The tables, optimizer, step order and fused path are the same code on both
+(:class:`~scheduling.ps.endpoints.ServerEndpoints`).
+
 Faults: every RPC fails with :class:`PSUnavailableError` after ``timeout_s`` (crashed or unreachable
 server). ``torch.distributed.rpc`` cannot re-admit a crashed member into a live group, so recovery restarts
 the group: close the client, start the servers with ``checkpoint=<dir>/<name>.pt`` from the last
@@ -54,6 +64,7 @@ _EXPORTS = {
     "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "launch",
     "group_servers": "launch", "NoGroupError": "launch",
     "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
+    "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
 }
 __all__ = sorted(_EXPORTS)
 

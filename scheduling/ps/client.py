@@ -23,6 +23,7 @@ import torch
 from . import server as _srv
 from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
 from .storage import STORAGES
+from .transport import make_transport
 
 __all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer"]
 
@@ -94,8 +95,11 @@ class PSClient:
 
     Args:
         tables: torchrec ``EmbeddingBagConfig``s (or :class:`TableSpec`s).
-        servers: RPC worker names of the servers, e.g. ``["ps0", "ps1"]`` (RPC must be initialized,
-            see :func:`init_trainer`).
+        servers: the servers, e.g. ``["ps0", "ps1"]``: RPC worker names (``torch_rpc``: RPC must be
+            initialized, see :func:`init_trainer`), or Ray actor handles / registered names (``ray``).
+        transport: ``"torch_rpc"`` or ``"ray"`` (:mod:`scheduling.ps.transport`); None picks ``"ray"`` for
+            actor handles and names of Ray servers started here (``LocalCluster(transport="ray")``), else
+            the default.
         sharding: ``"table_wise"``, ``"row_wise"`` or a mapping table name -> scheme.
         optimizer: ``"rowwise_adagrad"`` or ``"sgd"``, applied on the servers; ``optimizer_kwargs`` e.g.
             ``{"lr": 0.05}``.
@@ -128,7 +132,7 @@ class PSClient:
                  name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
                  init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True,
                  ordered: bool = True, rank: int = 0, world_size: int = 1, group: str | None = None,
-                 storage: str = "fp32") -> None:
+                 storage: str = "fp32", transport: str | None = None) -> None:
         if not servers:
             raise ValueError("PSClient: give at least one server name")
         if not 0 <= rank < world_size:
@@ -142,6 +146,7 @@ class PSClient:
             raise ValueError(f"PSClient: unknown compress={compress!r} (use None or 'fused8bit')")
         self.tables: list[TableSpec] = table_specs(tables)
         self.servers = list(servers)
+        self.transport = make_transport(transport, self.servers)
         self.shards: list[ShardSpec] = plan_shards(self.tables, len(self.servers), sharding)
         self.name = name
         self.timeout_s = float(timeout_s)
@@ -198,10 +203,9 @@ class PSClient:
         return sorted({sp.server for sp in self.shards if names is None or sp.table.name in names})
 
     # ---- RPC plumbing -----------------------------------------------------------------------------------
-    def _call_async(self, server: int, fn: Any, args: tuple, what: str, ordered: bool = False,
+    def _call_async(self, server: int, method: str, args: tuple, what: str, ordered: bool = False,
                     push: bool = False) -> torch.futures.Future:
-        from torch.distributed import rpc
-
+        """Send request ``method`` (:data:`scheduling.ps.endpoints.METHODS`) through the transport."""
         if not 0 <= server < len(self.servers):
             raise IndexError(f"PSClient {self.name!r}: server index {server} out of range "
                              f"(have {len(self.servers)} servers)")
@@ -213,13 +217,13 @@ class PSClient:
                         order += ((*self._group, self._pushes[server]),)
                     self._seq[server] += 1
                     self._pushes[server] += push
-                    return rpc.rpc_async(self.servers[server], fn, (*args, order), timeout=self.timeout_s)
-            return rpc.rpc_async(self.servers[server], fn, args, timeout=self.timeout_s)
+                    return self.transport.call_async(server, method, (*args, order), self.timeout_s)
+            return self.transport.call_async(server, method, args, self.timeout_s)
         except RuntimeError as e:
             raise self._unavailable(server, what, e) from e
 
     def _unavailable(self, server: int, what: str, err: BaseException) -> PSUnavailableError:
-        return PSUnavailableError(f"parameter server {self.servers[server]!r} (server {server} of "
+        return PSUnavailableError(f"parameter server {self.transport.names[server]!r} (server {server} of "
                                   f"{len(self.servers)}, client {self.name!r}) failed during {what} within "
                                   f"timeout_s={self.timeout_s}: {str(err).splitlines()[0] if str(err) else err!r}")
 
@@ -231,8 +235,8 @@ class PSClient:
                 raise self._unavailable(server, what, e) from e
             raise
 
-    def _call(self, server: int, fn: Any, args: tuple, what: str) -> Any:
-        return self._wait(self._call_async(server, fn, args, what), server, what)
+    def _call(self, server: int, method: str, args: tuple, what: str) -> Any:
+        return self._wait(self._call_async(server, method, args, what), server, what)
 
     # ---- fetch / push -----------------------------------------------------------------------------------
     def fetch_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
@@ -256,7 +260,7 @@ class PSClient:
             return early[1]
         self._drop_prefetch(server)
         self.drain(server, 0 if max_staleness is None else max_staleness)
-        return self._call_async(server, _srv._rpc_lookup, (self.name, _batch(kjt), self.compress), "fetch",
+        return self._call_async(server, "lookup", (self.name, _batch(kjt), self.compress), "fetch",
                                  ordered=True)
 
     def _drop_prefetch(self, server: int) -> None:
@@ -330,10 +334,10 @@ class PSClient:
         (``next_kjt``: as in :meth:`push_async`)."""
         grad = grad.detach()
         if next_kjt is None:
-            return self._call_async(server, _srv._rpc_push, (self.name, _batch(kjt), grad), "push", ordered=True,
+            return self._call_async(server, "push", (self.name, _batch(kjt), grad), "push", ordered=True,
                                     push=True)
         self._drop_prefetch(server)
-        both = self._call_async(server, _srv._rpc_push_lookup,
+        both = self._call_async(server, "push_lookup",
                                 (self.name, _batch(kjt), grad, _batch(next_kjt), self.compress), "push", ordered=True,
                                 push=True)
         self._prefetched[server] = (next_kjt, _Part(both, 1))
@@ -438,7 +442,7 @@ class PSClient:
         for s in range(len(self.servers)):
             mine = {t: w for t, w in (init_weights or {}).items()
                     if any(sp.server == s and sp.table.name == t for sp in self.shards)}
-            futs.append(self._call_async(s, _srv._rpc_configure, (self.name, self.shards, s, self.optimizer,
+            futs.append(self._call_async(s, "configure", (self.name, self.shards, s, self.optimizer,
                                                                    self.optimizer_kwargs, self.seed, mine or None,
                                                                    self.storage),
                                          "configure"))
@@ -451,7 +455,7 @@ class PSClient:
         self.flush()
         out: dict[str, torch.Tensor] = {}
         for s in range(len(self.servers)):
-            for entry in self._call(s, _srv._rpc_state_dict, (self.name,), "state_dict").values():
+            for entry in self._call(s, "state_dict", (self.name,), "state_dict").values():
                 spec: ShardSpec = entry["spec"]
                 t = spec.table
                 w = out.setdefault(f"{t.name}.weight", torch.zeros(t.num_embeddings, t.embedding_dim))
@@ -476,13 +480,13 @@ class PSClient:
                 mom = state.get(f"{name}.momentum")
                 payload[f"{self.name}/{spec.key}"] = {"spec": spec, "weight": state[f"{name}.weight"][spec.row_start:spec.row_end],
                                      "state": None if mom is None else mom[spec.row_start:spec.row_end]}
-            self._call(s, _srv._rpc_load_state_dict, (payload,), "load_state_dict")
+            self._call(s, "load_state_dict", (payload,), "load_state_dict")
 
     def checkpoint(self, directory: str | Path) -> list[str]:
         """Every server writes ``<directory>/<server name>.pt`` (on its own file system); returns the paths.
         Restart a server from its file with ``start_server(..., checkpoint=path)``."""
         self.flush()
-        futs = [self._call_async(s, _srv._rpc_save, (str(directory),), "checkpoint")
+        futs = [self._call_async(s, "save", (str(directory),), "checkpoint")
                 for s in range(len(self.servers))]
         return [self._wait(f, s, "checkpoint") for s, f in enumerate(futs)]
 
@@ -490,27 +494,16 @@ class PSClient:
         """Set the added server-side latency per lookup / push on every server, in seconds (affects all
         clients of those servers; used to emulate network distance)."""
         for s in range(len(self.servers)):
-            self._call(s, _srv._rpc_set_delays, (fetch_delay_s, push_delay_s), "set_delays")
+            self._call(s, "set_delays", (fetch_delay_s, push_delay_s), "set_delays")
 
     def stats(self) -> list[dict[str, int]]:
         """Per server: number of lookups and pushes served, and its process id."""
-        return [self._call(s, _srv._rpc_stats, (), "stats") for s in range(len(self.servers))]
+        return [self._call(s, "stats", (), "stats") for s in range(len(self.servers))]
 
     def stop_servers(self, timeout_s: float = 2.0) -> None:
-        """Ask every server to leave the group (their ``start_server(block=True)`` returns); best effort."""
-        from torch.distributed import rpc
-
-        futs = []
-        for name in self.servers:
-            try:
-                futs.append(rpc.rpc_async(name, _srv._rpc_stop, (), timeout=timeout_s))
-            except RuntimeError:
-                pass
-        for fut in futs:
-            try:
-                fut.wait()
-            except RuntimeError:
-                pass
+        """Ask every server to leave the group (their ``start_server(block=True)`` returns); best effort.
+        Nothing with the ``ray`` transport (the actors' owner ends them)."""
+        self.transport.stop(timeout_s)
 
     def close(self, shutdown_rpc: bool = False, stop_servers: bool = False, flush: bool = True) -> None:
         """Unregister the client (after waiting deferred pushes when ``flush``); optionally stop the servers

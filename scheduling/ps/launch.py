@@ -1,5 +1,8 @@
 """Start a small parameter-server group on this machine: N server processes plus this process as trainer.
 
+With ``transport="ray"`` the servers are Ray actors (:mod:`scheduling.ps.ray_transport`) of this process's
+Ray session (a local one is started if none runs) and there is no RPC group.
+
 Used by the tests, the benchmark and the Criteo example; :func:`group_servers` finds the servers of the group
 this process is in (what :func:`scheduling.parameter_servers` places tables on). On a cluster, start each server with
 :func:`scheduling.ps.start_server` wherever it runs (e.g. in a Ray actor) and each trainer with
@@ -55,13 +58,20 @@ class LocalCluster:
         timeout_s: RPC timeout and start-up timeout, in seconds.
         checkpoints: per server, a checkpoint file to restart from (or None).
         start_method: multiprocessing start method of the servers.
+        transport: ``"torch_rpc"`` (server processes in one RPC group with this process) or ``"ray"`` (Ray
+            actors, registered under ``"ps<i>"`` so clients in this process can name them).
     """
 
     def __init__(self, num_servers: int = 2, *, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
                  timeout_s: float = 20.0, checkpoints: Sequence[str | None] | None = None,
-                 start_method: str = "spawn", trainer_name: str = "trainer") -> None:
+                 start_method: str = "spawn", trainer_name: str = "trainer", transport: str = "torch_rpc") -> None:
         if num_servers < 1:
             raise ValueError(f"LocalCluster: need at least one server, got {num_servers}")
+        if transport not in ("torch_rpc", "ray"):
+            raise ValueError(f"LocalCluster: unknown transport {transport!r} (use 'torch_rpc' or 'ray')")
+        self.transport = transport
+        self.actors: list[Any] = []
+        self._started_ray = False
         self.num_servers = num_servers
         self.server_names = [f"ps{i}" for i in range(num_servers)]
         self.trainer_name = trainer_name
@@ -81,6 +91,16 @@ class LocalCluster:
         """
         from .client import init_trainer
 
+        if self.transport == "ray":
+            from .ray_transport import start_local
+
+            kw = self._kwargs[0]
+            self.actors, self._started_ray = start_local(
+                self.server_names, checkpoints=[k["checkpoint"] for k in self._kwargs],
+                fetch_delay_s=kw["fetch_delay_s"], push_delay_s=kw["push_delay_s"])
+            self._rpc_up = True
+            _ACTIVE.append(self)
+            return self
         world = self.num_servers + 1
         for i, name in enumerate(self.server_names):
             proc = self._ctx.Process(target=_server_main, args=(name, i + 1, world, self.port, self._kwargs[i]),
@@ -97,7 +117,12 @@ class LocalCluster:
         return self
 
     def kill(self, index: int) -> None:
-        """Kill server ``index`` with SIGKILL (a crash: no goodbye to the group)."""
+        """Kill server ``index`` with SIGKILL (a crash: no goodbye to the group; with Ray: ``ray.kill``)."""
+        if self.transport == "ray":
+            from .ray_transport import kill_actors
+
+            kill_actors([self.actors[index]], ())
+            return
         proc = self.processes[index]
         proc.kill()
         proc.join(timeout=10)
@@ -118,6 +143,12 @@ class LocalCluster:
 
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        if self.transport == "ray":
+            from .ray_transport import kill_actors
+
+            kill_actors(self.actors, self.server_names, shutdown=self._started_ray)
+            self._rpc_up, self.actors = False, []
+            return
         try:
             if self._rpc_up:
                 futs = []

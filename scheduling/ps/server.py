@@ -2,7 +2,9 @@
 
 A server process calls :func:`start_server`, which creates the process-wide :class:`PSServer` and joins the
 RPC group. Clients then call the module-level ``_rpc_*`` functions below by RPC (they must be importable
-by the server, so they live here, never in ``__main__``). The shards themselves are created by the first
+by the server, so they live here, never in ``__main__``); each hands the request to the transport-independent
+:class:`~scheduling.ps.endpoints.ServerEndpoints`, which with the ``ray`` transport is the Ray actor itself
+(:mod:`scheduling.ps.ray_transport`). The shards themselves are created by the first
 client that connects (:meth:`PSServer.configure`) or loaded from a checkpoint given to :func:`start_server`.
 
 Wire format of a batch (one per request, the whole KeyedJaggedTensor of the trainer):
@@ -28,9 +30,9 @@ from typing import Any
 import torch
 
 from .config import ShardSpec
+from .endpoints import ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
-from .ordering import Order, in_order
 from .storage import RowStore, make_store
 
 __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch",
@@ -392,55 +394,46 @@ def _quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(x.contiguous())
 
 
-# ---- the process-wide server and its RPC entry points ---------------------------------------------------
-_SERVER: PSServer | None = None
+# ---- the process-wide server and its torch.distributed.rpc entry points ------------------------------------
+_ENDPOINTS = ServerEndpoints()
+"""The request handlers of this process's server (``start_server`` sets its ``server``)."""
 _STOP = threading.Event()
 
 
 def _server() -> PSServer:
-    if _SERVER is None:
-        raise RuntimeError(f"no parameter server runs in process {os.getpid()}; call start_server() first")
-    return _SERVER
+    return _ENDPOINTS._server()
 
 
 def _rpc_configure(*args: Any, **kwargs: Any) -> dict[str, int]:
-    return _server().configure(*args, **kwargs)
+    return _ENDPOINTS.configure(*args, **kwargs)
 
 
-def _rpc_lookup(namespace: str, batch: Batch, compress: str | None = None, order: Order | None = None,
-                ) -> torch.Tensor:
-    server = _server()
-    return in_order(order, "lookup", server.name, lookup=lambda: server.lookup(namespace, batch, compress))
+def _rpc_lookup(*args: Any) -> torch.Tensor:
+    return _ENDPOINTS.lookup(*args)
 
 
-def _rpc_push(namespace: str, batch: Batch, grad: torch.Tensor, order: Order | None = None) -> int:
-    server = _server()
-    return in_order(order, "push", server.name, push=lambda: server.push(namespace, batch, grad))
+def _rpc_push(*args: Any) -> int:
+    return _ENDPOINTS.push(*args)
 
 
-def _rpc_push_lookup(namespace: str, batch: Batch, grad: torch.Tensor, next_batch: Batch,
-                     compress: str | None = None, order: Order | None = None) -> tuple[int, torch.Tensor]:
-    """A push, then the lookup of the next batch, in one request: ``(rows updated, lookup answer)``."""
-    server = _server()
-    return in_order(order, "push+lookup", server.name, push=lambda: server.push(namespace, batch, grad),
-                    lookup=lambda: server.lookup(namespace, next_batch, compress))
+def _rpc_push_lookup(*args: Any) -> tuple[int, torch.Tensor]:
+    return _ENDPOINTS.push_lookup(*args)
 
 
 def _rpc_state_dict(namespace: str | None = None) -> dict[str, Any]:
-    return _server().state_dict(namespace)
+    return _ENDPOINTS.state_dict(namespace)
 
 
 def _rpc_load_state_dict(state: dict[str, Any]) -> None:
-    _server().load_state_dict(state)
+    _ENDPOINTS.load_state_dict(state)
 
 
 def _rpc_save(directory: str) -> str:
-    return _server().save(directory)
+    return _ENDPOINTS.save(directory)
 
 
 def _rpc_set_delays(fetch_delay_s: float, push_delay_s: float) -> None:
-    s = _server()
-    s.fetch_delay_s, s.push_delay_s = fetch_delay_s, push_delay_s
+    _ENDPOINTS.set_delays(fetch_delay_s, push_delay_s)
 
 
 def _rpc_stop() -> bool:
@@ -450,8 +443,7 @@ def _rpc_stop() -> bool:
 
 
 def _rpc_stats() -> dict[str, int]:
-    s = _server()
-    return {"lookups": s.num_lookups, "pushes": s.num_pushes, "pid": os.getpid(), **s.memory()}
+    return _ENDPOINTS.stats()
 
 
 def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "127.0.0.1",
@@ -480,7 +472,6 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
         ValueError: neither ``master_port`` nor ``init_method`` given.
         RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
     """
-    global _SERVER
     from torch.distributed import rpc
 
     if init_method is None:
@@ -491,7 +482,7 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
     server = PSServer(name, fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s)
     if checkpoint is not None:
         server.load_state_dict(torch.load(checkpoint, weights_only=False))
-    _SERVER = server
+    _ENDPOINTS.server = server
     reset_rpc_process_state()
     rpc.init_rpc(name, rank=rank, world_size=world_size,
                  rpc_backend_options=rpc_backend_options(init_method, timeout_s))
@@ -508,9 +499,8 @@ def stop_server() -> None:
     Shutdown is never graceful: torch's graceful shutdown is a barrier of the whole group, which hangs when
     a member crashed and cannot be repeated in a process that joins a second group (after a restart).
     """
-    global _SERVER
     from torch.distributed import rpc
 
     rpc.shutdown(graceful=False)
-    _SERVER = None
+    _ENDPOINTS.server = None
     _STOP.clear()

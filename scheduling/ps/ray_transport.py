@@ -1,0 +1,207 @@
+"""The ``ray`` transport: parameter servers as Ray actors, called directly.
+
+A server is a Ray actor of class :class:`PSActor` (the transport-independent
+:class:`~scheduling.ps.endpoints.ServerEndpoints` around a :class:`~scheduling.ps.server.PSServer`): a
+client's request is ``handle.lookup.remote(namespace, batch, compress, order)``, an ``ObjectRef``, waited
+with ``ray.get``. There is no ``torch.distributed.rpc`` group: no rendezvous, no group to restart. When Ray
+restarts a server actor after its process died (``max_restarts``), the same handle reaches the new process,
+which answers every request with a transport error (``PSUnavailableError`` on the client) until it is
+``reset()``, with the last checkpoint or empty for the trainers to load one: a client never silently reads a
+server that lost its tables.
+
+The actor is threaded (``max_concurrency``): the step order across trainers
+(:mod:`scheduling.ps.ordering`) holds a request until the earlier ones arrive, as TensorPipe's worker
+threads do for ``torch_rpc``.
+
+Clients name servers by a string: a name registered here (:func:`register_servers`, done by
+``LocalCluster(transport="ray")`` and by a job's trainers) or a named Ray actor (``ray.get_actor``), or
+pass the actor handles themselves.
+
+Only this module (and :mod:`scheduling.ray_calls`) of ``scheduling`` imports Ray; nothing imports it unless
+the ``ray`` transport is asked for.
+
+Source: Ray actors (``ray.remote``, ``ActorHandle.method.remote``, ``ray.get``, ``max_restarts``,
+``max_concurrency`` threaded actors).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import ray
+import ray.exceptions as rex
+import torch
+from ray.actor import ActorHandle
+
+from .endpoints import ServerEndpoints
+from .server import PSServer
+
+__all__ = ["PSActor", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "start_actors", "register_servers",
+           "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors"]
+
+ACTOR_OPTIONS = {"num_cpus": 0, "max_concurrency": 32}
+"""``ray.remote`` options of a server actor: no CPU reserved, up to 32 requests served at once."""
+
+_HANDLES: dict[str, ActorHandle] = {}
+
+# transport failures: the client turns them into PSUnavailableError (a RayTaskError is the server's own error)
+_TRANSPORT_ERRORS = (rex.GetTimeoutError, rex.RayActorError, rex.ActorUnavailableError, rex.ObjectLostError,
+                     rex.OwnerDiedError, rex.WorkerCrashedError, rex.RaySystemError, rex.TaskCancelledError)
+
+
+class PSActor(ServerEndpoints):
+    """A parameter server as a Ray actor class: ``ray.remote(**ACTOR_OPTIONS)(PSActor).remote("ps0")``.
+
+    Args:
+        name: server name (error messages, checkpoint file names).
+        fetch_delay_s, push_delay_s: added latency per lookup / push, seconds.
+        checkpoint: a file written by ``PSServer.save`` to load before serving (None: empty).
+        num_threads: torch intra-op threads of the actor's process.
+    """
+
+    def __init__(self, name: str, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
+                 checkpoint: str | None = None, num_threads: int = 1) -> None:
+        torch.set_num_threads(num_threads)
+        self.name, self.delays = name, (fetch_delay_s, push_delay_s)
+        super().__init__()
+        if restarted_actor():  # the tables died with the old process: refuse requests until reset()
+            self.why_none = (f"server {name} is a restarted Ray actor that lost its tables; reset() it (with the "
+                             "last checkpoint) before use")
+        else:
+            self.reset(checkpoint)
+
+    def reset(self, checkpoint: str | None = None) -> dict[str, int]:
+        """Drop every table and serve an empty server (or ``checkpoint``'s tables): ``{"pid"}``."""
+        server = PSServer(self.name, *self.delays)
+        if checkpoint is not None:
+            server.load_state_dict(torch.load(checkpoint, weights_only=False))
+        self.server = server
+        return {"pid": os.getpid()}
+
+
+def restarted_actor() -> bool:
+    """Whether this process is a Ray actor that Ray restarted after its previous process died."""
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def start_actors(names: Sequence[str], checkpoints: Sequence[str | None] | None = None,
+                 **kwargs: Any) -> list[ActorHandle]:
+    """One :class:`PSActor` per name (``kwargs`` to each, and its checkpoint file or None), registered under
+    its name; waits until they run.
+
+    Raises:
+        ray.exceptions.RayActorError: an actor failed to start.
+    """
+    cls = ray.remote(**ACTOR_OPTIONS)(PSActor)
+    checkpoints = list(checkpoints or [None] * len(names))
+    handles = [cls.remote(name, checkpoint=ckpt, **kwargs) for name, ckpt in zip(names, checkpoints)]
+    ray.get([h.stats.remote() for h in handles])
+    register_servers(dict(zip(names, handles)))
+    return handles
+
+
+def register_servers(handles: Mapping[str, ActorHandle]) -> None:
+    """Let clients of this process name these server actors by string (later registrations win)."""
+    _HANDLES.update(handles)
+
+
+def unregister_servers(names: Iterable[str]) -> None:
+    for name in names:
+        _HANDLES.pop(name, None)
+
+
+def is_ray_server(server: Any) -> bool:
+    """Whether ``server`` is a Ray actor handle or a name registered with :func:`register_servers`."""
+    return isinstance(server, ActorHandle) or (isinstance(server, str) and server in _HANDLES)
+
+
+class RayFuture:
+    """An ``ObjectRef`` waited like a ``torch.futures.Future`` (the value is fetched once, then kept)."""
+
+    def __init__(self, ref: Any, timeout_s: float) -> None:
+        self.ref, self.timeout_s = ref, timeout_s
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> Any:
+        """``ray.get`` the answer. Raises: RuntimeError for a transport failure, else the server's error."""
+        if not self._done:
+            try:
+                self._value = ray.get(self.ref, timeout=self.timeout_s)
+            except rex.RayTaskError as e:  # the server raised: its own exception, as torch_rpc gives it
+                cause = e.cause if isinstance(e.cause, BaseException) else RuntimeError(str(e))
+                self._error = RuntimeError(str(cause)) if type(cause) is RuntimeError else cause
+            except _TRANSPORT_ERRORS as e:
+                self._error = RuntimeError(f"{type(e).__name__}: {str(e).strip() or 'no answer'}")
+            self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def done(self) -> bool:
+        if not self._done:
+            ready, _ = ray.wait([self.ref], timeout=0)
+            return bool(ready)
+        return True
+
+
+class RayTransport:
+    """Requests as calls of the servers' actor methods (:class:`PSActor`, or any actor with the same
+    methods). ``servers``: actor handles, registered names or named Ray actors.
+
+    Raises:
+        ValueError: a name that is neither registered nor a named actor.
+    """
+
+    name = "ray"
+
+    def __init__(self, servers: Sequence[Any]) -> None:
+        self.handles: list[ActorHandle] = []
+        self.names: list[str] = []
+        for s in servers:
+            if isinstance(s, ActorHandle):
+                self.handles.append(s)
+                self.names.append(f"actor {s._actor_id.hex()[:12]}")
+                continue
+            handle = _HANDLES.get(s)
+            if handle is None:
+                try:
+                    handle = ray.get_actor(s)
+                except ValueError:
+                    raise ValueError(f"transport 'ray': no server actor named {s!r} (registered: {sorted(_HANDLES)}"
+                                     "); start them with LocalCluster(transport='ray') or register_servers()"
+                                     ) from None
+            self.handles.append(handle)
+            self.names.append(s)
+
+    def call_async(self, server: int, method: str, args: tuple, timeout_s: float) -> RayFuture:
+        return RayFuture(getattr(self.handles[server], method).remote(*args), timeout_s)
+
+    def stop(self, timeout_s: float) -> None:
+        """Nothing to leave: the actors' owner (``LocalCluster``, the job launcher) ends them."""
+
+
+def start_local(names: Sequence[str], checkpoints: Sequence[str | None] | None = None,
+                **kwargs: Any) -> tuple[list[ActorHandle], bool]:
+    """:func:`start_actors` on this process's Ray session, starting a local one if none runs (Ray's
+    workers inherit this process's environment, ``PYTHONPATH`` included). Returns (handles, whether Ray
+    was started here)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    return start_actors(names, checkpoints, **kwargs), started
+
+
+def kill_actors(handles: Sequence[ActorHandle], names: Sequence[str], shutdown: bool = False) -> None:
+    """Kill the actors without restart, forget their names, and with ``shutdown`` stop Ray; never raises."""
+    unregister_servers(names)
+    for handle in handles:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+    if shutdown:
+        ray.shutdown()
