@@ -19,7 +19,7 @@ Every address a job uses comes from where a process actually runs, never from th
 Placement (``[cluster] placement``):
 
 - ``"pack"`` (default): Ray Train's ``PACK`` placement group for the trainers; the parameter servers use
-  Ray's default scheduling (which keeps zero-CPU actors near the launcher's node);
+  Ray's default scheduling (which may put these zero-CPU actors on any node);
 - ``"spread"``: the trainers' placement group is ``SPREAD`` (one trainer per node where possible); the
   servers go round-robin over the alive nodes, those that cannot hold a trainer (fewer CPUs / GPUs than one
   trainer reserves) first (:func:`server_nodes`), each sent there with Ray's node label selector

@@ -275,6 +275,9 @@ class ServerGroup:
         if len(self.actors) != self.num_servers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
                                f"[cluster] parameter_servers = {self.num_servers}")
+        # where each server runs now: a restarted one may have moved (its node died) and may still be
+        # restarting, so rank 0 waits for it (the other ranks wait for rank 0 in the broadcast below)
+        places = wait_for_servers(self.actors, c.rpc_timeout_s) if rank == 0 else []
         box = [None]
         if rank == 0:
             host = _rpc_host(loop_config)
@@ -285,9 +288,6 @@ class ServerGroup:
         total = world + self.num_servers
         if not is_loopback(host):  # TensorPipe listens on and advertises this node's interface
             set_socket_ifnames()
-        # where each server runs now: a restarted one may have moved (its node died), and it may still be
-        # restarting, so rank 0 waits for it before asking it to join
-        places = wait_for_servers(self.actors, c.rpc_timeout_s) if rank == 0 else []
         joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(self.actors)] if rank == 0 else []
         init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=c.rpc_timeout_s)
         self.joined = ray.get(joins) if joins else []
