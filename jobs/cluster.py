@@ -19,15 +19,28 @@ Every address a job uses comes from where a process actually runs, never from th
 Placement (``[cluster] placement``):
 
 - ``"pack"`` (default): Ray Train's ``PACK`` placement group for the trainers; the parameter servers use
-  Ray's default scheduling (which keeps zero-CPU actors near the launcher's node);
+  Ray's default scheduling (which may put these zero-CPU actors on any node);
 - ``"spread"``: the trainers' placement group is ``SPREAD`` (one trainer per node where possible); the
   servers go round-robin over the alive nodes, those that cannot hold a trainer (fewer CPUs / GPUs than one
-  trainer reserves) first, each pinned there with a ``NodeAffinitySchedulingStrategy`` (:func:`server_nodes`).
-  The affinity is hard: measured with Ray 2.60, a soft one sent a zero-CPU actor to another node although
-  the chosen node (a head started with ``--num-cpus 0``) could run it. A restart of a server whose node
-  is gone therefore fails (node failures are not handled yet).
+  trainer reserves) first (:func:`server_nodes`), each sent there with Ray's node label selector
+  (``label_selector={"ray.io/node-id": <id>}``) and a fallback to any node (``fallback_strategy``), so
+  that Ray can restart it elsewhere when its node dies (:func:`server_options`). Measured with Ray 2.60
+  on the 3-host test cluster: a soft ``NodeAffinitySchedulingStrategy`` sent zero-CPU actors to other
+  nodes although the chosen node could run them, and a hard one makes the restart of an actor whose
+  node died fail (``ActorUnschedulableError``); the selector with a fallback does neither.
 
-Source: Ray placement groups and scheduling strategies; Ray runtime_env ``worker_process_setup_hook``;
+Node failure: when a node dies (its raylet is gone; ``ray.nodes()`` says ``Alive: False``), its
+processes die with it. Ray Train sees the worker group fail and restarts it from the last checkpoint
+(``[job] max_failures``) on the nodes that remain, which must have room for every trainer; Ray restarts
+each lost server actor (``max_restarts``) on another node through the fallback, and the new group's rank 0
+waits for it before the group forms (:class:`jobs.ps.ServerGroup`). The checkpoints must therefore be on
+storage every node reads (``[job] run_dir`` on a shared file system). The launcher's own actors (the
+:class:`jobs.launch.JobState` and Ray Train's controller) are pinned to the launcher's node
+(:func:`here_options`), so only the launcher's node must stay up. The launcher notes each node that ran a
+trainer or server and died (:class:`NodeWatch`) in ``results.json`` (``nodes_lost``) and the table.
+
+Source: Ray placement groups, scheduling strategies and label selectors (``label_selector``,
+``fallback_strategy``; Ray Train pins its controller the same way); Ray runtime_env ``worker_process_setup_hook``;
 torch.distributed's ``GLOO_SOCKET_IFNAME`` and TensorPipe's ``TP_SOCKET_IFNAME``; psutil.net_if_addrs.
 """
 
@@ -36,17 +49,21 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import time
 from typing import Any
 
-__all__ = ["PLACEMENTS", "SETUP_HOOK", "interface_of", "is_loopback", "node_address", "set_socket_ifnames",
-           "serve_exporter", "where", "server_nodes", "trainer_strategy", "placement_lines", "file_sd_groups",
-           "launcher_address", "loopback_elsewhere"]
+__all__ = ["PLACEMENTS", "SETUP_HOOK", "NODE_ID_LABEL", "interface_of", "is_loopback", "node_address",
+           "set_socket_ifnames", "serve_exporter", "where", "server_nodes", "server_options", "here_options",
+           "trainer_strategy", "placement_lines", "lost_nodes", "NodeWatch", "file_sd_groups", "launcher_address",
+           "loopback_elsewhere"]
 
 PLACEMENTS = ("pack", "spread")
 """Values of ``[cluster] placement``."""
 SETUP_HOOK = "jobs.cluster.set_socket_ifnames"
 """The ``worker_process_setup_hook`` the launcher gives ``ray.init`` on a cluster."""
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+NODE_ID_LABEL = "ray.io/node-id"
+"""Ray's default node label holding the node id (what ``label_selector`` matches)."""
 
 
 def is_loopback(address: str) -> bool:
@@ -165,20 +182,83 @@ def server_nodes(nodes: list[dict[str, Any]], count: int, cpus_per_trainer: floa
     return [order[i % len(order)] for i in range(count)]
 
 
-def server_options(config: Any) -> list[dict[str, Any]]:
-    """``.options(...)`` keyword arguments of each server actor for ``[cluster] placement`` (empty for pack)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+def server_options(config: Any, nodes: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``.options(...)`` keyword arguments of each server actor for ``[cluster] placement`` (empty for pack).
 
+    ``"spread"``: the node of :func:`server_nodes` as a label selector, with a fallback to any node (where
+    Ray restarts the actor once that node has died). ``nodes``: ``ray.nodes()`` (read when None).
+    """
     c = config.cluster
     if c.placement != "spread":
         return [{} for _ in range(c.parameter_servers)]
-    ids = server_nodes(ray.nodes(), c.parameter_servers, c.cpus_per_trainer, c.use_gpu)
-    return [{"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} for node_id in ids]
+    if nodes is None:
+        import ray
+
+        nodes = ray.nodes()
+    ids = server_nodes(nodes, c.parameter_servers, c.cpus_per_trainer, c.use_gpu)
+    return [{"label_selector": {NODE_ID_LABEL: node_id}, "fallback_strategy": [{"label_selector": {}}]}
+            for node_id in ids]
+
+
+def here_options() -> dict[str, Any]:
+    """``.options(...)`` keyword arguments that keep an actor on this process's node (no fallback): the
+    launcher's own actors, which must outlive any other node (as Ray Train pins its controller)."""
+    import ray
+
+    return {"label_selector": {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}}
+
+
+def lost_nodes(seen: list[tuple[str, dict[str, Any]]], nodes: list[dict[str, Any]],
+               known: set[str] = frozenset()) -> list[dict[str, Any]]:
+    """The nodes that ran a process of the job and are now dead, leaving out node ids in ``known``.
+
+    Args:
+        seen: ``(name, where(...))`` pairs (``JobState.placed`` reports): a process that moved appears once
+            per node it ran on.
+        nodes: ``ray.nodes()`` (dicts with ``NodeID``, ``Alive``); a node missing from it counts as dead.
+        known: node ids already reported.
+
+    Returns:
+        ``[{"node_id", "address", "ran": [names]}]``, sorted by address.
+    """
+    alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+    lost: dict[str, dict[str, Any]] = {}
+    for name, info in sorted(seen, key=lambda x: x[0]):
+        node = info.get("node_id")
+        if node and node not in alive and node not in known:
+            entry = lost.setdefault(node, {"node_id": node, "address": info.get("address"), "ran": []})
+            if name not in entry["ran"]:
+                entry["ran"].append(name)
+    return sorted(lost.values(), key=lambda x: (str(x["address"]), x["node_id"]))
+
+
+class NodeWatch:
+    """The launcher's watch for dead nodes: :meth:`poll` gets the latest placement at every progress poll and,
+    at most every ``every_s`` seconds, asks Ray which nodes are alive; it returns each node that ran a process
+    of the job and died, once (:func:`lost_nodes`)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s, self.next_check = every_s, 0.0
+        self.seen: dict[tuple[str, str], dict[str, Any]] = {}
+        self.reported: set[str] = set()
+
+    def poll(self, placement: dict[str, Any]) -> list[dict[str, Any]]:
+        for name, info in placement.items():
+            self.seen[(name, str(info.get("node_id")))] = info
+        now = time.monotonic()
+        if now < self.next_check or not self.seen:
+            return []
+        self.next_check = now + self.every_s
+        import ray
+
+        lost = lost_nodes([(name, info) for (name, _), info in self.seen.items()], ray.nodes(), self.reported)
+        self.reported.update(x["node_id"] for x in lost)
+        return lost
 
 
 def placement_lines(results: dict[str, Any]) -> list[str]:
-    """The results table's lines on where each trainer and server ran (``results["placement"]``)."""
+    """The results table's lines on where each trainer and server ran last (``results["placement"]``), and
+    on each node lost during the job (``results["nodes_lost"]``)."""
     placed = results.get("placement") or {}
     if not placed:
         return []
@@ -186,7 +266,11 @@ def placement_lines(results: dict[str, Any]) -> list[str]:
     nodes = {p.get("node_id") for p in placed.values()}
     where_ = ", ".join(f"{name} {p.get('address')} (node {str(p.get('node_id'))[:8]})"
                        for name, p in sorted(placed.items(), key=lambda kv: (kv[0].startswith("ps"), kv[0])))
-    return [f"placement ({mode}, {len(nodes)} node{'s' if len(nodes) != 1 else ''}): {where_}"]
+    lines = [f"placement ({mode}, {len(nodes)} node{'s' if len(nodes) != 1 else ''}): {where_}"]
+    for lost in results.get("nodes_lost") or []:
+        lines.append(f"node lost: {lost.get('address')} (node {str(lost.get('node_id'))[:8]}), which ran "
+                     f"{', '.join(lost.get('ran', []))}; they restarted on the remaining nodes")
+    return lines
 
 
 def launcher_address(placement: dict[str, Any]) -> str | None:

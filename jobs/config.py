@@ -237,7 +237,7 @@ class QuantSection:
 
 @dataclass(frozen=True)
 class FaultSection:
-    """Fault injection, for tests: each fault fires once per job (a marker file records it)."""
+    """Fault injection, for tests: each fault fires once per job (the launcher's JobState actor records it)."""
 
     kill_trainer_at_step: int = _key(-1, -1, 10**9)
     """SIGKILL trainer rank 1 (or 0 with one trainer) at this optimized-phase step (1 .. [job] steps);
@@ -245,6 +245,14 @@ class FaultSection:
     kill_server_at_step: int = _key(-1, -1, 10**9)
     """ray.kill() parameter server 0 at this optimized-phase step (1 .. [job] steps; needs a parameter
     server); -1 = never."""
+    pause_at_step: int = _key(-1, -1, 10**9)
+    """Trainer rank 0 stops for ``pause_seconds`` at this optimized-phase step (1 .. [job] steps), once Ray
+    Train has had time to register the last checkpoint; the other trainers wait for it at their next step.
+    A window for a fault from outside the job, such as a node's death (tests/jobs/test_cluster.py kills a
+    host's raylet in it); the timeline says when it starts. -1 = never."""
+    pause_seconds: float = _key(20.0, 0, 3600)
+    """Length of the ``pause_at_step`` pause, seconds; below ``[cluster] rpc_timeout_s`` with parameter
+    servers (the other trainers' lookups wait for rank 0's pushes that long)."""
 
 
 @dataclass(frozen=True)
@@ -313,9 +321,12 @@ class JobConfig:
                           f"parameter_servers = {c.trainers + c.parameter_servers}), past 65535; use a base <= "
                           f"{65536 - c.trainers - c.parameter_servers}")
         for key, step in (("kill_trainer_at_step", f.kill_trainer_at_step),
-                          ("kill_server_at_step", f.kill_server_at_step)):
+                          ("kill_server_at_step", f.kill_server_at_step), ("pause_at_step", f.pause_at_step)):
             if step != -1 and not 1 <= step <= j.steps:
                 errors.append(f"[faults] {key} = {step}: must be -1 (never) or a step in 1..[job] steps = {j.steps}")
+        if f.pause_at_step != -1 and c.parameter_servers and f.pause_seconds >= c.rpc_timeout_s:
+            errors.append(f"[faults] pause_seconds = {f.pause_seconds}: must be below [cluster] rpc_timeout_s = "
+                          f"{c.rpc_timeout_s} (the other trainers' lookups wait for rank 0's pushes that long)")
         if f.kill_server_at_step != -1 and c.parameter_servers == 0:
             errors.append("[faults] kill_server_at_step is set but [cluster] parameter_servers = 0")
         if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):

@@ -75,6 +75,7 @@ class JobState:
         self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
         self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
         self.placement: dict[str, dict[str, Any]] = {}
+        self.nodes_lost: list[dict[str, Any]] = list(prev.get("nodes_lost", []))
         self.error: dict[str, Any] | None = None
         if previous is not None:
             self.event(f"launcher: resuming a run that was {prev.get('status', 'unknown')}")
@@ -116,6 +117,13 @@ class JobState:
         latest report wins (a restarted process may run elsewhere)."""
         self.placement[name] = dict(info)
 
+    def node_lost(self, lost: dict[str, Any]) -> None:
+        """A node that ran some of the job's processes died: ``{"node_id", "address", "ran": [names]}``
+        (:class:`jobs.cluster.NodeWatch`); Ray Train and Ray restart them on the remaining nodes."""
+        self.nodes_lost.append(dict(lost))
+        self.event(f"launcher: node {lost.get('address')} ({str(lost.get('node_id'))[:8]}) died; it ran "
+                   + ", ".join(lost.get("ran", [])))
+
     def servers_joined(self, joined: list[dict[str, int]]) -> None:
         """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
         self.server_joins.append(joined)
@@ -151,7 +159,8 @@ class JobState:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
                 "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
                 "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
-                "server_joins": list(self.server_joins), "placement": dict(self.placement), "error": self.error}
+                "server_joins": list(self.server_joins), "placement": dict(self.placement),
+                "nodes_lost": list(self.nodes_lost), "error": self.error}
 
 
 def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
@@ -210,7 +219,8 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ct
     """Poll the JobState actor and draw a tqdm bar per phase until the fit thread ends.
 
     Each snapshot goes to ``ctx["snap"]`` (what an interrupted launch reports), and ``ctx["on_change"](snap)``
-    runs when a phase has finished or a checkpoint was written since the last poll.
+    runs when a phase has finished, a checkpoint was written or an event recorded since the last poll. With
+    ``ctx["nodes"]`` (a :class:`jobs.cluster.NodeWatch`, on a cluster) each node lost goes to the JobState.
     """
     import ray
     from tqdm import tqdm
@@ -229,6 +239,8 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ct
             if _milestones(snap) != seen:
                 seen = _milestones(snap)
                 ctx.get("on_change", lambda snap: None)(snap)
+            for lost in ctx["nodes"].poll(snap.get("placement", {})) if "nodes" in ctx else ():
+                state.node_lost.remote(lost)  # noted; Ray Train restarts the worker group meanwhile
             if snap.get("placement", {}) != ctx.get("placement", {}):
                 ctx["placement"] = snap.get("placement", {})
                 ctx.get("on_placement", lambda snap: None)(snap)
@@ -243,8 +255,9 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ct
     return snap
 
 
-def _milestones(snap: dict[str, Any]) -> tuple[tuple[str, ...], int]:
-    return tuple(sorted(snap.get("results", {}))), len(snap.get("checkpoints", []))
+def _milestones(snap: dict[str, Any]) -> tuple[tuple[str, ...], int, int]:
+    """Phases finished, checkpoints and timeline events so far: results.json is rewritten when they change."""
+    return tuple(sorted(snap.get("results", {}))), len(snap.get("checkpoints", [])), len(snap.get("events", []))
 
 
 def _draw(bars: dict[str, Any], snap: dict[str, Any], tqdm: Any) -> None:
@@ -409,7 +422,8 @@ def _seed_snapshot(previous: dict[str, Any] | None) -> dict[str, Any]:
     return {"results": prev.get("phases", {}), "parse": (prev.get("data") or {}).get("parse"),
             "fired": prev.get("faults_fired", []), "checkpoints": prev.get("checkpoints", []),
             "restores": prev.get("restores", []), "events": prev.get("timeline", []),
-            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", [])}
+            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", []),
+            "nodes_lost": prev.get("nodes_lost", [])}
 
 
 def _with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, Any]:
@@ -419,7 +433,8 @@ def _with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, A
     out.update(phases=snap.get("results", {}), restarts=_restarts(snap), faults_fired=snap.get("fired", []),
                checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
                timeline=snap.get("events", []), starts=snap.get("starts", []),
-               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}))
+               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}),
+               nodes_lost=snap.get("nodes_lost", []))
     return out
 
 
@@ -496,7 +511,12 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
             ctx["on_placement"] = lambda snap: _retarget(config, run_dir, snap.get("placement", {}), log,
                                                         ctx.setdefault("warned", set()))
-        state = ray.remote(num_cpus=0)(JobState).remote(ctx.get("previous"))
+        from jobs.cluster import NodeWatch, here_options
+
+        # on the launcher's node, as Ray Train's controller: the job's record must outlive any other node
+        state = ray.remote(num_cpus=0, **here_options())(JobState).remote(ctx.get("previous"))
+        if on_cluster:
+            ctx["nodes"] = NodeWatch()
         if config.cluster.parameter_servers:
             from jobs.ps import start_servers
 

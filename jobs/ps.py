@@ -12,7 +12,10 @@ the trainers load the tables of the last checkpoint into them:
 
 - a killed trainer: Ray Train restarts the group; the servers (same processes) rejoin;
 - a killed server: Ray restarts its actor (``max_restarts``), the trainers' RPCs to it fail with
-  ``PSUnavailableError``, Ray Train restarts the group, and the restarted server joins it.
+  ``PSUnavailableError``, Ray Train restarts the group, and the restarted server joins it;
+- a dead node: its trainers and servers die with it; Ray Train restarts the group on the remaining
+  nodes, Ray restarts each lost server actor elsewhere (``[cluster] placement = "spread"`` lets it, see
+  :mod:`jobs.cluster`), and the new rank 0 waits for them (:func:`wait_for_servers`) before they join.
 
 With ``[cluster] transport = "ray"`` there is no RPC group: the trainers call the server actors' methods
 directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has them :meth:`ServerActor.reset`
@@ -48,7 +51,7 @@ from scheduling.ps.endpoints import ServerEndpoints
 
 
 __all__ = ["PSSparseArch", "ServerActor", "ServerGroup", "ServerTables", "UserServerTables", "start_servers", "stop_servers", "to_kjt",
-           "tables_to_local"]
+           "tables_to_local", "wait_for_servers"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
@@ -248,6 +251,31 @@ def stop_servers(actors: list[Any], timeout_s: float = 5.0) -> None:
             pass
 
 
+def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -> list[dict[str, Any]]:
+    """Each server actor's :meth:`ServerActor.where`, waiting up to ``timeout_s`` seconds for those Ray is
+    restarting (after their process or their node died, ``ray.exceptions.ActorUnavailableError``).
+
+    Raises:
+        ray.exceptions.ActorUnavailableError / GetTimeoutError: an actor still restarting after ``timeout_s``.
+        ray.exceptions.ActorDiedError: an actor that will not come back (no restarts left).
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + timeout_s
+    places: list[dict[str, Any]] = []
+    for actor in actors:
+        while True:
+            try:
+                places.append(ray.get(actor.where.remote(), timeout=max(1.0, deadline - time.monotonic())))
+                break
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(poll_s)
+    return places
+
+
 def _rpc_host(loop_config: dict[str, Any]) -> str:
     if loop_config.get("rpc_host"):
         return loop_config["rpc_host"]
@@ -265,8 +293,6 @@ class ServerGroup:
     """
 
     def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any]) -> None:
-        import ray
-
         c = config.cluster
         self.rank, self.world, self.config = rank, world, config
         self.transport = c.transport
@@ -276,14 +302,16 @@ class ServerGroup:
         if len(self.actors) != self.num_servers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
                                f"[cluster] parameter_servers = {self.num_servers}")
+        # where each server runs now: a restarted one may have moved (its node died) and may still be
+        # restarting, so rank 0 waits for it (the other ranks wait for rank 0 in the group set-up below)
+        places = wait_for_servers(self.actors, c.rpc_timeout_s) if rank == 0 else []
         if self.transport == "ray":
             self.joined = self._reset_servers()
         else:
             self.joined = self._join_rpc_group(loop_config)
         if self.joined and loop_config.get("state") is not None:
             loop_config["state"].servers_joined.remote(self.joined)
-            places = ray.get([a.where.remote() for a in self.actors], timeout=c.rpc_timeout_s)
-            for i, info in enumerate(places):  # where each server runs now (a restarted one may have moved)
+            for i, info in enumerate(places):
                 loop_config["state"].placed.remote(f"ps{i}", info)
 
     def _reset_servers(self) -> list[dict[str, Any]]:

@@ -276,7 +276,8 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, world: int, state, tables) -> None:
-    """Fire the configured faults once per job (the JobState actor remembers which fired).
+    """Fire the configured faults once per job (the JobState actor remembers which fired): kill a trainer,
+    kill a server, or pause rank 0 (a window for an outside fault; the pause's start is a timeline event).
 
     Before a fault the victim waits ``REGISTER_WAIT_S``: Ray Train registers a reported checkpoint at
     its next health check (every 2 s), and a fault timed right after a checkpoint would otherwise roll
@@ -293,6 +294,12 @@ def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, wo
             state.event.remote(f"fault: killing trainer rank {rank} (pid {os.getpid()}) at step {step}")
             time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGKILL)
+    if step == faults.pause_at_step and rank == 0:
+        if ray.get(state.fire.remote("pause")):
+            time.sleep(REGISTER_WAIT_S)
+            ray.get(state.event.remote(f"fault: pausing trainer rank 0 (pid {os.getpid()}) for "
+                                       f"{faults.pause_seconds} s at step {step}"))
+            time.sleep(faults.pause_seconds)
     if step == faults.kill_server_at_step and rank == 0 and hasattr(tables, "kill_server"):
         if ray.get(state.fire.remote("server")):
             time.sleep(REGISTER_WAIT_S)

@@ -1,22 +1,32 @@
-"""``fxdist launch`` on a 3-host Ray cluster built on this machine with Linux network namespaces.
+"""``fxdist launch`` on a 3-host Ray cluster built on this machine with Linux network namespaces, and
+the same job again losing a host mid-phase.
 
 Each host is a network namespace ``<tag>h<i>`` with one veth interface (``fxeth0``, address 10.77.0.<i+1>/24)
 plugged into a bridge in the root namespace that has no address: the hosts reach each other only through
 the bridge, and their addresses exist nowhere else (no traffic leaves these namespaces). A host name that
 resolves to loopback, the failure mode of a real cluster, is what every host here has. The head
 (10.77.0.1, ``--num-cpus 0``) runs the Ray head and the launcher; the two others run Ray worker nodes with
-one CPU each. The job (2 trainers, 1 parameter server, ``placement = "spread"``, ``[metrics] host =
-"node"``) must put the trainers on the two worker hosts and the server on the head, form its gloo (DDP)
-and TensorPipe (parameter-server RPC) groups across hosts, and tell where everything ran in results.json,
-the table and Prometheus' file-SD ``targets.json``; a Prometheus in the head namespace scrapes every
-exporter through that file.
+two CPUs each (one trainer's, and room for the trainer of a host that dies). The job (2 trainers, 2
+parameter servers, ``placement = "spread"``, ``[metrics] host = "node"``) must put one trainer on each
+worker host, server 0 on the head and server 1 on a worker host, form its gloo (DDP) and TensorPipe
+(parameter-server RPC) groups across hosts, and tell where everything ran in results.json, the table and
+Prometheus' file-SD ``targets.json``; a Prometheus in the head namespace scrapes every exporter through
+that file.
+
+Node failure: the same job runs again with a pause of trainer rank 0 in the optimized phase, after its
+first checkpoint (``[faults] pause_at_step``: a window, so the kill lands mid-phase whatever the machine's
+load). When the timeline says the pause began, the test kills the raylet of the worker host that runs
+server 1 and a trainer; the host's Ray node dies (the GCS's health checks are tightened to notice in about
+3 s). The job must restart the lost trainer and server on the remaining hosts from the checkpoint and
+finish with no lost update: the dense weights and tables it restored equal the checkpoint's (digests), and
+its end state and per-step losses equal the uninterrupted run's bit for bit.
 
 Ray 2.60's token authentication: the head writes its token under the home directory, which the
 namespaces share, and every process runs with ``RAY_AUTH_MODE=token`` so that it sends it.
 
-Teardown always runs: every process in the test's namespaces is ended by its pid (``ray stop`` would stop
-every Ray on the machine, not just these hosts), then the namespaces and the bridge are deleted. The test
-skips when namespaces cannot be created (not root, no ``ip``, no permission).
+Teardown always runs, also after the raylet kill: every process in the test's namespaces is ended by its
+pid (``ray stop`` would stop every Ray on the machine, not just these hosts), then the namespaces and the
+bridge are deleted. The test skips when namespaces cannot be created (not root, no ``ip``, no permission).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import pytest
 from jobs.config import load_config
 from jobs.launch import write_prometheus_files
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(900)  # per test, with its fixtures; a loaded 2-core machine needs 3-4 min a job
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = 3
@@ -47,10 +57,13 @@ METRICS_PORT = 19400
 JOB = [
     "job.steps=20", "job.batch_size=64", "job.checkpoint_every=10", "job.progress=false", "job.eval_epochs=0",
     "model.table_size=2000", "model.bottom_mlp=[32]", "model.top_mlp=[32]", "data.synthetic_rows=4000",
-    "cluster.trainers=2", "cluster.parameter_servers=1", "cluster.cpus_per_trainer=1.0",
+    "cluster.trainers=2", "cluster.parameter_servers=2", "cluster.cpus_per_trainer=1.0", "cluster.rpc_timeout_s=60",
     'cluster.placement="spread"', 'metrics.host="node"', f"metrics.port={METRICS_PORT}",
-    'phases.parity="warn"', "quant.enabled=false", 'job.name="fxdist-cluster"',
+    'phases.parity="warn"', "quant.enabled=false",
 ]
+PAUSE_AT, CHECKPOINT = 15, 10  # the node dies after the optimized phase's checkpoint of step 10
+NODE_FAILURE = ["job.max_failures=2", f"faults.pause_at_step={PAUSE_AT}", "faults.pause_seconds=45"]
+GCS_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 
 
 def _address(i: int) -> str:
@@ -78,8 +91,8 @@ class NetnsCluster:
                     "RAY_USAGE_STATS_ENABLED": "0"}
         self.env.pop("RAY_ADDRESS", None)
 
-    def exec(self, host: int, *args: str, **kwargs) -> subprocess.CompletedProcess:
-        return _sh("ip", "netns", "exec", self.hosts[host], *args, env=self.env, **kwargs)
+    def exec(self, host: int, *args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
+        return _sh("ip", "netns", "exec", self.hosts[host], *args, env={**self.env, **(env or {})}, **kwargs)
 
     def network(self) -> None:
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
@@ -99,12 +112,11 @@ class NetnsCluster:
     def ray(self) -> None:
         ray = str(Path(sys.executable).with_name("ray"))
         common = ["--include-dashboard=false", "--disable-usage-stats"]
-        self.exec(0, ray, "start", "--head", "--node-ip-address", _address(0), "--port", str(RAY_PORT),
-                  "--num-cpus", "0", "--temp-dir", str(self.tmp / "r0"), *common, timeout=120)
+        self._start(0, ray, "start", "--head", "--node-ip-address", _address(0), "--port", str(RAY_PORT),
+                    "--num-cpus", "0", "--temp-dir", str(self.tmp / "r0"), *common, env=GCS_HEALTH)
         for i in range(1, HOSTS):
-            self.exec(i, ray, "start", "--address", f"{_address(0)}:{RAY_PORT}", "--node-ip-address",
-                      _address(i), "--num-cpus", "1", "--temp-dir", str(self.tmp / f"r{i}"),
-                      "--disable-usage-stats", timeout=120)
+            self._start(i, ray, "start", "--address", f"{_address(0)}:{RAY_PORT}", "--node-ip-address",
+                        _address(i), "--num-cpus", "2", "--temp-dir", str(self.tmp / f"r{i}"), "--disable-usage-stats")
         probe = (f"import ray; ray.init(address='{_address(0)}:{RAY_PORT}', log_to_driver=False); "
                  "print(sum(n['Alive'] for n in ray.nodes())); ray.shutdown()")
         deadline = time.monotonic() + 60
@@ -116,9 +128,42 @@ class NetnsCluster:
                 raise RuntimeError(f"the Ray cluster did not reach {HOSTS} alive nodes: {alive}")
             time.sleep(1)
 
+    def _start(self, host: int, *args: str, env: dict[str, str] | None = None, attempts: int = 2) -> None:
+        """``ray start`` on ``host``; on a busy machine it can give up waiting for its raylet after 30 s
+        ("timed out during startup"): then end what it started there and try again."""
+        for attempt in range(attempts):
+            try:
+                self.exec(host, *args, env=env, timeout=120)
+                return
+            except (RuntimeError, subprocess.TimeoutExpired):
+                if attempt == attempts - 1:
+                    raise
+                self._end(self.hosts[host], signal.SIGKILL, 10.0)
+
+    def _end(self, ns: str, sig: int, wait: float) -> None:
+        for pid in self._pids(ns):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self._pids(ns):
+            time.sleep(0.2)
+
     def _pids(self, ns: str) -> list[int]:
         out = _sh("ip", "netns", "pids", ns, check=False).stdout
         return [int(p) for p in out.split()]
+
+    def kill_raylet(self, host: int) -> int:
+        """SIGKILL the raylet of ``host`` (its Ray node dies; its worker processes exit on their own)."""
+        for pid in self._pids(self.hosts[host]):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
+                    os.kill(pid, signal.SIGKILL)
+                    return pid
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        raise RuntimeError(f"no raylet runs in {self.hosts[host]}")
 
     def down(self) -> None:
         """End every process in the namespaces (by pid), delete namespaces and bridge; never raises."""
@@ -162,7 +207,7 @@ def _prometheus(cluster: NetnsCluster, run_dir: Path, tmp: Path) -> subprocess.P
     if binary is None:
         return None
     config = load_config().replace(metrics={"port": METRICS_PORT, "host": "node"}, job={"name": "fxdist-cluster"},
-                                   cluster={"placement": "spread"})
+                                   cluster={"placement": "spread", "parameter_servers": 2})
     prom_yml = write_prometheus_files(config, run_dir)  # the files `fxdist launch` writes, before it runs
     fast = tmp / "prometheus.yml"
     fast.write_text(re.sub(r"(scrape|evaluation|refresh)_interval: \d+s", r"\1_interval: 1s", prom_yml.read_text()))
@@ -183,28 +228,62 @@ def _query(cluster: NetnsCluster, expr: str) -> list[dict]:
     return body["data"]["result"]
 
 
+def _launch(cluster: NetnsCluster, run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    """``fxdist launch`` from the head namespace; stdout and stderr go to ``log``.{out,err}."""
+    args = ["-c", "import sys; from jobs.cli import main; sys.exit(main(sys.argv[1:]))", "launch",
+            "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
+    env = {**cluster.env, "RAY_ADDRESS": f"{_address(0)}:{RAY_PORT}"}
+    return subprocess.Popen(["ip", "netns", "exec", cluster.hosts[0], sys.executable, *args], env=env, cwd=ROOT,
+                            stdout=log.with_suffix(".out").open("w"), stderr=log.with_suffix(".err").open("w"))
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> dict:
+    """Wait for the launcher (killed after ``timeout`` seconds); its exit status and output."""
+    try:
+        proc.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return {"returncode": proc.returncode, "stdout": log.with_suffix(".out").read_text(),
+            "stderr": log.with_suffix(".err").read_text()}
+
+
+def _results(run_dir: Path) -> dict | None:
+    path = run_dir / "results.json"
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 @pytest.fixture(scope="module")
-def cluster_job(tmp_path_factory):
-    """Build the 3-host cluster, run the job from the head with a Prometheus scraping it, tear down."""
+def netns_cluster(tmp_path_factory):
+    """The 3-host cluster (network namespaces, bridge, Ray head and two worker nodes); torn down at the end."""
     tag = "fx" + uuid.uuid4().hex[:4]
     reason = _can_make_namespaces(tag)
     if reason:
         pytest.skip(reason)
-    tmp = tmp_path_factory.mktemp("cluster")
     cluster = NetnsCluster(tag, Path("/tmp") / tag)  # short: Ray's socket paths live under the temp dir
-    prom = None
     try:
         cluster.network()
         cluster.ray()
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(scope="module")
+def cluster_job(netns_cluster, tmp_path_factory):
+    """Run the job from the head with a Prometheus scraping it."""
+    cluster, tmp = netns_cluster, tmp_path_factory.mktemp("cluster")
+    prom = None
+    try:
         run_dir = tmp / "run"
         prom = _prometheus(cluster, run_dir, tmp)
-        args = ["-c", "import sys; from jobs.cli import main; sys.exit(main(sys.argv[1:]))", "launch",
-                "--run-dir", str(run_dir)] + [a for o in JOB for a in ("--set", o)]
-        env = {**cluster.env, "RAY_ADDRESS": f"{_address(0)}:{RAY_PORT}"}
-        proc = subprocess.run(["ip", "netns", "exec", cluster.hosts[0], sys.executable, *args], env=env,
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        log = tmp / "launch"
+        proc = _finish(_launch(cluster, run_dir, [*JOB, 'job.name="fxdist-cluster"'], log), log, 420)
         time.sleep(2)  # a last scrape
-        results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").exists() else None
+        results = _results(run_dir)
         up = _query(cluster, "max_over_time(up[10m])") if prom is not None and prom.poll() is None else None
         yield {"proc": proc, "results": results, "run_dir": run_dir, "up": up, "prometheus": prom is not None}
     finally:
@@ -214,19 +293,48 @@ def cluster_job(tmp_path_factory):
                 prom.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 prom.kill()
-        cluster.down()
+
+
+@pytest.fixture(scope="module")
+def node_failure_job(netns_cluster, cluster_job, tmp_path_factory):
+    """The same job again; once trainer rank 0 pauses after the optimized phase's checkpoint of step 10, kill
+    the raylet of the worker host that runs server 1 (and a trainer). Runs after :func:`cluster_job`."""
+    cluster, tmp = netns_cluster, tmp_path_factory.mktemp("nodefail")
+    run_dir, log = tmp / "run", tmp / "launch"
+    proc = _launch(cluster, run_dir, [*JOB, *NODE_FAILURE, 'job.name="fxdist-nodefail"'], log)
+    deadline = time.monotonic() + 480
+    before, victim, why = None, None, "the launcher ended before the pause"
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            r = _results(run_dir) or {}
+            if any(what.startswith("fault: pausing") for _, what in r.get("timeline", [])):
+                before = r["placement"]
+                hosts = [i for i in range(1, HOSTS) if before.get("ps1", {}).get("address") == _address(i)]
+                if not hosts:
+                    why = f"server 1 is not on a worker host: {before}"
+                    break
+                victim = hosts[0]
+                cluster.kill_raylet(victim)
+                break
+            time.sleep(0.3)
+        else:
+            why = "no pause in the timeline before the deadline"
+    finally:
+        proc_out = _finish(proc, log, deadline - time.monotonic())
+    yield {"proc": proc_out, "results": _results(run_dir), "before": before, "victim": victim, "why": why}
 
 
 def test_spread_job_runs_across_hosts_and_reports_placement(cluster_job):
     proc, r = cluster_job["proc"], cluster_job["results"]
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert r["status"] == "completed"
+    assert proc["returncode"] == 0, proc["stderr"][-4000:]
+    assert r["status"] == "completed" and r["restarts"] == 0 and r["nodes_lost"] == []
     assert r["phases"]["baseline"]["qps"] > 0 and r["phases"]["optimized"]["fetch_p50_ms"] is not None
     placed = r["placement"]
-    assert set(placed) == {"trainer0", "trainer1", "ps0"}
-    # spread: one trainer per worker host; the server on the head, which has no CPU for a trainer
+    assert set(placed) == {"trainer0", "trainer1", "ps0", "ps1"}
+    # spread: one trainer per worker host; the servers round-robin, first on the head, which has no CPU
+    # for a trainer, then on a worker host
     assert {placed["trainer0"]["address"], placed["trainer1"]["address"]} == {_address(1), _address(2)}
-    assert placed["ps0"]["address"] == _address(0)
+    assert placed["ps0"]["address"] == _address(0) and placed["ps1"]["address"] in (_address(1), _address(2))
     assert len({p["node_id"] for p in placed.values()}) == 3
     # every process bound gloo and TensorPipe to its host's interface: the trainers through Ray's
     # worker_process_setup_hook, the server before joining the RPC group
@@ -234,7 +342,7 @@ def test_spread_job_runs_across_hosts_and_reports_placement(cluster_job):
         assert p["ifnames"].get("TP_SOCKET_IFNAME") == IFNAME, (name, p)
     for name in ("trainer0", "trainer1"):
         assert placed[name]["ifnames"].get("GLOO_SOCKET_IFNAME") == IFNAME, placed[name]
-    assert [j[0]["pid"] for j in r["server_joins"]] == [placed["ps0"]["pid"]]  # one group, joined once
+    assert [[x["pid"] for x in j] for j in r["server_joins"]] == [[placed["ps0"]["pid"], placed["ps1"]["pid"]]]
     # [metrics] host = "node": each exporter bound on its own host's address, listed in targets.json
     for p in placed.values():
         assert p["metrics"][0] == p["address"]
@@ -247,12 +355,12 @@ def test_table_says_where_each_process_ran(cluster_job):
     from jobs.report import table
 
     r = cluster_job["results"]
-    assert r is not None, cluster_job["proc"].stderr[-4000:]
+    assert r is not None, cluster_job["proc"]["stderr"][-4000:]
     line = next(x for x in table(r).splitlines() if x.startswith("placement"))
     assert line.startswith("placement (spread, 3 nodes): ")
     for name, p in r["placement"].items():
         assert f"{name} {p['address']} (node {p['node_id'][:8]})" in line
-    assert line in cluster_job["proc"].stdout  # the launcher printed it
+    assert line in cluster_job["proc"]["stdout"]  # the launcher printed it
 
 
 def test_prometheus_on_the_head_scraped_every_exporter(cluster_job):
@@ -263,3 +371,60 @@ def test_prometheus_on_the_head_scraped_every_exporter(cluster_job):
     scraped = {s["metric"]["instance"] for s in cluster_job["up"] if float(s["value"][1]) == 1.0}
     expected = {f"{p['metrics'][0]}:{p['metrics'][1]}" for p in r["placement"].values()}
     assert scraped == expected
+
+
+def _ran_on(placement: dict, address: str) -> set[str]:
+    return {name for name, p in placement.items() if p["address"] == address}
+
+
+def test_a_host_dies_mid_phase_and_its_trainer_and_server_restart_on_the_others(node_failure_job):
+    job = node_failure_job
+    assert job["victim"] is not None, f"{job['why']}:\n{job['proc']['stderr'][-4000:]}"
+    proc, r = job["proc"], job["results"]
+    assert proc["returncode"] == 0, proc["stderr"][-4000:]
+    assert r["status"] == "completed" and r["faults_fired"] == ["pause"]
+    victim, survivor = _address(job["victim"]), _address(3 - job["victim"])
+    lost = _ran_on(job["before"], victim)  # a trainer and server 1
+    assert "ps1" in lost and len(lost) == 2 and len(lost & {"trainer0", "trainer1"}) == 1, job["before"]
+    # the launcher saw the node die (ray.nodes(): Alive false); Ray Train restarted the worker group
+    assert [(x["address"], set(x["ran"])) for x in r["nodes_lost"]] == [(victim, lost)]
+    assert r["restarts"] >= 1
+    # every process now runs on a remaining host: both trainers on the other worker, server 1 restarted
+    # (a new process) on the head or that worker, server 0 still on the head
+    placed = r["placement"]
+    assert {n: p["address"] for n, p in placed.items() if n.startswith("trainer")} == {"trainer0": survivor,
+                                                                                       "trainer1": survivor}
+    assert placed["ps1"]["address"] in (_address(0), survivor) and placed["ps1"]["pid"] != job["before"]["ps1"]["pid"]
+    assert placed["ps0"] == job["before"]["ps0"]
+    assert all(victim not in str(g["targets"]) for g in json.loads(
+        (Path(r["run_dir"]) / "prometheus" / "targets.json").read_text()))
+    from jobs.report import table
+
+    text = table(r)
+    assert f"restarts from checkpoint: {r['restarts']}" in text
+    assert f"node lost: {victim} (node {r['nodes_lost'][0]['node_id'][:8]}), which ran {', '.join(sorted(lost))}" in text
+    assert text.splitlines()[-1] in proc["stdout"]
+
+
+def test_no_update_is_lost_across_the_node_failure(node_failure_job, cluster_job):
+    r, uninterrupted = node_failure_job["results"], cluster_job["results"]
+    assert r is not None and uninterrupted is not None
+    # the last restart resumed both phases from the optimized phase's checkpoint of step 10, which the
+    # pause came after, and restored exactly the dense weights and tables that checkpoint saved
+    starts = [step for phase, step in r["starts"] if phase == "optimized"]
+    assert starts[0] == 0 and starts[-1] == CHECKPOINT, r["starts"]
+    saved = {(c["phase"], c["step"]): c for c in r["checkpoints"]}
+    assert [(x["phase"], x["step"]) for x in r["restores"]][-2:] == [("baseline", CHECKPOINT), ("optimized", CHECKPOINT)]
+    for restore in r["restores"]:
+        checkpoint = saved[(restore["phase"], restore["step"])]
+        assert (restore["model"], restore["tables"]) == (checkpoint["model"], checkpoint["tables"])
+    # ... and trained on to the same end as the uninterrupted run: the same per-step losses after the
+    # checkpoint, and the same dense weights and tables at the end, bit for bit
+    steps = r["config"]["job"]["steps"]
+    final = {c["phase"]: c for c in uninterrupted["checkpoints"] if c["step"] == steps}
+    for phase in ("baseline", "optimized"):
+        assert r["phases"][phase]["resumed_from_step"] == CHECKPOINT
+        assert r["phases"][phase]["loss_series"] == uninterrupted["phases"][phase]["loss_series"][CHECKPOINT:]
+        assert (saved[(phase, steps)]["model"], saved[(phase, steps)]["tables"]) == (
+            final[phase]["model"], final[phase]["tables"])
+    assert r["parity"]["ok"] and r["parity"]["identical_losses"], r["parity"]

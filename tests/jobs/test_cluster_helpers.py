@@ -143,3 +143,45 @@ def test_job_state_records_placement_and_the_table_line():
     assert line == ["placement (spread, 3 nodes): trainer0 10.0.0.1 (node node-10.), trainer1 10.0.0.3 "
                     "(node node-10.), ps0 10.0.0.2 (node node-10.)"]
     assert cluster.placement_lines({}) == []
+
+
+def test_spread_servers_prefer_their_node_and_may_restart_elsewhere():
+    nodes = [_node("w1", 2), _node("head", None), _node("w2", 2)]
+    config = load_config().replace(cluster={"placement": "spread", "parameter_servers": 2})
+    options = cluster.server_options(config, nodes)
+    assert [o["label_selector"] for o in options] == [{cluster.NODE_ID_LABEL: "head"}, {cluster.NODE_ID_LABEL: "w1"}]
+    # the fallback lets Ray restart the actor on any node once its own has died
+    assert all(o["fallback_strategy"] == [{"label_selector": {}}] for o in options)
+    assert cluster.server_options(config.replace(cluster={"placement": "pack"}), nodes) == [{}, {}]
+
+
+def test_lost_nodes_names_each_dead_node_once_with_what_ran_there():
+    seen = [("trainer0", _where("10.0.0.2", None)), ("ps1", _where("10.0.0.2", None)),
+            ("trainer1", _where("10.0.0.3", None)), ("ps0", _where("10.0.0.1", None)),
+            ("trainer0", _where("10.0.0.3", None))]  # trainer0 moved after 10.0.0.2 died
+    nodes = [_node("node-10.0.0.1", 0), _node("node-10.0.0.2", 2, alive=False), _node("node-10.0.0.3", 2)]
+    assert cluster.lost_nodes(seen, nodes) == [{"node_id": "node-10.0.0.2", "address": "10.0.0.2",
+                                               "ran": ["ps1", "trainer0"]}]
+    assert cluster.lost_nodes(seen, nodes, known={"node-10.0.0.2"}) == []
+    # a node Ray no longer lists counts as dead
+    assert [x["address"] for x in cluster.lost_nodes(seen, nodes[:1])] == ["10.0.0.2", "10.0.0.3"]
+
+
+def test_node_watch_reports_a_node_once_also_after_its_processes_moved(monkeypatch):
+    import ray
+
+    alive = {"node-10.0.0.1": True, "node-10.0.0.2": True}
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": a} for n, a in alive.items()])
+    watch = cluster.NodeWatch(every_s=0.0)
+    assert watch.poll({"trainer0": _where("10.0.0.2", None), "ps0": _where("10.0.0.1", None)}) == []
+    alive["node-10.0.0.2"] = False
+    moved = {"trainer0": _where("10.0.0.1", None), "ps0": _where("10.0.0.1", None)}  # restarted elsewhere
+    assert watch.poll(moved) == [{"node_id": "node-10.0.0.2", "address": "10.0.0.2", "ran": ["trainer0"]}]
+    assert watch.poll(moved) == []
+
+
+def test_placement_lines_tell_the_lost_nodes():
+    results = {"placement": {"trainer0": _where("10.0.0.3", None)}, "config": {"cluster": {"placement": "spread"}},
+               "nodes_lost": [{"node_id": "node-10.0.0.2", "address": "10.0.0.2", "ran": ["ps1", "trainer1"]}]}
+    assert cluster.placement_lines(results)[1] == ("node lost: 10.0.0.2 (node node-10.), which ran ps1, trainer1; "
+                                                   "they restarted on the remaining nodes")

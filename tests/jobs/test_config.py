@@ -117,6 +117,8 @@ OUT_OF_RANGE = [
     ("quant", "calibration_batches", 0, r"an integer in 1\.\.10_000"),
     ("quant", "eval_batch_size", 0, r"an integer in 1\.\.1_048_576"),
     ("faults", "kill_trainer_at_step", -2, r"an integer in -1\.\.1_000_000_000"),
+    ("faults", "pause_at_step", -2, r"an integer in -1\.\.1_000_000_000"),
+    ("faults", "pause_seconds", -1.0, r"a finite number in \[0, 3600\]"),
 ]
 
 
@@ -162,6 +164,9 @@ def test_the_range_table_covers_every_numeric_key():
         ({"faults": {"kill_server_at_step": 0}}, r"\[faults\] kill_server_at_step = 0"),
         ({"faults": {"kill_server_at_step": 5}, "cluster": {"parameter_servers": 0}},
          r"kill_server_at_step is set but \[cluster\] parameter_servers = 0"),
+        ({"faults": {"pause_at_step": 0}}, r"\[faults\] pause_at_step = 0: must be -1 \(never\) or a step"),
+        ({"faults": {"pause_at_step": 5, "pause_seconds": 30.0}},
+         r"\[faults\] pause_seconds = 30\.0: must be below \[cluster\] rpc_timeout_s = 30\.0"),
     ],
 )
 def test_constraints_between_keys(changes, match):

@@ -260,3 +260,27 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
             break
         time.sleep(0.5)
     assert not [name for name in alive if name.startswith("fxdist-fail-ps")], alive
+
+
+def test_rank0_waits_for_a_server_actor_ray_is_restarting(ray_session):
+    """After a server's process (or node) died, the next worker group's rank 0 gets where the restarted
+    actor runs before asking it to join (jobs.ps.wait_for_servers); an actor with no restarts left raises."""
+    from jobs.ps import ServerActor, wait_for_servers
+
+    cls = ray_session.remote(num_cpus=0, max_restarts=1)(ServerActor)
+    actor = cls.remote("ps0", job="fxdist-wait", metrics=None, fetch_delay_s=0.0, timeout_s=5.0)
+    (first,) = wait_for_servers([actor], 60)
+    _kill_and_wait(ray_session, actor, first["pid"], restart=True)
+    (again,) = wait_for_servers([actor], 60)
+    assert again["pid"] != first["pid"] and again["node_id"] == first["node_id"]
+    _kill_and_wait(ray_session, actor, again["pid"], restart=False)
+    with pytest.raises(ray_session.exceptions.RayActorError):
+        wait_for_servers([actor], 10)
+
+
+def _kill_and_wait(ray, actor, pid: int, restart: bool) -> None:
+    """ray.kill returns before the actor's process is gone: wait (up to 30 s) until it is."""
+    ray.kill(actor, no_restart=not restart)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
