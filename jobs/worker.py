@@ -138,7 +138,6 @@ class PhaseTrainer:
                                              lr=config.job.lr)
         if optim_state is not None:
             self.optimizer.load_state_dict(optim_state)
-        self.loss_fn = self.workload.loss
         self.run = PhaseRun(phase, start_step)
         self.step = start_step
         self._batches = self.workload.train_batches(start_step)
@@ -180,7 +179,7 @@ class PhaseTrainer:
             # a module from async_rpc(prefetch=True) takes the next batch's inputs, to look them up in this step
             ahead = self._lookahead()
             t0 = time.perf_counter()
-            loss = self.loss_fn(self.trained(*args, **kwargs, **ahead), labels)
+            loss = self.workload.step_loss(self.trained, batch, (args, kwargs, labels), ahead)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.tables.after_backward()

@@ -9,7 +9,9 @@ A *workload* gives the training loop (:mod:`jobs.worker`) everything that depend
 - ``train_batches(start)``: endless batches from batch ``start`` on; ``eval_batches()``: the held-out ones
   (rank 0; None elsewhere); every batch follows the contract of :mod:`jobs.entry`;
 - ``inputs(batch, tables, device)``: ``(args, kwargs, labels)`` of the model's call;
-- ``loss(output, labels)`` and ``quality(outputs, labels)``: the training loss and the held-out metrics.
+- ``step_loss(module, batch, inputs, ahead)``: one training step's loss (``[train] loss`` of the module's output,
+  or your ``[train] train_step``); ``loss(output, labels)`` and ``quality(outputs, labels)``: the loss and the
+  held-out metrics.
 
 :class:`UserWorkload` is your model (``[model] factory``, ``[data] batches``); :class:`CriteoWorkload` is the same
 machinery with the built-in model (:func:`jobs.criteo.dlrm`) and the Criteo reader. Both train through the same
@@ -74,6 +76,7 @@ class UserWorkload:
         self._eval = entry.data_context(config, "eval") if rank == 0 else None
         self.has_eval = self._eval is not None
         self._loss = entry.loss_fn(config)
+        self._train_step = entry.train_step_fn(config)
         epoch = entry.epoch_batches(config, self._train)
         if not epoch:
             raise entry.ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train "
@@ -103,8 +106,42 @@ class UserWorkload:
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._loss(output, labels)
 
+    def step_loss(self, module: nn.Module, batch: Any, inputs: tuple[tuple, dict[str, Any], torch.Tensor],
+                  ahead: dict[str, Any]) -> torch.Tensor:
+        """The loss of one training step: ``loss(module(*args, **kwargs, **ahead), labels)``, or with ``[train]
+        train_step`` ``train_step(module, batch)`` (``batch`` rebuilt from ``inputs``, on the device; ``ahead``,
+        the next batch's ``next_<input>`` lookups, added to the module's call).
+
+        Raises:
+            ConfigError: ``train_step`` returned something other than a scalar tensor.
+        """
+        args, kwargs, labels = inputs
+        if self._train_step is None:
+            return self._loss(module(*args, **kwargs, **ahead), labels)
+        loss = self._train_step(_Lookahead(module, ahead) if ahead else module,
+                                entry.rebuild_batch(batch, args, kwargs, labels))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise entry.ConfigError(f"{self.config.source}: [train] train_step = {self.config.train.train_step!r} "
+                                    f"returned {type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}, expected a "
+                                    "scalar loss tensor")
+        return loss
+
     def quality(self, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
         return entry.quality(self.config, outputs, labels)
+
+
+class _Lookahead:
+    """The trained module, its call given the next batch's ``next_<input>`` arguments (prefetch); other
+    attributes are the module's."""
+
+    def __init__(self, module: nn.Module, ahead: dict[str, Any]) -> None:
+        self.module, self.ahead = module, ahead
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs, **self.ahead)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
 
 
 class CriteoWorkload(UserWorkload):
@@ -118,6 +155,7 @@ class CriteoWorkload(UserWorkload):
         self.rows = len(shard)
         self.parse = shard.stats.as_dict()
         self._loss = entry.loss_fn(config)
+        self._train_step = None
 
     def train_batches(self, start: int = 0) -> Iterator[Any]:
         return map(criteo.model_inputs, self.shard.batches(self.config.job.batch_size, start=start))
