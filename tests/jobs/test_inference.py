@@ -85,10 +85,11 @@ def _int8_faster(subject, variant, run):
 def test_compare_keeps_fp32_when_the_selection_is_slower_end_to_end(data_path, monkeypatch):
     import jobs.inference as inference
 
-    def qps(model, inputs, rows, **kwargs):  # the whole model (with its lookups) measured slower in int8
-        return 900.0 if isinstance(model, fxdist.GraphModule) else 1000.0
+    def qps(models, inputs, rows, **kwargs):  # the whole model (with its lookups) measured slower in int8
+        assert set(models) == {"fp32", "int8"} and isinstance(models["int8"], fxdist.GraphModule)
+        return {"fp32": 1000.0, "int8": 900.0}
 
-    monkeypatch.setattr(inference, "_inference_qps", qps)
+    monkeypatch.setattr(inference, "_best_qps", qps)
     r = compare(CONFIG, _trained_state(CONFIG), data_path, timer=_int8_faster)
     assert r["int8_measured"]["qps"] == 900.0 and 0 <= r["int8_measured"]["auc"] <= 1
     assert r["kept_fp32"] and r["speedup"] == 1.0 and r["int8"] == r["fp32"] and r["quantized_modules"] == 0
@@ -128,8 +129,7 @@ def test_your_model_gets_select_int8_and_the_int8_row_when_it_pays(monkeypatch):
 
     config = JobConfig().replace(model={"factory": f"{HERE}:two_tower"}, data={"batches": f"{HERE}:pairs"},
                                  quant={"calibration_batches": 2})
-    monkeypatch.setattr(inference, "_inference_qps",
-                        lambda model, inputs, rows, **kw: 2000.0 if isinstance(model, fxdist.GraphModule) else 1000.0)
+    monkeypatch.setattr(inference, "_best_qps", lambda models, inputs, rows, **kw: {"fp32": 1000.0, "int8": 2000.0})
     model = TwoTower()
     state = {"model": {k: v for k, v in model.state_dict().items() if "tower" in k},
              "tables": {"users.weight": torch.randn(40, 8), "items.weight": torch.randn(30, 8)}}
