@@ -108,7 +108,7 @@ def _trial(with_exporter: bool, steps: int, shard, config) -> dict:
     import torch
 
     from jobs.metrics import Exporter
-    from jobs.sparse import LocalTables
+    from jobs.workload import LocalTables
     from jobs.worker import build_model, run_phase
 
     exporter, scraper, meter, out = None, None, None, {}

@@ -14,6 +14,7 @@ laptop (``jobs/default.toml`` spells them out). Example::
 
     [train]
     loss = "bce_with_logits" # "mse", or "package.module:function"
+    train_step = ""          # or "package.module:function": train_step(model, batch) -> loss, instead of loss
 
     [model]
     factory = ""             # "package.module:function" returning your nn.Module ("" = the built-in DLRM)
@@ -262,6 +263,10 @@ class TrainSection:
     {0, 1}; quality = held-out AUC and log loss), "mse" (quality = held-out RMSE), or
     ``"package.module:function"``, ``loss(output, labels) -> scalar tensor`` (quality = held-out mean loss).
     The built-in DLRM trains with "bce_with_logits"."""
+    train_step: str = ""
+    """Instead of ``loss`` in training: ``"package.module:function"``, ``train_step(model, batch) -> scalar loss
+    tensor`` (your forward and loss, e.g. with a regularization term; the job runs ``backward()`` and the
+    optimizer step). ``loss`` still names the held-out quality metric. Needs ``[model] factory``."""
 
 
 @dataclass(frozen=True)
@@ -357,6 +362,9 @@ class JobConfig:
             given, missing = ("[model] factory", "[data] batches") if m.factory else ("[data] batches", "[model] factory")
             return [f"{given} is set but {missing} is not: your model needs your batches and the other way round "
                     "(the built-in DLRM reads the Criteo data); set both, or neither"]
+        if t.train_step and not m.factory:
+            return [f"[train] train_step = {t.train_step!r} is set but [model] factory is not: the built-in DLRM "
+                    "trains with its own step"]
         if not m.factory and t.loss != "bce_with_logits":
             return [f'[train] loss = {t.loss!r}: the built-in DLRM trains with "bce_with_logits" (other losses need '
                     "[model] factory)"]

@@ -10,6 +10,7 @@ Ray workers as well (on one machine they inherit the launcher's ``PYTHONPATH``):
     batches = "mypkg.data:batches"         # batches(ctx: DataContext) -> iterable of batches
     [train]
     loss = "mse"                           # "bce_with_logits" | "mse" | "mypkg.losses:my_loss"
+    train_step = "mypkg.train:step"        # optional: step(model, batch) -> loss, used instead of loss
 
 ``factory`` is called after ``torch.manual_seed([job] seed)``, once per phase and trainer (every call must
 give the same weights, so that both phases start alike). ``batches(ctx)`` is called with a
@@ -28,6 +29,12 @@ A batch is one of (labels: a ``(B,)`` or ``(B, 1)`` float tensor; the inputs: te
 Tensors move to the trainer's device; other inputs (``KeyedJaggedTensor``) stay on the CPU. With
 ``async_rpc_prefetch`` the optimized module takes ``next_<input>`` arguments: the job passes the next
 batch's input of the same name (see :func:`jobs.worker.PhaseTrainer`).
+
+``train_step(model, batch) -> loss`` (optional) is your own forward and loss for one training batch: ``batch`` is
+the batch as ``batches`` yielded it (same form, tensors on the trainer's device), ``model`` the phase's trained
+module (eager or optimized, wrapped in DDP with several trainers; call it once per step: with prefetch the call
+also carries the next batch's lookups), and it returns a scalar tensor; the job then runs ``loss.backward()`` and
+the optimizer step. ``[train] loss`` still names the held-out quality metric (:func:`quality`).
 
 Every entry point is imported and checked before Ray starts (:func:`check`): the factory is called once and
 must return an ``nn.Module``, and the first train batch must follow the contract; a problem is a
@@ -51,8 +58,8 @@ from torch import nn
 
 from jobs.config import ConfigError, JobConfig
 
-__all__ = ["DataContext", "resolve", "split_batch", "make_model", "data_context", "epoch_batches", "endless", "loss_fn",
-           "quality", "check", "BUILTIN_LOSSES"]
+__all__ = ["DataContext", "resolve", "split_batch", "rebuild_batch", "make_model", "data_context", "epoch_batches",
+           "endless", "loss_fn", "train_step_fn", "quality", "check", "BUILTIN_LOSSES"]
 
 BUILTIN_LOSSES = ("bce_with_logits", "mse")
 
@@ -203,6 +210,31 @@ def split_batch(batch: Any, where: str = "batch") -> tuple[tuple, dict[str, Any]
     return args, kwargs, labels
 
 
+def rebuild_batch(batch: Any, args: tuple, kwargs: dict[str, Any], labels: torch.Tensor) -> Any:
+    """A batch of the same form as ``batch`` (tuple, list, dict or dataclass) holding ``args`` / ``kwargs`` /
+    ``labels`` (:func:`split_batch`'s parts, e.g. moved to a device)."""
+    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
+        return type(batch)([*args, labels])
+    if isinstance(batch, dict):
+        return {**kwargs, "labels": labels}
+    return dataclasses.replace(batch, **kwargs, labels=labels)
+
+
+def train_step_fn(config: JobConfig) -> Callable[[Any, Any], torch.Tensor] | None:
+    """``train_step(model, batch) -> loss`` of ``[train] train_step``, or None when it is not set.
+
+    Raises:
+        ConfigError: the entry point does not resolve or does not take ``(model, batch)``.
+    """
+    spec = config.train.train_step
+    if not spec:
+        return None
+    fn = resolve(spec, "[train] train_step", config.source)
+    if not _takes(fn, 2):
+        raise ConfigError(f"{config.source}: [train] train_step = {spec!r}: must take (model, batch)")
+    return fn
+
+
 def loss_fn(config: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss(output, labels)`` of ``[train] loss``; built-ins flatten ``(B, 1)`` outputs to ``(B,)``."""
     name = config.train.loss
@@ -248,6 +280,7 @@ def check(config: JobConfig) -> str:
     """
     model = make_model(config)
     loss_fn(config)
+    train_step_fn(config)
     ctx = data_context(config, "train", 0, config.cluster.trainers)
     first = next(iter(_batches(config, ctx)), None)
     if first is None:

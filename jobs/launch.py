@@ -16,9 +16,9 @@
    them join its ``torch.distributed.rpc`` group, see :mod:`jobs.ps`; they are killed when the job ends,
    also on errors and Ctrl-C); the trainers report to a :class:`JobState` actor, which the launcher
    polls for the progress bars;
-5. quantizes the dense model of the last phase that the AUC refers to (after ``[job] eval_epochs``,
-   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`; for your model
-   :mod:`jobs.user_inference`: its ``nn.Linear`` layers as dynamic int8);
+5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
+   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`: ``quant.select_int8``
+   for the built-in DLRM and for your model alike);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.report`).
 
 A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
@@ -460,18 +460,13 @@ def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: An
     """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.inference`)."""
     from jobs import inference
 
-    log("post-training quantization of the dense model: fp32 vs int8")
+    log("post-training quantization of the dense layers: fp32 vs int8")
     t_quant = time.perf_counter()
     last = list(final["models"])[-1]
     evaluated = (final.get("eval") or {}).get(last) or {}
     model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
         "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
-    if config.user_model:  # your model: its dense Linear layers, dynamic int8 (jobs.user_inference)
-        from jobs import user_inference
-
-        out = user_inference.compare(config, model_state)
-    else:
-        out = inference.compare(config, model_state, data_path)
+    out = inference.compare(config, model_state, data_path)
     out["model_step"] = evaluated.get("step", final.get("step"))
     out["seconds"] = time.perf_counter() - t_quant
     return out

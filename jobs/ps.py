@@ -22,15 +22,12 @@ directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has t
 to an empty server instead of joining; the trainers then load the checkpoint's tables as above. A restarted
 server actor needs no re-admission: the same handles reach it.
 
-Model side: :class:`PSSparseArch` turns ids into a torchrec ``KeyedJaggedTensor`` lookup on the servers
-through ``scheduling.ps.PSEmbeddingBagCollection`` (blocking ``ps_fetch`` nodes, which the
-``async_rpc`` pass splits into start/wait), and pushes each fetched part's gradient back from an autograd
-hook during backward (``scheduling.ps.ops.ps_push_in_backward``, deferred until the next fetch from that
-server; with the ``async_rpc_prefetch`` pass the push also carries the next batch's lookup). Servers apply
-the updates with row-wise Adagrad.
-
-Your model (``[model] factory``): :class:`UserServerTables` sets up the same RPC group (:class:`ServerGroup`)
-and leaves the tables to the ``scheduling.parameter_servers`` pass, run first on each phase's module.
+Trainer side: :class:`ServerTables` is the tables backend of a job with servers (:mod:`jobs.workload`): each
+phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling.parameter_servers`` pass
+(:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers (stored as
+``[model] server_storage`` says, trained there with row-wise Adagrad) and turns each lookup into blocking
+``ps_fetch`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
+backward.
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
 """
@@ -45,57 +42,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from scheduling.ps.endpoints import ServerEndpoints
 
-
-__all__ = ["PSSparseArch", "ServerActor", "ServerGroup", "ServerTables", "UserServerTables", "start_servers", "stop_servers", "to_kjt",
-           "tables_to_local", "wait_for_servers"]
+__all__ = ["ServerActor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
-
-
-def _keys(num_tables: int) -> list[str]:
-    return [f"C{j + 1}" for j in range(num_tables)]
-
-
-def to_kjt(ids: torch.Tensor) -> Any:
-    """``(B, T)`` ids -> ``KeyedJaggedTensor`` with keys C1..CT, one id per bag (key-major values)."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    batch, tables = ids.shape
-    return KeyedJaggedTensor(keys=_keys(tables), values=ids.t().reshape(-1),
-                             lengths=torch.ones(batch * tables, dtype=torch.int32))
-
-
-class PSSparseArch(nn.Module):
-    """Sparse arch of :class:`jobs.model.DLRM` backed by the parameter servers.
-
-    Shapes: ``fetch(kjt)`` -> one ``(B, D_s)`` part per server; ``combine(kjt, parts)`` -> ``(B, T, D)``.
-    """
-
-    def __init__(self, client: str, num_tables: int, dim: int) -> None:
-        super().__init__()
-        from scheduling.ps import PSEmbeddingBagCollection
-
-        self.ebc = PSEmbeddingBagCollection(client)
-        self.client = client
-        self.num_tables = num_tables
-        self.dim = dim
-
-    def fetch(self, kjt: Any) -> list[torch.Tensor]:
-        return self.ebc.fetch(kjt)
-
-    def combine(self, kjt: Any, parts: list[torch.Tensor]) -> torch.Tensor:
-        from scheduling.ps import ops
-
-        parts = [ops.ps_push_in_backward(self.client, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
-        return self.ebc.pool(kjt, parts).values().view(-1, self.num_tables, self.dim)
-
-    def forward(self, kjt: Any) -> torch.Tensor:
-        return self.combine(kjt, self.fetch(kjt))
 
 
 class ServerActor(ServerEndpoints):
@@ -361,9 +314,6 @@ class ServerGroup:
         """The tables of ``phase`` (its own clients and tables on the servers)."""
         return self.views[phase]
 
-    def prepare(self, ids: Any) -> Any:
-        return ids
-
     def kill_server(self, index: int) -> None:
         """Kill server ``index``'s process (fault injection); Ray restarts the actor."""
         import ray
@@ -398,37 +348,20 @@ class ServerGroup:
 
 
 class ServerTables(ServerGroup):
-    """Tables backend of a trainer of the built-in DLRM whose 26 embedding tables live on ``[cluster]
-    parameter_servers`` servers (in the :class:`ServerGroup`).
+    """Tables backend of a trainer with parameter servers: each phase's module (the built-in DLRM or yours) gets
+    the ``scheduling.parameter_servers`` pass first (:meth:`_PhaseTables.placement_pass`), which moves its
+    embedding tables to this group's servers under the clients ``fxdist-job-<phase>:<module path>``, shared by
+    the trainers in step order (``rank`` / ``world_size`` / ``group`` of the pass).
 
-    Each phase has its own tables on the
-    servers (client ``fxdist-job-<phase>``, :meth:`view`), created from the same seed, so the phases start
-    from the same weights and can train side by side. The trainers of the group share each phase's
-    tables in step order (``PSClient(rank, world_size, group)``, :mod:`scheduling.ps.ordering`): every
-    trainer's step-``k`` lookup sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever
-    the schedule, so the baseline and the optimized phase train identically.
-    """
-
-    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any,
-                 phases: Sequence[str] = ("baseline", "optimized")) -> None:
-        super().__init__(config, rank, world, loop_config)
-        self.views = {phase: _PhaseTables(self, phase, self.group) for phase in phases}
-        self._barrier()
-
-    def prepare(self, ids: torch.Tensor) -> Any:
-        return to_kjt(ids)
-
-
-class UserServerTables(ServerGroup):
-    """Tables backend of a trainer of *your* model (``[model] factory``) with parameter servers: each phase's
-    module gets the ``scheduling.parameter_servers`` pass first (:meth:`_UserPhaseTables.placement_pass`), which
-    moves its embedding tables to this group's servers under the clients ``fxdist-job-<phase>:<module path>``,
-    shared by the trainers in step order (``rank`` / ``world_size`` / ``group`` of the pass)."""
+    Each phase has its own tables on the servers (:meth:`view`), set from the same initial weights, so the phases
+    can train side by side; with step order (:mod:`scheduling.ps.ordering`) every trainer's step-``k`` lookup
+    sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever the schedule, so the baseline and the
+    optimized phase train identically."""
 
     def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any,
                  phases: Sequence[str] = ("baseline", "optimized")) -> None:
         super().__init__(config, rank, world, loop_config)
-        self.views = {phase: _UserPhaseTables(self, phase) for phase in phases}
+        self.views = {phase: _PhaseTables(self, phase) for phase in phases}
         self._barrier()
 
 
@@ -457,13 +390,17 @@ class _FetchTimer:
         return value if fetched else None
 
 
-class _UserPhaseTables(_FetchTimer):
-    """One phase's tables of your model: set up by the ``parameter_servers`` pass, then read through its module."""
+class _PhaseTables(_FetchTimer):
+    """One phase's tables: set up by the ``parameter_servers`` pass, then read through the module it produced."""
+
+    local = False
 
     def __init__(self, owner: ServerGroup, phase: str) -> None:
         super().__init__()
         self.owner, self.phase, self.rank = owner, phase, owner.rank
         self.gm: Any = None
+        self.moved: frozenset[str] = frozenset()
+        """The model's state-dict keys (``"<path>.weight"``) of the tables the pass moved to the servers."""
 
     def placement_pass(self) -> Any:
         """The ``parameter_servers`` pass for this phase (the first pass of its module)."""
@@ -475,7 +412,8 @@ class _UserPhaseTables(_FetchTimer):
         return functools.partial(parameter_servers, optimizer="rowwise_adagrad", lr=c.job.lr,
                                  servers=tuple(self.owner.servers), client=f"{CLIENT}-{self.phase}",
                                  timeout_s=c.cluster.rpc_timeout_s, verbose=self.rank == 0, rank=self.rank,
-                                 world_size=self.owner.world, group=self.owner.group)
+                                 world_size=self.owner.world, group=self.owner.group,
+                                 storage=c.model.server_storage)
 
     def attach(self, gm: Any) -> None:
         """``gm`` went through :meth:`placement_pass`: time its clients' fetches; wait until every rank has
@@ -484,6 +422,8 @@ class _UserPhaseTables(_FetchTimer):
         from scheduling.ps import get_client
 
         self.gm = gm
+        tables = gm.meta.get("fxdist", {}).get("placement", {}).get("tables", [])
+        self.moved = frozenset(f"{t['path']}.weight" for t in tables)
         for name in client_names(gm):
             self.wrap(get_client(name))
         self.owner._barrier()
@@ -493,12 +433,6 @@ class _UserPhaseTables(_FetchTimer):
         from scheduling.ps import get_client
 
         return [get_client(n) for n in client_names(self.gm)] if self.gm is not None else []
-
-    def prepare(self, ids: Any) -> Any:
-        return ids
-
-    def sparse_arch(self) -> None:
-        return None
 
     def after_backward(self) -> None:
         """Nothing to do: the gradient hooks started the pushes during backward."""
@@ -511,7 +445,8 @@ class _UserPhaseTables(_FetchTimer):
         return sum(client.prefetch_hits for client in self._clients())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The tables under your model's state-dict names, with the row-wise Adagrad state (rank 0)."""
+        """The tables under the model's state-dict names (``"<path>.weight"``) with the row-wise Adagrad state
+        (``"<path>.momentum"``), gathered from the servers (rank 0; ``{}`` elsewhere)."""
         from scheduling.placement import table_state_dict
 
         return table_state_dict(self.gm, optimizer_state=True) if self.rank == 0 and self.gm is not None else {}
@@ -530,68 +465,3 @@ class _UserPhaseTables(_FetchTimer):
     def close(self) -> None:
         for client in self._clients():
             client.close(flush=False)
-
-
-class _PhaseTables(_FetchTimer):
-    """One phase's tables on the servers: its :class:`~scheduling.ps.PSClient` (``fxdist-job-<phase>``,
-    configured by rank 0) and the per-step fetch timing."""
-
-    def __init__(self, owner: ServerTables, phase: str, group: str) -> None:
-        from scheduling.ps import PSClient, TableSpec
-
-        super().__init__()
-        config, rank = owner.config, owner.rank
-        c, m = config.cluster, config.model
-        self.owner, self.rank = owner, rank
-        specs = [TableSpec(f"t{j + 1}", m.table_size, m.embedding_dim, (key,)) for j, key in enumerate(_keys(26))]
-        self.client = PSClient(specs, [f"ps{i}" for i in range(owner.num_servers)], sharding="table_wise",
-                               optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr},
-                               name=f"{CLIENT}-{phase}", timeout_s=c.rpc_timeout_s, seed=config.job.seed,
-                               configure=(rank == 0), rank=rank, world_size=owner.world, group=group,
-                               storage=m.server_storage, transport=c.transport)
-        self.wrap(self.client)
-
-    def prepare(self, ids: torch.Tensor) -> Any:
-        return to_kjt(ids)
-
-    def sparse_arch(self) -> nn.Module:
-        return PSSparseArch(self.client.name, 26, self.owner.config.model.embedding_dim)
-
-    def after_backward(self) -> None:
-        """Nothing to do: the gradient hooks started the pushes during backward."""
-
-    def sync(self) -> None:
-        """Wait for this trainer's deferred pushes (before checkpoints and evaluation)."""
-        self.client.flush()
-
-    def prefetch_hits(self) -> int:
-        return self.client.prefetch_hits
-
-    def close(self) -> None:
-        self.client.close(flush=False)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tables and row-wise Adagrad state, gathered from the servers (rank 0)."""
-        return self.client.state_dict() if self.rank == 0 else {}
-
-    def kill_server(self, index: int) -> None:
-        """Fault injection: see :meth:`ServerTables.kill_server`."""
-        self.owner.kill_server(index)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.owner._barrier()
-        if self.rank == 0 and state:
-            self.client.load_state_dict(state)
-        self.owner._barrier()
-
-
-def tables_to_local(state: dict[str, torch.Tensor], local: nn.Module) -> None:
-    """Copy server tables ``t1.weight .. t26.weight`` ``(N, D)`` into a :class:`jobs.model.LocalEmbeddings`."""
-    weight = local.embedding.weight
-    rows = weight.shape[0] // 26
-    with torch.no_grad():
-        for j in range(26):
-            table = state[f"t{j + 1}.weight"]
-            if table.shape != (rows, weight.shape[1]):
-                raise ValueError(f"table t{j + 1}: shape {tuple(table.shape)} != ({rows}, {weight.shape[1]})")
-            weight[j * rows:(j + 1) * rows] = table

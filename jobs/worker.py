@@ -6,10 +6,10 @@
 1. reads its shard of the data (:mod:`jobs.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
-   (``jobs.ps.ServerTables``, over ``torch.distributed.rpc``; for your model ``jobs.ps.UserServerTables``,
-   whose ``parameter_servers`` pass moves its tables there);
-3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module (your model
-   on servers: after only the ``parameter_servers`` pass, so its lookups block), ``optimized`` trains
+   (``jobs.ps.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
+   of each phase's model, the built-in torchrec DLRM or yours, there);
+3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module (on servers:
+   after only the ``parameter_servers`` pass, so its lookups block), ``optimized`` trains
    ``fxdist.optimize(model, passes)`` (both wrapped in DDP), each from the same
    initial weights with its own optimizer and its own tables; they alternate blocks of
    ``[phases] block_steps`` steps (the order flips every block), so both see the same machine load
@@ -46,7 +46,7 @@ from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
 from jobs.stats import interleaved_gain, phase_summary
-from jobs.workload import CriteoWorkload, build_model, make_workload
+from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload
 
 __all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
 
@@ -82,7 +82,7 @@ class PhaseRun:
 def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables: Any = None,
                          ) -> tuple[nn.Module, dict[str, Any]]:
     """The module trained in ``phase``: the eager model, or ``fxdist.optimize(model, passes)``; when the
-    tables backend has a ``placement_pass`` (your model on servers), that pass comes first in both phases
+    tables backend has a ``placement_pass`` (parameter servers), that pass comes first in both phases
     (no eager fallback then: the tables must move)."""
     info: dict[str, Any] = {"passes": [], "fallback": None}
     first = getattr(tables, "placement_pass", None)
@@ -111,9 +111,9 @@ class PhaseTrainer:
     optimizer and batch stream, trained in blocks of steps so that phases can alternate (:meth:`train`).
 
     Args:
-        tables: The phase's sparse backend (``LocalTables`` or a ``ServerTables`` view): gives
-            ``prepare(ids)``, ``fetch_seconds()`` and ``after_backward()``.
-        data: The workload (:mod:`jobs.workload`), or a :class:`~jobs.data.CriteoShard` for the DLRM.
+        tables: The phase's tables backend (:class:`jobs.workload.LocalTables` or a :class:`jobs.ps.ServerTables`
+            view): gives ``fetch_seconds()``, ``after_backward()`` and, on servers, the ``parameter_servers`` pass.
+        data: The workload (:mod:`jobs.workload`), or a :class:`~jobs.data.CriteoShard` for the built-in DLRM.
         start_step: The first step (a resumed trainer continues the batch sequence there).
         optim_state: Optimizer state to resume from.
 
@@ -128,7 +128,8 @@ class PhaseTrainer:
         self.device = _device(config)
         model.to(self.device)
         self.module, self.info = _make_trained_module(model, phase, config, tables)
-        # your model on servers is evaluated through its module (its own tables left the trainer)
+        _release_tables(model, tables.moved)
+        # a model on servers is evaluated through its module (its own tables left the trainer)
         self.evaluated = self.module if hasattr(tables, "attach") else model
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -137,7 +138,6 @@ class PhaseTrainer:
                                              lr=config.job.lr)
         if optim_state is not None:
             self.optimizer.load_state_dict(optim_state)
-        self.loss_fn = self.workload.loss
         self.run = PhaseRun(phase, start_step)
         self.step = start_step
         self._batches = self.workload.train_batches(start_step)
@@ -147,6 +147,11 @@ class PhaseTrainer:
 
     def _prefetch_hits(self) -> int:
         return self.tables.prefetch_hits()
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict without the tables that live on the servers (``tables.state_dict()`` has those)
+        and without non-tensor entries: what a checkpoint saves as the phase's model."""
+        return {k: v for k, v in _plain_state(self.model.state_dict()).items() if k not in self.tables.moved}
 
     def _next(self) -> tuple[Any, tuple[tuple, dict[str, Any], torch.Tensor]]:
         batch = next(self._batches)
@@ -174,7 +179,7 @@ class PhaseTrainer:
             # a module from async_rpc(prefetch=True) takes the next batch's inputs, to look them up in this step
             ahead = self._lookahead()
             t0 = time.perf_counter()
-            loss = self.loss_fn(self.trained(*args, **kwargs, **ahead), labels)
+            loss = self.workload.step_loss(self.trained, batch, (args, kwargs, labels), ahead)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.tables.after_backward()
@@ -338,7 +343,7 @@ def _save_checkpoint(step: int, trainers: dict[str, PhaseTrainer], early: dict[s
             saved: dict[str, Any] = {"step": step, "final": final, "models": {}, "tables": {}, "optim": {},
                                      "eval": {p: dict(e) for p, e in early.items()}}
             for phase, t in trainers.items():
-                dense, tables = _plain_state(t.model.state_dict()), t.tables.state_dict()
+                dense, tables = t.dense_state(), t.tables.state_dict()
                 saved["models"][phase], saved["tables"][phase] = dense, tables
                 saved["optim"][phase] = t.optimizer.state_dict()
                 if state is not None:
@@ -351,6 +356,15 @@ def _save_checkpoint(step: int, trainers: dict[str, PhaseTrainer], early: dict[s
 def _plain_state(state: dict) -> dict:
     """State dict with server-side entries (non-tensors) dropped."""
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _release_tables(model: nn.Module, moved: frozenset[str]) -> None:
+    """Free the eager model's copy of the tables the ``parameter_servers`` pass moved (``"<path>.weight"``
+    keys): the servers hold them now, and the trainer keeps no table memory (the module it trains no longer
+    refers to them; each weight becomes a ``(0, D)`` tensor)."""
+    for key in moved:
+        module = model.get_submodule(key.removesuffix(".weight"))
+        module.weight = nn.Parameter(module.weight.new_empty(0, module.weight.shape[-1]), requires_grad=False)
 
 
 def _load_checkpoint() -> dict | None:
@@ -407,7 +421,6 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from jobs.cluster import serve_exporter, where
-    from jobs.sparse import make_tables
 
     config = parse_config(loop_config["config"], source=loop_config.get("source", "<job>"))
     state = loop_config["state"]
@@ -429,7 +442,6 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     tables = make_tables(config, rank, world, loop_config, exporter)
     if rank == 0:
         state.event.remote("rank 0: data loaded, tables ready")
-    workload.warm_up(tables)
     graceful = False
     try:
         _run_phases(config, rank, world, workload, tables, resume, state, exporter)
@@ -457,15 +469,15 @@ def _evaluate_mid_phase(t: PhaseTrainer, step: int, snapshot: bool) -> dict[str,
     """All ranks: held-out quality of ``model`` now (rank 0), and with ``snapshot`` a copy of its dense
     weights and tables (the model the job quantizes). Between two barriers, so no trainer's timed step
     waits for rank 0's evaluation."""
-    tables, model = t.tables, t.model
+    tables = t.tables
     tables.sync()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank's updates for `step` are on the servers
     out: dict[str, Any] = {}
     if _has_eval(t.workload):
         out = {"step": step, "quality": evaluate(t.evaluated, t.workload, tables)}
-        if snapshot and t.workload.quantizable:
-            out["model"] = {k: v.detach().clone() for k, v in _plain_state(model.state_dict()).items()}
+        if snapshot:
+            out["model"] = {k: v.detach().clone() for k, v in t.dense_state().items()}
             out["tables"] = tables.state_dict()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -508,7 +520,7 @@ def _start_phases(config, rank, workload, tables, resume, state, exporter) -> di
         if resume is not None:
             view.load_state_dict(resume["tables"][phase])
             if rank == 0:  # what the model and the (fresh) servers hold now, for the job's record
-                state.restored.remote(phase, start, digest(_plain_state(model.state_dict())), digest(view.state_dict()))
+                state.restored.remote(phase, start, digest(trainers[phase].dense_state()), digest(view.state_dict()))
         if rank == 0:
             state.phase_started.remote(phase, start, config.job.steps)
     return trainers

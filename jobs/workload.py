@@ -1,4 +1,5 @@
-"""What a trainer trains: the built-in DLRM on Criteo, or your model on your batches (:mod:`jobs.entry`).
+"""What a trainer trains (the built-in torchrec DLRM on Criteo, or your model on your batches), and where its
+embedding tables live.
 
 A *workload* gives the training loop (:mod:`jobs.worker`) everything that depends on the model and the data:
 
@@ -6,10 +7,23 @@ A *workload* gives the training loop (:mod:`jobs.worker`) everything that depend
   statistics or None, ``has_eval``: this rank evaluates (rank 0, with held-out data);
 - ``build(view)``: the phase's model, from ``[job] seed`` (``view``: the phase's tables backend);
 - ``train_batches(start)``: endless batches from batch ``start`` on; ``eval_batches()``: the held-out ones
-  (rank 0; None elsewhere);
+  (rank 0; None elsewhere); every batch follows the contract of :mod:`jobs.entry`;
 - ``inputs(batch, tables, device)``: ``(args, kwargs, labels)`` of the model's call;
-- ``loss(output, labels)`` and ``quality(outputs, labels)``: the training loss and the held-out metrics;
-- ``quantizable``: the evaluated model is snapshotted for the launcher's fp32-vs-int8 comparison.
+- ``step_loss(module, batch, inputs, ahead)``: one training step's loss (``[train] loss`` of the module's output,
+  or your ``[train] train_step``); ``loss(output, labels)`` and ``quality(outputs, labels)``: the loss and the
+  held-out metrics.
+
+:class:`UserWorkload` is your model (``[model] factory``, ``[data] batches``); :class:`CriteoWorkload` is the same
+machinery with the built-in model (:func:`jobs.criteo.dlrm`) and the Criteo reader. Both train through the same
+path: with parameter servers, each phase's module first gets the ``parameter_servers`` pass
+(:class:`jobs.ps.ServerTables`).
+
+A *tables backend* (:func:`make_tables`): :class:`LocalTables` (the tables stay in the model: DDP parameters) or
+:class:`jobs.ps.ServerTables` (the ``parameter_servers`` pass moves them to the job's servers), with
+``view(phase)`` (each phase's own tables), ``after_backward()``, ``sync()`` (wait for updates in flight),
+``fetch_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
+``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
+live on the servers) and ``close()``; a server view also has ``placement_pass()`` and ``attach(gm)``.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -17,65 +31,31 @@ Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept a
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from jobs import entry
+from jobs import criteo, entry
 from jobs.config import JobConfig
-from jobs.data import Batch, CriteoShard
-from jobs.model import DLRM, LocalEmbeddings
-from jobs.stats import binary_metrics
+from jobs.data import CriteoShard
 
-__all__ = ["build_model", "CriteoWorkload", "UserWorkload", "make_workload"]
-
-
-def build_model(config: JobConfig, sparse_arch: nn.Module | None = None) -> DLRM:
-    """The job's DLRM, initialised from ``[job] seed`` (same weights in every phase and rank)."""
-    m = config.model
-    torch.manual_seed(config.job.seed)
-    if sparse_arch is None:
-        sparse_arch = LocalEmbeddings(26, m.table_size, m.embedding_dim)
-    return DLRM(sparse_arch, dim=m.embedding_dim, bottom=m.bottom_mlp, top=m.top_mlp)
+__all__ = ["build_model", "criteo_shard", "CriteoWorkload", "UserWorkload", "make_workload", "LocalTables",
+           "make_tables", "inference_batches"]
 
 
-class CriteoWorkload:
-    """The built-in DLRM on a :class:`jobs.data.CriteoShard` (``eval_shard``: the held-out rows, or None)."""
+def build_model(config: JobConfig) -> nn.Module:
+    """The job's model: ``[model] factory``'s, else the built-in torchrec DLRM (:func:`jobs.criteo.dlrm`), both
+    initialised from ``[job] seed`` (the same weights in every phase and rank)."""
+    return entry.make_model(config) if config.user_model else criteo.dlrm(config)
 
-    quantizable = True
 
-    def __init__(self, config: JobConfig, shard: CriteoShard, eval_shard: CriteoShard | None = None) -> None:
-        self.config, self.shard, self.eval_shard = config, shard, eval_shard
-        self.has_eval = eval_shard is not None
-        self.rows = len(shard)
-        self.parse = shard.stats.as_dict()
-        self._loss = nn.BCEWithLogitsLoss()
-
-    def build(self, view: Any) -> nn.Module:
-        return build_model(self.config, view.sparse_arch())
-
-    def warm_up(self, tables: Any) -> None:
-        tables.prepare(self.shard.sparse[:2])  # the first use imports torchrec, outside the timed phases
-
-    def train_batches(self, start: int = 0) -> Iterator[Batch]:
-        return self.shard.batches(self.config.job.batch_size, start=start)
-
-    def eval_batches(self) -> Iterable[Batch] | None:
-        return None if self.eval_shard is None else self.eval_shard.all_batches(512)
-
-    def inputs(self, batch: Batch, tables: Any, device: torch.device) -> tuple[tuple, dict[str, Any], torch.Tensor]:
-        """``((dense, sparse), {}, labels)``; a KeyedJaggedTensor stays on the CPU (servers)."""
-        sparse = tables.prepare(batch.sparse)
-        if isinstance(sparse, torch.Tensor):
-            sparse = sparse.to(device)
-        return (batch.dense.to(device), sparse), {}, batch.labels.to(device)
-
-    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._loss(output, labels)
-
-    def quality(self, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
-        return binary_metrics(torch.sigmoid(torch.cat(outputs)), torch.cat(labels))
+def criteo_shard(config: JobConfig, data_path: str | Path, **kwargs: Any) -> CriteoShard:
+    """A :class:`~jobs.data.CriteoShard` of ``data_path`` hashed for the built-in model's tables (``kwargs``:
+    ``rank``, ``world_size``, ``split``); ``eval_fraction`` defaults to ``[data] eval_fraction``."""
+    kwargs.setdefault("eval_fraction", config.data.eval_fraction)
+    return CriteoShard(data_path, config.model.table_size, **kwargs)
 
 
 class UserWorkload:
@@ -88,7 +68,6 @@ class UserWorkload:
         ConfigError: an entry point that does not resolve, or an epoch without a batch.
     """
 
-    quantizable = True
     parse = None
 
     def __init__(self, config: JobConfig, rank: int, world_size: int) -> None:
@@ -97,6 +76,7 @@ class UserWorkload:
         self._eval = entry.data_context(config, "eval") if rank == 0 else None
         self.has_eval = self._eval is not None
         self._loss = entry.loss_fn(config)
+        self._train_step = entry.train_step_fn(config)
         epoch = entry.epoch_batches(config, self._train)
         if not epoch:
             raise entry.ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train "
@@ -104,10 +84,7 @@ class UserWorkload:
         self.rows = sum(entry.split_batch(b)[2].shape[0] for b in epoch)
 
     def build(self, view: Any) -> nn.Module:
-        return entry.make_model(self.config)
-
-    def warm_up(self, tables: Any) -> None:
-        """Nothing to warm up."""
+        return build_model(self.config)
 
     def train_batches(self, start: int = 0) -> Iterator[Any]:
         return entry.endless(self.config, self._train, start)
@@ -116,16 +93,75 @@ class UserWorkload:
         return None if self._eval is None else entry.epoch_batches(self.config, self._eval)
 
     def inputs(self, batch: Any, tables: Any, device: torch.device) -> tuple[tuple, dict[str, Any], torch.Tensor]:
-        """The batch's ``(args, kwargs, labels)`` (:func:`jobs.entry.split_batch`), tensors on ``device``."""
+        """The batch's ``(args, kwargs, labels)`` (:func:`jobs.entry.split_batch`), tensors on ``device``; a
+        ``KeyedJaggedTensor`` too when the tables are local (server lookups take it on the CPU)."""
         args, kwargs, labels = entry.split_batch(batch, f"[data] batches = {self.config.data.batches!r}")
-        move = (lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)  # noqa: E731
+        local = getattr(tables, "local", False)
+
+        def move(v: Any) -> Any:
+            return v.to(device) if isinstance(v, torch.Tensor) or (local and hasattr(v, "to")) else v
+
         return tuple(map(move, args)), {k: move(v) for k, v in kwargs.items()}, labels.to(device)
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._loss(output, labels)
 
+    def step_loss(self, module: nn.Module, batch: Any, inputs: tuple[tuple, dict[str, Any], torch.Tensor],
+                  ahead: dict[str, Any]) -> torch.Tensor:
+        """The loss of one training step: ``loss(module(*args, **kwargs, **ahead), labels)``, or with ``[train]
+        train_step`` ``train_step(module, batch)`` (``batch`` rebuilt from ``inputs``, on the device; ``ahead``,
+        the next batch's ``next_<input>`` lookups, added to the module's call).
+
+        Raises:
+            ConfigError: ``train_step`` returned something other than a scalar tensor.
+        """
+        args, kwargs, labels = inputs
+        if self._train_step is None:
+            return self._loss(module(*args, **kwargs, **ahead), labels)
+        loss = self._train_step(_Lookahead(module, ahead) if ahead else module,
+                                entry.rebuild_batch(batch, args, kwargs, labels))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise entry.ConfigError(f"{self.config.source}: [train] train_step = {self.config.train.train_step!r} "
+                                    f"returned {type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}, expected a "
+                                    "scalar loss tensor")
+        return loss
+
     def quality(self, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
         return entry.quality(self.config, outputs, labels)
+
+
+class _Lookahead:
+    """The trained module, its call given the next batch's ``next_<input>`` arguments (prefetch); other
+    attributes are the module's."""
+
+    def __init__(self, module: nn.Module, ahead: dict[str, Any]) -> None:
+        self.module, self.ahead = module, ahead
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs, **self.ahead)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+class CriteoWorkload(UserWorkload):
+    """The built-in model (:func:`jobs.criteo.dlrm`) on a :class:`jobs.data.CriteoShard` (``eval_shard``: the
+    held-out rows, or None); batches are ``(dense, kjt, labels)`` (:func:`jobs.criteo.model_inputs`), the loss
+    ``[train] loss = "bce_with_logits"`` (AUC and log loss held out)."""
+
+    def __init__(self, config: JobConfig, shard: CriteoShard, eval_shard: CriteoShard | None = None) -> None:
+        self.config, self.shard, self.eval_shard = config, shard, eval_shard
+        self.has_eval = eval_shard is not None
+        self.rows = len(shard)
+        self.parse = shard.stats.as_dict()
+        self._loss = entry.loss_fn(config)
+        self._train_step = None
+
+    def train_batches(self, start: int = 0) -> Iterator[Any]:
+        return map(criteo.model_inputs, self.shard.batches(self.config.job.batch_size, start=start))
+
+    def eval_batches(self) -> Iterable[Any] | None:
+        return None if self.eval_shard is None else map(criteo.model_inputs, self.eval_shard.all_batches(512))
 
 
 def make_workload(config: JobConfig, rank: int, world: int, data_path: str) -> CriteoWorkload | UserWorkload:
@@ -137,9 +173,68 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str) -> C
     """
     if config.user_model:
         return UserWorkload(config, rank, world)
-    fraction = config.data.eval_fraction
-    shard = CriteoShard(data_path, config.model.table_size, rank=rank, world_size=world, eval_fraction=fraction)
+    shard = criteo_shard(config, data_path, rank=rank, world_size=world)
     eval_shard = None
-    if rank == 0 and fraction > 0:
-        eval_shard = CriteoShard(data_path, config.model.table_size, eval_fraction=fraction, split="eval")
+    if rank == 0 and config.data.eval_fraction > 0:
+        eval_shard = criteo_shard(config, data_path, split="eval")
     return CriteoWorkload(config, shard, eval_shard)
+
+
+def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[list[Any], list[Any]]:
+    """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison (:mod:`jobs.inference`):
+    the Criteo held-out rows in batches of ``[quant] eval_batch_size`` and the first ``[quant]
+    calibration_batches`` training batches; for your model, the "eval" split of ``[data] batches`` and the first
+    train batches of rank 0 of 1."""
+    q = config.quant
+    if config.user_model:
+        held_out = entry.epoch_batches(config, entry.data_context(config, "eval"))
+        train = entry.endless(config, entry.data_context(config, "train"))
+        return held_out, [next(train) for _ in range(q.calibration_batches)]
+    fraction = config.data.eval_fraction or 0.1
+    held_out = criteo_shard(config, data_path, split="eval", eval_fraction=fraction)
+    train = criteo_shard(config, data_path, eval_fraction=fraction).batches(q.eval_batch_size)
+    return ([criteo.model_inputs(b) for b in held_out.all_batches(q.eval_batch_size)],
+            [criteo.model_inputs(next(train)) for _ in range(q.calibration_batches)])
+
+
+class LocalTables:
+    """Embedding tables inside the model (DDP parameters; the built-in DLRM's give sparse gradients)."""
+
+    local = True
+    moved: frozenset[str] = frozenset()
+
+    def view(self, phase: str) -> "LocalTables":
+        """Itself: each phase's tables are in its own model."""
+        return self
+
+    def after_backward(self) -> None:
+        """Nothing to do: DDP all-reduces the gradients and the optimizer applies them."""
+
+    def fetch_seconds(self) -> float | None:
+        return None
+
+    def prefetch_hits(self) -> int:
+        return 0
+
+    def sync(self) -> None:
+        """Nothing in flight."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to do: the tables are in the model's state dict."""
+
+    def close(self, graceful: bool = True) -> None:
+        pass
+
+
+def make_tables(config: JobConfig, rank: int, world: int, loop_config: dict[str, Any], exporter: Any) -> Any:
+    """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``, else
+    :class:`jobs.ps.ServerTables` (the job's servers, one table set per phase)."""
+    if config.cluster.parameter_servers == 0:
+        return LocalTables()
+    from jobs.ps import ServerTables
+
+    phases = ("baseline", "optimized") if config.phases.baseline else ("optimized",)
+    return ServerTables(config, rank, world, loop_config, exporter, phases)

@@ -29,6 +29,8 @@ Configuration (what trains what):
   settings uses.
 - The dense part is trained by *your* optimizer: build it on ``gm.parameters()`` after the pass (the moved
   tables are no longer parameters of ``gm``).
+- ``storage`` sets how the servers hold the rows (``"fp32"``, ``"fp16"``, ``"fused8bit"``:
+  :mod:`scheduling.ps.storage`); lookups still answer float32.
 - A module called from several nodes moves once (one table on the servers) and pushes once per call; with SGD
   that equals one step on the summed gradient.
 - Each moved module gets one ``PSClient`` (its namespace on the servers) named ``"<client>:<module path>"``,
@@ -162,9 +164,9 @@ def _use_shards(client: Any, shards: list[Any]) -> None:
 def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
                   placed: dict[str, TablePlacement], servers: list[str], prefix: str, optimizer: str,
                   kwargs: Mapping[str, float], timeout_s: float, group: tuple[int, int, str | None] = (0, 1, None),
-                  ) -> dict[str, Any]:
-    """One PSClient per module (its namespace on the servers); rank 0 of ``group`` ``(rank, world_size, key)``
-    sets the tables to the module's weights, the other ranks attach to them."""
+                  storage: str = "fp32") -> dict[str, Any]:
+    """One PSClient per module (its namespace on the servers, rows stored as ``storage``); rank 0 of ``group``
+    ``(rank, world_size, key)`` sets the tables to the module's weights, the other ranks attach to them."""
     from .ps.client import PSClient
 
     rank, world_size, key = group
@@ -174,7 +176,7 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
             pairs = tables[c.qualname]
             client = PSClient([t.spec for t, _ in pairs], servers, optimizer=optimizer, optimizer_kwargs=kwargs,
                               name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False,
-                              rank=rank, world_size=world_size, group=key)
+                              rank=rank, world_size=world_size, group=key, storage=storage)
             clients[c.qualname] = client
             _use_shards(client, [sp for t, _ in pairs for sp in shards_of(placed[t.path], len(servers))])
             if rank == 0:
@@ -261,13 +263,14 @@ def _report(gm: GraphModule, kept: list[NotMoved]) -> None:
 
 
 def _record(gm: GraphModule, placements: list[TablePlacement], servers: list[str], clients: dict[str, Any],
-            optimizer: dict[str, Any]) -> str:
+            optimizer: dict[str, Any], storage: str = "fp32") -> str:
     header = (f"parameter_servers plan: {len(placements)} tables on {len(servers)} servers, optimizer "
-              f"{optimizer['name']} ({', '.join(f'{k}={v}' for k, v in optimizer.items() if k != 'name')})")
+              f"{optimizer['name']} ({', '.join(f'{k}={v}' for k, v in optimizer.items() if k != 'name')})"
+              + (f", rows stored {storage}" if storage != "fp32" else ""))
     text = format_plan(placements, servers, header)
     meta = gm.meta.setdefault("fxdist", {}).setdefault("placement", {})
     meta.update({
-        "servers": list(servers), "optimizer": optimizer, "plan_text": text,
+        "servers": list(servers), "optimizer": optimizer, "storage": storage, "plan_text": text,
         "tables": [{"table": p.table.spec.name, "module": p.table.module, "path": p.table.path,
                     "rows": p.table.spec.num_embeddings, "dim": p.table.spec.embedding_dim, "sharding": p.sharding,
                     "servers": [servers[s] for s in p.servers], "bytes": p.table.nbytes, "reason": p.reason}
@@ -282,7 +285,8 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
                       plan: Mapping[str, Any] | None = None, servers: Sequence[str] | None = None,
                       client: str = "ps", optimizer_kwargs: Mapping[str, float] | None = None,
                       timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None,
-                      rank: int = 0, world_size: int = 1, group: str | None = None) -> GraphModule:
+                      rank: int = 0, world_size: int = 1, group: str | None = None,
+                      storage: str = "fp32") -> GraphModule:
     """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
 
     Args:
@@ -302,6 +306,9 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
             tables, and a key they share (e.g. a uuid rank 0 broadcasts); rank 0 creates the tables, the others
             attach, and the servers serve the group in step order (see the module docstring). Default: one
             trainer.
+        storage: how the servers store the rows: ``"fp32"``, ``"fp16"`` or ``"fused8bit"`` (FBGEMM's fused 8-bit
+            row-wise form, about a quarter of the memory; :mod:`scheduling.ps.storage`). Lookups answer float32;
+            the optimizer updates the touched rows in float32 and re-encodes them.
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
@@ -309,10 +316,14 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
 
     Raises:
         scheduling.ps.NoGroupError: there is something to move but no parameter-server group runs here.
-        ValueError: a bad ``plan`` entry, unknown optimizer, servers used by a client with another optimizer, or
-            ``world_size > 1`` without a ``group`` key.
+        ValueError: a bad ``plan`` entry, unknown optimizer or ``storage``, servers used by a client with another
+            optimizer, or ``world_size > 1`` without a ``group`` key.
         scheduling.ps.PSUnavailableError: a server did not answer the configuration.
     """
+    from .ps.storage import STORAGES
+
+    if storage not in STORAGES:
+        raise ValueError(f"parameter_servers: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
     gm = _as_graph_module(gm)
     found, kept = find_embeddings(gm)
     _report(gm, kept)
@@ -331,12 +342,12 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
     placed = {p.table.path: p for p in placements}
     clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s,
-                            (rank, world_size, group))
+                            (rank, world_size, group), storage)
     for c in found:
         _rewrite(gm, c, clients[c.qualname], trainable=any(w.requires_grad for _, w in tables[c.qualname]))
     gm.graph.lint()
     gm.recompile()
-    text = _record(gm, placements, names, clients, {"name": optimizer, **kwargs})
+    text = _record(gm, placements, names, clients, {"name": optimizer, **kwargs}, storage)
     logger.info("%s", text)
     if verbose:
         print(text, file=file or sys.stdout)

@@ -132,6 +132,9 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
     assert r["parity"]["ok"] and r["parity"]["identical_losses"], r["parity"]
     assert base["loss_series"] == opt["loss_series"] and base["quality"]["auc"] == opt["quality"]["auc"]
     assert base["fetch_p50_ms"] is not None  # a parameter server served the embeddings
+    # torchrec's DLRM, its 26 tables moved by the parameter_servers pass in both phases
+    assert [p["name"] for p in base["optimize"]["passes"]] == ["parameter_servers"]
+    assert opt["optimize"]["placement"].startswith("parameter_servers plan: 26 tables on 1 servers")
     # held-out AUC / log loss of the model after 0.4 epochs (step 29 of 40 on the Criteo sample; the
     # optimized phase evaluates between the two faults, so its result comes back from a checkpoint)
     expected = min(40, math.ceil(0.4 * r["data"]["parse"]["rank0_rows"] / 64))
@@ -143,15 +146,18 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
         for p in (base, opt):
             assert p["quality"]["auc"] > 0.66 and p["quality_end"]["auc"] > 0.66, (p["quality"], p["quality_end"])
     names = [p["name"] for p in opt["optimize"]["passes"]]
-    assert names == load_config().phases.passes == ["async_rpc_prefetch"]
-    assert opt["optimize"]["passes"][0]["modified"] and opt["optimize"]["fallback"] is None
+    assert names == ["parameter_servers", *load_config().phases.passes] == ["parameter_servers", "async_rpc_prefetch"]
+    assert opt["optimize"]["passes"][1]["modified"] and opt["optimize"]["fallback"] is None
     # with async_rpc_prefetch each push carries the next batch's lookup; the baseline never prefetches
     assert base["prefetched_lookups"] == 0 and opt["prefetched_lookups"] > 0
     assert r["data"]["parse"]["valid"] > 0
     inf = r["inference"]
     # quant.select_int8 quantizes only the layers that pay on this CPU; with none, fp32 is kept (speed-up 1.0)
     assert (inf["quantized_modules"] == 0) == inf["kept_fp32"] and inf["int8"]["qps"] > 0
-    assert inf["speedup"] >= 1.0 and inf["isa"] and [x["target"] for x in inf["layers"]][:1] == ["bottom.0"]
+    assert inf["speedup"] >= 1.0 and inf["isa"] and "select_int8" in inf["method"]
+    # torchrec DLRM's layers: dense arch 13-32-16, over arch 367-32-1
+    assert [x["target"] for x in inf["layers"]] == ["dense_arch.model._mlp.0._linear", "dense_arch.model._mlp.1._linear",
+                                                   "over_arch.model.0._mlp.0._linear", "over_arch.model.1"]
     assert abs(inf["int8"]["auc"] - inf["fp32"]["auc"]) < 0.05
     # the model quantized is the one the table's AUC refers to (restored from a checkpoint after the
     # server fault when the evaluation came before it)

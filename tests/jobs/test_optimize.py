@@ -10,7 +10,8 @@ from torch import nn
 
 import fxdist
 from fxdist.pipeline import PASSES, register_pass, resolve_pass
-from jobs.model import DLRM, LocalEmbeddings
+from jobs.config import JobConfig
+from jobs.criteo import dlrm, to_kjt
 
 
 def _mul_two_to_add(gm):
@@ -39,12 +40,12 @@ class Doubler(nn.Module):
 
 
 def _dlrm():
-    torch.manual_seed(0)
-    return DLRM(LocalEmbeddings(26, 50, 8), dim=8, bottom=[16], top=[16])
+    """The job's built-in model (torchrec's DLRM), small."""
+    return dlrm(JobConfig().replace(model={"table_size": 50, "embedding_dim": 8, "bottom_mlp": [16], "top_mlp": [16]}))
 
 
 def _inputs(b=6):
-    return torch.rand(b, 13), torch.randint(0, 50, (b, 26))
+    return torch.rand(b, 13), to_kjt(torch.randint(0, 50, (b, 26)))
 
 
 def test_optimize_keeps_parameters_and_records_passes():
@@ -66,13 +67,14 @@ def test_optimize_keeps_parameters_and_records_passes():
 def test_training_the_optimized_module_trains_the_original():
     model = _dlrm()
     gm = fxdist.optimize(model, passes=("dce",))
-    before = model.top[0].weight.detach().clone()
+    top = next(model.over_arch.parameters())
+    before = top.detach().clone()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)  # built on the ORIGINAL module's parameters
     dense, sparse = _inputs()
-    loss = nn.functional.binary_cross_entropy_with_logits(gm(dense, sparse), torch.ones(6))
+    loss = nn.functional.binary_cross_entropy_with_logits(gm(dense, sparse).squeeze(1), torch.ones(6))
     loss.backward()
     opt.step()
-    assert not torch.equal(before, model.top[0].weight)
+    assert not torch.equal(before, top)
     assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
     assert torch.allclose(gm(dense, sparse), model(dense, sparse))
 
@@ -177,7 +179,7 @@ def test_ddp_module_is_rewrapped_with_the_same_process_group(tmp_path):
         assert {id(p) for p in out.parameters()} == {id(p) for p in model.parameters()}
         dense, sparse = _inputs()
         out(dense, sparse).sum().backward()
-        assert model.bottom[0].weight.grad is not None
+        assert next(model.dense_arch.parameters()).grad is not None
     finally:
         dist.destroy_process_group()
 

@@ -77,6 +77,23 @@ def batches(ctx) -> list[dict]:
     return out
 
 
+def train_step(model, batch: dict) -> torch.Tensor:
+    """Our own step: the forward and the loss as a training loop would write them (the job runs backward and the
+    optimizer step)."""
+    logits = model(batch["dense"], batch["features"], batch["tags"])
+    return nn.functional.binary_cross_entropy_with_logits(logits, batch["labels"])
+
+
+def l2_step(model, batch: dict) -> torch.Tensor:
+    """``train_step`` plus an L2 penalty on the dense layers' weights."""
+    penalty = sum((p * p).sum() for name, p in model.named_parameters() if name.endswith("weight"))
+    return train_step(model, batch) + 0.1 * penalty
+
+
+def vector_step(model, batch: dict) -> torch.Tensor:
+    return model(batch["dense"], batch["features"], batch["tags"])
+
+
 def no_labels(ctx) -> list[dict]:
     return [{"dense": torch.zeros(2, 4)}]
 
@@ -103,6 +120,9 @@ embedding_dim = 8
 [data]
 batches = "{HERE}:batches"
 
+[train]
+train_step = "{HERE}:train_step"
+
 [cluster]
 trainers = 2
 parameter_servers = 1
@@ -119,8 +139,8 @@ kill_trainer_at_step = 13
 
 @pytest.fixture(scope="module")
 def user_job(ray_session, tmp_path_factory):
-    """The model above through ``fxdist launch CONFIG``: 2 trainers, 1 server, trainer rank 1 killed at step 13
-    of the optimized phase (restart from the step-10 checkpoint)."""
+    """The model above through ``fxdist launch CONFIG``, trained by our ``train_step``: 2 trainers, 1 server,
+    trainer rank 1 killed at step 13 of the optimized phase (restart from the step-10 checkpoint)."""
     tmp = tmp_path_factory.mktemp("user")
     config = tmp / "user.toml"
     config.write_text(USER_JOB)
@@ -144,17 +164,20 @@ def test_user_model_trains_on_parameter_servers_with_parity(user_job):
     # the baseline gets only the parameter_servers pass (blocking lookups), the optimized phase the passes too
     assert [p["name"] for p in base["optimize"]["passes"]] == ["parameter_servers"]
     assert [p["name"] for p in opt["optimize"]["passes"]] == ["parameter_servers", "async_rpc_prefetch"]
-    # both tables are looked up on the server; prefetch (next_features, next_tags) answers lookups
+    # both tables are looked up on the server; prefetch (next_features, next_tags, added to train_step's call of
+    # the model) answers lookups
     assert base["fetch_p50_ms"] is not None and base["prefetched_lookups"] == 0 and opt["prefetched_lookups"] > 0
     # step-ordered servers: the two phases train bit-identically, also across the restart
     assert r["parity"]["ok"] and r["parity"]["identical_losses"] and r["parity"]["metrics"] == ["auc"]
     assert base["loss_series"] == opt["loss_series"] and base["quality"]["auc"] == opt["quality"]["auc"]
     assert 0.5 < base["quality"]["auc"] <= 1 and base["quality"]["rows"] == 8 * 32
     assert r["gain"]["blocks"] >= 1 and r["gain_percent"] == r["gain"]["median_percent"]
-    # fp32 vs int8: the model the table's AUC refers to, rebuilt in the launcher with the servers' tables, its
-    # two nn.Linear layers as dynamic int8
+    # fp32 vs int8: the model the table's AUC refers to, rebuilt in the launcher with the servers' tables; its two
+    # nn.Linear layers measured by quant.select_int8 (int8 only where it pays; else fp32 kept, speed-up 1.0)
     inf = r["inference"]
-    assert inf["quantized_modules"] == 2 and inf["int8"]["qps"] > 0 and inf["rows"] == 8 * 32
+    assert [x["target"] for x in inf["layers"]] == ["dense", "top"] and inf["isa"]
+    assert (inf["quantized_modules"] == 0) == inf["kept_fp32"] and inf["speedup"] >= 1.0 and inf["int8"]["qps"] > 0
+    assert inf["rows"] == 8 * 32 and "select_int8" in inf["method"]
     assert inf["fp32"]["auc"] == pytest.approx(opt["quality"]["auc"], abs=1e-4) and inf["model_step"] == 20
     assert abs(inf["int8"]["auc"] - inf["fp32"]["auc"]) < 0.05
     assert opt["optimize"]["placement"].startswith("parameter_servers plan: 2 tables on 1 servers")
@@ -179,8 +202,8 @@ def test_user_model_results_table(user_job):
     assert re.search(r"^baseline\s+\d+\.\d", text, re.M) and re.search(r"^optimized\s+\d+\.\d", text, re.M)
     assert re.search(r"QPS gain, optimized vs baseline: [+-]\d+\.\d %", text)
     assert "parity of the optimized phase (async_rpc_prefetch): OK: per-step losses bit-identical" in text
-    assert re.search(r"^inference on 256 held-out rows .*quant.quantize_dynamic", text, re.M)
-    assert re.search(r"^int8 +\d+\.\d +0\.\d{4} +\d\.\d{4}$", text, re.M) and "int8 speed-up" in text
+    assert re.search(r"^inference on 256 held-out rows .*select_int8", text, re.M)
+    assert "int8 layer selection on this CPU" in text and "int8 speed-up" in text
     assert "parameter_servers plan: 2 tables on 1 servers" in text  # the optimized phase's plan
     assert re.search(r"^  t_cat +ebc +100 x 8 +table_wise +ps0", text, re.M)
     assert re.search(r"^  tags +tags +50 x 8 +table_wise +ps0", text, re.M)
@@ -235,6 +258,9 @@ def _launch(tmp_path, capsys, *sets: str) -> tuple[int, str]:
     ((f'model.factory="{HERE}:make_model"', f'data.batches="{HERE}:batches"', 'train.loss="huber"'),
      r"\[train\] loss = 'huber': expected one of bce_with_logits, mse or 'package.module:function'"),
     (('train.loss="mse"',), r"\[train\] loss = 'mse': the built-in DLRM trains with \"bce_with_logits\""),
+    ((f'train.train_step="{HERE}:train_step"',), r"\[train\] train_step = .* is set but \[model\] factory is not"),
+    ((f'model.factory="{HERE}:make_model"', f'data.batches="{HERE}:batches"', f'train.train_step="{HERE}:make_model"'),
+     r"\[train\] train_step = '.*:make_model': must take \(model, batch\)"),
 ])
 def test_bad_entry_points_exit_2_naming_the_key(tmp_path, capsys, sets, message):
     rc, err = _launch(tmp_path, capsys, *sets)
@@ -254,8 +280,7 @@ def test_bundled_config_is_found_from_anywhere(tmp_path, monkeypatch):
 def test_user_model_with_local_tables_trains_the_same_in_both_phases():
     """No parameter servers: the tables stay in the model; both phases train it over the same batches (no Ray)."""
     from jobs.config import load_config
-    from jobs.sparse import LocalTables
-    from jobs.workload import UserWorkload
+    from jobs.workload import LocalTables, UserWorkload
     from jobs.worker import evaluate, run_phase
 
     config = load_config().replace(
@@ -273,3 +298,31 @@ def test_user_model_with_local_tables_trains_the_same_in_both_phases():
     assert [r["name"] for r in info["passes"]] == ["dce"]
     assert out["baseline"][0] == out["optimized"][0] and len(out["baseline"][0]) == 6
     assert out["baseline"][1] == out["optimized"][1] and out["baseline"][1]["rows"] == 8 * 16
+
+
+def _local_losses(config, phase: str = "optimized") -> list[float]:
+    from jobs.workload import LocalTables, UserWorkload
+    from jobs.worker import run_phase
+
+    workload = UserWorkload(config, 0, 1)
+    with warnings.catch_warnings():  # dce may find nothing to remove (NoOpPassWarning)
+        warnings.simplefilter("ignore")
+        run, _, _ = run_phase(phase, workload.build(LocalTables()), LocalTables(), workload, config)
+    return run.losses
+
+
+def test_train_step_trains_as_the_loss_it_computes():
+    """``[train] train_step`` computing BCE trains exactly as ``[train] loss = "bce_with_logits"``; one adding an L2
+    penalty trains otherwise; one returning a vector is a ConfigError naming the key (no Ray)."""
+    from jobs.config import ConfigError, load_config
+
+    config = load_config().replace(
+        job={"steps": 5, "batch_size": 16}, model={"factory": f"{HERE}:make_model", "embedding_dim": 4},
+        data={"batches": f"{HERE}:batches"}, cluster={"parameter_servers": 0}, phases={"passes": ["dce"]})
+    plain = _local_losses(config)
+    assert _local_losses(config.replace(train={"train_step": f"{HERE}:train_step"})) == plain
+    regularized = _local_losses(config.replace(train={"train_step": f"{HERE}:l2_step"}))
+    assert len(regularized) == 5 and all(r > p for r, p in zip(regularized, plain))
+    with pytest.raises(ConfigError, match=r"\[train\] train_step = '.*:vector_step' returned Tensor\(16,\), expected "
+                                          "a scalar loss tensor"):
+        _local_losses(config.replace(train={"train_step": f"{HERE}:vector_step"}))

@@ -8,15 +8,16 @@ import math
 import pytest
 import torch
 
+from torch import nn
+
 import fxdist
 from jobs.config import JobConfig
 from jobs.data import CriteoShard, write_synthetic_criteo
-from jobs.model import LocalEmbeddings
 from jobs.report import table, to_json, write
-from jobs.sparse import LocalTables
 from jobs.stats import phase_summary
 from jobs.metrics import Exporter
 from jobs.worker import build_model, eval_step, run_phase
+from jobs.workload import LocalTables
 
 CONFIG = JobConfig().replace(job={"steps": 12, "batch_size": 32}, model={"table_size": 300, "bottom_mlp": [16],
                                                                           "top_mlp": [16]}, phases={"passes": ["dce"]})
@@ -57,17 +58,20 @@ def test_resume_mid_phase_continues_the_batch_sequence(shard):
     assert first.losses + rest.losses == pytest.approx(full.losses, rel=1e-5, abs=1e-6)
 
 
-class _Untraceable(LocalEmbeddings):
-    def fetch(self, ids):
-        if ids.sum() > 0:  # data-dependent control flow: symbolic tracing fails here
-            return ids + self.offsets
-        return ids
+class _Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dlrm = build_model(CONFIG)
+
+    def forward(self, dense, sparse):
+        if dense.sum() > 0:  # data-dependent control flow: symbolic tracing fails here
+            return self.dlrm(dense, sparse)
+        return -self.dlrm(dense, sparse)
 
 
 def test_untraceable_model_fails_unless_eager_fallback_is_allowed(shard):
     def model():
-        torch.manual_seed(0)
-        return build_model(CONFIG, _Untraceable(26, 300, CONFIG.model.embedding_dim))
+        return _Untraceable()
 
     with pytest.raises(fxdist.TraceError) as info:
         run_phase("optimized", model(), LocalTables(), shard, CONFIG)

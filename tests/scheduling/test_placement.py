@@ -458,3 +458,27 @@ def test_table_state_round_trip_with_optimizer_state(cluster):
     with pytest.raises(ValueError, match="no tables on parameter servers"):
         placement.load_table_state_dict(nn.Linear(2, 2), saved)
     placement.close(gm)
+
+
+def test_storage_applies_to_the_moved_tables(cluster, capsys):
+    """``storage="fp16"``: the servers hold the moved rows in float16 (lookups answer float32, the rows rounded
+    to fp16); an unknown storage is refused before anything moves."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.bag = nn.EmbeddingBag(50, 8)
+    with pytest.raises(ValueError, match=r"parameter_servers: unknown storage='int4' \(use one of fp32, fp16, fused8bit\)"):
+        scheduling.parameter_servers(model, storage="int4")
+    ids = torch.randint(0, 50, (4, 3))
+    weight = model.bag.weight.detach().clone()
+    gm = scheduling.parameter_servers(model, optimizer="sgd", lr=0.1, storage="fp16")
+    try:
+        assert gm.meta["fxdist"]["placement"]["storage"] == "fp16"
+        assert capsys.readouterr().out.startswith("parameter_servers plan: 1 tables on 2 servers, optimizer sgd "
+                                                  "(lr=0.1), rows stored fp16")
+        stored = placement.table_state_dict(gm)["bag.weight"]
+        assert stored.dtype == torch.float32 and torch.equal(stored, weight.half().float())
+        assert not torch.equal(stored, weight)  # the rows were rounded: fp16 storage, not fp32
+        with torch.no_grad():
+            torch.testing.assert_close(gm(ids), F.embedding_bag(ids, weight.half().float()))
+    finally:
+        placement.close(gm)

@@ -1,0 +1,93 @@
+"""The built-in model: torchrec's DLRM on Criteo, one ``EmbeddingBagCollection`` table per categorical feature.
+
+``fxdist launch`` with no ``[model] factory`` trains :func:`dlrm`, ``torchrec.models.dlrm.DLRM`` built from
+the ``[model]`` keys: an ``EmbeddingBagCollection`` of 26 tables ``t_C1 .. t_C26`` (feature ``Cj`` looked up in
+``t_Cj``, ``embedding_dim`` columns, rows from :func:`table_sizes`), a dense arch ``13 -> bottom_mlp ->
+embedding_dim`` and an over arch ``top_mlp -> 1``. It goes through the same path as your model
+(:mod:`jobs.workload`): with parameter servers, each phase's module gets the ``scheduling.parameter_servers``
+pass, which moves the 26 tables to the servers, then the optimized phase's passes.
+
+A Criteo :class:`~jobs.data.Batch` becomes the model's inputs with :func:`model_inputs`: the ``(B, 26)`` hashed
+ids become a ``KeyedJaggedTensor`` with one id per bag (:func:`to_kjt`).
+
+Shapes: ``dense (B, 13) float32``, ``sparse`` a ``KeyedJaggedTensor`` (keys ``C1..C26``, ``B`` bags each) ->
+logits ``(B, 1)``. With ``F = 27`` features (the dense arch's output and 26 pooled embeddings) the interaction
+has ``F * (F - 1) / 2 = 351`` dot products, so the over arch's input is ``embedding_dim + 351`` wide.
+
+Source: Naumov et al., "Deep Learning Recommendation Model for Personalization and Recommendation Systems" (2019),
+§2; ``torchrec.models.dlrm.DLRM`` (DenseArch / SparseArch / InteractionArch / OverArch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobs.data import NUM_DENSE, NUM_SPARSE, Batch
+
+__all__ = ["FEATURES", "table_sizes", "dlrm", "to_kjt", "model_inputs"]
+
+FEATURES = tuple(f"C{j + 1}" for j in range(NUM_SPARSE))
+"""The categorical features, in the Criteo column order: the ``KeyedJaggedTensor`` keys."""
+
+
+def table_sizes(config: Any) -> list[int]:
+    """Rows of each feature's table, in :data:`FEATURES` order: ``[model] table_size`` for every feature (the
+    hash buckets the Criteo reader maps that feature's ids into)."""
+    return [config.model.table_size] * NUM_SPARSE
+
+
+def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool = True) -> nn.Module:
+    """torchrec's DLRM of the ``[model]`` keys, initialised from ``torch.manual_seed([job] seed)``.
+
+    Args:
+        config: the job config (:class:`jobs.config.JobConfig`).
+        sizes: rows per table, in :data:`FEATURES` order (default :func:`table_sizes`).
+        sparse_grad: the tables give sparse gradients (tables kept in the trainers: DDP all-reduces only the rows
+            a step touched, and Adagrad updates only those).
+
+    Returns:
+        ``torchrec.models.dlrm.DLRM``; its tables are initialised as torchrec does (uniform in
+        ``±sqrt(1 / rows)``), the same weights on every call with the same seed.
+
+    Raises:
+        ValueError: ``sizes`` does not have one positive size per feature.
+    """
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.models.dlrm import DLRM
+
+    m = config.model
+    sizes = table_sizes(config) if sizes is None else [int(n) for n in sizes]
+    if len(sizes) != NUM_SPARSE or min(sizes) < 1:
+        raise ValueError(f"dlrm: expected {NUM_SPARSE} positive table sizes (one per Criteo feature), got {sizes}")
+    torch.manual_seed(config.job.seed)
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=m.embedding_dim, num_embeddings=n, feature_names=[f])
+        for f, n in zip(FEATURES, sizes)])
+    for bag in ebc.embedding_bags.values():
+        bag.sparse = sparse_grad
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                dense_arch_layer_sizes=[*m.bottom_mlp, m.embedding_dim], over_arch_layer_sizes=[*m.top_mlp, 1])
+
+
+def to_kjt(ids: torch.Tensor) -> Any:
+    """``(B, 26)`` int64 ids -> a ``KeyedJaggedTensor`` with keys :data:`FEATURES`, one id per bag (key-major).
+
+    Raises:
+        ValueError: ``ids`` is not ``(B, 26)``.
+    """
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    if ids.dim() != 2 or ids.shape[1] != NUM_SPARSE:
+        raise ValueError(f"to_kjt: expected (B, {NUM_SPARSE}) ids, got {tuple(ids.shape)}")
+    batch = ids.shape[0]
+    return KeyedJaggedTensor(keys=list(FEATURES), values=ids.t().reshape(-1),
+                             lengths=torch.ones(batch * NUM_SPARSE, dtype=torch.int32))
+
+
+def model_inputs(batch: Batch) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """A Criteo batch as the job's batch contract (:mod:`jobs.entry`): ``(dense, kjt, labels)``."""
+    return batch.dense, to_kjt(batch.sparse), batch.labels
