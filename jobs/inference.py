@@ -125,8 +125,11 @@ def compare(config: JobConfig, final: dict[str, Any], data_path: str | Path, *, 
     try:
         model = rebuild_model(config, final)
         eval_fraction = config.data.eval_fraction or 0.1
-        held_out = CriteoShard(data_path, config.model.table_size, eval_fraction=eval_fraction, split="eval")
-        train = CriteoShard(data_path, config.model.table_size, eval_fraction=eval_fraction)
+        sizes = config.table_sizes
+        held_out = CriteoShard(data_path, sizes, eval_fraction=eval_fraction, split="eval",
+                               max_rows=config.data.eval_max_rows, count_all=False)
+        train = CriteoShard(data_path, sizes, eval_fraction=eval_fraction, count_all=False,
+                            max_rows=q.eval_batch_size * q.calibration_batches)
         batches = list(held_out.all_batches(q.eval_batch_size))
         with torch.no_grad():
             calibration = [(b.dense, model.sparse_arch(b.sparse))

@@ -37,16 +37,33 @@ def mlp(in_features: int, widths: Sequence[int], *, final_relu: bool = True) -> 
 
 
 class LocalEmbeddings(nn.Module):
-    """``num_tables`` embedding tables of ``table_size x dim`` rows, stored as one ``nn.Embedding``.
+    """``num_tables`` embedding tables of ``table_size`` rows each (one size for all, or one per table, e.g.
+    :attr:`jobs.config.JobConfig.table_sizes`) and ``dim`` columns, stored as one ``nn.Embedding`` with
+    per-table row offsets. Table ``j`` is initialised uniformly in ``±table_size_j ** -0.5``.
 
     Shapes: ``ids (B, T) int64 -> (B, T, D)``.
+
+    Raises:
+        ValueError: a list of sizes whose length is not ``num_tables``.
     """
 
-    def __init__(self, num_tables: int, table_size: int, dim: int, *, sparse: bool = True) -> None:
+    def __init__(self, num_tables: int, table_size: int | Sequence[int], dim: int, *, sparse: bool = True) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(num_tables * table_size, dim, sparse=sparse)
-        nn.init.uniform_(self.embedding.weight, -(table_size**-0.5), table_size**-0.5)
-        self.register_buffer("offsets", torch.arange(num_tables) * table_size, persistent=False)
+        sizes = [table_size] * num_tables if isinstance(table_size, int) else [int(s) for s in table_size]
+        if len(sizes) != num_tables:
+            raise ValueError(f"LocalEmbeddings: {len(sizes)} table sizes for {num_tables} tables")
+        self.table_sizes = sizes
+        self.embedding = nn.Embedding(sum(sizes), dim, sparse=sparse)
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        with torch.no_grad():
+            if len(set(sizes)) == 1:  # one draw, as before per-table sizes existed
+                self.embedding.weight.uniform_(-(sizes[0] ** -0.5), sizes[0] ** -0.5)
+            else:
+                for start, size in zip(starts, sizes):
+                    self.embedding.weight[start:start + size].uniform_(-(size**-0.5), size**-0.5)
+        self.register_buffer("offsets", torch.tensor(starts, dtype=torch.int64), persistent=False)
 
     def fetch(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.offsets

@@ -451,7 +451,8 @@ class _PhaseTables(_FetchTimer):
         config, rank = owner.config, owner.rank
         c, m = config.cluster, config.model
         self.owner, self.rank = owner, rank
-        specs = [TableSpec(f"t{j + 1}", m.table_size, m.embedding_dim, (key,)) for j, key in enumerate(_keys(26))]
+        specs = [TableSpec(f"t{j + 1}", size, m.embedding_dim, (key,))
+                 for j, (key, size) in enumerate(zip(_keys(26), config.table_sizes))]
         self.client = PSClient(specs, [f"ps{i}" for i in range(owner.num_servers)], sharding="table_wise",
                                optimizer="rowwise_adagrad", optimizer_kwargs={"lr": config.job.lr},
                                name=f"{CLIENT}-{phase}", timeout_s=c.rpc_timeout_s, seed=config.job.seed,
@@ -494,12 +495,16 @@ class _PhaseTables(_FetchTimer):
 
 
 def tables_to_local(state: dict[str, torch.Tensor], local: nn.Module) -> None:
-    """Copy server tables ``t1.weight .. t26.weight`` ``(N, D)`` into a :class:`jobs.model.LocalEmbeddings`."""
+    """Copy server tables ``t1.weight .. t26.weight`` ``(N_j, D)`` into a :class:`jobs.model.LocalEmbeddings`
+    (table ``j`` at its row offset).
+
+    Raises:
+        ValueError: a table whose shape is not the local table's ``(table_sizes[j], D)``.
+    """
     weight = local.embedding.weight
-    rows = weight.shape[0] // 26
     with torch.no_grad():
-        for j in range(26):
+        for j, (start, rows) in enumerate(zip(local.offsets.tolist(), local.table_sizes)):
             table = state[f"t{j + 1}.weight"]
             if table.shape != (rows, weight.shape[1]):
                 raise ValueError(f"table t{j + 1}: shape {tuple(table.shape)} != ({rows}, {weight.shape[1]})")
-            weight[j * rows:(j + 1) * rows] = table
+            weight[start:start + rows] = table
