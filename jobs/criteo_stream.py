@@ -273,13 +273,14 @@ class _TrainChunks(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         own = _own_files(self.files, self.rank, self.world_size, "train")
-        g = 0
+        g, epoch = 0, 0
         while True:
             for f, path in own:
                 for buf, first in iter_chunks(path, self.chunk_bytes):
                     if g % workers == worker:
-                        yield self._parse(f, path, buf, first)
+                        yield {**self._parse(f, path, buf, first), "epoch": epoch}
                     g += 1
+            epoch += 1
 
     def _parse(self, f: int, path: Path, buf: bytes, first: int) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -304,7 +305,8 @@ class CriteoStream:
             batch ``s`` skips ``s * B`` rows modulo an epoch; None: skip ``s * B`` rows.
         on_chunk: ``on_chunk(stats)`` after each chunk (e.g. a Prometheus gauge), or None.
 
-    Attributes: ``lines``, ``rows``, ``malformed`` (Counter), ``parse_seconds``: what the workers parsed so far.
+    Attributes: ``lines``, ``rows``, ``parse_seconds``: what the workers parsed so far; ``malformed``: reason ->
+    count of the malformed lines met in the first pass over the trainer's files.
     """
 
     def __init__(self, files: Sequence[str], sizes: Sequence[int], *, rank: int = 0, world_size: int = 1,
@@ -353,7 +355,8 @@ class CriteoStream:
         self.lines += item["lines"]
         self.rows += item["labels"].shape[0]
         self.parse_seconds += item["seconds"]
-        self.malformed.update(item["malformed"])
+        if item["epoch"] == 0:  # each malformed line once, not once per pass
+            self.malformed.update(item["malformed"])
         if self.on_chunk is not None:
             self.on_chunk(self.stats())
 
