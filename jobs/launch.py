@@ -331,16 +331,10 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             log(data_note)
             if plan is None and data_path is not None:  # synthetic data, generated just now
                 config, plan, sizes = preflight.plan(config, data_path, local=local, log=log)
-            results["data"] = {"path": str(data_path or ""), "note": data_note}
-            if plan is not None:
-                results["data"]["scan"] = plan.summary()
-                results["config"] = to_dict(config)  # with the table sizes resolved
-                results["tables"] = {"sizes": config.table_sizes, **(sizes or {})}
-            if sizes is not None:
-                table_sizes.write_record(run_dir, sizes)
+            _record_data(config, results, run_dir, data_path, data_note, plan, sizes)
+            ctx["plan"] = plan
             ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
             runs.write(run_dir, _with_snapshot(results, _seed_snapshot(previous)))
-            ctx["plan"] = plan
             snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
         finally:
             if started_ray:
@@ -369,6 +363,19 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                           f"{report.parity_problem(parity)}; results kept in {run_dir / 'results.json'} "
                           '(set [phases] parity = "warn" to accept a difference)')
     return results
+
+
+def _record_data(config: JobConfig, results: dict[str, Any], run_dir: Path, data_path: Path | None, note: str,
+                 plan: Any, sizes: dict[str, Any] | None) -> None:
+    """Into ``results``: the data (path, note, the first pass's ``scan``), the config with its table sizes
+    resolved, and ``tables`` (the sizes, and the cardinalities they came from, also in ``cardinalities.json``)."""
+    results["data"] = {"path": str(data_path or ""), "note": note}
+    if plan is not None:
+        results["data"]["scan"] = plan.summary()
+        results["config"] = to_dict(config)
+        results["tables"] = {"sizes": config.table_sizes, **(sizes or {})}
+    if sizes is not None:
+        table_sizes.write_record(run_dir, sizes)
 
 
 def _data(config: JobConfig, data_path: Path | None, run_dir: Path) -> tuple[Path | None, str]:

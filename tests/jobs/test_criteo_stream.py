@@ -230,3 +230,41 @@ def test_hash_spreads_ids_over_each_table():
         counts = np.bincount(ids[:, j], minlength=size)
         assert counts[0] == 0 and len(counts) == size
         assert counts[1:].min() > 0.5 * 20000 / (size - 1)  # near uniform
+
+
+def test_report_shows_parse_throughput_next_to_qps():
+    from jobs.report import table
+    from jobs.worker import reader_summary
+
+    reader = reader_summary([{"lines_per_s": 90_000.0, "capacity_lines_per_s": 180_000.0, "workers": 2,
+                              "lines": 10, "rows": 9}, None])
+    results = {"config": {}, "phases": {"baseline": {"qps": 5000.0, "reader": reader}},
+               "data": {"parse": {"valid": 10, "malformed": {}},
+                        "scan": {"lines": 10, "files": 2, "lines_per_s": 400_000.0, "sharding": "by file"}}}
+    text = table(results)
+    assert "first pass: 10 lines in 2 file(s), 400,000 lines/s (one process); shards by file" in text
+    assert "reader: 90,000 lines/s per worker, 2 worker(s) per trainer, 180,000 lines/s in all vs training " \
+           "5,000 samples/s" in text
+
+
+def test_the_job_workload_streams_shared_batches_and_bounds_the_held_out_rows(layouts, tmp_path):
+    from jobs.config import JobConfig
+    from jobs.workload import make_workload
+
+    config = JobConfig().replace(job={"batch_size": 50}, data={"reader_workers": 0, "eval_max_rows": 120},
+                                 model={"table_sizes": SIZES})
+    work = make_workload(config, 0, 2, str(layouts["gz"]))
+    shard = CriteoShard(layouts["gz"], SIZES, rank=0, world_size=2)
+    try:
+        assert work.rows == len(shard) and len(work.eval_shard) == 120 and work.parse["valid"] == 3000
+        base, opt = work.train_batches(4), work.train_batches(4)  # the two phases of the job
+        want = shard.batches(50, start=4)
+        for _ in range(6):
+            a, b, c = next(base), next(opt), next(want)
+            assert a is b and torch.equal(a.sparse, c.sparse)
+        assert work.reader_stats()["rows"] >= 300
+    finally:
+        work.close()
+    (tmp_path / "one.tsv").write_text(_line() + "bad line\n")
+    with pytest.raises(DataError, match=r"CriteoShard: .* has no valid train line for rank 1 of 2 \(1 valid, 1 malf"):
+        make_workload(config, 1, 2, str(tmp_path / "one.tsv"))
