@@ -9,7 +9,7 @@ laptop (``jobs/default.toml`` spells them out). Example::
     batch_size = 128         # samples per step, per trainer
 
     [data]
-    path = ""                # "" = ../shared/data/criteo/train_examples.txt if present, else synthetic
+    path = ""                # a file, directory or glob; "" = ../shared/data/criteo/train_examples.txt, else synthetic
     batches = ""             # "package.module:function" yielding your batches ("" = the Criteo reader)
 
     [train]
@@ -135,13 +135,15 @@ class JobSection:
 @dataclass(frozen=True)
 class DataSection:
     path: str = ""
-    """Criteo TSV, plain or gzip/bz2/xz-compressed (detected from the first bytes); "" =
-    ../shared/data/criteo/train_examples.txt when present, else synthetic data."""
+    """Criteo TSV, plain or gzip/bz2/xz-compressed (detected from the first bytes): one file, a directory of
+    files (natural order, ``day_0 .. day_23``) or a glob; "" = ../shared/data/criteo/train_examples.txt when
+    present, else synthetic data. Streamed (:mod:`jobs.criteo_stream`): whole files per trainer when there are
+    at least as many files as trainers, else lines round-robin."""
     synthetic_rows: int = _key(20000, 1, 10**7)
     """Rows of Criteo-format data generated when no file is found."""
     eval_fraction: float = _key(0.1, 0, 0.5)
-    """Fraction of lines (every k-th, k = round(1 / eval_fraction)) held out for AUC / log loss; never
-    trained on. At most 0.5, so that training keeps at least every other line."""
+    """Fraction of lines (every k-th line of each file, k = round(1 / eval_fraction)) held out for AUC / log
+    loss; never trained on. At most 0.5, so that training keeps at least every other line."""
     batches: str = ""
     """Your data: ``"package.module:function"`` called with a :class:`jobs.entry.DataContext`, returning an
     iterable of batches (the contract: :mod:`jobs.entry`); "" = the Criteo reader (``path`` above). Needs

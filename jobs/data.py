@@ -5,8 +5,10 @@ A Criteo (Kaggle DAC) line is 40 tab-separated fields: the click label (0/1), 13
 may be empty). Each line becomes
 
 - ``dense``: 13 floats, ``log(1 + max(x, 0))``, empty -> 0;
-- ``sparse``: 26 ids, feature ``j`` hashed into ``[1, table_size)`` with CRC-32 (stable across
-  processes and runs, unlike Python's ``hash``); empty -> id 0 ("missing");
+- ``sparse``: 26 ids, feature ``j``'s value (its hex digits read as a number) hashed into ``[1,
+  table_size_j)`` with a 64-bit mix (splitmix64's finaliser, salted by ``j``: stable across processes and
+  runs, unlike Python's ``hash``); empty -> id 0 ("missing"). ``table_size`` is one size for all 26 tables or
+  one per feature (``[model] table_sizes``);
 - ``label``: 0.0 or 1.0.
 
 Lines that do not parse are counted by reason and skipped; they never stop a job. Each field is checked
@@ -18,8 +20,8 @@ strictly, so that no single bad value can raise anything else (:func:`parse_line
   are clamped to 0 before the log transform, as in DLRM's preprocessing (Criteo Kaggle has -1 and -2 in
   ``I2``);
 - ``categorical_feature``: a ``C`` field that is not 1 to 16 hex digits. Criteo ids are 8 hex digits
-  (32-bit hashes); up to 16 (64-bit ids of other Criteo-format exports) are accepted and hashed as text,
-  anything longer or non-hex means a corrupt or shifted line;
+  (32-bit hashes); up to 16 (64-bit ids of other Criteo-format exports) are accepted (``0a`` and ``a`` are
+  the same value), anything longer or non-hex means a corrupt or shifted line;
 - ``nul_byte``: a NUL character anywhere; ``encoding``: bytes that are not UTF-8.
 
 Files may be plain, gzip, bz2 or xz-compressed, recognised by their first bytes (not their suffix) and
@@ -29,8 +31,11 @@ the start), raising :class:`DataError`.
 
 Shapes: a :class:`Batch` holds ``dense (B, 13) float32``, ``sparse (B, 26) int64``, ``labels (B,) float32``.
 
-Split and shards: with ``eval_fraction = 1/k``, every k-th valid line (index ``k-1, 2k-1, ...``) is held
-out for evaluation; the remaining training lines are dealt round-robin to ``world_size`` trainers.
+Split and shards: with ``eval_fraction = 1/k``, every k-th line of each file (line index ``k-1, 2k-1, ...``,
+blank and malformed lines counted) is held out for evaluation; the training lines go to ``world_size``
+trainers by file when there are at least as many files, else round-robin within each file
+(:func:`jobs.criteo_stream.line_owner`). :class:`CriteoShard` parses them into memory with the vectorised
+parser (:mod:`jobs.criteo_parse`); the job streams them (:mod:`jobs.criteo_stream`).
 
 Source: Criteo Kaggle Display Advertising Challenge format; DLRM (Naumov et al. 2019) preprocessing
 (log transform of counts, hashed categorical ids).
@@ -45,7 +50,6 @@ import lzma
 import math
 import random
 import re
-import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +66,9 @@ __all__ = [
     "MalformedLine",
     "ParseStats",
     "parse_line",
+    "parse_fields",
+    "table_size_list",
+    "data_files",
     "CriteoShard",
     "open_data",
     "check_data_file",
