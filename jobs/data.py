@@ -422,7 +422,8 @@ def locate_data(configured: str, table_size: int | Sequence[int] = 20000) -> Pat
         try:
             files = data_files(configured)
         except DataError as e:
-            raise DataError(f"{where}: {e}") from None
+            reason = str(e).removeprefix(f"{path}: ").removeprefix(f"{configured}: ")
+            raise DataError(f"{where}: {reason}") from None
         for file in files:
             check_data_file(file, table_size, where=where if files == [path] else f"{where}: {file}")
         return path
