@@ -253,7 +253,10 @@ def test_the_job_workload_streams_shared_batches_and_bounds_the_held_out_rows(la
 
     config = JobConfig().replace(job={"batch_size": 50}, data={"reader_workers": 0, "eval_max_rows": 120},
                                  model={"table_sizes": SIZES})
-    work = make_workload(config, 0, 2, str(layouts["gz"]))
+    from jobs.metrics import Exporter
+
+    exporter = Exporter("t", 0)  # its own registry
+    work = make_workload(config, 0, 2, str(layouts["gz"]), exporter=exporter)
     shard = CriteoShard(layouts["gz"], SIZES, rank=0, world_size=2)
     try:
         assert work.rows == len(shard) and len(work.eval_shard) == 120 and work.parse["valid"] == 3000
@@ -263,6 +266,8 @@ def test_the_job_workload_streams_shared_batches_and_bounds_the_held_out_rows(la
             a, b, c = next(base), next(opt), next(want)
             assert a is b and torch.equal(a.sparse, c.sparse)
         assert work.reader_stats()["rows"] >= 300
+        rate = exporter.registry.get_sample_value("fxdist_reader_lines_per_second", {"job": "t", "rank": "0"})
+        assert rate == pytest.approx(work.reader_stats()["lines_per_s"]) and rate > 0
     finally:
         work.close()
     (tmp_path / "one.tsv").write_text(_line() + "bad line\n")
