@@ -296,7 +296,9 @@ class _TrainChunks(torch.utils.data.IterableDataset):
 
 class CriteoStream:
     """One trainer's endless training batches, parsed by ``workers`` background processes (see the module
-    docstring); ``workers=0`` parses in the calling thread (tests, debugging).
+    docstring); ``workers=0`` parses in the calling thread (tests, debugging). Workers start with
+    ``spawn`` (:data:`START_METHOD`), so a script that iterates a stream with workers at import time needs
+    Python's ``if __name__ == "__main__":`` guard.
 
     Args:
         files: The data files (:func:`jobs.data.data_files`); ``sizes``: rows of each of the 26 tables.
