@@ -143,13 +143,9 @@ def _integers(a: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, 
     g = _gather(a, e[short], digits[short], width, 48)
     ok = n == 0
     ok[short] = (digits[short] >= 1) & _DIGIT[g].all(axis=1)
-    g = g - np.uint8(48)
-    x = np.zeros(s.shape, np.float64)
-    if width <= 15:  # exact in float64 (< 2**53): one BLAS product
-        x[short] = g.astype(np.float64) @ (10.0 ** np.arange(width - 1, -1, -1))
-    else:
-        x[short] = g.astype(np.int64) @ (10 ** np.arange(width - 1, -1, -1, dtype=np.int64))
-    dense = np.log1p(np.where(neg, 0.0, x)).astype(np.float32)
+    x = np.zeros(s.shape, np.int64)  # no BLAS product: it would spin up threads for a (m, <= 18) matrix
+    x[short] = ((g - np.uint8(48)).astype(np.int64) * 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)).sum(axis=1)
+    dense = np.log1p(np.where(neg, 0, x).astype(np.float64)).astype(np.float32)
     return ok, long, dense
 
 
