@@ -148,7 +148,7 @@ def export_overhead(steps: int, trials: int) -> tuple[list[dict], list[dict]]:
     torch.set_num_threads(1)
     config = load_config()
     path, _ = resolve_data_path("", ROOT / "runs", config.data.synthetic_rows)
-    shard = CriteoShard(path, config.model.table_size)
+    shard = CriteoShard(path, config.table_sizes)
     _trial(False, 20, shard, config)  # warm-up
     without, with_ = [], []
     for i in range(trials):

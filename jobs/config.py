@@ -9,7 +9,7 @@ laptop (``jobs/default.toml`` spells them out). Example::
     batch_size = 128         # samples per step, per trainer
 
     [data]
-    path = ""                # "" = ../shared/data/criteo/train_examples.txt if present, else synthetic
+    path = ""                # a file, directory or glob; "" = ../shared/data/criteo/train_examples.txt, else synthetic
     batches = ""             # "package.module:function" yielding your batches ("" = the Criteo reader)
 
     [train]
@@ -20,6 +20,7 @@ laptop (``jobs/default.toml`` spells them out). Example::
     factory = ""             # "package.module:function" returning your nn.Module ("" = the built-in DLRM)
     embedding_dim = 16
     table_size = 20000       # hash buckets per categorical feature (26 tables)
+    table_sizes = "uniform"  # "data": per-feature sizes from the data, capped at max_table_size
 
     [cluster]
     trainers = 2
@@ -135,17 +136,24 @@ class JobSection:
 @dataclass(frozen=True)
 class DataSection:
     path: str = ""
-    """Criteo TSV, plain or gzip/bz2/xz-compressed (detected from the first bytes); "" =
-    ../shared/data/criteo/train_examples.txt when present, else synthetic data."""
+    """Criteo TSV, plain or gzip/bz2/xz-compressed (detected from the first bytes): one file, a directory of
+    files (natural order, ``day_0 .. day_23``) or a glob; "" = ../shared/data/criteo/train_examples.txt when
+    present, else synthetic data. Streamed (:mod:`jobs.criteo_stream`): whole files per trainer when there are
+    at least as many files as trainers, else lines round-robin."""
     synthetic_rows: int = _key(20000, 1, 10**7)
     """Rows of Criteo-format data generated when no file is found."""
     eval_fraction: float = _key(0.1, 0, 0.5)
-    """Fraction of lines (every k-th, k = round(1 / eval_fraction)) held out for AUC / log loss; never
-    trained on. At most 0.5, so that training keeps at least every other line."""
+    """Fraction of lines (every k-th line of each file, k = round(1 / eval_fraction)) held out for AUC / log
+    loss; never trained on. At most 0.5, so that training keeps at least every other line."""
     batches: str = ""
     """Your data: ``"package.module:function"`` called with a :class:`jobs.entry.DataContext`, returning an
     iterable of batches (the contract: :mod:`jobs.entry`); "" = the Criteo reader (``path`` above). Needs
     ``[model] factory``."""
+    reader_workers: int = _key(1, 0, 64)
+    """Worker processes that read and parse each trainer's Criteo data off the training thread (a torch
+    DataLoader; :mod:`jobs.criteo_stream`); 0 = parse in the training process. The batches do not depend on it."""
+    eval_max_rows: int = _key(200_000, 1, 10**8)
+    """At most this many held-out rows are kept in memory for AUC / log loss (the first ones, in file order)."""
     options: dict = field(default_factory=dict)
     """Free-form keys for your ``batches`` function (``DataContext.options``), e.g. ``{min_rating = 1}``."""
 
@@ -161,8 +169,17 @@ class ModelSection:
     embedding_dim: int = _key(16, 1, 4096)
     """D: width of every embedding and of the bottom MLP's output."""
     table_size: int = _key(20000, 2, MAX_TABLE_SIZE)
-    """Hash buckets per categorical feature (each of the 26 features has its own table). The launcher
-    also checks that the tables fit in the machine's memory (:mod:`jobs.preflight`)."""
+    """Hash buckets per categorical feature (each of the 26 features has its own table) when ``table_sizes``
+    is "uniform". The launcher also checks that the tables fit in the machine's memory (:mod:`jobs.preflight`)."""
+    table_sizes: list[int] | str = _key("uniform", 2, MAX_TABLE_SIZE, length=(26, 26))
+    """Rows of each of the 26 tables: "uniform" (``table_size`` each), "data" (from the data: a first pass
+    counts the distinct values of each categorical feature, and table ``j`` gets ``min(distinct_j + 1,
+    max_table_size)`` rows, row 0 for missing values; the launcher records the counts in
+    ``<run>/cardinalities.json`` and the resolved list in results.json's config), or a list of 26 sizes.
+    Read the resolved sizes with :attr:`JobConfig.table_sizes`."""
+    max_table_size: int = _key(10_000_000, 2, MAX_TABLE_SIZE)
+    """Cap on each table's rows with ``table_sizes = "data"``: the values of a feature with more distinct values
+    are hashed into this many rows."""
     bottom_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
     """Hidden widths of the dense (bottom) MLP (1 to 16 layers); its output width is embedding_dim."""
     top_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
@@ -334,6 +351,9 @@ class JobConfig:
                           f"{c.rpc_timeout_s} (the other trainers' lookups wait for rank 0's pushes that long)")
         if f.kill_server_at_step != -1 and c.parameter_servers == 0:
             errors.append("[faults] kill_server_at_step is set but [cluster] parameter_servers = 0")
+        sizes = self.model.table_sizes
+        if isinstance(sizes, str) and sizes not in ("uniform", "data"):
+            errors.append(f'[model] table_sizes = {sizes!r}: must be "uniform", "data" or a list of 26 sizes')
         if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):
             errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be "fp32", "fp16" or '
                           '"fused8bit"')
@@ -349,6 +369,24 @@ class JobConfig:
             errors.append(f"[phases] passes: unknown pass {unknown[0]!r}; known passes: {', '.join(_known_passes())}")
         return errors
 
+
+    @property
+    def table_sizes(self) -> list[int]:
+        """Rows of each of the 26 embedding tables of the built-in DLRM (``[model] table_sizes``, resolved):
+        what the model, the parameter servers and the memory plan use, e.g.
+        ``EmbeddingBagConfig(num_embeddings=config.table_sizes[j], ...)`` for feature ``C<j+1>``.
+
+        Raises:
+            ConfigError: ``table_sizes = "data"`` not resolved yet (the launcher resolves it from the data
+                before anything is built: :func:`jobs.table_sizes.resolve`).
+        """
+        sizes = self.model.table_sizes
+        if sizes == "uniform":
+            return [self.model.table_size] * 26
+        if sizes == "data":
+            raise ConfigError(f'{self.source}: [model] table_sizes = "data" has not been resolved from the data '
+                              "yet (jobs.table_sizes.resolve)")
+        return list(sizes)
 
     @property
     def user_model(self) -> bool:
@@ -423,6 +461,15 @@ _SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name != 
 def _check_type(value: Any, annotation: Any, where: str) -> Any:
     """Return ``value`` converted to ``annotation`` (int -> float allowed) or raise ConfigError."""
     origin = typing.get_origin(annotation)
+    if origin is types.UnionType:
+        choices = typing.get_args(annotation)
+        for choice in choices:
+            try:
+                return _check_type(value, choice, where)
+            except ConfigError:
+                continue
+        names = " or ".join("a list" if typing.get_origin(c) is list else c.__name__ for c in choices)
+        raise ConfigError(f"{where}: expected {names}, got {type(value).__name__} ({value!r})")
     if origin is list:
         (item_type,) = typing.get_args(annotation)
         if not isinstance(value, list):

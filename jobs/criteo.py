@@ -35,9 +35,10 @@ FEATURES = tuple(f"C{j + 1}" for j in range(NUM_SPARSE))
 
 
 def table_sizes(config: Any) -> list[int]:
-    """Rows of each feature's table, in :data:`FEATURES` order: ``[model] table_size`` for every feature (the
-    hash buckets the Criteo reader maps that feature's ids into)."""
-    return [config.model.table_size] * NUM_SPARSE
+    """Rows of each feature's table, in :data:`FEATURES` order: ``JobConfig.table_sizes`` (``[model] table_sizes``:
+    ``table_size`` for every feature, the data's distinct counts capped at ``max_table_size``, or a list), the
+    hash buckets the Criteo reader maps that feature's ids into."""
+    return list(config.table_sizes)
 
 
 def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool = True) -> nn.Module:

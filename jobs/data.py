@@ -5,8 +5,10 @@ A Criteo (Kaggle DAC) line is 40 tab-separated fields: the click label (0/1), 13
 may be empty). Each line becomes
 
 - ``dense``: 13 floats, ``log(1 + max(x, 0))``, empty -> 0;
-- ``sparse``: 26 ids, feature ``j`` hashed into ``[1, table_size)`` with CRC-32 (stable across
-  processes and runs, unlike Python's ``hash``); empty -> id 0 ("missing");
+- ``sparse``: 26 ids, feature ``j``'s value (its hex digits read as a number) hashed into ``[1,
+  table_size_j)`` with a 64-bit mix (splitmix64's finaliser, salted by ``j``: stable across processes and
+  runs, unlike Python's ``hash``); empty -> id 0 ("missing"). ``table_size`` is one size for all 26 tables or
+  one per feature (``[model] table_sizes``);
 - ``label``: 0.0 or 1.0.
 
 Lines that do not parse are counted by reason and skipped; they never stop a job. Each field is checked
@@ -18,8 +20,8 @@ strictly, so that no single bad value can raise anything else (:func:`parse_line
   are clamped to 0 before the log transform, as in DLRM's preprocessing (Criteo Kaggle has -1 and -2 in
   ``I2``);
 - ``categorical_feature``: a ``C`` field that is not 1 to 16 hex digits. Criteo ids are 8 hex digits
-  (32-bit hashes); up to 16 (64-bit ids of other Criteo-format exports) are accepted and hashed as text,
-  anything longer or non-hex means a corrupt or shifted line;
+  (32-bit hashes); up to 16 (64-bit ids of other Criteo-format exports) are accepted (``0a`` and ``a`` are
+  the same value), anything longer or non-hex means a corrupt or shifted line;
 - ``nul_byte``: a NUL character anywhere; ``encoding``: bytes that are not UTF-8.
 
 Files may be plain, gzip, bz2 or xz-compressed, recognised by their first bytes (not their suffix) and
@@ -29,8 +31,11 @@ the start), raising :class:`DataError`.
 
 Shapes: a :class:`Batch` holds ``dense (B, 13) float32``, ``sparse (B, 26) int64``, ``labels (B,) float32``.
 
-Split and shards: with ``eval_fraction = 1/k``, every k-th valid line (index ``k-1, 2k-1, ...``) is held
-out for evaluation; the remaining training lines are dealt round-robin to ``world_size`` trainers.
+Split and shards: with ``eval_fraction = 1/k``, every k-th line of each file (line index ``k-1, 2k-1, ...``,
+blank and malformed lines counted) is held out for evaluation; the training lines go to ``world_size``
+trainers by file when there are at least as many files, else round-robin within each file
+(:func:`jobs.criteo_stream.line_owner`). :class:`CriteoShard` parses them into memory with the vectorised
+parser (:mod:`jobs.criteo_parse`); the job streams them (:mod:`jobs.criteo_stream`).
 
 Source: Criteo Kaggle Display Advertising Challenge format; DLRM (Naumov et al. 2019) preprocessing
 (log transform of counts, hashed categorical ids).
@@ -39,14 +44,14 @@ Source: Criteo Kaggle Display Advertising Challenge format; DLRM (Naumov et al. 
 from __future__ import annotations
 
 import bz2
+import glob
 import gzip
 import lzma
 import math
 import random
 import re
-import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -61,6 +66,9 @@ __all__ = [
     "MalformedLine",
     "ParseStats",
     "parse_line",
+    "parse_fields",
+    "table_size_list",
+    "data_files",
     "CriteoShard",
     "open_data",
     "check_data_file",
@@ -121,9 +129,13 @@ class ParseStats:
 
 
 def _hash_id(table: int, value: str, table_size: int) -> int:
+    """Id of categorical ``value`` (1 to 16 hex digits, or "" = missing -> 0) in table ``table`` of
+    ``table_size`` rows; the same hash as the vectorised reader (:func:`jobs.criteo_parse.hash_ids`)."""
     if not value:
         return 0
-    return 1 + zlib.crc32(f"{table}:{value}".encode()) % (table_size - 1)
+    from jobs.criteo_parse import mix64
+
+    return 1 + mix64(int(value, 16), table) % (table_size - 1)
 
 
 _INTEGER = re.compile(r"-?[0-9]+")
@@ -142,13 +154,12 @@ def _dense(j: int, raw: str) -> float:
     return math.log1p(x) if x > 0 else 0.0
 
 
-def parse_line(line: str, table_size: int) -> tuple[list[float], list[int], float]:
-    """Parse one Criteo TSV line into (13 dense floats, 26 ids, label).
+def parse_fields(line: str) -> tuple[list[float], list[int | None], float]:
+    """Parse one Criteo TSV line into (13 dense floats, 26 categorical values, label); a categorical value is
+    its hex digits read as a number, None when empty (before hashing: see :func:`parse_line`).
 
     Raises:
-        MalformedLine: with ``reason`` one of "nul_byte", "field_count", "label", "integer_feature",
-            "integer_range", "categorical_feature" (see the module docstring); nothing else, for any
-            ``line``.
+        MalformedLine: as :func:`parse_line`.
     """
     if "\x00" in line:
         raise MalformedLine("nul_byte", "the line contains a NUL character")
@@ -162,8 +173,38 @@ def parse_line(line: str, table_size: int) -> tuple[list[float], list[int], floa
     for j, raw in enumerate(cats):
         if raw and not _HEX_ID.fullmatch(raw):
             raise MalformedLine("categorical_feature", f"C{j + 1} is not 1 to 16 hex digits: {raw[:20]!r}")
-    sparse = [_hash_id(j, raw, table_size) for j, raw in enumerate(cats)]
-    return dense, sparse, float(fields[0])
+    return dense, [int(raw, 16) if raw else None for raw in cats], float(fields[0])
+
+
+def table_size_list(table_size: int | Sequence[int]) -> list[int]:
+    """One size per categorical feature: ``[table_size] * 26`` for an int, else the 26 sizes given.
+
+    Raises:
+        ValueError: not 26 sizes, or a size below 2.
+    """
+    sizes = [table_size] * NUM_SPARSE if isinstance(table_size, int) else [int(s) for s in table_size]
+    if len(sizes) != NUM_SPARSE or min(sizes) < 2:
+        raise ValueError(f"table sizes: need {NUM_SPARSE} sizes of at least 2 rows, got {sizes!r}")
+    return sizes
+
+
+def parse_line(line: str, table_size: int | Sequence[int]) -> tuple[list[float], list[int], float]:
+    """Parse one Criteo TSV line into (13 dense floats, 26 ids, label).
+
+    Args:
+        table_size: Rows per table: one for all 26, or one per feature.
+
+    Raises:
+        MalformedLine: with ``reason`` one of "nul_byte", "field_count", "label", "integer_feature",
+            "integer_range", "categorical_feature" (see the module docstring); nothing else, for any
+            ``line``.
+    """
+    from jobs.criteo_parse import mix64
+
+    dense, values, label = parse_fields(line)
+    sizes = table_size_list(table_size)
+    sparse = [0 if v is None else 1 + mix64(v, j) % (sizes[j] - 1) for j, v in enumerate(values)]
+    return dense, sparse, label
 
 
 _MAGIC = [(b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bz2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open),
@@ -224,16 +265,22 @@ def _records(path: Path, table_size: int) -> Iterator[tuple[int, tuple[list[floa
 
 
 class CriteoShard:
-    """One trainer's share of a Criteo file, parsed once into memory, served as endless batches.
+    """One trainer's share of Criteo data, parsed into memory (vectorised, :mod:`jobs.criteo_parse`), served
+    as endless batches. For data that fits in memory (tests, the sample, the held-out rows); a job streams
+    its training rows instead (:class:`jobs.criteo_stream.CriteoStream`, the same rows in the same order).
 
     Args:
-        path: The Criteo TSV file (plain or compressed, see :func:`open_data`).
-        table_size: Hash buckets per categorical feature.
+        path: A Criteo TSV file (plain or compressed, see :func:`open_data`), a directory or a glob of them
+            (:func:`data_files`).
+        table_size: Hash buckets per categorical feature: one for all 26, or one per feature.
         rank: This trainer's index in ``[0, world_size)``.
-        world_size: Number of trainers sharing the training lines.
+        world_size: Number of trainers sharing the training lines (by file, then by line:
+            :func:`jobs.criteo_stream.line_owner`).
         eval_fraction: Fraction of lines held out (see module docstring); ``rank`` and ``world_size``
             do not apply to the held-out lines.
         split: "train" (this rank's training lines) or "eval" (all held-out lines).
+        max_rows: Keep at most this many rows (reading stops there); None = all.
+        count_all: ``stats`` counts every line of the files read (True), or only the lines of this shard.
 
     Raises:
         ValueError: bad ``rank``/``world_size``/``split``.
@@ -243,13 +290,17 @@ class CriteoShard:
     def __init__(
         self,
         path: str | Path,
-        table_size: int,
+        table_size: int | Sequence[int],
         *,
         rank: int = 0,
         world_size: int = 1,
         eval_fraction: float = 0.1,
         split: str = "train",
+        max_rows: int | None = None,
+        count_all: bool = True,
     ) -> None:
+        from jobs.criteo_stream import read_rows
+
         if not 0 <= rank < world_size:
             raise ValueError(f"CriteoShard: rank {rank} is not in [0, world_size={world_size})")
         if split not in ("train", "eval"):
@@ -257,32 +308,14 @@ class CriteoShard:
         self.path = Path(path)
         self.stats = ParseStats()
         every = round(1 / eval_fraction) if eval_fraction > 0 else 0
-        dense, sparse, labels = [], [], []
-        valid = 0
-        for lineno, parsed in _records(self.path, table_size):
-            if isinstance(parsed, MalformedLine):
-                self.stats.record(lineno, parsed)
-                continue
-            held_out = every > 0 and valid % every == every - 1
-            train_index = valid - (valid // every if every else 0)
-            valid += 1
-            if split == "eval" and not held_out:
-                continue
-            if split == "train" and (held_out or train_index % world_size != rank):
-                continue
-            d, s, y = parsed
-            dense.append(d)
-            sparse.append(s)
-            labels.append(y)
-        self.stats.valid = valid
-        if not labels:
+        self.dense, self.sparse, self.labels = read_rows(data_files(path), table_size_list(table_size), self.stats,
+                                                         rank=rank, world_size=world_size, every=every, split=split,
+                                                         max_rows=max_rows, count_all=count_all)
+        if not len(self.labels):
             raise DataError(
                 f"CriteoShard: {self.path} has no valid {split} line for rank {rank} of {world_size} "
-                f"({valid} valid, {self.stats.malformed_total} malformed)"
+                f"({self.stats.valid} valid, {self.stats.malformed_total} malformed)"
             )
-        self.dense = torch.tensor(dense, dtype=torch.float32)
-        self.sparse = torch.tensor(sparse, dtype=torch.int64)
-        self.labels = torch.tensor(labels, dtype=torch.float32)
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -307,12 +340,39 @@ class CriteoShard:
             yield Batch(self.dense[i : i + batch_size], self.sparse[i : i + batch_size], self.labels[i : i + batch_size])
 
 
+def _natural_key(path: Path) -> list:
+    """``day_2`` before ``day_10``: digit runs compare as numbers."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+def data_files(path: str | Path) -> list[Path]:
+    """The Criteo files ``path`` names: a file; a directory (its files, not hidden ones, in natural order:
+    ``day_0, day_1, ..., day_23``); or a glob (``data/day_*.gz``), in natural order.
+
+    Raises:
+        DataError: no such file, or a directory or glob without files.
+    """
+    text = str(path)
+    path = Path(path).expanduser()
+    if any(c in text for c in "*?["):
+        files = [p for p in map(Path, glob.glob(str(path))) if p.is_file()]
+        if not files:
+            raise DataError(f"{text}: the pattern matches no file")
+    elif path.is_dir():
+        files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+        if not files:
+            raise DataError(f"{path}: the directory holds no data file")
+    else:
+        return [path]
+    return sorted(files, key=lambda p: (_natural_key(p), str(p)))
+
+
 def default_criteo_path() -> Path:
     """``<repo>/../shared/data/criteo/train_examples.txt`` (it may be absent outside CI)."""
     return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo" / "train_examples.txt"
 
 
-def check_data_file(path: str | Path, table_size: int, *, where: str = "", scan_lines: int = 1000) -> ParseStats:
+def check_data_file(path: str | Path, table_size: int | Sequence[int] = 20000, *, where: str = "", scan_lines: int = 1000) -> ParseStats:
     """The launcher's cheap checks of a data file, before a job starts: it can be opened and decompressed,
     is not empty, and at least one of its first ``scan_lines`` non-blank lines is a valid Criteo line.
 
@@ -349,16 +409,23 @@ def check_data_file(path: str | Path, table_size: int, *, where: str = "", scan_
     return stats
 
 
-def locate_data(configured: str, table_size: int) -> Path | None:
-    """The job's data file, checked (:func:`check_data_file`): the configured path, else the shared Criteo
-    sample when present; None when synthetic data has to be generated.
+def locate_data(configured: str, table_size: int | Sequence[int] = 20000) -> Path | None:
+    """The job's data, checked (:func:`check_data_file`, on each file of a directory or glob): the configured
+    path, else the shared Criteo sample when present; None when synthetic data has to be generated.
 
     Raises:
-        DataError: the configured file (or the shared sample) cannot be used; the message names the key.
+        DataError: the configured data (or the shared sample) cannot be used; the message names the key.
     """
     if configured:
+        where = f"[data] path = {configured!r}"
         path = Path(configured).expanduser()
-        check_data_file(path, table_size, where=f"[data] path = {configured!r}")
+        try:
+            files = data_files(configured)
+        except DataError as e:
+            reason = str(e).removeprefix(f"{path}: ").removeprefix(f"{configured}: ")
+            raise DataError(f"{where}: {reason}") from None
+        for file in files:
+            check_data_file(file, table_size, where=where if files == [path] else f"{where}: {file}")
         return path
     shared = default_criteo_path()
     if shared.is_file():

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from jobs import preflight, runs
+from jobs import preflight, runs, table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.data import DataError, resolve_data_path
 
@@ -324,7 +324,11 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         KeyboardInterrupt: Ctrl-C; results.json then says ``"status": "interrupted"``.
     """
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[fxdist] {msg}", flush=True))
-    data_path = preflight.check(config, local=not _expect_cluster(config), log=log)
+    local = not _expect_cluster(config)
+    data_path = preflight.check(config, local=local, log=log)
+    plan, sizes = None, None
+    if data_path is not None and not config.user_model:  # the first pass: shares, per-feature table sizes
+        config, plan, sizes = preflight.plan(config, data_path, local=local, log=log)
     run_dir = runs.choose(config, run_dir, resume=resume)
     previous = runs.read(run_dir) if resume else None
     started_ray, on_cluster = _join_ray(config, log=log)
@@ -338,7 +342,10 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             run_dir.mkdir(parents=True, exist_ok=True)
             data_path, data_note = _data(config, data_path, run_dir)
             log(data_note)
-            results["data"] = {"path": str(data_path or ""), "note": data_note}
+            if plan is None and data_path is not None:  # synthetic data, generated just now
+                config, plan, sizes = preflight.plan(config, data_path, local=local, log=log)
+            _record_data(config, results, run_dir, data_path, data_note, plan, sizes)
+            ctx["plan"] = plan
             ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
             runs.write(run_dir, _with_snapshot(results, _seed_snapshot(previous)))
             snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
@@ -371,13 +378,25 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     return results
 
 
+def _record_data(config: JobConfig, results: dict[str, Any], run_dir: Path, data_path: Path | None, note: str,
+                 plan: Any, sizes: dict[str, Any] | None) -> None:
+    """Into ``results``: the data (path, note, the first pass's ``scan``), the config with its table sizes
+    resolved, and ``tables`` (the sizes, and the cardinalities they came from, also in ``cardinalities.json``)."""
+    results["data"] = {"path": str(data_path or ""), "note": note}
+    if plan is not None:
+        results["data"]["scan"] = plan.summary()
+        results["config"] = to_dict(config)
+        results["tables"] = {"sizes": config.table_sizes, **(sizes or {})}
+    if sizes is not None:
+        table_sizes.write_record(run_dir, sizes)
+
+
 def _data(config: JobConfig, data_path: Path | None, run_dir: Path) -> tuple[Path | None, str]:
     """(the Criteo file, generated into ``run_dir`` when none was found; None for your batches), and a note."""
     if config.user_model:
         return None, f"your batches from {config.data.batches}, your model from {config.model.factory}"
     if data_path is None:
-        return resolve_data_path("", run_dir, config.data.synthetic_rows, seed=config.job.seed,
-                                 table_size=config.model.table_size)
+        return resolve_data_path("", run_dir, config.data.synthetic_rows, seed=config.job.seed)
     return data_path, f"Criteo data from {data_path}"
 
 
@@ -518,6 +537,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
         loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path or ""),
                        "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state, "servers": servers,
+                       "data_plan": ctx.get("plan"),
                        "rpc_host": None if on_cluster else "127.0.0.1"}
         trainer = _trainer(config, loop_config, run_dir)
         log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers "

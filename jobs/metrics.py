@@ -78,6 +78,9 @@ class Exporter:
         self.gain = Gauge("fxdist_qps_gain_ratio", "QPS gain of the optimized phase over the baseline (fraction), "
                           "median of the interleaved block pairs and its interval.", ("job", "stat"),
                           registry=self.registry)
+        self.reader_rate = Gauge("fxdist_reader_lines_per_second", "Criteo lines this trainer's reader parses per "
+                                 "second of parse time, per worker process (jobs.criteo_stream).", ("job", "rank"),
+                                 registry=self.registry)
         self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._server = None
         self._thread: threading.Thread | None = None
@@ -119,6 +122,10 @@ class Exporter:
         """A parameter server's rows and bytes held (``PSServer.memory()``)."""
         self.ps_rows.labels(job=self.job, rank=self.rank).set(rows)
         self.ps_bytes.labels(job=self.job, rank=self.rank).set(bytes)
+
+    def observe_reader(self, lines_per_s: float) -> None:
+        """The trainer's parse throughput so far (:meth:`jobs.criteo_stream.CriteoStream.stats`), lines/s."""
+        self.reader_rate.labels(job=self.job, rank=self.rank).set(lines_per_s)
 
     def observe_gain(self, gain: dict[str, Any]) -> None:
         """Publish :func:`jobs.stats.interleaved_gain` (percent values) as ``fxdist_qps_gain_ratio`` fractions;

@@ -19,14 +19,14 @@ run); Linux ``/proc/meminfo`` (``MemAvailable``).
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jobs.config import ConfigError, JobConfig
 from jobs.data import NUM_DENSE, NUM_SPARSE, locate_data
 
-__all__ = ["check", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "MemoryEstimate", "server_table_copies",
+__all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "MemoryEstimate", "server_table_copies",
            "available_memory_bytes"]
 
 GIB = 1024**3
@@ -80,12 +80,46 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
     if local:
         if config.metrics.enabled:
             check_ports(config)
-        estimate = check_memory(config)
-        if log is not None:
-            log(f"memory: the job needs about {estimate.total_bytes / GIB:.2f} GiB "
-                f"(embedding tables {estimate.tables_bytes / GIB:.2f} GiB each copy), "
-                f"{available_memory_bytes() / GIB:.1f} GiB available")
+        if config.model.table_sizes != "data":  # else plan() checks, once the sizes are known
+            _log_memory(check_memory(config), log)
     return data
+
+
+def _log_memory(estimate: MemoryEstimate, log: Any) -> None:
+    if log is not None:
+        biggest = max(estimate.processes.items(), key=lambda kv: kv[1], default=("", 0))
+        log(f"memory: the job needs about {estimate.total_bytes / GIB:.2f} GiB "
+            f"(embedding tables {estimate.tables_bytes / GIB:.2f} GiB each copy; largest process {biggest[0]} "
+            f"{biggest[1] / GIB:.2f} GiB), {available_memory_bytes() / GIB:.1f} GiB available")
+
+
+def plan(config: JobConfig, data: Path, *, local: bool, log: Any = None) -> tuple[JobConfig, Any, dict | None]:
+    """The first pass over the Criteo data (:func:`jobs.criteo_stream.scan`): lines, each trainer's rows,
+    and with ``[model] table_sizes = "data"`` the distinct values per feature, which resolve the table sizes
+    (:func:`jobs.table_sizes.resolve`); then, on this machine, the memory check with those sizes.
+
+    Returns:
+        (the config with the table sizes resolved, the :class:`jobs.criteo_stream.DataPlan`, the table-size
+        record for ``cardinalities.json`` or None).
+
+    Raises:
+        jobs.data.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
+    """
+    from jobs import table_sizes
+    from jobs.criteo_stream import scan
+
+    per_feature = config.model.table_sizes == "data"
+    found = scan(data, config.cluster.trainers, config.data.eval_fraction,
+                 distinct_cap=config.model.max_table_size if per_feature else None)
+    if log is not None:
+        log(f"first pass over {len(found.files)} file(s): {found.lines} lines in {found.seconds:.1f} s "
+            f"({found.lines_per_s:,.0f} lines/s), rows per trainer {found.rows}, {found.eval_rows} held out")
+    config, record = table_sizes.resolve(config, found)
+    if record is not None and log is not None:
+        log(f"table sizes from the data (capped at {config.model.max_table_size}): {record['sizes']}")
+    if local and per_feature:
+        _log_memory(check_memory(config), log)
+    return config, found, record
 
 
 def check_synthetic_rows(config: JobConfig) -> None:
@@ -145,8 +179,8 @@ class MemoryEstimate:
     """What a job holds in memory at its peak (a checkpoint in the last phase), in bytes."""
 
     tables_bytes: int
-    """One copy of the 26 tables: ``26 * table_size * D`` float32, plus the row-wise Adagrad state
-    (``26 * table_size`` float32) when they live on parameter servers."""
+    """One float32 copy of the 26 tables: ``sum(table_sizes) * D`` float32, plus the row-wise Adagrad state
+    (``sum(table_sizes)`` float32) when they live on parameter servers."""
     table_copies: int
     """How many copies exist at once (see :func:`server_table_copies`; in-trainer tables: 2 per trainer and
     phase, weights and Adagrad's dense ``sum``, plus rank 0's evaluated-model snapshot)."""
@@ -155,6 +189,9 @@ class MemoryEstimate:
     server_bytes: int = 0
     """The servers' own table sets (one per phase), rows in ``[model] server_storage`` form plus the fp32
     row-wise Adagrad state."""
+    processes: dict[str, int] = field(default_factory=dict)
+    """Peak bytes per process: ``trainer<r>``, ``ps<i>`` (its table-wise shards, :func:`scheduling.ps.plan_shards`);
+    they add up to :attr:`total_bytes`."""
 
     @property
     def total_bytes(self) -> int:
@@ -174,17 +211,43 @@ def dense_parameters(config: JobConfig) -> int:
     return count
 
 
+def _server_rows(config: JobConfig) -> list[int]:
+    """Rows each parameter server holds: the job's table-wise plan (:func:`scheduling.ps.plan_shards`)."""
+    from scheduling.ps.config import TableSpec, plan_shards
+
+    m = config.model
+    specs = [TableSpec(f"t{j + 1}", size, m.embedding_dim, (f"C{j + 1}",)) for j, size in enumerate(config.table_sizes)]
+    rows = [0] * config.cluster.parameter_servers
+    for shard in plan_shards(specs, config.cluster.parameter_servers, "table_wise"):
+        rows[shard.server] += shard.num_rows
+    return rows
+
+
 def estimate_memory(config: JobConfig) -> MemoryEstimate:
-    """The job's peak memory on one machine (see :class:`MemoryEstimate`)."""
+    """The job's peak memory on one machine, per process and in total (see :class:`MemoryEstimate`), from
+    the per-feature table sizes (:attr:`jobs.config.JobConfig.table_sizes`), the servers' storage form and
+    the optimizer state.
+
+    Raises:
+        ConfigError: ``[model] table_sizes = "data"`` not resolved yet.
+    """
     m, c = config.model, config.cluster
     phases = 2 if config.phases.baseline else 1  # trained side by side, each with its own tables
-    weights = NUM_SPARSE * m.table_size * m.embedding_dim * FLOAT_BYTES
-    dense = dense_parameters(config) * FLOAT_BYTES * DENSE_COPIES * c.trainers * phases
+    rows, width = sum(config.table_sizes), m.embedding_dim * FLOAT_BYTES
+    per_trainer = dense_parameters(config) * FLOAT_BYTES * DENSE_COPIES * phases
+    dense = per_trainer * c.trainers
+    procs = {f"trainer{r}": per_trainer for r in range(c.trainers)}
     if c.parameter_servers:
-        state = NUM_SPARSE * m.table_size * FLOAT_BYTES
-        stored = NUM_SPARSE * m.table_size * STORED_ROW_BYTES[m.server_storage](m.embedding_dim)
-        return MemoryEstimate(weights + state, server_table_copies(phases), dense, phases * (stored + state))
-    return MemoryEstimate(weights, 2 * c.trainers * phases + 1, dense)
+        state_row, stored_row = FLOAT_BYTES, STORED_ROW_BYTES[m.server_storage](m.embedding_dim)
+        copy = rows * (width + state_row)
+        procs["trainer0"] += (server_table_copies(phases) - 1) * copy  # the gathered checkpoint and the snapshot
+        for i, n in enumerate(_server_rows(config)):  # its tables per phase, and its state_dict answer
+            procs[f"ps{i}"] = phases * n * (stored_row + state_row) + n * (width + state_row)
+        return MemoryEstimate(copy, server_table_copies(phases), dense, phases * rows * (stored_row + state_row),
+                              procs)
+    for r in range(c.trainers):
+        procs[f"trainer{r}"] += 2 * phases * rows * width + (rows * width if r == 0 else 0)
+    return MemoryEstimate(rows * width, 2 * c.trainers * phases + 1, dense, 0, procs)
 
 
 def available_memory_bytes() -> int:
@@ -214,8 +277,9 @@ def check_memory(config: JobConfig, available: int | None = None) -> MemoryEstim
         available: Bytes available (default: :func:`available_memory_bytes`).
 
     Raises:
-        ConfigError: naming ``[model] table_size`` / ``embedding_dim``, what the tables need and what the
-            machine has.
+        ConfigError: naming the table sizes (``[model] table_size`` or the per-feature ``table_sizes``) and
+            ``embedding_dim``, what the tables need per copy and per process, what the machine has, and what
+            to change (a smaller cap, 8-bit server rows, more servers on a Ray cluster).
     """
     estimate = estimate_memory(config)
     if available is None:
@@ -224,17 +288,27 @@ def check_memory(config: JobConfig, available: int | None = None) -> MemoryEstim
         except OSError:
             return estimate  # not Linux and no psutil: nothing to compare with
     if estimate.total_bytes > available:
-        m, c = config.model, config.cluster
-        where = (f"on the {c.parameter_servers} parameter server(s) with row-wise Adagrad state"
-                 if c.parameter_servers else f"in each of the {c.trainers} trainers")
-        raise ConfigError(
-            f"{config.source}: [model] table_size = {m.table_size}, embedding_dim = {m.embedding_dim}: the job "
-            f"needs about {estimate.total_bytes / GIB:.1f} GiB, more than the {available / GIB:.1f} GiB this "
-            f"machine has available. One copy of the 26 tables ({where}) is {estimate.tables_bytes / GIB:.2f} "
-            f"GiB and about {estimate.table_copies} float32 copies exist at a checkpoint, besides the servers' own "
-            f"({estimate.server_bytes / GIB:.2f} GiB, [model] server_storage = {m.server_storage!r}); the dense "
-            "models take "
-            f"{estimate.dense_bytes / GIB:.2f} GiB. Lower table_size or embedding_dim, or run on a Ray cluster "
-            "([cluster] address)"
-        )
+        raise ConfigError(f"{config.source}: {_memory_message(config, estimate, available)}")
     return estimate
+
+
+def _memory_message(config: JobConfig, estimate: MemoryEstimate, available: int) -> str:
+    m, c = config.model, config.cluster
+    sizes = config.table_sizes
+    where = (f"on the {c.parameter_servers} parameter server(s) with row-wise Adagrad state"
+             if c.parameter_servers else f"in each of the {c.trainers} trainers")
+    what = (f"[model] table_size = {m.table_size}" if m.table_sizes == "uniform" else
+            f"[model] table_sizes = per feature ({sum(sizes):_} rows in all, the largest {max(sizes):_})")
+    procs = ", ".join(f"{name} {b / GIB:.2f}" for name, b in estimate.processes.items())
+    fixes = ["a smaller [model] max_table_size (per-feature sizes are capped there)"
+             if m.table_sizes != "uniform" else "a smaller table_size",
+             "a smaller embedding_dim"]
+    if c.parameter_servers and m.server_storage != "fused8bit":
+        fixes.append('[model] server_storage = "fused8bit" (a quarter of fp32 rows)')
+    fixes.append("more parameter servers on a Ray cluster ([cluster] address, parameter_servers)")
+    return (f"{what}, embedding_dim = {m.embedding_dim}: the job needs about {estimate.total_bytes / GIB:.1f} GiB, "
+            f"more than the {available / GIB:.1f} GiB this machine has available. One copy of the 26 tables "
+            f"({where}) is {estimate.tables_bytes / GIB:.2f} GiB and about {estimate.table_copies} float32 copies "
+            f"exist at a checkpoint, besides the servers' own ({estimate.server_bytes / GIB:.2f} GiB, [model] "
+            f"server_storage = {m.server_storage!r}); the dense models take {estimate.dense_bytes / GIB:.2f} GiB. "
+            f"Per process (GiB): {procs}. Use {', or '.join(fixes)}")

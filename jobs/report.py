@@ -144,6 +144,7 @@ def table(results: dict[str, Any]) -> str:
         bad = sum(parse.get("malformed", {}).values())
         detail = ", ".join(f"{k}: {v}" for k, v in parse.get("malformed", {}).items())
         lines += ["", f"data: {parse.get('valid')} valid lines, {bad} malformed skipped" + (f" ({detail})" if bad else "")]
+        lines += _reader_lines(results)
         epochs = next((p.get("epochs") for p in results.get("phases", {}).values() if p.get("epochs")), None)
         if epochs:
             lines.append(f"each phase passes {epochs:.1f} times over each trainer's shard")
@@ -151,6 +152,23 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"restarts from checkpoint: {results['restarts']} (faults injected: {results.get('faults_fired')})")
     lines += placement_lines(results)  # where each trainer and server ran (jobs.cluster)
     return "\n".join(lines)
+
+
+def _reader_lines(results: dict[str, Any]) -> list[str]:
+    """Parse throughput of the first pass and of the trainers' readers, next to the training QPS."""
+    out = []
+    scan = (results.get("data") or {}).get("scan") or {}
+    if scan.get("lines_per_s"):
+        out.append(f"first pass: {scan['lines']} lines in {scan['files']} file(s), {_fmt(scan['lines_per_s'], ',.0f')} "
+                   f"lines/s (one process); shards {scan.get('sharding')}")
+    phases = results.get("phases", {})
+    reader = next((p["reader"] for p in phases.values() if p.get("reader")), None)
+    if reader:
+        qps = max((p.get("qps") or 0 for p in phases.values()), default=0)
+        out.append(f"reader: {_fmt(reader['lines_per_s'], ',.0f')} lines/s per worker, {reader['workers']} worker(s) "
+                   f"per trainer, {_fmt(reader['capacity_lines_per_s'], ',.0f')} lines/s in all vs training "
+                   f"{_fmt(qps, ',.0f')} samples/s")
+    return out
 
 
 def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[str]:

@@ -42,7 +42,7 @@ RESUMABLE_KEYS = frozenset({
     "job.max_failures", "job.progress", "job.checkpoint_every", "job.run_dir", "job.allow_eager_fallback",
     "cluster.address", "cluster.rpc_timeout_s", "cluster.cpus_per_trainer", "cluster.use_gpu",
     "metrics.enabled", "metrics.host", "metrics.port",
-    "quant.enabled", "quant.calibration_batches", "quant.eval_batch_size",
+    "quant.enabled", "quant.calibration_batches", "quant.eval_batch_size", "data.reader_workers",
     "faults.kill_trainer_at_step", "faults.kill_server_at_step",
 })
 """Keys that ``--resume`` may change with ``--set``; every other key shapes the checkpoints or the

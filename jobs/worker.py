@@ -1,7 +1,6 @@
 """The per-trainer training loop that Ray Train runs: baseline phase, optimized phase, checkpoints.
 
-``train_loop(loop_config)`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer``. Each of the
-``trainers`` processes:
+``train_loop(loop_config)`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer``. Each trainer:
 
 1. reads its shard of the data (:mod:`jobs.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
@@ -435,7 +434,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         exporter.touch(PHASES)
         bound = serve_exporter(exporter, config.metrics.host, loop_config["metrics_port"] + rank)
     state.placed.remote(f"trainer{rank}", where(bound))  # where this trainer and its exporter run
-    workload = make_workload(config, rank, world, loop_config["data_path"])
+    workload = make_workload(config, rank, world, loop_config["data_path"], plan=loop_config.get("data_plan"),
+                             exporter=exporter)
     if rank == 0 and workload.parse is not None:
         state.parse_stats.remote(workload.parse, workload.rows)
     resume = _load_checkpoint()
@@ -448,6 +448,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         graceful = True
     finally:
         tables.close(graceful=graceful)
+        if hasattr(workload, "close"):
+            workload.close()
         if exporter is not None:
             exporter.close()
 
@@ -557,10 +559,31 @@ def _run_phases(config, rank, world, workload, tables, resume, state, exporter) 
     _finish_phases(config, rank, workload, trainers, early, state, shard_rows)
 
 
+def reader_summary(stats: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The trainers' reader statistics (:meth:`jobs.criteo_stream.CriteoStream.stats`, one per rank) in one:
+    ``lines_per_s`` (the mean per-worker parse rate), ``capacity_lines_per_s`` (all trainers' workers
+    together), ``workers`` (per trainer), ``lines``, ``rows``, ``per_trainer``; None without a stream.
+
+    >>> reader_summary([{"lines_per_s": 100.0, "capacity_lines_per_s": 200.0, "workers": 2, "lines": 5, "rows": 4},
+    ...                 {"lines_per_s": 300.0, "capacity_lines_per_s": 600.0, "workers": 2, "lines": 5, "rows": 5}])
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'lines_per_s': 200.0, 'capacity_lines_per_s': 800.0, 'workers': 2, 'lines': 10, 'rows': 9,
+     'per_trainer': [100.0, 300.0]}
+    """
+    stats = [s for s in stats if s]
+    if not stats:
+        return None
+    return {"lines_per_s": sum(s["lines_per_s"] for s in stats) / len(stats),
+            "capacity_lines_per_s": sum(s["capacity_lines_per_s"] for s in stats), "workers": stats[0]["workers"],
+            "lines": sum(s["lines"] for s in stats), "rows": sum(s["rows"] for s in stats),
+            "per_trainer": [s["lines_per_s"] for s in stats]}
+
+
 def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: int) -> None:
     """Every phase's summary to the JobState (rank 0), then the final checkpoint; ``shard_rows``: the largest
     trainer's shard."""
     steps = config.job.steps
+    reader = reader_summary(_gather(workload.reader_stats()))
     for phase, t in trainers.items():
         t.tables.sync()
         runs = _gather(t.run)  # also a barrier: every rank's updates are on the servers before evaluation
@@ -572,6 +595,6 @@ def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: i
                            quality_epochs=quality_step * config.job.batch_size / shard_rows,
                            quality_end=end, optimize=t.info, resumed_from_step=t.run.start_step,
                            epochs=steps * config.job.batch_size / shard_rows,
-                           block_seconds=[r.blocks for r in runs])
+                           block_seconds=[r.blocks for r in runs], reader=reader)
             __import__("ray").get(state.phase_done.remote(phase, summary))
     _save_checkpoint(steps, trainers, early, rank, final=True, state=state)

@@ -5,6 +5,7 @@ A *workload* gives the training loop (:mod:`jobs.worker`) everything that depend
 
 - ``rows``: this trainer's training rows per epoch (for ``[job] eval_epochs``), ``parse``: the reader's
   statistics or None, ``has_eval``: this rank evaluates (rank 0, with held-out data);
+- ``reader_stats()``: the parse throughput of the trainer's reader (lines/s) or None; ``close()``: stop it;
 - ``build(view)``: the phase's model, from ``[job] seed`` (``view``: the phase's tables backend);
 - ``train_batches(start)``: endless batches from batch ``start`` on; ``eval_batches()``: the held-out ones
   (rank 0; None elsewhere); every batch follows the contract of :mod:`jobs.entry`;
@@ -39,7 +40,8 @@ from torch import nn
 
 from jobs import criteo, entry
 from jobs.config import JobConfig
-from jobs.data import CriteoShard
+from jobs.criteo_stream import CriteoStream, DataPlan, SharedBatches, scan
+from jobs.data import CriteoShard, DataError
 
 __all__ = ["build_model", "criteo_shard", "CriteoWorkload", "UserWorkload", "make_workload", "LocalTables",
            "make_tables", "inference_batches"]
@@ -55,7 +57,7 @@ def criteo_shard(config: JobConfig, data_path: str | Path, **kwargs: Any) -> Cri
     """A :class:`~jobs.data.CriteoShard` of ``data_path`` hashed for the built-in model's tables (``kwargs``:
     ``rank``, ``world_size``, ``split``); ``eval_fraction`` defaults to ``[data] eval_fraction``."""
     kwargs.setdefault("eval_fraction", config.data.eval_fraction)
-    return CriteoShard(data_path, config.model.table_size, **kwargs)
+    return CriteoShard(data_path, config.table_sizes, **kwargs)
 
 
 class UserWorkload:
@@ -91,6 +93,13 @@ class UserWorkload:
 
     def eval_batches(self) -> Iterable[Any] | None:
         return None if self._eval is None else entry.epoch_batches(self.config, self._eval)
+
+    def reader_stats(self) -> dict[str, Any] | None:
+        """None: your ``[data] batches`` report no parse throughput."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
     def inputs(self, batch: Any, tables: Any, device: torch.device) -> tuple[tuple, dict[str, Any], torch.Tensor]:
         """The batch's ``(args, kwargs, labels)`` (:func:`jobs.entry.split_batch`), tensors on ``device``; a
@@ -145,39 +154,81 @@ class _Lookahead:
 
 
 class CriteoWorkload(UserWorkload):
-    """The built-in model (:func:`jobs.criteo.dlrm`) on a :class:`jobs.data.CriteoShard` (``eval_shard``: the
-    held-out rows, or None); batches are ``(dense, kjt, labels)`` (:func:`jobs.criteo.model_inputs`), the loss
-    ``[train] loss = "bce_with_logits"`` (AUC and log loss held out)."""
+    """The built-in model (:func:`jobs.criteo.dlrm`) on Criteo rows; batches are ``(dense, kjt, labels)``
+    (:func:`jobs.criteo.model_inputs`), the loss ``[train] loss = "bce_with_logits"`` (AUC and log loss held out).
 
-    def __init__(self, config: JobConfig, shard: CriteoShard, eval_shard: CriteoShard | None = None) -> None:
+    ``shard``: a :class:`jobs.data.CriteoShard` (in memory) or a :class:`jobs.criteo_stream.CriteoStream`
+    (streamed; its batches are shared by the ``readers`` phases, :class:`jobs.criteo_stream.SharedBatches`);
+    ``eval_shard``: the held-out rows, or None; ``parse``: the parse statistics to report (default: the shard's).
+    """
+
+    def __init__(self, config: JobConfig, shard: Any, eval_shard: CriteoShard | None = None, *,
+                 parse: dict[str, Any] | None = None, readers: int = 1) -> None:
         self.config, self.shard, self.eval_shard = config, shard, eval_shard
         self.has_eval = eval_shard is not None
         self.rows = len(shard)
-        self.parse = shard.stats.as_dict()
+        self.parse = parse if parse is not None else shard.stats.as_dict()
+        self.readers = readers
+        self._shared: SharedBatches | None = None
         self._loss = entry.loss_fn(config)
         self._train_step = None
 
     def train_batches(self, start: int = 0) -> Iterator[Any]:
-        return map(criteo.model_inputs, self.shard.batches(self.config.job.batch_size, start=start))
+        """Endless batches from batch ``start``; a stream's are read once and shared by the ``readers`` phases
+        (a further call makes a new stream)."""
+        if not isinstance(self.shard, CriteoStream):
+            return map(criteo.model_inputs, self.shard.batches(self.config.job.batch_size, start=start))
+        shared = self._shared
+        if shared is None or shared.made >= shared.readers or shared.start != start:
+            shared = self._shared = SharedBatches(self.shard.batches(self.config.job.batch_size, start=start),
+                                                  self.readers, start)
+        return map(criteo.model_inputs, shared.reader())
+
+    def reader_stats(self) -> dict[str, Any] | None:
+        """The stream's parse throughput (:meth:`jobs.criteo_stream.CriteoStream.stats`), or None."""
+        return self.shard.stats() if isinstance(self.shard, CriteoStream) else None
+
+    def close(self) -> None:
+        """Stop the stream's worker processes."""
+        if isinstance(self.shard, CriteoStream):
+            self.shard.close()
 
     def eval_batches(self) -> Iterable[Any] | None:
         return None if self.eval_shard is None else map(criteo.model_inputs, self.eval_shard.all_batches(512))
 
 
-def make_workload(config: JobConfig, rank: int, world: int, data_path: str) -> CriteoWorkload | UserWorkload:
-    """This trainer's workload: :class:`UserWorkload` with ``[model] factory``, else the DLRM on the Criteo
-    file ``data_path`` (rank 0 also reads the held-out rows when ``[data] eval_fraction > 0``).
+def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, plan: DataPlan | None = None,
+                  exporter: Any = None) -> CriteoWorkload | UserWorkload:
+    """This trainer's workload: :class:`UserWorkload` with ``[model] factory``, else the DLRM on the Criteo data
+    ``data_path`` (a file, directory or glob), streamed (:class:`jobs.criteo_stream.CriteoStream`, ``[data]
+    reader_workers`` processes); rank 0 also reads the held-out rows (at most ``[data] eval_max_rows``) when
+    ``[data] eval_fraction > 0``.
+
+    Args:
+        plan: The launcher's first pass (:func:`jobs.criteo_stream.scan`); None: this trainer scans the data.
+        exporter: The trainer's :class:`jobs.metrics.Exporter` (its reader gauge), or None.
 
     Raises:
-        jobs.data.DataError: the Criteo file cannot be used; ConfigError: see :class:`UserWorkload`.
+        jobs.data.DataError: the Criteo data cannot be used, or this trainer's share has no valid line;
+            ConfigError: see :class:`UserWorkload`.
     """
     if config.user_model:
         return UserWorkload(config, rank, world)
-    shard = criteo_shard(config, data_path, rank=rank, world_size=world)
+    d = config.data
+    if plan is None:
+        plan = scan(data_path, world, d.eval_fraction)
+    if plan.rows[rank] == 0:
+        stats = plan.stats
+        raise DataError(f"CriteoShard: {data_path} has no valid train line for rank {rank} of {world} "
+                        f"({stats['valid']} valid, {sum(stats['malformed'].values())} malformed)")
+    on_chunk = None if exporter is None else (lambda s: exporter.observe_reader(s["lines_per_s"]))
+    stream = CriteoStream(plan.files, config.table_sizes, rank=rank, world_size=world, every=plan.every,
+                          workers=d.reader_workers, rows_per_epoch=plan.rows[rank], on_chunk=on_chunk)
     eval_shard = None
-    if rank == 0 and config.data.eval_fraction > 0:
-        eval_shard = criteo_shard(config, data_path, split="eval")
-    return CriteoWorkload(config, shard, eval_shard)
+    if rank == 0 and d.eval_fraction > 0:
+        eval_shard = criteo_shard(config, data_path, split="eval", max_rows=d.eval_max_rows, count_all=False)
+    readers = 2 if config.phases.baseline else 1
+    return CriteoWorkload(config, stream, eval_shard, parse=plan.stats, readers=readers)
 
 
 def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[list[Any], list[Any]]:
@@ -191,8 +242,10 @@ def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[
         train = entry.endless(config, entry.data_context(config, "train"))
         return held_out, [next(train) for _ in range(q.calibration_batches)]
     fraction = config.data.eval_fraction or 0.1
-    held_out = criteo_shard(config, data_path, split="eval", eval_fraction=fraction)
-    train = criteo_shard(config, data_path, eval_fraction=fraction).batches(q.eval_batch_size)
+    held_out = criteo_shard(config, data_path, split="eval", eval_fraction=fraction,
+                            max_rows=config.data.eval_max_rows, count_all=False)
+    train = criteo_shard(config, data_path, eval_fraction=fraction, count_all=False,
+                         max_rows=q.eval_batch_size * q.calibration_batches).batches(q.eval_batch_size)
     return ([criteo.model_inputs(b) for b in held_out.all_batches(q.eval_batch_size)],
             [criteo.model_inputs(next(train)) for _ in range(q.calibration_batches)])
 

@@ -100,9 +100,14 @@ OUT_OF_RANGE = [
     ("job", "max_failures", -1, r"an integer in 0\.\.1_000"),
     ("data", "synthetic_rows", 0, r"an integer in 1\.\.10_000_000"),
     ("data", "eval_fraction", 0.9, r"a finite number in \[0, 0\.5\]"),
+    ("data", "reader_workers", 65, r"an integer in 0\.\.64"),
+    ("data", "eval_max_rows", 0, r"an integer in 1\.\.100_000_000"),
     ("model", "embedding_dim", 10**6, r"an integer in 1\.\.4_096"),
     ("model", "table_size", 1, r"an integer in 2\.\.4_294_967_296"),
     ("model", "table_size", 2**32 + 1, r"an integer in 2\.\.4_294_967_296"),
+    ("model", "table_sizes", [5] * 25, r"a list of 26 to 26 items"),
+    ("model", "table_sizes", [5] * 25 + [1], r"item 25 \(1\) is out of range: each must be an integer in 2\.\."),
+    ("model", "max_table_size", 1, r"an integer in 2\.\.4_294_967_296"),
     ("model", "bottom_mlp", [], r"a list of 1 to 16 items"),
     ("model", "top_mlp", [8, 0], r"item 1 \(0\) is out of range: each must be an integer in 1\.\.65_536"),
     ("cluster", "trainers", 0, r"an integer in 1\.\.1_024"),
@@ -120,6 +125,19 @@ OUT_OF_RANGE = [
     ("faults", "pause_at_step", -2, r"an integer in -1\.\.1_000_000_000"),
     ("faults", "pause_seconds", -1.0, r"a finite number in \[0, 3600\]"),
 ]
+
+
+def test_table_sizes_are_uniform_data_or_26_sizes():
+    assert JobConfig().table_sizes == [20000] * 26
+    sizes = list(range(2, 28))
+    assert JobConfig().replace(model={"table_sizes": sizes}).table_sizes == sizes
+    unresolved = JobConfig().replace(model={"table_sizes": "data"})
+    with pytest.raises(ConfigError, match=r'table_sizes = "data" has not been resolved'):
+        unresolved.table_sizes
+    with pytest.raises(ConfigError, match=r'\[model\] table_sizes = \'all\': must be "uniform", "data" or a list'):
+        JobConfig().replace(model={"table_sizes": "all"})
+    with pytest.raises(ConfigError, match=r"\[model\] table_sizes: expected a list or str, got int \(7\)"):
+        JobConfig().replace(model={"table_sizes": 7})
 
 
 def test_parity_mode_is_error_or_warn():
@@ -141,7 +159,7 @@ def test_the_range_table_covers_every_numeric_key():
     config = JobConfig()
     for table in to_dict(config):
         for f in dataclasses.fields(getattr(config, table)):
-            numeric = f.type in ("int", "float", "list[int]", "list[str]")
+            numeric = f.type in ("int", "float", "list[int]", "list[str]", "list[int] | str")
             assert numeric == ("range" in f.metadata), (table, f.name)
             assert not numeric or (table, f.name) in tested or f.name == "kill_server_at_step", (table, f.name)
 

@@ -1,5 +1,6 @@
-"""The job on 200k synthetic Criteo lines (``fxdist data synth``) with the servers' rows in FBGEMM's fused 8-bit
-form: it learns the synthetic label (held-out AUC > 0.6) and both phases still train bit-identically."""
+"""The job on 200k synthetic Criteo lines (``fxdist data synth``) with per-feature table sizes from the data and
+the servers' rows in FBGEMM's fused 8-bit form: it learns the synthetic label (held-out AUC > 0.6), both phases
+still train bit-identically, and the run records the cardinalities and the readers' parse throughput."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.timeout(420)
 def test_synthetic_200k_lines_with_8bit_server_rows(ray_session, tmp_path, capsys):
     (data,) = write_synthetic(tmp_path / "data", 200_000, spec=SynthSpec(seed=3))
     run_dir = tmp_path / "run"
-    sets = [f'data.path="{data}"', 'model.server_storage="fused8bit"', "model.table_size=50000",
+    sets = [f'data.path="{data}"', 'model.server_storage="fused8bit"', 'model.table_sizes="data"',
+            "model.max_table_size=50000",
             "model.bottom_mlp=[64]", "model.top_mlp=[64]", "job.steps=120", "job.batch_size=256",
             "job.eval_epochs=0", "job.progress=false", "data.eval_fraction=0.05", "quant.enabled=false",
             "cluster.cpus_per_trainer=0.5", f"metrics.port={free_port_block(3)}"]
@@ -25,8 +27,13 @@ def test_synthetic_200k_lines_with_8bit_server_rows(ray_session, tmp_path, capsy
     results = json.loads((run_dir / "results.json").read_text())
     assert results["config"]["model"]["server_storage"] == "fused8bit"
     assert results["data"]["parse"]["valid"] == 200_000
+    cards = json.loads((run_dir / "cardinalities.json").read_text())
+    sizes = [min(d + 1, 50_000) for d in cards["distinct"]]
+    assert results["tables"]["sizes"] == sizes == results["config"]["model"]["table_sizes"] == cards["sizes"]
+    assert max(sizes) == 50_000 and min(sizes) < 100  # capped features and small ones (Criteo Kaggle's C9 has 3)
     for phase in ("baseline", "optimized"):
         quality = results["phases"][phase]["quality"]
         assert quality["rows"] == 10_000 and quality["auc"] > 0.6, quality  # measured 0.736 (seed 3)
+        assert results["phases"][phase]["reader"]["lines_per_s"] > 0
     assert results["parity"]["ok"] and results["parity"]["identical_losses"]
     assert "parity of the optimized phase (async_rpc_prefetch): OK" in capsys.readouterr().out

@@ -75,7 +75,7 @@ def test_bad_config_exits_2_before_anything_starts(tmp_path, capsys, no_ray, set
     "make, reason",
     [
         (lambda p: p, "no such file"),
-        (lambda p: p.mkdir(), "is a directory, expected a Criteo TSV file"),
+        (lambda p: p.mkdir(), "the directory holds no data file"),  # a directory of files is read (day_0 ..)
         (lambda p: p.write_bytes(b""), "the file is empty"),
         (lambda p: p.write_text("x\ty\n"), "none of the first 1 non-blank lines is a valid Criteo line"),
         (lambda p: p.write_bytes(b"\x28\xb5\x2f\xfdzstd"), "is zstd-compressed, which is not supported"),

@@ -1,0 +1,59 @@
+"""Per-feature embedding table sizes from the data (``[model] table_sizes = "data"``).
+
+The launcher's first pass over the data (:func:`jobs.criteo_stream.scan`) counts the distinct values of each
+categorical feature ``C1..C26``; table ``j`` then gets ``min(distinct_j + 1, [model] max_table_size)`` rows
+(row 0 holds the missing value) and ids are hashed into each feature's own table
+(:func:`jobs.criteo_parse.hash_ids`). The counts and the chosen sizes go to ``<run>/cardinalities.json`` and
+results.json (``tables``); the resolved list replaces "data" in the config the trainers get, so a resumed
+run keeps its sizes.
+
+Source: the DLRM / torchrec Criteo preprocessing (per-feature ``num_embeddings`` from the data's
+cardinalities, capped: torchrec's ``--num_embeddings_per_feature`` with a max ids per table).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jobs.config import JobConfig
+
+__all__ = ["CARDINALITIES", "sizes_from_counts", "resolve", "write_record"]
+
+CARDINALITIES = "cardinalities.json"
+
+
+def sizes_from_counts(distinct: list[int], cap: int) -> list[int]:
+    """Rows per table: ``min(distinct_j + 1, cap)`` (at least 2): a row per value and row 0 for missing.
+
+    >>> sizes_from_counts([0, 3, 10**8], cap=10**7)
+    [2, 4, 10000000]
+    """
+    return [max(2, min(d + 1, cap)) for d in distinct]
+
+
+def resolve(config: JobConfig, plan: Any) -> tuple[JobConfig, dict[str, Any] | None]:
+    """``config`` with ``[model] table_sizes`` resolved from ``plan`` (a :class:`jobs.criteo_stream.DataPlan`
+    with ``distinct`` counted) when it is "data", and the record of the choice (None otherwise).
+
+    Raises:
+        ValueError: "data" sizes but ``plan`` has no distinct counts.
+    """
+    m = config.model
+    if m.table_sizes != "data":
+        return config, None
+    if plan is None or plan.distinct is None:
+        raise ValueError('[model] table_sizes = "data" needs the first pass to count distinct values')
+    sizes = sizes_from_counts(plan.distinct, m.max_table_size)
+    record = {"features": [f"C{j + 1}" for j in range(len(sizes))], "distinct": plan.distinct,
+              "distinct_exact": plan.distinct_exact, "max_table_size": m.max_table_size, "sizes": sizes,
+              "rows": sum(sizes), "lines": plan.lines, "files": plan.files}
+    return config.replace(model={"table_sizes": sizes}), record
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> Path:
+    """Write ``<run_dir>/cardinalities.json``."""
+    path = Path(run_dir) / CARDINALITIES
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
