@@ -46,6 +46,7 @@ import torch
 from jobs import preflight, runs
 from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.data import DataError, resolve_data_path
+from jobs.stats import peak_rss_bytes
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases", "write_prometheus_files",
            "DASHBOARDS"]
@@ -75,6 +76,7 @@ class JobState:
         self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
         self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
         self.placement: dict[str, dict[str, Any]] = {}
+        self.processes: dict[str, dict[str, Any]] = dict(prev.get("processes", {}))
         self.error: dict[str, Any] | None = None
         if previous is not None:
             self.event(f"launcher: resuming a run that was {prev.get('status', 'unknown')}")
@@ -116,6 +118,11 @@ class JobState:
         latest report wins (a restarted process may run elsewhere)."""
         self.placement[name] = dict(info)
 
+    def process_stats(self, name: str, stats: dict[str, Any]) -> None:
+        """What process ``name`` (``trainer<r>``, ``ps<i>``) measured at its end: ``pid``, ``peak_rss_bytes``
+        (and a server's ``rows`` / ``bytes`` held); the latest report wins."""
+        self.processes[name] = dict(stats)
+
     def servers_joined(self, joined: list[dict[str, int]]) -> None:
         """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
         self.server_joins.append(joined)
@@ -151,7 +158,8 @@ class JobState:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
                 "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
                 "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
-                "server_joins": list(self.server_joins), "placement": dict(self.placement), "error": self.error}
+                "server_joins": list(self.server_joins), "placement": dict(self.placement), "processes": dict(self.processes),
+                "error": self.error}
 
 
 def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
@@ -339,6 +347,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         results.update(compare_phases(config, results["phases"]))
         if config.quant.enabled:
             results["inference"] = _quantize(config, final, data_path, log)
+        results["processes"]["launcher"] = {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}
     except BaseException as e:
         if run_dir.is_dir():
             _record_end(run_dir, results, ctx, e)
@@ -409,7 +418,8 @@ def _seed_snapshot(previous: dict[str, Any] | None) -> dict[str, Any]:
     return {"results": prev.get("phases", {}), "parse": (prev.get("data") or {}).get("parse"),
             "fired": prev.get("faults_fired", []), "checkpoints": prev.get("checkpoints", []),
             "restores": prev.get("restores", []), "events": prev.get("timeline", []),
-            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", [])}
+            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", []),
+            "processes": prev.get("processes", {})}
 
 
 def _with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, Any]:
@@ -419,7 +429,8 @@ def _with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, A
     out.update(phases=snap.get("results", {}), restarts=_restarts(snap), faults_fired=snap.get("fired", []),
                checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
                timeline=snap.get("events", []), starts=snap.get("starts", []),
-               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}))
+               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}),
+               processes=dict(snap.get("processes", {})))
     return out
 
 
@@ -514,6 +525,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
         thread.start()
         _follow(state, box, thread, not quiet and config.job.progress, ctx)
         train_seconds = time.perf_counter() - t0
+        _record_server_stats(state, servers, config.cluster.rpc_timeout_s)
         snap = ctx["snap"] = ray.get(state.snapshot.remote(), timeout=60)
         if snap.get("error"):
             raise _recorded_error(snap["error"]) from box.get("error")
@@ -532,6 +544,18 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             from jobs.ps import stop_servers
 
             stop_servers(servers)
+
+
+def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:
+    """Each server's :meth:`jobs.ps.ServerActor.stats` into the JobState (``ps<i>``); skipped when a server
+    does not answer (a dead one has nothing to report)."""
+    import ray
+
+    for i, actor in enumerate(servers):
+        try:
+            ray.get(state.process_stats.remote(f"ps{i}", ray.get(actor.stats.remote(), timeout=timeout_s)))
+        except Exception:  # noqa: BLE001 - statistics never fail a job
+            pass
 
 
 def _retarget(config: JobConfig, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str]) -> None:

@@ -397,9 +397,11 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     ``metrics_port`` (base port, or None), ``state`` (the JobState actor handle), ``servers`` (the
     launcher's parameter-server actor handles), ``rpc_host``.
     """
+    import ray
     import ray.train
 
     from jobs.cluster import serve_exporter, where
+    from jobs.stats import peak_rss_bytes
     from jobs.sparse import make_tables
 
     config = parse_config(loop_config["config"], source=loop_config.get("source", "<job>"))
@@ -431,6 +433,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         tables.close(graceful=graceful)
         if exporter is not None:
             exporter.close()
+    ray.get(state.process_stats.remote(f"trainer{rank}", {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}))
 
 
 def eval_step(config: JobConfig, shard_rows: int) -> int:
