@@ -278,30 +278,31 @@ def growth(done: list[dict]) -> None:
         print(f"    {name:28s} {unit(ys[0])} {unit(ys[-1])} {s:9.3f} {2 ** s:12.3f}x")
 
 
-def _find_rate(tree: dict, where: str) -> tuple[float, str] | None:
-    """The first ``*lines_per_s*`` / ``*lines_per_second*`` number in ``tree`` (depth first) and its path."""
+def _find_rates(tree: dict, where: str) -> list[tuple[str, float]]:
+    """Every ``*lines_per_s`` number in ``tree`` (depth first), with its path in results.json."""
+    found = []
     for key, value in tree.items():
         if isinstance(value, dict):
-            found = _find_rate(value, f"{where}.{key}")
-            if found is not None:
-                return found
+            found += _find_rates(value, f"{where}.{key}")
         elif isinstance(value, (int, float)) and "lines_per_s" in key and value > 0:
-            return float(value), f"results.json {where}.{key}"
-    return None
+            found.append((f"{where}.{key}", float(value)))
+    return found
 
 
-def parse_rate(results: dict, data: Path) -> tuple[float, str]:
-    """The reader's parse throughput (lines/s) and where it comes from."""
-    found = _find_rate(results.get("data") or {}, "data")
-    if found is not None:
+def parse_rates(results: dict, data: Path) -> list[tuple[str, float]]:
+    """The reader's parse throughputs (lines/s) that results.json reports (the data's first pass, the
+    trainers' readers), else one timed here with the job's reader on one core."""
+    found = _find_rates(results.get("data") or {}, "data")
+    found += _find_rates(results["phases"]["optimized"], "phases.optimized")
+    if found:
         return found
     from jobs.data import CriteoShard
 
     lines = sum(1 for _ in data.open("rb"))
     t0 = time.perf_counter()  # every line is parsed; every 1000th is kept
     CriteoShard(data, int(results["config"]["model"]["table_size"]), eval_fraction=0.001, split="eval")
-    return (lines / (time.perf_counter() - t0),
-            "results.json has no rate: timed here, the job's reader jobs.data.CriteoShard on one core")
+    return [("timed here (results.json has no rate): jobs.data.CriteoShard, one core",
+             lines / (time.perf_counter() - t0))]
 
 
 def parse_section(data: Path, lines: int, size: int, steps: int, port: int, work: Path) -> None:
@@ -313,12 +314,11 @@ def parse_section(data: Path, lines: int, size: int, steps: int, port: int, work
     if isinstance(results, str):
         print(f"  {results}")
         return
-    rate, source = parse_rate(results, data)
     parse = (results.get("data") or {}).get("parse") or {}
-    print(f"  parse    {rate:10.0f} lines/s  ({source}; {parse.get('valid', 0):,} valid lines, "
-          f"{sum((parse.get('malformed') or {}).values()):,} malformed)")
-    print(f"  training {qps(results):10.0f} samples/s (job QPS, 2 trainers)")
-    print(f"  parse / training = {rate / qps(results):.2f}  (> 1: parsing outruns the job's training)")
+    print(f"  {parse.get('valid', 0):,} valid lines, {sum((parse.get('malformed') or {}).values()):,} malformed; "
+          f"training {qps(results):.0f} samples/s (job QPS, 2 trainers)")
+    for source, rate in parse_rates(results, data):
+        print(f"  parse {rate:10.0f} lines/s = {rate / qps(results):6.2f} x training QPS   ({source})")
 
 
 def storage_section(data: Path, size: int, steps: int, port: int, work: Path, reuse: dict | None) -> None:
@@ -364,6 +364,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps per run (default 150; --quick 40)")
     parser.add_argument("--metrics-port", type=int, default=9520, help="base of the job's metrics ports")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic data (printed path)")
+    parser.add_argument("--parts", default="123", help="which parts to run, e.g. 13 (default: all)")
     args = parser.parse_args()
     _ensure_allocator()
     steps = args.steps or (40 if args.quick else 150)
@@ -378,11 +379,14 @@ def main() -> None:
     try:
         full = synthesize(lines, work / "data")
         small = head(full, work / "head.tsv", head_lines)
-        done = rows_section(small, sizes, steps, args.metrics_port, work, model_keys())
-        growth(done)
-        same = {r["bench_size"]: r for r in done}
-        parse_section(full, lines, 10**5, steps, args.metrics_port, work)
-        storage_section(small, storage_size, steps, args.metrics_port, work, same.get(storage_size))
+        done = rows_section(small, sizes, steps, args.metrics_port, work, model_keys()) if "1" in args.parts else []
+        if "1" in args.parts:
+            growth(done)
+        if "2" in args.parts:
+            parse_section(full, lines, 10**5, steps, args.metrics_port, work)
+        if "3" in args.parts:
+            reuse = {r["bench_size"]: r for r in done}.get(storage_size)
+            storage_section(small, storage_size, steps, args.metrics_port, work, reuse)
     finally:
         if args.keep:
             print(f"data kept in {work}")
