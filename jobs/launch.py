@@ -46,121 +46,13 @@ import torch
 from jobs import preflight, runs, table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.data import DataError, resolve_data_path
+from jobs.state import JobState, seed_snapshot, with_snapshot
+from jobs.stats import peak_rss_bytes
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases", "write_prometheus_files",
            "DASHBOARDS"]
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
-
-
-class JobState:
-    """Driver-owned actor: progress, phase results, fault markers and a deterministic error, shared by all
-    trainer restarts.
-
-    ``previous``: the results.json of an interrupted or failed run being resumed; its finished phases,
-    checkpoints, fired faults and timeline carry over (not its error).
-    """
-
-    def __init__(self, previous: dict[str, Any] | None = None) -> None:
-        prev = previous or {}
-        self.progress_steps: dict[str, int] = {}
-        self.totals: dict[str, int] = {}
-        self.starts: list[tuple[str, int]] = [tuple(x) for x in prev.get("starts", [])]
-        self.results: dict[str, Any] = dict(prev.get("phases", {}))
-        self.fired: set[str] = set(prev.get("faults_fired", []))
-        self.parse: dict[str, Any] | None = (prev.get("data") or {}).get("parse")
-        self.t0 = time.time()
-        self.events: list[tuple[float, str]] = [tuple(x) for x in prev.get("timeline", [])]
-        self.checkpoints: list[dict[str, Any]] = list(prev.get("checkpoints", []))
-        self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
-        self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
-        self.placement: dict[str, dict[str, Any]] = {}
-        self.nodes_lost: list[dict[str, Any]] = list(prev.get("nodes_lost", []))
-        self.error: dict[str, Any] | None = None
-        if previous is not None:
-            self.event(f"launcher: resuming a run that was {prev.get('status', 'unknown')}")
-
-    def fail(self, kind: str, error_type: str, message: str, rank: int) -> None:
-        """A trainer hit a deterministic error (``kind``: "config", "data" or "job"); the first one is kept
-        and every later attempt of the worker group stops at once (:func:`jobs.worker.train_loop`)."""
-        if self.error is None:
-            self.error = {"kind": kind, "type": error_type, "message": message, "rank": rank}
-            self.event(f"rank {rank}: {error_type}: {message}")
-
-    def failure(self) -> dict[str, Any] | None:
-        """The deterministic error recorded by :meth:`fail`, or None."""
-        return self.error
-
-    def fire(self, fault: str) -> bool:
-        """True the first time ``fault`` is asked for, False afterwards."""
-        if fault in self.fired:
-            return False
-        self.fired.add(fault)
-        return True
-
-    def event(self, what: str) -> None:
-        """Record ``what`` with the seconds since the job started (the report's timeline)."""
-        self.events.append((round(time.time() - self.t0, 3), what))
-
-    def checkpointed(self, phase: str, step: int, model_digest: str, tables_digest: str) -> None:
-        """A checkpoint was written: digests of its dense weights and server tables."""
-        self.checkpoints.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
-        self.event(f"checkpoint {phase} step {step}")
-
-    def restored(self, phase: str, step: int, model_digest: str, tables_digest: str) -> None:
-        """A restarted worker group loaded a checkpoint: digests of what the model and servers now hold."""
-        self.restores.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
-        self.event(f"restored {phase} step {step}")
-
-    def placed(self, name: str, info: dict[str, Any]) -> None:
-        """``name`` (``trainer<r>`` or ``ps<i>``) runs where ``info`` says (:func:`jobs.cluster.where`); the
-        latest report wins (a restarted process may run elsewhere)."""
-        self.placement[name] = dict(info)
-
-    def node_lost(self, lost: dict[str, Any]) -> None:
-        """A node that ran some of the job's processes died: ``{"node_id", "address", "ran": [names]}``
-        (:class:`jobs.cluster.NodeWatch`); Ray Train and Ray restart them on the remaining nodes."""
-        self.nodes_lost.append(dict(lost))
-        self.event(f"launcher: node {lost.get('address')} ({str(lost.get('node_id'))[:8]}) died; it ran "
-                   + ", ".join(lost.get("ran", [])))
-
-    def servers_joined(self, joined: list[dict[str, int]]) -> None:
-        """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
-        self.server_joins.append(joined)
-        self.event("servers joined: " + ", ".join(f"ps{i} pid {j['pid']} group {j['group']}"
-                                                  for i, j in enumerate(joined)))
-
-    def parse_stats(self, stats: dict[str, Any], rows: int) -> None:
-        self.parse = {**stats, "rank0_rows": rows}
-
-    def phase_started(self, phase: str, start: int, total: int) -> None:
-        self.starts.append((phase, start))
-        self.event(f"{phase} phase started at step {start}")
-        self.totals[phase] = total
-        self.progress_steps[phase] = start
-
-    def progress(self, phase: str, step: int) -> None:
-        self.progress_steps[phase] = step
-
-    def phase_done(self, phase: str, summary: dict[str, Any]) -> None:
-        """Keep the phase's summary; one that covers more of the phase (an earlier ``resumed_from_step``)
-        is kept instead: a restart after ``phase_done`` but before the phase's final checkpoint was
-        registered re-runs only the phase's last steps."""
-        kept = self.results.get(phase)
-        if kept is not None and kept.get("resumed_from_step", 0) < summary.get("resumed_from_step", 0):
-            self.event(f"{phase} phase done again (from step {summary.get('resumed_from_step')}); "
-                       f"kept the result from step {kept.get('resumed_from_step', 0)}")
-        else:
-            self.results[phase] = summary
-            self.event(f"{phase} phase done")
-        self.progress_steps[phase] = self.totals.get(phase, summary.get("steps", 0))
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
-                "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
-                "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
-                "server_joins": list(self.server_joins), "placement": dict(self.placement),
-                "nodes_lost": list(self.nodes_lost), "error": self.error}
 
 
 def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
@@ -346,19 +238,20 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                 config, plan, sizes = preflight.plan(config, data_path, local=local, log=log)
             _record_data(config, results, run_dir, data_path, data_note, plan, sizes)
             ctx["plan"] = plan
-            ctx["on_change"] = lambda snap: runs.write(run_dir, _with_snapshot(results, snap))
-            runs.write(run_dir, _with_snapshot(results, _seed_snapshot(previous)))
+            ctx["on_change"] = lambda snap: runs.write(run_dir, with_snapshot(results, snap))
+            runs.write(run_dir, with_snapshot(results, seed_snapshot(previous)))
             snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
         finally:
             if started_ray:
                 import ray
 
                 ray.shutdown()
-        results = _with_snapshot(results, snap)
+        results = with_snapshot(results, snap)
         results.update(status="completed", train_seconds=train_seconds)
         results.update(compare_phases(config, results["phases"]))
         if config.quant.enabled:
             results["inference"] = _quantize(config, final, data_path, log)
+        results["processes"]["launcher"] = {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}
     except BaseException as e:
         if run_dir.is_dir():
             _record_end(run_dir, results, ctx, e)
@@ -436,31 +329,10 @@ def _expect_cluster(config: JobConfig) -> bool:
     return bool(address)
 
 
-def _seed_snapshot(previous: dict[str, Any] | None) -> dict[str, Any]:
-    prev = previous or {}
-    return {"results": prev.get("phases", {}), "parse": (prev.get("data") or {}).get("parse"),
-            "fired": prev.get("faults_fired", []), "checkpoints": prev.get("checkpoints", []),
-            "restores": prev.get("restores", []), "events": prev.get("timeline", []),
-            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", []),
-            "nodes_lost": prev.get("nodes_lost", [])}
-
-
-def _with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, Any]:
-    """``results`` plus what the JobState snapshot says (phases finished, checkpoints, timeline...)."""
-    out = dict(results)
-    out["data"] = {**results.get("data", {}), "parse": snap.get("parse")}
-    out.update(phases=snap.get("results", {}), restarts=_restarts(snap), faults_fired=snap.get("fired", []),
-               checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
-               timeline=snap.get("events", []), starts=snap.get("starts", []),
-               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}),
-               nodes_lost=snap.get("nodes_lost", []))
-    return out
-
-
 def _record_end(run_dir: Path, results: dict[str, Any], ctx: dict[str, Any], error: BaseException) -> None:
     """Write results.json of a run that did not complete: "interrupted" (Ctrl-C) or "failed"."""
-    snap = ctx.get("snap") or _seed_snapshot(ctx.get("previous"))
-    out = _with_snapshot(results, snap)
+    snap = ctx.get("snap") or seed_snapshot(ctx.get("previous"))
+    out = with_snapshot(results, snap)
     running = {p: n for p, n in snap.get("progress", {}).items() if p not in snap.get("results", {})}
     if isinstance(error, KeyboardInterrupt):
         out.update(status="interrupted", progress=running)
@@ -550,6 +422,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
         thread.start()
         _follow(state, box, thread, not quiet and config.job.progress, ctx)
         train_seconds = time.perf_counter() - t0
+        _record_server_stats(state, servers, config.cluster.rpc_timeout_s)
         snap = ctx["snap"] = ray.get(state.snapshot.remote(), timeout=60)
         if snap.get("error"):
             raise _recorded_error(snap["error"]) from box.get("error")
@@ -568,6 +441,18 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             from jobs.ps import stop_servers
 
             stop_servers(servers)
+
+
+def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:
+    """Each server's :meth:`jobs.ps.ServerActor.stats` into the JobState (``ps<i>``); skipped when a server
+    does not answer (a dead one has nothing to report)."""
+    import ray
+
+    for i, actor in enumerate(servers):
+        try:
+            ray.get(state.process_stats.remote(f"ps{i}", ray.get(actor.stats.remote(), timeout=timeout_s)))
+        except Exception:  # noqa: BLE001 - statistics never fail a job
+            pass
 
 
 def _retarget(config: JobConfig, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str]) -> None:
@@ -589,11 +474,3 @@ def _final_state(result) -> dict[str, Any]:
                            "(/tmp/ray/session_latest/logs on the head node)")
     with checkpoint.as_directory() as d:
         return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
-
-
-def _restarts(snap: dict[str, Any]) -> int:
-    """Worker-group restarts seen: starts of a phase beyond its first (every restart starts every phase)."""
-    seen: dict[str, int] = {}
-    for phase, _ in snap.get("starts", []):
-        seen[phase] = seen.get(phase, 0) + 1
-    return max((n - 1 for n in seen.values()), default=0)

@@ -80,6 +80,8 @@ class ServerActor(ServerEndpoints):
         self.groups = 0
         self.exporter = None
         self.metrics: tuple[str, int] | None = None
+        self.server: Any = None
+        self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
         if metrics is not None:
             from jobs.cluster import serve_exporter
             from jobs.metrics import Exporter
@@ -113,6 +115,7 @@ class ServerActor(ServerEndpoints):
             set_socket_ifnames()
         server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
                               fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False)
+        self.server = server
         self.joined = True
         self.groups += 1
         self._instrument(server)
@@ -153,7 +156,17 @@ class ServerActor(ServerEndpoints):
 
         if self.joined:
             self.joined = False
+            self.held = self.server.memory()
             stop_server()
+
+    def stats(self) -> dict[str, Any]:
+        """``{"pid", "peak_rss_bytes", "rows", "bytes"}``: this process's peak RSS (:func:`jobs.stats.peak_rss_bytes`)
+        and the rows and bytes (stored rows + optimizer state, ``PSServer.memory()``) its server held in
+        the group it was in last (or is in now)."""
+        from jobs.stats import peak_rss_bytes
+
+        held = self.server.memory() if self.joined else self.held
+        return {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(), **held}
 
     def close(self) -> None:
         """Leave the group and stop the exporter (the launcher then kills the actor)."""

@@ -8,7 +8,9 @@
 {passes run}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
 ``gain_percent`` (its median), ``parity`` (:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``),
 ``restarts``, ``faults_fired``, ``placement`` (``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``,
-``hostname``, ``pid``, ``metrics`` [address, port]: :func:`jobs.cluster.where`), ``inference`` (``fp32`` / ``int8``:
+``hostname``, ``pid``, ``metrics`` [address, port]: :func:`jobs.cluster.where`), ``processes`` (``trainer<r>`` /
+``ps<i>`` / ``launcher`` -> ``pid``, ``peak_rss_bytes``: :func:`jobs.stats.peak_rss_bytes` at the process's end;
+a server's also ``rows`` and ``bytes`` held: ``PSServer.memory()``, stored rows + optimizer state), ``inference`` (``fp32`` / ``int8``:
 ``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized; ``isa``; ``layers``:
 the per-layer int8 choice of ``quant.select_int8``; ``kept_fp32``: no layer paid, the int8 row is the fp32 model) and
 ``run_dir``.

@@ -6,13 +6,15 @@ Pure functions over tensors and lists, so they are tested without Ray.
 from __future__ import annotations
 
 import math
+import resource
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["auc", "auc_standard_error", "log_loss", "binary_metrics", "regression_metrics", "percentile", "phase_summary", "qps_series",
-           "gain_percent", "median_interval", "interleaved_gain", "parity_check"]
+           "gain_percent", "median_interval", "interleaved_gain", "parity_check", "peak_rss_bytes"]
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -135,6 +137,13 @@ def phase_summary(runs: Sequence[Any], batch_size: int) -> dict[str, Any]:
         "qps_series": [(t, q * world) for t, q in qps_series(runs[0].times, batch_size)],
         "loss_series": list(runs[0].losses),
     }
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (``getrusage(RUSAGE_SELF).ru_maxrss``: KiB on
+    Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def gain_percent(baseline: float, optimized: float) -> float:

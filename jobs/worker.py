@@ -44,7 +44,7 @@ from torch import nn
 from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
-from jobs.stats import interleaved_gain, phase_summary
+from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
 from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload
 
 __all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
@@ -413,10 +413,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 def _train_loop(loop_config: dict[str, Any]) -> None:
     """Run every phase of the job on this trainer.
 
-    ``loop_config`` keys: ``config`` (the job config as plain dicts), ``data_path``, ``run_dir``,
-    ``metrics_port`` (base port, or None), ``state`` (the JobState actor handle), ``servers`` (the
-    launcher's parameter-server actor handles), ``rpc_host``.
+    ``loop_config`` keys: ``config`` (the job config as plain dicts), ``data_path``, ``data_plan``, ``run_dir``,
+    ``metrics_port`` (base port, or None), ``state`` (the JobState actor), ``servers`` (server actors), ``rpc_host``.
     """
+    import ray
     import ray.train
 
     from jobs.cluster import serve_exporter, where
@@ -448,10 +448,10 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         graceful = True
     finally:
         tables.close(graceful=graceful)
-        if hasattr(workload, "close"):
-            workload.close()
+        workload.close()
         if exporter is not None:
             exporter.close()
+    ray.get(state.process_stats.remote(f"trainer{rank}", {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}))
 
 
 def eval_step(config: JobConfig, shard_rows: int) -> int:

@@ -1,6 +1,7 @@
 """The job on 200k synthetic Criteo lines (``fxdist data synth``) with per-feature table sizes from the data and
 the servers' rows in FBGEMM's fused 8-bit form: it learns the synthetic label (held-out AUC > 0.6), both phases
-still train bit-identically, and the run records the cardinalities and the readers' parse throughput."""
+still train bit-identically, the run records the cardinalities and the readers' parse throughput, and
+results.json has every process's peak RSS and the rows and bytes the server held."""
 
 from __future__ import annotations
 
@@ -36,4 +37,12 @@ def test_synthetic_200k_lines_with_8bit_server_rows(ray_session, tmp_path, capsy
         assert quality["rows"] == 10_000 and quality["auc"] > 0.6, quality  # measured 0.736 (seed 3)
         assert results["phases"][phase]["reader"]["lines_per_s"] > 0
     assert results["parity"]["ok"] and results["parity"]["identical_losses"]
+    processes = results["processes"]  # peak RSS of every process, and what the server holds
+    assert sorted(processes) == ["launcher", "ps0", "trainer0", "trainer1"]
+    for name, stats in processes.items():
+        assert 50 * 2**20 < stats["peak_rss_bytes"] < 16 * 2**30, (name, stats)
+    server = processes["ps0"]
+    assert server["rows"] == 2 * sum(results["tables"]["sizes"])  # a table set per phase
+    assert server["bytes"] == server["rows"] * (16 + 8 + 4)  # fused 8-bit rows (D + 8 bytes) + fp32 Adagrad state
+    assert server["peak_rss_bytes"] > server["bytes"]
     assert "parity of the optimized phase (async_rpc_prefetch): OK" in capsys.readouterr().out

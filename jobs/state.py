@@ -1,0 +1,158 @@
+"""The launcher's record of a job: the :class:`JobState` actor, shared by every trainer restart, and the
+results.json fields made from its snapshots.
+
+Source: Ray actors as shared state (Ray Core "Actors" guide).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["JobState", "seed_snapshot", "with_snapshot", "restart_count"]
+
+
+class JobState:
+    """Driver-owned actor: progress, phase results, fault markers and a deterministic error, shared by all
+    trainer restarts.
+
+    ``previous``: the results.json of an interrupted or failed run being resumed; its finished phases,
+    checkpoints, fired faults and timeline carry over (not its error).
+    """
+
+    def __init__(self, previous: dict[str, Any] | None = None) -> None:
+        prev = previous or {}
+        self.progress_steps: dict[str, int] = {}
+        self.totals: dict[str, int] = {}
+        self.starts: list[tuple[str, int]] = [tuple(x) for x in prev.get("starts", [])]
+        self.results: dict[str, Any] = dict(prev.get("phases", {}))
+        self.fired: set[str] = set(prev.get("faults_fired", []))
+        self.parse: dict[str, Any] | None = (prev.get("data") or {}).get("parse")
+        self.t0 = time.time()
+        self.events: list[tuple[float, str]] = [tuple(x) for x in prev.get("timeline", [])]
+        self.checkpoints: list[dict[str, Any]] = list(prev.get("checkpoints", []))
+        self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
+        self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
+        self.placement: dict[str, dict[str, Any]] = {}
+        self.nodes_lost: list[dict[str, Any]] = list(prev.get("nodes_lost", []))
+        self.processes: dict[str, dict[str, Any]] = dict(prev.get("processes", {}))
+        self.error: dict[str, Any] | None = None
+        if previous is not None:
+            self.event(f"launcher: resuming a run that was {prev.get('status', 'unknown')}")
+
+    def fail(self, kind: str, error_type: str, message: str, rank: int) -> None:
+        """A trainer hit a deterministic error (``kind``: "config", "data" or "job"); the first one is kept
+        and every later attempt of the worker group stops at once (:func:`jobs.worker.train_loop`)."""
+        if self.error is None:
+            self.error = {"kind": kind, "type": error_type, "message": message, "rank": rank}
+            self.event(f"rank {rank}: {error_type}: {message}")
+
+    def failure(self) -> dict[str, Any] | None:
+        """The deterministic error recorded by :meth:`fail`, or None."""
+        return self.error
+
+    def fire(self, fault: str) -> bool:
+        """True the first time ``fault`` is asked for, False afterwards."""
+        if fault in self.fired:
+            return False
+        self.fired.add(fault)
+        return True
+
+    def event(self, what: str) -> None:
+        """Record ``what`` with the seconds since the job started (the report's timeline)."""
+        self.events.append((round(time.time() - self.t0, 3), what))
+
+    def checkpointed(self, phase: str, step: int, model_digest: str, tables_digest: str) -> None:
+        """A checkpoint was written: digests of its dense weights and server tables."""
+        self.checkpoints.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
+        self.event(f"checkpoint {phase} step {step}")
+
+    def restored(self, phase: str, step: int, model_digest: str, tables_digest: str) -> None:
+        """A restarted worker group loaded a checkpoint: digests of what the model and servers now hold."""
+        self.restores.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
+        self.event(f"restored {phase} step {step}")
+
+    def placed(self, name: str, info: dict[str, Any]) -> None:
+        """``name`` (``trainer<r>`` or ``ps<i>``) runs where ``info`` says (:func:`jobs.cluster.where`); the
+        latest report wins (a restarted process may run elsewhere)."""
+        self.placement[name] = dict(info)
+
+    def node_lost(self, lost: dict[str, Any]) -> None:
+        """A node that ran some of the job's processes died: ``{"node_id", "address", "ran": [names]}``
+        (:class:`jobs.cluster.NodeWatch`); Ray Train and Ray restart them on the remaining nodes."""
+        self.nodes_lost.append(dict(lost))
+        self.event(f"launcher: node {lost.get('address')} ({str(lost.get('node_id'))[:8]}) died; it ran "
+                   + ", ".join(lost.get("ran", [])))
+
+    def process_stats(self, name: str, stats: dict[str, Any]) -> None:
+        """What process ``name`` (``trainer<r>``, ``ps<i>``) measured at its end: ``pid``, ``peak_rss_bytes``
+        (and a server's ``rows`` / ``bytes`` held); the latest report wins."""
+        self.processes[name] = dict(stats)
+
+    def servers_joined(self, joined: list[dict[str, int]]) -> None:
+        """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
+        self.server_joins.append(joined)
+        self.event("servers joined: " + ", ".join(f"ps{i} pid {j['pid']} group {j['group']}"
+                                                  for i, j in enumerate(joined)))
+
+    def parse_stats(self, stats: dict[str, Any], rows: int) -> None:
+        self.parse = {**stats, "rank0_rows": rows}
+
+    def phase_started(self, phase: str, start: int, total: int) -> None:
+        self.starts.append((phase, start))
+        self.event(f"{phase} phase started at step {start}")
+        self.totals[phase] = total
+        self.progress_steps[phase] = start
+
+    def progress(self, phase: str, step: int) -> None:
+        self.progress_steps[phase] = step
+
+    def phase_done(self, phase: str, summary: dict[str, Any]) -> None:
+        """Keep the phase's summary; one that covers more of the phase (an earlier ``resumed_from_step``)
+        is kept instead: a restart after ``phase_done`` but before the phase's final checkpoint was
+        registered re-runs only the phase's last steps."""
+        kept = self.results.get(phase)
+        if kept is not None and kept.get("resumed_from_step", 0) < summary.get("resumed_from_step", 0):
+            self.event(f"{phase} phase done again (from step {summary.get('resumed_from_step')}); "
+                       f"kept the result from step {kept.get('resumed_from_step', 0)}")
+        else:
+            self.results[phase] = summary
+            self.event(f"{phase} phase done")
+        self.progress_steps[phase] = self.totals.get(phase, summary.get("steps", 0))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
+                "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
+                "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
+                "server_joins": list(self.server_joins), "placement": dict(self.placement),
+                "nodes_lost": list(self.nodes_lost), "processes": dict(self.processes), "error": self.error}
+
+
+def seed_snapshot(previous: dict[str, Any] | None) -> dict[str, Any]:
+    """A :meth:`JobState.snapshot` as the results.json ``previous`` of a resumed run left it."""
+    prev = previous or {}
+    return {"results": prev.get("phases", {}), "parse": (prev.get("data") or {}).get("parse"),
+            "fired": prev.get("faults_fired", []), "checkpoints": prev.get("checkpoints", []),
+            "restores": prev.get("restores", []), "events": prev.get("timeline", []),
+            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", []),
+            "nodes_lost": prev.get("nodes_lost", []), "processes": prev.get("processes", {})}
+
+
+def with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, Any]:
+    """``results`` plus what the JobState snapshot says (phases finished, checkpoints, timeline...)."""
+    out = dict(results)
+    out["data"] = {**results.get("data", {}), "parse": snap.get("parse")}
+    out.update(phases=snap.get("results", {}), restarts=restart_count(snap), faults_fired=snap.get("fired", []),
+               checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
+               timeline=snap.get("events", []), starts=snap.get("starts", []),
+               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}),
+               nodes_lost=snap.get("nodes_lost", []), processes=dict(snap.get("processes", {})))
+    return out
+
+
+def restart_count(snap: dict[str, Any]) -> int:
+    """Worker-group restarts seen: starts of a phase beyond its first (every restart starts every phase)."""
+    seen: dict[str, int] = {}
+    for phase, _ in snap.get("starts", []):
+        seen[phase] = seen.get(phase, 0) + 1
+    return max((n - 1 for n in seen.values()), default=0)
