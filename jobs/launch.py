@@ -256,6 +256,13 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         if run_dir.is_dir():
             _record_end(run_dir, results, ctx, e)
         raise
+    _report(config, results, run_dir, quiet, log)
+    return results
+
+
+def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bool, log: Any) -> None:
+    """Write results.json and the plot, print the table; raise :class:`ParityError` (``[phases] parity =
+    "error"``) when the optimized phase did not train like the baseline."""
     from jobs import report
 
     results.pop("launcher", None)
@@ -268,7 +275,6 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         raise ParityError(f"parity check failed: the optimized phase (passes {list(config.phases.passes)}) "
                           f"{report.parity_problem(parity)}; results kept in {run_dir / 'results.json'} "
                           '(set [phases] parity = "warn" to accept a difference)')
-    return results
 
 
 def _record_data(config: JobConfig, results: dict[str, Any], run_dir: Path, data_path: Path | None, note: str,
