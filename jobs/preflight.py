@@ -32,6 +32,8 @@ __all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports
 GIB = 1024**3
 FLOAT_BYTES = 4
 DENSE_COPIES = 4
+PROCESS_BASE_BYTES = 512 * 1024**2
+"""Fixed cost of each process of a job (Python, torch, torchrec, Ray; 0.4-0.6 GiB each in benchmarks/scale.py)."""
 """Per trainer and phase: dense weights, their gradients, Adagrad's ``sum`` state and DDP's gradient buckets."""
 
 
@@ -189,13 +191,16 @@ class MemoryEstimate:
     server_bytes: int = 0
     """The servers' own table sets (one per phase), rows in ``[model] server_storage`` form plus the fp32
     row-wise Adagrad state."""
+    fixed_bytes: int = 0
+    """Every process's :data:`PROCESS_BASE_BYTES`, plus the launcher's float32 copy of the final tables (it loads
+    the last checkpoint for the int8 comparison, ``[quant] enabled``)."""
     processes: dict[str, int] = field(default_factory=dict)
     """Peak bytes per process: ``trainer<r>``, ``ps<i>`` (its table-wise shards, :func:`scheduling.ps.plan_shards`);
     they add up to :attr:`total_bytes`."""
 
     @property
     def total_bytes(self) -> int:
-        return self.tables_bytes * self.table_copies + self.server_bytes + self.dense_bytes
+        return self.tables_bytes * self.table_copies + self.server_bytes + self.dense_bytes + self.fixed_bytes
 
 
 def dense_parameters(config: JobConfig) -> int:
@@ -243,11 +248,14 @@ def estimate_memory(config: JobConfig) -> MemoryEstimate:
         procs["trainer0"] += (server_table_copies(phases) - 1) * copy  # the gathered checkpoint and the snapshot
         for i, n in enumerate(_server_rows(config)):  # its tables per phase, and its state_dict answer
             procs[f"ps{i}"] = phases * n * (stored_row + state_row) + n * (width + state_row)
-        return MemoryEstimate(copy, server_table_copies(phases), dense, phases * rows * (stored_row + state_row),
-                              procs)
-    for r in range(c.trainers):
-        procs[f"trainer{r}"] += 2 * phases * rows * width + (rows * width if r == 0 else 0)
-    return MemoryEstimate(rows * width, 2 * c.trainers * phases + 1, dense, 0, procs)
+        copies, server = server_table_copies(phases), phases * rows * (stored_row + state_row)
+    else:
+        for r in range(c.trainers):
+            procs[f"trainer{r}"] += 2 * phases * rows * width + (rows * width if r == 0 else 0)
+        copy, copies, server = rows * width, 2 * c.trainers * phases + 1, 0
+    launcher = rows * width if config.quant.enabled else 0
+    procs = {name: n + PROCESS_BASE_BYTES for name, n in {**procs, "launcher": launcher}.items()}
+    return MemoryEstimate(copy, copies, dense, server, len(procs) * PROCESS_BASE_BYTES + launcher, procs)
 
 
 def available_memory_bytes() -> int:
@@ -310,5 +318,6 @@ def _memory_message(config: JobConfig, estimate: MemoryEstimate, available: int)
             f"more than the {available / GIB:.1f} GiB this machine has available. One copy of the 26 tables "
             f"({where}) is {estimate.tables_bytes / GIB:.2f} GiB and about {estimate.table_copies} float32 copies "
             f"exist at a checkpoint, besides the servers' own ({estimate.server_bytes / GIB:.2f} GiB, [model] "
-            f"server_storage = {m.server_storage!r}); the dense models take {estimate.dense_bytes / GIB:.2f} GiB. "
+            f"server_storage = {m.server_storage!r}); the dense models take {estimate.dense_bytes / GIB:.2f} GiB, the "
+            f"processes' fixed costs and the launcher's copy {estimate.fixed_bytes / GIB:.2f} GiB. "
             f"Per process (GiB): {procs}. Use {', or '.join(fixes)}")

@@ -140,7 +140,9 @@ def test_memory_estimate_counts_tables_optimizer_state_and_copies():
     assert preflight.dense_parameters(config) == bottom + top
     fits = preflight.check_memory(config, available=est.total_bytes)
     assert fits == est
-    with pytest.raises(ConfigError, match=r"more than the 0\.0 GiB this machine has available"):
+    assert est.fixed_bytes == 4 * preflight.PROCESS_BASE_BYTES + 26 * 1000 * 8 * 4  # 4 processes + the launcher's copy
+    assert est.total_bytes == sum(est.processes.values()) and sorted(est.processes) == ["launcher", "ps0", "trainer0", "trainer1"]
+    with pytest.raises(ConfigError, match=r"needs about 2\.0 GiB, more than the 2\.0 GiB this machine has available"):
         preflight.check_memory(config, available=est.total_bytes - 1)
     assert preflight.available_memory_bytes() > 0
 
