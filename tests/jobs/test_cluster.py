@@ -140,12 +140,15 @@ class NetnsCluster:
                     raise
                 self._end(self.hosts[host], signal.SIGKILL, 10.0)
 
-    def _end(self, ns: str, sig: int, wait: float) -> None:
+    def _signal(self, ns: str, sig: int) -> None:
         for pid in self._pids(ns):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
+    def _end(self, ns: str, sig: int, wait: float) -> None:
+        self._signal(ns, sig)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and self._pids(ns):
             time.sleep(0.2)
@@ -169,11 +172,7 @@ class NetnsCluster:
         """End every process in the namespaces (by pid), delete namespaces and bridge; never raises."""
         for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
             for ns in self.made_hosts:
-                for pid in self._pids(ns):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
+                self._signal(ns, sig)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and any(self._pids(ns) for ns in self.made_hosts):
                 time.sleep(0.2)
