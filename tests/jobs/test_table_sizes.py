@@ -106,7 +106,7 @@ def test_the_model_takes_per_table_sizes(data):
     assert [bags[f"t_{key}"].weight.shape[0] for key in criteo.FEATURES] == config.table_sizes
     ids = torch.tensor([[s - 1 for s in config.table_sizes]] * 3)  # the last row of every table
     assert model(torch.zeros(3, 13), criteo.to_kjt(ids)).shape == (3, 1)
-    with pytest.raises(RuntimeError, match="index"):  # one past the last row of each table
+    with pytest.raises(RuntimeError, match="(?i)index"):  # one past the last row of each table (message varies)
         model(torch.zeros(3, 13), criteo.to_kjt(ids + 1))
 
 
