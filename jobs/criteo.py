@@ -80,13 +80,9 @@ def to_kjt(ids: torch.Tensor) -> Any:
     Raises:
         ValueError: ``ids`` is not ``(B, 26)``.
     """
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from scheduling.criteo import criteo_kjt  # imports torchrec: only when a batch is made
 
-    if ids.dim() != 2 or ids.shape[1] != NUM_SPARSE:
-        raise ValueError(f"to_kjt: expected (B, {NUM_SPARSE}) ids, got {tuple(ids.shape)}")
-    batch = ids.shape[0]
-    return KeyedJaggedTensor(keys=list(FEATURES), values=ids.t().reshape(-1),
-                             lengths=torch.ones(batch * NUM_SPARSE, dtype=torch.int32))
+    return criteo_kjt(ids)
 
 
 def model_inputs(batch: Batch) -> tuple[torch.Tensor, Any, torch.Tensor]:

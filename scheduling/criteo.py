@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-__all__ = ["criteo_tables", "criteo_dlrm", "criteo_batches", "CRITEO_DENSE", "CRITEO_SPARSE"]
+__all__ = ["criteo_tables", "criteo_dlrm", "criteo_batches", "criteo_kjt", "CRITEO_DENSE", "CRITEO_SPARSE"]
 
 CRITEO_DENSE = 13
 CRITEO_SPARSE = 26
@@ -51,6 +51,18 @@ def criteo_dlrm(num_embeddings: int = 1000, dim: int = 16, num_tables: int = CRI
     ebc = EmbeddingBagCollection(tables=criteo_tables(num_embeddings, dim, num_tables))
     return DLRM(embedding_bag_collection=ebc, dense_in_features=CRITEO_DENSE,
                 dense_arch_layer_sizes=list(dense_layers), over_arch_layer_sizes=list(over_layers))
+
+
+def criteo_kjt(sparse: torch.Tensor) -> Any:
+    """``(B, 26)`` ids -> torchrec ``KeyedJaggedTensor`` with keys ``C1..C26``, one id per bag.
+
+    Raises:
+        ValueError: ``sparse`` is not ``(B, 26)``.
+    """
+    if sparse.dim() != 2 or sparse.shape[1] != CRITEO_SPARSE:
+        raise ValueError(f"criteo_kjt: expected ids of shape (B, {CRITEO_SPARSE}), got {tuple(sparse.shape)}")
+    return KeyedJaggedTensor(keys=[f"C{i + 1}" for i in range(CRITEO_SPARSE)], values=sparse.t().reshape(-1),
+                             lengths=torch.ones(sparse.numel(), dtype=torch.int32))
 
 
 def _parse_criteo(path: Path, limit: int | None) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:

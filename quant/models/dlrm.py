@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 import fxdist as fx
+from scheduling.criteo import criteo_kjt
 
 __all__ = ["load_criteo", "criteo_kjt", "train_dlrm", "quantize_tables", "trace_dlrm",
            "default_criteo_path"]
 
 NUM_DENSE, NUM_SPARSE = 13, 26
-KEYS = [f"C{i}" for i in range(1, NUM_SPARSE + 1)]
 
 
 def default_criteo_path() -> Path:
@@ -68,20 +68,6 @@ def load_criteo(path: str | Path | None = None, *, table_size: int = 1000) -> tu
         ])
     dense_t = torch.tensor(dense).clamp_min(0).log1p()
     return dense_t, torch.tensor(sparse, dtype=torch.long), torch.tensor(labels)
-
-
-def criteo_kjt(sparse: torch.Tensor) -> Any:
-    """``(B, 26)`` ids -> torchrec ``KeyedJaggedTensor`` with keys ``C1..C26``, one id per bag.
-
-    Raises:
-        ValueError: ``sparse`` is not ``(B, 26)``.
-    """
-    from torchrec import KeyedJaggedTensor
-
-    if sparse.dim() != 2 or sparse.shape[1] != NUM_SPARSE:
-        raise ValueError(f"criteo_kjt: expected ids of shape (B, {NUM_SPARSE}), got {tuple(sparse.shape)}")
-    return KeyedJaggedTensor(keys=KEYS, values=sparse.t().reshape(-1),
-                             lengths=torch.ones(sparse.numel(), dtype=torch.int32))
 
 
 def train_dlrm(
