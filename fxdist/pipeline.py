@@ -221,9 +221,16 @@ def _same_state(a: nn.Module, b: nn.Module) -> bool:
         y = sb[key]
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             continue
-        if x is not y and (x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.detach(), y.detach())):
+        if x is not y and not _same_tensor(x, y):
             return False
     return True
+
+
+def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Same shape, dtype, device and values (``meta`` tensors have no values: shape, dtype and device)."""
+    if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+        return False
+    return x.is_meta or torch.equal(x.detach(), y.detach())
 
 
 def _restore_originals(result: nn.Module, original: nn.Module, prefix: str = "") -> None:
@@ -240,7 +247,7 @@ def _restore_originals(result: nn.Module, original: nn.Module, prefix: str = "")
             _restore_originals(child, original, prefix=f"{qualname}.")
     for name, value in list(result.named_parameters(recurse=False)):
         orig = dict(original.named_parameters()).get(f"{prefix}{name}")
-        if orig is not None and orig is not value and orig.shape == value.shape and torch.equal(orig, value):
+        if orig is not None and orig is not value and _same_tensor(orig, value):
             setattr(result, name, orig)
 
 
@@ -248,8 +255,11 @@ def _run_passes(gm: Any, named: list[tuple[str, Callable]], example_inputs: Sequ
     from fxdist.passes.pass_base import PassManager
 
     manager = PassManager([_Adapter(n, fn) for n, fn in named])
+    # PassManager works on a copy; check that the module can be copied at all (its tensors shared in this
+    # check, so that large tables are not copied twice)
+    shared = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
     try:
-        copy.deepcopy(gm)  # PassManager works on a copy; check that the module can be copied at all
+        copy.deepcopy(gm, shared)
     except Exception as e:  # e.g. modules holding RPC handles
         gm.meta.setdefault("fxdist", {})["copy_failed"] = f"{type(e).__name__}: {e}"
         return _run_in_place(manager, gm, example_inputs)

@@ -41,37 +41,34 @@ def table_sizes(config: Any) -> list[int]:
     return list(config.table_sizes)
 
 
-def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool = True) -> nn.Module:
-    """torchrec's DLRM of the ``[model]`` keys, initialised from ``torch.manual_seed([job] seed)``.
+def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool = True,
+         tables_device: str | torch.device | None = None) -> nn.Module:
+    """torchrec's DLRM of the ``[model]`` keys (:func:`scheduling.criteo.criteo_dlrm`), seeded by ``[job] seed``.
 
     Args:
         config: the job config (:class:`jobs.config.JobConfig`).
         sizes: rows per table, in :data:`FEATURES` order (default :func:`table_sizes`).
         sparse_grad: the tables give sparse gradients (tables kept in the trainers: DDP all-reduces only the rows
             a step touched, and Adagrad updates only those).
+        tables_device: ``"meta"`` for tables the ``parameter_servers`` pass moves: the trainer allocates none of
+            their memory, and the servers initialise them (same distribution, seeded by ``[job] seed``).
 
     Returns:
-        ``torchrec.models.dlrm.DLRM``; its tables are initialised as torchrec does (uniform in
-        ``±sqrt(1 / rows)``), the same weights on every call with the same seed.
+        ``torchrec.models.dlrm.DLRM``; the same weights on every call with the same seed (the arches' weights
+        do not depend on ``sizes`` or ``tables_device``).
 
     Raises:
         ValueError: ``sizes`` does not have one positive size per feature.
     """
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.models.dlrm import DLRM
+    from scheduling.criteo import criteo_dlrm  # imports torchrec: only when the model is built
 
     m = config.model
     sizes = table_sizes(config) if sizes is None else [int(n) for n in sizes]
-    if len(sizes) != NUM_SPARSE or min(sizes) < 1:
+    if len(sizes) != NUM_SPARSE:
         raise ValueError(f"dlrm: expected {NUM_SPARSE} positive table sizes (one per Criteo feature), got {sizes}")
-    torch.manual_seed(config.job.seed)
-    ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=m.embedding_dim, num_embeddings=n, feature_names=[f])
-        for f, n in zip(FEATURES, sizes)])
-    for bag in ebc.embedding_bags.values():
-        bag.sparse = sparse_grad
-    return DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
-                dense_arch_layer_sizes=[*m.bottom_mlp, m.embedding_dim], over_arch_layer_sizes=[*m.top_mlp, 1])
+    return criteo_dlrm(sizes, m.embedding_dim, NUM_SPARSE, dense_layers=[*m.bottom_mlp, m.embedding_dim],
+                       over_layers=[*m.top_mlp, 1], sparse_grad=sparse_grad, tables_device=tables_device,
+                       seed=config.job.seed)
 
 
 def to_kjt(ids: torch.Tensor) -> Any:

@@ -426,7 +426,7 @@ class _PhaseTables(_FetchTimer):
                                  servers=tuple(self.owner.servers), client=f"{CLIENT}-{self.phase}",
                                  timeout_s=c.cluster.rpc_timeout_s, verbose=self.rank == 0, rank=self.rank,
                                  world_size=self.owner.world, group=self.owner.group,
-                                 storage=c.model.server_storage)
+                                 storage=c.model.server_storage, seed=c.job.seed)
 
     def attach(self, gm: Any) -> None:
         """``gm`` went through :meth:`placement_pass`: time its clients' fetches; wait until every rank has

@@ -45,7 +45,7 @@ from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
-from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload
+from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload, release_tables
 
 __all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
 
@@ -125,9 +125,9 @@ class PhaseTrainer:
         self.phase, self.model, self.tables, self.config, self.exporter = phase, model, tables, config, exporter
         self.workload = CriteoWorkload(config, data) if isinstance(data, CriteoShard) else data
         self.device = _device(config)
-        model.to(self.device)
+        model._apply(lambda t: t if t.is_meta else t.to(self.device))  # tables on meta stay there (servers')
         self.module, self.info = _make_trained_module(model, phase, config, tables)
-        _release_tables(model, tables.moved)
+        release_tables(model, tables.moved)
         # a model on servers is evaluated through its module (its own tables left the trainer)
         self.evaluated = self.module if hasattr(tables, "attach") else model
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -355,15 +355,6 @@ def _save_checkpoint(step: int, trainers: dict[str, PhaseTrainer], early: dict[s
 def _plain_state(state: dict) -> dict:
     """State dict with server-side entries (non-tensors) dropped."""
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def _release_tables(model: nn.Module, moved: frozenset[str]) -> None:
-    """Free the eager model's copy of the tables the ``parameter_servers`` pass moved (``"<path>.weight"``
-    keys): the servers hold them now, and the trainer keeps no table memory (the module it trains no longer
-    refers to them; each weight becomes a ``(0, D)`` tensor)."""
-    for key in moved:
-        module = model.get_submodule(key.removesuffix(".weight"))
-        module.weight = nn.Parameter(module.weight.new_empty(0, module.weight.shape[-1]), requires_grad=False)
 
 
 def _load_checkpoint() -> dict | None:

@@ -44,7 +44,7 @@ from jobs.criteo_stream import CriteoStream, DataPlan, SharedBatches, scan
 from jobs.data import CriteoShard, DataError
 
 __all__ = ["build_model", "criteo_shard", "CriteoWorkload", "UserWorkload", "make_workload", "LocalTables",
-           "make_tables", "inference_batches"]
+           "make_tables", "release_tables", "inference_batches"]
 
 
 def build_model(config: JobConfig) -> nn.Module:
@@ -173,6 +173,12 @@ class CriteoWorkload(UserWorkload):
         self._loss = entry.loss_fn(config)
         self._train_step = None
 
+    def build(self, view: Any) -> nn.Module:
+        """The built-in DLRM (:func:`jobs.criteo.dlrm`); with parameter servers (``view`` not local) its tables
+        are on the ``meta`` device: the trainer allocates none of them and the servers initialise them (the
+        ``parameter_servers`` pass, seeded by ``[job] seed``), the same rows for every phase."""
+        return criteo.dlrm(self.config, tables_device=None if getattr(view, "local", True) else "meta")
+
     def train_batches(self, start: int = 0) -> Iterator[Any]:
         """Endless batches from batch ``start``; a stream's are read once and shared by the ``readers`` phases
         (a further call makes a new stream)."""
@@ -280,6 +286,15 @@ class LocalTables:
 
     def close(self, graceful: bool = True) -> None:
         pass
+
+
+def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
+    """Free the eager model's copy of the tables the ``parameter_servers`` pass moved (``"<path>.weight"``
+    keys): the servers hold them now, and the trainer keeps no table memory (the module it trains no longer
+    refers to them; each weight becomes a ``(0, D)`` tensor)."""
+    for key in moved:
+        module = model.get_submodule(key.removesuffix(".weight"))
+        module.weight = nn.Parameter(module.weight.new_empty(0, module.weight.shape[-1]), requires_grad=False)
 
 
 def make_tables(config: JobConfig, rank: int, world: int, loop_config: dict[str, Any], exporter: Any) -> Any:

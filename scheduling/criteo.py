@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,27 +29,59 @@ CRITEO_SPARSE = 26
 
 
 # ---- Criteo ---------------------------------------------------------------------------------------------
-def criteo_tables(num_embeddings: int = 1000, dim: int = 16, num_tables: int = CRITEO_SPARSE) -> list[EmbeddingBagConfig]:
-    """One table per categorical feature ``C1..C<num_tables>`` (ids hashed modulo ``num_embeddings``)."""
-    return [EmbeddingBagConfig(name=f"t_C{i}", embedding_dim=dim, num_embeddings=num_embeddings,
-                               feature_names=[f"C{i}"]) for i in range(1, num_tables + 1)]
+def criteo_tables(num_embeddings: int | Sequence[int] = 1000, dim: int = 16,
+                  num_tables: int = CRITEO_SPARSE) -> list[EmbeddingBagConfig]:
+    """One table ``t_Cj`` per categorical feature ``C1..C<num_tables>``: ``num_embeddings`` rows each (the hash
+    buckets of that feature's ids), or one size per feature.
+
+    Raises:
+        ValueError: a list of sizes whose length is not ``num_tables``, or a size below 1.
+    """
+    sizes = [int(num_embeddings)] * num_tables if isinstance(num_embeddings, int) else [int(n) for n in num_embeddings]
+    if len(sizes) != num_tables or min(sizes, default=1) < 1:
+        raise ValueError(f"criteo_tables: expected {num_tables} positive table sizes (one per feature), got {sizes}")
+    return [EmbeddingBagConfig(name=f"t_C{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"C{i}"])
+            for i, n in enumerate(sizes, 1)]
 
 
-def criteo_dlrm(num_embeddings: int = 1000, dim: int = 16, num_tables: int = CRITEO_SPARSE,
-                dense_layers: Sequence[int] = (64, 16), over_layers: Sequence[int] = (64, 1)) -> nn.Module:
+def criteo_dlrm(num_embeddings: int | Sequence[int] = 1000, dim: int = 16, num_tables: int = CRITEO_SPARSE,
+                dense_layers: Sequence[int] = (64, 16), over_layers: Sequence[int] = (64, 1), *,
+                sparse_grad: bool = False, tables_device: str | torch.device | None = None,
+                seed: int | None = None) -> nn.Module:
     """torchrec's ``DLRM`` over :func:`criteo_tables` (an ``EmbeddingBagCollection``) and the 13 dense features.
 
     Shapes: ``forward(dense_features (B, 13) float, sparse_features KJT with keys C1..)`` -> logits ``(B, 1)``.
 
+    Args:
+        num_embeddings: rows of every table, or one size per feature (:func:`criteo_tables`).
+        dim: the embedding dim; ``dense_layers`` must end there.
+        sparse_grad: the tables give sparse gradients (tables trained in the trainer: DDP all-reduces and
+            Adagrad updates only the rows a step touched).
+        tables_device: where the tables live; ``"meta"`` allocates nothing (shapes only), for tables that the
+            ``parameter_servers`` pass moves and the servers initialise (:func:`scheduling.parameter_servers`).
+        seed: if given, the tables are initialised from ``torch.manual_seed(seed)`` and the dense and over arches
+            from ``torch.manual_seed(seed + 1)``, so the arches' weights do not depend on ``tables_device`` or
+            on the table sizes; None: from the global generator as it stands.
+
+    Returns:
+        ``torchrec.models.dlrm.DLRM``; tables initialised as torchrec does (uniform in ``±sqrt(1 / rows)``).
+
     Raises:
         ValueError: ``dense_layers[-1] != dim`` (torchrec's interaction needs the dense arch to end at the
-            embedding dim).
+            embedding dim), or bad table sizes (:func:`criteo_tables`).
     """
     from torchrec.models.dlrm import DLRM
 
     if not dense_layers or dense_layers[-1] != dim:
         raise ValueError(f"criteo_dlrm: dense_layers must end at the embedding dim {dim}, got {list(dense_layers)}")
-    ebc = EmbeddingBagCollection(tables=criteo_tables(num_embeddings, dim, num_tables))
+    tables = criteo_tables(num_embeddings, dim, num_tables)
+    if seed is not None:
+        torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(tables=tables, device=None if tables_device is None else torch.device(tables_device))
+    for bag in ebc.embedding_bags.values():
+        bag.sparse = sparse_grad
+    if seed is not None:
+        torch.manual_seed(seed + 1)
     return DLRM(embedding_bag_collection=ebc, dense_in_features=CRITEO_DENSE,
                 dense_arch_layer_sizes=list(dense_layers), over_arch_layer_sizes=list(over_layers))
 

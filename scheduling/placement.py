@@ -164,9 +164,10 @@ def _use_shards(client: Any, shards: list[Any]) -> None:
 def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
                   placed: dict[str, TablePlacement], servers: list[str], prefix: str, optimizer: str,
                   kwargs: Mapping[str, float], timeout_s: float, group: tuple[int, int, str | None] = (0, 1, None),
-                  storage: str = "fp32") -> dict[str, Any]:
+                  storage: str = "fp32", seed: int = 0) -> dict[str, Any]:
     """One PSClient per module (its namespace on the servers, rows stored as ``storage``); rank 0 of ``group``
-    ``(rank, world_size, key)`` sets the tables to the module's weights, the other ranks attach to them."""
+    ``(rank, world_size, key)`` sets the tables to the module's weights (the servers initialise those on the
+    ``meta`` device from ``seed``), the other ranks attach to them."""
     from .ps.client import PSClient
 
     rank, world_size, key = group
@@ -176,11 +177,12 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
             pairs = tables[c.qualname]
             client = PSClient([t.spec for t, _ in pairs], servers, optimizer=optimizer, optimizer_kwargs=kwargs,
                               name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False,
-                              rank=rank, world_size=world_size, group=key, storage=storage)
+                              rank=rank, world_size=world_size, group=key, storage=storage, seed=seed)
             clients[c.qualname] = client
             _use_shards(client, [sp for t, _ in pairs for sp in shards_of(placed[t.path], len(servers))])
             if rank == 0:
-                client.configure({t.spec.name: w.detach().float().clone() for t, w in pairs})
+                # no copy here: each server copies its rows of the weights (PSServer.configure)
+                client.configure({t.spec.name: w.detach().float() for t, w in pairs if not w.is_meta})
     except BaseException:
         for client in clients.values():
             client.close(flush=False)
@@ -286,7 +288,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
                       client: str = "ps", optimizer_kwargs: Mapping[str, float] | None = None,
                       timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None,
                       rank: int = 0, world_size: int = 1, group: str | None = None,
-                      storage: str = "fp32") -> GraphModule:
+                      storage: str = "fp32", seed: int = 0) -> GraphModule:
     """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
 
     Args:
@@ -309,6 +311,10 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
         storage: how the servers store the rows: ``"fp32"``, ``"fp16"`` or ``"fused8bit"`` (FBGEMM's fused 8-bit
             row-wise form, about a quarter of the memory; :mod:`scheduling.ps.storage`). Lookups answer float32;
             the optimizer updates the touched rows in float32 and re-encodes them.
+        seed: seed of the rows the servers make for tables whose weights are on the ``meta`` device (e.g.
+            ``EmbeddingBagCollection(..., device=torch.device("meta"))``): uniform in ``±sqrt(1 / rows)``, torchrec's
+            default, so the trainers never allocate those tables; the same ``seed`` and plan give the same rows.
+            Tables with real weights start from them.
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
@@ -342,7 +348,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
     placed = {p.table.path: p for p in placements}
     clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s,
-                            (rank, world_size, group), storage)
+                            (rank, world_size, group), storage, seed)
     for c in found:
         _rewrite(gm, c, clients[c.qualname], trainable=any(w.requires_grad for _, w in tables[c.qualname]))
     gm.graph.lint()

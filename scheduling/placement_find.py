@@ -10,7 +10,8 @@ Rules, one check each (:data:`CHECKS`), in the order they are tried::
     max_norm set                       -> local: renormalises looked-up rows in place, on the trainer
     scale_grad_by_freq                 -> local: scales gradients by in-batch frequency; the servers do not
     nn.Embedding padding row not zero  -> local: the servers return zeros for padding ids
-    weights not float32 / on meta      -> local: the servers hold float32 tables initialised from them
+    weights not float32                -> local: the servers hold float32 tables initialised from them
+                                          (meta weights move: the servers initialise those tables)
     EBC tables the servers reject      -> local: e.g. a feature read by two tables (the error of table_specs)
     frozen and trainable tables mixed  -> local: one client pushes gradients for all its tables or none
     a weight also read elsewhere       -> local: a get_attr node or another module shares the Parameter
@@ -138,7 +139,8 @@ def _module_options(kind: str, m: nn.Module) -> str | None:
                 "servers cannot honour it")
     if kind in ("bag", "embedding") and m.scale_grad_by_freq:
         return "scale_grad_by_freq scales gradients by in-batch id frequency; the servers' optimizer does not"
-    if kind == "embedding" and m.padding_idx is not None and bool(m.weight[m.padding_idx].detach().any()):
+    if (kind == "embedding" and m.padding_idx is not None and not m.weight.is_meta
+            and bool(m.weight[m.padding_idx].detach().any())):
         return (f"padding_idx={m.padding_idx} and row {m.padding_idx} is not zero: the servers return a zero row "
                 "for padding ids (zero that row to move it)")
     return None
@@ -146,10 +148,9 @@ def _module_options(kind: str, m: nn.Module) -> str | None:
 
 def _tables(kind: str, m: nn.Module) -> str | None:
     weights = _weights(kind, m)
-    for w in weights:
-        if w.is_meta or w.dtype != torch.float32:
-            where = "on the meta device" if w.is_meta else f"of dtype {w.dtype}"
-            return f"its weights are {where}; the servers hold float32 tables initialised from them"
+    for w in weights:  # meta weights are fine: the servers initialise those tables (parameter_servers' seed)
+        if w.dtype != torch.float32:
+            return f"its weights are of dtype {w.dtype}; the servers hold float32 tables initialised from them"
     if kind in ("ebc", "ec"):
         from .ps.config import table_specs
 

@@ -25,6 +25,7 @@ import scheduling
 from fxdist.pipeline import NoOpPassWarning
 from scheduling import placement
 from scheduling.placement import PlacementWarning
+from scheduling.criteo import criteo_dlrm
 from scheduling.placement_plan import TableInfo, plan_tables, server_bytes
 from scheduling.ps import LocalCluster, NoGroupError, get_client, ops
 from scheduling.ps.config import TableSpec
@@ -482,3 +483,45 @@ def test_storage_applies_to_the_moved_tables(cluster, capsys):
             torch.testing.assert_close(gm(ids), F.embedding_bag(ids, weight.half().float()))
     finally:
         placement.close(gm)
+
+
+def _meta_dlrm(seed: int) -> nn.Module:
+    return criteo_dlrm([11, 300, 17], 4, 3, dense_layers=(8, 4), over_layers=(8, 1), tables_device="meta", seed=seed)
+
+
+def test_tables_on_meta_are_initialised_by_the_servers(cluster):
+    """Tables built on the ``meta`` device (no trainer memory) move, and the servers make their rows: torchrec's
+    distribution (uniform in ±sqrt(1/rows)), the same for the same seed, others for another; the optimized
+    module holds no meta tensor, so it trains (DDP refuses modules with meta parameters)."""
+    model = _meta_dlrm(seed=3)
+    assert all(p.is_meta for n, p in model.named_parameters() if "embedding_bags" in n)
+    gms = [fxdist.optimize(m, passes=(functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.1,
+                                                        seed=s, verbose=False),))
+           for m, s in ((model, 7), (_meta_dlrm(seed=3), 7), (_meta_dlrm(seed=3), 8))]
+    try:
+        states = [placement.table_state_dict(gm) for gm in gms]
+        for key, w in states[0].items():
+            rows = w.shape[0]
+            assert w.shape == (rows, 4) and rows in (11, 300, 17)
+            assert w.abs().max() <= rows ** -0.5 and w.std() > 0.2 * rows ** -0.5   # filled, in torchrec's range
+            assert torch.equal(w, states[1][key])                # same seed and plan: the same rows
+            assert not torch.equal(w, states[2][key])            # another seed: other rows
+        gm = gms[0]
+        assert not any(t.is_meta for t in (*gm.parameters(), *gm.buffers()))
+        kjt = KeyedJaggedTensor(keys=["C1", "C2", "C3"], values=torch.tensor([1, 2, 299, 5, 16, 0]),
+                                lengths=torch.ones(6, dtype=torch.int32))
+        dense = torch.rand(2, 13)
+        out = gm(dense, kjt)
+        assert out.shape == (2, 1) and torch.isfinite(out).all()
+        out.sum().backward()   # the pushes go to the servers: the looked-up rows change
+        placement.flush(gm)
+        after = placement.table_state_dict(gm)["sparse_arch.embedding_bag_collection.embedding_bags.t_C2.weight"]
+        before = states[0]["sparse_arch.embedding_bag_collection.embedding_bags.t_C2.weight"]
+        assert not torch.equal(after[299], before[299]) and torch.equal(after[298], before[298])
+        # the arches do not depend on where the tables were built
+        real = criteo_dlrm([11, 300, 17], 4, 3, dense_layers=(8, 4), over_layers=(8, 1), seed=3)
+        assert torch.equal(gm.get_parameter("dense_arch.model._mlp.0._linear.weight"),
+                           real.get_parameter("dense_arch.model._mlp.0._linear.weight"))
+    finally:
+        for gm in gms:
+            placement.close(gm)
