@@ -20,10 +20,12 @@ Source: torch.fx paper §6.2.1 (quantization as a graph pass); FBGEMM; DLRM infe
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +49,35 @@ def rebuild_model(config: JobConfig, state: dict[str, Any]) -> nn.Module:
     Raises:
         RuntimeError: a table weight that is not in the model's state dict.
     """
+    from jobs import criteo
     from jobs.workload import build_model
 
-    model = build_model(config)
-    model.load_state_dict(state["model"], strict=False)
+    # the built-in DLRM's server tables come from the checkpoint: built on meta, then the checkpoint's tensors
+    # are assigned (no copy: with the launcher's mmap'ed checkpoint, pages are read as the lookups touch them)
+    on_servers = not config.user_model and config.cluster.parameter_servers > 0
+    model = criteo.dlrm(config, tables_device="meta") if on_servers else build_model(config)
+    model.load_state_dict(state["model"], strict=False, assign=True)
     tables = {k: v for k, v in (state.get("tables") or {}).items() if k.endswith(".weight")}
-    _, unexpected = model.load_state_dict(tables, strict=False)
+    _, unexpected = model.load_state_dict(tables, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"checkpoint tables not in {type(model).__name__}'s state dict: {unexpected}")
+    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if missing:
+        raise RuntimeError(f"the checkpoint has no tables for {missing} (state keys: {sorted(tables)})")
     return model.eval()
+
+
+@contextlib.contextmanager
+def _shared_in_copies(modules: list[nn.Module]) -> Iterator[None]:
+    """Deep copies made inside share ``modules`` instead of copying them: quantization copies the model several
+    times (prepare, convert, each layer subset), and the embedding tables it keeps fp32 are most of its bytes."""
+    for m in modules:
+        m.__deepcopy__ = lambda memo, m=m: m  # copy.deepcopy looks the hook up on the instance
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.__deepcopy__
 
 
 def _positional(model: nn.Module, batch: tuple[tuple, dict, torch.Tensor]) -> tuple[Any, ...]:
@@ -83,12 +105,14 @@ def quantize(model: nn.Module, calibration: list[tuple[Any, ...]], *, timer: Any
     import fxdist
     from quant import fuse, select_int8
     from scheduling.placement import EmbeddingLeafTracer
+    from scheduling.placement_find import is_embedding_module
 
     tracer = EmbeddingLeafTracer()  # embedding modules stay whole (and fp32)
     graph = tracer.trace(model)
     gm = fxdist.GraphModule(tracer.root, graph, type(model).__name__)
-    fused = fuse(gm, patterns=True)
-    chosen, report = select_int8(fused, calibration, timer=timer)
+    with _shared_in_copies([m for m in model.modules() if is_embedding_module(m)]):
+        fused = fuse(gm, patterns=True)
+        chosen, report = select_int8(fused, calibration, timer=timer)
     fused_modules = sum(1 for m in fused.modules() if type(m).__module__.startswith("torch.ao.nn.intrinsic"))
     layers = report.as_dict()["layers"]
     info = {"method": "quant: fuse(Linear+ReLU) + select_int8 (FBGEMM static int8 for the layers measured faster; "

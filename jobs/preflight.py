@@ -32,9 +32,9 @@ __all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports
 GIB = 1024**3
 FLOAT_BYTES = 4
 DENSE_COPIES = 4
+"""Per trainer and phase: dense weights, their gradients, Adagrad's ``sum`` state and DDP's gradient buckets."""
 PROCESS_BASE_BYTES = 512 * 1024**2
 """Fixed cost of each process of a job (Python, torch, torchrec, Ray; 0.4-0.6 GiB each in benchmarks/scale.py)."""
-"""Per trainer and phase: dense weights, their gradients, Adagrad's ``sum`` state and DDP's gradient buckets."""
 
 
 def server_table_copies(phases: int) -> int:
@@ -192,8 +192,8 @@ class MemoryEstimate:
     """The servers' own table sets (one per phase), rows in ``[model] server_storage`` form plus the fp32
     row-wise Adagrad state."""
     fixed_bytes: int = 0
-    """Every process's :data:`PROCESS_BASE_BYTES`, plus the launcher's float32 copy of the final tables (it loads
-    the last checkpoint for the int8 comparison, ``[quant] enabled``)."""
+    """Every process's :data:`PROCESS_BASE_BYTES`, plus, with ``[quant] enabled``, the launcher's two float32
+    copies of the evaluated model's tables (the final checkpoint's pages it maps, and the rebuilt model)."""
     processes: dict[str, int] = field(default_factory=dict)
     """Peak bytes per process: ``trainer<r>``, ``ps<i>`` (its table-wise shards, :func:`scheduling.ps.plan_shards`);
     they add up to :attr:`total_bytes`."""
@@ -253,7 +253,9 @@ def estimate_memory(config: JobConfig) -> MemoryEstimate:
         for r in range(c.trainers):
             procs[f"trainer{r}"] += 2 * phases * rows * width + (rows * width if r == 0 else 0)
         copy, copies, server = rows * width, 2 * c.trainers * phases + 1, 0
-    launcher = rows * width if config.quant.enabled else 0
+    # the launcher maps the final checkpoint (torch.load(mmap=True)); the int8 comparison pages in the evaluated
+    # model's tables and copies them into a rebuilt model
+    launcher = 2 * rows * width if config.quant.enabled else 0
     procs = {name: n + PROCESS_BASE_BYTES for name, n in {**procs, "launcher": launcher}.items()}
     return MemoryEstimate(copy, copies, dense, server, len(procs) * PROCESS_BASE_BYTES + launcher, procs)
 

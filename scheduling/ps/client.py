@@ -458,6 +458,11 @@ class PSClient:
             for entry in self._call(s, "state_dict", (self.name,), "state_dict").values():
                 spec: ShardSpec = entry["spec"]
                 t = spec.table
+                if spec.row_start == 0 and spec.row_end == t.num_embeddings:  # a whole table: the answer's copy
+                    out[f"{t.name}.weight"] = entry["weight"]
+                    if entry["state"] is not None:
+                        out[f"{t.name}.momentum"] = entry["state"]
+                    continue
                 w = out.setdefault(f"{t.name}.weight", torch.zeros(t.num_embeddings, t.embedding_dim))
                 w[spec.row_start:spec.row_end] = entry["weight"]
                 if entry["state"] is not None:

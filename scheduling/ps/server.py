@@ -354,7 +354,8 @@ class PSServer:
             if namespace is not None and not key.startswith(namespace + "/"):
                 continue
             with shard.lock:
-                out[key] = {"spec": shard.spec, "weight": shard.store.decode(shard.weight).clone(),
+                weight = shard.store.decode(shard.weight)  # fp32 rows are the stored tensor itself: copy them
+                out[key] = {"spec": shard.spec, "weight": weight.clone() if weight is shard.weight else weight,
                             "state": None if shard.state is None else shard.state.clone()}
         return out
 

@@ -144,3 +144,24 @@ def test_a_model_without_linear_layers_is_skipped():
 
     out = _compare(CONFIG, nn.Sequential(nn.EmbeddingBag(5, 2)), [], [], None)
     assert out == {"skipped": "Sequential has no nn.Linear or nn.Conv layer to quantize"}
+
+
+def test_the_tables_are_not_copied_for_the_comparison(data_path):
+    """The launcher holds the tables once: the rebuilt model takes the checkpoint's tensors, and the int8 model
+    (quantization deep-copies the model several times) shares them with the fp32 one."""
+    from jobs.entry import split_batch
+    from jobs.inference import _positional, quantize
+    from jobs.workload import inference_batches
+
+    state = _trained_state(CONFIG)
+    model = rebuild_model(CONFIG, state)
+    table = "sparse_arch.embedding_bag_collection.embedding_bags.t_C7.weight"
+    assert model.get_parameter(table).data_ptr() == state["tables"][table].data_ptr()
+    _, calibration = inference_batches(CONFIG, data_path)
+    int8_faster = lambda subject, variant, run: 1e-3 if variant.startswith("int8") else 2e-3  # noqa: E731
+    with torch.no_grad():
+        chosen, info = quantize(model, [_positional(model, split_batch(b)) for b in calibration], timer=int8_faster)
+    assert info["quantized_modules"] > 0 and chosen is not model
+    ebc = "sparse_arch.embedding_bag_collection"
+    assert chosen.get_submodule(ebc) is model.get_submodule(ebc)
+    assert "__deepcopy__" not in vars(model.get_submodule(ebc))  # the sharing ends with the quantization

@@ -140,7 +140,10 @@ def test_memory_estimate_counts_tables_optimizer_state_and_copies():
     assert preflight.dense_parameters(config) == bottom + top
     fits = preflight.check_memory(config, available=est.total_bytes)
     assert fits == est
-    assert est.fixed_bytes == 4 * preflight.PROCESS_BASE_BYTES + 26 * 1000 * 8 * 4  # 4 processes + the launcher's copy
+    # 4 processes, and the int8 comparison's tables in the launcher: the checkpoint's pages and the rebuilt model
+    assert est.fixed_bytes == 4 * preflight.PROCESS_BASE_BYTES + 2 * 26 * 1000 * 8 * 4
+    no_int8 = preflight.estimate_memory(config.replace(quant={"enabled": False}))
+    assert no_int8.processes["launcher"] == preflight.PROCESS_BASE_BYTES
     assert est.total_bytes == sum(est.processes.values()) and sorted(est.processes) == ["launcher", "ps0", "trainer0", "trainer1"]
     with pytest.raises(ConfigError, match=r"needs about 2\.0 GiB, more than the 2\.0 GiB this machine has available"):
         preflight.check_memory(config, available=est.total_bytes - 1)
