@@ -350,6 +350,8 @@ def _save_checkpoint(step: int, trainers: dict[str, PhaseTrainer], early: dict[s
             torch.save(saved, os.path.join(tmp, "state.pt"))
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report({"step": step, "final": final}, checkpoint=checkpoint)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # the other ranks wait here, not in their next block (its time would include rank 0's save)
 
 
 def _plain_state(state: dict) -> dict:
