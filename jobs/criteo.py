@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.data import NUM_DENSE, NUM_SPARSE, Batch
+from jobs.data import NUM_SPARSE, Batch
 
 __all__ = ["FEATURES", "table_sizes", "dlrm", "to_kjt", "model_inputs"]
 
@@ -59,14 +59,12 @@ def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool =
         do not depend on ``sizes`` or ``tables_device``).
 
     Raises:
-        ValueError: ``sizes`` does not have one positive size per feature.
+        ValueError: ``sizes`` does not have one positive size per feature (:func:`scheduling.criteo.criteo_tables`).
     """
     from scheduling.criteo import criteo_dlrm  # imports torchrec: only when the model is built
 
     m = config.model
     sizes = table_sizes(config) if sizes is None else [int(n) for n in sizes]
-    if len(sizes) != NUM_SPARSE:
-        raise ValueError(f"dlrm: expected {NUM_SPARSE} positive table sizes (one per Criteo feature), got {sizes}")
     return criteo_dlrm(sizes, m.embedding_dim, NUM_SPARSE, dense_layers=[*m.bottom_mlp, m.embedding_dim],
                        over_layers=[*m.top_mlp, 1], sparse_grad=sparse_grad, tables_device=tables_device,
                        seed=config.job.seed)

@@ -205,16 +205,13 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
 def stop_servers(actors: list[Any], timeout_s: float = 5.0) -> None:
     """Ask the server actors to close, then kill them (no restart); never raises."""
     import ray
+    from scheduling.ps.ray_transport import kill_actors
 
     try:
         ray.wait([a.close.remote() for a in actors], num_returns=len(actors), timeout=timeout_s)
     except Exception:  # a dead or restarting actor: killing it below is all that is left to do
         pass
-    for actor in actors:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass
+    kill_actors(actors, ())
 
 
 def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -> list[dict[str, Any]]:
