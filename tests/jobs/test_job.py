@@ -258,8 +258,14 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
     with pytest.raises(Exception, match="(?i)fail|died|error"):
         launch(config, run_dir=tmp_path / "run", quiet=True)
     assert len(started) == 1
-    with pytest.raises(ray_session.exceptions.RayActorError):
-        ray_session.get(started[0].leave.remote(), timeout=30)
+    deadline = time.monotonic() + 15
+    while True:  # ray.kill lands asynchronously: a call right after launch() may still reach the actor
+        try:
+            ray_session.get(started[0].leave.remote(), timeout=30)
+        except ray_session.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the server actor still answers 15 s after launch() returned"
+        time.sleep(0.5)
     deadline = time.monotonic() + 15  # the name is released once the GCS has processed the kill
     while True:
         alive = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
