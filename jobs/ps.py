@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scheduling.ps.endpoints import ServerEndpoints
+from scheduling.ps.endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
 
 __all__ = ["ServerActor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
 
@@ -51,7 +51,7 @@ CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
 
 
-class ServerActor(ServerEndpoints):
+class ServerActor(AsyncEndpoints):
     """A Ray actor hosting one parameter server and its metrics exporter.
 
     ``[cluster] transport = "torch_rpc"``: the server joins each worker group's RPC group
@@ -69,11 +69,14 @@ class ServerActor(ServerEndpoints):
         name: RPC worker name (``ps<i>``).
         job: The ``job`` label of its metrics; ``metrics``: (host, port) of its exporter, or None.
         fetch_delay_s: Added latency per lookup, seconds; ``timeout_s``: RPC and rendezvous timeout.
+        num_worker_threads: threads serving requests (``torch_rpc``: TensorPipe's; ``ray``: those running
+            the lookups and pushes of this asyncio actor). A request waiting for its turn holds none.
     """
 
     def __init__(self, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
-                 timeout_s: float) -> None:
-        super().__init__()  # no server until join() / reset(): a restarted actor refuses requests till then
+                 timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> None:
+        # no server until join() / reset(): a restarted actor refuses requests till then
+        super().__init__(num_worker_threads=num_worker_threads)
         self.why_none = f"server {name} has not been reset since its actor (re)started"
         self.name, self.fetch_delay_s, self.timeout_s = name, fetch_delay_s, timeout_s
         self.joined = False
@@ -114,7 +117,8 @@ class ServerActor(ServerEndpoints):
         if not is_loopback(addr):
             set_socket_ifnames()
         server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
-                              fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False)
+                              fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False,
+                              num_worker_threads=self.num_worker_threads)
         self.server = server
         self.joined = True
         self.groups += 1
@@ -190,9 +194,11 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
     from jobs.cluster import server_options
 
     c = config.cluster
-    # with the ray transport the actor serves requests itself, several at once (the step order holds some)
-    threads = {"max_concurrency": 32} if c.transport == "ray" else {}
-    cls = ray.remote(num_cpus=0, max_restarts=max(0, config.job.max_failures), **threads)(ServerActor)
+    from scheduling.ps.ray_transport import MAX_REQUESTS
+
+    # an asyncio actor: with the ray transport it serves requests itself, a waiting one as a parked coroutine
+    cls = ray.remote(num_cpus=0, max_restarts=max(0, config.job.max_failures), max_concurrency=MAX_REQUESTS
+                     )(ServerActor)
     actors = []
     for i, options in enumerate(server_options(config)):
         metrics = (config.metrics.host, metrics_port + c.trainers + i) if metrics_port is not None else None

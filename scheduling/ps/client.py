@@ -25,7 +25,7 @@ from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
 from .storage import STORAGES
 from .transport import make_transport
 
-__all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer"]
+__all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer", "live_clients"]
 
 _CLIENTS: dict[str, "PSClient"] = {}
 _CLIENTS_LOCK = threading.Lock()
@@ -46,6 +46,12 @@ def get_client(name: str) -> "PSClient":
     except KeyError:
         raise KeyError(f"no PSClient named {name!r} in this process (live: {sorted(_CLIENTS)}); "
                        "create PSClient(..., name=...) before running the model") from None
+
+
+def live_clients() -> list["PSClient"]:
+    """The clients registered in this process now (not closed)."""
+    with _CLIENTS_LOCK:
+        return list(_CLIENTS.values())
 
 
 def init_trainer(name: str, rank: int, world_size: int, *, master_addr: str = "127.0.0.1",

@@ -2,16 +2,20 @@
 
 :class:`ServerEndpoints` holds one :class:`~scheduling.ps.server.PSServer` and has one method per request
 (``configure``, ``lookup``, ``push``, ``push_lookup``, ``state_dict``, ``load_state_dict``, ``save``,
-``set_delays``, ``stats``). Each applies the request order the client asked for
-(:func:`scheduling.ps.ordering.in_order`), so the tables, the optimizer, the step order and the fused path
-are the same on every transport:
+``set_delays``, ``stats``). The ordered ones (``lookup``, ``push``, ``push_lookup``) apply the request
+order the client asked for (:mod:`scheduling.ps.ordering`), so the tables, the optimizer, the step order and
+the fused path are the same on every transport; :meth:`ServerEndpoints.submit` starts one without waiting
+for its turn, so that a waiting request holds none of the server's threads:
 
 - ``torch_rpc``: the module-level ``_rpc_<method>`` functions of :mod:`scheduling.ps.server` call the
-  process-wide endpoints (:func:`scheduling.ps.start_server` sets their server);
-- ``ray``: the class itself is the Ray actor (:mod:`scheduling.ps.ray_transport`); a client calls
-  ``handle.lookup.remote(...)`` and waits with ``ray.get``.
+  process-wide endpoints (:func:`scheduling.ps.start_server` sets their server); the ordered ones are
+  ``async_execution`` functions answering with a ``torch.futures.Future``;
+- ``ray``: :class:`AsyncEndpoints` is the Ray actor (:mod:`scheduling.ps.ray_transport`), an asyncio actor
+  whose ordered requests are coroutines; a client calls ``handle.lookup.remote(...)`` and waits with
+  ``ray.get``.
 
-Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors (a class whose methods are the calls).
+Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors (a class whose methods are the calls;
+AsyncIO actors); ``torch.distributed.rpc.functions.async_execution``.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from typing import Any
 
 import torch
 
-from .ordering import Order, in_order
+from .ordering import Done, Order, in_order, submit
 
-__all__ = ["ServerEndpoints", "METHODS"]
+__all__ = ["ServerEndpoints", "AsyncEndpoints", "METHODS", "DEFAULT_WORKER_THREADS"]
+
+DEFAULT_WORKER_THREADS = 16
+"""Threads that serve one server's requests unless told otherwise (``num_worker_threads``)."""
 
 METHODS = ("configure", "lookup", "push", "push_lookup", "state_dict", "load_state_dict", "save", "set_delays",
            "stats")
@@ -50,23 +57,53 @@ class ServerEndpoints:
         """``PSServer.configure``: create the namespace's shards."""
         return self._server().configure(*args, **kwargs)
 
+    ORDERED = ("lookup", "push", "push_lookup")
+    """The requests that follow the client's order (:mod:`scheduling.ps.ordering`) and may wait for it."""
+
+    def _ordered(self, method: str, args: tuple) -> tuple[Order | None, str, str, Any, Any]:
+        """``(order, what, server name, push, lookup)`` of one ordered request ``method(*args)``."""
+        server = self._server()
+        if method == "lookup":
+            namespace, batch, compress, order = _pad(args, 4)
+            return order, "lookup", server.name, None, lambda: server.lookup(namespace, batch, compress)
+        if method == "push":
+            namespace, batch, grad, order = _pad(args, 4)
+            return order, "push", server.name, lambda: server.push(namespace, batch, grad), None
+        if method == "push_lookup":
+            namespace, batch, grad, next_batch, compress, order = _pad(args, 6)
+            return (order, "push+lookup", server.name, lambda: server.push(namespace, batch, grad),
+                    lambda: server.lookup(namespace, next_batch, compress))
+        raise ValueError(f"ServerEndpoints: {method!r} is not an ordered request (one of {self.ORDERED})")
+
+    def submit(self, method: str, args: tuple, done: Done) -> None:
+        """Start the ordered request ``method(*args)`` (one of :attr:`ORDERED`) without waiting for its turn:
+        ``done(answer, None)`` or ``done(None, error)`` reports it, maybe later from another thread
+        (:func:`scheduling.ps.ordering.submit`). A request that waits holds no thread.
+
+        Raises:
+            RuntimeError: no server runs here (raised here, before anything is started).
+        """
+        order, what, name, push, lookup = self._ordered(method, args)
+        submit(order, what, name, done, push=push, lookup=lookup)
+
     def lookup(self, namespace: str, batch: Any, compress: str | None = None, order: Order | None = None,
                ) -> torch.Tensor:
-        """Pooled sums ``(B, D_s)`` of the batch, in the request order ``order`` asks for."""
-        server = self._server()
-        return in_order(order, "lookup", server.name, lookup=lambda: server.lookup(namespace, batch, compress))
+        """Pooled sums ``(B, D_s)`` of the batch, in the request order ``order`` asks for (blocking)."""
+        return self._blocking("lookup", (namespace, batch, compress, order))
 
     def push(self, namespace: str, batch: Any, grad: torch.Tensor, order: Order | None = None) -> int:
-        """Apply ``grad`` ``(B, D_s)``; returns the rows updated."""
-        server = self._server()
-        return in_order(order, "push", server.name, push=lambda: server.push(namespace, batch, grad))
+        """Apply ``grad`` ``(B, D_s)``; returns the rows updated (blocking)."""
+        return self._blocking("push", (namespace, batch, grad, order))
 
     def push_lookup(self, namespace: str, batch: Any, grad: torch.Tensor, next_batch: Any,
                     compress: str | None = None, order: Order | None = None) -> tuple[int, torch.Tensor]:
-        """A push, then the lookup of the next batch, in one request: ``(rows updated, lookup answer)``."""
-        server = self._server()
-        return in_order(order, "push+lookup", server.name, push=lambda: server.push(namespace, batch, grad),
-                        lookup=lambda: server.lookup(namespace, next_batch, compress))
+        """A push, then the lookup of the next batch, in one request: ``(rows updated, lookup answer)``
+        (blocking)."""
+        return self._blocking("push_lookup", (namespace, batch, grad, next_batch, compress, order))
+
+    def _blocking(self, method: str, args: tuple) -> Any:
+        order, what, name, push, lookup = self._ordered(method, args)
+        return in_order(order, what, name, push=push, lookup=lookup)
 
     def state_dict(self, namespace: str | None = None) -> dict[str, Any]:
         """``PSServer.state_dict`` (copies of the shards)."""
@@ -89,3 +126,69 @@ class ServerEndpoints:
         """Lookups and pushes served, process id, rows and bytes held."""
         server = self._server()
         return {"lookups": server.num_lookups, "pushes": server.num_pushes, "pid": os.getpid(), **server.memory()}
+
+
+class AsyncEndpoints(ServerEndpoints):
+    """:class:`ServerEndpoints` for an asyncio actor (a Ray actor with ``async`` methods): an ordered request
+    is a coroutine that awaits its result, so a request waiting for its turn holds no thread and takes no
+    slot of a thread pool; the work itself (tables, optimizer) runs on ``num_worker_threads`` threads of this
+    process, never on the event loop. The other requests (``configure``, ``state_dict``...) are plain methods.
+
+    Raises:
+        ValueError: ``num_worker_threads`` < 1.
+    """
+
+    def __init__(self, server: Any = None, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> None:
+        super().__init__(server)
+        if num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {num_worker_threads}")
+        self.num_worker_threads = num_worker_threads
+        self._pool: Any = None
+
+    async def _await(self, method: str, args: tuple) -> Any:
+        import asyncio
+        from concurrent.futures import ThreadPoolExecutor
+
+        order, what, name, push, lookup = self._ordered(method, args)  # raises here when no server runs
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+
+        def done(value: Any, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(_settle, answer, value, error)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_worker_threads, thread_name_prefix=f"ps-{name}")
+        self._pool.submit(submit, order, what, name, done, push=push, lookup=lookup)
+        return await answer
+
+    async def lookup(self, namespace: str, batch: Any, compress: str | None = None,  # type: ignore[override]
+                     order: Order | None = None) -> torch.Tensor:
+        """As :meth:`ServerEndpoints.lookup`, awaited."""
+        return await self._await("lookup", (namespace, batch, compress, order))
+
+    async def push(self, namespace: str, batch: Any, grad: torch.Tensor,  # type: ignore[override]
+                   order: Order | None = None) -> int:
+        """As :meth:`ServerEndpoints.push`, awaited."""
+        return await self._await("push", (namespace, batch, grad, order))
+
+    async def push_lookup(self, namespace: str, batch: Any, grad: torch.Tensor,  # type: ignore[override]
+                          next_batch: Any, compress: str | None = None,
+                          order: Order | None = None) -> tuple[int, torch.Tensor]:
+        """As :meth:`ServerEndpoints.push_lookup`, awaited."""
+        return await self._await("push_lookup", (namespace, batch, grad, next_batch, compress, order))
+
+
+def _settle(answer: Any, value: Any, error: BaseException | None) -> None:
+    if answer.cancelled():
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(value)
+
+
+def _pad(args: tuple, n: int) -> tuple:
+    """Positional arguments with the trailing defaults (None) filled in."""
+    if len(args) > n:
+        raise TypeError(f"expected at most {n} arguments, got {len(args)}")
+    return (*args, *([None] * (n - len(args))))

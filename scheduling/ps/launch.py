@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .endpoints import DEFAULT_WORKER_THREADS
+
 __all__ = ["LocalCluster", "free_port", "group_servers", "NoGroupError"]
 
 _ACTIVE: list["LocalCluster"] = []  # started and not closed, in this process
@@ -60,13 +62,26 @@ class LocalCluster:
         start_method: multiprocessing start method of the servers.
         transport: ``"torch_rpc"`` (server processes in one RPC group with this process) or ``"ray"`` (Ray
             actors, registered under ``"ps<i>"`` so clients in this process can name them).
+        num_worker_threads: threads serving each server's requests (TensorPipe's worker threads; the Ray
+            actor's threads running lookups and pushes). A request waiting for its turn holds none of them
+            (:mod:`scheduling.ps.ordering`), so this bounds only how much work runs at once.
+
+    Closing the cluster also closes (without waiting their pushes) the clients of this process that use its
+    servers: their servers are gone, and a later cluster reuses the names ``"ps<i>"`` (with its own optimizer
+    and learning rate).
+
+    Raises:
+        ValueError: ``num_servers`` or ``num_worker_threads`` < 1, or an unknown ``transport``.
     """
 
     def __init__(self, num_servers: int = 2, *, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
                  timeout_s: float = 20.0, checkpoints: Sequence[str | None] | None = None,
-                 start_method: str = "spawn", trainer_name: str = "trainer", transport: str = "torch_rpc") -> None:
+                 start_method: str = "spawn", trainer_name: str = "trainer", transport: str = "torch_rpc",
+                 num_worker_threads: int = DEFAULT_WORKER_THREADS) -> None:
         if num_servers < 1:
             raise ValueError(f"LocalCluster: need at least one server, got {num_servers}")
+        if num_worker_threads < 1:
+            raise ValueError(f"LocalCluster: num_worker_threads must be >= 1, got {num_worker_threads}")
         if transport not in ("torch_rpc", "ray"):
             raise ValueError(f"LocalCluster: unknown transport {transport!r} (use 'torch_rpc' or 'ray')")
         self.transport = transport
@@ -78,8 +93,10 @@ class LocalCluster:
         self.timeout_s = timeout_s
         self.port = free_port()
         self._ctx = mp.get_context(start_method)
+        self.num_worker_threads = num_worker_threads
         self._kwargs = [dict(fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s, timeout_s=timeout_s,
-                             checkpoint=(checkpoints[i] if checkpoints else None)) for i in range(num_servers)]
+                             checkpoint=(checkpoints[i] if checkpoints else None),
+                             num_worker_threads=num_worker_threads) for i in range(num_servers)]
         self.processes: list[Any] = []
         self._rpc_up = False
 
@@ -97,7 +114,8 @@ class LocalCluster:
             kw = self._kwargs[0]
             self.actors, self._started_ray = start_local(
                 self.server_names, checkpoints=[k["checkpoint"] for k in self._kwargs],
-                fetch_delay_s=kw["fetch_delay_s"], push_delay_s=kw["push_delay_s"])
+                fetch_delay_s=kw["fetch_delay_s"], push_delay_s=kw["push_delay_s"],
+                num_worker_threads=self.num_worker_threads)
             self._rpc_up = True
             _ACTIVE.append(self)
             return self
@@ -143,6 +161,7 @@ class LocalCluster:
 
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        self._close_clients()
         if self.transport == "ray":
             from .ray_transport import kill_actors
 
@@ -167,6 +186,21 @@ class LocalCluster:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             self.kill_all()
+
+    def _close_clients(self) -> None:
+        """Close the clients of this process that reach this cluster's servers (their pushes are not
+        waited: the servers go away). ``torch_rpc``: every client using a server name of this cluster (one
+        RPC group per process); ``ray``: every client holding one of its actors."""
+        from .client import live_clients
+
+        if self.transport == "ray":
+            mine = {a._actor_id for a in self.actors}
+            uses = lambda c: any(getattr(h, "_actor_id", None) in mine for h in getattr(c.transport, "handles", ()))
+        else:
+            uses = lambda c: c.transport.name == "torch_rpc" and bool(set(c.servers) & set(self.server_names))
+        for client in live_clients():
+            if uses(client):
+                client.close(flush=False)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -19,92 +19,126 @@ Without rule 2 (``world_size = 1`` clients sharing a name, as before) a lookup s
 pushes as they happen to arrive; with prefetch it is then served earlier, so it sees fewer of them, and
 training differs from the blocking schedule.
 
+**A waiting request holds no thread** (:func:`submit`): a request that must wait (for an earlier request of
+its client, or for other trainers) is parked here, and the thread that brought it returns at once. Its work
+(the push, the lookup) runs later on the thread whose request released it (that thread's own answer is sent
+first), and ``done(value, error)`` reports the result; the transports turn that into the answer
+(``torch.distributed.rpc`` ``async_execution`` functions returning a ``torch.futures.Future``; Ray asyncio
+actor methods). So a server with ``num_worker_threads`` threads serves any number of waiting requests: with
+blocking waits, ``num_worker_threads`` requests waiting at the step barrier held every thread and the push
+that would release them was never served (a deadlock with more embedding modules than threads).
+Each wait is bounded by the request's ``timeout_s`` (one watchdog thread per process fails requests whose wait
+ran out, with the error saying what they waited for).
+
 Source: the bulk-synchronous parameter server (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014, §3: consistency models; here the sequential model per step).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Sequencer", "StepBarrier", "Order", "Sync", "in_order"]
+__all__ = ["Sequencer", "StepBarrier", "Order", "Sync", "Done", "in_order", "submit", "parked_requests"]
+
+logger = logging.getLogger(__name__)
 
 Sync = tuple[str, int, int, int]
 """``(group key, trainer rank, world size, count)``: the step-order part of a request (rule 2)."""
 Order = tuple  # (client key, sequence number, timeout in seconds[, Sync])
+Done = Callable[[Any, "BaseException | None"], None]
+"""``done(value, error)``: called once when a request finished (``error`` None) or failed."""
+
+_LOCK = threading.Lock()
+"""Guards every sequencer, barrier and parked request of this process (work runs outside it)."""
+_WAKE = threading.Condition(_LOCK)
+_DEADLINES: list[tuple[float, int, "_Request"]] = []
+_IDS = itertools.count()
+_WATCHDOG: list[threading.Thread] = []
+
+
+class _Request:
+    """One request in flight: waiting for its ``stage`` (``turn``, ``push``, ``lookup``) or running."""
+
+    __slots__ = ("seqr", "seq", "barrier", "rank", "count", "timeout_s", "what", "server", "push", "lookup",
+                 "done", "stage", "deadline", "pushed", "arrived")
+
+    def __init__(self, seqr: Sequencer | None, seq: int, barrier: StepBarrier | None, rank: int, count: int,
+                 timeout_s: float, what: str, server: str, push: Callable[[], Any] | None,
+                 lookup: Callable[[], Any] | None, done: Done) -> None:
+        self.seqr, self.seq, self.barrier, self.rank, self.count = seqr, seq, barrier, rank, count
+        self.timeout_s, self.what, self.server, self.push, self.lookup, self.done = (timeout_s, what, server, push,
+                                                                                    lookup, done)
+        self.stage = "turn" if seqr is not None else self._after_turn()
+        self.deadline: float | None = None
+        self.pushed: Any = None
+        self.arrived = False  # its push counts as arrived at the barrier
+
+    def _after_turn(self) -> str:
+        return "plain" if self.barrier is None else ("push" if self.push is not None else "lookup")
+
+    @property
+    def lookup_count(self) -> int:
+        """The pushes of every trainer the lookup must see (one more when the request pushes first)."""
+        return self.count + (self.push is not None)
 
 
 class Sequencer:
-    """Runs the requests of one client in the order the client issued them (by sequence number)."""
+    """Runs the requests of one client in the order the client issued them (by sequence number).
+
+    ``next``: the sequence number allowed to run; ``parked``: requests waiting for their turn.
+    """
 
     def __init__(self) -> None:
         self.next = 0
-        self.cond = threading.Condition()
+        self.parked: dict[int, _Request] = {}
 
     def run(self, seq: int, timeout_s: float, what: str, fn: Callable[[], Any], server: str) -> Any:
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.next >= seq, timeout_s):
-                raise RuntimeError(f"server {server}: {what} #{seq} waited {timeout_s} s for the "
-                                   f"client's request #{self.next}, which never arrived")
-        try:
-            return fn()
-        finally:
-            with self.cond:
-                self.next = max(self.next, seq + 1)
-                self.cond.notify_all()
+        """Run ``fn`` as request ``seq`` (blocking: waits for ``seq - 1`` and returns ``fn()``)."""
+        return _blocking(lambda done: _start(_Request(self, seq, None, 0, 0, timeout_s, what, server, None, fn,
+                                                      done)))
 
 
 class StepBarrier:
     """Step order across the ``world_size`` trainers of one group on one server (rule 2 above).
 
     ``applied[r]`` counts trainer ``r``'s pushes applied; ``arrived[k]`` the trainers whose push number ``k``
-    is waiting or applied.
+    is waiting or applied; ``parked`` the requests waiting here.
     """
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.applied = [0] * world_size
         self.arrived: dict[int, set[int]] = {}
-        self.cond = threading.Condition()
+        self.parked: list[_Request] = []
 
-    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str, server: str,
-              missing: Callable[[], str]) -> None:
-        with self.cond:
-            if not self.cond.wait_for(ready, timeout_s):
-                raise RuntimeError(f"server {server}: {what} waited {timeout_s} s for {missing()}; "
-                                   "did a trainer of the group stop or run fewer steps than the others?")
+    def push_ready(self, rank: int, count: int) -> bool:
+        """Every trainer's push ``count`` arrived and those of lower ranks are applied."""
+        return (len(self.arrived.get(count, ())) == self.world_size
+                and all(self.applied[r] > count for r in range(rank)))
+
+    def lookup_ready(self, count: int) -> bool:
+        """Every trainer's first ``count`` pushes are applied."""
+        return min(self.applied) >= count
 
     def lookup(self, rank: int, count: int, timeout_s: float, what: str, fn: Callable[[], Any],
                server: str) -> Any:
-        """Run ``fn`` (a lookup) once every trainer's first ``count`` pushes are applied."""
-        self._wait(lambda: min(self.applied) >= count, timeout_s, f"{what} of trainer {rank} (after {count} "
-                   "pushes)", server, lambda: self._laggards(count))
-        return fn()
+        """Run ``fn`` (a lookup) once every trainer's first ``count`` pushes are applied (blocking)."""
+        return _blocking(lambda done: _start(_Request(None, 0, self, rank, count, timeout_s, what, server, None, fn,
+                                                      done)))
 
     def push(self, rank: int, count: int, timeout_s: float, what: str, fn: Callable[[], Any],
              server: str) -> Any:
         """Run ``fn`` (applying trainer ``rank``'s push number ``count``) in ``(count, rank)`` order, once every
-        trainer's push number ``count`` has arrived."""
-        with self.cond:
-            self.arrived.setdefault(count, set()).add(rank)
-            self.cond.notify_all()
-
-        def ready() -> bool:
-            return (len(self.arrived.get(count, ())) == self.world_size
-                    and all(self.applied[r] > count for r in range(rank)))
-
-        self._wait(ready, timeout_s, f"{what} #{count} of trainer {rank}", server,
-                   lambda: self._missing_pushes(count, rank))
-        try:
-            return fn()
-        finally:
-            with self.cond:
-                self.applied[rank] = max(self.applied[rank], count + 1)
-                if all(a > count for a in self.applied):
-                    self.arrived.pop(count, None)
-                self.cond.notify_all()
+        trainer's push number ``count`` has arrived (blocking)."""
+        return _blocking(lambda done: _start(_Request(None, 0, self, rank, count, timeout_s, what, server, fn, None,
+                                                      done)))
 
     def _laggards(self, count: int) -> str:
         late = [r for r, a in enumerate(self.applied) if a < count]
@@ -119,43 +153,219 @@ class StepBarrier:
 
 _SEQUENCERS: dict[str, Sequencer] = {}
 _BARRIERS: dict[str, StepBarrier] = {}
-_LOCK = threading.Lock()
 
 
-def in_order(order: Order | None, what: str, server: str, *, push: Callable[[], Any] | None = None,
-             lookup: Callable[[], Any] | None = None) -> Any:
-    """Run a request's ``push`` and/or ``lookup`` (a push+lookup request has both: the push first) under the
+def parked_requests() -> int:
+    """How many requests wait in this process now (none of them holds a thread)."""
+    with _LOCK:
+        return (sum(len(s.parked) for s in _SEQUENCERS.values())
+                + sum(len(b.parked) for b in _BARRIERS.values()))
+
+
+def submit(order: Order | None, what: str, server: str, done: Done, *, push: Callable[[], Any] | None = None,
+           lookup: Callable[[], Any] | None = None) -> None:
+    """Start a request's ``push`` and/or ``lookup`` (a push+lookup request has both: the push first) under the
     ordering ``order`` asks for: issue order per client, and with a :data:`Sync` part step order across the
     group (the lookup of a push+lookup request then follows the whole group's pushes of the same count).
 
-    Returns:
-        ``push()``, ``lookup()``, or ``(push(), lookup())`` when both are given.
+    Never waits: the work runs now on this thread when the order allows it, else later on the thread that
+    releases it; ``done(value, None)`` then reports ``push()``, ``lookup()`` or ``(push(), lookup())`` (both
+    given), and ``done(None, error)`` the work's exception or a ``RuntimeError`` when a wait ran past
+    ``timeout_s`` (naming the request or trainers it waited for).
     """
-    def plain() -> Any:
-        first = push() if push is not None else None
-        return lookup() if push is None else (first if lookup is None else (first, lookup()))
-
     if order is None:
-        return plain()
+        _drain([_Request(None, 0, None, 0, 0, 0.0, what, server, push, lookup, done)])
+        return
     key, seq, timeout_s, *rest = order
     sync: Sync | None = rest[0] if rest else None
     with _LOCK:
         seqr = _SEQUENCERS.setdefault(key, Sequencer())
-        barrier = None
+        barrier, rank, count = None, 0, 0
         if sync is not None:
+            _, rank, world_size, count = sync
             barrier = _BARRIERS.get(sync[0])
-            if barrier is None or barrier.world_size != sync[2]:
-                barrier = _BARRIERS[sync[0]] = StepBarrier(sync[2])
-    if barrier is None:
-        return seqr.run(seq, timeout_s, what, plain, server)
-    _, rank, _, count = sync
+            if barrier is None or barrier.world_size != world_size:
+                barrier = _BARRIERS[sync[0]] = StepBarrier(world_size)
+    _start(_Request(seqr, seq, barrier, rank, count, timeout_s, what, server, push, lookup, done))
 
-    def synced() -> Any:
-        if push is None:
-            return barrier.lookup(rank, count, timeout_s, what, lookup, server)
-        done = barrier.push(rank, count, timeout_s, what, push, server)
-        if lookup is None:
-            return done
-        return done, barrier.lookup(rank, count + 1, timeout_s, what, lookup, server)
 
-    return seqr.run(seq, timeout_s, what, synced, server)
+def in_order(order: Order | None, what: str, server: str, *, push: Callable[[], Any] | None = None,
+             lookup: Callable[[], Any] | None = None) -> Any:
+    """:func:`submit`, waiting for the result on this thread (in-process use and tests; the transports use
+    :func:`submit`, so that no server thread waits).
+
+    Returns:
+        ``push()``, ``lookup()``, or ``(push(), lookup())`` when both are given.
+    """
+    return _blocking(lambda done: submit(order, what, server, done, push=push, lookup=lookup))
+
+
+# ---- the state machine (under _LOCK) and the work (outside it) -----------------------------------------------
+def _start(req: _Request) -> None:
+    ready: list[_Request] = []
+    with _LOCK:
+        _try(req, ready)
+    _drain(ready)
+
+
+def _try(req: _Request, ready: list[_Request]) -> None:
+    """Under ``_LOCK``: append ``req`` to ``ready`` when its next piece of work may run now, else park it."""
+    if req.stage == "turn":
+        seqr = req.seqr
+        assert seqr is not None
+        if seqr.next < req.seq:
+            seqr.parked[req.seq] = req
+            _arm(req)
+            return
+        req.stage, req.deadline = req._after_turn(), None
+    barrier = req.barrier
+    if req.stage == "push" and not req.arrived:
+        req.arrived = True
+        barrier.arrived.setdefault(req.count, set()).add(req.rank)
+        _recheck(barrier, ready)  # its arrival may complete another trainer's wait
+    if (req.stage == "plain" or (req.stage == "push" and barrier.push_ready(req.rank, req.count))
+            or (req.stage == "lookup" and barrier.lookup_ready(req.lookup_count))):
+        ready.append(req)
+        return
+    barrier.parked.append(req)
+    _arm(req)
+
+
+def _recheck(barrier: StepBarrier, ready: list[_Request]) -> None:
+    waiting, barrier.parked = barrier.parked, []
+    for other in waiting:
+        _try(other, ready)
+
+
+def _drain(ready: list[_Request]) -> None:
+    """Run the work of ``ready`` requests and of every request their completion releases, on this thread."""
+    queue = deque(ready)
+    while queue:
+        req = queue.popleft()
+        stage, value, error = req.stage, None, None
+        try:
+            if stage == "plain":
+                value = req.push() if req.push is not None else None
+                value = req.lookup() if req.push is None else (value if req.lookup is None else (value, req.lookup()))
+            else:
+                value = (req.push if stage == "push" else req.lookup)()
+        except BaseException as e:  # reported to the client, like a raise in a blocking handler
+            error = e
+        released: list[_Request] = []
+        with _LOCK:
+            finished = _after_work(req, stage, value, error, released)
+        if finished is not None:
+            _report(req, *finished)
+        queue.extend(released)
+
+
+def _after_work(req: _Request, stage: str, value: Any, error: BaseException | None,
+                ready: list[_Request]) -> tuple[Any, BaseException | None] | None:
+    """Under ``_LOCK``: record the work done; returns ``(value, error)`` when the request finished."""
+    if stage == "push":
+        barrier, count = req.barrier, req.count
+        barrier.applied[req.rank] = max(barrier.applied[req.rank], count + 1)
+        if all(a > count for a in barrier.applied):
+            barrier.arrived.pop(count, None)
+        _recheck(barrier, ready)
+        if error is None and req.lookup is not None:
+            req.pushed, req.stage, req.deadline = value, "lookup", None
+            _try(req, ready)
+            return None
+    elif stage == "lookup" and req.push is not None and error is None:
+        value = (req.pushed, value)
+    _finish(req, ready)
+    return value, error
+
+
+def _finish(req: _Request, ready: list[_Request]) -> None:
+    """Under ``_LOCK``: the client's next request may run (a request that failed counts as done)."""
+    req.stage, req.push, req.lookup = "done", None, None  # drop the batches: a deadline entry may outlive it
+    seqr = req.seqr
+    if seqr is not None:
+        seqr.next = max(seqr.next, req.seq + 1)
+        nxt = seqr.parked.pop(seqr.next, None)
+        if nxt is not None:
+            _try(nxt, ready)
+
+
+def _report(req: _Request, value: Any, error: BaseException | None) -> None:
+    try:
+        req.done(value, error)
+    except Exception:  # a transport's callback: never let it stop the requests it released
+        logger.exception("server %s: reporting the result of a %s failed", req.server, req.what)
+
+
+def _blocking(start: Callable[[Done], None]) -> Any:
+    box: list[Any] = []
+    event = threading.Event()
+
+    def done(value: Any, error: BaseException | None) -> None:
+        box[:] = [value, error]
+        event.set()
+
+    start(done)
+    event.wait()
+    if box[1] is not None:
+        raise box[1]
+    return box[0]
+
+
+# ---- timeouts: one watchdog thread per process -------------------------------------------------------------
+def _arm(req: _Request) -> None:
+    """Under ``_LOCK``: start the deadline of ``req``'s current wait (kept while it stays in that wait)."""
+    if req.deadline is not None:
+        return
+    req.deadline = time.monotonic() + req.timeout_s
+    heapq.heappush(_DEADLINES, (req.deadline, next(_IDS), req))
+    if not _WATCHDOG or not _WATCHDOG[0].is_alive():
+        _WATCHDOG[:] = [threading.Thread(target=_watch, name="fxdist-ps-order-watchdog", daemon=True)]
+        _WATCHDOG[0].start()
+    _WAKE.notify()
+
+
+def _watch() -> None:
+    while True:
+        with _LOCK:
+            while not _DEADLINES or _DEADLINES[0][0] > time.monotonic():
+                _WAKE.wait(None if not _DEADLINES else _DEADLINES[0][0] - time.monotonic())
+            now, failed, released = time.monotonic(), [], []
+            while _DEADLINES and _DEADLINES[0][0] <= now:
+                deadline, _, req = heapq.heappop(_DEADLINES)
+                if req.deadline == deadline and _unpark(req):
+                    failed.append((req, RuntimeError(_timeout_message(req))))
+                    if req.stage != "turn":  # as a raise inside its turn: the client's next request may run
+                        _finish(req, released)
+                    else:
+                        req.stage, req.push, req.lookup = "done", None, None
+        for req, error in failed:
+            _report(req, None, error)
+        _drain(released)
+
+
+def _unpark(req: _Request) -> bool:
+    """Under ``_LOCK``: take ``req`` out of the wait it is parked in; False when it is not parked."""
+    if req.stage == "turn":
+        if req.seqr is not None and req.seqr.parked.get(req.seq) is req:
+            del req.seqr.parked[req.seq]
+            return True
+        return False
+    if req.stage in ("push", "lookup") and req in req.barrier.parked:
+        req.barrier.parked.remove(req)
+        return True
+    return False
+
+
+def _timeout_message(req: _Request) -> str:
+    head, t = f"server {req.server}: ", req.timeout_s
+    if req.stage == "turn":
+        return (f"{head}{req.what} #{req.seq} waited {t} s for the client's request #{req.seqr.next}, which never "
+                "arrived")
+    barrier = req.barrier
+    if req.stage == "push":
+        what, missing = f"{req.what} #{req.count} of trainer {req.rank}", barrier._missing_pushes(req.count, req.rank)
+    else:
+        what = f"{req.what} of trainer {req.rank} (after {req.lookup_count} pushes)"
+        missing = barrier._laggards(req.lookup_count)
+    return (f"{head}{what} waited {t} s for {missing}; did a trainer of the group stop or run fewer steps than the "
+            "others?")

@@ -9,9 +9,11 @@ which answers every request with a transport error (``PSUnavailableError`` on th
 ``reset()``, with the last checkpoint or empty for the trainers to load one: a client never silently reads a
 server that lost its tables.
 
-The actor is threaded (``max_concurrency``): the step order across trainers
-(:mod:`scheduling.ps.ordering`) holds a request until the earlier ones arrive, as TensorPipe's worker
-threads do for ``torch_rpc``.
+The actor is an asyncio actor (:class:`~scheduling.ps.endpoints.AsyncEndpoints`): a lookup or push that
+the request order (:mod:`scheduling.ps.ordering`) holds until earlier ones arrive is a coroutine awaiting
+its answer, holding no thread, so any number of clients and trainers can wait on one server; the work runs
+on ``num_worker_threads`` threads of the actor's process. ``max_concurrency`` (:data:`ACTOR_OPTIONS`) only
+bounds how many requests one server actor holds at once, waiting ones included.
 
 Clients name servers by a string: a name registered here (:func:`register_servers`, done by
 ``LocalCluster(transport="ray")`` and by a job's trainers) or a named Ray actor (``ray.get_actor``), or
@@ -21,7 +23,7 @@ Only this module (and :mod:`scheduling.ray_calls`) of ``scheduling`` imports Ray
 the ``ray`` transport is asked for.
 
 Source: Ray actors (``ray.remote``, ``ActorHandle.method.remote``, ``ray.get``, ``max_restarts``,
-``max_concurrency`` threaded actors).
+AsyncIO actors, ``max_concurrency``).
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ import ray.exceptions as rex
 import torch
 from ray.actor import ActorHandle
 
-from .endpoints import ServerEndpoints
+from .endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
 from .server import PSServer
 
-__all__ = ["PSActor", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "start_actors", "register_servers",
+__all__ = ["PSActor", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "MAX_REQUESTS", "start_actors", "register_servers",
            "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors"]
 
-ACTOR_OPTIONS = {"num_cpus": 0, "max_concurrency": 32}
-"""``ray.remote`` options of a server actor: no CPU reserved, up to 32 requests served at once."""
+MAX_REQUESTS = 100_000
+"""Requests one server actor holds at once (Ray's ``max_concurrency`` of an asyncio actor), waiting ones
+included; each waiting request is a parked coroutine, not a thread."""
+ACTOR_OPTIONS = {"num_cpus": 0, "max_concurrency": MAX_REQUESTS}
+"""``ray.remote`` options of a server actor: no CPU reserved, up to :data:`MAX_REQUESTS` requests in flight."""
 
 _HANDLES: dict[str, ActorHandle] = {}
 
@@ -51,7 +56,7 @@ _TRANSPORT_ERRORS = (rex.GetTimeoutError, rex.RayActorError, rex.ActorUnavailabl
                      rex.OwnerDiedError, rex.WorkerCrashedError, rex.RaySystemError, rex.TaskCancelledError)
 
 
-class PSActor(ServerEndpoints):
+class PSActor(AsyncEndpoints):
     """A parameter server as a Ray actor class: ``ray.remote(**ACTOR_OPTIONS)(PSActor).remote("ps0")``.
 
     Args:
@@ -59,13 +64,16 @@ class PSActor(ServerEndpoints):
         fetch_delay_s, push_delay_s: added latency per lookup / push, seconds.
         checkpoint: a file written by ``PSServer.save`` to load before serving (None: empty).
         num_threads: torch intra-op threads of the actor's process.
+        num_worker_threads: threads running the lookups and pushes (a request waiting for its turn holds
+            none: :class:`~scheduling.ps.endpoints.AsyncEndpoints`).
     """
 
     def __init__(self, name: str, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
-                 checkpoint: str | None = None, num_threads: int = 1) -> None:
+                 checkpoint: str | None = None, num_threads: int = 1,
+                 num_worker_threads: int = DEFAULT_WORKER_THREADS) -> None:
         torch.set_num_threads(num_threads)
         self.name, self.delays = name, (fetch_delay_s, push_delay_s)
-        super().__init__()
+        super().__init__(num_worker_threads=num_worker_threads)
         if restarted_actor():  # the tables died with the old process: refuse requests until reset()
             self.why_none = (f"server {name} is a restarted Ray actor that lost its tables; reset() it (with the "
                              "last checkpoint) before use")

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.rpc.functions import async_execution
 
 from .config import ShardSpec
-from .endpoints import ServerEndpoints
+from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
 from .storage import RowStore, make_store
@@ -69,7 +70,7 @@ def _rendezvous_handler(url: str, **kwargs: Any) -> Any:
     raise RuntimeError(f"{_RDZV_SCHEME}:// cannot re-rendezvous")
 
 
-def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: int = 16) -> Any:
+def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> Any:
     """TensorPipe options used by every member of a PS group: TCP ("uv") transport only.
 
     The shared-memory transport starves a 2-core machine (requests reach the server only after the
@@ -409,16 +410,48 @@ def _rpc_configure(*args: Any, **kwargs: Any) -> dict[str, int]:
     return _ENDPOINTS.configure(*args, **kwargs)
 
 
-def _rpc_lookup(*args: Any) -> torch.Tensor:
-    return _ENDPOINTS.lookup(*args)
+def _ordered_future(method: str, args: tuple) -> torch.futures.Future:
+    """Start ordered request ``method`` (:meth:`ServerEndpoints.submit`) and return the Future of its answer;
+    the RPC thread that called returns at once, whether the request runs now or waits for its turn.
+
+    An error is answered as torch's RPC answers a raise in a plain function (``RemoteException``: the client
+    raises the same exception type, e.g. ``ValueError``, with the same message).
+    """
+    from torch.distributed.rpc.internal import RemoteException
+
+    future: torch.futures.Future = torch.futures.Future()
+
+    def done(value: Any, error: BaseException | None) -> None:
+        if error is None:
+            future.set_result(value)
+            return
+        import traceback
+
+        from torch.distributed import rpc
+
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        future.set_result(RemoteException(f"On {rpc.get_worker_info()}:\n{error!r}\n{trace}", type(error)))
+
+    try:
+        _ENDPOINTS.submit(method, args, done)
+    except Exception as e:  # no server here, bad arguments: answered like the work's own errors
+        done(None, e)
+    return future
 
 
-def _rpc_push(*args: Any) -> int:
-    return _ENDPOINTS.push(*args)
+@async_execution
+def _rpc_lookup(*args: Any) -> torch.futures.Future:
+    return _ordered_future("lookup", args)
 
 
-def _rpc_push_lookup(*args: Any) -> tuple[int, torch.Tensor]:
-    return _ENDPOINTS.push_lookup(*args)
+@async_execution
+def _rpc_push(*args: Any) -> torch.futures.Future:
+    return _ordered_future("push", args)
+
+
+@async_execution
+def _rpc_push_lookup(*args: Any) -> torch.futures.Future:
+    return _ordered_future("push_lookup", args)
 
 
 def _rpc_state_dict(namespace: str | None = None) -> dict[str, Any]:
@@ -450,7 +483,8 @@ def _rpc_stats() -> dict[str, int]:
 def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, init_method: str | None = None,
                  checkpoint: str | None = None, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
-                 timeout_s: float = 60.0, num_threads: int = 1, block: bool = True) -> PSServer:
+                 timeout_s: float = 60.0, num_threads: int = 1, block: bool = True,
+                 num_worker_threads: int = DEFAULT_WORKER_THREADS) -> PSServer:
     """Run a parameter server in this process: create :class:`PSServer`, join the RPC group, serve.
 
     Args:
@@ -462,6 +496,9 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
         fetch_delay_s, push_delay_s: added latency per lookup / push, in seconds.
         timeout_s: RPC timeout, and how long joining the group may take, in seconds.
         num_threads: torch intra-op threads of this process.
+        num_worker_threads: TensorPipe threads serving requests (``TensorPipeRpcBackendOptions``); a request
+            waiting for its turn holds none of them (:mod:`scheduling.ps.ordering`), so any number of
+            clients and trainers can wait on one server.
         block: if True, serve until a client calls ``PSClient.stop_servers()`` (then leave the group and
             return); if False, return right after joining (a Ray actor does this and calls
             :func:`stop_server` later).
@@ -470,11 +507,13 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
         The :class:`PSServer` (after shutdown when ``block``).
 
     Raises:
-        ValueError: neither ``master_port`` nor ``init_method`` given.
+        ValueError: neither ``master_port`` nor ``init_method`` given, or ``num_worker_threads`` < 1.
         RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
     """
     from torch.distributed import rpc
 
+    if num_worker_threads < 1:
+        raise ValueError(f"start_server: num_worker_threads must be >= 1, got {num_worker_threads}")
     if init_method is None:
         if master_port is None:
             raise ValueError("start_server: give master_port (with master_addr) or init_method")
@@ -486,7 +525,7 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
     _ENDPOINTS.server = server
     reset_rpc_process_state()
     rpc.init_rpc(name, rank=rank, world_size=world_size,
-                 rpc_backend_options=rpc_backend_options(init_method, timeout_s))
+                 rpc_backend_options=rpc_backend_options(init_method, timeout_s, num_worker_threads))
     if block:
         _STOP.wait()
         time.sleep(0.2)  # let the reply to the stop request leave

@@ -1,0 +1,176 @@
+"""Many embedding modules, several trainers, one server: no request waiting for the step order holds a thread.
+
+Issue 21: with more embedding modules on one server than its 16 worker threads and 2 trainers, training hung:
+every thread was held by a request waiting at the step barrier, so the push that would release them was
+never served. Here 60 modules (``nn.EmbeddingBag`` and ``nn.Embedding``) go to 1 server shared by 4 trainers,
+on both transports, with the default thread count; the trainers must finish within the clients' timeout and
+train exactly like synchronous data-parallel SGD on local tables (the reference, computed here). A lower-level
+test parks many waiting requests with 2 threads in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from scheduling.ps import ordering
+from scheduling.ps.launch import free_port
+
+NUM_MODULES, WORLD, STEPS, BATCH, BAG, LR = 60, 4, 3, 4, 3, 0.5
+
+
+class ManyTables(nn.Module):
+    """60 small tables, every fifth an ``nn.Embedding`` (one id per sample), the others sum-pooled bags of
+    ``BAG`` ids; a fixed projection (a buffer: nothing dense to train) to one score per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(10 + i, 4) if i % 5 == 0 else nn.EmbeddingBag(10 + i, 4, mode="sum")
+                                    for i in range(NUM_MODULES))
+        self.register_buffer("proj", torch.linspace(-1.0, 1.0, 4 * NUM_MODULES).unsqueeze(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:   # ids (B, NUM_MODULES, BAG) -> (B,)
+        outs = []
+        for i, table in enumerate(self.tables):
+            outs.append(table(ids[:, i, 0]) if i % 5 == 0 else table(ids[:, i]))
+        return (torch.cat(outs, dim=1) @ self.proj).squeeze(1)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return ManyTables()
+
+
+def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.stack([torch.randint(0, 10 + i, (BATCH, BAG), generator=gen) for i in range(NUM_MODULES)], 1)
+        out.append((ids, torch.randn(BATCH, generator=gen)))
+    return out
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """Synchronous data-parallel SGD on local tables: every trainer's step-k loss at the same weights, then
+    each trainer's gradient applied in rank order (the servers' step order, row-wise SGD)."""
+    model = _model()
+    data = [_batches(r) for r in range(WORLD)]
+    losses: list[list[float]] = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        grads = []
+        for r in range(WORLD):
+            model.zero_grad()
+            loss = _loss(model(data[r][step][0]), data[r][step][1])
+            loss.backward()
+            losses[r].append(loss.item())
+            grads.append([p.grad.clone() for p in model.tables.parameters()])
+        with torch.no_grad():
+            for g in grads:
+                for p, gp in zip(model.tables.parameters(), g):
+                    p -= LR * gp
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("tables.")}
+
+
+def _train(rank: int, servers: list[str], group: str, prefix: str, barrier: Any) -> dict[str, Any]:
+    """One trainer: its tables on the servers (the ``parameter_servers`` pass), lookups started together
+    (``async_rpc``), pushes from backward hooks."""
+    import fxdist
+    import scheduling
+    from scheduling import placement
+
+    torch.set_num_threads(1)
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, servers=servers, client=prefix,
+                           rank=rank, world_size=WORLD, group=group, timeout_s=60.0, verbose=False)
+    if rank != 0:
+        barrier.wait()                      # rank 0 has created the tables
+    gm = fxdist.optimize(_model(), passes=(ps, "async_rpc"))
+    if rank == 0:
+        barrier.wait()
+    try:
+        losses = []
+        for ids, target in _batches(rank):
+            loss = _loss(gm(ids), target)
+            loss.backward()
+            losses.append(loss.item())
+        placement.flush(gm)
+        moved = len(placement.client_names(gm))
+        tables = {k: v.tolist() for k, v in placement.table_state_dict(gm).items()} if rank == 0 else None
+        return {"losses": losses, "tables": tables, "moved": moved}
+    finally:
+        placement.close(gm)
+
+
+def _check(results: dict[int, dict[str, Any]]) -> None:
+    losses, tables = _reference()
+    assert results[0]["moved"] == NUM_MODULES
+    for rank in range(WORLD):
+        torch.testing.assert_close(results[rank]["losses"], losses[rank], rtol=1e-5, atol=1e-6)
+    got = {k: torch.tensor(v) for k, v in results[0]["tables"].items()}
+    assert got.keys() == tables.keys() and len(got) == NUM_MODULES
+    start = _model().state_dict()
+    for key in got:
+        torch.testing.assert_close(got[key], tables[key], rtol=1e-5, atol=1e-6)
+    assert sum(not torch.equal(got[k], start[k]) for k in got) == NUM_MODULES    # every table trained
+
+
+# ---- torch_rpc: 1 server process and 4 trainer processes ---------------------------------------------------
+def _server_main(rank: int, world: int, port: int) -> None:
+    from scheduling.ps import start_server
+
+    start_server("ps0", rank, world, master_port=port, timeout_s=60)   # default num_worker_threads (16)
+
+
+def _rpc_trainer_main(rank: int, port: int, group: str, barrier: Any, queue: Any) -> None:
+    from torch.distributed import rpc
+
+    from scheduling.ps import init_trainer
+    from scheduling.ps import server as srv
+
+    init_trainer(f"trainer{rank}", rank, WORLD + 1, master_port=port, timeout_s=60)
+    try:
+        queue.put((rank, _train(rank, ["ps0"], group, "many", barrier)))
+    except BaseException as e:
+        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+        raise
+    finally:
+        if rank == 0:
+            try:
+                rpc.rpc_sync("ps0", srv._rpc_stop, (), timeout=5)
+            except RuntimeError:
+                pass
+        rpc.shutdown(graceful=False)
+
+
+@pytest.mark.timeout(400)
+def test_sixty_modules_four_trainers_one_server_torch_rpc():
+    ctx = mp.get_context("spawn")
+    queue, barrier = ctx.Queue(), ctx.Barrier(WORLD, timeout=120)
+    port = free_port()
+    procs = [ctx.Process(target=_server_main, args=(WORLD, WORLD + 1, port), daemon=True)]
+    procs += [ctx.Process(target=_rpc_trainer_main, args=(r, port, "g-rpc", barrier, queue), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=300) for _ in range(WORLD))
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    errors = {r: res["error"] for r, res in results.items() if "error" in res}
+    assert not errors, errors
+    _check(results)
