@@ -174,3 +174,55 @@ def test_sixty_modules_four_trainers_one_server_torch_rpc():
     errors = {r: res["error"] for r, res in results.items() if "error" in res}
     assert not errors, errors
     _check(results)
+
+
+# ---- ray: 1 server actor and 4 trainer tasks ---------------------------------------------------------------
+class _RayBarrier:
+    """A one-shot barrier of ``n`` parties as an asyncio Ray actor."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.arrived, self.event = n, 0, asyncio.Event()
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        if self.arrived == self.n:
+            self.event.set()
+        await asyncio.wait_for(self.event.wait(), 120)
+
+
+class _BarrierClient:
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def wait(self) -> None:
+        import ray
+
+        ray.get(self.actor.wait.remote(), timeout=150)
+
+
+def _ray_trainer(rank: int, server: Any, barrier: Any) -> dict[str, Any]:
+    from scheduling.ps.ray_transport import register_servers
+
+    register_servers({"ps0": server})
+    return _train(rank, ["ps0"], "g-ray", "many", _BarrierClient(barrier))
+
+
+@pytest.mark.timeout(400)
+def test_sixty_modules_four_trainers_one_server_ray():
+    ray = pytest.importorskip("ray")
+    from scheduling.ps.ray_transport import kill_actors, start_actors
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        (server,) = start_actors(["ps0"])                     # default num_worker_threads (16)
+        barrier = ray.remote(num_cpus=0)(_RayBarrier).remote(WORLD)
+        train = ray.remote(num_cpus=0, max_retries=0)(_ray_trainer)
+        refs = [train.remote(r, server, barrier) for r in range(WORLD)]
+        results = dict(enumerate(ray.get(refs, timeout=300)))
+        kill_actors([server, barrier], ["ps0"])
+    finally:
+        if started:
+            ray.shutdown()
+    _check(results)

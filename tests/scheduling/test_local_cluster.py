@@ -1,0 +1,64 @@
+"""``LocalCluster`` used twice in one process (issue 21): the second cluster, with another learning rate, trains
+with its own optimizer although the first cluster's clients were never closed by the user.
+
+The first cluster's clients are closed with it (their servers are gone; the second cluster's servers have
+the same names ``ps<i>``), so the placement pass no longer sees a live client with another optimizer on them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import scheduling
+from scheduling.ps import LocalCluster, get_client
+from scheduling.ps.client import live_clients
+
+
+class TwoBags(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.EmbeddingBag(12, 4, mode="sum")
+        self.item = nn.EmbeddingBag(9, 4, mode="sum")
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return (self.user(users) * self.item(items)).sum(1)
+
+
+def _step(lr: float, transport: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """One step with the tables on the servers; returns (expected tables after local SGD, the servers')."""
+    torch.manual_seed(0)
+    model = TwoBags()
+    users, items = torch.tensor([[1, 2], [3, 3]]), torch.tensor([[0, 8], [5, 1]])
+    local = TwoBags()
+    local.load_state_dict(model.state_dict())
+    local(users, items).pow(2).sum().backward()
+    expected = {k: (p - lr * p.grad).detach() for k, p in local.named_parameters()}
+    gm = scheduling.parameter_servers(model, optimizer="sgd", lr=lr, verbose=False)
+    gm(users, items).pow(2).sum().backward()
+    scheduling.placement.flush(gm)
+    names = scheduling.placement.client_names(gm)
+    assert all(get_client(n).transport.name == transport for n in names)
+    return expected, scheduling.placement.table_state_dict(gm), names   # the clients are left open
+
+
+@pytest.mark.parametrize("transport", ["torch_rpc", "ray"])
+def test_a_second_local_cluster_trains_with_its_own_learning_rate(transport):
+    if transport == "ray":
+        pytest.importorskip("ray")
+    results = []
+    for lr in (0.1, 0.7):
+        with LocalCluster(1, timeout_s=30, transport=transport) as cluster:
+            expected, got, names = _step(lr, transport)
+            assert {c.name for c in live_clients()} >= set(names)
+            results.append((expected, got))
+        assert not set(names) & {c.name for c in live_clients()}        # closed with their cluster
+        with pytest.raises(KeyError, match="no PSClient named"):
+            get_client(names[0])
+        assert cluster.server_names == ["ps0"]
+    for expected, got in results:
+        assert got.keys() == expected.keys() == {"user.weight", "item.weight"}
+        for key in got:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(results[0][1]["user.weight"], results[1][1]["user.weight"])  # lr 0.1 vs 0.7
