@@ -37,7 +37,7 @@ class ManyTables(nn.Module):
         super().__init__()
         self.tables = nn.ModuleList(nn.Embedding(10 + i, 4) if i % 5 == 0 else nn.EmbeddingBag(10 + i, 4, mode="sum")
                                     for i in range(NUM_MODULES))
-        self.register_buffer("proj", torch.linspace(-1.0, 1.0, 4 * NUM_MODULES).unsqueeze(1))
+        self.register_buffer("proj", 0.05 * torch.linspace(-1.0, 1.0, 4 * NUM_MODULES).unsqueeze(1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:   # ids (B, NUM_MODULES, BAG) -> (B,)
         outs = []
@@ -107,6 +107,7 @@ def _train(rank: int, servers: list[str], group: str, prefix: str, barrier: Any)
             loss.backward()
             losses.append(loss.item())
         placement.flush(gm)
+        barrier.wait()                      # every trainer's last pushes are applied
         moved = len(placement.client_names(gm))
         tables = {k: v.tolist() for k, v in placement.table_state_dict(gm).items()} if rank == 0 else None
         return {"losses": losses, "tables": tables, "moved": moved}
@@ -178,16 +179,18 @@ def test_sixty_modules_four_trainers_one_server_torch_rpc():
 
 # ---- ray: 1 server actor and 4 trainer tasks ---------------------------------------------------------------
 class _RayBarrier:
-    """A one-shot barrier of ``n`` parties as an asyncio Ray actor."""
+    """A reusable barrier of ``n`` parties as an asyncio Ray actor."""
 
     def __init__(self, n: int) -> None:
         self.n, self.arrived, self.event = n, 0, asyncio.Event()
 
     async def wait(self) -> None:
+        event = self.event
         self.arrived += 1
         if self.arrived == self.n:
-            self.event.set()
-        await asyncio.wait_for(self.event.wait(), 120)
+            self.arrived, self.event = 0, asyncio.Event()
+            event.set()
+        await asyncio.wait_for(event.wait(), 120)
 
 
 class _BarrierClient:
@@ -226,3 +229,94 @@ def test_sixty_modules_four_trainers_one_server_ray():
         if started:
             ray.shutdown()
     _check(results)
+
+
+# ---- lower level: waiting requests hold no thread ------------------------------------------------------------
+def test_waiting_requests_are_parked_not_run_on_the_submitting_threads():
+    """60 requests that must wait, started from 2 threads in all: every start returns at once; the pushes
+    that arrive later release them, in step order."""
+    pool = ThreadPoolExecutor(2)                  # the "server threads"
+    results: dict[tuple[int, str], Any] = {}
+    finished = threading.Semaphore(0)
+    log: dict[int, list[str]] = {g: [] for g in range(30)}
+
+    def done_as(name: tuple[int, str]) -> ordering.Done:
+        def done(value: Any, error: BaseException | None) -> None:
+            results[name] = error if error is not None else value
+            finished.release()
+        return done
+
+    def start(g: int, rank: int, seq: int, count: int, kind: str) -> None:
+        order = (f"parked-{g}-{rank}", seq, 10.0, (f"parked-group-{g}", rank, 2, count))
+        work = {"push": lambda: log[g].append(f"push{rank}")} if kind == "push" else {"lookup": lambda: list(log[g])}
+        ordering.submit(order, kind, "psT", done_as((g, f"{kind}{rank}")), **work)
+
+    before = ordering.parked_requests()
+    try:
+        # trainer 0 of each of 30 groups: its push waits for trainer 1's, its next lookup for its push
+        starts = [pool.submit(start, g, 0, seq, count, kind)
+                  for g in range(30) for seq, count, kind in ((0, 0, "push"), (1, 1, "lookup"))]
+        for s in starts:
+            s.result(timeout=10)                   # returned without waiting
+        assert ordering.parked_requests() - before == 60 and not results
+        for g in range(30):                        # trainer 1's pushes release them
+            pool.submit(start, g, 1, 0, 0, "push").result(timeout=10)
+        for _ in range(90):
+            assert finished.acquire(timeout=10), f"only {len(results)} of 90 requests finished"
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    for g in range(30):
+        assert log[g] == ["push0", "push1"]        # rank order within the step
+        assert results[(g, "lookup0")] == ["push0", "push1"]   # the lookup after 1 push sees both trainers'
+
+
+def test_a_wait_past_the_timeout_fails_with_what_it_waited_for():
+    errors: list[BaseException | None] = []
+    got = threading.Event()
+
+    def done(value: Any, error: BaseException | None) -> None:
+        errors.append(error)
+        got.set()
+
+    start = time.monotonic()
+    ordering.submit(("late-0", 0, 0.3, ("late-group", 0, 2, 0)), "push", "psT", done, push=lambda: None)
+    assert got.wait(10) and time.monotonic() - start < 5
+    assert isinstance(errors[0], RuntimeError)
+    assert str(errors[0]) == ("server psT: push #0 of trainer 0 waited 0.3 s for push #0 of trainer(s) [1]; did a "
+                              "trainer of the group stop or run fewer steps than the others?")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["torch_rpc", "ray"])
+def test_a_server_with_two_threads_serves_forty_waiting_requests(transport):
+    """Raw ordered requests of 20 two-trainer groups to a server with ``num_worker_threads=2``: trainer 0's
+    40 requests all wait for trainer 1, which comes later; every request is answered, in step order."""
+    if transport == "ray":
+        pytest.importorskip("ray")
+    from torchrec import KeyedJaggedTensor
+
+    from scheduling.ps import LocalCluster, PSClient
+    from scheduling.ps.config import TableSpec
+
+    groups, timeout_s = 20, 20.0
+    with LocalCluster(1, timeout_s=30, transport=transport, num_worker_threads=2) as cluster:
+        client = PSClient([TableSpec("t", groups, 4, ("f",))], cluster.server_names, optimizer="sgd",
+                          optimizer_kwargs={"lr": 1.0}, name=f"raw-{transport}", seed=0)
+        start = client.state_dict()["t.weight"]
+        tag = uuid.uuid4().hex
+
+        def send(g: int, rank: int, method: str, seq: int, count: int) -> Any:
+            batch = (("f",), torch.tensor([g]), torch.tensor([1]), None)
+            args = (client.name, batch) + ((torch.ones(1, 4),) if method == "push" else (None,))
+            order = (f"{tag}-{g}-{rank}", seq, timeout_s, (f"{tag}-group-{g}", rank, 2, count))
+            return client.transport.call_async(0, method, (*args, order), timeout_s + 10)
+
+        first = [(g, send(g, 0, "push", 0, 0), send(g, 0, "lookup", 1, 1)) for g in range(groups)]
+        time.sleep(1.0)
+        assert not any(push.done() or lookup.done() for _, push, lookup in first)   # they wait for trainer 1
+        second = [(g, send(g, 1, "push", 0, 0), send(g, 1, "lookup", 1, 1)) for g in range(groups)]
+        for g, push, lookup in first + second:
+            assert push.wait() == 1
+            expected = start[g] - 1.0 - 1.0            # both trainers' pushes, one SGD step each
+            torch.testing.assert_close(lookup.wait(), expected.unsqueeze(0), rtol=0, atol=0)
+        client.close()
