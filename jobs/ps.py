@@ -56,7 +56,8 @@ class ServerActor(AsyncEndpoints):
 
     ``[cluster] transport = "torch_rpc"``: the server joins each worker group's RPC group
     (``scheduling.ps.start_server``), as below. ``"ray"``: the actor itself serves the requests (its
-    :class:`~scheduling.ps.endpoints.ServerEndpoints` methods, called as ``handle.lookup.remote(...)``);
+    :class:`~scheduling.ps.endpoints.AsyncEndpoints` methods, called as ``handle.lookup.remote(...)``: an asyncio
+    actor, whose waiting requests hold no thread);
     each worker group's rank 0 calls :meth:`reset` instead of :meth:`join` (an empty server, no group).
 
     The launcher creates it (named, restartable by Ray) before the trainers start, and it outlives every

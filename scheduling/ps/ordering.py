@@ -290,10 +290,15 @@ def _finish(req: _Request, ready: list[_Request]) -> None:
 
 
 def _report(req: _Request, value: Any, error: BaseException | None) -> None:
+    done, req.done = req.done, _reported  # the answer is not kept alive by a deadline entry
     try:
-        req.done(value, error)
+        done(value, error)
     except Exception:  # a transport's callback: never let it stop the requests it released
         logger.exception("server %s: reporting the result of a %s failed", req.server, req.what)
+
+
+def _reported(value: Any, error: BaseException | None) -> None:
+    raise AssertionError("a request reported twice")
 
 
 def _blocking(start: Callable[[Done], None]) -> Any:

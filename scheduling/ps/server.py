@@ -4,7 +4,9 @@ A server process calls :func:`start_server`, which creates the process-wide :cla
 RPC group. Clients then call the module-level ``_rpc_*`` functions below by RPC (they must be importable
 by the server, so they live here, never in ``__main__``); each hands the request to the transport-independent
 :class:`~scheduling.ps.endpoints.ServerEndpoints`, which with the ``ray`` transport is the Ray actor itself
-(:mod:`scheduling.ps.ray_transport`). The shards themselves are created by the first
+(:mod:`scheduling.ps.ray_transport`). The lookups and pushes are ``async_execution`` functions: they return a
+``torch.futures.Future`` at once, so a request that waits for its turn (:mod:`scheduling.ps.ordering`) holds
+none of the ``num_worker_threads`` TensorPipe threads. The shards themselves are created by the first
 client that connects (:meth:`PSServer.configure`) or loaded from a checkpoint given to :func:`start_server`.
 
 Wire format of a batch (one per request, the whole KeyedJaggedTensor of the trainer):
@@ -14,7 +16,7 @@ torchrec, ``weights`` float ``(N,)`` or None. A lookup answers ``(B, D_s)`` floa
 contribute the partial sum over their rows (the client adds the partials and divides for mean pooling).
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); FBGEMM row-wise optimizers and fused 8-bit
-row-wise quantization.
+row-wise quantization; ``torch.distributed.rpc.functions.async_execution``.
 """
 
 from __future__ import annotations
