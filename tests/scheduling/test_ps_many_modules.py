@@ -162,7 +162,8 @@ def test_sixty_modules_four_trainers_one_server_torch_rpc():
     queue, barrier = ctx.Queue(), ctx.Barrier(WORLD, timeout=120)
     port = free_port()
     procs = [ctx.Process(target=_server_main, args=(WORLD, WORLD + 1, port), daemon=True)]
-    procs += [ctx.Process(target=_rpc_trainer_main, args=(r, port, "g-rpc", barrier, queue), daemon=True) for r in range(WORLD)]
+    procs += [ctx.Process(target=_rpc_trainer_main, args=(r, port, "g-rpc", barrier, queue), daemon=True)
+              for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
