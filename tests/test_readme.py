@@ -21,19 +21,26 @@ def test_the_readme_has_python_examples():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index, capsys):
-    from scheduling.ps.client import _CLIENTS
+def test_readme_python_block_runs(index, capsys, monkeypatch):
+    from scheduling.ps.client import PSClient
 
-    before = set(_CLIENTS)
+    created: list[PSClient] = []   # a LocalCluster closes its clients with it: keep them to read their counters
+    init = PSClient.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        created.append(self)
+
+    monkeypatch.setattr(PSClient, "__init__", recording_init)
     namespace = {"__name__": "__main__"}
     try:
         exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), namespace)
         out = capsys.readouterr().out
         if "table_state_dict" in BLOCKS[index]:
             assert "['item.weight', 'user.weight']" in out and "parameter_servers plan: 2 tables" in out
-            assert {_CLIENTS[n].prefetch_hits for n in set(_CLIENTS) - before} == {9}  # steps 2..10 prefetched
+            assert {c.prefetch_hits for c in created} == {9}  # steps 2..10 prefetched
         if "next_sparse_features=" in BLOCKS[index]:  # torchrec's DLRM: 4 tables, 2 on each server
-            assert {_CLIENTS[n].prefetch_hits for n in set(_CLIENTS) - before} == {2 * 4}  # steps 2..5
-    finally:  # the examples leave their clients registered (their servers are gone with the cluster)
-        for name in set(_CLIENTS) - before:
-            _CLIENTS[name].close(flush=False)
+            assert {c.prefetch_hits for c in created} == {2 * 4}  # steps 2..5
+    finally:  # clients a block left open outside a LocalCluster
+        for client in created:
+            client.close(flush=False)
