@@ -193,11 +193,13 @@ class LocalCluster:
         RPC group per process); ``ray``: every client holding one of its actors."""
         from .client import live_clients
 
-        if self.transport == "ray":
-            mine = {a._actor_id for a in self.actors}
-            uses = lambda c: any(getattr(h, "_actor_id", None) in mine for h in getattr(c.transport, "handles", ()))
-        else:
-            uses = lambda c: c.transport.name == "torch_rpc" and bool(set(c.servers) & set(self.server_names))
+        mine = {a._actor_id for a in self.actors}
+
+        def uses(client: Any) -> bool:
+            if self.transport == "ray":
+                return any(getattr(h, "_actor_id", None) in mine for h in getattr(client.transport, "handles", ()))
+            return client.transport.name == "torch_rpc" and bool(set(client.servers) & set(self.server_names))
+
         for client in live_clients():
             if uses(client):
                 client.close(flush=False)
