@@ -51,7 +51,7 @@ from .prefetch import add_prefetch
 from .rpc_kinds import AsyncPair, destination, pair_for, presplit_pair_for
 from .timeline import format_timeline
 
-__all__ = ["async_rpc", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]
+__all__ = ["async_rpc", "async_rpc_prefetch", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]
 
 
 @dataclass
@@ -225,6 +225,11 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bo
     if verbose:
         _show(graph, "after async_rpc", out)
     return gm
+
+
+def async_rpc_prefetch(gm: GraphModule) -> GraphModule:
+    """``async_rpc(gm, prefetch=True)``, as a one-argument pass (``fxdist.optimize(passes=("async_rpc_prefetch",))``)."""
+    return async_rpc(gm, prefetch=True)
 
 
 def _show(graph: Graph, title: str, out: TextIO) -> None:
