@@ -196,8 +196,9 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bo
             across steps, fetches waiting until at most ``k`` are pending for their server.
         prefetch: also start each parameter-server lookup of the *next* step inside this one, after this
             step's push to the same server (exact with an ordered client), or with ``max_staleness >= 1``
-            right after this step's lookup. Adds an input ``next_<batch>`` (default None) per batch input;
-            see :mod:`scheduling.prefetch`.
+            right after this step's lookup. Adds an input ``next_<input>`` (default None) per graph input a
+            prefetched lookup's ids are computed from; warns (``scheduling.prefetch.PrefetchWarning``) once per
+            lookup it cannot prefetch, saying why; see :mod:`scheduling.prefetch`.
         verbose: print the graph (``print_tabular``) and the RPC timeline before and after.
         file: where ``verbose`` prints (default ``sys.stdout``).
 

@@ -180,8 +180,6 @@ def input_reason(batch: Any) -> str | None:
     if not reasons:
         if not any(n.op == "placeholder" for n in chain):
             reasons.append("its ids depend on no graph input (a constant batch)")
-        elif any(n.op == "placeholder" and str(n.target).startswith("*") for n in chain):
-            reasons.append("its ids depend on a *args/**kwargs input")
         else:
             reasons.extend(_mutated(chain))
     return "; ".join(dict.fromkeys(reasons)) or None

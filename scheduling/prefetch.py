@@ -124,10 +124,10 @@ class _NextBatches:
     def _replay(self, batch: Node, lookup: str) -> Node:
         graph, root = self.graph, self.graph.owning_module
         module, inputs = replay_module(batch, lookup)
-        name, k = f"prefetch_{batch.name}", 1
+        name, count = f"prefetch_{batch.name}", 1
         while hasattr(root, name):
-            k += 1
-            name = f"prefetch_{batch.name}_{k}"
+            count += 1
+            name = f"prefetch_{batch.name}_{count}"
         root.add_submodule(name, module)
         nexts = tuple(self.input(n) for n in inputs)
         current = self._add(lambda: graph.call_module(name, tuple(inputs)))
@@ -151,13 +151,14 @@ class _NextBatches:
 
 def _erase_unused(graph: Graph, node: Node) -> None:
     """Erase ``node`` and, in turn, its inputs that are left unused (pure nodes only)."""
-    todo = [node]
+    todo, erased = [node], set()
     while todo:
         n = todo.pop()
-        if n.users or n.op in ("placeholder", "output") or n.is_impure() or n.graph is not graph:
+        if n in erased or n.users or n.op in ("placeholder", "output") or n.is_impure():
             continue
         inputs = n.all_input_nodes
         graph.erase_node(n)
+        erased.add(n)
         todo.extend(inputs)
 
 
