@@ -169,12 +169,19 @@ def _lookup_names(graph: Graph) -> dict[str, str]:
     return {client: qualname for qualname, client in clients.items()}
 
 
-def _warn(skipped: dict[tuple[str, str], dict[str, list[int]]], names: dict[str, str]) -> None:
+def _warn(graph: Graph, skipped: dict[tuple[str, str], dict[str, list[int]]], names: dict[str, str]) -> None:
+    """One PrefetchWarning per lookup not prefetched; the messages also go to
+    ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``."""
+    messages = []
     for (client, batch), reasons in skipped.items():
         what = f"module '{names[client]}'" if client in names else f"client '{client}'"
         why = "; ".join(f"{r} (server{'s' * (len(s) > 1)} {', '.join(map(str, s))})" for r, s in reasons.items())
-        warnings.warn(f"async_rpc_prefetch: the lookup of {what} (batch %{batch}) is not prefetched: {why}; "
-                      "it keeps the in-step schedule", PrefetchWarning, stacklevel=4)
+        messages.append(f"async_rpc_prefetch: the lookup of {what} (batch %{batch}) is not prefetched: {why}; "
+                        "it keeps the in-step schedule")
+        warnings.warn(messages[-1], PrefetchWarning, stacklevel=4)
+    owner = graph.owning_module
+    if owner is not None and isinstance(getattr(owner, "meta", None), dict):
+        owner.meta.setdefault("fxdist", {}).setdefault("prefetch", {})["not_prefetched"] = messages
 
 
 def _site_reason(site: Any, reads: list[Any], sites: list[Any], stale: bool, nb: _NextBatches) -> str | None:
@@ -201,7 +208,8 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
     push starts given ``next_kjt``, or (``max_staleness >= 1``) new ``ps_prefetch`` nodes.
 
     ``sites`` are the pass's :class:`~scheduling.async_rpc_pass.RPCSite` list. Each parameter-server lookup not
-    prefetched gets one :class:`PrefetchWarning` naming its module (or client) and why.
+    prefetched gets one :class:`PrefetchWarning` naming its module (or client) and why (the messages are also
+    kept in ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``).
 
     Raises:
         ValueError: the graph has a ``*args``/``**kwargs`` input (a new input cannot follow it).
@@ -227,7 +235,7 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
         nxt = nb.of(batch, names.get(site.dest[1], str(site.dest[1])))
         added.append(_start_prefetch(graph, site, sites, nxt, max_staleness))
     nb.hoist(reads)
-    _warn(skipped, names)
+    _warn(graph, skipped, names)
     return added
 
 

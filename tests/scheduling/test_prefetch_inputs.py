@@ -199,6 +199,7 @@ def test_computed_ids_are_prefetched_and_train_as_blocking(cluster, case):
     assert losses == blocking[0]                                 # same lookups, same server updates: identical
     assert all(torch.equal(tables[k], blocking[1][k]) for k in tables)
     assert warned == []                                          # everything prefetched: nothing to say
+    assert gm.meta["fxdist"]["prefetch"]["not_prefetched"] == []
     graph = gm.graph
     placeholders = [n.target for n in graph.nodes if n.op == "placeholder"]
     assert placeholders[-len(expected_nexts):] == expected_nexts  # the graph inputs themselves, after the others
@@ -230,6 +231,7 @@ def test_ids_from_a_module_output_are_warned_and_train_as_blocking(cluster):
     assert [str(w.message) for w in warned] == [
         "async_rpc_prefetch: the lookup of module 'cluster' (batch %index_to_kjt) is not prefetched: its ids "
         f"depend on the output of module 'proj' (server {server}); it keeps the in-step schedule"]
+    assert gm.meta["fxdist"]["prefetch"]["not_prefetched"] == [str(w.message) for w in warned]
     assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["dense", "ids", "next_ids"]
     assert hits == STEPS - 1                                     # the user table's lookups only
 
