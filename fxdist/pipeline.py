@@ -48,7 +48,7 @@ __all__ = ["optimize", "register_pass", "resolve_pass", "PASSES", "NO_OP_REASONS
 
 PASSES: dict[str, str | Callable] = {
     "async_rpc": "scheduling:async_rpc",
-    "async_rpc_prefetch": "scheduling.prefetch:async_rpc_prefetch",
+    "async_rpc_prefetch": "scheduling.async_rpc_pass:async_rpc_prefetch",
     "parameter_servers": "scheduling.placement:parameter_servers",
     "fuse": "quant:fuse",
     "reinplace": "fxdist.passes.reinplace:reinplace",

@@ -51,7 +51,7 @@ from .prefetch import add_prefetch
 from .rpc_kinds import AsyncPair, destination, pair_for, presplit_pair_for
 from .timeline import format_timeline
 
-__all__ = ["async_rpc", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]
+__all__ = ["async_rpc", "async_rpc_prefetch", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]
 
 
 @dataclass
@@ -196,8 +196,9 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bo
             across steps, fetches waiting until at most ``k`` are pending for their server.
         prefetch: also start each parameter-server lookup of the *next* step inside this one, after this
             step's push to the same server (exact with an ordered client), or with ``max_staleness >= 1``
-            right after this step's lookup. Adds an input ``next_<batch>`` (default None) per batch input;
-            see :mod:`scheduling.prefetch`.
+            right after this step's lookup. Adds an input ``next_<input>`` (default None) per graph input a
+            prefetched lookup's ids are computed from; warns (``scheduling.prefetch.PrefetchWarning``) once per
+            lookup it cannot prefetch, saying why; see :mod:`scheduling.prefetch`.
         verbose: print the graph (``print_tabular``) and the RPC timeline before and after.
         file: where ``verbose`` prints (default ``sys.stdout``).
 
@@ -225,6 +226,11 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bo
     if verbose:
         _show(graph, "after async_rpc", out)
     return gm
+
+
+def async_rpc_prefetch(gm: GraphModule) -> GraphModule:
+    """``async_rpc(gm, prefetch=True)``, as a one-argument pass (``fxdist.optimize(passes=("async_rpc_prefetch",))``)."""
+    return async_rpc(gm, prefetch=True)
 
 
 def _show(graph: Graph, title: str, out: TextIO) -> None:

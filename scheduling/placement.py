@@ -49,8 +49,10 @@ Configuration (what trains what):
 - Prefetch: after ``async_rpc_prefetch`` each step's push also asks for the next batch's lookup; pass the next
   batch as ``next_<input name>`` (e.g. ``gm(dense, kjt, next_kjt=nxt)``, pairs from
   :func:`scheduling.lookahead`). This works for a lookup whose batch is a graph input (a KeyedJaggedTensor
-  input of an ``EmbeddingBagCollection``) or converted from inputs only (``nn.EmbeddingBag(ids, offsets)``:
-  pass ``next_ids=..., next_offsets=...``); a module called twice in a step keeps the in-step schedule.
+  input of an ``EmbeddingBagCollection``) or computed from inputs only (``nn.EmbeddingBag(ids, offsets)``:
+  pass ``next_ids=..., next_offsets=...``; ``emb(ids[:, j].long())``, a KeyedJaggedTensor built in forward:
+  pass ``next_ids=...``); a module called twice in a step, or fed by a module's output, keeps the in-step
+  schedule, with a ``PrefetchWarning`` saying why (:mod:`scheduling.prefetch`).
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches in the graph, then scheduled); torchrec
 ``DistributedModelParallel`` (shard a user's model's embedding modules by a plan, leave the rest dense).

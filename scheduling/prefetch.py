@@ -20,13 +20,26 @@ it was served, a fraction of a step earlier than without prefetch (their interle
 whole step but misses this step's push (one step of staleness, the bound the option allows).
 
 Call the module with the next batch: ``gm(dense, kjt, labels, next_kjt=next_batch_kjt)``
-(:func:`lookahead` pairs each batch with the next one); without it (None) nothing is prefetched.
+(:func:`lookahead` pairs each batch with the next one); without it (None) nothing is prefetched. The added
+inputs are always graph inputs: ``next_<input>`` for each input a prefetched lookup's ids are computed from, in
+the order the lookups are met, after the existing inputs.
 A forward whose pushes run in backward from ``ps_push_in_backward`` hooks (a training forward, without the
-backward in the graph) gets the same: the hook's push carries the next lookup. A lookup is prefetched only
-when its batch is a graph input (or converted in the graph from inputs only, by a function marked
-``fxdist_batch_conversion``, e.g. :func:`scheduling.placement_ops.bag_to_kjt`), and (without ``max_staleness``) only when the graph pushes to that server,
-in the graph or by one such hook: otherwise the pass cannot know when the prefetch would be exact. Others
-keep the in-step schedule.
+backward in the graph) gets the same: the hook's push carries the next lookup. A lookup is prefetched when
+
+- its batch is a function of the graph's inputs alone: an input itself, a conversion of inputs by a function
+  marked ``fxdist_batch_conversion`` (e.g. :func:`scheduling.placement_ops.bag_to_kjt`), or any chain of
+  side-effect-free nodes from inputs (``ids[:, j]``, ``.long()``, ``.view(-1)``,
+  ``KeyedJaggedTensor.from_lengths_sync(...)``), replayed on the ``next_`` inputs by a
+  :class:`~scheduling.batch_replay.BatchReplay` submodule (:mod:`scheduling.batch_replay` says what breaks
+  that: a parameter, a module's output, a random op, an impure call, a value modified in place);
+- its client reads that server once a step (the client keeps one prefetched lookup per server);
+- (without ``max_staleness``) the graph pushes to that server, in the graph or by one such hook: otherwise
+  the pass cannot know when the prefetch would be exact.
+
+Every other lookup keeps the in-step schedule, with one :class:`PrefetchWarning` per lookup::
+
+    async_rpc_prefetch: the lookup of module 'emb' (batch %bag_to_kjt) is not prefetched: its ids depend on
+    the output of module 'proj' (servers 0, 1); it keeps the in-step schedule
 
 Source: torchrec ``TrainPipelineSparseDist`` (starts batch ``i + 1``'s input distribution during batch
 ``i``); torch.fx paper §6.2.3 (move the start as early as its inputs allow).
@@ -34,57 +47,169 @@ Source: torchrec ``TrainPipelineSparseDist`` (starts batch ``i + 1``'s input dis
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from fxdist.graph import Graph
 from fxdist.node import Node
 
+from .batch_replay import input_reason, replay_module
 from .ps import ops
 from .rpc_kinds import node_arg
 
-__all__ = ["add_prefetch", "lookahead", "async_rpc_prefetch"]
+__all__ = ["add_prefetch", "lookahead", "PrefetchWarning"]
 
 T = TypeVar("T")
 
 
-def _next_input(graph: Graph, batch: Node, made: dict[Node, Node]) -> Node:
-    """The placeholder ``next_<batch>`` (default None), created after the last placeholder."""
-    if batch not in made:
-        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        with graph.inserting_after(last):
-            made[batch] = graph.placeholder(f"next_{batch.target}", default_value=None)
-    return made[batch]
+class PrefetchWarning(UserWarning):
+    """A parameter-server lookup is not prefetched (the message names it and says why)."""
 
 
-def _next_batch(graph: Graph, batch: Any, made: dict[Node, Node], dry_run: bool = False) -> Node | None:
-    """The node holding the next step's batch: ``next_<batch>`` for an input, or, for a batch converted in the
-    graph from inputs only by a function marked ``fxdist_batch_conversion`` (e.g. ``nn.EmbeddingBag``'s
-    ``(input, offsets)`` -> KeyedJaggedTensor), the same conversion of their ``next_`` inputs (created once,
-    after the inputs). None when the batch is neither. ``dry_run``: only say whether it would be None."""
-    if not isinstance(batch, Node):
-        return None
-    if batch.op == "placeholder":
-        return batch if dry_run else _next_input(graph, batch, made)
-    if not (batch.op == "call_function" and getattr(batch.target, "fxdist_batch_conversion", False)):
-        return None
-    if not all(n.op == "placeholder" for n in batch.all_input_nodes):
-        return None
-    if dry_run or batch in made:
-        return made.get(batch, batch)
-    nexts = {n: _next_input(graph, n, made) for n in batch.all_input_nodes}
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(last):
-        made[batch] = graph.node_copy(batch, lambda n: nexts[n])
-    made[batch].meta["async_rpc_prefetch"] = batch.name
-    return made[batch]
+class _NextBatches:
+    """The nodes holding the next step's batches, made once per batch, after the inputs."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.made: dict[Node, Node] = {}
+        self.last: Node | None = None  # the last node made (or moved) after the inputs
+        self.replayed: set[Node] = set()  # this step's batches computed by a BatchReplay
+
+    def _cursor(self) -> Node:
+        return self.last or [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+
+    def input(self, node: Node) -> Node:
+        """The placeholder ``next_<node>`` (default None), created after the last placeholder."""
+        if node not in self.made:
+            last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+            with self.graph.inserting_after(last):
+                self.made[node] = self.graph.placeholder(f"next_{node.target}", default_value=None)
+        return self.made[node]
+
+    def reason(self, batch: Any) -> str | None:
+        """Why the next step's ``batch`` cannot be made here, or None."""
+        return None if isinstance(batch, Node) and batch in self.made else input_reason(batch)
+
+    def of(self, batch: Node, lookup: str) -> Node:
+        """The node holding the next step's batch (call after :meth:`reason` said None): ``next_<batch>`` for
+        an input; for a conversion of inputs only by a function marked ``fxdist_batch_conversion`` (e.g.
+        ``nn.EmbeddingBag``'s ``(input, offsets)`` -> KeyedJaggedTensor), the same conversion of their ``next_``
+        inputs; otherwise a :class:`~scheduling.batch_replay.BatchReplay` submodule called on the inputs
+        (replacing ``batch`` in this step too, so both steps' batches come from its results)."""
+        if batch in self.made:
+            return self.made[batch]
+        if batch.op == "placeholder":
+            return self.input(batch)
+        if (batch.op == "call_function" and getattr(batch.target, "fxdist_batch_conversion", False)
+                and all(n.op == "placeholder" for n in batch.all_input_nodes)):
+            nexts = {n: self.input(n) for n in batch.all_input_nodes}
+            nxt = self._add(lambda: self.graph.node_copy(batch, nexts.__getitem__))
+        else:
+            nxt = self._replay(batch, lookup)
+        nxt.meta["async_rpc_prefetch"] = batch.name
+        self.made[batch] = nxt
+        return nxt
+
+    def _add(self, make: Any) -> Node:
+        """Put ``make()`` (a new node, or an existing one, moved) after the inputs and the nodes added so far."""
+        cursor = self._cursor()
+        with self.graph.inserting_after(cursor):
+            node = make()
+        if node.prev is not cursor:  # an existing node: move it
+            cursor.append(node)
+        self.last = node
+        return node
+
+    def _replay(self, batch: Node, lookup: str) -> Node:
+        graph, root = self.graph, self.graph.owning_module
+        module, inputs = replay_module(batch, lookup)
+        name, count = f"prefetch_{batch.name}", 1
+        while hasattr(root, name):
+            count += 1
+            name = f"prefetch_{batch.name}_{count}"
+        root.add_submodule(name, module)
+        nexts = tuple(self.input(n) for n in inputs)
+        current = self._add(lambda: graph.call_module(name, tuple(inputs)))
+        current.meta.update({k: v for k, v in batch.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        batch.replace_all_uses_with(current)
+        _erase_unused(graph, batch)
+        nxt = self._add(lambda: graph.call_module(name, nexts, {"next_batch": True}))
+        self.made[current] = nxt
+        self.replayed.add(current)
+        return nxt
+
+    def hoist(self, sites: list[Any]) -> None:
+        """Move the lookups of the batches now computed at the top (:meth:`_replay`) up there too, in order, with
+        their ``ps_prefetch``: their only input is that batch (lookups that must follow a write keep their place)."""
+        for site in sites:
+            if node_arg(site.start, 2, "kjt") in self.replayed and not site.after:
+                self._add(lambda: site.start)
+                for user in [u for u in site.start.users if u.target is ops.ps_prefetch]:  # max_staleness: with it
+                    self._add(lambda: user)  # noqa: B023
+
+
+def _erase_unused(graph: Graph, node: Node) -> None:
+    """Erase ``node`` and, in turn, its inputs that are left unused (pure nodes only)."""
+    todo, erased = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in erased or n.users or n.op in ("placeholder", "output") or n.is_impure():
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        todo.extend(inputs)
+
+
+def _lookup_names(graph: Graph) -> dict[str, str]:
+    """client name -> the module it serves (from the ``parameter_servers`` pass's record), when known."""
+    owner = graph.owning_module
+    clients = getattr(owner, "meta", {}).get("fxdist", {}).get("placement", {}).get("clients", {})
+    return {client: qualname for qualname, client in clients.items()}
+
+
+def _warn(graph: Graph, skipped: dict[tuple[str, str], dict[str, list[int]]], names: dict[str, str]) -> None:
+    """One PrefetchWarning per lookup not prefetched; the messages also go to
+    ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``."""
+    messages = []
+    for (client, batch), reasons in skipped.items():
+        what = f"module '{names[client]}'" if client in names else f"client '{client}'"
+        why = "; ".join(f"{r} (server{'s' * (len(s) > 1)} {', '.join(map(str, s))})" for r, s in reasons.items())
+        messages.append(f"async_rpc_prefetch: the lookup of {what} (batch %{batch}) is not prefetched: {why}; "
+                        "it keeps the in-step schedule")
+        warnings.warn(messages[-1], PrefetchWarning, stacklevel=4)
+    owner = graph.owning_module
+    if owner is not None and isinstance(getattr(owner, "meta", None), dict):
+        owner.meta.setdefault("fxdist", {}).setdefault("prefetch", {})["not_prefetched"] = messages
+
+
+def _site_reason(site: Any, reads: list[Any], sites: list[Any], stale: bool, nb: _NextBatches) -> str | None:
+    """Why this step cannot start the next step's lookup of ``site``, or None."""
+    count = sum(s.dest == site.dest for s in reads)
+    if count > 1:  # one prefetch slot per (client, server)
+        return (f"its client reads that server {count} times a step (e.g. its module is called {count} times) and "
+                "keeps one prefetched lookup per server")
+    reason = nb.reason(node_arg(site.start, 2, "kjt"))
+    if reason is not None or stale:
+        return reason
+    pushes = [s for s in sites if s.pair.kind == "write" and s.dest == site.dest]
+    hooks = [n for n in site.start.graph.nodes if n.op == "call_function" and n.target is ops.ps_push_in_backward
+             and ("ps", *n.args[:2]) == site.dest]
+    if not (pushes or len(hooks) == 1):
+        return ("the graph pushes no gradient to its server (a frozen table, or pushes outside the graph), so "
+                "nothing tells when an exact prefetch may start (max_staleness >= 1 prefetches anyway)"
+                if not hooks else f"{len(hooks)} backward pushes go to its server, and only one can carry it")
+    return None
 
 
 def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> list[Node]:
     """Add the prefetches (after the RPCs were split and scheduled); returns the nodes that start them:
     push starts given ``next_kjt``, or (``max_staleness >= 1``) new ``ps_prefetch`` nodes.
 
-    ``sites`` are the pass's :class:`~scheduling.async_rpc_pass.RPCSite` list.
+    ``sites`` are the pass's :class:`~scheduling.async_rpc_pass.RPCSite` list. Each parameter-server lookup not
+    prefetched gets one :class:`PrefetchWarning` naming its module (or client) and why (the messages are also
+    kept in ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``).
 
     Raises:
         ValueError: the graph has a ``*args``/``**kwargs`` input (a new input cannot follow it).
@@ -93,45 +218,48 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
         raise ValueError("async_rpc(prefetch=True): the graph has a *args/**kwargs input; the next batch "
                          "cannot be added as an input after it")
     stale = bool(max_staleness)
-    made: dict[Node, Node] = {}
-    added = []
+    nb = _NextBatches(graph)
+    names = _lookup_names(graph)
+    added: list[Node] = []
+    skipped: dict[tuple[str, str], dict[str, list[int]]] = {}
     reads = [s for s in sites if s.pair.family == "ps" and s.pair.kind == "read" and s.dest is not None]
     for site in reads:
-        if sum(s.dest == site.dest for s in reads) > 1:  # one prefetch slot per (client, server)
-            continue
         batch = node_arg(site.start, 2, "kjt")
-        if _next_batch(graph, batch, made, dry_run=True) is None:
+        reason = _site_reason(site, reads, sites, stale, nb)
+        if reason is not None:
+            key = (str(site.dest[1]), batch.name if isinstance(batch, Node) else repr(batch))
+            servers = skipped.setdefault(key, {}).setdefault(reason, [])
+            if site.dest[2] not in servers:
+                servers.append(site.dest[2])
             continue
-        pushes = [s for s in sites if s.pair.kind == "write" and s.dest == site.dest]
-        hooks = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.ps_push_in_backward
-                 and ("ps", *n.args[:2]) == site.dest]
-        if not (stale or pushes or len(hooks) == 1):  # its pushes, if any, run outside the graph
-            continue
-        nxt = _next_batch(graph, batch, made)
-        if stale:
-            with graph.inserting_after(site.start):
-                node = graph.call_function(ops.ps_prefetch, (site.dest[1], site.dest[2], nxt),
-                                           {"max_staleness": max_staleness, "after": site.start})
-            node.meta["async_rpc_prefetch"] = site.start.meta.get("async_rpc", site.start.name)
-        elif not pushes:  # the push runs in backward, from this node's hook: it carries the lookup
-            node = hooks[0]
-            node.update_kwarg("next_kjt", nxt)
-        else:  # the last push to the server carries the lookup: one request, answered after the push
-            pos = {n: i for i, n in enumerate(graph.nodes)}
-            last = max(pushes, key=lambda s: pos[s.start])
-            node = last.start
-            node.update_kwarg("next_kjt", nxt)
-            if last.wait.target is ops.ps_push_wait and not last.wait.users:
-                last.wait.target = ops.ps_push_settle  # do not hold the step's end for the next lookup
-        added.append(node)
+        nxt = nb.of(batch, names.get(site.dest[1], str(site.dest[1])))
+        added.append(_start_prefetch(graph, site, sites, nxt, max_staleness))
+    nb.hoist(reads)
+    _warn(graph, skipped, names)
     return added
 
 
-def async_rpc_prefetch(gm: Any) -> Any:
-    """``async_rpc(gm, prefetch=True)``, as a one-argument pass (``fxdist.optimize(passes=("async_rpc_prefetch",))``)."""
-    from .async_rpc_pass import async_rpc
-
-    return async_rpc(gm, prefetch=True)
+def _start_prefetch(graph: Graph, site: Any, sites: list[Any], nxt: Node, max_staleness: int | None) -> Node:
+    """Have the push (or, with staleness, a new ``ps_prefetch`` after the lookup) start the next lookup."""
+    if max_staleness:
+        with graph.inserting_after(site.start):
+            node = graph.call_function(ops.ps_prefetch, (site.dest[1], site.dest[2], nxt),
+                                       {"max_staleness": max_staleness, "after": site.start})
+        node.meta["async_rpc_prefetch"] = site.start.meta.get("async_rpc", site.start.name)
+        return node
+    pushes = [s for s in sites if s.pair.kind == "write" and s.dest == site.dest]
+    if not pushes:  # the push runs in backward, from this node's hook: it carries the lookup
+        node = next(n for n in graph.nodes if n.op == "call_function" and n.target is ops.ps_push_in_backward
+                    and ("ps", *n.args[:2]) == site.dest)
+        node.update_kwarg("next_kjt", nxt)
+        return node
+    # the last push to the server carries the lookup: one request, answered after the push
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(pushes, key=lambda s: pos[s.start])
+    last.start.update_kwarg("next_kjt", nxt)
+    if last.wait.target is ops.ps_push_wait and not last.wait.users:
+        last.wait.target = ops.ps_push_settle  # do not hold the step's end for the next lookup
+    return last.start
 
 
 def lookahead(batches: Iterable[T]) -> Iterator[tuple[T, T | None]]:

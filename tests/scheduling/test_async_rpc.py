@@ -15,6 +15,7 @@ from fxdist.graph_module import GraphModule
 
 import scheduling
 from scheduling.async_rpc_pass import AsyncRPC
+from scheduling.prefetch import PrefetchWarning
 from scheduling.ps import ops
 from tests.scheduling._graphs import before, offline_client, order
 
@@ -150,7 +151,14 @@ def test_leaves_trace_as_single_impure_nodes(client):
 
 
 def test_no_exact_prefetch_without_the_push_or_with_two_lookups_per_server(client):
-    gm = scheduling.async_rpc(_gm(_push_fetch_graph()), prefetch=True)
+    with pytest.warns(PrefetchWarning) as record:
+        gm = scheduling.async_rpc(_gm(_push_fetch_graph()), prefetch=True)
+    assert [str(w.message) for w in record] == [
+        "async_rpc_prefetch: the lookup of client 'graph_ps' (batch %kjt) is not prefetched: its client reads that "
+        "server 2 times a step (e.g. its module is called 2 times) and keeps one prefetched lookup per server "
+        "(server 0); the graph pushes no gradient to its server (a frozen table, or pushes outside the graph), so "
+        "nothing tells when an exact prefetch may start (max_staleness >= 1 prefetches anyway) (server 1); it keeps "
+        "the in-step schedule"]
     g = gm.graph
     prefetches = g.find_nodes(op="call_function", target=ops.ps_prefetch)
     # server 0 is fetched twice in the step (one prefetch slot per server): not prefetched; server 1 is
@@ -195,12 +203,14 @@ def test_exact_prefetch_rides_on_the_push_and_stale_prefetch_follows_the_lookup(
     assert "P" in scheduling.format_timeline(stale).split("ps_prefetch ")[1].splitlines()[0]
 
 
-def test_prefetch_skips_computed_batches_and_refuses_varargs(client):
+def test_prefetch_without_a_push_is_warned_and_varargs_refused(client):
     g = Graph()
     x, ids = g.placeholder("x"), g.placeholder("ids")
-    key = g.call_function(operator.add, (ids, 1))
+    key = g.call_function(operator.add, (ids, 1))   # computed from an input: prefetchable, but nothing pushes
     g.output(g.call_function(operator.mul, (g.call_function(ops.ps_fetch, ("graph_ps", 0, key)), x)))
-    gm = scheduling.async_rpc(_gm(g), prefetch=True)
+    with pytest.warns(PrefetchWarning, match=r"the lookup of client 'graph_ps' \(batch %add\) is not prefetched: "
+                      r"the graph pushes no gradient to its server .*\(server 0\)"):
+        gm = scheduling.async_rpc(_gm(g), prefetch=True)
     assert gm.graph.find_nodes(op="call_function", target=ops.ps_prefetch) == []
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "ids"]
     v = Graph()
