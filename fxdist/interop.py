@@ -39,7 +39,7 @@ from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Node
 
 __all__ = ["from_torch_fx", "graph_from_torch_fx", "to_torch_fx", "as_fxdist", "write_back", "is_torch_fx",
-           "run_with_unbacked_bindings", "enter_torch_fx_trace"]
+           "run_with_unbacked_bindings", "enter_torch_fx_trace", "register_torch_fx_leaf"]
 
 
 def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type, share_meta: bool = False) -> dict[Any, Any]:
@@ -302,3 +302,16 @@ def enter_torch_fx_trace(patcher: _Patcher) -> TorchFxTraceHooks:
     return TorchFxTraceHooks(list(getattr(module, "_wrapped_fns_to_patch", {}).items()),
                              list(getattr(module, "_wrapped_methods_to_patch", [])),
                              getattr(module, "_proxyable_classes", {}))
+
+
+def register_torch_fx_leaf(frame_globals: dict[str, Any], name: str) -> None:
+    """Register the global ``name`` of the module whose globals are ``frame_globals`` as a torch.fx leaf
+    function, as ``torch.fx.wrap(name)`` called in that module would: torch.fx's tracers (and
+    ``torch.fx.experimental.rewriter.RewritingTracer``) then record calls to it as one ``call_function``.
+    Called by ``fxdist.wrap``; its other direction is :func:`enter_torch_fx_trace`.
+
+    Source: torch/fx/_symbolic_trace.py (``wrap``, ``_wrapped_fns_to_patch``: ``(id(globals), name)`` keys).
+    """
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    symbolic_trace._wrapped_fns_to_patch[(id(frame_globals), name)] = frame_globals
