@@ -161,6 +161,9 @@ class _Emitter:
         Raises:
             ValueError: ``name`` is not an identifier, or is already a node, parameter or global name.
         """
+        if name in ("pytree", "fx_pytree"):  # reserved for a pytree CodeGen's helpers, as in torch.fx
+            self.globals[name] = obj
+            return
         if not is_plain_ident(name) or name in RESERVED_NAMES or name in self.namespace:
             raise ValueError(f"additional global {name!r} is not a free identifier in the generated code "
                              "(it is reserved, or a node/parameter already has that name)")
