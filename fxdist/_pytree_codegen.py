@@ -76,14 +76,17 @@ class PyTreeCodeGen(CodeGen):
         orig_args: the traced function's parameter names (``self`` first for a module).
         in_spec: the structure of the arguments (including the root module for a method).
         out_spec: the structure of the output; set by the tracer once the output is known.
+        args_kwargs: ``in_spec`` describes ``(args, kwargs)`` (``torch.export``'s convention: the
+            first ``in_spec.child(0).num_children`` names are positional, the rest keyword arguments).
     """
 
     def __init__(self, orig_args: list[str], in_spec: pytree.TreeSpec,
-                 out_spec: pytree.TreeSpec | None = None) -> None:
+                 out_spec: pytree.TreeSpec | None = None, *, args_kwargs: bool = False) -> None:
         super().__init__()
         self.orig_args = list(orig_args)
         self.in_spec = in_spec
         self.out_spec = out_spec
+        self.args_kwargs = args_kwargs
 
     def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
         leaves = [v.split(":")[0].split("=")[0].strip() for v in free_vars]
@@ -91,9 +94,17 @@ class PyTreeCodeGen(CodeGen):
             leaves.insert(0, "self")
         fn_def = super().gen_fn_def(list(self.orig_args), maybe_return_annotation)
         if leaves:
-            fn_def += (f"\n    {', '.join(leaves)}, = fx_pytree.tree_flatten_spec([{', '.join(self.orig_args)}], "
-                       "self._in_spec)")
+            fn_def += f"\n    {', '.join(leaves)}, = fx_pytree.tree_flatten_spec({self._flattened()}, self._in_spec)"
         return fn_def
+
+    def _flattened(self) -> str:
+        """The text of the value ``in_spec`` describes: ``[a, b]``, or ``([a], {'b':b})`` for (args, kwargs)."""
+        if not self.args_kwargs:
+            return f"[{', '.join(self.orig_args)}]"
+        count = self.in_spec.child(0).num_children
+        keywords = ", ".join(f"'{key}':{name}" for key, name in zip(self.in_spec.child(1).context,
+                                                                     self.orig_args[count:]))
+        return f"([{', '.join(self.orig_args[:count])}], {{{keywords}}})"
 
     def generate_output(self, output_args: Any, *, repr_fn: Callable[[Any], str] = repr) -> str:
         if self.out_spec is None:
