@@ -28,6 +28,8 @@ _EXPORTS: dict[str, str] = {
     "symbolic_trace": "tracer",
     "wrap": "tracer",
     "PH": "tracer",
+    "PHBase": "tracer",
+    "PHWithMeta": "tracer",
     "ProxyableClassMeta": "tracer",
     "TraceError": "errors",
     "Interpreter": "interpreter",
@@ -46,7 +48,7 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES: dict[str, tuple[str, ...]] = {
     "node": (), "graph": (), "codegen": (), "graph_module": (), "proxy": (), "tracer": (), "errors": (),
     "interpreter": (), "subgraph_rewriter": (), "immutable_collections": (), "interop": (), "annotate": (),
-    "pipeline": (),
+    "pipeline": (), "_symbolic_trace": (),
     "passes": ("shape_prop", "reinplace", "graph_drawer", "utils", "utils.matcher_utils"),
     "experimental": ("proxy_tensor",),
 }

@@ -208,6 +208,9 @@ def wrap(fn_or_name: str | Callable[..., Any]) -> Any:
     """Register a global function as a *leaf function*: calls to it on Proxies are recorded as one
     ``call_function`` node instead of being traced through. Call it at module scope, with the
     function or its name (``fxdist.wrap("len")`` also works for builtins), or use it as a decorator.
+    The function is registered with torch.fx as well (``fxdist.interop.register_torch_fx_leaf``), so it is a
+    leaf for torch.fx's tracers too (``torch.fx.Tracer``, ``RewritingTracer``), as ``torch.fx.wrap`` leaves
+    are for fxdist's.
 
     Raises:
         RuntimeError: ``fn_or_name`` is neither a callable nor a string.
@@ -226,6 +229,9 @@ def wrap(fn_or_name: str | Callable[..., Any]) -> Any:
     if caller is None or caller.f_code.co_name != "<module>":
         raise NotImplementedError("wrap must be called at the top level of a module")
     _wrapped_fns_to_patch[(id(caller.f_globals), fn_name)] = caller.f_globals
+    from fxdist.interop import register_torch_fx_leaf  # lazy: the one module that imports torch.fx
+
+    register_torch_fx_leaf(caller.f_globals, fn_name)
     return fn_or_name
 
 

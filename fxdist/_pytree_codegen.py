@@ -3,18 +3,25 @@
 When ``concrete_args={"x": {"a": PH, "b": PH}}`` makes an argument a container, the tracer creates one
 placeholder per leaf (``x_1``, ``x_2``) and traces a flattened function. This CodeGen keeps the
 original signature: the generated ``forward(self, x)`` flattens its arguments against the traced
-structure (a ``TypeError`` if they differ) and rebuilds the traced output structure on return::
+structure and rebuilds the traced output structure on return, in the text torch.fx prints::
 
     def forward(self, x):
-        x_1, x_2, = _fxdist_flatten_as((x,), _fxdist_in_spec)
+        x_1, x_2, = fx_pytree.tree_flatten_spec([x], self._in_spec)
         add = x_1 + x_2;  x_1 = x_2 = None
-        return _fxdist_unflatten([add], _fxdist_out_spec)
+        return pytree.tree_unflatten([add], self._out_spec)
 
-Source: torch/fx/graph.py ``_PyTreeCodeGen`` and torch/fx/_symbolic_trace.py ``create_args_for_root``.
+``fx_pytree`` is this module (its :func:`tree_flatten_spec`), ``pytree`` is ``torch.utils._pytree``, and the
+GraphModule keeps the specs as ``_in_spec``/``_out_spec`` (set by ``recompile``). Because containers are
+taken apart by indexing (``x["a"]``), the generated ``forward`` can itself be traced again: a Proxy
+argument gives ``getitem`` nodes.
+
+Source: torch/fx/graph.py ``_PyTreeCodeGen``, torch/fx/_pytree.py ``tree_flatten_spec`` and
+torch/fx/_symbolic_trace.py ``create_args_for_root``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,19 +29,42 @@ import torch.utils._pytree as pytree
 
 from fxdist.codegen import CodeGen
 
-__all__ = ["PyTreeCodeGen"]
+__all__ = ["PyTreeCodeGen", "tree_flatten_spec"]
+
+_INDEXED = (tuple, list)
 
 
-def _flatten_as(values: tuple[Any, ...], spec: pytree.TreeSpec) -> list[Any]:
-    """The leaves of ``values``, which must have the structure ``spec``.
+def tree_flatten_spec(tree: Any, spec: pytree.TreeSpec) -> list[Any]:
+    """The leaves of ``tree`` in the order of ``spec``, taken by indexing: a dict by the keys ``spec``
+    names, a list/tuple/namedtuple by position. So ``tree`` may be a Proxy (retracing indexes it, one
+    ``getitem`` node per leaf) and a dict may hold extra keys. Other container types are flattened with
+    ``torch.utils._pytree`` and must have exactly the structure ``spec``.
 
     Raises:
-        TypeError: the structure differs from the one traced with.
+        KeyError, IndexError: a dict lacks a key or a sequence is too short, as in torch.fx; a note on
+            the exception gives the structure expected.
+        RuntimeError: ``tree``'s structure differs from ``spec`` (a container type indexing does not
+            cover), naming both, as torch.fx's ``tree_flatten_spec``.
+
+    Source: torch/fx/_pytree.py (``tree_flatten_spec``).
     """
-    leaves, got = pytree.tree_flatten(values)
+    try:
+        return _flatten_spec(tree, spec)
+    except (KeyError, IndexError) as e:
+        e.add_note(f"the inputs do not have the structure the module was traced with: expected {spec}")
+        raise
+
+
+def _flatten_spec(tree: Any, spec: pytree.TreeSpec) -> list[Any]:
+    if spec.is_leaf():
+        return [tree]
+    kind = spec.type
+    if kind is dict or kind in _INDEXED or pytree.is_namedtuple_class(kind):
+        keys = spec.context if kind is dict else range(spec.num_children)
+        return [leaf for key, child in zip(keys, spec.children()) for leaf in _flatten_spec(tree[key], child)]
+    leaves, got = pytree.tree_flatten(tree)
     if got != spec:
-        raise TypeError(f"inputs do not have the structure the module was traced with: expected {spec}, "
-                        f"got {got}")
+        raise RuntimeError(f"Real spec {got} of object {tree} is different from expected spec {spec}")
     return leaves
 
 
@@ -46,14 +76,17 @@ class PyTreeCodeGen(CodeGen):
         orig_args: the traced function's parameter names (``self`` first for a module).
         in_spec: the structure of the arguments (including the root module for a method).
         out_spec: the structure of the output; set by the tracer once the output is known.
+        args_kwargs: ``in_spec`` describes ``(args, kwargs)`` (``torch.export``'s convention: the
+            first ``in_spec.child(0).num_children`` names are positional, the rest keyword arguments).
     """
 
     def __init__(self, orig_args: list[str], in_spec: pytree.TreeSpec,
-                 out_spec: pytree.TreeSpec | None = None) -> None:
+                 out_spec: pytree.TreeSpec | None = None, *, args_kwargs: bool = False) -> None:
         super().__init__()
         self.orig_args = list(orig_args)
         self.in_spec = in_spec
         self.out_spec = out_spec
+        self.args_kwargs = args_kwargs
 
     def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
         leaves = [v.split(":")[0].split("=")[0].strip() for v in free_vars]
@@ -61,14 +94,22 @@ class PyTreeCodeGen(CodeGen):
             leaves.insert(0, "self")
         fn_def = super().gen_fn_def(list(self.orig_args), maybe_return_annotation)
         if leaves:
-            values = "".join(f"{a}, " for a in self.orig_args)
-            fn_def += f"\n    {', '.join(leaves)}, = _fxdist_flatten_as(({values}), _fxdist_in_spec)"
+            fn_def += f"\n    {', '.join(leaves)}, = fx_pytree.tree_flatten_spec({self._flattened()}, self._in_spec)"
         return fn_def
+
+    def _flattened(self) -> str:
+        """The text of the value ``in_spec`` describes: ``[a, b]``, or ``([a], {'b':b})`` for (args, kwargs)."""
+        if not self.args_kwargs:
+            return f"[{', '.join(self.orig_args)}]"
+        count = self.in_spec.child(0).num_children
+        keywords = ", ".join(f"'{key}':{name}" for key, name in zip(self.in_spec.child(1).context,
+                                                                     self.orig_args[count:]))
+        return f"([{', '.join(self.orig_args[:count])}], {{{keywords}}})"
 
     def generate_output(self, output_args: Any, *, repr_fn: Callable[[Any], str] = repr) -> str:
         if self.out_spec is None:
             return super().generate_output(output_args, repr_fn=repr_fn)
-        return f"return _fxdist_unflatten({repr_fn(output_args)}, _fxdist_out_spec)"
+        return f"return pytree.tree_unflatten({repr_fn(output_args)}, self._out_spec)"
 
     def process_inputs(self, *inputs: Any) -> Any:
         return pytree.arg_tree_leaves(*inputs)
@@ -77,5 +118,4 @@ class PyTreeCodeGen(CodeGen):
         return outputs if self.out_spec is None else pytree.tree_unflatten(outputs, self.out_spec)
 
     def additional_globals(self) -> list[tuple[str, Any]]:
-        return [("_fxdist_flatten_as", _flatten_as), ("_fxdist_in_spec", self.in_spec),
-                ("_fxdist_unflatten", pytree.tree_unflatten), ("_fxdist_out_spec", self.out_spec)]
+        return [("fx_pytree", sys.modules[__name__]), ("pytree", pytree)]

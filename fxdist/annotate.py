@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from fxdist.graph_module import _is_torch_fx
 from fxdist.proxy import Proxy
 
 __all__ = ["annotate"]
 
 
 def annotate(val: Any, type: Any) -> Any:  # noqa: A002 - torch.fx's parameter name
-    """Set ``val.node.type = type`` if ``val`` is a Proxy; any other value is returned untouched.
+    """Set ``val.node.type = type`` if ``val`` is a Proxy (fxdist's, or torch.fx's while a torch.fx tracer
+    runs); any other value is returned untouched.
 
     Args:
         val: the value to annotate, normally a Proxy during tracing.
@@ -36,7 +38,7 @@ def annotate(val: Any, type: Any) -> Any:  # noqa: A002 - torch.fx's parameter n
         RuntimeError: the node already has a type (a placeholder typed by the signature, or ``annotate``
             called twice on the same value), as in torch.fx.
     """
-    if not isinstance(val, Proxy):
+    if not (isinstance(val, Proxy) or (_is_torch_fx(val) and val.__class__.__name__.endswith("Proxy"))):
         return val
     existing = val.node.type
     if existing:

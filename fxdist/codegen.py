@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
+from fxdist._body_lines import transformed_lines
 from fxdist._namespace import RESERVED_NAMES, Namespace, sanitize
 from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, INPLACE_OPERATORS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
                               TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, safe_attr, snake_case,
@@ -161,6 +162,9 @@ class _Emitter:
         Raises:
             ValueError: ``name`` is not an identifier, or is already a node, parameter or global name.
         """
+        if name in ("pytree", "fx_pytree"):  # reserved for a pytree CodeGen's helpers, as in torch.fx
+            self.globals[name] = obj
+            return
         if not is_plain_ident(name) or name in RESERVED_NAMES or name in self.namespace:
             raise ValueError(f"additional global {name!r} is not a free identifier in the generated code "
                              "(it is reserved, or a node/parameter already has that name)")
@@ -422,12 +426,11 @@ class CodeGen:
         if clash:
             raise ValueError(f"placeholder parameter name(s) {sorted(clash)} would shadow names the generated "
                              "code needs; rename the placeholder target(s)")
-        lines = em.lines or ["pass"]
-        if self._body_transformer is not None:
-            lines = self._body_transformer(lines)
+        lines, line_nodes = em.lines or ["pass"], em.line_nodes if em.lines else [None]
+        if self._body_transformer is not None:  # keeps the line map as torch.fx does (see _body_lines)
+            lines, line_nodes = transformed_lines(lines, line_nodes, self._body_transformer(lines))
         prologue = self.gen_fn_def(em.free_vars, em.return_annotation)
         offset = prologue.count("\n") + 1
-        line_nodes = em.line_nodes if len(em.line_nodes) == len(lines) else [None] * len(lines)
         if any("\n" in line for line in lines):  # a multi-line statement: indent and map each line
             pairs = [(part, index) for line, index in zip(lines, line_nodes) for part in line.split("\n")]
             lines, line_nodes = [p for p, _ in pairs], [i for _, i in pairs]

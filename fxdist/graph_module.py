@@ -341,6 +341,9 @@ class GraphModule(nn.Module):
         Returns:
             The ``PythonCode`` that was compiled.
         """
+        codegen = self._graph._codegen
+        if hasattr(codegen, "in_spec") and hasattr(codegen, "out_spec"):  # PyTreeCodeGen: read by forward
+            self._in_spec, self._out_spec = codegen.in_spec, codegen.out_spec
         python_code = self._python_code()
         self._install_code(python_code)
         for child in self.children():

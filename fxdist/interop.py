@@ -17,9 +17,10 @@ object by its classes' module names (``graph_module._is_torch_fx``, no torch.fx 
 rewrite an fxdist copy and hand the torch.fx module the result with :func:`write_back`. ShapeProp's
 bookkeeping of unbacked symbols (``rebind_unbacked``) lives here too (:func:`run_with_unbacked_bindings`).
 
-Limits: graphs whose torch.fx code generator is not the plain ``CodeGen`` (``_PyTreeCodeGen`` from
-``concrete_args``/pytree inputs, ``_BoxedCodeGen``) are refused with a ValueError, because fxdist
-would generate a different ``forward`` signature. A node name that one side reserves and the other
+Code generators: torch.fx's plain ``CodeGen`` and its ``_PyTreeCodeGen`` (``concrete_args``/pytree inputs,
+``ExportedProgram.module()``) are converted, the latter into fxdist's ``PyTreeCodeGen`` with the same
+argument names and specs, so the module keeps its calling convention; any other (``_BoxedCodeGen``) is
+refused with a ValueError, because fxdist would generate a different ``forward`` signature. A node name that one side reserves and the other
 does not is renamed by the receiving graph's namespace (e.g. torch.fx allows ``operator``).
 """
 
@@ -34,12 +35,13 @@ from torch import nn
 
 from fxdist._graph_module_io import _map_nodes
 from fxdist._patching import _Patcher, _recording_constructor
+from fxdist._pytree_codegen import PyTreeCodeGen
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule, _is_torch_fx
 from fxdist.node import Node
 
 __all__ = ["from_torch_fx", "graph_from_torch_fx", "to_torch_fx", "as_fxdist", "write_back", "is_torch_fx",
-           "run_with_unbacked_bindings", "enter_torch_fx_trace"]
+           "run_with_unbacked_bindings", "enter_torch_fx_trace", "register_torch_fx_leaf"]
 
 
 def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type, share_meta: bool = False) -> dict[Any, Any]:
@@ -64,17 +66,32 @@ def _copy_nodes(src_nodes: Any, dst_graph: Any, src_kind: type, share_meta: bool
     return env
 
 
-def _check_codegen(graph: torch.fx.Graph, owner: str) -> None:
+def _converted_codegen(graph: torch.fx.Graph, owner: str) -> PyTreeCodeGen | None:
+    """fxdist's code generator for ``graph``'s: None for the plain ``CodeGen``, a :class:`PyTreeCodeGen`
+    with the same argument names and specs for ``_PyTreeCodeGen`` (``concrete_args``/pytree inputs,
+    ``ExportedProgram.module()``, whose ``in_spec`` is ``(args, kwargs)``).
+
+    Raises:
+        ValueError: any other code generator (e.g. ``_BoxedCodeGen``), naming it.
+    """
     codegen = graph._codegen
-    if type(codegen) is not torch.fx.graph.CodeGen:
-        raise ValueError(f"from_torch_fx: {owner}'s graph uses {type(codegen).__name__} (a pytree or "
-                         "boxed calling convention), which fxdist does not generate; trace without concrete_args "
-                         "/ pytree inputs (for torch.export, use ExportedProgram.graph_module, not .module())")
+    if type(codegen) is torch.fx.graph.CodeGen:
+        return None
+    if type(codegen) is torch.fx.graph._PyTreeCodeGen:
+        info = codegen.pytree_info
+        spec = info.in_spec
+        args_kwargs = (spec.type is tuple and spec.num_children == 2 and spec.child(0).type is tuple
+                       and spec.child(1).type is dict)  # the test torch.fx's generated text depends on
+        return PyTreeCodeGen(list(info.orig_args), spec, info.out_spec, args_kwargs=args_kwargs)
+    raise ValueError(f"from_torch_fx: {owner}'s graph uses {type(codegen).__name__} (a calling convention "
+                     "fxdist does not generate: only CodeGen and _PyTreeCodeGen are converted)")
 
 
 def _graph_from_torch_fx(graph: torch.fx.Graph, share_meta: bool, owner: str) -> tuple[Graph, dict[Any, Node]]:
-    _check_codegen(graph, owner)
+    codegen = _converted_codegen(graph, owner)
     result = Graph()
+    if codegen is not None:
+        result.set_codegen(codegen)
     env = _copy_nodes(graph.nodes, result, torch.fx.Node, share_meta)
     return result, env
 
@@ -99,7 +116,7 @@ def from_torch_fx(gm: torch.fx.GraphModule) -> GraphModule:
 
     Raises:
         TypeError: ``gm`` is not a torch.fx GraphModule.
-        ValueError: ``gm.graph`` uses a non-default code generator (pytree/boxed calling convention).
+        ValueError: ``gm.graph`` uses a code generator other than ``CodeGen``/``_PyTreeCodeGen`` (boxed).
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"from_torch_fx expects a torch.fx.GraphModule, got {type(gm).__name__}")
@@ -118,7 +135,7 @@ def graph_from_torch_fx(graph: torch.fx.Graph) -> Graph:
 
     Raises:
         TypeError: ``graph`` is not a torch.fx Graph.
-        ValueError: it uses a non-default code generator (pytree/boxed calling convention).
+        ValueError: it uses a code generator other than ``CodeGen``/``_PyTreeCodeGen`` (boxed).
     """
     if not isinstance(graph, torch.fx.Graph):
         raise TypeError(f"graph_from_torch_fx expects a torch.fx.Graph, got {type(graph).__name__}")
@@ -144,7 +161,7 @@ def as_fxdist(obj: Any) -> Any:
     graph too, as it would be had torch.fx run the analysis.
 
     Raises:
-        ValueError: the graph uses a pytree or boxed calling convention (see the module docstring).
+        ValueError: the graph uses a boxed calling convention (see the module docstring).
     """
     if isinstance(obj, torch.fx.GraphModule):
         return _module_from_torch_fx(obj, share_meta=True)
@@ -163,6 +180,7 @@ def write_back(target: torch.fx.GraphModule, source: GraphModule) -> None:
     """
     graph = torch.fx.Graph(tracer_cls=getattr(target.graph, "_tracer_cls", None),
                            tracer_extras=getattr(target.graph, "_tracer_extras", None))
+    graph.set_codegen(target.graph._codegen)  # the caller's calling convention (pytree or plain) stays
     _copy_nodes(source.graph.nodes, graph, Node, share_meta=True)
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module") and not _has_path(target, node.target):
@@ -211,6 +229,7 @@ def to_torch_fx(gm: GraphModule) -> torch.fx.GraphModule:
     if not isinstance(gm, GraphModule):
         raise TypeError(f"to_torch_fx expects an fxdist GraphModule, got {type(gm).__name__}")
     graph = torch.fx.Graph()
+    graph.set_codegen(_torch_fx_codegen(gm.graph._codegen))
     _copy_nodes(gm.graph.nodes, graph, Node)
     root: nn.Module = gm
     result = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
@@ -218,6 +237,15 @@ def to_torch_fx(gm: GraphModule) -> torch.fx.GraphModule:
     return result
 
 
+
+
+def _torch_fx_codegen(codegen: Any) -> torch.fx.graph.CodeGen:
+    """torch.fx's code generator for fxdist's: ``_PyTreeCodeGen`` with the same names and specs for a
+    :class:`PyTreeCodeGen`, the plain ``CodeGen`` otherwise."""
+    if isinstance(codegen, PyTreeCodeGen):
+        info = torch.fx.graph._PyTreeInfo(list(codegen.orig_args), codegen.in_spec, codegen.out_spec)
+        return torch.fx.graph._PyTreeCodeGen(info)
+    return torch.fx.graph.CodeGen()
 
 
 def run_with_unbacked_bindings(shape_env: Any, node: Node, run: Callable[[], Any]) -> Any:
@@ -302,3 +330,16 @@ def enter_torch_fx_trace(patcher: _Patcher) -> TorchFxTraceHooks:
     return TorchFxTraceHooks(list(getattr(module, "_wrapped_fns_to_patch", {}).items()),
                              list(getattr(module, "_wrapped_methods_to_patch", [])),
                              getattr(module, "_proxyable_classes", {}))
+
+
+def register_torch_fx_leaf(frame_globals: dict[str, Any], name: str) -> None:
+    """Register the global ``name`` of the module whose globals are ``frame_globals`` as a torch.fx leaf
+    function, as ``torch.fx.wrap(name)`` called in that module would: torch.fx's tracers (and
+    ``torch.fx.experimental.rewriter.RewritingTracer``) then record calls to it as one ``call_function``.
+    Called by ``fxdist.wrap``; its other direction is :func:`enter_torch_fx_trace`.
+
+    Source: torch/fx/_symbolic_trace.py (``wrap``, ``_wrapped_fns_to_patch``: ``(id(globals), name)`` keys).
+    """
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    symbolic_trace._wrapped_fns_to_patch[(id(frame_globals), name)] = frame_globals

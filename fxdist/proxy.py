@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.overrides import is_tensor_method_or_property
 
+from fxdist._mutable_ops import check_not_mutating
 from fxdist._stack_trace import format_stack, user_frames
 from fxdist.errors import ProxyIterationError, ProxyUsageError, TraceError, add_user_note
 from fxdist.graph import Graph
@@ -132,7 +133,7 @@ class TracerBase:
         Override to check or rewrite nodes as they are created (e.g. forbid in-place ops).
         """
         if kind == "call_function" and self.check_mutable_operations:
-            _check_not_mutating(target, args, kwargs)
+            check_not_mutating(target, args, kwargs)
         node = self.graph.create_node(kind, target, args, kwargs, name, type_expr)
         scope = self.scope
         self.node_name_to_scope[node.name] = (scope.module_path, scope.module_type)
@@ -256,30 +257,6 @@ def _contains_node(arg: Any) -> bool:
     if isinstance(arg, slice):
         return any(_contains_node(a) for a in (arg.start, arg.stop, arg.step))
     return False
-
-
-def _check_not_mutating(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Reject a call whose schema mutates an operand (``check_mutable_operations``): an ATen overload
-    with a mutable schema, or a torch builtin all of whose schemas are mutable (``torch.relu_``).
-
-    Raises:
-        RuntimeError: as torch.fx's ``check_for_mutable_operation``.
-    """
-    schemas = [target._schema] if isinstance(target, torch._ops.OpOverload) else _builtin_schemas(target)
-    if schemas and all(schema.is_mutable for schema in schemas):
-        raise RuntimeError(f"Tried to trace mutable operation {schemas[0]}. FX only supports functional "
-                           "code, so operations that mutate operands in-place (e.g. via `out` arguments) "
-                           "are not supported")
-
-
-def _builtin_schemas(target: Any) -> list[Any]:
-    from torch.jit._builtins import _find_builtin
-
-    try:
-        name = _find_builtin(target)
-    except TypeError:  # unhashable target
-        return []
-    return list(torch._C._jit_get_schemas_for_operator(name)) if name else []
 
 
 class GraphAppendingTracer(TracerBase):

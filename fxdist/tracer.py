@@ -135,6 +135,20 @@ def _enter_torch_fx_trace(patcher: _Patcher) -> Any:
     return enter_torch_fx_trace(patcher)
 
 
+def _wrapped_methods(torch_fx_methods: list[tuple[type, str]]) -> list[tuple[type, str]]:
+    """``fxdist._symbolic_trace._wrapped_methods_to_patch`` then torch.fx's pairs, each pair once."""
+    from fxdist import _symbolic_trace  # imports this module: loaded lazily
+
+    return list(dict.fromkeys([*_symbolic_trace._wrapped_methods_to_patch, *torch_fx_methods]))
+
+
+def _is_ph(x: Any) -> bool:
+    """Whether ``x`` marks a placeholder in ``concrete_args``: fxdist's ``PHBase`` or torch.fx's
+    (``torch.fx._symbolic_trace.PHBase``, recognised by class name and module without importing it)."""
+    return isinstance(x, PHBase) or any(c.__name__ == "PHBase" and c.__module__ == "torch.fx._symbolic_trace"
+                                        for c in type(x).__mro__)
+
+
 # --------------------------------------------------------------------------------------------------
 
 class Tracer(TracerBase):
@@ -363,7 +377,7 @@ class Tracer(TracerBase):
                 and total_args == 1):
             for i, value in enumerate(concrete_args):
                 out = self.create_proxy("placeholder", f"input_{i}", (), {})
-                if isinstance(value, PHBase) and value is not PH:
+                if _is_ph(value) and value is not PH:
                     _transfer_attrs(value, out.node)
                 args.append(out)
             return root_fn, args
@@ -424,7 +438,7 @@ class Tracer(TracerBase):
         def replace(x: Any) -> Any:
             nonlocal count
             count += 1
-            if isinstance(x, PHBase):
+            if _is_ph(x):
                 default = () if param.default is inspect.Parameter.empty else (param.default,)
                 out = self.create_proxy("placeholder", f"{name}_{count}", default, {})
                 if x is not PH:
@@ -494,7 +508,7 @@ class Tracer(TracerBase):
                 self._patch_module_hooks(patcher)
                 hooks = _enter_torch_fx_trace(patcher)
                 self._foreign_proxyable_classes = hooks.proxyable_classes
-                _patch_wrapped_functions(patcher, hooks.functions, hooks.methods)
+                _patch_wrapped_functions(patcher, hooks.functions, _wrapped_methods(hooks.methods))
                 _autowrap_check(patcher, fn_globals, self._autowrap_function_ids)
                 if isinstance(root, GraphModule):
                     _patch_recorded_leaves(patcher, fn_globals, root.graph.nodes)

@@ -325,15 +325,6 @@ def test_replace_pattern_symbolic_trace_modules() -> None:
     torch.testing.assert_close(ours(_X), theirs(_X))
 
 
-# ---- what is refused --------------------------------------------------------------------------------
-def test_pytree_calling_convention_is_refused_clearly() -> None:
-    """``ExportedProgram.module()`` generates a pytree-flattening ``forward``, which fxdist's converter
-    refuses (torch.fx accepts it): the error names the code generator and the alternative."""
-    unlifted = torch.export.export(_MLP, (_X,)).module()
-    with pytest.raises(ValueError, match=r"_PyTreeCodeGen.*graph_module"):
-        fx.GraphModule(unlifted, unlifted.graph)
-
-
 @pytest.mark.parametrize("producer", sorted(PRODUCERS))
 def test_symbolic_trace_retraces_torch_graph_module(producer: str) -> None:
     """``fxdist.symbolic_trace`` of a torch-built GraphModule records what ``torch.fx.symbolic_trace``

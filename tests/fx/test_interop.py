@@ -135,9 +135,19 @@ def test_refusals() -> None:
     def f(d: dict[str, torch.Tensor]) -> torch.Tensor:
         return d["a"] + d["b"]
 
+    # the pytree calling convention is converted, not refused, and comes back to torch.fx
     pytree_traced = torch.fx.symbolic_trace(f, concrete_args={"d": {"a": torch.fx.PH, "b": torch.fx.PH}})
-    with pytest.raises(ValueError, match="_PyTreeCodeGen"):
-        from_torch_fx(pytree_traced)
+    ours = from_torch_fx(pytree_traced)
+    assert ours.code == pytree_traced.code
+    d = {"a": torch.ones(2), "b": torch.full((2,), 2.0)}
+    assert torch.equal(ours(d), pytree_traced(d))
+    back = to_torch_fx(ours)
+    assert back.code == pytree_traced.code and torch.equal(back(d), pytree_traced(d))
+    boxed = torch.fx.Graph()
+    boxed.output(boxed.placeholder("x"))
+    boxed.set_codegen(torch.fx.graph._BoxedCodeGen())
+    with pytest.raises(ValueError, match="_BoxedCodeGen"):
+        from_torch_fx(torch.fx.GraphModule(nn.Module(), boxed))
 
 
 def test_torch_ao_prepare_calibrate_through_fxdist_and_convert() -> None:
