@@ -166,7 +166,7 @@ def _use_shards(client: Any, shards: list[Any]) -> None:
 def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
                   placed: dict[str, TablePlacement], servers: list[str], prefix: str, optimizer: str,
                   kwargs: Mapping[str, float], timeout_s: float, group: tuple[int, int, str | None] = (0, 1, None),
-                  storage: str = "fp32", seed: int = 0) -> dict[str, Any]:
+                  storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean") -> dict[str, Any]:
     """One PSClient per module (its namespace on the servers, rows stored as ``storage``); rank 0 of ``group``
     ``(rank, world_size, key)`` sets the tables to the module's weights (the servers initialise those on the
     ``meta`` device from ``seed``), the other ranks attach to them."""
@@ -179,7 +179,8 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
             pairs = tables[c.qualname]
             client = PSClient([t.spec for t, _ in pairs], servers, optimizer=optimizer, optimizer_kwargs=kwargs,
                               name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False,
-                              rank=rank, world_size=world_size, group=key, storage=storage, seed=seed)
+                              rank=rank, world_size=world_size, group=key, storage=storage, seed=seed,
+                              grad_reduction=grad_reduction)
             clients[c.qualname] = client
             _use_shards(client, [sp for t, _ in pairs for sp in shards_of(placed[t.path], len(servers))])
             if rank == 0:
@@ -290,7 +291,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
                       client: str = "ps", optimizer_kwargs: Mapping[str, float] | None = None,
                       timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None,
                       rank: int = 0, world_size: int = 1, group: str | None = None,
-                      storage: str = "fp32", seed: int = 0) -> GraphModule:
+                      storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean") -> GraphModule:
     """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
 
     Args:
@@ -317,6 +318,10 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
             ``EmbeddingBagCollection(..., device=torch.device("meta"))``): uniform in ``±sqrt(1 / rows)``, torchrec's
             default, so the trainers never allocate those tables; the same ``seed`` and plan give the same rows.
             Tables with real weights start from them.
+        grad_reduction: ``"mean"`` (default) divides each trainer's table gradients by ``world_size`` before
+            the push, so the tables train as DDP trains the dense part (and as torchrec's
+            ``DistributedModelParallel``, which divides table gradients too); ``"sum"`` applies every
+            trainer's gradient as computed (``world_size`` times the learning rate of one trainer).
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
@@ -330,6 +335,8 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     """
     from .ps.storage import STORAGES
 
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"parameter_servers: unknown grad_reduction={grad_reduction!r} (use 'mean' or 'sum')")
     if storage not in STORAGES:
         raise ValueError(f"parameter_servers: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
     gm = _as_graph_module(gm)
@@ -350,7 +357,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
     placed = {p.table.path: p for p in placements}
     clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s,
-                            (rank, world_size, group), storage, seed)
+                            (rank, world_size, group), storage, seed, grad_reduction)
     for c in found:
         _rewrite(gm, c, clients[c.qualname], trainable=any(w.requires_grad for _, w in tables[c.qualname]))
     gm.graph.lint()

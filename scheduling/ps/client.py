@@ -27,6 +27,7 @@ from .transport import make_transport
 
 __all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer", "live_clients"]
 
+GRAD_REDUCTIONS = ("mean", "sum")
 _CLIENTS: dict[str, "PSClient"] = {}
 _CLIENTS_LOCK = threading.Lock()
 
@@ -126,6 +127,10 @@ class PSClient:
             steps ``0 .. k-1`` of all trainers, applied in rank order, whatever the schedule (blocking,
             ``async_rpc``, prefetch), so training is deterministic. Every trainer must then push to each
             server once per step and run the same number of steps.
+        grad_reduction: how the group's table gradients combine, ``"mean"`` (default: each trainer's push is
+            divided by ``world_size`` before it is sent, as DDP divides the dense gradients and torchrec's
+            ``DistributedModelParallel`` divides the table gradients, ``comm_ops.GRADIENT_DIVISION``; so a
+            learning rate tuned on one trainer carries over) or ``"sum"`` (each push applied as computed).
 
     Raises:
         ValueError: bad table declarations or sharding, or a bad ``rank`` / ``world_size`` / ``group``.
@@ -138,7 +143,7 @@ class PSClient:
                  name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
                  init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True,
                  ordered: bool = True, rank: int = 0, world_size: int = 1, group: str | None = None,
-                 storage: str = "fp32", transport: str | None = None) -> None:
+                 storage: str = "fp32", transport: str | None = None, grad_reduction: str = "mean") -> None:
         if not servers:
             raise ValueError("PSClient: give at least one server name")
         if not 0 <= rank < world_size:
@@ -146,6 +151,8 @@ class PSClient:
         if world_size > 1 and (not group or not ordered):
             raise ValueError(f"PSClient {name!r}: world_size={world_size} needs ordered=True and a group key "
                              "shared by the trainers (group=...)")
+        if grad_reduction not in GRAD_REDUCTIONS:
+            raise ValueError(f"PSClient: unknown grad_reduction={grad_reduction!r} (use 'mean' or 'sum')")
         if storage not in STORAGES:
             raise ValueError(f"PSClient: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
         if compress not in (None, "fused8bit"):
@@ -161,6 +168,8 @@ class PSClient:
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.seed = seed
         self.storage = storage
+        self.grad_divisor = world_size if grad_reduction == "mean" else 1
+        """What each pushed gradient is divided by (``world_size`` for ``grad_reduction="mean"``, as DDP)."""
         self.layouts = [_srv.server_layout(self.shards, s) for s in range(len(self.servers))]
         self.widths = [sum(sp.table.embedding_dim for sp, _ in lay) for lay in self.layouts]
         self._slots = self._feature_slots()
@@ -337,8 +346,8 @@ class PSClient:
     def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor, next_kjt: Any = None,
                         ) -> torch.futures.Future:
         """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output
-        (``next_kjt``: as in :meth:`push_async`)."""
-        grad = grad.detach()
+        (``next_kjt``: as in :meth:`push_async`); it is divided by :attr:`grad_divisor` first."""
+        grad = grad.detach() if self.grad_divisor == 1 else grad.detach() / self.grad_divisor
         if next_kjt is None:
             return self._call_async(server, "push", (self.name, _batch(kjt), grad), "push", ordered=True,
                                     push=True)

@@ -66,7 +66,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """Synchronous data-parallel SGD on local tables: every trainer's step-k loss at the same weights, then
-    each trainer's gradient applied in rank order (the servers' step order, row-wise SGD)."""
+    each trainer's gradient, divided by the trainer count, applied in rank order (the servers' step order,
+    row-wise SGD)."""
     model = _model()
     data = [_batches(r) for r in range(WORLD)]
     losses: list[list[float]] = [[] for _ in range(WORLD)]
@@ -81,7 +82,7 @@ def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
         with torch.no_grad():
             for g in grads:
                 for p, gp in zip(model.tables.parameters(), g):
-                    p -= LR * gp
+                    p -= LR * (gp / WORLD)      # the servers' default grad_reduction="mean", as DDP
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("tables.")}
 
 
