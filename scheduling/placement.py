@@ -170,6 +170,9 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
     """One PSClient per module (its namespace on the servers, rows stored as ``storage``); rank 0 of ``group``
     ``(rank, world_size, key)`` sets the tables to the module's weights (the servers initialise those on the
     ``meta`` device from ``seed``), the other ranks attach to them."""
+    import functools
+
+    from .ps.checks import check_kjt
     from .ps.client import PSClient
 
     rank, world_size, key = group
@@ -182,6 +185,9 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
                               rank=rank, world_size=world_size, group=key, storage=storage, seed=seed,
                               grad_reduction=grad_reduction)
             clients[c.qualname] = client
+            if c.kind == "ebc":                 # the local collection's checks; its weights rule
+                client.weighted = bool(c.module.is_weighted())
+                client.input_check = functools.partial(check_kjt, tables=client.tables, weighted=client.weighted)
             _use_shards(client, [sp for t, _ in pairs for sp in shards_of(placed[t.path], len(servers))])
             if rank == 0:
                 # no copy here: each server copies its rows of the weights (PSServer.configure)
@@ -212,10 +218,12 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
                                                 (kt, args[0], features, names, m.need_indices()))
     elif c.kind == "bag":
         fn, fn_args = placement_ops.bag_to_kjt, (c.qualname, *args[:3])
-        kwargs = {"include_last_offset": m.include_last_offset, "padding_idx": m.padding_idx}
+        kwargs = {"include_last_offset": m.include_last_offset, "padding_idx": m.padding_idx,
+                  "num_embeddings": m.num_embeddings, "mode": m.mode}
         finish = lambda kt: graph.call_method("values", (kt,))  # noqa: E731
     else:
-        fn, fn_args, kwargs = placement_ops.index_to_kjt, (c.qualname, args[0]), {"padding_idx": m.padding_idx}
+        fn, fn_args, kwargs = placement_ops.index_to_kjt, (c.qualname, args[0]), {"padding_idx": m.padding_idx,
+                                                                                "num_embeddings": m.num_embeddings}
         finish = lambda kt: graph.call_function(placement_ops.index_output, (kt, args[0]))  # noqa: E731
     # the conversion goes right after its inputs, so that async_rpc can start the lookup that early
     inputs = [a for a in fn_args if isinstance(a, Node)]
@@ -286,6 +294,15 @@ def _record(gm: GraphModule, placements: list[TablePlacement], servers: list[str
     return text
 
 
+def _check_choices(storage: str, grad_reduction: str) -> None:
+    from .ps.storage import STORAGES
+
+    if storage not in STORAGES:
+        raise ValueError(f"parameter_servers: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"parameter_servers: unknown grad_reduction={grad_reduction!r} (use 'mean' or 'sum')")
+
+
 def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0.01, *,
                       plan: Mapping[str, Any] | None = None, servers: Sequence[str] | None = None,
                       client: str = "ps", optimizer_kwargs: Mapping[str, float] | None = None,
@@ -333,12 +350,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
             optimizer, or ``world_size > 1`` without a ``group`` key.
         scheduling.ps.PSUnavailableError: a server did not answer the configuration.
     """
-    from .ps.storage import STORAGES
-
-    if grad_reduction not in ("mean", "sum"):
-        raise ValueError(f"parameter_servers: unknown grad_reduction={grad_reduction!r} (use 'mean' or 'sum')")
-    if storage not in STORAGES:
-        raise ValueError(f"parameter_servers: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
+    _check_choices(storage, grad_reduction)
     gm = _as_graph_module(gm)
     found, kept = find_embeddings(gm)
     _report(gm, kept)

@@ -28,6 +28,8 @@ import torch
 
 import fxdist
 
+from .ps.checks import ids_suspect, raise_embedding_bag_error, raise_embedding_error
+
 __all__ = ["bag_to_kjt", "index_to_kjt", "index_output", "sequence_to_kjt", "sequence_output"]
 
 _RECENT: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
@@ -77,20 +79,39 @@ def _kjt(feature: str, values: torch.Tensor, lengths: torch.Tensor, weights: tor
     return KeyedJaggedTensor(keys=[feature], values=values, lengths=lengths.int(), weights=weights)
 
 
+def _bag_suspect(input: Any, offsets: Any, per_sample_weights: Any, mode: str, num_embeddings: int) -> bool:
+    """Whether the local ``nn.EmbeddingBag`` might refuse these arguments (cheap tests only)."""
+    if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2) or (input.dim() == 2) == (offsets is not None):
+        return True
+    if per_sample_weights is not None and (mode != "sum" or per_sample_weights.shape != input.shape):
+        return True
+    if offsets is not None and (offsets.dtype != input.dtype or (offsets.numel() > 0 and int(offsets[0]) != 0)):
+        return True
+    return ids_suspect(input, num_embeddings)
+
+
 def bag_to_kjt(feature: str, input: Any, offsets: Any = None, per_sample_weights: Any = None,
-               include_last_offset: bool = False, padding_idx: int | None = None) -> Any:
+               include_last_offset: bool = False, padding_idx: int | None = None, num_embeddings: int | None = None,
+               mode: str = "mean") -> Any:
     """``nn.EmbeddingBag``'s ``(input, offsets, per_sample_weights)`` as a one-key ``KeyedJaggedTensor``.
 
     Returns None when ``input`` is None (a ``next_<input>`` that was not given).
 
     Raises:
-        ValueError: 2-D input with offsets, 1-D input without them, or input of another rank (as
-            ``F.embedding_bag`` does), naming ``feature``.
+        RuntimeError, ValueError, NotImplementedError, IndexError: with ``num_embeddings`` (the table's rows)
+            and ``mode`` given, what the local ``nn.EmbeddingBag(num_embeddings, D, mode=mode, ...)`` raises for
+            these arguments, word for word (:mod:`scheduling.ps.checks`): float ids, ids out of range,
+            ``per_sample_weights`` with ``mode != "sum"`` or of another shape, offsets with a 2-D input, ...
+        ValueError: without ``num_embeddings``: 2-D input with offsets, 1-D input without them, or input of
+            another rank, naming ``feature``.
     """
     if input is None:
         return None
 
     def make() -> Any:
+        if num_embeddings is not None and _bag_suspect(input, offsets, per_sample_weights, mode, num_embeddings):
+            raise_embedding_bag_error(input, num_embeddings, offsets, mode, per_sample_weights, include_last_offset,
+                                      padding_idx)
         if input.dim() == 2:
             if offsets is not None:
                 raise ValueError(f"{feature}: offsets must be None when input is 2-D {tuple(input.shape)}")
@@ -109,13 +130,24 @@ def bag_to_kjt(feature: str, input: Any, offsets: Any = None, per_sample_weights
     return _cached(f"{feature}|bag|{include_last_offset}|{padding_idx}", (input, offsets, per_sample_weights), make)
 
 
-def index_to_kjt(feature: str, index: Any, padding_idx: int | None = None) -> Any:
+def index_to_kjt(feature: str, index: Any, padding_idx: int | None = None, num_embeddings: int | None = None) -> Any:
     """``nn.Embedding``'s index tensor ``(*S)`` as a one-key ``KeyedJaggedTensor`` of ``prod(S)`` one-id bags
-    (a ``padding_idx`` entry becomes an empty bag: a zero row). None when ``index`` is None."""
+    (a ``padding_idx`` entry becomes an empty bag: a zero row). None when ``index`` is None.
+
+    Raises:
+        RuntimeError, IndexError: with ``num_embeddings`` (the table's rows) given, what the local
+            ``nn.Embedding(num_embeddings, D)`` raises, word for word: ids not int64/int32 (``RuntimeError``),
+            ids outside ``[0, num_embeddings)`` (``IndexError: index out of range in self``).
+    """
     if index is None:
         return None
-    return _cached(f"{feature}|index|{padding_idx}", (index,), lambda: _kjt(feature, index, torch.ones(index.numel(), dtype=torch.long),
-                                                  None, padding_idx))
+
+    def make() -> Any:
+        if num_embeddings is not None and ids_suspect(index, num_embeddings):
+            raise_embedding_error(index, num_embeddings, padding_idx)
+        return _kjt(feature, index, torch.ones(index.numel(), dtype=torch.long), None, padding_idx)
+
+    return _cached(f"{feature}|index|{padding_idx}", (index,), make)
 
 
 def sequence_to_kjt(kjt: Any, features: tuple[str, ...]) -> Any:

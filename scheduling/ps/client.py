@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +177,12 @@ class PSClient:
             collections.deque)
         self._prefetched: dict[int, tuple[Any, torch.futures.Future]] = {}
         self._gather: Any = None  # see _column_gather
+        self.input_check: Callable[[Any], None] | None = None
+        """Called with each batch before its first lookup is sent (e.g. the local collection's checks)."""
+        self._checked: Any = None
+        self.weighted: bool | None = None
+        """Whether the tables take the batches' weights: False drops them (an unweighted torchrec collection
+        ignores weights); None sends them as given."""
         self.prefetch_hits = 0
         """Lookups answered by an earlier prefetch (:meth:`prefetch`, ``push_async(next_kjt=...)``)."""
         self.ordered = ordered
@@ -253,6 +259,10 @@ class PSClient:
     def _call(self, server: int, method: str, args: tuple, what: str) -> Any:
         return self._wait(self._call_async(server, method, args, what), server, what)
 
+    def _wire(self, kjt: Any) -> _srv.Batch:
+        batch = _batch(kjt)
+        return batch[:3] + (None,) if self.weighted is False else batch
+
     # ---- fetch / push -----------------------------------------------------------------------------------
     def fetch_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
         """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_fetch`).
@@ -265,6 +275,9 @@ class PSClient:
         applies those in-flight pushes before this lookup anyway, so the answer is exact for any
         ``max_staleness``; without it, the lookup may miss up to ``max_staleness`` pushes.
         """
+        if self.input_check is not None and self._checked is not kjt:
+            self.input_check(kjt)           # the local module's errors, before anything is sent
+            self._checked = kjt
         early = self._prefetched.get(server)
         if early is not None and early[0] is kjt:
             del self._prefetched[server]
@@ -275,7 +288,7 @@ class PSClient:
             return early[1]
         self._drop_prefetch(server)
         self.drain(server, 0 if max_staleness is None else max_staleness)
-        return self._call_async(server, "lookup", (self.name, _batch(kjt), self.compress), "fetch",
+        return self._call_async(server, "lookup", (self.name, self._wire(kjt), self.compress), "fetch",
                                  ordered=True)
 
     def _drop_prefetch(self, server: int) -> None:
@@ -349,11 +362,11 @@ class PSClient:
         (``next_kjt``: as in :meth:`push_async`); it is divided by :attr:`grad_divisor` first."""
         grad = grad.detach() if self.grad_divisor == 1 else grad.detach() / self.grad_divisor
         if next_kjt is None:
-            return self._call_async(server, "push", (self.name, _batch(kjt), grad), "push", ordered=True,
+            return self._call_async(server, "push", (self.name, self._wire(kjt), grad), "push", ordered=True,
                                     push=True)
         self._drop_prefetch(server)
         both = self._call_async(server, "push_lookup",
-                                (self.name, _batch(kjt), grad, _batch(next_kjt), self.compress), "push", ordered=True,
+                                (self.name, self._wire(kjt), grad, self._wire(next_kjt), self.compress), "push", ordered=True,
                                 push=True)
         self._prefetched[server] = (next_kjt, _Part(both, 1))
         return _Part(both, 0)  # type: ignore[return-value]

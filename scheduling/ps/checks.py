@@ -1,0 +1,89 @@
+"""Input checks of moved embedding modules: the errors the local modules raise, raised on the trainer.
+
+A table on the parameter servers must refuse what the local module refuses, with the same exception class and
+message, before any request leaves the trainer (so nothing is sent and the servers' rows stay as they were):
+float or int16 ids, ids outside ``[0, num_embeddings)``, ``per_sample_weights`` with ``mode="mean"`` or of
+another shape than the ids, offsets with a 2-D input, a weighted ``EmbeddingBagCollection`` given a
+``KeyedJaggedTensor`` without weights.
+
+How: a few cheap tests of the batch (dtype, min and max per table); only when one of them fails (or the
+conversion itself fails) is torch's own function run on the same ids with a one-column weight of the table's
+rows, so the error raised is torch's own, word for word. That weight is allocated on the error path only.
+
+Source: ``torch.nn.functional.embedding`` / ``embedding_bag`` argument checks (torch/nn/functional.py and
+aten's ``embedding_bag``); torchrec ``EmbeddingBagCollection.forward`` (one ``nn.EmbeddingBag`` per table,
+``per_sample_weights=features.weights()`` when weighted) and ``JaggedTensor.weights()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ids_suspect", "raise_embedding_error", "raise_embedding_bag_error", "check_kjt"]
+
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def ids_suspect(ids: torch.Tensor, num_embeddings: int) -> bool:
+    """Whether ``ids`` (any shape) might make the local module raise: not int64/int32, or out of range."""
+    if ids.dtype not in _ID_DTYPES:
+        return True
+    return ids.numel() > 0 and bool((ids.min() < 0) | (ids.max() >= num_embeddings))
+
+
+def _weight(num_embeddings: int) -> torch.Tensor:
+    return torch.zeros(num_embeddings, 1)
+
+
+def raise_embedding_error(index: torch.Tensor, num_embeddings: int, padding_idx: int | None) -> None:
+    """Run ``F.embedding`` on ``index`` as the local ``nn.Embedding(num_embeddings, D)`` would; raises its
+    error (``RuntimeError`` for the dtype, ``IndexError`` out of range). Returns if it finds nothing."""
+    F.embedding(index, _weight(num_embeddings), padding_idx)
+
+
+def raise_embedding_bag_error(input: torch.Tensor, num_embeddings: int, offsets: Any = None, mode: str = "mean",
+                              per_sample_weights: Any = None, include_last_offset: bool = False,
+                              padding_idx: int | None = None) -> None:
+    """Run ``F.embedding_bag`` on the arguments as the local ``nn.EmbeddingBag`` would; raises its error
+    (``RuntimeError``, ``ValueError``, ``NotImplementedError``). Returns if it finds nothing."""
+    F.embedding_bag(input, _weight(num_embeddings), offsets, mode=mode, per_sample_weights=per_sample_weights,
+                    include_last_offset=include_last_offset, padding_idx=padding_idx)
+
+
+def check_kjt(kjt: Any, tables: Sequence[Any], weighted: bool | None) -> None:
+    """Check an ``EmbeddingBagCollection`` input as the local collection would.
+
+    Args:
+        kjt: the ``KeyedJaggedTensor``.
+        tables: the collection's ``TableSpec``s (``num_embeddings``, ``feature_names``, ``pooling``).
+        weighted: the collection's ``is_weighted()`` (None: not known, weights not checked).
+
+    Raises:
+        AssertionError: ``weighted`` and ``kjt`` has no weights (torchrec's message).
+        RuntimeError: ids of another dtype than int64/int32 or outside a table's rows (torch's message).
+    """
+    if weighted and kjt.weights_or_none() is None:
+        kjt.weights()  # torchrec's own AssertionError: "This (Keyed)JaggedTensor doesn't have weights."
+        raise AssertionError("This (Keyed)JaggedTensor doesn't have weights.")
+    values, keys = kjt.values(), kjt.keys()
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    suspect = values.dtype not in _ID_DTYPES
+    start = 0
+    for key, n in zip(keys, kjt.length_per_key()):
+        if suspect or (key in rows and ids_suspect(values[start:start + n], rows[key])):
+            _raise_feature_error(kjt, key, rows.get(key, 1), {f: t.pooling for t in tables for f in t.feature_names},
+                                 bool(weighted))
+        start += n
+
+
+def _raise_feature_error(kjt: Any, key: str, num_embeddings: int, pooling: dict[str, str], weighted: bool) -> None:
+    """The local collection's call for feature ``key`` (``include_last_offset=True``, as torchrec builds its
+    bags), run on a one-column weight: raises torch's error; else an ``IndexError`` naming the feature."""
+    feature = kjt.to_dict()[key]
+    raise_embedding_bag_error(feature.values(), num_embeddings, feature.offsets(), mode=pooling.get(key, "sum"),
+                              per_sample_weights=feature.weights() if weighted else None, include_last_offset=True)
+    raise IndexError(f"feature {key!r}: an id is outside [0, {num_embeddings})")
