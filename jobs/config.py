@@ -184,6 +184,9 @@ class ModelSection:
     """Hidden widths of the dense (bottom) MLP (1 to 16 layers); its output width is embedding_dim."""
     top_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
     """Hidden widths of the over (top) MLP (1 to 16 layers); its output width is 1 (the click logit)."""
+    plan: dict = field(default_factory=dict)
+    """Placement overrides of the ``parameter_servers`` pass: ``{table name or weight path = "table_wise" |
+    "row_wise" | server index}``, e.g. ``{t_C1 = "row_wise"}``."""
     server_storage: str = "fp32"
     """How the parameter servers store the rows: "fp32", "fp16" (half the memory) or "fused8bit" (FBGEMM's
     fused 8-bit row-wise form, about a quarter; see scheduling.ps.storage). Lookups answer float32."""
@@ -209,6 +212,8 @@ class ClusterSection:
     transport: str = "torch_rpc"
     """How trainers reach the parameter servers: "torch_rpc" (a torch.distributed.rpc group per worker group)
     or "ray" (the server actors' methods called directly; no rendezvous). See scheduling.ps.transport."""
+    server_threads: int = _key(16, 1, 1024)
+    """Threads each parameter server runs requests on (a request waiting for its turn holds none)."""
     rpc_timeout_s: float = _key(30.0, 0, 3600, above=True)
     """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
     server_fetch_delay_ms: float = _key(1.0, 0, 10_000)
@@ -284,6 +289,18 @@ class TrainSection:
     """Instead of ``loss`` in training: ``"package.module:function"``, ``train_step(model, batch) -> scalar loss
     tensor`` (your forward and loss, e.g. with a regularization term; the job runs ``backward()`` and the
     optimizer step). ``loss`` still names the held-out quality metric. Needs ``[model] factory``."""
+    optimizer: str = "Adagrad"
+    """The dense part's optimizer: a ``torch.optim`` class ("Adam", "torch.optim.AdamW", ...) or
+    ``"package.module:function"``, ``function(params, **optimizer_kwargs) -> torch.optim.Optimizer``."""
+    optimizer_kwargs: dict = field(default_factory=dict)
+    """Its keyword arguments, e.g. ``{lr = 1e-3, weight_decay = 1e-5}``; ``lr`` defaults to ``[job] lr``."""
+    table_optimizer: str = "rowwise_adagrad"
+    """The parameter servers' optimizer of the tables: "rowwise_adagrad" (alias "adagrad") or "sgd"."""
+    table_lr: float = _key(0.0, 0, 10)
+    """Its learning rate; 0 = ``[job] lr``."""
+    table_grad_reduction: str = "mean"
+    """How the trainers' table gradients combine on the servers: "mean" (as DDP and torchrec's
+    DistributedModelParallel) or "sum"."""
 
 
 @dataclass(frozen=True)
@@ -361,6 +378,7 @@ class JobConfig:
             errors.append(f'[cluster] transport = {c.transport!r}: must be "torch_rpc" or "ray"')
         if c.placement not in ("pack", "spread"):
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
+        errors += _train_errors(self.train, self.model.plan)
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         errors += self._entry_point_errors()
@@ -482,6 +500,27 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     if not isinstance(value, annotation):
         raise ConfigError(f"{where}: expected {annotation.__name__}, got {type(value).__name__} ({value!r})")
     return value
+
+
+def _train_errors(t: TrainSection, plan: dict) -> list[str]:
+    """The optimizer keys and ``[model] plan`` (a ``"pkg.mod:fn"`` optimizer is resolved by preflight)."""
+    import torch
+
+    errors = []
+    name = t.optimizer.removeprefix("torch.optim.")
+    if ":" not in name and not (isinstance(getattr(torch.optim, name, None), type)
+                                and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)):
+        errors.append(f"[train] optimizer = {t.optimizer!r}: not a torch.optim class (e.g. \"Adam\") or "
+                      "\"package.module:function\"")
+    if t.table_optimizer not in ("rowwise_adagrad", "adagrad", "sgd"):
+        errors.append(f'[train] table_optimizer = {t.table_optimizer!r}: must be "rowwise_adagrad", "adagrad" or '
+                      '"sgd" (the optimizers the parameter servers run)')
+    if t.table_grad_reduction not in ("mean", "sum"):
+        errors.append(f'[train] table_grad_reduction = {t.table_grad_reduction!r}: must be "mean" or "sum"')
+    for table, how in plan.items():
+        if how not in ("table_wise", "row_wise") and not (isinstance(how, int) and how >= 0):
+            errors.append(f'[model] plan: {table} = {how!r}: must be "table_wise", "row_wise" or a server index')
+    return errors
 
 
 def parse_config(raw: dict[str, Any], *, source: str = "<dict>") -> JobConfig:

@@ -286,12 +286,17 @@ def check(config: JobConfig) -> str:
     if first is None:
         raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train batch for "
                           f"rank 0 of {config.cluster.trainers}")
-    args, kwargs, _ = split_batch(first, f"{config.source}: [data] batches = {config.data.batches!r}: first batch")
+    args, kwargs, labels = split_batch(first, f"{config.source}: [data] batches = {config.data.batches!r}: first batch")
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
         raise ConfigError(f"{config.source}: [data] batches: the first batch's inputs do not fit "
                           f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {e}") from None
+    from jobs.optimizers import dense_optimizer
+    from jobs.user_code import first_step
+
+    first_step(config, model, first, args, kwargs, labels)
+    dense_optimizer(config, (p for p in model.parameters() if p.requires_grad))
     params = sum(p.numel() for p in model.parameters())
     return (f"your model: {type(model).__name__} from {config.model.factory} ({params:_} parameters); "
             f"batches from {config.data.batches}; loss {config.train.loss}")

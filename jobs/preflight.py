@@ -67,6 +67,11 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
         jobs.data.DataError: the data file cannot be used.
     """
     check_passes(config)
+    import torch
+
+    from jobs.optimizers import dense_optimizer
+
+    dense_optimizer(config, [torch.nn.Parameter(torch.zeros(1))])   # the class or factory and its kwargs
     if config.user_model:
         from jobs import entry
 

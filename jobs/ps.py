@@ -205,7 +205,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
         metrics = (config.metrics.host, metrics_port + c.trainers + i) if metrics_port is not None else None
         actors.append(cls.options(name=f"{config.job.name}-ps{i}-{tag}", **options).remote(
             f"ps{i}", job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
-            timeout_s=c.rpc_timeout_s))
+            timeout_s=c.rpc_timeout_s, num_worker_threads=c.server_threads))
     return actors
 
 
@@ -426,7 +426,9 @@ class _PhaseTables(_FetchTimer):
         from scheduling.placement import parameter_servers
 
         c = self.owner.config
-        return functools.partial(parameter_servers, optimizer="rowwise_adagrad", lr=c.job.lr,
+        from jobs.optimizers import table_optimizer_args
+
+        return functools.partial(parameter_servers, **table_optimizer_args(c),
                                  servers=tuple(self.owner.servers), client=f"{CLIENT}-{self.phase}",
                                  timeout_s=c.cluster.rpc_timeout_s, verbose=self.rank == 0, rank=self.rank,
                                  world_size=self.owner.world, group=self.owner.group,

@@ -40,10 +40,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
+from jobs.optimizers import dense_optimizer
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
 from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload, release_tables
 
@@ -133,8 +135,7 @@ class PhaseTrainer:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.trained = nn.parallel.DistributedDataParallel(self.module, device_ids=ids) if distributed else self.module
-        self.optimizer = torch.optim.Adagrad([p for p in self.trained.parameters() if p.requires_grad],
-                                             lr=config.job.lr)
+        self.optimizer = dense_optimizer(config, (p for p in self.trained.parameters() if p.requires_grad))
         if optim_state is not None:
             self.optimizer.load_state_dict(optim_state)
         self.run = PhaseRun(phase, start_step)
@@ -265,7 +266,7 @@ def evaluate(model: nn.Module, workload: Any, tables: Any) -> dict[str, float]:
     outputs, labels = [], []
     for batch in batches:
         args, kwargs, y = workload.inputs(batch, tables, device)
-        outputs.append(model(*args, **kwargs).detach().cpu())
+        outputs.append(tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), model(*args, **kwargs)))
         labels.append(y.cpu())
     model.train()
     return workload.quality(outputs, labels)

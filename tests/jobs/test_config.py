@@ -94,6 +94,8 @@ OUT_OF_RANGE = [
     ("job", "eval_epochs", -0.5, r"a finite number in \[0, 1000\]"),
     ("job", "seed", -1, r"an integer in 0\.\.4_294_967_295"),
     ("job", "lr", -1.0, r"a finite number in \(0, 10\]"),
+    ("cluster", "server_threads", 0, r"an integer in 1\.\.1_024"),
+    ("train", "table_lr", -0.1, r"a finite number in \[0, 10\]"),
     ("job", "lr", 0.0, r"a finite number in \(0, 10\]"),
     ("job", "lr", float("nan"), r"a finite number in \(0, 10\]"),
     ("job", "checkpoint_every", -1, r"an integer in 0\.\.1_000_000_000"),

@@ -1,0 +1,84 @@
+"""Running your entry points once on the launcher, and naming your frame in their errors.
+
+Preflight (:func:`jobs.entry.check`) calls :func:`first_step` on the first train batch before Ray starts, so a
+shape or dtype error in your model or loss shows at once, as ``ConfigError`` (exit 2) with the exception's type
+and message and the line of your code it came from (:func:`user_frame`).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["user_frame", "describe", "first_step"]
+
+_LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {Path(torch.__file__).parents[1], Path(sys.base_prefix),
+                                                       Path(sys.prefix)})
+"""Files under these are not the user's: site-packages (torch, torchrec, ray, ...), the Python library, and this
+repository's packages (fxdist, scheduling, quant, jobs; the user's own files elsewhere count as theirs)."""
+_OURS = ("fxdist", "scheduling", "quant", "jobs")
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return False
+    path = Path(filename).resolve()
+    if str(path).startswith(_LIBRARY_ROOTS) or "site-packages" in path.parts:
+        return False
+    repo = Path(__file__).resolve().parents[1]
+    return not (path.is_relative_to(repo) and path.relative_to(repo).parts[0] in _OURS)
+
+
+def user_frame(exc: BaseException) -> str | None:
+    """``"file:line in function"`` of the deepest frame of ``exc``'s traceback in the user's files, or None."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def describe(exc: BaseException) -> str:
+    """``"TypeName: message (at file:line in function)"``."""
+    where = user_frame(exc)
+    return f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+
+
+def first_step(config: Any, model: torch.nn.Module, batch: Any, args: tuple, kwargs: dict[str, Any],
+               labels: torch.Tensor) -> Any:
+    """Run ``model`` (or ``[train] train_step``) and the loss once on the first batch, without gradients.
+
+    Returns:
+        The model's output (None with ``train_step``).
+
+    Raises:
+        ConfigError: your code raised (type, message, your file and line), or a built-in loss got an output
+            that is not a tensor with one value per label.
+    """
+    from jobs.config import ConfigError
+    from jobs.entry import BUILTIN_LOSSES, loss_fn, train_step_fn
+
+    step = train_step_fn(config)
+    what = f"[train] train_step = {config.train.train_step!r}" if step else f"[model] factory = {config.model.factory!r}"
+    with torch.no_grad():
+        try:
+            out = step(model, batch) if step else model(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any error of user code is reported, with its frame
+            raise ConfigError(f"{config.source}: {what}: the first batch fails: {describe(e)}") from e
+        if step:
+            return None
+        name = config.train.loss
+        if name in BUILTIN_LOSSES and not (isinstance(out, torch.Tensor) and out.numel() == labels.numel()):
+            got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError(f"{config.source}: [train] loss = {name!r} needs forward to return one value per "
+                              f"label ({labels.numel()}), got {got}; name a loss entry point "
+                              "'package.module:function' that takes the output as it is")
+        try:
+            loss_fn(config)(out, labels)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{config.source}: [train] loss = {name!r}: the first batch fails: {describe(e)}") from e
+    return out

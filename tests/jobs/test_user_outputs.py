@@ -1,0 +1,173 @@
+"""Your model in the job: any output structure, a forward run once in preflight, your optimizers as keys.
+
+Issue 21: a model returning a tuple trained both phases, then crashed at evaluation; a shape error showed only
+inside the trainers. Preflight now runs the first batch (exit 2 with your file and line), built-in losses state
+their rule for non-tensor outputs, evaluation keeps any output structure, and ``[train] optimizer`` /
+``table_optimizer`` / ``[cluster] server_threads`` / ``[model] plan`` are config keys. No test here starts Ray.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from jobs.cli import main
+from jobs.config import ConfigError, parse_config
+
+HERE = "tests.jobs.test_user_outputs"
+
+
+class TwoHeads(nn.Module):
+    """Returns ``(click logits (B,), rating (B,))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = nn.EmbeddingBag(30, 4, mode="sum")
+        self.click, self.rating = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, items: torch.Tensor):
+        h = self.items(items)
+        return self.click(h).squeeze(1), self.rating(h).squeeze(1)
+
+
+class ShapeBug(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = nn.EmbeddingBag(30, 4, mode="sum")
+        self.top = nn.Linear(5, 1)                  # wrong width: the bag gives 4 columns
+
+    def forward(self, items: torch.Tensor) -> torch.Tensor:
+        return self.top(self.items(items)).squeeze(1)   # SHAPE-BUG-LINE
+
+
+@dataclass
+class Scores:
+    logits: torch.Tensor
+
+
+def two_heads(config) -> nn.Module:
+    return TwoHeads()
+
+
+def shape_bug(config) -> nn.Module:
+    return ShapeBug()
+
+
+def batches(ctx) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(ctx.seed + ctx.rank)
+    return [(torch.randint(0, 30, (ctx.batch_size, 3), generator=gen), torch.rand(ctx.batch_size, generator=gen).round())
+            for _ in range(4)]
+
+
+def two_head_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    click, rating = output
+    return nn.functional.binary_cross_entropy_with_logits(click, labels) + ((rating - labels) ** 2).mean()
+
+
+def sgd_factory(params, lr: float, momentum: float = 0.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def not_an_optimizer(params, lr: float) -> str:
+    return "sgd"
+
+
+def _config(**train):
+    return parse_config({"model": {"factory": f"{HERE}:two_heads"}, "data": {"batches": f"{HERE}:batches"},
+                         "train": train, "job": {"batch_size": 8}}, source="test.toml")
+
+
+def test_a_tuple_output_with_a_builtin_loss_exits_2_with_the_rule(tmp_path, capsys):
+    rc = main(["launch", "--quiet", "--run-dir", str(tmp_path / "run"), "--set", "metrics.enabled=false",
+               "--set", f'model.factory="{HERE}:two_heads"', "--set", f'data.batches="{HERE}:batches"'])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "[train] loss = 'bce_with_logits' needs forward to return one value per label" in err
+    assert "got tuple; name a loss entry point 'package.module:function'" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tuple_output_with_your_loss_passes_preflight():
+    from jobs import entry
+
+    note = entry.check(_config(loss=f"{HERE}:two_head_loss"))
+    assert "TwoHeads" in note
+
+
+def test_a_shape_error_in_forward_exits_2_with_your_file_and_line(tmp_path, capsys):
+    rc = main(["launch", "--quiet", "--run-dir", str(tmp_path / "run"), "--set", "metrics.enabled=false",
+               "--set", f'model.factory="{HERE}:shape_bug"', "--set", f'data.batches="{HERE}:batches"'])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = next(i for i, text in enumerate(open(__file__), 1) if "# SHAPE-BUG-LINE" in text)
+    assert "the first batch fails: RuntimeError: mat1 and mat2 shapes cannot be multiplied" in err
+    assert f"test_user_outputs.py:{line} in forward" in err
+
+
+def test_evaluation_keeps_any_output_structure():
+    from jobs.worker import evaluate
+
+    class Workload:
+        def eval_batches(self):
+            return [0, 1]
+
+        def inputs(self, batch, tables, device):
+            return (torch.full((2, 3), batch),), {}, torch.ones(2)
+
+        def quality(self, outputs, labels):
+            return {"outputs": outputs}
+
+    class DictModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return {"scores": Scores(x.sum(1) * self.w), "pair": (x[:, 0] * self.w, None)}
+
+    outputs = evaluate(DictModel(), Workload(), None)["outputs"]
+    assert len(outputs) == 2 and not outputs[1]["pair"][0].requires_grad
+    assert torch.equal(outputs[1]["pair"][0], torch.ones(2))
+    assert isinstance(outputs[0]["scores"], Scores)
+
+
+def test_dense_optimizer_from_a_class_or_a_factory():
+    from jobs.optimizers import dense_optimizer
+
+    params = [nn.Parameter(torch.zeros(2))]
+    adam = dense_optimizer(_config(optimizer="Adam", optimizer_kwargs={"weight_decay": 0.1}), params)
+    assert isinstance(adam, torch.optim.Adam) and adam.defaults["lr"] == 0.01 and adam.defaults["weight_decay"] == 0.1
+    sgd = dense_optimizer(_config(optimizer=f"{HERE}:sgd_factory", optimizer_kwargs={"momentum": 0.5}), params)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.5
+    with pytest.raises(ConfigError, match=r"\[train\] optimizer = 'Adam' with \[train\] optimizer_kwargs = .*momentum"):
+        dense_optimizer(_config(optimizer="Adam", optimizer_kwargs={"momentum": 0.5}), params)
+    with pytest.raises(ConfigError, match=r"returned str, not a torch.optim.Optimizer"):
+        dense_optimizer(_config(optimizer=f"{HERE}:not_an_optimizer"), params)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"train": {"optimizer": "Adamm"}}, r"\[train\] optimizer = 'Adamm': not a torch.optim class"),
+    ({"train": {"table_optimizer": "adam"}},
+     r'\[train\] table_optimizer = \'adam\': must be "rowwise_adagrad", "adagrad" or "sgd"'),
+    ({"train": {"table_grad_reduction": "avg"}}, r'\[train\] table_grad_reduction = \'avg\': must be "mean" or "sum"'),
+    ({"model": {"plan": {"t_C1": "column_wise"}}}, r'\[model\] plan: t_C1 = \'column_wise\': must be "table_wise"'),
+    ({"cluster": {"server_threads": 0}}, r"\[cluster\] server_threads = 0"),
+])
+def test_bad_optimizer_and_plan_keys_are_refused(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+def test_the_table_keys_reach_the_parameter_servers_pass():
+    from jobs.optimizers import table_optimizer_args
+
+    config = parse_config({"train": {"table_optimizer": "sgd", "table_lr": 0.5, "table_grad_reduction": "sum"},
+                           "model": {"plan": {"t_C1": "row_wise"}}})
+    assert table_optimizer_args(config) == {"optimizer": "sgd", "lr": 0.5, "grad_reduction": "sum",
+                                            "plan": {"t_C1": "row_wise"}}
+    defaults = table_optimizer_args(parse_config({}))
+    assert defaults == {"optimizer": "rowwise_adagrad", "lr": 0.01, "grad_reduction": "mean", "plan": None}
