@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -116,3 +117,20 @@ def trainer_main(rank: int, world: int, rpc_port: int, pg_port: int, num_servers
         rpc.shutdown(graceful=False)
         dist.destroy_process_group()
     queue.put((rank, results))
+
+
+def spawn_and_collect(ctx: Any, targets: Sequence[tuple[Callable, tuple]], queue: Any, count: int,
+                      timeout_s: float = 240.0) -> dict[Any, Any]:
+    """Start each ``(target, args)`` as a process of the multiprocessing context ``ctx``, read ``count``
+    ``(key, value)`` items from ``queue`` (within ``timeout_s`` each), then join the processes (killing those
+    still alive after 20 s). Returns ``{key: value}``."""
+    procs = [ctx.Process(target=target, args=args, daemon=True) for target, args in targets]
+    for p in procs:
+        p.start()
+    try:
+        return dict(queue.get(timeout=timeout_s) for _ in range(count))
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()

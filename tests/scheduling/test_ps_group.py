@@ -62,19 +62,10 @@ def test_two_trainers_train_identically_under_every_schedule_and_timing():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     rpc_port, pg_port = free_port(), free_port()
-    procs = [ctx.Process(target=_group.server_main, args=(world + i, world + num_servers, rpc_port))
-             for i in range(num_servers)]
-    procs += [ctx.Process(target=_group.trainer_main,
-                          args=(r, world, rpc_port, pg_port, num_servers, runs, steps, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=240) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
+    targets = [(_group.server_main, (world + i, world + num_servers, rpc_port)) for i in range(num_servers)]
+    targets += [(_group.trainer_main, (r, world, rpc_port, pg_port, num_servers, runs, steps, queue))
+                for r in range(world)]
+    results = _group.spawn_and_collect(ctx, targets, queue, world)
     reference = {rank: results[rank]["eager"] for rank in range(world)}
     assert len(reference[0]["losses"]) == steps
     assert reference[0]["losses"] != reference[1]["losses"]  # the trainers saw different batches

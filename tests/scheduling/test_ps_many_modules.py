@@ -26,6 +26,8 @@ from torch import nn
 from scheduling.ps import ordering
 from scheduling.ps.launch import free_port
 
+from tests.scheduling._group import spawn_and_collect
+
 NUM_MODULES, WORLD, STEPS, BATCH, BAG, LR = 60, 4, 3, 4, 3, 0.5
 
 
@@ -162,18 +164,9 @@ def test_sixty_modules_four_trainers_one_server_torch_rpc():
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(WORLD, timeout=120)
     port = free_port()
-    procs = [ctx.Process(target=_server_main, args=(WORLD, WORLD + 1, port), daemon=True)]
-    procs += [ctx.Process(target=_rpc_trainer_main, args=(r, port, "g-rpc", barrier, queue), daemon=True)
-              for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=300) for _ in range(WORLD))
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
+    targets = [(_server_main, (WORLD, WORLD + 1, port))]
+    targets += [(_rpc_trainer_main, (r, port, "g-rpc", barrier, queue)) for r in range(WORLD)]
+    results = spawn_and_collect(ctx, targets, queue, WORLD, timeout_s=300)
     errors = {r: res["error"] for r, res in results.items() if "error" in res}
     assert not errors, errors
     _check(results)

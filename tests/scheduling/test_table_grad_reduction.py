@@ -18,6 +18,8 @@ from torch import nn
 
 from scheduling.ps.launch import free_port
 
+from tests.scheduling._group import spawn_and_collect
+
 WORLD, STEPS, BATCH, LR = 2, 4, 8, 0.5
 
 
@@ -122,18 +124,8 @@ def _run(reduction: str) -> dict[int, dict[str, torch.Tensor]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port, ddp_port = free_port(), free_port()
-    procs = [ctx.Process(target=_server, args=(port,), daemon=True)]
-    procs += [ctx.Process(target=_trainer, args=(r, port, ddp_port, reduction, queue), daemon=True)
-              for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=240) for _ in range(WORLD))
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
+    targets = [(_server, (port,))] + [(_trainer, (r, port, ddp_port, reduction, queue)) for r in range(WORLD)]
+    results = spawn_and_collect(ctx, targets, queue, WORLD)
     errors = {r: res["error"] for r, res in results.items() if "error" in res}
     assert not errors, errors
     return {r: {k: torch.tensor(v) for k, v in res.items()} for r, res in results.items()}
