@@ -294,6 +294,8 @@ class TrainSection:
     ``"package.module:function"``, ``function(params, **optimizer_kwargs) -> torch.optim.Optimizer``."""
     optimizer_kwargs: dict = field(default_factory=dict)
     """Its keyword arguments, e.g. ``{lr = 1e-3, weight_decay = 1e-5}``; ``lr`` defaults to ``[job] lr``."""
+    metric: str = ""
+    """``"pkg.mod:fn"``, ``fn(outputs, labels) -> {name: float}`` over the held-out batches, reported too."""
     table_optimizer: str = "rowwise_adagrad"
     """The parameter servers' optimizer of the tables: "rowwise_adagrad" (alias "adagrad") or "sgd"."""
     table_lr: float = _key(0.0, 0, 10)
@@ -418,9 +420,10 @@ class JobConfig:
             given, missing = ("[model] factory", "[data] batches") if m.factory else ("[data] batches", "[model] factory")
             return [f"{given} is set but {missing} is not: your model needs your batches and the other way round "
                     "(the built-in DLRM reads the Criteo data); set both, or neither"]
-        if t.train_step and not m.factory:
-            return [f"[train] train_step = {t.train_step!r} is set but [model] factory is not: the built-in DLRM "
-                    "trains with its own step"]
+        for key, value in (("train_step", t.train_step), ("metric", t.metric)):
+            if value and not m.factory:
+                return [f"[train] {key} = {value!r} is set but [model] factory is not: the built-in DLRM "
+                        "trains with its own step and reports AUC"]
         if not m.factory and t.loss != "bce_with_logits":
             return [f'[train] loss = {t.loss!r}: the built-in DLRM trains with "bce_with_logits" (other losses need '
                     "[model] factory)"]

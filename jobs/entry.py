@@ -255,10 +255,32 @@ def quality(config: JobConfig, outputs: list[torch.Tensor], labels: list[torch.T
     """Held-out quality of the outputs of every eval batch: AUC / log loss ("bce_with_logits"), RMSE with its
     standard error ("mse", :func:`jobs.stats.regression_metrics`), else the mean loss over batches with its
     standard error (``eval_loss``, ``eval_loss_se``)."""
-    from jobs.stats import binary_metrics, regression_metrics
-
     if not outputs:
         return {}
+    base = _builtin_quality(config, outputs, labels)
+    if config.train.metric:
+        base["metric"] = user_metric(config, outputs, labels)
+    return base
+
+
+def user_metric(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor]) -> dict[str, float]:
+    """``[train] metric``: your ``fn(outputs, labels) -> {name: float}`` over the held-out batches (each
+    ``outputs[i]`` as your model returned it, ``labels[i]`` its ``(B,)`` labels).
+
+    Raises:
+        ConfigError: it does not return a dict of names to numbers.
+    """
+    fn = resolve(config.train.metric, "[train] metric", config.source)
+    value = fn(outputs, labels)
+    if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in value.items())):
+        raise ConfigError(f"{config.source}: [train] metric = {config.train.metric!r} returned "
+                          f"{type(value).__name__} {value!r:.80}, expected a dict of names to numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
+def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor]) -> dict[str, Any]:
+    from jobs.stats import binary_metrics, regression_metrics
+
     name = config.train.loss
     y = torch.cat([t.reshape(-1).float() for t in labels])
     if name in BUILTIN_LOSSES:

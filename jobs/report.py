@@ -211,6 +211,10 @@ def _quality_notes(results: dict[str, Any], steps: Any, cols: tuple[str, ...] = 
                                                for k in cols)
                          for name, p in phases.items())
         lines.append(f"  at the phase end (step {steps}, {_fmt(first.get('epochs'), '.1f')} epochs): {ends}")
+    for name, p in phases.items():
+        mine = (p.get("quality") or {}).get("metric")
+        if mine:
+            lines.append(f"  [train] metric, {name}: " + ", ".join(f"{k} {_fmt(v, '.4f')}" for k, v in mine.items()))
     return lines
 
 

@@ -60,7 +60,7 @@ def first_step(config: Any, model: torch.nn.Module, batch: Any, args: tuple, kwa
             that is not a tensor with one value per label.
     """
     from jobs.config import ConfigError
-    from jobs.entry import BUILTIN_LOSSES, loss_fn, train_step_fn
+    from jobs.entry import BUILTIN_LOSSES, loss_fn, train_step_fn, user_metric
 
     step = train_step_fn(config)
     what = f"[train] train_step = {config.train.train_step!r}" if step else f"[model] factory = {config.model.factory!r}"
@@ -77,8 +77,14 @@ def first_step(config: Any, model: torch.nn.Module, batch: Any, args: tuple, kwa
             raise ConfigError(f"{config.source}: [train] loss = {name!r} needs forward to return one value per "
                               f"label ({labels.numel()}), got {got}; name a loss entry point "
                               "'package.module:function' that takes the output as it is")
-        try:
-            loss_fn(config)(out, labels)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"{config.source}: [train] loss = {name!r}: the first batch fails: {describe(e)}") from e
+        for key, run in (("loss", lambda: loss_fn(config)(out, labels)),
+                         ("metric", lambda: config.train.metric and user_metric(config, [out], [labels]))):
+            try:
+                run()
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                value = getattr(config.train, key)
+                raise ConfigError(f"{config.source}: [train] {key} = {value!r}: the first batch fails: "
+                                  f"{describe(e)}") from e
     return out

@@ -171,3 +171,46 @@ def test_the_table_keys_reach_the_parameter_servers_pass():
                                             "plan": {"t_C1": "row_wise"}}
     defaults = table_optimizer_args(parse_config({}))
     assert defaults == {"optimizer": "rowwise_adagrad", "lr": 0.01, "grad_reduction": "mean", "plan": None}
+
+
+def recall_at_2(outputs, labels) -> dict[str, float]:
+    """Share of positive rows whose click score is among the 2 highest of its batch (a retrieval-style metric
+    over tuple outputs)."""
+    hits = positives = 0
+    for (click, _), y in zip(outputs, labels):
+        top = set(torch.topk(click, k=min(2, click.numel())).indices.tolist())
+        positives += int(y.sum())
+        hits += sum(1 for i in top if y[i] > 0)
+    return {"recall@2": hits / max(positives, 1)}
+
+
+def broken_metric(outputs, labels):
+    return 0.5
+
+
+def test_your_metric_is_reported_beside_the_builtin_quality():
+    from jobs import entry
+    from jobs.report import _quality_notes
+
+    config = _config(loss=f"{HERE}:two_head_loss", metric=f"{HERE}:recall_at_2")
+    entry.check(config)                                  # resolves and runs it on the first batch
+    click = torch.tensor([0.9, 0.1, 0.8, 0.2])
+    outputs, labels = [(click, click)], [torch.tensor([1.0, 1.0, 0.0, 0.0])]
+    quality = entry.quality(config, outputs, labels)
+    assert quality["metric"] == {"recall@2": 0.5} and "eval_loss" in quality
+    notes = _quality_notes({"phases": {"baseline": {"quality_step": 4, "quality": quality}}}, 4, ("eval_loss",))
+    assert "  [train] metric, baseline: recall@2 0.5000" in notes
+
+
+def test_a_metric_that_returns_no_dict_exits_2_before_ray(tmp_path, capsys):
+    rc = main(["launch", "--quiet", "--run-dir", str(tmp_path / "run"), "--set", "metrics.enabled=false",
+               "--set", f'model.factory="{HERE}:two_heads"', "--set", f'data.batches="{HERE}:batches"',
+               "--set", f'train.loss="{HERE}:two_head_loss"', "--set", f'train.metric="{HERE}:broken_metric"'])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "[train] metric = 'tests.jobs.test_user_outputs:broken_metric' returned float 0.5, expected a dict" in err
+
+
+def test_a_metric_needs_your_model():
+    with pytest.raises(ConfigError, match=r"\[train\] metric = 'x:y' is set but \[model\] factory is not"):
+        parse_config({"train": {"metric": "x:y"}})
