@@ -7,6 +7,8 @@ and message and the line of your code it came from (:func:`user_frame`).
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["user_frame", "describe", "first_step"]
+__all__ = ["user_frame", "user_error_frame", "describe", "first_step"]
 
 _LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {Path(torch.__file__).parents[1], Path(sys.base_prefix),
                                                        Path(sys.prefix)})
@@ -26,9 +28,9 @@ _OURS = ("fxdist", "scheduling", "quant", "jobs")
 def _is_user_file(filename: str) -> bool:
     if filename.startswith("<"):
         return False
-    path = Path(filename).resolve()
-    if str(path).startswith(_LIBRARY_ROOTS) or "site-packages" in path.parts:
+    if _is_library(filename):
         return False
+    path = Path(filename).resolve()
     repo = Path(__file__).resolve().parents[1]
     return not (path.is_relative_to(repo) and path.relative_to(repo).parts[0] in _OURS)
 
@@ -40,6 +42,41 @@ def user_frame(exc: BaseException) -> str | None:
         return None
     f = frames[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+_GENERATED_FROM = re.compile(r" from (.+):(\d+) in (\w+)$")
+"""fxdist's generated code is named ``<eval_with_key>.fxdist.N from FILE:LINE in forward``."""
+
+
+def user_error_frame(exc: BaseException) -> str | None:
+    """Where your code raised ``exc``, if it is a deterministic error of yours: ``"file:line in function"`` of
+    the code that called into the libraries (torch, ...), when that is your file or a GraphModule traced from
+    your ``forward``; None when fxdist, scheduling, quant or jobs raised it, and for errors of the machinery
+    (RPC, Ray, connections, timeouts), which Ray Train retries.
+    """
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError)) or type(exc).__module__.startswith(("ray", "torch.distributed")) \
+            or type(exc).__name__ == "PSUnavailableError":
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames and frames[-1].filename.endswith(f"fxdist{os.sep}graph_module.py"):
+        # an op of a GraphModule's generated code raised it: fxdist (as torch.fx) printed the generated line to
+        # the trainer's log and dropped the frames below; the code is your traced forward
+        return "your model's forward (traced by fxdist; the trainer's log shows the generated line)"
+    for f in reversed(frames):                      # the code that called into the libraries
+        if _is_library(f.filename):
+            continue
+        if _is_user_file(f.filename):
+            return f"{f.filename}:{f.lineno} in {f.name}"
+        if not f.filename.startswith("<eval_with_key>"):
+            return None                             # raised by fxdist, scheduling, quant or jobs
+        m = _GENERATED_FROM.search(f.filename)     # generated code names the forward it was traced from
+        return f"{m[1]}:{m[2]} in {m[3]}" if m and _is_user_file(m[1]) else None
+    return None
+
+
+def _is_library(filename: str) -> bool:
+    path = Path(filename).resolve()
+    return not filename.startswith("<") and (str(path).startswith(_LIBRARY_ROOTS) or "site-packages" in path.parts)
 
 
 def describe(exc: BaseException) -> str:

@@ -46,6 +46,7 @@ from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
 from jobs.optimizers import dense_optimizer
+from jobs.user_code import user_error_frame
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
 from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload, release_tables
 
@@ -383,7 +384,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     """Ray Train entry point: run the job on this trainer, stopping for good on a deterministic error.
 
     A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not
-    trace) is recorded on the launcher's JobState actor; with one trainer the loop then returns, so
+    trace, an exception raised in your own code: :func:`jobs.user_code.user_error_frame`) is recorded on the
+    launcher's JobState actor; with one trainer the loop then returns, so
     ``fit()`` ends without a retry; with more it re-raises (the other ranks may wait in a collective, and
     only a restart frees them), and every later attempt returns at once, seeing the recorded error. Ray
     Train's retries are thus left to process and node failures.
@@ -396,10 +398,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         return  # an earlier attempt hit a deterministic error: nothing to retry
     try:
         _train_loop(loop_config)
-    except tuple(_deterministic_errors()) as e:
-        kind = next(k for t, k in _deterministic_errors().items() if isinstance(e, t))
+    except Exception as e:  # noqa: BLE001 - deterministic errors stop the job; the others are Ray Train's
+        kind, message = next((k for t, k in _deterministic_errors().items() if isinstance(e, t)), None), str(e)
+        if kind is None and (where := user_error_frame(e)) is None:
+            raise
+        if kind is None:
+            kind, message = "job", f"{e} (raised by your code at {where}; not retried)"
         ctx = ray.train.get_context()
-        ray.get(state.fail.remote(kind, type(e).__name__, str(e), ctx.get_world_rank()))
+        ray.get(state.fail.remote(kind, type(e).__name__, message, ctx.get_world_rank()))
         if ctx.get_world_size() > 1:
             raise
 

@@ -214,3 +214,66 @@ def test_a_metric_that_returns_no_dict_exits_2_before_ray(tmp_path, capsys):
 def test_a_metric_needs_your_model():
     with pytest.raises(ConfigError, match=r"\[train\] metric = 'x:y' is set but \[model\] factory is not"):
         parse_config({"train": {"metric": "x:y"}})
+
+
+def _user_bug(batch):
+    return batch["missing"]                         # USER-BUG-LINE
+
+
+def test_an_error_of_your_code_in_a_trainer_is_recorded_once_and_not_retried(monkeypatch):
+    """``train_loop`` records an exception raised in your file (type, message, file:line) on the job state, so
+    the launcher reports it and Ray Train's later attempts return at once; a connection error is re-raised for
+    Ray Train to retry."""
+    import jobs.worker
+    from jobs.user_code import user_error_frame
+
+    class State:
+        def __init__(self):
+            self.error = None
+            self.failure = type("M", (), {"remote": lambda _: self.error})()
+            self.fail = type("M", (), {"remote": lambda _, *a: setattr(self, "error", a)})()
+
+    monkeypatch.setattr("ray.get", lambda value: value)
+    monkeypatch.setattr("ray.train.get_context",
+                        lambda: type("C", (), {"get_world_rank": lambda _: 0, "get_world_size": lambda _: 1})())
+    monkeypatch.setattr(jobs.worker, "_train_loop", lambda config: _user_bug({}))
+    state = State()
+    jobs.worker.train_loop({"state": state})
+    line = next(i for i, text in enumerate(open(__file__), 1) if "# USER-BUG-LINE" in text)
+    kind, name, message, rank = state.error
+    assert (kind, name, rank) == ("job", "KeyError", 0)
+    assert message == f"'missing' (raised by your code at {__file__}:{line} in _user_bug; not retried)"
+    assert user_error_frame(ConnectionResetError("reset")) is None
+
+    def torch_error(config):
+        torch.zeros(2) @ torch.zeros(3)             # raised inside torch, called from this file: still yours
+
+    monkeypatch.setattr(jobs.worker, "_train_loop", torch_error)
+    state = State()
+    jobs.worker.train_loop({"state": state})
+    assert state.error[1] == "RuntimeError" and "in torch_error; not retried" in state.error[2]
+
+
+def test_an_op_error_in_generated_code_counts_as_your_forward_and_a_library_error_does_not(capsys):
+    import fxdist
+    from jobs.user_code import user_error_frame
+
+    gm = fxdist.symbolic_trace(ShapeBug())           # the leaf nn.Linear raises: the traced line is named
+    with pytest.raises(RuntimeError) as info:
+        gm(torch.zeros(2, 3, dtype=torch.long))
+    import inspect
+
+    line = inspect.getsourcelines(ShapeBug.forward)[1]  # the generated code names the traced forward's def line
+    assert user_error_frame(info.value) == f"{__file__}:{line} in forward"
+
+    class MatMul(nn.Module):
+        def forward(self, x):
+            return x @ torch.zeros(3)
+
+    with pytest.raises(RuntimeError) as info:       # an op of the generated code raises: frames are dropped
+        fxdist.symbolic_trace(MatMul())(torch.zeros(2))
+    assert user_error_frame(info.value).startswith("your model's forward (traced by fxdist")
+    capsys.readouterr()
+    with pytest.raises(ValueError) as info:
+        parse_config({"model": {"server_storage": "int4"}})       # raised by jobs.config: not yours
+    assert user_error_frame(info.value) is None

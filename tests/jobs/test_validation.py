@@ -385,8 +385,8 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     assert len(calls) == 1
     # a trace error is recorded as a job error; a process-level failure is Ray Train's to retry
     state = _FakeState()
-    with pytest.raises(RuntimeError, match="connection reset"):
-        jobs.worker.train_loop({"state": state, "raise": RuntimeError("connection reset")})
+    with pytest.raises(ConnectionResetError, match="connection reset"):
+        jobs.worker.train_loop({"state": state, "raise": ConnectionResetError("connection reset")})
     assert state.actor.error is None
     try:
         jobs.worker.train_loop({"state": state, "raise": TraceError("control flow")})
