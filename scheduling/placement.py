@@ -213,7 +213,8 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     if c.kind == "ec":
         features = tuple(f for cfg in m.embedding_configs() for f in cfg.feature_names)
         names = tuple(n for names in m.embedding_names_by_table() for n in names)
-        fn, fn_args, kwargs = placement_ops.sequence_to_kjt, (args[0], features), {}
+        rows = tuple(cfg.num_embeddings for cfg in m.embedding_configs() for _ in cfg.feature_names)
+        fn, fn_args, kwargs = placement_ops.sequence_to_kjt, (args[0], features), {"num_embeddings": rows}
         finish = lambda kt: graph.call_function(placement_ops.sequence_output,  # noqa: E731
                                                 (kt, args[0], features, names, m.need_indices()))
     elif c.kind == "bag":

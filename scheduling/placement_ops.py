@@ -150,9 +150,14 @@ def index_to_kjt(feature: str, index: Any, padding_idx: int | None = None, num_e
     return _cached(f"{feature}|index|{padding_idx}", (index,), make)
 
 
-def sequence_to_kjt(kjt: Any, features: tuple[str, ...]) -> Any:
+def sequence_to_kjt(kjt: Any, features: tuple[str, ...], num_embeddings: tuple[int, ...] | None = None) -> Any:
     """A torchrec ``EmbeddingCollection`` input as one-id bags the servers pool to the rows themselves
-    (see the module docstring). None when ``kjt`` is None."""
+    (see the module docstring). None when ``kjt`` is None.
+
+    Raises:
+        RuntimeError, IndexError: with ``num_embeddings`` (each feature's table rows) given, what the local
+            collection's ``nn.Embedding`` raises for ids that are not int64/int32 or outside its rows.
+    """
     if kjt is None:
         return None
 
@@ -160,6 +165,10 @@ def sequence_to_kjt(kjt: Any, features: tuple[str, ...]) -> Any:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         per_key = kjt.to_dict()
+        for feature, rows in zip(features, num_embeddings or ()):
+            ids = per_key[feature].values()
+            if ids_suspect(ids, rows):
+                raise_embedding_error(ids, rows, None)
         counts = [per_key[f].values().numel() for f in features]
         width = max(counts + [1])
         lengths = torch.cat([torch.arange(width) < n for n in counts]).int()

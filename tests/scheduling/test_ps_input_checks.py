@@ -198,3 +198,37 @@ def test_collection_weights_rule_matches_the_local_collection(cluster, weighted)
         torch.testing.assert_close(gm(kjt), local(kjt))
     finally:
         placement.close(gm)
+
+
+def _ec() -> nn.Module:
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    class Sequences(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ec = EmbeddingCollection(tables=[
+                EmbeddingConfig(name="t_a", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+                EmbeddingConfig(name="t_b", embedding_dim=4, num_embeddings=30, feature_names=["b"])])
+
+        def forward(self, kjt):
+            out = self.ec(kjt)
+            return torch.cat([out["a"].values(), out["b"].values()])
+
+    return Sequences()
+
+
+@pytest.mark.parametrize("values", [torch.tensor([1, 2, 3, 30, 5]), torch.tensor([1, 2, -1, 4, 5]),
+                                    torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])])
+def test_embedding_collection_raises_the_local_error(cluster, values):
+    from scheduling import placement
+
+    local, gm = _moved(_ec)
+    try:
+        want = _error(lambda: local(_kjt(values)))
+        assert want is not None, "the case must make the local collection raise"
+        assert _error(lambda: gm(_kjt(values))) == want
+        good = _kjt(torch.tensor([1, 2, 3, 4, 5]))
+        torch.testing.assert_close(gm(good), local(good))
+    finally:
+        placement.close(gm)
