@@ -166,8 +166,10 @@ def _use_shards(client: Any, shards: list[Any]) -> None:
 def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
                   placed: dict[str, TablePlacement], servers: list[str], prefix: str, optimizer: str,
                   kwargs: Mapping[str, float], timeout_s: float, group: tuple[int, int, str | None] = (0, 1, None),
-                  storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean") -> dict[str, Any]:
-    """One PSClient per module (its namespace on the servers, rows stored as ``storage``); rank 0 of ``group``
+                  storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean",
+                  device: torch.device | None = None) -> dict[str, Any]:
+    """One PSClient per module (its namespace on the servers, rows stored as ``storage``, rows fetched to
+    ``device``, see ``PSClient``); rank 0 of ``group``
     ``(rank, world_size, key)`` sets the tables to the module's weights (the servers initialise those on the
     ``meta`` device from ``seed``), the other ranks attach to them."""
     import functools
@@ -183,7 +185,7 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
             client = PSClient([t.spec for t, _ in pairs], servers, optimizer=optimizer, optimizer_kwargs=kwargs,
                               name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False,
                               rank=rank, world_size=world_size, group=key, storage=storage, seed=seed,
-                              grad_reduction=grad_reduction)
+                              grad_reduction=grad_reduction, device=device)
             clients[c.qualname] = client
             if c.kind == "ebc":                 # the local collection's checks; its weights rule
                 client.weighted = bool(c.module.is_weighted())
@@ -197,6 +199,13 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
             client.close(flush=False)
         raise
     return clients
+
+
+def _model_device(gm: nn.Module) -> torch.device | None:
+    """Where fetched rows go when the ids are on the CPU: the device of the model's first tensor that is not on
+    ``meta`` (tables the servers initialise are); None (the CPU) when there is none."""
+    tensors = [*gm.parameters(), *gm.buffers()]
+    return next((t.device for t in tensors if not t.is_meta), None)
 
 
 # ---- the graph rewrite ----------------------------------------------------------------------------------------
@@ -370,7 +379,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
     placed = {p.table.path: p for p in placements}
     clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s,
-                            (rank, world_size, group), storage, seed, grad_reduction)
+                            (rank, world_size, group), storage, seed, grad_reduction, _model_device(gm))
     for c in found:
         _rewrite(gm, c, clients[c.qualname], trainable=any(w.requires_grad for _, w in tables[c.qualname]))
     gm.graph.lint()

@@ -72,7 +72,7 @@ def _kjt(feature: str, values: torch.Tensor, lengths: torch.Tensor, weights: tor
     if padding_idx is not None:  # padding ids leave their bag (and a mean's count), as in F.embedding_bag
         keep = values != padding_idx
         if not bool(keep.all()):
-            bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+            bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
             lengths = torch.bincount(bags[keep], minlength=lengths.numel())
             values = values[keep]
             weights = weights[keep] if weights is not None else None
@@ -115,12 +115,12 @@ def bag_to_kjt(feature: str, input: Any, offsets: Any = None, per_sample_weights
         if input.dim() == 2:
             if offsets is not None:
                 raise ValueError(f"{feature}: offsets must be None when input is 2-D {tuple(input.shape)}")
-            lengths = torch.full((input.shape[0],), input.shape[1], dtype=torch.long)
+            lengths = torch.full((input.shape[0],), input.shape[1], dtype=torch.long, device=input.device)
         elif input.dim() == 1:
             if offsets is None:
                 raise ValueError(f"{feature}: a 1-D input needs offsets (bag starts)")
             starts = offsets.long()
-            ends = starts[1:] if include_last_offset else torch.cat([starts[1:], torch.tensor([input.numel()])])
+            ends = starts[1:] if include_last_offset else torch.cat([starts[1:], starts.new_tensor([input.numel()])])
             starts = starts[:-1] if include_last_offset else starts
             lengths = ends - starts
         else:
@@ -145,7 +145,7 @@ def index_to_kjt(feature: str, index: Any, padding_idx: int | None = None, num_e
     def make() -> Any:
         if num_embeddings is not None and ids_suspect(index, num_embeddings):
             raise_embedding_error(index, num_embeddings, padding_idx)
-        return _kjt(feature, index, torch.ones(index.numel(), dtype=torch.long), None, padding_idx)
+        return _kjt(feature, index, torch.ones(index.numel(), dtype=torch.long, device=index.device), None, padding_idx)
 
     return _cached(f"{feature}|index|{padding_idx}", (index,), make)
 
@@ -171,7 +171,7 @@ def sequence_to_kjt(kjt: Any, features: tuple[str, ...], num_embeddings: tuple[i
                 raise_embedding_error(ids, rows, None)
         counts = [per_key[f].values().numel() for f in features]
         width = max(counts + [1])
-        lengths = torch.cat([torch.arange(width) < n for n in counts]).int()
+        lengths = torch.cat([torch.arange(width, device=kjt.values().device) < n for n in counts]).int()
         values = torch.cat([per_key[f].values().long() for f in features])
         return KeyedJaggedTensor(keys=list(features), values=values, lengths=lengths)
 

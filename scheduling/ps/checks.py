@@ -9,6 +9,8 @@ another shape than the ids, offsets with a 2-D input, a weighted ``EmbeddingBagC
 How: a few cheap tests of the batch (dtype, min and max per table); only when one of them fails (or the
 conversion itself fails) is torch's own function run on the same ids with a one-column weight of the table's
 rows, so the error raised is torch's own, word for word. That weight is allocated on the error path only.
+Ids on a GPU are checked on a CPU copy of them (on the error path only): a local module on CUDA would stop
+the process with a device-side assert for an id out of range; here the CPU kernel's error is raised instead.
 
 Source: ``torch.nn.functional.embedding`` / ``embedding_bag`` argument checks (torch/nn/functional.py and
 aten's ``embedding_bag``); torchrec ``EmbeddingBagCollection.forward`` (one ``nn.EmbeddingBag`` per table,
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .device import to_host
 
 __all__ = ["ids_suspect", "raise_embedding_error", "raise_embedding_bag_error", "check_kjt"]
 
@@ -42,7 +46,7 @@ def _weight(num_embeddings: int) -> torch.Tensor:
 def raise_embedding_error(index: torch.Tensor, num_embeddings: int, padding_idx: int | None) -> None:
     """Run ``F.embedding`` on ``index`` as the local ``nn.Embedding(num_embeddings, D)`` would; raises its
     error (``RuntimeError`` for the dtype, ``IndexError`` out of range). Returns if it finds nothing."""
-    F.embedding(index, _weight(num_embeddings), padding_idx)
+    F.embedding(to_host(index), _weight(num_embeddings), padding_idx)
 
 
 def raise_embedding_bag_error(input: torch.Tensor, num_embeddings: int, offsets: Any = None, mode: str = "mean",
@@ -50,7 +54,8 @@ def raise_embedding_bag_error(input: torch.Tensor, num_embeddings: int, offsets:
                               padding_idx: int | None = None) -> None:
     """Run ``F.embedding_bag`` on the arguments as the local ``nn.EmbeddingBag`` would; raises its error
     (``RuntimeError``, ``ValueError``, ``NotImplementedError``). Returns if it finds nothing."""
-    F.embedding_bag(input, _weight(num_embeddings), offsets, mode=mode, per_sample_weights=per_sample_weights,
+    F.embedding_bag(to_host(input), _weight(num_embeddings), to_host(offsets), mode=mode,
+                    per_sample_weights=to_host(per_sample_weights),
                     include_last_offset=include_last_offset, padding_idx=padding_idx)
 
 

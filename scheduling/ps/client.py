@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import server as _srv
+from .device import Lookup, to_host
 from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
 from .storage import STORAGES
 from .transport import make_transport
@@ -93,8 +94,17 @@ class _Part:
 
 
 def _batch(kjt: Any) -> _srv.Batch:
-    """A KeyedJaggedTensor as the wire tuple ``(keys, values, lengths, weights)``."""
-    return (tuple(kjt.keys()), kjt.values(), kjt.lengths(), kjt.weights_or_none())
+    """A KeyedJaggedTensor as the wire tuple ``(keys, values, lengths, weights)``, tensors on the CPU."""
+    return (tuple(kjt.keys()), to_host(kjt.values()), to_host(kjt.lengths()), to_host(kjt.weights_or_none()))
+
+
+def _check_device(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"PSClient: device={str(device)!r}, but CUDA is not available in this process")
+    return device
 
 
 class PSClient:
@@ -131,9 +141,14 @@ class PSClient:
             divided by ``world_size`` before it is sent, as DDP divides the dense gradients and torchrec's
             ``DistributedModelParallel`` divides the table gradients, ``comm_ops.GRADIENT_DIVISION``; so a
             learning rate tuned on one trainer carries over) or ``"sum"`` (each push applied as computed).
+        device: where fetched rows go when the batch's ids are on the CPU (ids on an accelerator bring the
+            rows to theirs); None: the CPU. Whatever the device, ids, weights and gradients travel to the
+            servers as CPU tensors, and rows come back through pinned memory with ``non_blocking`` copies on a
+            side CUDA stream (:mod:`scheduling.ps.device`).
 
     Raises:
-        ValueError: bad table declarations or sharding, or a bad ``rank`` / ``world_size`` / ``group``.
+        ValueError: bad table declarations or sharding, a bad ``rank`` / ``world_size`` / ``group``, or a
+            CUDA ``device`` without CUDA.
         PSUnavailableError: a server does not answer the configuration call.
     """
 
@@ -143,7 +158,8 @@ class PSClient:
                  name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
                  init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True,
                  ordered: bool = True, rank: int = 0, world_size: int = 1, group: str | None = None,
-                 storage: str = "fp32", transport: str | None = None, grad_reduction: str = "mean") -> None:
+                 storage: str = "fp32", transport: str | None = None, grad_reduction: str = "mean",
+                 device: str | torch.device | None = None) -> None:
         if not servers:
             raise ValueError("PSClient: give at least one server name")
         if not 0 <= rank < world_size:
@@ -157,6 +173,7 @@ class PSClient:
             raise ValueError(f"PSClient: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
         if compress not in (None, "fused8bit"):
             raise ValueError(f"PSClient: unknown compress={compress!r} (use None or 'fused8bit')")
+        self.device = _check_device(device)
         self.tables: list[TableSpec] = table_specs(tables)
         self.servers = list(servers)
         self.transport = make_transport(transport, self.servers)
@@ -259,6 +276,14 @@ class PSClient:
     def _call(self, server: int, method: str, args: tuple, what: str) -> Any:
         return self._wait(self._call_async(server, method, args, what), server, what)
 
+    def rows_device(self, kjt: Any) -> torch.device:
+        """Where the rows of ``kjt``'s lookup go: its ids' device unless that is the CPU, else :attr:`device`."""
+        ids = kjt.values().device
+        return ids if ids.type != "cpu" else (self.device or ids)
+
+    def _lookup(self, future: Any, kjt: Any, index: int | None = None) -> Lookup:
+        return Lookup(future, self.rows_device(kjt), self.compress, index)
+
     def _wire(self, kjt: Any) -> _srv.Batch:
         batch = _batch(kjt)
         return batch[:3] + (None,) if self.weighted is False else batch
@@ -288,8 +313,8 @@ class PSClient:
             return early[1]
         self._drop_prefetch(server)
         self.drain(server, 0 if max_staleness is None else max_staleness)
-        return self._call_async(server, "lookup", (self.name, self._wire(kjt), self.compress), "fetch",
-                                 ordered=True)
+        return self._lookup(self._call_async(server, "lookup", (self.name, self._wire(kjt), self.compress),
+                                             "fetch", ordered=True), kjt)
 
     def _drop_prefetch(self, server: int) -> None:
         """Wait and drop an unused prefetched lookup (of another batch), so its errors surface."""
@@ -317,12 +342,9 @@ class PSClient:
         self._prefetched[server] = (kjt, self.fetch_async(server, kjt, max_staleness))
 
     def finish_fetch(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
-        """Wait for a lookup; returns ``(B, D_s)`` float32, a leaf that requires grad when grad is enabled."""
+        """Wait for a lookup; returns ``(B, D_s)`` float32 on :meth:`rows_device`, a leaf that requires grad
+        when grad is enabled (its gradient is what :meth:`push_async` sends)."""
         out = self._wait(fut, server, "fetch")
-        if self.compress == "fused8bit":
-            import fbgemm_gpu  # noqa: F401
-
-            out = torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(out)
         if torch.is_grad_enabled():
             out.requires_grad_(True)
         return out
@@ -361,6 +383,7 @@ class PSClient:
         """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output
         (``next_kjt``: as in :meth:`push_async`); it is divided by :attr:`grad_divisor` first."""
         grad = grad.detach() if self.grad_divisor == 1 else grad.detach() / self.grad_divisor
+        grad = to_host(grad)
         if next_kjt is None:
             return self._call_async(server, "push", (self.name, self._wire(kjt), grad), "push", ordered=True,
                                     push=True)
@@ -368,7 +391,7 @@ class PSClient:
         both = self._call_async(server, "push_lookup",
                                 (self.name, self._wire(kjt), grad, self._wire(next_kjt), self.compress), "push", ordered=True,
                                 push=True)
-        self._prefetched[server] = (next_kjt, _Part(both, 1))
+        self._prefetched[server] = (next_kjt, self._lookup(both, next_kjt, index=1))
         return _Part(both, 0)  # type: ignore[return-value]
 
     def finish_push(self, fut: torch.futures.Future, server: int) -> int:
@@ -431,7 +454,7 @@ class PSClient:
             for s, col, dim in slots[1:]:
                 value = value + parts[s][:, col:col + dim]
             if pooling[feat] == "mean":
-                bag_len = kjt[feat].lengths().clamp(min=1).to(value.dtype).unsqueeze(1)
+                bag_len = kjt[feat].lengths().clamp(min=1).to(value.device, value.dtype).unsqueeze(1)
                 value = value / bag_len
             outs.append(value)
             dims.append(slots[0][2])
@@ -453,12 +476,17 @@ class PSClient:
         """:meth:`pool` in one ``index_select`` (one ``index_add`` backward) instead of a slice per feature."""
         from torchrec.sparse.jagged_tensor import KeyedTensor
 
+        values = torch.cat(list(parts), dim=1) if len(parts) > 1 else parts[0]
+        if self._gather[0].device != values.device:  # rows on an accelerator: the index tensors follow once
+            self._gather = tuple(t.to(values.device) if isinstance(t, torch.Tensor) else t for t in self._gather)
         cols, mean, dims, repeats = self._gather
-        values = (torch.cat(list(parts), dim=1) if len(parts) > 1 else parts[0]).index_select(1, cols)
+        values = values.index_select(1, cols)
         if mean is not None:
             keys = kjt.keys()
             pos = {k: i for i, k in enumerate(keys)}
-            lens = kjt.lengths().view(len(keys), -1).index_select(0, torch.tensor([pos[f] for f in self.feature_names]))
+            lengths = kjt.lengths().to(values.device)
+            lens = lengths.view(len(keys), -1).index_select(
+                0, torch.tensor([pos[f] for f in self.feature_names], device=values.device))
             divisor = torch.where(mean.unsqueeze(1), lens.clamp(min=1), 1).to(values.dtype)   # (F, B)
             values = values / divisor.t().repeat_interleave(repeats, dim=1)
         return KeyedTensor(keys=self.feature_names, length_per_key=dims, values=values)
@@ -468,7 +496,7 @@ class PSClient:
         """Create the shards on every server (in parallel)."""
         futs = []
         for s in range(len(self.servers)):
-            mine = {t: w for t, w in (init_weights or {}).items()
+            mine = {t: to_host(w) for t, w in (init_weights or {}).items()
                     if any(sp.server == s and sp.table.name == t for sp in self.shards)}
             futs.append(self._call_async(s, "configure", (self.name, self.shards, s, self.optimizer,
                                                                    self.optimizer_kwargs, self.seed, mine or None,
@@ -511,8 +539,9 @@ class PSClient:
                 if f"{name}.weight" not in state:
                     raise KeyError(f"load_state_dict: no '{name}.weight' in the state (keys: {sorted(state)})")
                 mom = state.get(f"{name}.momentum")
-                payload[f"{self.name}/{spec.key}"] = {"spec": spec, "weight": state[f"{name}.weight"][spec.row_start:spec.row_end],
-                                     "state": None if mom is None else mom[spec.row_start:spec.row_end]}
+                payload[f"{self.name}/{spec.key}"] = {
+                    "spec": spec, "weight": to_host(state[f"{name}.weight"][spec.row_start:spec.row_end]),
+                    "state": None if mom is None else to_host(mom[spec.row_start:spec.row_end])}
             self._call(s, "load_state_dict", (payload,), "load_state_dict")
 
     def checkpoint(self, directory: str | Path) -> list[str]:
