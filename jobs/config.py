@@ -202,7 +202,7 @@ class ClusterSection:
     cpus_per_trainer: float = _key(1.0, 0, 1024, above=True)
     """Ray CPU resources reserved per trainer (servers reserve none)."""
     use_gpu: bool = False
-    """Train on GPUs (nccl); CPU training uses gloo."""
+    """Trainers on GPUs (DDP over nccl, one GPU each); servers, their RPC group and the int8 comparison stay on CPU."""
     address: str = ""
     """Ray cluster address; "" = $RAY_ADDRESS if set, else a local ray.init()."""
     placement: str = "pack"

@@ -160,7 +160,9 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
     Returns:
         :func:`quantize`'s info plus ``rows``, ``batch_size``, ``threads``, ``fp32`` and ``int8`` (``qps`` in
         rows/s and the quality metrics; ``int8`` is the model chosen: a copy of ``fp32`` when ``kept_fp32``) and
-        ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is kept, else > 1); or ``{"skipped": reason}`` when
+        ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is kept, else > 1), ``device`` (``"cpu"``: FBGEMM's int8
+        kernels are CPU kernels, so the comparison runs on the launcher's CPU even when the trainers used GPUs;
+        ``device_note`` says so then); or ``{"skipped": reason}`` when
         there is no held-out batch or no layer to quantize.
     """
     from jobs.workload import inference_batches
@@ -201,5 +203,9 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
                         layers=[{**x, "chosen": False} for x in info["layers"]],
                         note=f"kept fp32: the selected int8 model ran at {measured['qps'] / fp32['qps']:.2f}x "
                              "fp32 end to end (embedding lookups included)")
-    return {**info, "rows": rows, "batch_size": labels[0].shape[0], "threads": 1, "fp32": fp32, "int8": int8,
-            "speedup": int8["qps"] / fp32["qps"]}
+    out = {**info, "rows": rows, "batch_size": labels[0].shape[0], "threads": 1, "fp32": fp32, "int8": int8,
+           "speedup": int8["qps"] / fp32["qps"], "device": "cpu"}
+    if config.cluster.use_gpu:  # FBGEMM's int8 kernels are CPU kernels: the comparison stays on the CPU
+        out["device_note"] = ("a CPU inference measurement (FBGEMM int8 kernels), on the launcher's CPU; the "
+                              "trainers trained on GPUs")
+    return out

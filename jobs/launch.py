@@ -74,6 +74,27 @@ def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
     return True, False
 
 
+def check_gpus(config: JobConfig, resources: dict[str, float] | None = None) -> None:
+    """With ``[cluster] use_gpu``: the Ray cluster must offer one GPU per trainer, else Ray Train would wait for
+    them forever. ``resources``: ``ray.cluster_resources()`` (read when None).
+
+    Raises:
+        ConfigError: fewer GPUs than ``[cluster] trainers`` (nothing was started; the message says both counts).
+    """
+    c = config.cluster
+    if not c.use_gpu:
+        return
+    if resources is None:
+        import ray
+
+        resources = ray.cluster_resources()
+    gpus = resources.get("GPU", 0.0)
+    if gpus < c.trainers:
+        raise ConfigError(f"{config.source}: [cluster] use_gpu = true needs one GPU per trainer (trainers = "
+                          f"{c.trainers}), but the Ray cluster offers {gpus:g} GPU(s); set use_gpu = false to train "
+                          "on CPUs, or join a cluster with GPUs ([cluster] address)")
+
+
 def write_prometheus_files(config: JobConfig, run_dir: Path, placement: dict[str, Any] | None = None) -> Path:
     """Write ``prometheus/targets.json`` (file-based service discovery) and ``prometheus/prometheus.yml``.
 
@@ -231,6 +252,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                                "resumes": (previous or {}).get("resumes", 0) + (1 if resume else 0)}
     try:
         try:
+            check_gpus(config)
             run_dir.mkdir(parents=True, exist_ok=True)
             data_path, data_note = _data(config, data_path, run_dir)
             log(data_note)

@@ -192,6 +192,8 @@ def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[
             for x in inf["layers"]))
     note = f" ({inf['note']})" if inf.get("note") else ""
     lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x{note}")
+    if inf.get("device_note"):
+        lines.append(f"int8 comparison: {inf['device_note']}")
     return lines
 
 
