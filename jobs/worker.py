@@ -46,6 +46,7 @@ from jobs.config import JobConfig, parse_config
 from jobs.data import CriteoShard
 from jobs.metrics import Exporter
 from jobs.optimizers import dense_optimizer
+from jobs.sparse_grads import data_parallel
 from jobs.user_code import user_error_frame
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
 from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload, release_tables
@@ -133,9 +134,8 @@ class PhaseTrainer:
         release_tables(model, tables.moved)
         # a model on servers is evaluated through its module (its own tables left the trainer)
         self.evaluated = self.module if hasattr(tables, "attach") else model
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.trained = nn.parallel.DistributedDataParallel(self.module, device_ids=ids) if distributed else self.module
+        self.trained, sync_sparse = data_parallel(self.module, self.device)  # DDP; sparse tables averaged apart
+        self._after_backward = lambda: (sync_sparse(), tables.after_backward())
         self.optimizer = dense_optimizer(config, (p for p in self.trained.parameters() if p.requires_grad))
         if optim_state is not None:
             self.optimizer.load_state_dict(optim_state)
@@ -183,7 +183,7 @@ class PhaseTrainer:
             loss = self.workload.step_loss(self.trained, batch, (args, kwargs, labels), ahead)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            self.tables.after_backward()
+            self._after_backward()
             self.optimizer.step()
             t1 = time.perf_counter()
             self._record(labels.shape[0], t1 - t0, loss.item(), before + t1 - block_start - callbacks)

@@ -267,7 +267,8 @@ class LocalTables:
         return self
 
     def after_backward(self) -> None:
-        """Nothing to do: DDP all-reduces the gradients and the optimizer applies them."""
+        """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.sparse_grads`) and the
+        optimizer applies them."""
 
     def fetch_seconds(self) -> float | None:
         return None
