@@ -3,9 +3,10 @@
 ``DistributedDataParallel`` all-reduces a sparse gradient (``nn.EmbeddingBag(sparse=True)``, the built-in DLRM's
 tables with ``[cluster] parameter_servers = 0``) with gloo's sparse all-reduce, launched from an autograd hook
 while backward is still running. With torch 2.13 on CPU that corrupts the heap: two trainers of torchrec's DLRM
-(26 sparse tables, batch 128) died in 4 of 8 runs of 200 steps with glibc's ``malloc(): unaligned tcache chunk
-detected``, a SIGSEGV, or a hang; the same runs with dense gradients, or with the sparse gradients all-reduced
-after backward on the training thread, never did (measured on a 2-core machine, November 2026).
+(26 sparse tables, batch 128, 200-300 steps, no Ray) failed in 10 of 15 runs: glibc's ``malloc(): unaligned
+tcache chunk detected``, a SIGSEGV, or a trainer gone and the other hung (26 ``nn.EmbeddingBag(sparse=True)``:
+3 of 3 hung); with dense gradients, or with the sparse gradients all-reduced after backward on the training
+thread, none of 6 failed (measured on a 2-core machine, November 2026).
 
 So the trainer keeps those parameters out of DDP (:func:`sparse_parameters`, given to
 ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``) and averages their gradients itself
