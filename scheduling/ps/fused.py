@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,6 +81,24 @@ class FusedTables:
         self.features = [feat for _, feat in self.layout]
         self.lock = lock
         self._entry_of_key: dict[tuple[str, ...], torch.Tensor] = {}
+        self.kernel: Any = None
+        """FBGEMM's kernel owning :attr:`weight` and :attr:`state` (:meth:`use_kernel`), or None."""
+
+    def use_kernel(self, optimizer: Any) -> bool:
+        """Move the stacked rows into FBGEMM's CPU kernel (:mod:`scheduling.ps.tbe`) where it applies (call
+        before :meth:`shard_views`); returns whether it did."""
+        from .tbe import kernel_for
+
+        rows = [int(n) for n in torch.tensor([self._offset[k] for k in self.shard_keys] + [self.weight.shape[0]]).diff()]
+        tables = [self.shard_keys.index(spec.key) for spec, _ in self.layout]
+        kernel = kernel_for(optimizer, self.store, self.dim, rows, tables)
+        if kernel is None or (self.state is None) != (kernel.state is None):
+            return False
+        kernel.weight.copy_(self.weight)
+        if self.state is not None:
+            kernel.state.copy_(self.state)
+        self.weight, self.state, self.kernel = kernel.weight, kernel.state, kernel
+        return True
 
     @classmethod
     def build(cls, layout: Sequence[tuple[ShardSpec, str]], weights: dict[str, torch.Tensor],
@@ -154,8 +173,27 @@ class FusedTables:
         return FusedIndex(rows, bags, weights, batch_size)
 
     # ---- lookup and push --------------------------------------------------------------------------------
+    def _local(self, idx: FusedIndex) -> torch.Tensor:
+        """Each id's row within its own shard (FBGEMM's table-local indices)."""
+        return idx.rows - self.base.index_select(0, torch.div(idx.bags, idx.batch_size, rounding_mode="floor"))
+
+    def push(self, idx: FusedIndex, grad: torch.Tensor, optimizer: Any) -> int:
+        """Apply the lookup output's gradient ``grad`` ``(B, J * D)`` with ``optimizer`` (FBGEMM's fused one when
+        :attr:`kernel` is set); returns the number of rows updated."""
+        if self.kernel is not None:
+            with self.lock:
+                self.kernel.push(self._local(idx), idx.bags, idx.weights, idx.batch_size, grad)
+            return int(torch.unique(idx.rows).numel())
+        rows, summed = self.row_grads(idx, grad)
+        if rows.numel():
+            with self.lock:
+                optimizer.step(self.weight, self.state, rows, summed, self.store)
+        return rows.numel()
+
     def lookup(self, idx: FusedIndex) -> torch.Tensor:
         """Pooled sums ``(B, J * D)``, entry ``j``'s ``D`` columns at ``j * D`` (layout order)."""
+        if self.kernel is not None:
+            return self.kernel.lookup(self._local(idx), idx.bags, idx.weights, idx.batch_size)
         rows = self.store.gather(self.weight, idx.rows)
         if idx.weights is not None:
             rows = rows * idx.weights.unsqueeze(1)

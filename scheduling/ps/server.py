@@ -203,6 +203,7 @@ class PSServer:
         self.fused[namespace] = fused
         if fused is not None:
             fused.store = next(iter(shards.values())).store
+            fused.use_kernel(self.optimizer)
             for key, (weight, state) in fused.shard_views().items():
                 shard = shards[key]
                 shard.weight, shard.state, shard.lock = weight, state, fused.lock
@@ -312,11 +313,7 @@ class PSServer:
         if fused is None:
             touched = self._push_per_shard(namespace, batch, grad)
         else:
-            rows, summed = fused.row_grads(fused.index(*batch, where=f"server {self.name}"), grad)
-            if rows.numel():
-                with fused.lock:
-                    self.optimizer.step(fused.weight, fused.state, rows, summed, fused.store)
-            touched = rows.numel()
+            touched = fused.push(fused.index(*batch, where=f"server {self.name}"), grad, self.optimizer)
         self.num_pushes += 1
         return touched
 
