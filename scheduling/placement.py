@@ -177,8 +177,11 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
     from .ps.checks import check_kjt
     from .ps.client import PSClient
 
+    from .ps.coalesce import PushBatcher
+
     rank, world_size, key = group
     clients: dict[str, Any] = {}
+    batcher = None
     try:
         for c in found:
             pairs = tables[c.qualname]
@@ -187,6 +190,8 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
                               rank=rank, world_size=world_size, group=key, storage=storage, seed=seed,
                               grad_reduction=grad_reduction, device=device)
             clients[c.qualname] = client
+            batcher = batcher or PushBatcher(client.transport, timeout_s)   # one message per server for all
+            client.batcher = batcher
             if c.kind == "ebc":                 # the local collection's checks; its weights rule
                 client.weighted = bool(c.module.is_weighted())
                 client.input_check = functools.partial(check_kjt, tables=client.tables, weighted=client.weighted)

@@ -194,6 +194,9 @@ class PSClient:
             collections.deque)
         self._prefetched: dict[int, tuple[Any, torch.futures.Future]] = {}
         self._gather: Any = None  # see _column_gather
+        self.batcher: Any = None
+        """A :class:`scheduling.ps.coalesce.PushBatcher` shared with other clients: pushes are queued there and sent
+        one message per server (the ``parameter_servers`` pass sets one for all the clients of a model)."""
         self.input_check: Callable[[Any], None] | None = None
         """Called with each batch before its first lookup is sent (e.g. the local collection's checks)."""
         self._checked: Any = None
@@ -255,6 +258,10 @@ class PSClient:
                         order += ((*self._group, self._pushes[server]),)
                     self._seq[server] += 1
                     self._pushes[server] += push
+                    if self.batcher is not None:
+                        if push:
+                            return self.batcher.enqueue(server, method, (*args, order))
+                        self.batcher.send(server)  # queued pushes go first: the server applies them in order
                     return self.transport.call_async(server, method, (*args, order), self.timeout_s)
             return self.transport.call_async(server, method, args, self.timeout_s)
         except RuntimeError as e:

@@ -1,8 +1,9 @@
 """The requests a parameter server answers, whatever transport carries them.
 
 :class:`ServerEndpoints` holds one :class:`~scheduling.ps.server.PSServer` and has one method per request
-(``configure``, ``lookup``, ``push``, ``push_lookup``, ``state_dict``, ``load_state_dict``, ``save``,
-``set_delays``, ``stats``). The ordered ones (``lookup``, ``push``, ``push_lookup``) apply the request
+(``configure``, ``lookup``, ``push``, ``push_lookup``, ``batch``, ``state_dict``, ``load_state_dict``,
+``save``, ``set_delays``, ``stats``); ``batch`` carries several ordered requests in one message (a client's
+coalesced pushes, :mod:`scheduling.ps.coalesce`). The ordered ones (``lookup``, ``push``, ``push_lookup``) apply the request
 order the client asked for (:mod:`scheduling.ps.ordering`), so the tables, the optimizer, the step order and
 the fused path are the same on every transport; :meth:`ServerEndpoints.submit` starts one without waiting
 for its turn, so that a waiting request holds none of the server's threads:
@@ -20,7 +21,9 @@ AsyncIO actors); ``torch.distributed.rpc.functions.async_execution``.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from typing import Any
 
 import torch
@@ -32,8 +35,8 @@ __all__ = ["ServerEndpoints", "AsyncEndpoints", "METHODS", "DEFAULT_WORKER_THREA
 DEFAULT_WORKER_THREADS = 16
 """Threads that serve one server's requests unless told otherwise (``num_worker_threads``)."""
 
-METHODS = ("configure", "lookup", "push", "push_lookup", "state_dict", "load_state_dict", "save", "set_delays",
-           "stats")
+METHODS = ("configure", "lookup", "push", "push_lookup", "batch", "state_dict", "load_state_dict", "save",
+           "set_delays", "stats")
 """The requests every transport carries (``PSClient`` calls only these)."""
 
 
@@ -45,6 +48,8 @@ class ServerEndpoints:
 
     def __init__(self, server: Any = None) -> None:
         self.server = server
+        self.requests = 0
+        """Requests received (a ``batch`` counts once, whatever it carries)."""
         self.why_none = "call start_server() first"
         """What the error says when no server runs (a restarted Ray actor: it lost its tables)."""
 
@@ -83,8 +88,38 @@ class ServerEndpoints:
         Raises:
             RuntimeError: no server runs here (raised here, before anything is started).
         """
+        self.requests += 1
+        self._submit(method, args, done)
+
+    def _submit(self, method: str, args: tuple, done: Done) -> None:
         order, what, name, push, lookup = self._ordered(method, args)
         submit(order, what, name, done, push=push, lookup=lookup)
+
+    def submit_batch(self, calls: list[tuple[str, tuple]], done: Done) -> None:
+        """Start every ordered request ``(method, args)`` of ``calls``, in order (each in its own client's
+        order, as if sent one by one); ``done([(answer, error), ...], None)`` once all are answered, one pair
+        per call (``error`` None, or the exception that call raised)."""
+        self.requests += 1
+        answers: list[Any] = [None] * len(calls)
+        left = [len(calls)]
+        lock = threading.Lock()
+        if not calls:
+            done([], None)
+            return
+
+        def one(i: int, value: Any, error: BaseException | None) -> None:
+            answers[i] = (value, error)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                done(answers, None)
+
+        for i, (method, args) in enumerate(calls):
+            try:
+                self._submit(method, args, functools.partial(one, i))
+            except Exception as e:  # noqa: BLE001  (answered as that call's error, the others go on)
+                one(i, None, e)
 
     def lookup(self, namespace: str, batch: Any, compress: str | None = None, order: Order | None = None,
                ) -> torch.Tensor:
@@ -125,7 +160,8 @@ class ServerEndpoints:
     def stats(self) -> dict[str, int]:
         """Lookups and pushes served, process id, rows and bytes held."""
         server = self._server()
-        return {"lookups": server.num_lookups, "pushes": server.num_pushes, "pid": os.getpid(), **server.memory()}
+        return {"lookups": server.num_lookups, "pushes": server.num_pushes, "requests": self.requests,
+                "pid": os.getpid(), **server.memory()}
 
 
 class AsyncEndpoints(ServerEndpoints):
@@ -145,9 +181,11 @@ class AsyncEndpoints(ServerEndpoints):
         self.num_worker_threads = num_worker_threads
         self._pool: Any = None
 
-    async def _await(self, method: str, args: tuple) -> Any:
+    async def _await(self, method: str, args: tuple, count: bool = True) -> Any:
         import asyncio
         from concurrent.futures import ThreadPoolExecutor
+
+        self.requests += count
 
         order, what, name, push, lookup = self._ordered(method, args)  # raises here when no server runs
         loop = asyncio.get_running_loop()
@@ -160,6 +198,14 @@ class AsyncEndpoints(ServerEndpoints):
             self._pool = ThreadPoolExecutor(self.num_worker_threads, thread_name_prefix=f"ps-{name}")
         self._pool.submit(submit, order, what, name, done, push=push, lookup=lookup)
         return await answer
+
+    async def batch(self, calls: list[tuple[str, tuple]]) -> list[tuple[Any, BaseException | None]]:
+        """As :meth:`ServerEndpoints.submit_batch`, awaited: ``[(answer, error), ...]``, one pair per call."""
+        import asyncio
+
+        self.requests += 1
+        results = await asyncio.gather(*(self._await(m, a, count=False) for m, a in calls), return_exceptions=True)
+        return [(None, r) if isinstance(r, BaseException) else (r, None) for r in results]
 
     async def lookup(self, namespace: str, batch: Any, compress: str | None = None,  # type: ignore[override]
                      order: Order | None = None) -> torch.Tensor:

@@ -123,6 +123,9 @@ def ps_push_in_backward(client: str, server: int, kjt: Any, part: torch.Tensor, 
     """
     if isinstance(part, torch.Tensor) and part.requires_grad:
         part.register_hook(_PushInBackward(client, server, kjt, next_kjt))
+        batcher = get_client(client).batcher
+        if batcher is not None:  # the model's pushes to this server go as one message once all are queued
+            batcher.expect(server)
     return part
 
 

@@ -453,6 +453,18 @@ def _rpc_push_lookup(*args: Any) -> torch.futures.Future:
     return _ordered_future("push_lookup", args)
 
 
+@async_execution
+def _rpc_batch(calls: list[tuple[str, tuple]]) -> torch.futures.Future:
+    """Several ordered requests in one message (:meth:`ServerEndpoints.submit_batch`): a Future of
+    ``[(answer, error), ...]``, one pair per call."""
+    future: torch.futures.Future = torch.futures.Future()
+    try:
+        _ENDPOINTS.submit_batch(calls, lambda answers, error: future.set_result(answers))
+    except Exception as e:  # noqa: BLE001  (no server here: every call answers that error)
+        future.set_result([(None, e)] * len(calls))
+    return future
+
+
 def _rpc_state_dict(namespace: str | None = None) -> dict[str, Any]:
     return _ENDPOINTS.state_dict(namespace)
 
