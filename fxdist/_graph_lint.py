@@ -1,4 +1,5 @@
-"""``Graph.lint``: the well-formedness checks of seed 001 §9, with errors that name the node and a fix.
+"""``Graph.lint``: the well-formedness checks of torch.fx's ``Graph.lint`` (torch/fx/graph.py), with errors that
+name the node and a fix.
 
 Source: torch/fx/graph.py ``Graph.lint``. Each error is a ``RuntimeError`` whose message reads
 ``Graph.lint: %add_1 (call_function[target=operator.add]) <what is wrong>. <how to fix it>`` and keeps

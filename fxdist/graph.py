@@ -1,8 +1,8 @@
 """``Graph``: the IR, a circular doubly linked list of :class:`~fxdist.node.Node` s.
 
-Source: torch/fx/graph.py (torch 2.13); seed 001 §3, §7-§9. A sentinel ``_root`` node (op ``"root"``)
-closes the ring: ``_root._next`` is the first node and ``_root._prev`` the last, so insertion and erasure
-are O(1). ``graph.nodes`` iterates in either direction and tolerates erasing the current node.
+Source: torch/fx/graph.py (torch 2.13): the node list, insertion points, code generation, lint. A sentinel
+``_root`` node (op ``"root"``) closes the ring: ``_root._next`` is the first node and ``_root._prev`` the last,
+so insertion and erasure are O(1). ``graph.nodes`` iterates in either direction and tolerates erasing the current node.
 New nodes go to the insert point (the end, unless ``inserting_before``/``inserting_after`` says
 otherwise); a side table keyed by ``(op, target)`` serves ``find_nodes`` without scanning.
 
@@ -113,7 +113,8 @@ class _node_list:  # noqa: N801 - torch.fx name
         return (_iter_next if self.direction == "_next" else _iter_prev)(self.graph._root)
 
     def __reversed__(self) -> _node_list:
-        # a view again (seed 001 §3.3), so reversed(graph.nodes) also has len() and can be reversed back
+        # a view again (torch/fx/graph.py ``_node_list``), so reversed(graph.nodes) also has len() and can be
+        # reversed back
         return _node_list(self.graph, "_prev" if self.direction == "_next" else "_next")
 
 
@@ -521,7 +522,7 @@ class Graph:
 
     # -- checks and cleanup -------------------------------------------------------------------------
     def lint(self) -> None:
-        """Check the graph is well formed (seed 001 §9).
+        """Check the graph is well formed (torch/fx/graph.py ``Graph.lint``).
 
         Checks: every opcode is legal; every node (and every input) belongs to this graph; inputs are
         defined before use (topological order) and not erased; names are unique; args is a tuple and

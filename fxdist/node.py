@@ -1,6 +1,6 @@
 """``Node``: one operation of a ``Graph``, with automatic use-def tracking.
 
-Source: torch/fx/node.py and torch/csrc/fx/node.cpp (torch 2.13); seed 001 §4-§6. A node's
+Source: torch/fx/node.py and torch/csrc/fx/node.cpp (torch 2.13): ops, use-def bookkeeping, replacement. A node's
 ``args``/``kwargs`` hold immediate values and other ``Node`` s. Assigning them (or calling
 ``update_arg``/``insert_arg``/``update_kwarg``/``replace_input_with``) keeps ``users`` and
 ``all_input_nodes`` exact. Nodes are linked into their graph's circular doubly linked list through
@@ -187,7 +187,7 @@ class _CompatRuntimeError(RuntimeError, AssertionError):
 class Node:
     """One operation in a :class:`~fxdist.graph.Graph`. Source: torch/fx/node.py ``Node``.
 
-    Semantics by ``op`` (seed 001 §4):
+    Semantics by ``op`` (torch/fx/node.py ``Node`` docstring):
 
     - ``placeholder``: a function input; ``target`` is the parameter name (str); ``args`` is ``()`` or
       ``(default,)``.
@@ -415,7 +415,7 @@ class Node:
         return list(self._input_nodes)
 
     def _update_args_kwargs(self, new_args: Any, new_kwargs: Any) -> None:
-        """Replace args/kwargs and redo the use-def bookkeeping (seed 001 §6.1)."""
+        """Replace args/kwargs and redo the use-def bookkeeping (torch/fx/node.py ``Node.__update_args_kwargs``)."""
         for old in self._input_nodes:
             old.users.pop(self, None)
         inputs = self._input_nodes

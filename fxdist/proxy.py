@@ -8,7 +8,7 @@ Anything that would need the concrete value (``bool(x)``, ``len(x)``, ``for v in
 
 ``TracerBase`` holds the node-creation logic shared by the full ``Tracer`` (fxdist/tracer.py) and by
 ``GraphAppendingTracer``, which appends to an existing graph when a transform wraps raw nodes in Proxies
-(``Proxy(node)``, as in seed 000's decomposition example).
+(``Proxy(node)``, as in the decomposition example of the torch.fx documentation, "Proxy/Retracing").
 
 Source: torch/fx/proxy.py (TracerBase, GraphAppendingTracer, Proxy, Attribute, ParameterProxy);
 torch.fx paper §4.1 (symbolic tracing with Proxy objects and ``__torch_function__``).

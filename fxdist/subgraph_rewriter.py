@@ -13,7 +13,7 @@ The rewrite runs in four steps, one function each (tests print the graph after e
 4. **Erase** (``_erase_matched``): erase the matched nodes, now without users, last one first.
 
 Source: torch/fx/subgraph_rewriter.py and torch/fx/passes/utils/matcher_utils.py (semantics);
-seed 000 (walkthrough of the ``add -> mul`` rewrite).
+the ``add -> mul`` example of ``replace_pattern``'s docstring (torch/fx/subgraph_rewriter.py).
 """
 
 from __future__ import annotations
@@ -444,7 +444,7 @@ def replace_pattern(
     Matching follows use-def edges, not names; the pattern's parameters are wildcards and its return
     value need not be the graph's. ``gm`` is recompiled afterwards.
 
-    Example (seed 000: ``add -> mul``):
+    Example (``replace_pattern``'s docstring in torch/fx/subgraph_rewriter.py: ``add -> mul``):
 
     >>> import torch, fxdist as fx
     >>> gm = fx.symbolic_trace(lambda x, y: torch.relu(x + y))

@@ -130,3 +130,15 @@ def test_checker_sees_a_forbidden_edge(tmp_path: Path) -> None:
     rel.write_text("from .passes import shape_prop\nfrom . import tracer\n")
     assert _hits(_imports("fxdist.graph", rel), ("fxdist.passes", "fxdist.tracer")) == [
         "fxdist.passes", "fxdist.passes.shape_prop", "fxdist.tracer"]
+
+
+def test_no_file_cites_documents_the_repository_does_not_hold():
+    """Sources are public (torch.fx's files, the torch.fx paper), never the project's private spec documents."""
+    needle, bad = "seed " + "00", []
+    for path in sorted(ROOT.rglob("*")):
+        if path.suffix not in (".py", ".md", ".toml") or any(p in (".venv", ".git", "runs") for p in path.parts):
+            continue
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if needle in line.lower():
+                bad.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()[:80]}")
+    assert not bad, "cite the public source instead:\n" + "\n".join(bad)

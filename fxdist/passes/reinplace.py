@@ -14,7 +14,7 @@ Given ``b = foo(a, args...)`` (a ``call_function`` node whose first argument is 
 (1b) Skip if ``a`` aliases a program input (a placeholder) or a module constant (``get_attr``):
      mutating it would be a side effect the caller can see. With ``reuse_overwritten_inputs=True``,
      an input ``x`` that the graph later overwrites with ``copy_(x, b)`` (and reads no more) is
-     reused: ``foo_(x)``, and the ``copy_`` goes (seed 002's "future optimization" note).
+     reused: ``foo_(x)``, and the ``copy_`` goes (the "future optimization" NOTE of torch/fx/passes/reinplace.py).
 (1c) Skip if another tensor argument shares memory with ``a`` (``mul(a, a.t())``), unless the op is
      pointwise (or ``copy``) and every shared element sits at the same index in both tensors.
 (2)  Skip unless ``a`` and its aliases have no later use, where (a) a later view of ``a`` is not a use
@@ -31,7 +31,8 @@ Given ``b = foo(a, args...)`` (a ``call_function`` node whose first argument is 
      A scatter whose source did not end up written in place is first replaced by (3a)'s view + copy_,
      so the graph stays correct even then.
 
-Example (seed 002's ``diagonal`` + ``fill_`` program; the ``diagonal_scatter`` disappears):
+Example (the ``diagonal`` + ``fill_`` program of torch/fx/passes/reinplace.py's docstring; the
+``diagonal_scatter`` disappears):
 
 >>> import torch
 >>> from fxdist.experimental.proxy_tensor import make_fx
@@ -60,7 +61,7 @@ from ``make_fx(functionalize(f))`` without those hazards both passes give the sa
 Also: the ``ge``/``_to_copy`` special case (torch's docstring only describes it) and the optional
 ``reuse_overwritten_inputs``.
 
-Source: torch/fx/passes/reinplace.py; seed 002 (the reinplace pass).
+Source: torch/fx/passes/reinplace.py (the pass and its docstring).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool
     Args:
         gm: GraphModule holding a functional ATen graph (``make_fx(functionalize(f))``); modified in place.
         *sample_args: example inputs, one per placeholder; only their metadata and aliasing are used.
-        reuse_overwritten_inputs: also do the optimization seed 002's (1b) NOTE leaves for the future:
+        reuse_overwritten_inputs: also do the optimization the (1b) NOTE of torch/fx/passes/reinplace.py leaves
+            for the future:
             ``b = foo(x)`` on a program input ``x`` that is later overwritten with ``copy_(x, b)`` (what
             functionalization emits for ``x.foo_()``) becomes ``foo_(x)``, and the ``copy_`` is dropped.
             Off by default, as in torch.fx.
@@ -155,7 +157,7 @@ def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool
     A torch.fx GraphModule (``torch.fx.experimental.proxy_tensor.make_fx``) is converted first; the
     result is the converted fxdist GraphModule, and ``gm`` gets its graph too (torch.fx's contract).
 
-    Source: torch/fx/passes/reinplace.py; seed 002.
+    Source: torch/fx/passes/reinplace.py.
     """
     if _is_torch_fx(gm):  # the door for torch-built graphs
         from fxdist.interop import as_fxdist, write_back
@@ -184,7 +186,7 @@ class Reinplace(PassBase):
     Returns:
         PassResult(gm, modified); modified is False when no node's target or arguments changed.
 
-    Source: torch/fx/passes/reinplace.py; seed 002.
+    Source: torch/fx/passes/reinplace.py.
     """
 
     name: ClassVar[str] = "reinplace"

@@ -1,8 +1,8 @@
 """Graph: building, naming, insert points, erasure, iteration, find_nodes, copies, DCE, printing.
 
 Most tests build the same graph with ``torch.fx.Graph`` and ``fxdist.Graph`` and compare printed text
-and node names; the seed 001 worked examples (§7.3, §8, §10.1, §10.2) are checked against their
-printed results.
+and node names; the worked examples of torch.fx's Graph API (torch/fx/graph.py: inserting_after/before,
+erase_node, replace_all_uses_with, python_code) are checked against their printed results.
 """
 
 from __future__ import annotations
@@ -351,7 +351,7 @@ def test_graph_copy_with_substituted_input_and_output_node() -> None:
     assert dst.find_nodes(op="call_function", target=operator.add)[0].args[0] is z
 
 
-# -- seed 001 §10 examples -----------------------------------------------------------------------------
+# -- torch.fx Graph manipulation examples (torch/fx/graph.py) -----------------------------------------------
 
 
 def test_seed_001_section_10_1_relu_to_gelu_on_built_graph() -> None:

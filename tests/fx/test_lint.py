@@ -1,5 +1,5 @@
-"""Graph.lint: each of seed 001 §9's five checks catches a graph broken in exactly that way, and the
-error names the node, keeps torch.fx's key phrase, suggests a fix and shows the marked graph."""
+"""Graph.lint: each of the five checks of torch.fx's ``Graph.lint`` (torch/fx/graph.py) catches a graph broken
+in exactly that way, and the error names the node, keeps torch.fx's key phrase, suggests a fix and shows the marked graph."""
 
 from __future__ import annotations
 

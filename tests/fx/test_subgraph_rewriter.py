@@ -1,5 +1,5 @@
-"""subgraph_rewriter: seed 000's add -> mul walkthrough step by step (golden text), and differential
-tests against torch.fx.subgraph_rewriter (same resulting graph text, same outputs)."""
+"""subgraph_rewriter: the add -> mul example of torch.fx's replace_pattern (torch/fx/subgraph_rewriter.py) step
+by step (golden text), and differential tests against torch.fx.subgraph_rewriter (same resulting graph text, same outputs)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fxdist.subgraph_rewriter import SubgraphMatcher, replace_pattern, replace_p
 
 
 class MyModule(torch.nn.Module):
-    """The module of seed 000."""
+    """The module of that example."""
 
     def __init__(self) -> None:
         super().__init__()

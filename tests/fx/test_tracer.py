@@ -41,11 +41,11 @@ def uses_len(x):
 
 
 def normalize(x):
-    """Normalize `x` by the size of the batch dimension (seed 003, "Non-torch Functions")."""
+    """Normalize `x` by the size of the batch dimension (torch.fx documentation, "Non-torch Functions")."""
     return x / sqrt(len(x))
 
 
-# -- the MyModule example from the API reference (seed 003) ----------------------------------------
+# -- the MyModule example from the torch.fx API reference ----------------------------------------
 
 
 class MyModule(nn.Module):
@@ -481,7 +481,7 @@ def test_trace_asserts_records_assertion():
     assert any(getattr(n.target, "__name__", "") == "_assert_fn" for n in graph.nodes)
 
 
-# -- Proxy-based retracing (seed 000): decomposition rules over Proxies ----------------------------
+# -- Proxy-based retracing (torch.fx documentation, "Proxy/Retracing"): decomposition rules over Proxies ------
 
 
 def relu_decomposition(x):
@@ -544,7 +544,7 @@ def test_unpacking_a_proxy_records_getitem():
     assert [n.target for n in ours.graph.nodes].count(operator.getitem) == 2
 
 
-# -- the API reference's examples (seed 003) -------------------------------------------------------
+# -- the torch.fx API reference's examples -------------------------------------------------------
 
 
 def test_reference_normalize_with_wrapped_len_and_math_sqrt():

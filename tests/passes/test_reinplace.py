@@ -1,4 +1,5 @@
-"""fxdist.passes.reinplace: one test per case of seed 002, plus differential tests against torch.fx's pass.
+"""fxdist.passes.reinplace: one test per case of torch.fx's reinplace docstring (torch/fx/passes/reinplace.py),
+plus differential tests against torch.fx's pass.
 
 Every case checks the rewritten graph's ops, that outputs equal the functional graph's (and eager's) on
 random inputs, and that the inputs are left unmutated.
@@ -248,7 +249,7 @@ def test_2b_repeat_argument_is_banned():
 
 
 def test_2c_diagonal_fill_removes_diagonal_scatter():
-    def f(x):  # seed 002's example: a = add(x, x); diagonal(a).fill_(0)
+    def f(x):  # torch/fx/passes/reinplace.py's example: a = add(x, x); diagonal(a).fill_(0)
         a = torch.ops.aten.add(x, x)
         b = torch.ops.aten.diagonal(a)
         torch.ops.aten.fill_(b, 0)
@@ -312,7 +313,7 @@ def test_2c_scatter_of_the_result_must_undo_the_view_it_was_computed_from():
 
 
 def test_3a_select_scatter_becomes_select_and_copy():
-    def f(x):  # seed 002: a = zeros(2, 2); b = ones(2); a[0] = b, post functionalization
+    def f(x):  # torch/fx/passes/reinplace.py: a = zeros(2, 2); b = ones(2); a[0] = b, post functionalization
         a = torch.zeros(2, 2)
         b = x.exp()
         return torch.select_scatter(a, b, 0, 0)
