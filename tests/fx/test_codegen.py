@@ -94,7 +94,7 @@ def test_default_mode_differs_only_in_call_module_paths() -> None:
 
 
 def test_seed_walkthrough_table() -> None:
-    """Seed 000's table: the body lines generated for MyModule."""
+    """The body lines generated for MyModule (the torch.fx documentation's example)."""
     g = fx.Graph()
     x = g.placeholder("x")
     param = g.get_attr("param")

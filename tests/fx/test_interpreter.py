@@ -147,7 +147,8 @@ def test_graph_argument_overrides_module_graph(net):
 
 
 def neg_sigmoid_swap(base):
-    """Seed 003's example, as a subclass of ``base`` (fxdist's or torch.fx's Interpreter/Transformer)."""
+    """The torch.fx documentation's Interpreter example, as a subclass of ``base`` (fxdist's or torch.fx's
+    Interpreter/Transformer)."""
 
     class NegSigmSwap(base):
         def call_function(self, target, args, kwargs):
