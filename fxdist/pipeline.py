@@ -8,8 +8,11 @@ True
 >>> [record["name"] for record in gm.meta["fxdist"]["passes"]]
 ['dce']
 
-Passes are named (resolved lazily with importlib, so fxdist's core never imports ``scheduling`` or
-``quant``) or given as callables. Each pass is ``fn(gm) -> GraphModule`` (or a ``PassBase`` returning
+Passes are named or given as callables. A name is fxdist's own (``dce``, ``reinplace``), one given to
+:func:`register_pass`, or one an installed package declares as an entry point of the group
+``fxdist.passes`` (the standard Python plugin mechanism; this project's ``pyproject.toml`` declares
+``parameter_servers``, ``async_rpc``, ``async_rpc_prefetch`` and ``fuse`` there), imported on first use, so
+fxdist's core names no package above it. Each pass is ``fn(gm) -> GraphModule`` (or a ``PassBase`` returning
 ``PassResult``); :class:`fxdist.passes.pass_base.PassManager` runs them in order on a copy, lints and
 recompiles after each, times them, and records ``{"name", "ms", "nodes_added", "nodes_erased",
 "modified"}`` per pass in ``gm.meta["fxdist"]["passes"]``.
@@ -46,25 +49,21 @@ from torch import nn
 
 __all__ = ["optimize", "register_pass", "resolve_pass", "PASSES", "NO_OP_REASONS", "NoOpPassWarning"]
 
+ENTRY_POINT_GROUP = "fxdist.passes"
+"""Entry-point group in which installed packages declare their passes (``name = "module:attribute"``)."""
+
 PASSES: dict[str, str | Callable] = {
-    "async_rpc": "scheduling:async_rpc",
-    "async_rpc_prefetch": "scheduling.async_rpc_pass:async_rpc_prefetch",
-    "parameter_servers": "scheduling.placement:parameter_servers",
-    "fuse": "quant:fuse",
     "reinplace": "fxdist.passes.reinplace:reinplace",
 }
-"""Pass name -> ``"module:attribute"`` (imported on first use) or a callable ``gm -> GraphModule``."""
+"""Pass name -> ``"module:attribute"`` (imported on first use) or a callable ``gm -> GraphModule``; the
+entry points of :data:`ENTRY_POINT_GROUP` join it when a name is not found."""
 
-_NO_RPC = ("no blocking RPC found (torch.distributed.rpc.rpc_sync, or parameter-server ps_fetch/ps_push leaves; "
-           "run the parameter_servers pass first to move embedding tables to servers)")
 NO_OP_REASONS: dict[str, str] = {
-    "async_rpc": _NO_RPC,
-    "async_rpc_prefetch": _NO_RPC,
-    "parameter_servers": "no embedding module found",
     "dce": "no dead node found",
     "reinplace": "no out-of-place op could be made in-place",
 }
-"""Pass name -> why it changes nothing, when the pass itself records no reason."""
+"""Pass name -> why it changes nothing, when the pass itself records no reason. A pass function may carry its
+own as ``fxdist_no_op_reason``; resolving it by name records it here."""
 
 UNCHANGED_REASON = "unchanged_reason"
 """Key of ``gm.meta["fxdist"]`` where a pass may put why it changed nothing (read and removed by ``optimize``)."""
@@ -113,11 +112,14 @@ def resolve_pass(spec: str | Callable) -> tuple[str, Callable]:
             or type(inner).__name__
         return str(name), spec
     if spec not in PASSES:
+        _discover()
+    if spec not in PASSES:
         raise ValueError(f"fxdist.optimize: unknown pass {spec!r}; known passes: {', '.join(sorted(PASSES))} "
-                         "(or pass a callable gm -> GraphModule)")
+                         f"(or pass a callable gm -> GraphModule; a package declares named passes as entry points "
+                         f"of the group {ENTRY_POINT_GROUP!r}, or calls fxdist.register_pass)")
     target = PASSES[spec]
     if callable(target):
-        return spec, target
+        return spec, _note_reason(spec, target)
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -125,9 +127,25 @@ def resolve_pass(spec: str | Callable) -> tuple[str, Callable]:
         e.add_note(f"fxdist.optimize: pass {spec!r} is implemented in {module_name!r}, which is not importable")
         raise
     try:
-        return spec, getattr(module, attr)
+        return spec, _note_reason(spec, getattr(module, attr))
     except AttributeError:
         raise ImportError(f"fxdist.optimize: pass {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def _discover() -> None:
+    """Add the passes installed packages declare in :data:`ENTRY_POINT_GROUP` (names only; nothing imported)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        PASSES.setdefault(ep.name, ep.value)
+
+
+def _note_reason(name: str, fn: Callable) -> Callable:
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    reason = getattr(inner, "fxdist_no_op_reason", None)
+    if reason:
+        NO_OP_REASONS.setdefault(name, reason)
+    return fn
 
 
 class _Adapter:
@@ -163,7 +181,8 @@ def _state_ids(gm: nn.Module) -> list[tuple[str, int]]:
 
 def _default_reason(name: str, fn: Callable) -> str:
     inner = fn.func if isinstance(fn, functools.partial) else fn
-    return NO_OP_REASONS.get(name) or NO_OP_REASONS.get(getattr(inner, "__name__", "")) or "the graph is unchanged"
+    return (NO_OP_REASONS.get(name) or getattr(inner, "fxdist_no_op_reason", None)
+            or NO_OP_REASONS.get(getattr(inner, "__name__", "")) or "the graph is unchanged")
 
 
 def _leaf_predicates(named: list[tuple[str, Callable]]) -> list[Callable[[nn.Module], bool]]:

@@ -233,6 +233,13 @@ def async_rpc_prefetch(gm: GraphModule) -> GraphModule:
     return async_rpc(gm, prefetch=True)
 
 
+NO_RPC = ("no blocking RPC found (torch.distributed.rpc.rpc_sync, or parameter-server ps_fetch/ps_push leaves; "
+          "run the parameter_servers pass first to move embedding tables to servers)")
+"""Why ``async_rpc`` changes nothing on a graph without blocking RPCs (``fxdist.optimize``'s NoOpPassWarning)."""
+async_rpc.fxdist_no_op_reason = NO_RPC  # type: ignore[attr-defined]
+async_rpc_prefetch.fxdist_no_op_reason = NO_RPC  # type: ignore[attr-defined]
+
+
 def _show(graph: Graph, title: str, out: TextIO) -> None:
     print(f"== {title} ==", file=out)
     with contextlib.redirect_stdout(out):

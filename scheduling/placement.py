@@ -397,6 +397,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
 
 
 parameter_servers.fxdist_leaf_module = is_embedding_module  # type: ignore[attr-defined]  # see fxdist.optimize
+parameter_servers.fxdist_no_op_reason = "no embedding module found"  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

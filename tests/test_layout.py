@@ -142,3 +142,20 @@ def test_no_file_cites_documents_the_repository_does_not_hold():
             if needle in line.lower():
                 bad.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()[:80]}")
     assert not bad, "cite the public source instead:\n" + "\n".join(bad)
+
+
+def test_fxdist_names_no_package_above_it_in_strings():
+    """An import through a string (``importlib.import_module("scheduling...")``, a ``"quant:fuse"`` table) is an
+    upward edge the import rules above cannot see: fxdist's strings name no module of scheduling, quant or jobs
+    (their passes come from entry points, ``pyproject.toml``)."""
+    import re
+
+    upward = re.compile(r"^(scheduling|quant|jobs|recsys)([.:][A-Za-z_]|$)")
+    bad = []
+    for module, path in _modules().items():
+        if module.split(".")[0] != "fxdist":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and upward.match(node.value):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not bad, "fxdist/ names a package above it by string:\n" + "\n".join(bad)
