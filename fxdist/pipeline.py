@@ -47,7 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["optimize", "register_pass", "resolve_pass", "PASSES", "NO_OP_REASONS", "NoOpPassWarning"]
+__all__ = ["optimize", "register_pass", "resolve_pass", "known_passes", "PASSES", "NO_OP_REASONS",
+           "NoOpPassWarning"]
 
 ENTRY_POINT_GROUP = "fxdist.passes"
 """Entry-point group in which installed packages declare their passes (``name = "module:attribute"``)."""
@@ -130,6 +131,13 @@ def resolve_pass(spec: str | Callable) -> tuple[str, Callable]:
         return spec, _note_reason(spec, getattr(module, attr))
     except AttributeError:
         raise ImportError(f"fxdist.optimize: pass {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def known_passes() -> list[str]:
+    """Every pass name :func:`optimize` accepts now: fxdist's, registered ones, and the entry points of
+    :data:`ENTRY_POINT_GROUP` (found by name only: nothing is imported)."""
+    _discover()
+    return sorted(PASSES)
 
 
 def _discover() -> None:

@@ -227,7 +227,7 @@ class PhasesSection:
     """Also train the baseline (eager module, no passes), interleaved with the optimized phase."""
     passes: list[str] = _key(["async_rpc_prefetch"], length=(0, 32))
     """fxdist.optimize pass names of the optimized phase, applied in order; each must be a name of
-    ``fxdist.pipeline.PASSES`` (checked when the config is loaded)."""
+    ``fxdist.pipeline.known_passes()`` (checked when the config is loaded)."""
     block_steps: int = _key(10, 1, 10**9)
     """Steps per block: the phases alternate blocks of this many steps over the same batches (the order
     flips every block); the QPS gain is the median of the paired block ratios."""
@@ -463,13 +463,13 @@ def _range_text(value: Any, lo: float | None, hi: float | None, above: bool) -> 
 
 
 def _known_passes() -> list[str]:
-    from fxdist.pipeline import PASSES
+    from fxdist.pipeline import known_passes
 
-    return sorted(PASSES)
+    return known_passes()
 
 
 def _unknown_passes(passes: list[str]) -> list[str]:
-    """Names not in ``fxdist.pipeline.PASSES`` (resolved by name only: nothing is imported or run)."""
+    """Names not in ``fxdist.pipeline.known_passes()`` (by name only: nothing is imported or run)."""
     if not passes:
         return []
     known = set(_known_passes())
