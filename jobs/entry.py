@@ -36,7 +36,7 @@ module (eager or optimized, wrapped in DDP with several trainers; call it once p
 also carries the next batch's lookups), and it returns a scalar tensor; the job then runs ``loss.backward()`` and
 the optimizer step. ``[train] loss`` still names the held-out quality metric (:func:`quality`).
 
-Every entry point is imported and checked before Ray starts (:func:`check`): the factory is called once and
+Every entry point is imported and checked before Ray starts (:func:`jobs.user_code.check`): the factory is called once and
 must return an ``nn.Module``, and the first train batch must follow the contract; a problem is a
 :class:`jobs.config.ConfigError` naming the key (``fxdist launch`` exits with status 2).
 
@@ -59,7 +59,7 @@ from torch import nn
 from jobs.config import ConfigError, JobConfig
 
 __all__ = ["DataContext", "resolve", "split_batch", "rebuild_batch", "make_model", "data_context", "epoch_batches",
-           "endless", "loss_fn", "train_step_fn", "quality", "check", "BUILTIN_LOSSES"]
+           "endless", "loss_fn", "train_step_fn", "quality", "BUILTIN_LOSSES"]
 
 BUILTIN_LOSSES = ("bce_with_logits", "mse")
 
@@ -292,33 +292,3 @@ def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.T
     mean = float((values * sizes).sum() / sizes.sum())
     se = float(values.std() / math.sqrt(len(values))) if len(values) > 1 else float("nan")
     return {"eval_loss": mean, "eval_loss_se": se, "rows": int(sizes.sum())}
-
-
-def check(config: JobConfig) -> str:
-    """Import every entry point and run the cheap checks (see the module docstring); returns a note for the log.
-
-    Raises:
-        ConfigError: naming the key and what is wrong.
-    """
-    model = make_model(config)
-    loss_fn(config)
-    train_step_fn(config)
-    ctx = data_context(config, "train", 0, config.cluster.trainers)
-    first = next(iter(_batches(config, ctx)), None)
-    if first is None:
-        raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train batch for "
-                          f"rank 0 of {config.cluster.trainers}")
-    args, kwargs, labels = split_batch(first, f"{config.source}: [data] batches = {config.data.batches!r}: first batch")
-    try:
-        inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{config.source}: [data] batches: the first batch's inputs do not fit "
-                          f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {e}") from None
-    from jobs.optimizers import dense_optimizer
-    from jobs.user_code import first_step
-
-    first_step(config, model, first, args, kwargs, labels)
-    dense_optimizer(config, (p for p in model.parameters() if p.requires_grad))
-    params = sum(p.numel() for p in model.parameters())
-    return (f"your model: {type(model).__name__} from {config.model.factory} ({params:_} parameters); "
-            f"batches from {config.data.batches}; loss {config.train.loss}")

@@ -5,7 +5,7 @@
 1. the config's own ranges and cross-key constraints (already checked by :func:`jobs.config.parse_config`);
 2. the passes of ``[phases] passes`` resolve (their modules import; nothing is run);
 3. your model (``[model] factory``): every entry point imports, the factory returns an ``nn.Module`` and the
-   first train batch follows the batch contract (:func:`jobs.entry.check`); else the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
+   first train batch follows the batch contract (:func:`jobs.user_code.check`); else the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
    compression, no valid line near the start), or enough synthetic rows when none is found;
 4. on this machine only (no Ray cluster): the metrics ports are free (:func:`check_ports`), and the job's
    memory (:func:`estimate_memory`) fits in the memory available (:func:`available_memory_bytes`).
@@ -73,9 +73,9 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
 
     dense_optimizer(config, [torch.nn.Parameter(torch.zeros(1))])   # the class or factory and its kwargs
     if config.user_model:
-        from jobs import entry
+        from jobs import user_code
 
-        note = entry.check(config)
+        note = user_code.check(config)
         if log is not None:
             log(note)
         if local and config.metrics.enabled:

@@ -1,12 +1,13 @@
 """Running your entry points once on the launcher, and naming your frame in their errors.
 
-Preflight (:func:`jobs.entry.check`) calls :func:`first_step` on the first train batch before Ray starts, so a
+Preflight (:func:`check`) imports your entry points and calls :func:`first_step` on the first train batch before Ray starts, so a
 shape or dtype error in your model or loss shows at once, as ``ConfigError`` (exit 2) with the exception's type
 and message and the line of your code it came from (:func:`user_frame`).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["user_frame", "user_error_frame", "describe", "first_step"]
+__all__ = ["check", "user_frame", "user_error_frame", "describe", "first_step"]
 
 _LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {Path(torch.__file__).parents[1], Path(sys.base_prefix),
                                                        Path(sys.prefix)})
@@ -125,3 +126,34 @@ def first_step(config: Any, model: torch.nn.Module, batch: Any, args: tuple, kwa
                 raise ConfigError(f"{config.source}: [train] {key} = {value!r}: the first batch fails: "
                                   f"{describe(e)}") from e
     return out
+
+
+def check(config: Any) -> str:
+    """Import every entry point and run the cheap checks (see the module docstring); returns a note for the log.
+
+    Raises:
+        ConfigError: naming the key and what is wrong.
+    """
+    from jobs import entry
+    from jobs.config import ConfigError
+    from jobs.optimizers import dense_optimizer
+
+    model = entry.make_model(config)
+    entry.loss_fn(config)
+    entry.train_step_fn(config)
+    ctx = entry.data_context(config, "train", 0, config.cluster.trainers)
+    first = next(iter(entry._batches(config, ctx)), None)
+    if first is None:
+        raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train batch for "
+                          f"rank 0 of {config.cluster.trainers}")
+    args, kwargs, labels = entry.split_batch(first, f"{config.source}: [data] batches = {config.data.batches!r}: first batch")
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{config.source}: [data] batches: the first batch's inputs do not fit "
+                          f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {e}") from None
+    first_step(config, model, first, args, kwargs, labels)
+    dense_optimizer(config, (p for p in model.parameters() if p.requires_grad))
+    params = sum(p.numel() for p in model.parameters())
+    return (f"your model: {type(model).__name__} from {config.model.factory} ({params:_} parameters); "
+            f"batches from {config.data.batches}; loss {config.train.loss}")

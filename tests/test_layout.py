@@ -14,9 +14,13 @@ exercises it. Rules (docs/CONTRACTS.md, ../shared/STYLE.md):
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from import_graph import cycles, find_modules, imports_of, module_edges  # noqa: E402  (scripts/import_graph.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fxdist", "scheduling", "quant", "jobs")
@@ -30,52 +34,12 @@ IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespac
 
 
 def _modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            rel = path.relative_to(ROOT).with_suffix("")
-            parts = list(rel.parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join(parts)] = path
-    return found
-
-
-def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
-    if node.level == 0:
-        return node.module or ""
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    base = package[: len(package) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-def _dotted(expr: ast.AST) -> str | None:
-    parts = []
-    while isinstance(expr, ast.Attribute):
-        parts.append(expr.attr)
-        expr = expr.value
-    if isinstance(expr, ast.Name):
-        parts.append(expr.id)
-        return ".".join(reversed(parts))
-    return None
+    return find_modules(ROOT, PACKAGES)
 
 
 def _imports(module: str, path: Path) -> set[str]:
     """Every module name the file imports, plus ``torch.fx``/``torch.export`` attribute uses."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = _resolve(module, path, node)
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Attribute):
-            dotted = _dotted(node)
-            if dotted and dotted.split(".")[:2] in (["torch", "fx"], ["torch", "export"]):
-                names.add(".".join(dotted.split(".")[:2]))
-    return names
+    return imports_of(module, path)
 
 
 def _hits(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
@@ -159,3 +123,17 @@ def test_fxdist_names_no_package_above_it_in_strings():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and upward.match(node.value):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not bad, "fxdist/ names a package above it by string:\n" + "\n".join(bad)
+
+
+KNOWN_CYCLES = {("jobs.criteo_parse", "jobs.data"), ("jobs.criteo_stream", "jobs.data")}
+"""The Criteo readers' circle, left until they move to one reader (issue: one Criteo format, one reader)."""
+
+
+def test_no_two_modules_import_each_other_above_the_core():
+    """In the layers above fxdist a cycle (lazy imports inside functions included) hides which module owns a
+    concept; the shared piece goes to a third module. (fxdist's own ``graph``/``node`` pairs follow torch.fx.)
+    ``scripts/import_graph.py`` prints the graph."""
+    pairs = [(a, b) for a, b in cycles(module_edges(MODULES)) if not a.startswith("fxdist")]
+    assert KNOWN_CYCLES <= set(pairs), f"fixed, remove from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - set(pairs))}"
+    pairs = [pair for pair in pairs if pair not in KNOWN_CYCLES]
+    assert not pairs, "modules that import each other: " + ", ".join(f"{a} <-> {b}" for a, b in pairs)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from jobs import user_code
 from jobs.cli import main
 from jobs.config import ConfigError, parse_config
 
@@ -92,9 +93,7 @@ def test_a_tuple_output_with_a_builtin_loss_exits_2_with_the_rule(tmp_path, caps
 
 
 def test_a_tuple_output_with_your_loss_passes_preflight():
-    from jobs import entry
-
-    note = entry.check(_config(loss=f"{HERE}:two_head_loss"))
+    note = user_code.check(_config(loss=f"{HERE}:two_head_loss"))
     assert "TwoHeads" in note
 
 
@@ -193,7 +192,7 @@ def test_your_metric_is_reported_beside_the_builtin_quality():
     from jobs.report import _quality_notes
 
     config = _config(loss=f"{HERE}:two_head_loss", metric=f"{HERE}:recall_at_2")
-    entry.check(config)                                  # resolves and runs it on the first batch
+    user_code.check(config)                                  # resolves and runs it on the first batch
     click = torch.tensor([0.9, 0.1, 0.8, 0.2])
     outputs, labels = [(click, click)], [torch.tensor([1.0, 1.0, 0.0, 0.0])]
     quality = entry.quality(config, outputs, labels)
