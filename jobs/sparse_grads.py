@@ -40,7 +40,7 @@ def _rows(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
     """(row ids ``(n,)`` int64, rows ``(n, D)``) of the parameter's sparse gradient (none when it has none)."""
     grad = param.grad
     if grad is None:
-        return torch.empty(0, dtype=torch.long), param.new_zeros(0, *param.shape[1:])
+        return torch.empty(0, dtype=torch.long, device=param.device), param.new_zeros(0, *param.shape[1:])
     if not grad.is_sparse:
         raise TypeError(f"average_sparse_grads: a parameter of shape {tuple(param.shape)} has a dense gradient; "
                         "only sparse ones are averaged here")
@@ -48,13 +48,14 @@ def _rows(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
     return grad.indices()[0], grad.values()
 
 
-def _gather(flat: torch.Tensor, counts: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def _gather(flat: torch.Tensor, counts: list[int], world: int, group: dist.ProcessGroup | None,
+            ) -> list[torch.Tensor]:
     """Every trainer's ``flat`` (``counts[r]`` elements on trainer ``r``), through one padded all-gather."""
-    longest = int(counts.max())
+    longest = max(counts)
     padded = torch.cat([flat, flat.new_zeros(longest - flat.numel())])
     out = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(out, padded, group=group)
-    return [t[:int(n)] for t, n in zip(out, counts)]
+    return [t[:n] for t, n in zip(out, counts)]
 
 
 def average_sparse_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
@@ -67,21 +68,23 @@ def average_sparse_grads(params: Sequence[nn.Parameter], group: dist.ProcessGrou
         TypeError: a parameter has a dense gradient.
     """
     world = dist.get_world_size(group)
+    device = params[0].device                  # the tables' device: the collectives' (gloo: CPU, nccl: CUDA)
     rows = [_rows(p) for p in params]
-    counts = torch.tensor([ids.numel() for ids, _ in rows], dtype=torch.long)
+    counts = torch.tensor([ids.numel() for ids, _ in rows], dtype=torch.long, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(world)]
     dist.all_gather(all_counts, counts, group=group)
     widths = [max(1, p[0].numel()) for p in params]
-    id_totals = torch.stack([c.sum() for c in all_counts])
-    row_totals = torch.stack([(c * torch.tensor(widths)).sum() for c in all_counts])
-    ids = _gather(torch.cat([i for i, _ in rows]), id_totals, world, group)
-    values = _gather(torch.cat([v.reshape(-1) for _, v in rows]).float(), row_totals, world, group)
+    per_rank = [c.tolist() for c in all_counts]
+    id_totals = [sum(c) for c in per_rank]
+    row_totals = [sum(n * w for n, w in zip(c, widths)) for c in per_rank]
+    ids = _gather(torch.cat([i.to(device) for i, _ in rows]), id_totals, world, group)
+    values = _gather(torch.cat([v.reshape(-1).to(device) for _, v in rows]).float(), row_totals, world, group)
     for j, param in enumerate(params):
         parts_ids, parts_rows = [], []
         for r in range(world):
-            before = int(all_counts[r][:j].sum())
-            n = int(all_counts[r][j])
-            start = int((all_counts[r][:j] * torch.tensor(widths[:j], dtype=torch.long)).sum())
+            before = sum(per_rank[r][:j])
+            n = per_rank[r][j]
+            start = sum(k * w for k, w in zip(per_rank[r][:j], widths[:j]))
             parts_ids.append(ids[r][before:before + n])
             parts_rows.append(values[r][start:start + n * widths[j]].view(n, *param.shape[1:]))
         index = torch.cat(parts_ids).unsqueeze(0)
