@@ -306,7 +306,7 @@ class ServerGroup:
         from scheduling.ps import init_trainer
 
         from jobs.cluster import is_loopback, set_socket_ifnames
-        from jobs.metrics import free_port
+        from scheduling.ps.launch import free_port
 
         c, rank, world = self.config.cluster, self.rank, self.world
         box = [None]
