@@ -15,6 +15,10 @@ its answer, holding no thread, so any number of clients and trainers can wait on
 on ``num_worker_threads`` threads of the actor's process. ``max_concurrency`` (:data:`ACTOR_OPTIONS`) only
 bounds how many requests one server actor holds at once, waiting ones included.
 
+The same :class:`PSActor` serves a job's ``torch_rpc`` group too: :meth:`PSActor.join` has it join each new
+RPC group of the trainers; a job adds its metrics through the actor's ``host`` (``jobs.ps.ServerHost``).
+:class:`RayServers` is this transport's server lifecycle (:func:`scheduling.ps.transport.server_group`).
+
 Clients name servers by a string: a name registered here (:func:`register_servers`, done by
 ``LocalCluster(transport="ray")`` and by a job's trainers) or a named Ray actor (``ray.get_actor``), or
 pass the actor handles themselves.
