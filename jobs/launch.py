@@ -472,7 +472,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
 
 
 def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:
-    """Each server's :meth:`jobs.ps.ServerActor.stats` into the JobState (``ps<i>``); skipped when a server
+    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.ps.ServerHost`) into the JobState (``ps<i>``); skipped when a server
     does not answer (a dead one has nothing to report)."""
     import ray
 

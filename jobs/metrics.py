@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from scheduling.ps.launch import free_port  # one free_port for the project (re-exported here)
 
 __all__ = ["LABELS", "STEP_BUCKETS", "FETCH_BUCKETS", "Exporter", "free_port", "free_port_block"]
 
@@ -161,13 +162,6 @@ class Exporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", *, start: int = 20000, stop: int = 60000) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 from jobs.config import ConfigError, JobConfig
 from jobs.data import NUM_DENSE, NUM_SPARSE, locate_data
 
-__all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "MemoryEstimate", "server_table_copies",
+__all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "server_table_bytes", "MemoryEstimate", "server_table_copies",
            "available_memory_bytes"]
 
 GIB = 1024**3
@@ -200,7 +200,8 @@ class MemoryEstimate:
     """Every process's :data:`PROCESS_BASE_BYTES`, plus, with ``[quant] enabled``, the launcher's two float32
     copies of the evaluated model's tables (the final checkpoint's pages it maps, and the rebuilt model)."""
     processes: dict[str, int] = field(default_factory=dict)
-    """Peak bytes per process: ``trainer<r>``, ``ps<i>`` (its table-wise shards, :func:`scheduling.ps.plan_shards`);
+    """Peak bytes per process: ``trainer<r>``, ``ps<i>`` (its shards as the ``parameter_servers`` pass places them,
+    :func:`server_table_bytes`);
     they add up to :attr:`total_bytes`."""
 
     @property
@@ -222,15 +223,29 @@ def dense_parameters(config: JobConfig) -> int:
 
 
 def _server_rows(config: JobConfig) -> list[int]:
-    """Rows each parameter server holds: the job's table-wise plan (:func:`scheduling.ps.plan_shards`)."""
-    from scheduling.ps.config import TableSpec, plan_shards
+    """Rows each parameter server holds of one table set, placed as the ``parameter_servers`` pass places the
+    built-in DLRM's tables ``t_C1 .. t_C26`` (:func:`scheduling.placement_plan.plan_tables`, with ``[model] plan``'s
+    overrides): table-wise, a large table row-wise when the servers would otherwise be unbalanced."""
+    from scheduling.placement_plan import TableInfo, plan_tables, shards_of
+    from scheduling.ps.config import TableSpec
 
-    m = config.model
-    specs = [TableSpec(f"t{j + 1}", size, m.embedding_dim, (f"C{j + 1}",)) for j, size in enumerate(config.table_sizes)]
-    rows = [0] * config.cluster.parameter_servers
-    for shard in plan_shards(specs, config.cluster.parameter_servers, "table_wise"):
-        rows[shard.server] += shard.num_rows
+    m, n = config.model, config.cluster.parameter_servers
+    module = "sparse_arch.embedding_bag_collection"  # where jobs.criteo.dlrm keeps them
+    tables = [TableInfo(TableSpec(f"t_C{j + 1}", size, m.embedding_dim, (f"C{j + 1}",)), module,
+                        f"{module}.embedding_bags.t_C{j + 1}") for j, size in enumerate(config.table_sizes)]
+    rows = [0] * n
+    for placement in plan_tables(tables, n, dict(m.plan) or None):
+        for shard in shards_of(placement, n):
+            rows[shard.server] += shard.num_rows
     return rows
+
+
+def server_table_bytes(config: JobConfig) -> list[int]:
+    """Bytes each parameter server holds for one table set (one phase): its rows (:func:`_server_rows`) in
+    ``[model] server_storage`` form plus the fp32 row-wise Adagrad state (one float per row), as
+    ``PSServer.memory()["bytes"]`` counts them."""
+    stored_row = STORED_ROW_BYTES[config.model.server_storage](config.model.embedding_dim)
+    return [n * (stored_row + FLOAT_BYTES) for n in _server_rows(config)]
 
 
 def estimate_memory(config: JobConfig) -> MemoryEstimate:
@@ -251,8 +266,8 @@ def estimate_memory(config: JobConfig) -> MemoryEstimate:
         state_row, stored_row = FLOAT_BYTES, STORED_ROW_BYTES[m.server_storage](m.embedding_dim)
         copy = rows * (width + state_row)
         procs["trainer0"] += (server_table_copies(phases) - 1) * copy  # the gathered checkpoint and the snapshot
-        for i, n in enumerate(_server_rows(config)):  # its tables per phase, and its state_dict answer
-            procs[f"ps{i}"] = phases * n * (stored_row + state_row) + n * (width + state_row)
+        for i, (n, held) in enumerate(zip(_server_rows(config), server_table_bytes(config))):
+            procs[f"ps{i}"] = phases * held + n * (width + state_row)  # its tables per phase, its state_dict answer
         copies, server = server_table_copies(phases), phases * rows * (stored_row + state_row)
     else:
         for r in range(c.trainers):

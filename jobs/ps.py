@@ -1,11 +1,11 @@
 """Embedding tables on parameter servers: Ray actors running ``scheduling.ps`` servers, and the trainer side.
 
-The servers are Ray actors (:class:`ServerActor`, no CPU reserved) that the launcher creates before
-the trainers start and kills when the job ends (:func:`start_servers`, :func:`stop_servers`); they do
+The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHost`, no CPU
+reserved) that the launcher creates before the trainers start and kills when the job ends (:func:`start_servers`, :func:`stop_servers`); they do
 not share the fate of the trainers' worker group. Each worker group forms one static
 ``torch.distributed.rpc`` group of the ``T`` trainers (ranks ``0..T-1``, named ``trainer<r>``; rank 0
 hosts the rendezvous store) and the ``N`` servers (ranks ``T..T+N-1``, named ``ps<i>``): rank 0 picks
-the rendezvous port and asks every server actor to :meth:`ServerActor.join` it. ``torch.distributed.rpc``
+the rendezvous port and asks every server actor to ``PSActor.join()`` it. ``torch.distributed.rpc``
 cannot re-admit a member into a live group, so when Ray Train restarts the worker group after a failure,
 the new rank 0 makes the servers leave the broken group and join a new one (an empty server each), and
 the trainers load the tables of the last checkpoint into them:
@@ -18,7 +18,7 @@ the trainers load the tables of the last checkpoint into them:
   :mod:`jobs.cluster`), and the new rank 0 waits for them (:func:`wait_for_servers`) before they join.
 
 With ``[cluster] transport = "ray"`` there is no RPC group: the trainers call the server actors' methods
-directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has them :meth:`ServerActor.reset`
+directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has them ``PSActor.reset()``
 to an empty server instead of joining; the trainers then load the checkpoint's tables as above. A restarted
 server actor needs no re-admission: the same handles reach it.
 
@@ -43,55 +43,45 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scheduling.ps.endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
+from scheduling.ps.endpoints import DEFAULT_WORKER_THREADS
 
-__all__ = ["ServerActor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
+__all__ = ["ServerHost", "server_actor_class", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
 
 
-class ServerActor(AsyncEndpoints):
-    """A Ray actor hosting one parameter server and its metrics exporter.
-
-    ``[cluster] transport = "torch_rpc"``: the server joins each worker group's RPC group
-    (``scheduling.ps.start_server``), as below. ``"ray"``: the actor itself serves the requests (its
-    :class:`~scheduling.ps.endpoints.AsyncEndpoints` methods, called as ``handle.lookup.remote(...)``: an asyncio
-    actor, whose waiting requests hold no thread);
-    each worker group's rank 0 calls :meth:`reset` instead of :meth:`join` (an empty server, no group).
-
-    The launcher creates it (named, restartable by Ray) before the trainers start, and it outlives every
-    trainer worker group: each group's rank 0 calls :meth:`join`, which leaves the previous group's RPC
-    group and joins the new one with an empty server (the trainers then load the checkpoint's tables).
-    If Ray restarts the actor after its process died, ``__init__`` runs again (a fresh process, the
-    same metrics port) and the next :meth:`join` proceeds as on the first start.
+class ServerHost:
+    """What a job's server actor (``scheduling.ps.ray_transport.PSActor``, its ``host``) adds: its metrics
+    exporter, timing every lookup and the memory held, where it runs, its peak RSS, and this node's network
+    interface before joining a non-loopback RPC group.
 
     Args:
-        name: RPC worker name (``ps<i>``).
-        job: The ``job`` label of its metrics; ``metrics``: (host, port) of its exporter, or None.
-        fetch_delay_s: Added latency per lookup, seconds; ``timeout_s``: RPC and rendezvous timeout.
-        num_worker_threads: threads serving requests (``torch_rpc``: TensorPipe's; ``ray``: those running
-            the lookups and pushes of this asyncio actor). A request waiting for its turn holds none.
+        job: The ``job`` label of its metrics; ``name``: the server's (``ps<i>``); ``metrics``: (host, port) of
+            its exporter, or None. The exporter starts in the actor (:meth:`start`), again when Ray restarted it.
     """
 
-    def __init__(self, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
-                 timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> None:
-        # no server until join() / reset(): a restarted actor refuses requests till then
-        super().__init__(num_worker_threads=num_worker_threads)
-        self.why_none = f"server {name} has not been reset since its actor (re)started"
-        self.name, self.fetch_delay_s, self.timeout_s = name, fetch_delay_s, timeout_s
-        self.joined = False
-        self.groups = 0
-        self.exporter = None
+    def __init__(self, job: str, name: str, metrics: tuple[str, int] | None) -> None:
+        self.job, self.name, self.address = job, name, metrics
+        self.exporter: Any = None
         self.metrics: tuple[str, int] | None = None
-        self.server: Any = None
-        self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
-        if metrics is not None:
+
+    def start(self) -> None:
+        """Serve the exporter on ``metrics`` (another free port of this node when that one is taken)."""
+        if self.address is not None:
             from jobs.cluster import serve_exporter
             from jobs.metrics import Exporter
 
-            self.exporter = Exporter(job, name)
-            self.metrics = serve_exporter(self.exporter, metrics[0], metrics[1])
+            self.exporter = Exporter(self.job, self.name)
+            self.metrics = serve_exporter(self.exporter, self.address[0], self.address[1])
+
+    def before_join(self, addr: str) -> None:
+        """When ``addr`` is not loopback, TensorPipe first gets this node's interface
+        (:func:`jobs.cluster.set_socket_ifnames`)."""
+        from jobs.cluster import is_loopback, set_socket_ifnames
+
+        if not is_loopback(addr):
+            set_socket_ifnames()
 
     def where(self) -> dict[str, Any]:
         """Where this server runs and its exporter's bound (address, port): :func:`jobs.cluster.where`."""
@@ -99,44 +89,13 @@ class ServerActor(AsyncEndpoints):
 
         return where(self.metrics)
 
-    def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, Any]:
-        """Leave the current RPC group if any, then join the one at ``addr:port`` as ``rank`` of ``world``.
+    def stats(self) -> dict[str, Any]:
+        """``{"peak_rss_bytes"}``: this process's peak RSS (:func:`jobs.stats.peak_rss_bytes`)."""
+        from jobs.stats import peak_rss_bytes
 
-        When ``addr`` is not loopback, TensorPipe first gets this node's interface
-        (:func:`jobs.cluster.set_socket_ifnames`).
+        return {"peak_rss_bytes": peak_rss_bytes()}
 
-        Returns once every member has joined: ``{"pid": this process, "group": groups joined so far}``.
-
-        Raises:
-            RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
-        """
-        from scheduling.ps import start_server
-
-        from jobs.cluster import is_loopback, set_socket_ifnames
-
-        self.leave()
-        if not is_loopback(addr):
-            set_socket_ifnames()
-        server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
-                              fetch_delay_s=self.fetch_delay_s, timeout_s=self.timeout_s, block=False,
-                              num_worker_threads=self.num_worker_threads)
-        self.server = server
-        self.joined = True
-        self.groups += 1
-        self._instrument(server)
-        return {"pid": os.getpid(), "group": self.groups}
-
-    def reset(self) -> dict[str, Any]:
-        """``ray`` transport: serve an empty server from now on (the trainers configure the tables or load
-        the checkpoint's); returns as :meth:`join` (``group``: resets so far)."""
-        from scheduling.ps.server import PSServer
-
-        self.server = PSServer(self.name, fetch_delay_s=self.fetch_delay_s)
-        self.groups += 1
-        self._instrument(self.server)
-        return {"pid": os.getpid(), "group": self.groups}
-
-    def _instrument(self, server: Any) -> None:
+    def serving(self, server: Any) -> None:
         """Time ``server``'s lookups (and its memory, at most once a second) on the exporter, if any."""
         if self.exporter is None:
             return
@@ -155,34 +114,33 @@ class ServerActor(AsyncEndpoints):
 
         server.lookup = timed_lookup
 
-    def leave(self) -> None:
-        """Leave the RPC group, if in one (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
-        from scheduling.ps import stop_server
-
-        if self.joined:
-            self.joined = False
-            self.held = self.server.memory()
-            stop_server()
-
-    def stats(self) -> dict[str, Any]:
-        """``{"pid", "peak_rss_bytes", "rows", "bytes"}``: this process's peak RSS (:func:`jobs.stats.peak_rss_bytes`)
-        and the rows and bytes (stored rows + optimizer state, ``PSServer.memory()``) its server held in
-        the group it was in last (or is in now)."""
-        from jobs.stats import peak_rss_bytes
-
-        held = self.server.memory() if self.joined else self.held
-        return {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes(), **held}
-
     def close(self) -> None:
-        """Leave the group and stop the exporter (the launcher then kills the actor)."""
-        self.leave()
-        self.server = None
+        """Stop the exporter."""
         if self.exporter is not None:
             self.exporter.close()
 
 
+def server_actor_class(max_restarts: int) -> Any:
+    """The job's server actor class: ``scheduling.ps.ray_transport.PSActor`` as a Ray actor reserving no CPU,
+    restarted by Ray up to ``max_restarts`` times, an asyncio actor holding up to ``MAX_REQUESTS`` requests (with
+    the ``ray`` transport it serves them itself, a waiting one as a parked coroutine)."""
+    import ray
+    from scheduling.ps.ray_transport import MAX_REQUESTS, PSActor
+
+    return ray.remote(num_cpus=0, max_restarts=max(0, max_restarts), max_concurrency=MAX_REQUESTS)(PSActor)
+
+
+def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
+                 timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> Any:
+    """Start one server actor of ``cls`` (:func:`server_actor_class`, with its ``.options``) for a job: no
+    server until a worker group's rank 0 has it :meth:`~scheduling.ps.ray_transport.PSActor.join` (``torch_rpc``)
+    or :meth:`~scheduling.ps.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHost` says."""
+    return cls.remote(name, fetch_delay_s=fetch_delay_s, num_threads=None, num_worker_threads=num_worker_threads,
+                      timeout_s=timeout_s, serve_at_start=False, host=ServerHost(job, name, metrics))
+
+
 def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
-    """Create the job's ``[cluster] parameter_servers`` :class:`ServerActor` s (the launcher's job).
+    """Create the job's ``[cluster] parameter_servers`` server actors (``PSActor``) (the launcher's job).
 
     Actor ``i`` is named ``<job>-ps<i>-<tag>``, reserves no CPU and is restarted by Ray up to
     ``[job] max_failures`` times after its process dies; it exports metrics on
@@ -190,22 +148,16 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
     one is taken there). ``[cluster] placement`` picks its node (:func:`jobs.cluster.server_options`).
     Returns the handles (for ``loop_config``).
     """
-    import ray
-
     from jobs.cluster import server_options
 
     c = config.cluster
-    from scheduling.ps.ray_transport import MAX_REQUESTS
-
-    # an asyncio actor: with the ray transport it serves requests itself, a waiting one as a parked coroutine
-    cls = ray.remote(num_cpus=0, max_restarts=max(0, config.job.max_failures), max_concurrency=MAX_REQUESTS
-                     )(ServerActor)
+    cls = server_actor_class(config.job.max_failures)
     actors = []
     for i, options in enumerate(server_options(config)):
         metrics = (config.metrics.host, metrics_port + c.trainers + i) if metrics_port is not None else None
-        actors.append(cls.options(name=f"{config.job.name}-ps{i}-{tag}", **options).remote(
-            f"ps{i}", job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
-            timeout_s=c.rpc_timeout_s, num_worker_threads=c.server_threads))
+        actors.append(server_actor(cls.options(name=f"{config.job.name}-ps{i}-{tag}", **options), f"ps{i}",
+                                   job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
+                                   timeout_s=c.rpc_timeout_s, num_worker_threads=c.server_threads))
     return actors
 
 
@@ -222,7 +174,7 @@ def stop_servers(actors: list[Any], timeout_s: float = 5.0) -> None:
 
 
 def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -> list[dict[str, Any]]:
-    """Each server actor's :meth:`ServerActor.where`, waiting up to ``timeout_s`` seconds for those Ray is
+    """Each server actor's ``PSActor.where()``, waiting up to ``timeout_s`` seconds for those Ray is
     restarting (after their process or their node died, ``ray.exceptions.ActorUnavailableError``).
 
     Raises:
@@ -256,7 +208,7 @@ def _rpc_host(loop_config: dict[str, Any]) -> str:
 
 class ServerGroup:
     """This worker group's ``torch.distributed.rpc`` group: the ``world`` trainers and the launcher's
-    :class:`ServerActor` s (``loop_config["servers"]``), which rank 0 asks to join (see the module docstring).
+    server actors (``PSActor``) (``loop_config["servers"]``), which rank 0 asks to join (see the module docstring).
 
     Attributes: ``rank``, ``world``, ``config``, ``num_servers``, ``servers`` (RPC names ``ps<i>``), ``group``
     (a key rank 0 drew and broadcast: the trainers share tables in step order under it), ``joined``.
@@ -268,6 +220,10 @@ class ServerGroup:
         self.transport = c.transport
         self.num_servers = c.parameter_servers
         self.servers = [f"ps{i}" for i in range(self.num_servers)]
+        from scheduling.ps.transport import server_group
+
+        self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
+        """The transport's lifecycle object: how this group's servers are readied, joined and left."""
         self.actors: list[Any] = list(loop_config.get("servers") or [])
         if len(self.actors) != self.num_servers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
@@ -275,53 +231,31 @@ class ServerGroup:
         # where each server runs now: a restarted one may have moved (its node died) and may still be
         # restarting, so rank 0 waits for it (the other ranks wait for rank 0 in the group set-up below)
         places = wait_for_servers(self.actors, c.rpc_timeout_s) if rank == 0 else []
-        if self.transport == "ray":
-            self.joined = self._reset_servers()
-        else:
-            self.joined = self._join_rpc_group(loop_config)
+        self.joined = self._start_group(loop_config)
         if self.joined and loop_config.get("state") is not None:
             loop_config["state"].servers_joined.remote(self.joined)
             for i, info in enumerate(places):
                 loop_config["state"].placed.remote(f"ps{i}", info)
 
-    def _reset_servers(self) -> list[dict[str, Any]]:
-        """``ray`` transport: rank 0 empties every server actor (:meth:`ServerActor.reset`) before the others
-        hear the group key; every trainer registers the actors under ``ps<i>`` for its clients."""
-        import ray
-        from scheduling.ps.ray_transport import register_servers
-
-        register_servers(dict(zip(self.servers, self.actors)))
-        timeout = self.config.cluster.rpc_timeout_s
-        joined = ray.get([a.reset.remote() for a in self.actors], timeout=timeout) if self.rank == 0 else []
-        box = [uuid.uuid4().hex if self.rank == 0 else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
-        self.group = box[0]
-        return joined
-
-    def _join_rpc_group(self, loop_config: dict[str, Any]) -> list[dict[str, Any]]:
-        """``torch_rpc`` transport: rank 0 picks the rendezvous and has every server actor join; all trainers
-        join the group (returns the servers' answers on rank 0)."""
-        import ray
-        from scheduling.ps import init_trainer
-
+    def _start_group(self, loop_config: dict[str, Any]) -> list[dict[str, Any]]:
+        """Rank 0 readies the server actors for this worker group (``torch_rpc``: picks the rendezvous of a new
+        RPC group; ``ray``: empties every server) before the other trainers hear the group key; then every
+        trainer joins (``torch_rpc``: rank 0 has the servers join too; ``ray``: registers the actors under
+        ``ps<i>`` for its clients). Returns the servers' answers on rank 0
+        (:class:`scheduling.ps.transport.TorchRPCServers`, :class:`scheduling.ps.ray_transport.RayServers`)."""
         from jobs.cluster import is_loopback, set_socket_ifnames
-        from jobs.metrics import free_port
 
-        c, rank, world = self.config.cluster, self.rank, self.world
-        box = [None]
-        if rank == 0:
-            host = _rpc_host(loop_config)
-            box = [(host, free_port(host), uuid.uuid4().hex)]
+        def before_join(host: str) -> None:  # TensorPipe listens on and advertises this node's interface
+            if not is_loopback(host):
+                set_socket_ifnames()
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            box = [(self.lifecycle.rendezvous(_rpc_host(loop_config), self.actors), uuid.uuid4().hex)]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
-        host, port, self.group = box[0]
-        total = world + self.num_servers
-        if not is_loopback(host):  # TensorPipe listens on and advertises this node's interface
-            set_socket_ifnames()
-        joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(self.actors)] if rank == 0 else []
-        init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=c.rpc_timeout_s)
-        return ray.get(joins) if joins else []
+        rendezvous, self.group = box[0]
+        return self.lifecycle.join(self.actors, self.rank, self.world, rendezvous, before_join)
 
     def _barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
@@ -342,26 +276,16 @@ class ServerGroup:
 
         ``graceful``: first wait for this trainer's pushes and for every trainer to get here (a
         ``torch.distributed`` barrier), so no update is lost, then rank 0 asks the servers to leave
-        too; after a failure, leave at once (the next worker group's :meth:`ServerActor.join` makes
+        too; after a failure, leave at once (the next worker group's ``PSActor.join()`` makes
         the servers leave the broken group).
         """
-        import ray
-        from torch.distributed import rpc
-
         if graceful:
             for v in self.views.values():
                 v.sync()
             self._barrier()
         for v in self.views.values():
             v.close()
-        if self.transport == "ray":  # no group to leave; the launcher owns the actors
-            from scheduling.ps.ray_transport import unregister_servers
-
-            unregister_servers(self.servers)
-            return
-        rpc.shutdown(graceful=False)
-        if graceful and self.rank == 0 and self.actors:
-            ray.get([a.leave.remote() for a in self.actors], timeout=self.config.cluster.rpc_timeout_s)
+        self.lifecycle.leave(self.actors, self.rank, graceful)
 
 
 class ServerTables(ServerGroup):

@@ -43,7 +43,9 @@ with ``ray.get``; no group, no rendezvous::
         client = PSClient(tables, cluster.server_names, ...)       # picks transport="ray" for those names
 
 The tables, optimizer, step order and fused path are the same code on both
-(:class:`~scheduling.ps.endpoints.ServerEndpoints`).
+(:class:`~scheduling.ps.endpoints.ServerEndpoints`). Each transport's server lifecycle (start, kill, stop;
+in a job, ready the servers for a new trainer group, join, leave) is one object,
+:func:`~scheduling.ps.transport.server_group` ``(name)``: ``TorchRPCServers`` or ``RayServers``.
 
 Faults: every RPC fails with :class:`PSUnavailableError` after ``timeout_s`` (crashed or unreachable
 server). ``torch.distributed.rpc`` cannot re-admit a crashed member into a live group, so recovery restarts
@@ -65,6 +67,7 @@ _EXPORTS = {
     "group_servers": "launch", "NoGroupError": "launch",
     "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
+    "server_group": "transport", "SERVER_GROUPS": "transport",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,12 +41,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _server_main(name: str, rank: int, world_size: int, port: int, kwargs: dict[str, Any]) -> None:
-    from .server import start_server
-
-    start_server(name, rank, world_size, master_port=port, **kwargs)
-
-
 class LocalCluster:
     """``num_servers`` parameter servers in child processes, on loopback; this process joins as the trainer.
 
@@ -71,7 +64,8 @@ class LocalCluster:
     and learning rate).
 
     Raises:
-        ValueError: ``num_servers`` or ``num_worker_threads`` < 1, or an unknown ``transport``.
+        ValueError: ``num_servers`` or ``num_worker_threads`` < 1, or an unknown ``transport`` (the message
+            lists the known ones).
     """
 
     def __init__(self, num_servers: int = 2, *, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
@@ -82,13 +76,13 @@ class LocalCluster:
             raise ValueError(f"LocalCluster: need at least one server, got {num_servers}")
         if num_worker_threads < 1:
             raise ValueError(f"LocalCluster: num_worker_threads must be >= 1, got {num_worker_threads}")
-        if transport not in ("torch_rpc", "ray"):
-            raise ValueError(f"LocalCluster: unknown transport {transport!r} (use 'torch_rpc' or 'ray')")
+        from .transport import server_group
+
         self.transport = transport
-        self.actors: list[Any] = []
-        self._started_ray = False
-        self.num_servers = num_servers
         self.server_names = [f"ps{i}" for i in range(num_servers)]
+        self.servers = server_group(transport)(self.server_names, timeout_s)
+        """The transport's lifecycle object (:data:`scheduling.ps.transport.SERVER_GROUPS`)."""
+        self.num_servers = num_servers
         self.trainer_name = trainer_name
         self.timeout_s = timeout_s
         self.port = free_port()
@@ -97,8 +91,17 @@ class LocalCluster:
         self._kwargs = [dict(fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s, timeout_s=timeout_s,
                              checkpoint=(checkpoints[i] if checkpoints else None),
                              num_worker_threads=num_worker_threads) for i in range(num_servers)]
-        self.processes: list[Any] = []
         self._rpc_up = False
+
+    @property
+    def processes(self) -> list[Any]:
+        """The server processes (``torch_rpc``; none with ``ray``)."""
+        return self.servers.processes
+
+    @property
+    def actors(self) -> list[Any]:
+        """The server actors (``ray``; none with ``torch_rpc``)."""
+        return self.servers.actors
 
     def start(self) -> "LocalCluster":
         """Start the servers and join the group as the trainer.
@@ -106,86 +109,26 @@ class LocalCluster:
         Raises:
             scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
         """
-        from .client import init_trainer
-
-        if self.transport == "ray":
-            from .ray_transport import start_local
-
-            kw = self._kwargs[0]
-            self.actors, self._started_ray = start_local(
-                self.server_names, checkpoints=[k["checkpoint"] for k in self._kwargs],
-                fetch_delay_s=kw["fetch_delay_s"], push_delay_s=kw["push_delay_s"],
-                num_worker_threads=self.num_worker_threads)
-            self._rpc_up = True
-            _ACTIVE.append(self)
-            return self
-        world = self.num_servers + 1
-        for i, name in enumerate(self.server_names):
-            proc = self._ctx.Process(target=_server_main, args=(name, i + 1, world, self.port, self._kwargs[i]),
-                                     daemon=True, name=f"fxdist-{name}")
-            proc.start()
-            self.processes.append(proc)
-        try:
-            init_trainer(self.trainer_name, 0, world, master_port=self.port, timeout_s=self.timeout_s)
-        except BaseException:
-            self.kill_all()
-            raise
+        self.servers.start(self._kwargs, port=self.port, trainer_name=self.trainer_name, ctx=self._ctx)
         self._rpc_up = True
         _ACTIVE.append(self)
         return self
 
     def kill(self, index: int) -> None:
         """Kill server ``index`` with SIGKILL (a crash: no goodbye to the group; with Ray: ``ray.kill``)."""
-        if self.transport == "ray":
-            from .ray_transport import kill_actors
-
-            kill_actors([self.actors[index]], ())
-            return
-        proc = self.processes[index]
-        proc.kill()
-        proc.join(timeout=10)
+        self.servers.kill(index)
 
     def kill_all(self) -> None:
         """Kill every server process still alive."""
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.processes:
-            proc.join(timeout=10)
+        self.servers.kill_all()
 
     def close(self) -> None:
         """Stop the live servers, leave the group and make sure the server processes are gone."""
-        from torch.distributed import rpc
-
-        from .server import _rpc_stop
-
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         self._close_clients()
-        if self.transport == "ray":
-            from .ray_transport import kill_actors
-
-            kill_actors(self.actors, self.server_names, shutdown=self._started_ray)
-            self._rpc_up, self.actors = False, []
-            return
-        try:
-            if self._rpc_up:
-                futs = []
-                for name, proc in zip(self.server_names, self.processes):
-                    if proc.is_alive():
-                        futs.append(rpc.rpc_async(name, _rpc_stop, (), timeout=2.0))
-                for fut in futs:
-                    try:
-                        fut.wait()
-                    except RuntimeError:
-                        pass
-                rpc.shutdown(graceful=False)
-                self._rpc_up = False
-            deadline = time.monotonic() + 10
-            for proc in self.processes:
-                proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        finally:
-            self.kill_all()
+        joined, self._rpc_up = self._rpc_up, False
+        self.servers.stop(joined)
 
     def _close_clients(self) -> None:
         """Close the clients of this process that reach this cluster's servers (their pushes are not
@@ -193,15 +136,8 @@ class LocalCluster:
         RPC group per process); ``ray``: every client holding one of its actors."""
         from .client import live_clients
 
-        mine = {a._actor_id for a in self.actors}
-
-        def uses(client: Any) -> bool:
-            if self.transport == "ray":
-                return any(getattr(h, "_actor_id", None) in mine for h in getattr(client.transport, "handles", ()))
-            return client.transport.name == "torch_rpc" and bool(set(client.servers) & set(self.server_names))
-
         for client in live_clients():
-            if uses(client):
+            if self.servers.reaches(client):
                 client.close(flush=False)
 
     def __enter__(self) -> "LocalCluster":

@@ -15,6 +15,10 @@ its answer, holding no thread, so any number of clients and trainers can wait on
 on ``num_worker_threads`` threads of the actor's process. ``max_concurrency`` (:data:`ACTOR_OPTIONS`) only
 bounds how many requests one server actor holds at once, waiting ones included.
 
+The same :class:`PSActor` serves a job's ``torch_rpc`` group too: :meth:`PSActor.join` has it join each new
+RPC group of the trainers; a job adds its metrics through the actor's ``host`` (``jobs.ps.ServerHost``).
+:class:`RayServers` is this transport's server lifecycle (:func:`scheduling.ps.transport.server_group`).
+
 Clients name servers by a string: a name registered here (:func:`register_servers`, done by
 ``LocalCluster(transport="ray")`` and by a job's trainers) or a named Ray actor (``ray.get_actor``), or
 pass the actor handles themselves.
@@ -41,7 +45,7 @@ from .endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
 from .server import PSServer
 
 __all__ = ["PSActor", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "MAX_REQUESTS", "start_actors", "register_servers",
-           "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors"]
+           "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors", "RayServers", "wait_all"]
 
 MAX_REQUESTS = 100_000
 """Requests one server actor holds at once (Ray's ``max_concurrency`` of an asyncio actor), waiting ones
@@ -57,36 +61,115 @@ _TRANSPORT_ERRORS = (rex.GetTimeoutError, rex.RayActorError, rex.ActorUnavailabl
 
 
 class PSActor(AsyncEndpoints):
-    """A parameter server as a Ray actor class: ``ray.remote(**ACTOR_OPTIONS)(PSActor).remote("ps0")``.
+    """A parameter server as a Ray actor class: ``ray.remote(**ACTOR_OPTIONS)(PSActor).remote("ps0")``; the one
+    server actor of both transports (a ``LocalCluster``'s and a job's, ``jobs.ps.start_servers``).
+
+    ``ray`` transport: the actor itself serves the requests (its
+    :class:`~scheduling.ps.endpoints.AsyncEndpoints` methods, ``handle.lookup.remote(...)``), from
+    :meth:`reset` on. ``torch_rpc``: :meth:`join` has it leave its RPC group, if any, and join a new one with
+    an empty server (``scheduling.ps.start_server``): ``torch.distributed.rpc`` cannot re-admit a member into a
+    live group, so a server outlives its trainers' groups by joining each new one.
 
     Args:
-        name: server name (error messages, checkpoint file names).
+        name: server name (RPC worker name, error messages, checkpoint file names).
         fetch_delay_s, push_delay_s: added latency per lookup / push, seconds.
         checkpoint: a file written by ``PSServer.save`` to load before serving (None: empty).
-        num_threads: torch intra-op threads of the actor's process.
+        num_threads: torch intra-op threads of the actor's process (None: leave torch's default).
         num_worker_threads: threads running the lookups and pushes (a request waiting for its turn holds
-            none: :class:`~scheduling.ps.endpoints.AsyncEndpoints`).
+            none: :class:`~scheduling.ps.endpoints.AsyncEndpoints`; TensorPipe's threads after :meth:`join`).
+        timeout_s: RPC and rendezvous timeout of :meth:`join`, seconds.
+        serve_at_start: False: no server until :meth:`join` / :meth:`reset` (requests fail until then, also
+            after Ray restarted the actor); True: serve ``checkpoint``'s tables (or none) at once, unless Ray
+            restarted the actor (it lost its tables: refused until :meth:`reset`).
+        host: an object adding what the actor's owner needs (a job: its metrics exporter), called as
+            ``host.start()`` here, ``host.before_join(addr)``, ``host.serving(server)`` for each new server,
+            ``host.where()`` (:meth:`where`), ``host.stats()`` (merged into :meth:`stats`) and
+            ``host.close()``; None: nothing added.
     """
 
     def __init__(self, name: str, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
-                 checkpoint: str | None = None, num_threads: int = 1,
-                 num_worker_threads: int = DEFAULT_WORKER_THREADS) -> None:
-        torch.set_num_threads(num_threads)
-        self.name, self.delays = name, (fetch_delay_s, push_delay_s)
+                 checkpoint: str | None = None, num_threads: int | None = 1,
+                 num_worker_threads: int = DEFAULT_WORKER_THREADS, *, timeout_s: float = 20.0,
+                 serve_at_start: bool = True, host: Any = None) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.name, self.delays, self.timeout_s = name, (fetch_delay_s, push_delay_s), timeout_s
         super().__init__(num_worker_threads=num_worker_threads)
-        if restarted_actor():  # the tables died with the old process: refuse requests until reset()
+        self.joined, self.groups, self.host = False, 0, host
+        self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
+        if host is not None:
+            host.start()
+        if not serve_at_start:
+            self.why_none = f"server {name} has not been reset since its actor (re)started"
+        elif restarted_actor():  # the tables died with the old process: refuse requests until reset()
             self.why_none = (f"server {name} is a restarted Ray actor that lost its tables; reset() it (with the "
                              "last checkpoint) before use")
         else:
             self.reset(checkpoint)
 
     def reset(self, checkpoint: str | None = None) -> dict[str, int]:
-        """Drop every table and serve an empty server (or ``checkpoint``'s tables): ``{"pid"}``."""
+        """``ray`` transport: drop every table and serve an empty server (or ``checkpoint``'s tables) from now
+        on: ``{"pid", "group": resets and joins so far}``."""
         server = PSServer(self.name, *self.delays)
         if checkpoint is not None:
             server.load_state_dict(torch.load(checkpoint, weights_only=False))
+        return self._serve(server)
+
+    def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, int]:
+        """``torch_rpc`` transport: leave the current RPC group if any, then join the one at ``addr:port`` as
+        ``rank`` of ``world`` with an empty server; returns once every member joined, as :meth:`reset`.
+
+        Raises:
+            RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
+        """
+        from .server import start_server
+
+        self.leave()
+        if self.host is not None:
+            self.host.before_join(addr)
+        server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
+                              fetch_delay_s=self.delays[0], push_delay_s=self.delays[1], timeout_s=self.timeout_s,
+                              block=False, num_worker_threads=self.num_worker_threads)
+        self.joined = True
+        return self._serve(server)
+
+    def _serve(self, server: PSServer) -> dict[str, int]:
         self.server = server
-        return {"pid": os.getpid()}
+        self.groups += 1
+        if self.host is not None:
+            self.host.serving(server)
+        return {"pid": os.getpid(), "group": self.groups}
+
+    def leave(self) -> None:
+        """Leave the RPC group, if in one (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
+        from .server import stop_server
+
+        if self.joined:
+            self.joined = False
+            self.held = self.server.memory()
+            stop_server()
+
+    def where(self) -> dict[str, Any]:
+        """Where this server runs: ``host.where()``, else ``{"pid", "node_id"}``."""
+        if self.host is not None:
+            return self.host.where()
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def stats(self) -> dict[str, int]:
+        """Without a ``host``: lookups and pushes served, process id, rows and bytes held
+        (:meth:`ServerEndpoints.stats`). With one: ``{"pid", "rows", "bytes"}`` its server held in the group
+        it was in last (or is in now; ``PSServer.memory()``) and ``host.stats()``."""
+        if self.host is None:
+            return super().stats()
+        held = self.server.memory() if self.joined else self.held
+        return {"pid": os.getpid(), **self.host.stats(), **held}
+
+    def close(self) -> None:
+        """Leave the group, drop the server and close the ``host`` (the owner then kills the actor)."""
+        self.leave()
+        self.server = None
+        if self.host is not None:
+            self.host.close()
 
 
 def restarted_actor() -> bool:
@@ -213,3 +296,70 @@ def kill_actors(handles: Sequence[ActorHandle], names: Sequence[str], shutdown: 
             pass
     if shutdown:
         ray.shutdown()
+
+
+def wait_all(refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
+    """``ray.get`` of every ref (``timeout_s`` None: no limit); for callers outside this module."""
+    return ray.get(list(refs), timeout=timeout_s)
+
+
+class RayServers:
+    """The lifecycle of a group of ``ray`` parameter servers (the ``transport`` object of
+    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.ps.ServerGroup``): Ray actors
+    called directly, no RPC group. Same methods as :class:`scheduling.ps.transport.TorchRPCServers`.
+
+    Args:
+        names: the names clients use for the servers (``ps<i>``); ``timeout_s``: how long to wait for them.
+    """
+
+    name = "ray"
+
+    def __init__(self, names: Sequence[str], timeout_s: float) -> None:
+        self.names, self.timeout_s = list(names), timeout_s
+        self.processes: list[Any] = []  # none: the servers are actors
+        self.actors: list[ActorHandle] = []
+        self._started_ray = False
+        self._answers: list[dict[str, Any]] = []
+
+    # ---- on one machine (LocalCluster) ----
+    def start(self, kwargs: Sequence[dict[str, Any]], *, port: int, trainer_name: str, ctx: Any) -> None:
+        """One :class:`PSActor` per name on this process's Ray session (a local one is started if none runs),
+        registered under its name; ``kwargs[i]``: its ``checkpoint``, delays and worker threads."""
+        kw = kwargs[0]
+        self.actors, self._started_ray = start_local(
+            self.names, checkpoints=[k["checkpoint"] for k in kwargs], fetch_delay_s=kw["fetch_delay_s"],
+            push_delay_s=kw["push_delay_s"], num_worker_threads=kw["num_worker_threads"])
+
+    def kill(self, index: int) -> None:
+        """``ray.kill`` server ``index``'s actor (no restart)."""
+        kill_actors([self.actors[index]], ())
+
+    def kill_all(self) -> None:
+        """Nothing: the actors are ended by :meth:`stop`."""
+
+    def stop(self, joined: bool) -> None:
+        """Kill the actors, forget their names, and stop Ray if :meth:`start` started it."""
+        kill_actors(self.actors, self.names, shutdown=self._started_ray)
+        self.actors = []
+
+    def reaches(self, client: Any) -> bool:
+        """Whether ``client`` (a PSClient of this process) holds one of these actors."""
+        mine = {a._actor_id for a in self.actors}
+        return any(getattr(h, "_actor_id", None) in mine for h in getattr(client.transport, "handles", ()))
+
+    # ---- in a job: the launcher's server actors (jobs.ps) ----
+    def rendezvous(self, host: str, actors: Sequence[Any]) -> None:
+        """Rank 0 of a new trainer group: empty every server actor (``reset()``) before the other trainers hear
+        of the group; there is nothing to meet at (None)."""
+        self._answers = ray.get([a.reset.remote() for a in actors], timeout=self.timeout_s)
+
+    def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: None,
+             before_join: Any = None) -> list[dict[str, Any]]:
+        """Register the server ``actors`` under :attr:`names` for this process's clients; returns the servers'
+        answers to :meth:`rendezvous` (rank 0; ``[]`` elsewhere)."""
+        register_servers(dict(zip(self.names, actors)))
+        return self._answers if rank == 0 else []
+
+    def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:
+        """Forget the servers' names: no group to leave, the launcher owns the actors."""
+        unregister_servers(self.names)

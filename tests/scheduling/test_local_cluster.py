@@ -62,3 +62,13 @@ def test_a_second_local_cluster_trains_with_its_own_learning_rate(transport):
         for key in got:
             torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
     assert not torch.allclose(results[0][1]["user.weight"], results[1][1]["user.weight"])  # lr 0.1 vs 0.7
+
+
+def test_an_unknown_transport_names_the_known_ones():
+    from scheduling.ps.transport import make_transport, server_group
+
+    for make in (lambda: LocalCluster(1, transport="grpc"), lambda: make_transport("grpc", ["ps0"]),
+                 lambda: server_group("grpc")):
+        with pytest.raises(ValueError, match=r"unknown parameter-server transport 'grpc'; known transports: "
+                                             r"ray, torch_rpc"):
+            make()
