@@ -220,7 +220,7 @@ class ServerGroup:
         self.transport = c.transport
         self.num_servers = c.parameter_servers
         self.servers = [f"ps{i}" for i in range(self.num_servers)]
-        from scheduling.ps.transport import server_group
+        from scheduling.ps.lifecycle import server_group
 
         self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
         """The transport's lifecycle object: how this group's servers are readied, joined and left."""
@@ -242,7 +242,7 @@ class ServerGroup:
         RPC group; ``ray``: empties every server) before the other trainers hear the group key; then every
         trainer joins (``torch_rpc``: rank 0 has the servers join too; ``ray``: registers the actors under
         ``ps<i>`` for its clients). Returns the servers' answers on rank 0
-        (:class:`scheduling.ps.transport.TorchRPCServers`, :class:`scheduling.ps.ray_transport.RayServers`)."""
+        (:class:`scheduling.ps.lifecycle.TorchRPCServers`, :class:`scheduling.ps.ray_transport.RayServers`)."""
         from jobs.cluster import is_loopback, set_socket_ifnames
 
         def before_join(host: str) -> None:  # TensorPipe listens on and advertises this node's interface

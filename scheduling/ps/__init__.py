@@ -45,7 +45,7 @@ with ``ray.get``; no group, no rendezvous::
 The tables, optimizer, step order and fused path are the same code on both
 (:class:`~scheduling.ps.endpoints.ServerEndpoints`). Each transport's server lifecycle (start, kill, stop;
 in a job, ready the servers for a new trainer group, join, leave) is one object,
-:func:`~scheduling.ps.transport.server_group` ``(name)``: ``TorchRPCServers`` or ``RayServers``.
+:func:`~scheduling.ps.lifecycle.server_group` ``(name)``: ``TorchRPCServers`` or ``RayServers``.
 
 Faults: every RPC fails with :class:`PSUnavailableError` after ``timeout_s`` (crashed or unreachable
 server). ``torch.distributed.rpc`` cannot re-admit a crashed member into a live group, so recovery restarts
@@ -63,11 +63,11 @@ _EXPORTS = {
     "RowWiseSGD": "optimizer", "RowWiseAdagrad": "optimizer", "make_optimizer": "optimizer",
     "PSServer": "server", "start_server": "server", "stop_server": "server",
     "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
-    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "launch",
+    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "lifecycle",
     "group_servers": "launch", "NoGroupError": "launch",
     "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
-    "server_group": "transport", "SERVER_GROUPS": "transport",
+    "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle",
 }
 __all__ = sorted(_EXPORTS)
 

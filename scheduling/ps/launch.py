@@ -12,11 +12,11 @@ this process is in (what :func:`scheduling.parameter_servers` places tables on).
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 from .endpoints import DEFAULT_WORKER_THREADS
+from .lifecycle import free_port, server_group
 
 __all__ = ["LocalCluster", "free_port", "group_servers", "NoGroupError"]
 
@@ -32,13 +32,6 @@ _HOW_TO_START = (
 
 class NoGroupError(RuntimeError):
     """No parameter-server group (``torch.distributed.rpc``) is running in this process, or it has no server."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class LocalCluster:
@@ -76,12 +69,11 @@ class LocalCluster:
             raise ValueError(f"LocalCluster: need at least one server, got {num_servers}")
         if num_worker_threads < 1:
             raise ValueError(f"LocalCluster: num_worker_threads must be >= 1, got {num_worker_threads}")
-        from .transport import server_group
 
         self.transport = transport
         self.server_names = [f"ps{i}" for i in range(num_servers)]
         self.servers = server_group(transport)(self.server_names, timeout_s)
-        """The transport's lifecycle object (:data:`scheduling.ps.transport.SERVER_GROUPS`)."""
+        """The transport's lifecycle object (:data:`scheduling.ps.lifecycle.SERVER_GROUPS`)."""
         self.num_servers = num_servers
         self.trainer_name = trainer_name
         self.timeout_s = timeout_s

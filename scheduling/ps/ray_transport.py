@@ -17,7 +17,7 @@ bounds how many requests one server actor holds at once, waiting ones included.
 
 The same :class:`PSActor` serves a job's ``torch_rpc`` group too: :meth:`PSActor.join` has it join each new
 RPC group of the trainers; a job adds its metrics through the actor's ``host`` (``jobs.ps.ServerHost``).
-:class:`RayServers` is this transport's server lifecycle (:func:`scheduling.ps.transport.server_group`).
+:class:`RayServers` is this transport's server lifecycle (:func:`scheduling.ps.lifecycle.server_group`).
 
 Clients name servers by a string: a name registered here (:func:`register_servers`, done by
 ``LocalCluster(transport="ray")`` and by a job's trainers) or a named Ray actor (``ray.get_actor``), or
@@ -306,7 +306,7 @@ def wait_all(refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
 class RayServers:
     """The lifecycle of a group of ``ray`` parameter servers (the ``transport`` object of
     :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.ps.ServerGroup``): Ray actors
-    called directly, no RPC group. Same methods as :class:`scheduling.ps.transport.TorchRPCServers`.
+    called directly, no RPC group. Same methods as :class:`scheduling.ps.lifecycle.TorchRPCServers`.
 
     Args:
         names: the names clients use for the servers (``ps<i>``); ``timeout_s``: how long to wait for them.

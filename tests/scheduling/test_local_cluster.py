@@ -65,7 +65,8 @@ def test_a_second_local_cluster_trains_with_its_own_learning_rate(transport):
 
 
 def test_an_unknown_transport_names_the_known_ones():
-    from scheduling.ps.transport import make_transport, server_group
+    from scheduling.ps.lifecycle import server_group
+    from scheduling.ps.transport import make_transport
 
     for make in (lambda: LocalCluster(1, transport="grpc"), lambda: make_transport("grpc", ["ps0"]),
                  lambda: server_group("grpc")):
