@@ -1,12 +1,14 @@
 """Wide & Deep with one embedding module per feature (53 modules) vs the same features in one torchrec
-``EmbeddingBagCollection``, both with their tables on 2 parameter servers and ``async_rpc_prefetch``.
+``EmbeddingBagCollection``, both with their tables on 2 parameter servers and ``async_rpc_prefetch``; the 53
+modules grouped into one request per server (``group_tables=True``, the default) and one client per module
+(``group_tables=False``).
 
 The 53-module model: 26 ``nn.EmbeddingBag(R, 16)`` (deep) and 27 ``nn.EmbeddingBag(R, 1)`` (wide: one per
 categorical feature plus one more on the first), each reading its column of a ``(B, 26)`` id tensor; a
 2-layer MLP over the deep part and the 13 dense features, plus the wide sum. The one-EBC model: the same 53
 tables in one collection fed by one ``KeyedJaggedTensor``. One trainer (this process, one torch thread), 2 servers
-of a ``LocalCluster`` on loopback, SGD on the servers; the two models take turns, round by round; QPS
-(samples/s) after 3 warm-up steps, and the ratio 53 modules / one EBC per round.
+of a ``LocalCluster`` on loopback, SGD on the servers; the three variants take turns, round by round; QPS
+(samples/s) after 3 warm-up steps, and per round the ratios of the 53-module variants to one EBC.
 
 Run: ``.venv/bin/python benchmarks/wide_deep.py [--steps 20 --rounds 3]``.
 """
@@ -63,8 +65,9 @@ def kjt_of(ids):
     keys = [f"d{j}" for j in range(26)] + [f"w{j}" for j in range(27)]
     return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(cols), lengths=torch.ones(53 * ids.shape[0], dtype=torch.int32))
 
-def run(model, batches, nextname, steps):
-    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.05, verbose=False)
+def run(model, batches, nextname, steps, group_tables=True):
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.05, verbose=False,
+                           group_tables=group_tables)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gm = fxdist.optimize(model, passes=(ps, "async_rpc_prefetch"))
@@ -91,14 +94,18 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     raw = [(torch.rand(B, 13, generator=gen), torch.randint(0, R, (B, 26), generator=gen), torch.rand(B, generator=gen).round()) for _ in range(steps + 1)]
     with LocalCluster(2, timeout_s=60):
-        ratios = []
+        ratios: dict[str, list[float]] = {"grouped": [], "per module": []}
         for r in range(args.rounds):
             q1 = run(OneEBC(), [(d, kjt_of(x), y) for d, x, y in raw], "next_kjt", steps)
             q2 = run(WideDeep(), raw, "next_ids", steps)
-            ratios.append(q2 / q1)
-            print(f"round {r}: one EBC {q1:,.0f}/s, 53 modules {q2:,.0f}/s, ratio {q2 / q1:.2f}", flush=True)
-        print(f"53 modules / one EBC: median {statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})")
-
+            q3 = run(WideDeep(), raw, "next_ids", steps, group_tables=False)
+            ratios["grouped"].append(q2 / q1)
+            ratios["per module"].append(q3 / q1)
+            print(f"round {r}: one EBC {q1:,.0f}/s, 53 modules grouped {q2:,.0f}/s ({q2 / q1:.2f}), "
+                  f"one client per module {q3:,.0f}/s ({q3 / q1:.2f})", flush=True)
+        for name, found in ratios.items():
+            print(f"53 modules {name} / one EBC: median {statistics.median(found):.2f} "
+                  f"({min(found):.2f}..{max(found):.2f})")
 
 if __name__ == "__main__":
     main()

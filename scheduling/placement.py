@@ -35,7 +35,10 @@ Configuration (what trains what):
   that equals one step on the summed gradient.
 - Each moved module gets one ``PSClient`` (its namespace on the servers) named ``"<client>:<module path>"``,
   made unique in the process (``"#2"`` appended when taken before: a server keeps the shards of a name it has
-  seen); ``gm.meta["fxdist"]["placement"]["clients"]`` lists them.
+  seen); ``gm.meta["fxdist"]["placement"]["clients"]`` maps each module to its client. ``nn.EmbeddingBag`` and
+  ``nn.Embedding`` modules called once share clients instead, in groups (``group_tables=True``, the default:
+  one lookup and one push per server and step for a whole group, named ``"<client>:<first module>+<others>"``;
+  :mod:`scheduling.placement_group`).
 - After the last step call :func:`flush` (waits the pushes still in flight); :func:`table_state_dict` reads the
   tables back under your model's state-dict names (with ``optimizer_state=True`` also the row-wise Adagrad
   state, ``"<path>.momentum"``), :func:`load_table_state_dict` writes such a dict back (checkpoint restore);
@@ -77,6 +80,7 @@ from fxdist.passes.pass_base import PassBase, PassResult
 
 from . import placement_ops
 from .placement_find import Candidate, NotMoved, find_embeddings, is_embedding_module
+from .placement_group import group_candidates, group_label, rewrite_group
 from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of
 from .ps import ops
 from .ps.config import TableSpec, table_specs
@@ -163,14 +167,14 @@ def _use_shards(client: Any, shards: list[Any]) -> None:
     client._gather = None
 
 
-def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
+def _make_clients(groups: list[list[Candidate]], tables: dict[str, list[tuple[TableInfo, torch.Tensor]]],
                   placed: dict[str, TablePlacement], servers: list[str], prefix: str, optimizer: str,
                   kwargs: Mapping[str, float], timeout_s: float, group: tuple[int, int, str | None] = (0, 1, None),
                   storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean",
                   device: torch.device | None = None) -> dict[str, Any]:
-    """One PSClient per module (its namespace on the servers, rows stored as ``storage``, rows fetched to
-    ``device``, see ``PSClient``); rank 0 of ``group``
-    ``(rank, world_size, key)`` sets the tables to the module's weights (the servers initialise those on the
+    """One PSClient per group of modules (its namespace on the servers, rows stored as ``storage``, rows
+    fetched to ``device``, see ``PSClient``), mapped from each member's qualname; rank 0 of ``group``
+    ``(rank, world_size, key)`` sets the tables to the modules' weights (the servers initialise those on the
     ``meta`` device from ``seed``), the other ranks attach to them."""
     import functools
 
@@ -183,24 +187,24 @@ def _make_clients(found: list[Candidate], tables: dict[str, list[tuple[TableInfo
     clients: dict[str, Any] = {}
     batcher = None
     try:
-        for c in found:
-            pairs = tables[c.qualname]
+        for members in groups:
+            pairs = [pair for c in members for pair in tables[c.qualname]]
             client = PSClient([t.spec for t, _ in pairs], servers, optimizer=optimizer, optimizer_kwargs=kwargs,
-                              name=_client_name(prefix, c.qualname), timeout_s=timeout_s, configure=False,
+                              name=_client_name(prefix, group_label(members)), timeout_s=timeout_s, configure=False,
                               rank=rank, world_size=world_size, group=key, storage=storage, seed=seed,
                               grad_reduction=grad_reduction, device=device)
-            clients[c.qualname] = client
+            clients.update({c.qualname: client for c in members})
             batcher = batcher or PushBatcher(client.transport, timeout_s)   # one message per server for all
             client.batcher = batcher
-            if c.kind == "ebc":                 # the local collection's checks; its weights rule
-                client.weighted = bool(c.module.is_weighted())
+            if members[0].kind == "ebc":        # the local collection's checks; its weights rule
+                client.weighted = bool(members[0].module.is_weighted())
                 client.input_check = functools.partial(check_kjt, tables=client.tables, weighted=client.weighted)
             _use_shards(client, [sp for t, _ in pairs for sp in shards_of(placed[t.path], len(servers))])
             if rank == 0:
                 # no copy here: each server copies its rows of the weights (PSServer.configure)
                 client.configure({t.spec.name: w.detach().float() for t, w in pairs if not w.is_meta})
     except BaseException:
-        for client in clients.values():
+        for client in {id(c): c for c in clients.values()}.values():
             client.close(flush=False)
         raise
     return clients
@@ -252,7 +256,7 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
 
 
 def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> None:
-    """Replace every call of ``c`` by fetches (+ backward pushes) and the pooling, then drop the module."""
+    """Replace every call of ``c`` by fetches (+ backward pushes) and the pooling."""
     graph = gm.graph
     for node in c.nodes:
         anchor = node.prev
@@ -273,14 +277,30 @@ def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> Non
             new = new.next
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-    gm.delete_submodule(c.qualname)
-    parent = c.qualname.rpartition(".")[0]
-    while parent:  # containers left empty (e.g. a SparseArch traced through) go too
+
+
+def _drop_module(gm: GraphModule, qualname: str) -> None:
+    """Delete a moved module, and the containers it leaves empty (e.g. a SparseArch traced through)."""
+    gm.delete_submodule(qualname)
+    parent = qualname.rpartition(".")[0]
+    while parent:
         mod = gm.get_submodule(parent)
         if any(True for _ in mod.children()) or any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
             break
         gm.delete_submodule(parent)
         parent = parent.rpartition(".")[0]
+
+
+def _rewrite_groups(gm: GraphModule, groups: list[list[Candidate]], clients: dict[str, Any],
+                    trainable: dict[str, bool]) -> None:
+    for members in groups:
+        client = clients[members[0].qualname]
+        if len(members) == 1:
+            _rewrite(gm, members[0], client, trainable[members[0].qualname])
+        else:
+            rewrite_group(gm, members, client, trainable[members[0].qualname], _wire_input)
+        for c in members:
+            _drop_module(gm, c.qualname)
 
 
 # ---- the pass -------------------------------------------------------------------------------------------------
@@ -323,7 +343,8 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
                       client: str = "ps", optimizer_kwargs: Mapping[str, float] | None = None,
                       timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None,
                       rank: int = 0, world_size: int = 1, group: str | None = None,
-                      storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean") -> GraphModule:
+                      storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean",
+                      group_tables: bool = True) -> GraphModule:
     """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
 
     Args:
@@ -354,6 +375,9 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
             the push, so the tables train as DDP trains the dense part (and as torchrec's
             ``DistributedModelParallel``, which divides table gradients too); ``"sum"`` applies every
             trainer's gradient as computed (``world_size`` times the learning rate of one trainer).
+        group_tables: group ``nn.EmbeddingBag`` / ``nn.Embedding`` modules called once into one client each
+            group: one lookup and one push per server and step for a group instead of one per module (which
+            modules can share one: :mod:`scheduling.placement_group`). ``False``: one client per module.
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
@@ -376,17 +400,17 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
             "as a call_module node; trace with scheduling.placement.EmbeddingLeafTracer)")
         return gm
     from .ps.launch import group_servers
-
     names = list(servers) if servers else group_servers("parameter_servers")
     kwargs = {"lr": lr, **(optimizer_kwargs or {})}
     _check_optimizer(names, optimizer, kwargs)
     tables = {c.qualname: _tables_of(c) for c in found}
     placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
     placed = {p.table.path: p for p in placements}
-    clients = _make_clients(found, tables, placed, names, client, optimizer, kwargs, timeout_s,
+    trainable = {q: any(w.requires_grad for _, w in pairs) for q, pairs in tables.items()}
+    groups = group_candidates(gm, found, trainable) if group_tables else [[c] for c in found]
+    clients = _make_clients(groups, tables, placed, names, client, optimizer, kwargs, timeout_s,
                             (rank, world_size, group), storage, seed, grad_reduction, _model_device(gm))
-    for c in found:
-        _rewrite(gm, c, clients[c.qualname], trainable=any(w.requires_grad for _, w in tables[c.qualname]))
+    _rewrite_groups(gm, groups, clients, trainable)
     gm.graph.lint()
     gm.recompile()
     text = _record(gm, placements, names, clients, {"name": optimizer, **kwargs}, storage)
@@ -430,7 +454,7 @@ class ParameterServers(PassBase):
 def client_names(gm: Any) -> list[str]:
     """Names of the clients the pass created for ``gm`` (a GraphModule, or a DDP around one)."""
     gm = getattr(gm, "module", gm) if isinstance(gm, nn.parallel.DistributedDataParallel) else gm
-    return list(gm.meta.get("fxdist", {}).get("placement", {}).get("clients", {}).values())
+    return list(dict.fromkeys(gm.meta.get("fxdist", {}).get("placement", {}).get("clients", {}).values()))
 
 
 def flush(gm: Any) -> None:
@@ -456,9 +480,11 @@ def table_state_dict(gm: Any, optimizer_state: bool = False) -> dict[str, torch.
     from .ps.client import get_client
 
     meta = _placement_meta(gm)
-    out = {}
+    out, states = {}, {}
     for qualname, name in meta["clients"].items():
-        state = get_client(name).state_dict()
+        if name not in states:  # a group's modules share one client
+            states[name] = get_client(name).state_dict()
+        state = states[name]
         for t in meta["tables"]:
             if t["module"] == qualname:
                 out[f"{t['path']}.weight"] = state[f"{t['table']}.weight"]
@@ -480,8 +506,9 @@ def load_table_state_dict(gm: Any, state: Mapping[str, torch.Tensor]) -> None:
     from .ps.client import get_client
 
     meta = _placement_meta(gm)
+    per_client: dict[str, dict[str, torch.Tensor]] = {}
     for qualname, name in meta["clients"].items():
-        mine = {}
+        mine = per_client.setdefault(name, {})   # a group's modules share one client: one load for all
         for t in (t for t in meta["tables"] if t["module"] == qualname):
             key = f"{t['path']}.weight"
             if key not in state:
@@ -492,6 +519,7 @@ def load_table_state_dict(gm: Any, state: Mapping[str, torch.Tensor]) -> None:
             mine[f"{t['table']}.weight"] = state[key]
             if f"{t['path']}.momentum" in state:
                 mine[f"{t['table']}.momentum"] = state[f"{t['path']}.momentum"]
+    for name, mine in per_client.items():
         get_client(name).load_state_dict(mine)
 
 

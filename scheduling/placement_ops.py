@@ -9,7 +9,10 @@ Shapes:
     ``index_output(kt, index (*S))`` -> ``(*S, D)``; ``sequence_to_kjt(kjt, features)`` (torchrec
     ``EmbeddingCollection`` input) -> the same features, each id its own bag, every feature padded with empty bags
     to the longest one's id count ``W``; ``sequence_output(kt (W, F * D), kjt, ...)`` -> ``{name: JaggedTensor}``
-    with values ``(N_f, D)``, as ``EmbeddingCollection`` returns.
+    with values ``(N_f, D)``, as ``EmbeddingCollection`` returns; ``group_to_kjt(features, kjt_1, ..., kjt_n)``
+    (one-key inputs with ``B_i`` bags each) -> one ``KeyedJaggedTensor`` of ``n`` keys, every key padded with
+    empty bags to ``max(B_i)``; ``group_output(kt (max B_i, sum D), kjt_i, start, stop[, index (*S)])`` -> member
+    ``i``'s ``(B_i, D_i)`` (``(*S, D_i)`` with ``index``).
 
 The conversion of the same input tensors (same objects, not modified in place since: same ``_version``) gives
 the same ``KeyedJaggedTensor`` object again, so a lookup prefetched for the next batch (``PSClient`` matches
@@ -30,7 +33,8 @@ import fxdist
 
 from .ps.checks import ids_suspect, raise_embedding_bag_error, raise_embedding_error
 
-__all__ = ["bag_to_kjt", "index_to_kjt", "index_output", "sequence_to_kjt", "sequence_output"]
+__all__ = ["bag_to_kjt", "index_to_kjt", "index_output", "sequence_to_kjt", "sequence_output", "group_to_kjt",
+           "group_output"]
 
 _RECENT: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
 _KEEP = 4  # this batch, the next one (prefetch; converted first in a step) and slack
@@ -199,6 +203,37 @@ def index_output(kt: Any, index: torch.Tensor) -> torch.Tensor:
     return values.reshape(*index.shape, values.shape[-1])
 
 
+def group_to_kjt(features: tuple[str, ...], *kjts: Any) -> Any:
+    """The one-key ``KeyedJaggedTensor`` s of several modules as one request: keys ``features`` (one per input,
+    in order), values concatenated key-major, every key padded with empty bags to the largest bag count, and
+    weights of 1 for the inputs without weights when another has some. None when an input is None (a
+    ``next_<input>`` that was not given). The same input objects give the same output object (prefetch)."""
+    if any(k is None for k in kjts):
+        return None
+
+    def make() -> Any:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        width = max(k.lengths().numel() for k in kjts)
+        lengths = torch.cat([torch.nn.functional.pad(k.lengths(), (0, width - k.lengths().numel())) for k in kjts])
+        values = torch.cat([k.values().long() for k in kjts])
+        weights = None
+        if any(k.weights_or_none() is not None for k in kjts):
+            weights = torch.cat([k.weights() if k.weights_or_none() is not None
+                                 else torch.ones(k.values().numel(), device=values.device) for k in kjts])
+        return KeyedJaggedTensor(keys=list(features), values=values, lengths=lengths.int(), weights=weights)
+
+    return _cached(f"{'|'.join(features)}|group", kjts, make)
+
+
+def group_output(kt: Any, kjt: Any, start: int, stop: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """One member's part of a :func:`group_to_kjt` lookup's pooled ``KeyedTensor``: columns ``start:stop`` of
+    the first ``B_i`` rows (``kjt``, the member's own input, has ``B_i`` bags): ``(B_i, D_i)``, or
+    ``(*S, D_i)`` shaped as ``index`` (an ``nn.Embedding`` member)."""
+    values = kt.values()[:kjt.lengths().numel(), start:stop]
+    return values if index is None else values.reshape(*index.shape, stop - start)
+
+
 bag_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]  # see scheduling.prefetch
 index_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]
 sequence_to_kjt.fxdist_batch_conversion = True  # type: ignore[attr-defined]
@@ -207,3 +242,5 @@ fxdist.wrap("index_to_kjt")
 fxdist.wrap("index_output")
 fxdist.wrap("sequence_to_kjt")
 fxdist.wrap("sequence_output")
+fxdist.wrap("group_to_kjt")
+fxdist.wrap("group_output")

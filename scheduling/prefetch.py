@@ -163,10 +163,15 @@ def _erase_unused(graph: Graph, node: Node) -> None:
 
 
 def _lookup_names(graph: Graph) -> dict[str, str]:
-    """client name -> the module it serves (from the ``parameter_servers`` pass's record), when known."""
+    """client name -> the module(s) it serves (from the ``parameter_servers`` pass's record), when known:
+    ``"module 'emb'"``, or for a group of modules sharing one client ``"modules 'a' (+52 grouped with it)"``."""
     owner = graph.owning_module
     clients = getattr(owner, "meta", {}).get("fxdist", {}).get("placement", {}).get("clients", {})
-    return {client: qualname for qualname, client in clients.items()}
+    served: dict[str, list[str]] = {}
+    for qualname, client in clients.items():
+        served.setdefault(client, []).append(qualname)
+    return {client: f"module '{q[0]}'" if len(q) == 1 else f"modules '{q[0]}' (+{len(q) - 1} grouped with it)"
+            for client, q in served.items()}
 
 
 def _warn(graph: Graph, skipped: dict[tuple[str, str], dict[str, list[int]]], names: dict[str, str]) -> None:
@@ -174,7 +179,7 @@ def _warn(graph: Graph, skipped: dict[tuple[str, str], dict[str, list[int]]], na
     ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``."""
     messages = []
     for (client, batch), reasons in skipped.items():
-        what = f"module '{names[client]}'" if client in names else f"client '{client}'"
+        what = names.get(client, f"client '{client}'")
         why = "; ".join(f"{r} (server{'s' * (len(s) > 1)} {', '.join(map(str, s))})" for r, s in reasons.items())
         messages.append(f"async_rpc_prefetch: the lookup of {what} (batch %{batch}) is not prefetched: {why}; "
                         "it keeps the in-step schedule")

@@ -41,7 +41,8 @@ class ManyBags(nn.Module):
 
 def _train(model: nn.Module, batches: list, prefetch: bool, batched: bool):
     """(losses, tables, messages per server over the STEPS steps, prefetch hits, clients per server)."""
-    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.1, verbose=False)
+    # one client per module (group_tables=False): the pushes of many clients are what gets batched here
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.1, verbose=False, group_tables=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gm = fxdist.optimize(model, passes=(ps, "async_rpc_prefetch") if prefetch else (ps,))

@@ -97,7 +97,8 @@ def _train(rank: int, servers: list[str], group: str, prefix: str, barrier: Any)
 
     torch.set_num_threads(1)
     ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, servers=servers, client=prefix,
-                           rank=rank, world_size=WORLD, group=group, timeout_s=60.0, verbose=False)
+                           rank=rank, world_size=WORLD, group=group, timeout_s=60.0, verbose=False,
+                           group_tables=False)    # 60 clients, the case that deadlocked (grouped: 2)
     if rank != 0:
         barrier.wait()                      # rank 0 has created the tables
     gm = fxdist.optimize(_model(), passes=(ps, "async_rpc"))
