@@ -298,7 +298,7 @@ def _rewrite_groups(gm: GraphModule, groups: list[list[Candidate]], clients: dic
         if len(members) == 1:
             _rewrite(gm, members[0], client, trainable[members[0].qualname])
         else:
-            rewrite_group(gm, members, client, trainable[members[0].qualname], _wire_input)
+            rewrite_group(gm, members, client, trainable[members[0].qualname])
         for c in members:
             _drop_module(gm, c.qualname)
 

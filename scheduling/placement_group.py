@@ -7,13 +7,11 @@ such modules into groups instead; each group is one client on the servers (one t
 request per server, as torchrec groups the features of an ``EmbeddingBagCollection`` into one
 ``KeyedJaggedTensor``::
 
-    %a = call_module[emb.a](%ids_a)                 %kjt_a = bag_to_kjt("emb.a", %ids_a)
-    ...                                     ->      %kjt_b = bag_to_kjt("emb.b", %ids_b)
-    %b = call_module[emb.b](%ids_b)                 %kjt = group_to_kjt(("emb.a", "emb.b"), %kjt_a, %kjt_b)
-                                                    %ps_fetch = ps_fetch("ps:emb.a+1", 0, %kjt) ... ps_pool
-                                                    %a = group_output(%ps_pool, %kjt_a, 0, 16)
-                                                    ...
-                                                    %b = group_output(%ps_pool, %kjt_b, 16, 32)
+    %a = call_module[emb.a](%ids_a)         %kjt = group_to_kjt(("emb.a", "emb.b"), (...), %ids_a, ..., %ids_b, ...)
+    ...                             ->      %ps_fetch = ps_fetch("ps:emb.a+1", 0, %kjt) ... %ps_pool = ps_pool(...)
+    %b = call_module[emb.b](%ids_b)         %a = group_output(%ps_pool, 0, 16, %ids_a)
+                                            ...
+                                            %b = group_output(%ps_pool, 16, 32, %ids_b)
 
 The group's request goes where its first module was called, so every other module's ids must be computable
 there. A module joins the first group (in graph order) of its kind (bags with bags, embeddings with embeddings:
@@ -129,23 +127,36 @@ def _move_chain(members: list[Candidate]) -> None:
             first.prepend(n)
 
 
-def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, trainable: bool,
-                  wire_input: Any) -> None:
+def _member(c: Candidate) -> tuple[tuple, tuple[Any, ...]]:
+    """A member's static description for :func:`~scheduling.placement_ops.group_to_kjt` and its input nodes."""
+    import inspect
+
+    node, m = c.nodes[0], c.module
+    bound = inspect.signature(m.forward).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    args = tuple(bound.arguments.values())
+    if c.kind == "embedding":
+        return ("embedding", m.num_embeddings, m.padding_idx), args[:1]
+    return ("bag", m.num_embeddings, m.mode, m.include_last_offset, m.padding_idx), args[:3]
+
+
+def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, trainable: bool) -> None:
     """Replace the members' calls by one lookup per server (+ backward pushes), the pooling, and each member's
-    slice of it (:func:`scheduling.placement_ops.group_output`). ``wire_input(graph, candidate, node)`` makes a
-    member's one-key ``KeyedJaggedTensor`` node (``scheduling.placement``); the caller drops the modules."""
+    slice of it (:func:`scheduling.placement_ops.group_output`); the caller drops the modules."""
     graph = gm.graph
     _move_chain(members)
     first = members[0].nodes[0]
     keep = {k: v for k, v in first.meta.items() if k in ("stack_trace", "nn_module_stack")}
     label = group_label(members)
-    with graph.inserting_before(first):
-        kjts = [wire_input(graph, c, c.nodes[0])[0] for c in members]
+    described = [_member(c) for c in members]
+    tensors = tuple(a for _, args in described for a in args)
+    # the conversion goes right after its inputs, so that async_rpc can start the lookup that early
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    with graph.inserting_after(max(kjts, key=pos.__getitem__)):
-        kjt = graph.call_function(placement_ops.group_to_kjt, (tuple(c.qualname for c in members), *kjts))
-    kjt.meta.update(keep)
-    kjt.meta["parameter_servers"] = label
+    after = max([a for a in tensors if isinstance(a, Node)] + [n for n in graph.nodes if n.op == "placeholder"],
+                key=pos.__getitem__)
+    with graph.inserting_after(after):
+        kjt = graph.call_function(placement_ops.group_to_kjt, (tuple(c.qualname for c in members),
+                                                              tuple(d for d, _ in described), *tensors))
     anchor = first.prev
     with graph.inserting_before(first):
         ids = client.servers_for()
@@ -153,19 +164,26 @@ def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, traina
         if trainable:
             parts = [graph.call_function(ops.ps_push_in_backward, (client.name, s, kjt, p)) for s, p in zip(ids, parts)]
         pooled = graph.call_function(ops.ps_pool, (client.name, kjt, *parts))
-    new = anchor.next
-    while new is not first:
+    for new in [kjt, *_between(anchor, first)]:
         new.meta.update(keep)
         new.meta["parameter_servers"] = label
-        new = new.next
     start = 0
-    for c, member_kjt in zip(members, kjts):
+    for c, (_, args) in zip(members, described):
         node, dim = c.nodes[0], c.module.embedding_dim
-        index = member_kjt.args[1] if c.kind == "embedding" else None
+        extra = {"embedding": True} if c.kind == "embedding" else {
+            "offsets": args[1], "include_last_offset": c.module.include_last_offset}
         with graph.inserting_before(node):
-            out = graph.call_function(placement_ops.group_output, (pooled, member_kjt, start, start + dim, index))
+            out = graph.call_function(placement_ops.group_output, (pooled, start, start + dim, args[0]), extra)
         out.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
         out.meta["parameter_servers"] = c.qualname
         start += dim
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+
+
+def _between(anchor: Node, stop: Node) -> list[Node]:
+    out, node = [], anchor.next
+    while node is not stop:
+        out.append(node)
+        node = node.next
+    return out

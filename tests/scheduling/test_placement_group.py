@@ -192,26 +192,42 @@ def test_a_bad_id_in_a_group_raises_the_local_modules_error(cluster):
         placement.close(gm)
 
 
-def test_group_to_kjt_pads_keys_fills_weights_and_keeps_identity():
-    a = placement_ops.bag_to_kjt("a", torch.tensor([[1, 2], [3, 4]]), per_sample_weights=torch.tensor(
-        [[0.5, 2.0], [1.0, 3.0]]))
-    b = placement_ops.index_to_kjt("b", torch.tensor([5, 6, 7]))
-    kjt = placement_ops.group_to_kjt(("a", "b"), a, b)
-    assert kjt.keys() == ["a", "b"]
-    assert kjt.lengths().tolist() == [2, 2, 0, 1, 1, 1]            # a's 2 bags padded to b's 3
-    assert kjt.values().tolist() == [1, 2, 3, 4, 5, 6, 7]
-    assert kjt.weights().tolist() == [0.5, 2.0, 1.0, 3.0, 1.0, 1.0, 1.0]
-    assert placement_ops.group_to_kjt(("a", "b"), a, b) is kjt      # the prefetched batch is found again
-    assert placement_ops.group_to_kjt(("a", "b"), a, None) is None
+def test_group_to_kjt_pads_keys_fills_weights_drops_padding_and_keeps_identity():
+    members = (("bag", 10, "sum", False, None), ("embedding", 9, 0), ("bag", 10, "mean", True, 4))
+    a, a_weights = torch.tensor([[1, 2], [3, 4]]), torch.tensor([[0.5, 2.0], [1.0, 3.0]])
+    b = torch.tensor([5, 0, 7])                                   # 0: b's padding id, an empty bag
+    c, c_offsets = torch.tensor([4, 6, 8]), torch.tensor([0, 2, 3])   # bags [4, 6], [8]; 4: c's padding id
+    tensors = (a, None, a_weights, b, c, c_offsets, None)
+    kjt = placement_ops.group_to_kjt(("a", "b", "c"), members, *tensors)
+    assert kjt.keys() == ["a", "b", "c"]
+    assert kjt.lengths().tolist() == [2, 2, 0, 1, 0, 1, 1, 1, 0]   # a's and c's 2 bags padded to b's 3
+    assert kjt.values().tolist() == [1, 2, 3, 4, 5, 7, 6, 8]
+    assert kjt.weights().tolist() == [0.5, 2.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0]
+    assert placement_ops.group_to_kjt(("a", "b", "c"), members, *tensors) is kjt   # the prefetched batch again
+    assert placement_ops.group_to_kjt(("a", "b", "c"), members, None, *tensors[1:]) is None
     values = torch.arange(3 * 7.0).reshape(3, 7)
 
     class KT:
         def values(self):
             return values
 
-    assert torch.equal(placement_ops.group_output(KT(), a, 0, 4), values[:2, 0:4])
+    assert torch.equal(placement_ops.group_output(KT(), 0, 4, a), values[:2, 0:4])
+    assert torch.equal(placement_ops.group_output(KT(), 4, 7, c, c_offsets, include_last_offset=True),
+                       values[:2, 4:7])
     index = torch.tensor([[5], [6], [7]])
-    assert placement_ops.group_output(KT(), b, 4, 7, index).shape == (3, 1, 3)
+    assert torch.equal(placement_ops.group_output(KT(), 4, 7, index, embedding=True), values[:, 4:7].reshape(3, 1, 3))
+
+
+def test_a_group_refuses_what_its_first_bad_module_refuses():
+    members = (("bag", 10, "sum", False, None), ("embedding", 9, None))
+    good = (torch.tensor([[1, 2]]), None, None)
+    with pytest.raises(IndexError, match="index out of range in self"):       # F.embedding's own message
+        placement_ops.group_to_kjt(("a", "b"), members, *good, torch.tensor([9]))
+    with pytest.raises(RuntimeError) as local:
+        nn.EmbeddingBag(10, 2, mode="sum")(torch.tensor([[1, 2.0]]))
+    with pytest.raises(RuntimeError) as grouped:
+        placement_ops.group_to_kjt(("a", "b"), members, torch.tensor([[1, 2.0]]), None, None, torch.tensor([3]))
+    assert str(grouped.value) == str(local.value)
 
 
 def test_the_group_is_one_fetch_per_server_in_the_graph(cluster):
