@@ -61,7 +61,7 @@ class Setting:
 def batches(rank: int, count: int, rows: int) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
     """``count`` batches ``(dense (B, 13), KJT with keys C1..C26 and one id per bag, labels (B,))`` of trainer
     ``rank``; ids uniform in ``[0, rows)``."""
-    from scheduling.criteo import criteo_kjt
+    from recsys.criteo import criteo_kjt
 
     gen = torch.Generator().manual_seed(1000 + rank)
     out = []
@@ -73,18 +73,18 @@ def batches(rank: int, count: int, rows: int) -> list[tuple[torch.Tensor, Any, t
 
 def initial_table(i: int, rows: int, dim: int) -> torch.Tensor:
     """Table ``i`` (0-based, feature ``C<i+1>``) ``(rows, dim)`` as fxdist's servers create it from
-    :data:`TABLE_SEED` (uniform in ``±1/sqrt(rows)``, torchrec's default), with the servers' own function: under
-    :data:`PLAN` it is the ``i // 2``-th table of server ``i % 2``, one shard of all its rows."""
+    :data:`TABLE_SEED` (uniform in ``±1/sqrt(rows)``, torchrec's default), with the servers' own function (one
+    shard of all its rows, under :data:`PLAN`; the rows depend on the seed, the table's name and the first row)."""
     from scheduling.ps.config import ShardSpec, TableSpec
     from scheduling.ps.server import PSServer
 
     spec = TableSpec(f"t_C{i + 1}", rows, dim, (f"C{i + 1}",))
-    return PSServer._init_weight(ShardSpec(spec, i % SERVERS, 0, rows), TABLE_SEED, i // SERVERS, None)
+    return PSServer._init_weight(ShardSpec(spec, i % SERVERS, 0, rows), TABLE_SEED, None)
 
 
 def dlrm(rows: int, dim: int, tables_device: str | None = None, sparse_grad: bool = False) -> nn.Module:
     """torchrec's DLRM over 26 tables ``rows x dim``, dense arch 512-256-dim, over arch 512-256-1."""
-    from scheduling.criteo import criteo_dlrm
+    from recsys.criteo import criteo_dlrm
 
     return criteo_dlrm(rows, dim, dense_layers=(512, 256, dim), over_layers=(512, 256, 1), sparse_grad=sparse_grad,
                        tables_device=tables_device, seed=MODEL_SEED)
