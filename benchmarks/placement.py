@@ -41,7 +41,7 @@ def _criteo_models(dim: int = 16, rows: int = 20000) -> dict[str, Callable[[], A
     from torchrec import EmbeddingBagCollection
     from torchrec.models.dlrm import DLRM_DCN
 
-    from scheduling.criteo import criteo_dlrm, criteo_tables
+    from recsys.criteo import criteo_dlrm, criteo_tables
 
     def ebc():
         return EmbeddingBagCollection(tables=criteo_tables(rows, dim))

@@ -44,7 +44,7 @@ def table_sizes(config: Any) -> list[int]:
 
 def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool = True,
          tables_device: str | torch.device | None = None) -> nn.Module:
-    """torchrec's DLRM of the ``[model]`` keys (:func:`scheduling.criteo.criteo_dlrm`), seeded by ``[job] seed``.
+    """torchrec's DLRM of the ``[model]`` keys (:func:`recsys.criteo.criteo_dlrm`), seeded by ``[job] seed``.
 
     Args:
         config: the job config (:class:`jobs.config.JobConfig`).
@@ -59,9 +59,9 @@ def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool =
         do not depend on ``sizes`` or ``tables_device``).
 
     Raises:
-        ValueError: ``sizes`` does not have one positive size per feature (:func:`scheduling.criteo.criteo_tables`).
+        ValueError: ``sizes`` does not have one positive size per feature (:func:`recsys.criteo.criteo_tables`).
     """
-    from scheduling.criteo import criteo_dlrm  # imports torchrec: only when the model is built
+    from recsys.criteo import criteo_dlrm  # imports torchrec: only when the model is built
 
     m = config.model
     sizes = table_sizes(config) if sizes is None else [int(n) for n in sizes]
@@ -76,7 +76,7 @@ def to_kjt(ids: torch.Tensor) -> Any:
     Raises:
         ValueError: ``ids`` is not ``(B, 26)``.
     """
-    from scheduling.criteo import criteo_kjt  # imports torchrec: only when a batch is made
+    from recsys.criteo import criteo_kjt  # imports torchrec: only when a batch is made
 
     return criteo_kjt(ids)
 

@@ -104,8 +104,7 @@ def quantize(model: nn.Module, calibration: list[tuple[Any, ...]], *, timer: Any
     """
     import fxdist
     from quant import fuse, select_int8
-    from scheduling.placement import EmbeddingLeafTracer
-    from scheduling.placement_find import is_embedding_module
+    from recsys.embedding import EmbeddingLeafTracer, is_embedding_module
 
     tracer = EmbeddingLeafTracer()  # embedding modules stay whole (and fp32)
     graph = tracer.trace(model)

@@ -9,7 +9,6 @@
   (:mod:`scheduling.ps.transport`).
 - :mod:`scheduling.ray_calls`: trace a model's own ``ray.get(handle.m.remote(x))`` calls (``RayTracer``) so
   :func:`async_rpc` overlaps them.
-- :mod:`scheduling.criteo`: torchrec's ``DLRM`` built for the Criteo tables, and Criteo batches (KJTs).
 """
 
 from __future__ import annotations

@@ -73,13 +73,14 @@ from typing import Any, ClassVar, TextIO
 import torch
 from torch import nn
 
-import fxdist
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
 
+from recsys.embedding import EmbeddingLeafTracer, is_embedding_module
+
 from . import placement_ops
-from .placement_find import Candidate, NotMoved, find_embeddings, is_embedding_module
+from .placement_find import Candidate, NotMoved, find_embeddings
 from .placement_group import group_candidates, group_label, rewrite_group
 from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of
 from .ps import ops
@@ -94,14 +95,6 @@ _USED_NAMES: set[str] = set()
 
 class PlacementWarning(UserWarning):
     """An embedding module stays on the trainer (the message says which and why)."""
-
-
-class EmbeddingLeafTracer(fxdist.Tracer):
-    """fxdist's tracer with every embedding module the pass can see as a leaf (torchrec EBC/EC, nn.EmbeddingBag,
-    nn.Embedding), so each call is one ``call_module`` node."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return is_embedding_module(m) or super().is_leaf_module(m, module_qualified_name)
 
 
 def _as_graph_module(gm: Any) -> GraphModule:

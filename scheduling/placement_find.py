@@ -35,29 +35,9 @@ import torch
 from torch import nn
 
 from fxdist.node import Node
+from recsys.embedding import embedding_kind
 
-__all__ = ["Candidate", "NotMoved", "embedding_kind", "is_embedding_module", "find_embeddings", "inplace_user"]
-
-
-def embedding_kind(m: nn.Module) -> str | None:
-    """``"ebc"`` (torchrec EmbeddingBagCollection), ``"ec"`` (torchrec EmbeddingCollection), ``"bag"``
-    (nn.EmbeddingBag), ``"embedding"`` (nn.Embedding), or None."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-    if isinstance(m, EmbeddingBagCollection):
-        return "ebc"
-    if isinstance(m, EmbeddingCollection):
-        return "ec"
-    if isinstance(m, nn.EmbeddingBag):
-        return "bag"
-    if isinstance(m, nn.Embedding):
-        return "embedding"
-    return None
-
-
-def is_embedding_module(m: nn.Module) -> bool:
-    """Whether :func:`scheduling.parameter_servers` looks at ``m`` (it must stay a leaf when traced)."""
-    return embedding_kind(m) is not None
+__all__ = ["Candidate", "NotMoved", "find_embeddings", "inplace_user"]
 
 
 @dataclass
@@ -69,7 +49,7 @@ class Candidate:
     module: nn.Module
     """The module."""
     kind: str
-    """See :func:`embedding_kind`."""
+    """See :func:`recsys.embedding.embedding_kind`."""
     nodes: list[Node]
     """Every ``call_module`` node calling it, in graph order."""
 

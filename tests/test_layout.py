@@ -6,8 +6,11 @@ exercises it. Rules (docs/CONTRACTS.md, ../shared/STYLE.md):
 * nothing under ``fxdist/`` uses ``torch.fx`` or ``torch.export`` except ``fxdist/interop.py``;
 * the IR (``node``, ``graph``, ``codegen``, ``_namespace``) imports no tracer, interpreter, pass,
   ``torch.distributed`` or Ray;
-* ``fxdist/`` never imports ``scheduling``, ``quant`` or ``jobs``; passes never import ``jobs`` or Ray (in
-  ``scheduling`` only the Ray transport and Ray-call modules, ``RAY_MODULES``, do);
+* ``fxdist/`` never imports ``recsys``, ``scheduling``, ``quant`` or ``jobs``; passes never import ``jobs`` or Ray
+  (in ``scheduling`` only the Ray transport and Ray-call modules, ``RAY_MODULES``, do);
+* ``recsys/`` is a leaf below the passes: it imports none of ``scheduling``, ``quant``, ``jobs`` or Ray;
+* sibling packages do not import each other: ``scheduling`` never imports ``quant``, nor ``quant`` ``scheduling``
+  (what both need goes to ``recsys``);
 * a module has at most ``MAX_MODULE_LINES`` lines and a function at most ``MAX_FUNCTION_LINES``.
 """
 
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from import_graph import cycles, find_modules, imports_of, module_edges  # noqa: E402  (scripts/import_graph.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fxdist", "scheduling", "quant", "jobs")
+PACKAGES = ("fxdist", "recsys", "scheduling", "quant", "jobs")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 RAY_MODULES = {"scheduling.ps.ray_transport", "scheduling.ray_calls"}
@@ -52,14 +55,20 @@ MODULES = _modules()
 def _forbidden_for(module: str) -> tuple[str, ...]:
     forbidden: list[str] = []
     if module.startswith("fxdist") and module != "fxdist.interop":
-        forbidden += ["torch.fx", "torch.export", "scheduling", "quant", "jobs"]
+        forbidden += ["torch.fx", "torch.export", "recsys", "scheduling", "quant", "jobs"]
     if module in IR_MODULES:
         forbidden += ["fxdist.proxy", "fxdist.tracer", "fxdist.interpreter", "fxdist.passes",
                       "fxdist.subgraph_rewriter", "fxdist.graph_module", "torch.distributed", "ray"]
     if module == "fxdist.codegen":
         forbidden += ["fxdist.graph"]
-    if module.startswith(("fxdist.passes", "scheduling", "quant")):
+    if module.startswith(("fxdist.passes", "recsys", "scheduling", "quant")):
         forbidden += ["jobs"] + ([] if module in RAY_MODULES else ["ray"])
+    if module.startswith("recsys"):
+        forbidden += ["scheduling", "quant"]
+    if module.startswith("scheduling"):
+        forbidden += ["quant"]
+    if module.startswith("quant"):
+        forbidden += ["scheduling"]
     return tuple(forbidden)
 
 

@@ -1,7 +1,7 @@
 """torchrec's own ``DLRM`` on the Criteo sample, and its int8 form: torchrec's quantized tables, fxdist's passes
 for the rest.
 
-The model is ``torchrec.models.dlrm.DLRM`` (built by :func:`scheduling.criteo.criteo_dlrm`: an
+The model is ``torchrec.models.dlrm.DLRM`` (built by :func:`recsys.criteo.criteo_dlrm`: an
 ``EmbeddingBagCollection`` of 26 tables, one per categorical feature; torchrec ``MLP``s of ``Perceptron``
 (Linear + ReLU) layers for the dense and over arches). For int8:
 
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 import fxdist as fx
-from scheduling.criteo import criteo_kjt
+from recsys.criteo import criteo_kjt
+from recsys.embedding import EmbeddingLeafTracer
 
 __all__ = ["load_criteo", "criteo_kjt", "train_dlrm", "quantize_tables", "trace_dlrm",
            "default_criteo_path"]
@@ -75,9 +76,9 @@ def train_dlrm(
     lr: float = 3e-3, seed: int = 0, table_size: int = 1000, dim: int = 16,
     dense_layers: tuple[int, ...] = (64, 16), over_layers: tuple[int, ...] = (64, 32, 1),
 ) -> nn.Module:
-    """Train torchrec's DLRM (:func:`scheduling.criteo.criteo_dlrm` with these sizes) with Adam and binary
+    """Train torchrec's DLRM (:func:`recsys.criteo.criteo_dlrm` with these sizes) with Adam and binary
     cross-entropy on ``(dense, criteo_kjt(sparse))``; returns it in eval mode."""
-    from scheduling.criteo import criteo_dlrm
+    from recsys.criteo import criteo_dlrm
 
     torch.manual_seed(seed)
     model = criteo_dlrm(table_size, dim, dense_layers=dense_layers, over_layers=over_layers)
@@ -101,22 +102,9 @@ def quantize_tables(model: nn.Module, dtype: torch.dtype = torch.qint8) -> nn.Mo
     return quantize_embeddings(copy.deepcopy(model), dtype=dtype, inplace=True).eval()
 
 
-def _is_ebc(m: nn.Module) -> bool:
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
-
-    return isinstance(m, (EmbeddingBagCollection, QuantEmbeddingBagCollection))
-
-
-class _EBCLeafTracer(fx.Tracer):
-    """fxdist's tracer with torchrec's EBCs (float or quantized) as leaves: one ``call_module`` node each."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return _is_ebc(m) or super().is_leaf_module(m, module_qualified_name)
-
-
 def trace_dlrm(model: nn.Module) -> fx.GraphModule:
-    """``model`` traced by fxdist with each torchrec EBC as a leaf, ready for ``quant.prepare``."""
-    tracer = _EBCLeafTracer()
+    """``model`` traced by fxdist with each embedding module (torchrec's EBCs, float or quantized) as a leaf
+    (:class:`recsys.embedding.EmbeddingLeafTracer`), ready for ``quant.prepare``."""
+    tracer = EmbeddingLeafTracer()
     graph = tracer.trace(model)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)

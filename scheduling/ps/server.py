@@ -21,6 +21,7 @@ row-wise quantization; ``torch.distributed.rpc.functions.async_execution``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -159,7 +160,8 @@ class PSServer:
         the same one). Shards already present, e.g. from a checkpoint, are kept.
 
         Weights of a new shard: ``init_weights[table][row_start:row_end]`` when given, else uniform in
-        ``(-1/sqrt(N), 1/sqrt(N))`` (torchrec's default) from a generator seeded by ``(seed, shard)``; stored
+        ``(-1/sqrt(N), 1/sqrt(N))`` (torchrec's default) from a generator seeded by ``(seed, table name, first
+        row)``: a table gets the same rows wherever it is placed, and two tables never the same ones; stored
         as ``storage`` says (:mod:`scheduling.ps.storage`: "fp32", "fp16" or "fused8bit").
 
         Returns:
@@ -172,7 +174,7 @@ class PSServer:
             self.optimizer = make_optimizer(optimizer, **optimizer_kwargs)
             store = self.stores[namespace] = make_store(storage, seed)
             mine = [s for s in shards if s.server == server]
-            for idx, spec in enumerate(mine):
+            for spec in mine:
                 key = f"{namespace}/{spec.key}"
                 old = self.shards.get(key)
                 if old is not None:
@@ -182,7 +184,7 @@ class PSServer:
                                          f"({spec.num_rows}, {spec.table.embedding_dim})")
                     old.spec = spec
                     continue
-                self.shards[key] = _Shard(spec, store.encode(self._init_weight(spec, seed, idx, init_weights)),
+                self.shards[key] = _Shard(spec, store.encode(self._init_weight(spec, seed, init_weights)),
                                           self.optimizer.init_state(spec.num_rows, spec.table.embedding_dim),
                                           store=store)
             self.layouts[namespace] = server_layout(mine, server)
@@ -216,11 +218,11 @@ class PSServer:
                              f"(have {sorted(self.layouts)}); create the PSClient with configure=True") from None
 
     @staticmethod
-    def _init_weight(spec: ShardSpec, seed: int, idx: int,
-                     init_weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def _init_weight(spec: ShardSpec, seed: int, init_weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
         if init_weights is not None and spec.table.name in init_weights:
             return init_weights[spec.table.name][spec.row_start:spec.row_end].detach().clone().float()
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + spec.row_start * 7919 + idx)
+        key = hashlib.blake2b(f"{seed}/{spec.table.name}/{spec.row_start}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
         bound = spec.table.num_embeddings ** -0.5
         w = torch.empty(spec.num_rows, spec.table.embedding_dim)
         return w.uniform_(-bound, bound, generator=gen)

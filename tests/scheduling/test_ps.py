@@ -15,7 +15,7 @@ from torchrec.modules.embedding_configs import PoolingType
 import fxdist
 import scheduling
 from scheduling import placement
-from scheduling.criteo import criteo_batches, criteo_dlrm, criteo_tables
+from recsys.criteo import criteo_batches, criteo_dlrm, criteo_tables
 from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, get_client, ops
 from tests.scheduling._graphs import before, order
 

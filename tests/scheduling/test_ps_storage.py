@@ -93,3 +93,23 @@ def test_training_with_reduced_storage_tracks_fp32_training():
 def test_unknown_storage_is_refused():
     with pytest.raises(ValueError, match=r"unknown row storage 'int4'; use one of fp32, fp16, fused8bit"):
         _server("int4")
+
+
+def test_rows_made_by_the_servers_depend_on_the_table_not_its_place():
+    """Tables without initial weights (``meta`` on the trainer) get rows the servers make from the seed: the same
+    table gets the same rows on any server and in any position; two tables of one shape get different rows
+    (they were equal when the seed was the shard's position on its server)."""
+    same_shape = [TableSpec("a", 40, 8, ("fa",)), TableSpec("b", 40, 8, ("fb",))]
+    two = [PSServer("ps0"), PSServer("ps1")]
+    shards = plan_shards(same_shape, 2)
+    assert sorted(s.server for s in shards) == [0, 1]        # one table on each server, each first there
+    for k, srv in enumerate(two):
+        srv.configure("ns", shards, k, "sgd", {"lr": 0.1}, seed=3)
+    rows = {v["spec"].table.name: v["weight"] for srv in two for v in srv.state_dict("ns").values()}
+    assert not torch.equal(rows["a"], rows["b"])
+    one = PSServer("ps0")
+    one.configure("ns", plan_shards(same_shape[::-1], 1), 0, "sgd", {"lr": 0.1}, seed=3)
+    alone = {v["spec"].table.name: v["weight"] for v in one.state_dict("ns").values()}
+    for name in ("a", "b"):
+        torch.testing.assert_close(alone[name], rows[name], rtol=0, atol=0)
+        assert float(alone[name].abs().max()) <= 40 ** -0.5

@@ -1,0 +1,346 @@
+"""Process bodies of ``benchmarks/peer.py``: one trainer of each compared system, and a parameter server.
+
+Every function here runs in a spawned process (it must be importable, so it lives outside the driver).
+A trainer joins a gloo process group of :data:`WORLD` trainers (fxdist's trainers also join the
+``torch.distributed.rpc`` group of trainers and servers), builds its system, trains ``warmup + steps`` steps
+on its own seeded batches and puts ``(rank, {"seconds", "first_loss", "last_loss"})`` on the queue
+(``{"error": ...}`` on failure). ``seconds`` covers the ``steps`` timed steps, from a barrier after the warm-up
+to a barrier after the last step (fxdist: after its last pushes are applied).
+
+Same start for every system: the dense and over arches from ``criteo_dlrm(seed=MODEL_SEED)``; table ``i`` from
+:func:`initial_table` (the rows fxdist's servers create from :data:`TABLE_SEED` under :data:`PLAN`, copied
+into DMP's shards and into the local tables); the same batches (seeded by rank) and learning rate (SGD on
+the tables and on the dense part; table gradients averaged over the trainers in every system).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WORLD = 2          # trainers
+SERVERS = 2        # fxdist parameter servers
+BATCH = 128        # samples per trainer and step
+TABLES = 26
+LR = 0.05          # SGD, tables and dense part
+MODEL_SEED = 0     # the dense and over arches (criteo_dlrm(seed=...))
+TABLE_SEED = 0     # the servers' seed of the tables' initial rows
+PLAN = {f"t_C{i + 1}": i % SERVERS for i in range(TABLES)}
+"""fxdist's placement, pinned: table ``i`` (0-based) on server ``i % 2`` (what its balancing picks for 26 equal
+tables); :func:`initial_table` relies on it."""
+CHECK_BYTES = 128 << 20
+"""Sizes whose 26 tables hold at most this many bytes also get the table check (:func:`_table_change`): fxdist's
+trainer gathers every table from the servers for it."""
+SYSTEMS = ("dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
+           "fx_blocking_0ms", "fx_prefetch_0ms", "fx_blocking_1ms", "fx_prefetch_1ms")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One run: a system at one table size."""
+
+    system: str
+    rows: int
+    dim: int
+    warmup: int
+    steps: int
+    pg_port: int
+    rpc_port: int = 0
+    group: str = ""
+    """fxdist: the key the trainers of this run share on the servers (``parameter_servers(group=...)``)."""
+
+
+# ---- the common start ---------------------------------------------------------------------------------------
+def batches(rank: int, count: int, rows: int) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+    """``count`` batches ``(dense (B, 13), KJT with keys C1..C26 and one id per bag, labels (B,))`` of trainer
+    ``rank``; ids uniform in ``[0, rows)``."""
+    from recsys.criteo import criteo_kjt
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, rows, (BATCH, TABLES), generator=gen)
+        out.append((torch.rand(BATCH, 13, generator=gen), criteo_kjt(ids), torch.rand(BATCH, generator=gen).round()))
+    return out
+
+
+def initial_table(i: int, rows: int, dim: int) -> torch.Tensor:
+    """Table ``i`` (0-based, feature ``C<i+1>``) ``(rows, dim)`` as fxdist's servers create it from
+    :data:`TABLE_SEED` (uniform in ``±1/sqrt(rows)``, torchrec's default), with the servers' own function (one
+    shard of all its rows, under :data:`PLAN`; the rows depend on the seed, the table's name and the first row)."""
+    from scheduling.ps.config import ShardSpec, TableSpec
+    from scheduling.ps.server import PSServer
+
+    spec = TableSpec(f"t_C{i + 1}", rows, dim, (f"C{i + 1}",))
+    return PSServer._init_weight(ShardSpec(spec, i % SERVERS, 0, rows), TABLE_SEED, None)
+
+
+def dlrm(rows: int, dim: int, tables_device: str | None = None, sparse_grad: bool = False) -> nn.Module:
+    """torchrec's DLRM over 26 tables ``rows x dim``, dense arch 512-256-dim, over arch 512-256-1."""
+    from recsys.criteo import criteo_dlrm
+
+    return criteo_dlrm(rows, dim, dense_layers=(512, 256, dim), over_layers=(512, 256, 1), sparse_grad=sparse_grad,
+                       tables_device=tables_device, seed=MODEL_SEED)
+
+
+def _bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels)
+
+
+def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[], None] = lambda: None,
+           tables: Callable[[], dict[int, list]] | None = None) -> dict:
+    """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then,
+    for small sizes, :func:`_table_change` of ``tables()``."""
+    losses = [float(step(i)) for i in range(s.warmup)]
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(s.warmup, s.warmup + s.steps):
+        losses.append(float(step(i)))
+    finish()
+    dist.barrier()
+    out = {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": losses[-1]}
+    if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:
+        out["table_change"] = _table_change(tables(), s)
+    return out
+
+
+def _table_change(parts: dict[int, list], s: Setting) -> float:
+    """``||W - W0||`` (Frobenius, float64) over all tables, trained ``W`` against :func:`initial_table` ``W0``,
+    summed over the trainers; ``parts``: ``{table index: [(row offset, col offset, this trainer's block)]}``
+    (DMP's local shards; a full table on one trainer)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, blocks in parts.items():
+        start = initial_table(i, s.rows, s.dim).double()
+        for r, c, w in blocks:
+            total += (w.double() - start[r:r + w.shape[0], c:c + w.shape[1]]).square().sum()
+    dist.all_reduce(total)
+    return float(total.sqrt())
+
+
+# ---- torchrec DistributedModelParallel ----------------------------------------------------------------------
+def _sharder(row_wise: bool) -> Any:
+    """torchrec's EmbeddingBagCollectionSharder; for row-wise a subclass that also offers ``row_wise`` on the
+    CPU (torchrec 1.8 offers it for CUDA only; the CPU kernel runs it)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingType
+
+    class RowWiseOnCPU(EmbeddingBagCollectionSharder):
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            types = super().sharding_types(compute_device_type)
+            return types if ShardingType.ROW_WISE.value in types else types + [ShardingType.ROW_WISE.value]
+
+    return RowWiseOnCPU() if row_wise else EmbeddingBagCollectionSharder()
+
+
+def _local_shards(model: nn.Module) -> dict[int, list]:
+    """``{table index: [(row offset, col offset, block)]}``: this rank's shards of the DMP model's tables (views
+    of its fused tables)."""
+    state = model.state_dict()
+    out = {}
+    for i in range(TABLES):
+        (key,) = [k for k in state if k.endswith(f"embedding_bags.t_C{i + 1}.weight")]
+        shards = state[key].local_shards()
+        if shards:
+            out[i] = [(*shard.metadata.shard_offsets, shard.tensor) for shard in shards]
+    return out
+
+
+def _load_tables(model: nn.Module, s: Setting) -> None:
+    """Copy :func:`initial_table` into this rank's shards of the DMP model."""
+    with torch.no_grad():
+        for i, blocks in _local_shards(model).items():
+            full = initial_table(i, s.rows, s.dim)
+            for r, c, w in blocks:
+                w.copy_(full[r:r + w.shape[0], c:c + w.shape[1]])
+
+
+def build_dmp(s: Setting, sharding: str) -> tuple[nn.Module, Any]:
+    """``(DistributedModelParallel(DLRMTrain(dlrm)), optimizer)``: tables sharded ``sharding`` (planner
+    constrained to it), updated by fused SGD in backward; the dense part DDP (DMP's) with SGD."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.models.dlrm import DLRMTrain
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    train = DLRMTrain(dlrm(s.rows, s.dim, tables_device="meta"))
+    apply_optimizer_in_backward(torch.optim.SGD, train.model.sparse_arch.parameters(), {"lr": LR})
+    sharder = _sharder(sharding == "row_wise")
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=WORLD, local_world_size=WORLD, compute_device="cpu"),
+        constraints={f"t_C{i + 1}": ParameterConstraints(sharding_types=[sharding]) for i in range(TABLES)})
+    group = dist.GroupMember.WORLD
+    plan = planner.collective_plan(train, [sharder], group)
+    model = DistributedModelParallel(train, env=ShardingEnv.from_process_group(group), device=torch.device("cpu"),
+                                     plan=plan, sharders=[sharder])
+    _load_tables(model, s)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    return model, CombinedOptimizer([model.fused_optimizer, dense])
+
+
+def run_dmp(rank: int, s: Setting) -> dict:
+    """``dmp_tw`` / ``dmp_rw``: a plain loop; ``dmp_tw_pipeline``: ``TrainPipelineSparseDist``."""
+    from torchrec.datasets.utils import Batch
+
+    model, opt = build_dmp(s, "row_wise" if s.system == "dmp_rw" else "table_wise")
+    data = [Batch(d, k, l) for d, k, l in batches(rank, s.warmup + s.steps, s.rows)]
+    if s.system == "dmp_tw_pipeline":
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        pipe, it = TrainPipelineSparseDist(model, opt, torch.device("cpu")), iter(data)
+        return _timed(lambda i: pipe.progress(it)[0], s, tables=lambda: _local_shards(model))
+
+    def step(i: int) -> torch.Tensor:
+        loss, _ = model(data[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return _timed(step, s, tables=lambda: _local_shards(model))
+
+
+# ---- DDP with local tables ----------------------------------------------------------------------------------
+def run_ddp_local(rank: int, s: Setting) -> dict:
+    """The plain DLRM, tables in every trainer with sparse gradients averaged after backward
+    (``jobs.sparse_grads``), the rest DDP; SGD on all."""
+    from jobs.sparse_grads import data_parallel
+
+    model = dlrm(s.rows, s.dim, sparse_grad=True)
+    bags = model.sparse_arch.embedding_bag_collection.embedding_bags
+    with torch.no_grad():
+        for i in range(TABLES):
+            bags[f"t_C{i + 1}"].weight.copy_(initial_table(i, s.rows, s.dim))
+    ddp, average = data_parallel(model, torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = batches(rank, s.warmup + s.steps, s.rows)
+
+    def step(i: int) -> torch.Tensor:
+        dense, kjt, labels = data[i]
+        loss = _bce(ddp(dense, kjt), labels)
+        opt.zero_grad()
+        loss.backward()
+        average()
+        opt.step()
+        return loss.detach()
+
+    def tables() -> dict[int, list]:
+        return {i: [(0, 0, bags[f"t_C{i + 1}"].weight.detach())] for i in range(TABLES)} if rank == 0 else {}
+
+    return _timed(step, s, tables=tables)
+
+
+# ---- fxdist parameter servers -------------------------------------------------------------------------------
+def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
+    """The DLRM (tables on ``meta``) through ``parameter_servers`` (+ ``async_rpc`` or ``async_rpc_prefetch``);
+    rank 0 creates the tables on the servers, then the other trainer attaches."""
+    import fxdist
+    import scheduling
+
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, rank=rank, world_size=WORLD,
+                           group=s.group, verbose=False, plan=PLAN,
+                           servers=[f"ps{i}" for i in range(SERVERS)], seed=TABLE_SEED, timeout_s=120.0)
+    if rank != 0:
+        dist.barrier()
+    gm = fxdist.optimize(dlrm(s.rows, s.dim, tables_device="meta"),
+                         passes=(ps, "async_rpc_prefetch" if prefetch else "async_rpc"))
+    if rank == 0:
+        dist.barrier()
+    return gm
+
+
+def run_fx(rank: int, s: Setting) -> dict:
+    """``fx_{blocking,prefetch}_{0,1}ms``: tables on :data:`SERVERS` servers, with the emulated latency per
+    lookup (``PSClient.set_delays``); the dense part DDP; SGD."""
+    from scheduling import placement
+    from scheduling.ps import get_client
+
+    prefetch = "prefetch" in s.system
+    gm = _fx_model(rank, s, prefetch)
+    names = placement.client_names(gm)
+    if rank == 0:
+        get_client(names[0]).set_delays(fetch_delay_s=float(s.system.split("_")[-1][:-2]) / 1e3)
+    dist.barrier()
+    ddp = nn.parallel.DistributedDataParallel(gm)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    data = batches(rank, s.warmup + s.steps, s.rows)
+    total = len(data)
+
+    def step(i: int) -> torch.Tensor:
+        dense, kjt, labels = data[i]
+        extra = {"next_sparse_features": data[i + 1][1] if i + 1 < total else None} if prefetch else {}
+        loss = _bce(ddp(dense, kjt, **extra), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def tables() -> dict[int, list]:
+        if rank != 0:
+            return {}
+        state = placement.table_state_dict(gm)
+        return {i: [(0, 0, state[f"sparse_arch.embedding_bag_collection.embedding_bags.t_C{i + 1}.weight"])]
+                for i in range(TABLES)}
+
+    result = _timed(step, s, finish=lambda: placement.flush(gm), tables=tables)   # the timing ends at a barrier
+    result["prefetch_hits"] = sum(get_client(n).prefetch_hits for n in names)
+    if rank == 0:
+        get_client(names[0]).stop_servers()
+    placement.close(gm)
+    return result
+
+
+# ---- process entry points -----------------------------------------------------------------------------------
+def _quiet() -> None:
+    """Silence torchrec's advice (topology built directly, storage reservation, DMP's DDP arguments), the RPC
+    group's deprecation warning and torch.fx's ``is_fx_tracing`` note, printed by every process of every run."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="You are using a Backend")   # torch.distributed.rpc's init
+    for name in ("torchrec", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def server_main(rank: int, rpc_port: int) -> None:
+    """Parameter server ``ps<rank - WORLD>`` (ranks after the trainers'); serves until a trainer stops it."""
+    from scheduling.ps import start_server
+
+    _quiet()
+    start_server(f"ps{rank - WORLD}", rank, WORLD + SERVERS, master_port=rpc_port, timeout_s=120)
+
+
+def trainer_main(rank: int, s: Setting, queue: Any) -> None:
+    """Trainer ``rank`` of ``s.system``; puts ``(rank, result)`` on ``queue``."""
+    torch.set_num_threads(1)
+    _quiet()
+    fx = s.system.startswith("fx_")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{s.pg_port}", rank=rank, world_size=WORLD)
+        if fx:
+            from scheduling.ps import init_trainer
+
+            init_trainer(f"trainer{rank}", rank, WORLD + SERVERS, master_port=s.rpc_port, timeout_s=120)
+        run = run_fx if fx else run_ddp_local if s.system == "ddp_local" else run_dmp
+        queue.put((rank, run(rank, s)))
+    except BaseException as e:
+        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+        raise
+    finally:
+        if fx:
+            from torch.distributed import rpc
+
+            rpc.shutdown(graceful=False)
+        if dist.is_initialized():
+            dist.destroy_process_group()

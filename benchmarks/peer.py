@@ -1,0 +1,218 @@
+"""fxdist's parameter servers side by side with torchrec's DistributedModelParallel, 2 trainers on CPU/gloo.
+
+The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) over 26 Criteo-layout tables
+(13 dense features, one id per table and sample, ids drawn uniformly), batch 128 per trainer, BCE loss, SGD
+(lr 0.05) on the tables and on the dense part. Each system trains with 2 trainer processes (gloo):
+
+- ``dmp_tw``: torchrec ``DistributedModelParallel`` (DMP), tables sharded table-wise (the planner constrained to
+  ``table_wise``, ``EmbeddingBagCollectionSharder``), their SGD fused into backward
+  (``apply_optimizer_in_backward``); a plain loop: forward, backward, dense optimizer step;
+- ``dmp_tw_pipeline``: the same through torchrec's ``TrainPipelineSparseDist`` (batch ``i + 1``'s input
+  distribution overlaps batch ``i``);
+- ``dmp_rw``: DMP row-wise, through a sharder subclass offering ``row_wise`` on the CPU (torchrec offers it for
+  CUDA only);
+- ``ddp_local``: the plain DLRM in every trainer, dense part in ``DistributedDataParallel``, the tables' sparse
+  gradients averaged after backward (``jobs.sparse_grads``);
+- ``fx_blocking_{0,1}ms`` / ``fx_prefetch_{0,1}ms``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),
+  "async_rpc" | "async_rpc_prefetch"))``: the tables on 2 parameter-server processes (torch_rpc, TCP/uv
+  transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
+  batch (``next_sparse_features``); dense part DDP over gloo.
+
+Every (size, system) run starts fresh processes (spawn); the systems take turns within a round, round after
+round. All start from the same weights (dense arches from one seed; each table the rows fxdist's servers make
+from their seed, copied into DMP's shards and the local tables), see the same batches (seeded per trainer),
+and average table gradients over the trainers (torchrec's ``GRADIENT_DIVISION``, fxdist's
+``grad_reduction="mean"``, DDP), so their losses should agree up to float rounding.
+
+Prints per size and system (the table on stdout, per-run progress on stderr): QPS (samples/s over both
+trainers, over ``--steps`` timed steps after ``--warmup`` steps: ``2 * 128 * steps`` / the slower trainer's
+seconds between barriers; median over rounds, spread min..max), the ratio to ``dmp_tw`` of the same round
+(min / median / max over rounds), ``loss last`` (the last step's loss, mean over the trainers), ``d loss`` and
+``d loss0`` (largest |difference| to ``dmp_tw``'s last and first loss over all pairs of rounds; the first is
+~0 when the start is the same), ``|W-W0|`` (Frobenius norm of the tables' change, all 26 tables, float64; only
+for sizes of at most 128 MB of tables, since fxdist's trainer gathers them from the servers for it) and the
+median wall time of a run (spawn to exit, seconds); then the largest differences of the fxdist systems'
+final loss and table change to ``dmp_tw``'s. One torch thread per process (trainers and servers share the
+machine's cores). CPU model and ISA (AVX-512 VNNI or not) and the load average are printed at start and end.
+
+Loss agreement is a weak check here: the labels are random and SGD at lr 0.05 hardly moves the tables
+(``|W-W0|`` ~ 5e-5 after 10 steps of 1e3-row tables), so the loss mostly reflects the dense part and the start;
+``|W-W0|`` compares the tables' training itself.
+
+Run: ``.venv/bin/python benchmarks/peer.py [--rounds 3 --steps 60 --warmup 5 --sizes 10000x16 10000x64
+1000000x16 1000000x64] [--systems ...]``; ``--quick``: one size, one round, 8 steps (a smoke run). The 1e6-row
+sizes hold 26 x 1e6 x D float32 per copy (6.7 GB at D=64; ``ddp_local`` holds one per trainer).
+
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md).
+
+Sources: torchrec ``DistributedModelParallel`` (torchrec/distributed/model_parallel.py) and
+``TrainPipelineSparseDist`` (torchrec/distributed/train_pipeline/train_pipelines.py), torchrec 1.8.0;
+``DLRM``: Naumov et al. 2019 (torchrec/models/dlrm.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's `scheduling` package, not benchmarks/scheduling.py
+
+import _bench  # noqa: E402  (benchmarks/ is sys.path[1])
+import _peer_systems as systems  # noqa: E402
+
+SIZES = ("10000x16", "10000x64", "1000000x16", "1000000x64")
+
+
+def cpu_isa() -> str:
+    """CPU model name and whether it has AVX-512 VNNI (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU (no /proc/cpuinfo)"
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    isa = "avx512_vnni" if "avx512_vnni" in flags else "avx512f, no avx512_vnni" if "avx512f" in flags else (
+        "avx2, no avx512" if "avx2" in flags else "no avx2")
+    return f"{model} ({isa})"
+
+
+def run_once(setting: systems.Setting, timeout_s: float) -> tuple[dict[int, dict], float]:
+    """One (size, system) run in fresh processes: ``({rank: result}, wall seconds)``."""
+    from scheduling.ps.lifecycle import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fx = setting.system.startswith("fx_")
+    setting = systems.Setting(**{**setting.__dict__, "pg_port": free_port(), "rpc_port": free_port() if fx else 0,
+                                 "group": f"peer-{uuid.uuid4().hex}"})
+    targets = [(systems.trainer_main, (r, setting, queue)) for r in range(systems.WORLD)]
+    if fx:
+        targets += [(systems.server_main, (systems.WORLD + i, setting.rpc_port)) for i in range(systems.SERVERS)]
+    start = time.perf_counter()
+    procs = [ctx.Process(target=t, args=a, daemon=True) for t, a in targets]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    try:
+        for _ in range(systems.WORLD):
+            rank, res = queue.get(timeout=timeout_s)
+            results[rank] = res
+            if "error" in res:
+                break
+    except Exception as e:  # queue.Empty: a trainer died or hung
+        results.setdefault(-1, {"error": f"no result within {timeout_s:.0f} s ({type(e).__name__})"})
+    finally:
+        for p in procs:
+            p.join(30 if not any("error" in r for r in results.values()) else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results, time.perf_counter() - start
+
+
+def summarize(results: dict[int, dict], steps: int) -> dict:
+    """QPS over both trainers (the slower trainer's time) and the mean losses; or the error."""
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors or len(results) < systems.WORLD:
+        return {"error": "; ".join(errors) or f"only {len(results)} trainer(s) answered"}
+    seconds = max(r["seconds"] for r in results.values())
+    return {"qps": systems.WORLD * systems.BATCH * steps / seconds,
+            "first_loss": statistics.mean(r["first_loss"] for r in results.values()),
+            "last_loss": statistics.mean(r["last_loss"] for r in results.values()),
+            "table_change": results[0].get("table_change"), "prefetch_hits": results[0].get("prefetch_hits")}
+
+
+def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Per system, one summary per round (the systems take turns within a round)."""
+    found: dict[str, list[dict]] = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        for name in names:
+            setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0)
+            results, wall = run_once(setting, args.timeout)
+            found[name].append({**summarize(results, args.steps), "wall": wall})
+            r = found[name][-1]
+            status = f"error: {r['error']}" if "error" in r else (
+                f"{r['qps']:,.0f} samples/s, loss {r['first_loss']:.7f} -> {r['last_loss']:.7f}"
+                + ("" if r.get("prefetch_hits") is None else f", trainer 0's prefetch hits {r['prefetch_hits']}"))
+            print(f"  round {rnd + 1} {name:<16} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
+    return found
+
+
+def _max_diff(runs: list[dict], base: list[dict], key: str) -> float | None:
+    """Largest ``|run[key] - base run[key]|`` over all pairs of successful runs (None: no pair)."""
+    pairs = [(r[key], b[key]) for r in runs for b in base
+             if "error" not in r and "error" not in b and r.get(key) is not None and b.get(key) is not None]
+    return max((abs(x - y) for x, y in pairs), default=None)
+
+
+def _fmt(value: float | None, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
+def _row(name: str, runs: list[dict], base: list[dict]) -> str:
+    """One system's line of the table."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return f"{name:<16} FAILED: {runs[0]['error'][:300]}"
+    qps = [r["qps"] for r in ok]
+    ratios = [r["qps"] / b["qps"] for r, b in zip(runs, base) if "error" not in r and "error" not in b]
+    ratio = (f"{min(ratios):>11.2f} {statistics.median(ratios):>5.2f} {max(ratios):>5.2f}" if ratios
+             else f"{'-':>11} {'-':>5} {'-':>5}")
+    errors = [r["error"] for r in runs if "error" in r]
+    failed = f"  ({len(errors)} of {len(runs)} failed: {errors[0][:200]})" if errors else ""
+    return (f"{name:<16} {statistics.median(qps):>8,.0f} {min(qps):>7,.0f}..{max(qps):<6,.0f} {ratio} "
+            f"{ok[-1]['last_loss']:>10.7f} {_fmt(_max_diff(runs, base, 'last_loss'), '.1e', 8)} "
+            f"{_fmt(_max_diff(runs, base, 'first_loss'), '.1e', 8)} {_fmt(ok[-1].get('table_change'), '.3e', 9)} "
+            f"{statistics.median(r['wall'] for r in runs):>6.0f}{failed}")
+
+
+def report(size: str, found: dict[str, list[dict]]) -> None:
+    """The table of one size (columns: see the module docstring)."""
+    base = found.get("dmp_tw", [])
+    print(f"\n{size} (rows x dim per table)\n{'system':<16} {'QPS':>8} {'min..max':>15} {'/dmp_tw min':>11} "
+          f"{'med':>5} {'max':>5} {'loss last':>10} {'d loss':>8} {'d loss0':>8} {'|W-W0|':>9} {'wall s':>6}")
+    for name, runs in found.items():
+        print(_row(name, runs, base))
+    fx = [r for n, runs in found.items() if n.startswith("fx_") for r in runs]
+    loss, change = _max_diff(fx, base, "last_loss"), _max_diff(fx, base, "table_change")
+    if loss is not None:
+        print(f"max |fxdist final loss - dmp_tw final loss| = {loss:.2e} (over fxdist systems and rounds)"
+              + ("" if change is None else f"; max | |W-W0| fxdist - |W-W0| dmp_tw | = {change:.2e}"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), help="ROWSxDIM, rows per table x embedding dim")
+    p.add_argument("--systems", nargs="+", default=list(systems.SYSTEMS), choices=systems.SYSTEMS)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 8 steps, 2 warm-up, first size only")
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.sizes = 1, 8, 2, args.sizes[:1]
+    _bench.reexec_with_fixed_allocator()
+    import torch
+    import torchrec
+
+    print(f"CPU: {cpu_isa()}; {os.cpu_count()} cores; load average at start {os.getloadavg()}")
+    print(f"torch {torch.__version__}, torchrec {torchrec.__version__}, MALLOC_MMAP_THRESHOLD_="
+          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}; {systems.WORLD} trainers x batch {systems.BATCH}, "
+          f"{systems.SERVERS} fxdist servers; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
+          "steps); progress on stderr")
+    for size in args.sizes:
+        rows, dim = (int(x) for x in size.lower().split("x"))
+        report(size, measure(rows, dim, args.systems, args))
+    print(f"\nload average at end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
