@@ -271,7 +271,9 @@ def run_fx(rank: int, s: Setting) -> dict:
     if rank == 0:
         get_client(names[0]).set_delays(fetch_delay_s=float(s.system.split("_")[-1][:-2]) / 1e3)
     dist.barrier()
-    ddp = nn.parallel.DistributedDataParallel(gm)
+    # as torchrec's DMP wraps its dense part (DefaultDataParallelWrapper): the traced module's buffers are the
+    # trace's tensor constants (DLRM's interaction indices), the same on every trainer; nothing to broadcast
+    ddp = nn.parallel.DistributedDataParallel(gm, broadcast_buffers=False)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     data = batches(rank, s.warmup + s.steps, s.rows)
     total = len(data)

@@ -16,7 +16,8 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_blocking_{0,1}ms`` / ``fx_prefetch_{0,1}ms``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),
   "async_rpc" | "async_rpc_prefetch"))``: the tables on 2 parameter-server processes (torch_rpc, TCP/uv
   transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
-  batch (``next_sparse_features``); dense part DDP over gloo.
+  batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting buffers each step, as DMP
+  wraps its dense part.
 
 Every (size, system) run starts fresh processes (spawn); the systems take turns within a round, round after
 round. All start from the same weights (dense arches from one seed; each table the rows fxdist's servers make
