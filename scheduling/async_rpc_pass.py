@@ -48,7 +48,7 @@ from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
 
 from .prefetch import add_prefetch
-from .rpc_kinds import AsyncPair, destination, pair_for, presplit_pair_for
+from .rpc_kinds import AsyncPair, destination, pair_for, presplit_pair_for, trace_meta
 from .timeline import format_timeline
 
 __all__ = ["async_rpc", "async_rpc_prefetch", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]
@@ -99,7 +99,7 @@ def split_rpcs(graph: Graph, max_staleness: int | None = None) -> list[RPCSite]:
             start = graph.call_function(pair.start, node.args, kwargs)
             wait = graph.call_function(finish, (start,))
         for new in (start, wait):
-            new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            new.meta.update(trace_meta(node))
             new.meta["async_rpc"] = node.name
         node.replace_all_uses_with(wait)
         graph.erase_node(node)

@@ -80,11 +80,12 @@ from fxdist.passes.pass_base import PassBase, PassResult
 from recsys.embedding import EmbeddingLeafTracer, is_embedding_module
 
 from . import placement_ops
-from .placement_find import Candidate, NotMoved, find_embeddings
+from .placement_find import Candidate, NotMoved, call_arguments, find_embeddings
 from .placement_group import group_candidates, group_label, rewrite_group
 from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of
 from .ps import ops
 from .ps.config import TableSpec, table_specs
+from .rpc_kinds import trace_meta
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
            "table_state_dict", "load_table_state_dict", "client_names"]
@@ -213,11 +214,7 @@ def _model_device(gm: nn.Module) -> torch.device | None:
 # ---- the graph rewrite ----------------------------------------------------------------------------------------
 def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     """(the KeyedJaggedTensor node, a function turning the pooled KeyedTensor node into the module's output)."""
-    import inspect
-
-    bound = inspect.signature(c.module.forward).bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    args = list(bound.arguments.values())
+    args = call_arguments(c.module, node)
     m = c.module
     if c.kind == "ebc":
         return args[0], lambda kt: kt
@@ -243,7 +240,7 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     after = max(inputs + [n for n in graph.nodes if n.op == "placeholder"], key=pos.__getitem__)
     with graph.inserting_after(after):
         kjt = graph.call_function(fn, fn_args, kwargs)
-    kjt.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    kjt.meta.update(trace_meta(node))
     kjt.meta["parameter_servers"] = c.qualname
     return kjt, finish
 
@@ -265,7 +262,7 @@ def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> Non
             out = finish(graph.call_function(ops.ps_pool, (client.name, kjt, *parts)))
         new = anchor.next
         while new is not node:
-            new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            new.meta.update(trace_meta(node))
             new.meta["parameter_servers"] = c.qualname
             new = new.next
         node.replace_all_uses_with(out)

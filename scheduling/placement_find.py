@@ -37,7 +37,7 @@ from torch import nn
 from fxdist.node import Node
 from recsys.embedding import embedding_kind
 
-__all__ = ["Candidate", "NotMoved", "find_embeddings", "inplace_user"]
+__all__ = ["Candidate", "NotMoved", "find_embeddings", "inplace_user", "is_inplace", "call_arguments"]
 
 
 @dataclass
@@ -78,7 +78,9 @@ _VIEWS = {"values", "to_dict", "view", "reshape", "narrow", "select", "split", "
           "unsqueeze", "transpose", "permute", "flatten", "t", "expand", "view_as", "__getitem__"}
 
 
-def _is_inplace(node: Node, modules: dict[str, nn.Module]) -> bool:
+def is_inplace(node: Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``node`` modifies its first argument in place (``x.add_(1)``, ``operator.iadd``, a module or
+    call with ``inplace=True``)."""
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if node.op == "call_module":
         return bool(getattr(modules.get(str(node.target)), "inplace", False))
@@ -92,7 +94,7 @@ def _is_inplace(node: Node, modules: dict[str, nn.Module]) -> bool:
 def inplace_user(node: Node, modules: dict[str, nn.Module]) -> Node | None:
     """The first node modifying ``node``'s value (or a view of it, a KeyedTensor's values) in place, or None."""
     for user in node.users:
-        if user.args and user.args[0] is node and _is_inplace(user, modules):
+        if user.args and user.args[0] is node and is_inplace(user, modules):
             return user
         view = (user.op == "call_method" and user.target in _VIEWS) or (
             user.op == "call_function" and user.target in (operator.getitem, torch.split, torch.chunk))
@@ -101,6 +103,18 @@ def inplace_user(node: Node, modules: dict[str, nn.Module]) -> Node | None:
             if found is not None:
                 return found
     return None
+
+
+def call_arguments(m: nn.Module, node: Node) -> list[Any]:
+    """The arguments of ``node``'s call of ``m``, bound to ``m.forward``'s parameters, defaults filled in, in
+    the signature's order.
+
+    Raises:
+        TypeError: the call does not bind (:func:`find_embeddings` leaves such modules local).
+    """
+    bound = inspect.signature(m.forward).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return list(bound.arguments.values())
 
 
 def _weights(kind: str, m: nn.Module) -> list[torch.Tensor]:

@@ -39,8 +39,11 @@ from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 
 from . import placement_ops
-from .placement_find import Candidate, _is_inplace
+from recsys.embedding import embedding_kind
+
+from .placement_find import Candidate, call_arguments, is_inplace
 from .ps import ops
+from .rpc_kinds import trace_meta
 
 __all__ = ["GROUPABLE", "group_candidates", "group_label", "rewrite_group"]
 
@@ -62,11 +65,9 @@ def _ancestors(nodes: list[Any]) -> set[Node]:
 def _writes(node: Node, modules: dict[str, Any]) -> bool:
     """Whether ``node`` may modify a value in place (or do anything else besides computing its output)."""
     if node.op == "call_module":
-        from .placement_find import embedding_kind
-
         module = modules.get(str(node.target))
         return module is None or embedding_kind(module) is None
-    return node.op in ("call_function", "call_method") and (node.is_impure() or _is_inplace(node, modules))
+    return node.op in ("call_function", "call_method") and (node.is_impure() or is_inplace(node, modules))
 
 
 def _chain(first: Node, call: Node, pos: dict[Node, int], modules: dict[str, Any]) -> list[Node] | None:
@@ -129,12 +130,8 @@ def _move_chain(members: list[Candidate]) -> None:
 
 def _member(c: Candidate) -> tuple[tuple, tuple[Any, ...]]:
     """A member's static description for :func:`~scheduling.placement_ops.group_to_kjt` and its input nodes."""
-    import inspect
-
-    node, m = c.nodes[0], c.module
-    bound = inspect.signature(m.forward).bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    args = tuple(bound.arguments.values())
+    m = c.module
+    args = tuple(call_arguments(m, c.nodes[0]))
     if c.kind == "embedding":
         return ("embedding", m.num_embeddings, m.padding_idx), args[:1]
     return ("bag", m.num_embeddings, m.mode, m.include_last_offset, m.padding_idx), args[:3]
@@ -146,7 +143,7 @@ def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, traina
     graph = gm.graph
     _move_chain(members)
     first = members[0].nodes[0]
-    keep = {k: v for k, v in first.meta.items() if k in ("stack_trace", "nn_module_stack")}
+    keep = trace_meta(first)
     label = group_label(members)
     described = [_member(c) for c in members]
     tensors = tuple(a for _, args in described for a in args)
@@ -174,7 +171,7 @@ def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, traina
             "offsets": args[1], "include_last_offset": c.module.include_last_offset}
         with graph.inserting_before(node):
             out = graph.call_function(placement_ops.group_output, (pooled, start, start + dim, args[0]), extra)
-        out.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        out.meta.update(trace_meta(node))
         out.meta["parameter_servers"] = c.qualname
         start += dim
         node.replace_all_uses_with(out)

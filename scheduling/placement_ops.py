@@ -31,7 +31,7 @@ import torch
 
 import fxdist
 
-from .ps.checks import ids_suspect, raise_embedding_bag_error, raise_embedding_error
+from .ps.checks import bad_id_dtype, ids_suspect, raise_embedding_bag_error, raise_embedding_error
 
 __all__ = ["bag_to_kjt", "index_to_kjt", "index_output", "sequence_to_kjt", "sequence_output", "group_to_kjt",
            "group_output"]
@@ -98,7 +98,7 @@ def _bag_suspect(input: Any, offsets: Any, per_sample_weights: Any, mode: str, n
     if offsets is not None and (offsets.dtype != input.dtype or (offsets.numel() > 0 and int(offsets[0]) != 0)):
         return True
     if num_embeddings is None:
-        return input.dtype not in (torch.int64, torch.int32)
+        return bad_id_dtype(input)
     return ids_suspect(input, num_embeddings)
 
 
@@ -221,7 +221,7 @@ def _member_parts(feature: str, member: tuple, tensors: tuple) -> tuple[torch.Te
     (ids' range is checked for the whole group at once)."""
     if member[0] == "embedding":
         (index,), (_, rows, padding_idx) = tensors, member
-        if index.dtype not in (torch.int64, torch.int32):
+        if bad_id_dtype(index):
             raise_embedding_error(index, rows, padding_idx)
         return index.reshape(-1), torch.ones(index.numel(), dtype=torch.long, device=index.device), None
     (input, offsets, weights), (_, rows, mode, include_last_offset, padding_idx) = tensors, member

@@ -56,7 +56,7 @@ from fxdist.node import Node
 
 from .batch_replay import input_reason, replay_module
 from .ps import ops
-from .rpc_kinds import node_arg
+from .rpc_kinds import node_arg, trace_meta
 
 __all__ = ["add_prefetch", "lookahead", "PrefetchWarning"]
 
@@ -131,7 +131,7 @@ class _NextBatches:
         root.add_submodule(name, module)
         nexts = tuple(self.input(n) for n in inputs)
         current = self._add(lambda: graph.call_module(name, tuple(inputs)))
-        current.meta.update({k: v for k, v in batch.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        current.meta.update(trace_meta(batch))
         batch.replace_all_uses_with(current)
         _erase_unused(graph, batch)
         nxt = self._add(lambda: graph.call_module(name, nexts, {"next_batch": True}))

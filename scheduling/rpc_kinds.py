@@ -35,7 +35,7 @@ from fxdist.node import Node
 
 from .ps import ops
 
-__all__ = ["AsyncPair", "register_async_pair", "pair_for", "presplit_pair_for", "destination", "node_arg",
+__all__ = ["AsyncPair", "register_async_pair", "pair_for", "presplit_pair_for", "destination", "node_arg", "trace_meta",
            "EXTENSIONS"]
 
 
@@ -112,6 +112,12 @@ def node_arg(node: Node, position: int, keyword: str, default: Any = None) -> An
     if position < len(node.args):
         return node.args[position]
     return node.kwargs.get(keyword, default)
+
+
+def trace_meta(node: Node) -> dict[str, Any]:
+    """The metadata that points at the user's code (``stack_trace``, ``nn_module_stack``), for the nodes a pass
+    puts in ``node``'s place."""
+    return {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
 
 
 def destination(node: Node, pair: AsyncPair) -> Hashable | None:

@@ -27,14 +27,19 @@ import torch.nn.functional as F
 
 from .device import to_host
 
-__all__ = ["ids_suspect", "raise_embedding_error", "raise_embedding_bag_error", "check_kjt"]
+__all__ = ["bad_id_dtype", "ids_suspect", "raise_embedding_error", "raise_embedding_bag_error", "check_kjt"]
 
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
+def bad_id_dtype(ids: torch.Tensor) -> bool:
+    """Whether ``ids`` are of a dtype the local embedding modules refuse (not int64/int32)."""
+    return ids.dtype not in _ID_DTYPES
+
+
 def ids_suspect(ids: torch.Tensor, num_embeddings: int) -> bool:
     """Whether ``ids`` (any shape) might make the local module raise: not int64/int32, or out of range."""
-    if ids.dtype not in _ID_DTYPES:
+    if bad_id_dtype(ids):
         return True
     return ids.numel() > 0 and bool((ids.min() < 0) | (ids.max() >= num_embeddings))
 
@@ -76,7 +81,7 @@ def check_kjt(kjt: Any, tables: Sequence[Any], weighted: bool | None) -> None:
         raise AssertionError("This (Keyed)JaggedTensor doesn't have weights.")
     values, keys = kjt.values(), kjt.keys()
     rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
-    suspect = values.dtype not in _ID_DTYPES
+    suspect = bad_id_dtype(values)
     start = 0
     for key, n in zip(keys, kjt.length_per_key()):
         if suspect or (key in rows and ids_suspect(values[start:start + n], rows[key])):
