@@ -326,7 +326,8 @@ def _arm(req: _Request) -> None:
     if not _WATCHDOG or not _WATCHDOG[0].is_alive():
         _WATCHDOG[:] = [threading.Thread(target=_watch, name="fxdist-ps-order-watchdog", daemon=True)]
         _WATCHDOG[0].start()
-    _WAKE.notify()
+    if _DEADLINES[0][2] is req:  # the watchdog sleeps until the earliest deadline: wake it only for a new earliest
+        _WAKE.notify()
 
 
 def _watch() -> None:

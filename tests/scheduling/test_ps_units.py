@@ -61,6 +61,19 @@ def test_a_missing_request_times_out_with_a_clear_error():
         in_order(("gap", 1, 0.2), "lookup", "psX", lookup=lambda: None)
 
 
+
+def test_a_shorter_wait_parked_after_a_longer_one_times_out_on_its_own_deadline():
+    # the watchdog sleeps until the earliest deadline; a new earlier one must wake it
+    slow = threading.Thread(target=lambda: pytest.raises(RuntimeError, in_order, ("gap-long", 1, 3.0), "lookup",
+                                                         "psX", lookup=lambda: None), daemon=True)
+    slow.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"lookup #1 waited 0.2 s"):
+        in_order(("gap-short", 1, 0.2), "lookup", "psX", lookup=lambda: None)
+    assert time.monotonic() - t0 < 2.0, "the short wait was failed only when the longer deadline woke the watchdog"
+    slow.join(timeout=10)
+
 def test_row_wise_shards_sum_to_the_full_lookup_and_push_touches_only_their_rows():
     spec = TableSpec("t", 6, 3, ("f",))
     weight = torch.randn(6, 3)
