@@ -1,0 +1,41 @@
+"""The order in which a parameter server serves a client's requests (:mod:`scheduling.ps.ordering`), in process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from scheduling.ps.ordering import in_order
+
+
+def test_requests_of_a_client_run_in_issue_order():
+    done: list[int] = []
+    threads = [threading.Thread(target=in_order, args=(("k", seq, 5.0), "push", "ps0"),
+                                kwargs={"push": lambda s=seq: done.append(s)})
+               for seq in (2, 1, 0)]                      # they arrive in reverse order
+    for t in threads:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join(timeout=10)
+    assert done == [0, 1, 2]
+
+
+def test_a_missing_request_times_out_with_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"server psX: lookup #1 waited 0.2 s for the client's request #0"):
+        in_order(("gap", 1, 0.2), "lookup", "psX", lookup=lambda: None)
+
+
+def test_a_shorter_wait_parked_after_a_longer_one_times_out_on_its_own_deadline():
+    # the watchdog sleeps until the earliest deadline; a new earlier one must wake it
+    slow = threading.Thread(target=lambda: pytest.raises(RuntimeError, in_order, ("gap-long", 1, 3.0), "lookup",
+                                                         "psX", lookup=lambda: None), daemon=True)
+    slow.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"lookup #1 waited 0.2 s"):
+        in_order(("gap-short", 1, 0.2), "lookup", "psX", lookup=lambda: None)
+    assert time.monotonic() - t0 < 2.0, "the short wait was failed only when the longer deadline woke the watchdog"
+    slow.join(timeout=10)
