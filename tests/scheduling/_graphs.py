@@ -1,10 +1,15 @@
-"""Helpers for the scheduling tests: clients that need no servers, graph order queries."""
+"""Helpers for the scheduling tests: clients that need no servers, graph order queries, a hand-built step."""
 
 from __future__ import annotations
 
-from fxdist.graph import Graph
+import operator
 
-from scheduling.ps import PSClient
+import torch
+
+from fxdist.graph import Graph
+from fxdist.graph_module import GraphModule
+
+from scheduling.ps import PSClient, ops
 from scheduling.ps.config import TableSpec
 
 
@@ -24,3 +29,23 @@ def before(graph: Graph, a: str, b: str) -> bool:
     """Whether node ``a`` comes before node ``b``."""
     names = order(graph)
     return names.index(a) < names.index(b)
+
+
+def graph_module(graph: Graph) -> GraphModule:
+    """The graph in a module with no submodules."""
+    return GraphModule(torch.nn.Module(), graph)
+
+
+def push_fetch_graph() -> Graph:
+    """A step of client ``graph_ps``: a lookup on server 0, its push, a second lookup on 0 and one on 1."""
+    g = Graph()
+    kjt, x = g.placeholder("kjt"), g.placeholder("x")
+    f0 = g.call_function(ops.ps_fetch, ("graph_ps", 0, kjt))
+    loss = g.call_function(torch.sum, (g.call_function(operator.mul, (f0, x)),))
+    done = g.call_function(ops.ps_backward, (loss,))
+    g.call_function(ops.ps_push, ("graph_ps", 0, kjt, f0, done))
+    g.call_function(torch.relu, (x,), name="dense_work")
+    again = g.call_function(ops.ps_fetch, ("graph_ps", 0, kjt))     # same server: must see the push
+    other = g.call_function(ops.ps_fetch, ("graph_ps", 1, kjt))     # other server: independent
+    g.output((again, other, done))
+    return g
