@@ -2,7 +2,8 @@
 
 The same graph is built with ``fxdist.Graph`` and ``torch.fx.Graph`` (same API) and the generated
 source compared. With ``CodeGen(fast_module_access=False)`` the text must be identical; with the
-default, only ``call_module``/``get_attr`` module paths differ (documented in fxdist/codegen.py).
+default, only ``call_module``/``get_attr`` module paths differ (documented in fxdist/codegen.py). The spelling of
+Python objects in that source is fxdist/_pysource.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Most tests build the same graph with ``torch.fx.Graph`` and ``fxdist.Graph`` and compare printed text
 and node names; the worked examples of torch.fx's Graph API (torch/fx/graph.py: inserting_after/before,
-erase_node, replace_all_uses_with, python_code) are checked against their printed results.
+erase_node, replace_all_uses_with, python_code) are checked against their printed results. Private helpers
+tested here through Graph: fxdist/_graph_state.py (pickling without recursion) and fxdist/_body_lines.py
+(``on_generate_code`` body transformers).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""GraphModule: attribute sharing, recompilation, tracebacks, to_folder, deepcopy/pickle, submodules."""
+"""GraphModule: attribute sharing, recompilation, tracebacks, to_folder, deepcopy/pickle, submodules (the picklable
+form and ``to_folder`` are fxdist/_graph_module_io.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of the symbolic tracer (fxdist/tracer.py, fxdist/proxy.py), mostly differential vs torch.fx."""
+"""Tests of the symbolic tracer (fxdist/tracer.py, fxdist/proxy.py), mostly differential vs torch.fx; through the
+tracer also fxdist/_mutable_ops.py (``check_mutable_operations``) and fxdist/_stack_trace.py (``stack_trace``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""How exactly the servers' ``optimizer="sgd"`` trains against ``torch.optim.SGD`` on local tables.
+"""How exactly the servers' ``optimizer="sgd"`` (scheduling/ps/optimizer.py) trains against ``torch.optim.SGD`` on
+local tables.
 
 The servers sum each row's gradients over a push in another order than autograd's embedding backward, so only
 ``nn.Embedding`` (one id per row and sample) is bit-identical; the bags, ``per_sample_weights`` and a table
