@@ -8,6 +8,9 @@ The model is torchrec's own ``torchrec.models.dlrm.DLRM``; put its tables on par
     for (dense, kjt, labels), nxt in scheduling.lookahead(criteo_batches(path, 256)):
         logits = gm(dense, kjt, next_sparse_features=None if nxt is None else nxt[1])
 
+:func:`criteo_batches` reads with the job's reader (:func:`recsys.criteo_shard.read_file`; the format and the one
+id hash: :mod:`recsys.criteo_format`), so a line gives the ids the job and ``quant``'s ``load_criteo`` give it.
+
 Source: torchrec ``DLRM`` (Naumov et al. 2019); the Criteo Kaggle display-advertising format.
 """
 

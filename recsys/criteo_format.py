@@ -9,8 +9,7 @@ may be empty). Each line becomes
   table_size_j)`` with a 64-bit mix (splitmix64's finaliser, salted by ``j``: stable across processes and
   runs, unlike Python's ``hash``; :func:`mix64`, :func:`hash_ids`); empty -> id 0 ("missing"). Every reader
   of the project uses this hash: the job's, :func:`recsys.criteo.criteo_batches` and ``quant``'s
-  ``load_criteo``. ``table_size`` is one size for all 26 tables or
-  one per feature (``[model] table_sizes``);
+  ``load_criteo``. ``table_size`` is one size for all 26 tables or one per feature (``[model] table_sizes``);
 - ``label``: 0.0 or 1.0.
 
 Lines that do not parse are counted by reason and skipped; they never stop a job. Each field is checked
