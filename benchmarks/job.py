@@ -143,7 +143,8 @@ def export_overhead(steps: int, trials: int) -> tuple[list[dict], list[dict]]:
     import torch
 
     from jobs.config import load_config
-    from jobs.data import CriteoShard, resolve_data_path
+    from jobs.data import resolve_data_path
+    from recsys.criteo_shard import CriteoShard
 
     torch.set_num_threads(1)
     config = load_config()

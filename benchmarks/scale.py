@@ -21,7 +21,7 @@ Kaggle's per-feature cardinalities, seed 0), written once to a temporary folder 
    log(total rows held) and its factor per doubling of the rows (``2 ** slope``).
 2. Parse vs train: the job on all the lines (1M; ``--quick``: 100k): the reader's parse throughput in
    lines/s (from ``results.json`` when the reader reports it, else timed here with the job's own parser,
-   ``jobs.data.CriteoShard``, on one core) against the job's training QPS (samples/s = lines/s).
+   ``recsys.criteo_shard.CriteoShard``, on one core) against the job's training QPS (samples/s = lines/s).
 3. Storage: fp32, fp16 and fused 8-bit server rows at 10^6 rows a table (``--quick``: 10^5), same data and
    seed: server bytes, the server's peak RSS, QPS and held-out AUC, with ratios against fp32.
 
@@ -197,8 +197,8 @@ def _secs(t: float | None) -> str:
 
 
 def kaggle_layout(cap: int) -> list[int]:
-    """Criteo Kaggle's per-feature cardinalities capped at ``cap`` rows (:data:`jobs.synth.CRITEO_KAGGLE_CARDINALITIES`)."""
-    from jobs.synth import CRITEO_KAGGLE_CARDINALITIES
+    """Criteo Kaggle's per-feature cardinalities capped at ``cap`` rows (:data:`recsys.criteo_synth.CRITEO_KAGGLE_CARDINALITIES`)."""
+    from recsys.criteo_synth import CRITEO_KAGGLE_CARDINALITIES
 
     return [max(2, min(c, cap)) for c in CRITEO_KAGGLE_CARDINALITIES]
 
@@ -296,12 +296,12 @@ def parse_rates(results: dict, data: Path) -> list[tuple[str, float]]:
     found += _find_rates(results["phases"]["optimized"], "phases.optimized")
     if found:
         return found
-    from jobs.data import CriteoShard
+    from recsys.criteo_shard import CriteoShard
 
     lines = sum(1 for _ in data.open("rb"))
     t0 = time.perf_counter()  # every line is parsed; every 1000th is kept
     CriteoShard(data, int(results["config"]["model"]["table_size"]), eval_fraction=0.001, split="eval")
-    return [("timed here (results.json has no rate): jobs.data.CriteoShard, one core",
+    return [("timed here (results.json has no rate): recsys.criteo_shard.CriteoShard, one core",
              lines / (time.perf_counter() - t0))]
 
 

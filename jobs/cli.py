@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE")
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write synthetic Criteo-format data (Zipf ids, Criteo Kaggle's "
-                                          "per-feature cardinalities, learnable labels; see jobs/synth.py)")
+                                          "per-feature cardinalities, learnable labels; see recsys/criteo_synth.py)")
     synth.add_argument("--lines", type=int, required=True, help="lines to write (all files together)")
     synth.add_argument("--out", required=True, help="output folder (train_<i>.tsv files)")
     synth.add_argument("--files", type=int, default=1, help="number of files (like Criteo's day_0..day_23)")
@@ -117,17 +117,34 @@ def _error(e: BaseException, prefix: str = "") -> None:
         print(f"fxdist: {note}", file=sys.stderr)
 
 
+def _data_synth(lines: int, out: str, *, files: int = 1, gzip_output: bool = False, seed: int = 0,
+                max_cardinality: int = 10_000_000) -> int:
+    """``fxdist data synth``: write the files (:func:`recsys.criteo_synth.write_synthetic`) and print what was
+    written and how fast."""
+    import time
+
+    from recsys.criteo_synth import SynthSpec, write_synthetic
+
+    t0 = time.perf_counter()
+    paths = write_synthetic(out, lines, files=files, gzip_output=gzip_output,
+                            spec=SynthSpec(seed=seed, max_cardinality=max_cardinality))
+    seconds = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in paths)
+    print(f"wrote {lines} synthetic Criteo lines to {len(paths)} file(s) in {out} ({size / 2**20:.1f} MiB) in "
+          f"{seconds:.1f} s ({lines / seconds:,.0f} lines/s); per-feature cardinalities: Criteo Kaggle's, capped at "
+          f"{max_cardinality}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fxdist`` console script (exit status: see the module docstring)."""
-    from jobs.data import DataError
+    from recsys.criteo_format import DataError
 
     args = _parser().parse_args(argv)
     if args.command == "data":
-        from jobs import synth
-
         try:
-            return synth.main(args.lines, args.out, files=args.files, gzip_output=args.gzip, seed=args.seed,
-                              max_cardinality=args.max_cardinality)
+            return _data_synth(args.lines, args.out, files=args.files, gzip_output=args.gzip, seed=args.seed,
+                               max_cardinality=args.max_cardinality)
         except (ValueError, OSError) as e:
             _error(e)
             return 2

@@ -138,7 +138,7 @@ class DataSection:
     path: str = ""
     """Criteo TSV, plain or gzip/bz2/xz-compressed (detected from the first bytes): one file, a directory of
     files (natural order, ``day_0 .. day_23``) or a glob; "" = ../shared/data/criteo/train_examples.txt when
-    present, else synthetic data. Streamed (:mod:`jobs.criteo_stream`): whole files per trainer when there are
+    present, else synthetic data. Streamed (:mod:`recsys.criteo_stream`): whole files per trainer when there are
     at least as many files as trainers, else lines round-robin."""
     synthetic_rows: int = _key(20000, 1, 10**7)
     """Rows of Criteo-format data generated when no file is found."""
@@ -151,7 +151,7 @@ class DataSection:
     ``[model] factory``."""
     reader_workers: int = _key(1, 0, 64)
     """Worker processes that read and parse each trainer's Criteo data off the training thread (a torch
-    DataLoader; :mod:`jobs.criteo_stream`); 0 = parse in the training process. The batches do not depend on it."""
+    DataLoader; :mod:`recsys.criteo_stream`); 0 = parse in the training process. The batches do not depend on it."""
     eval_max_rows: int = _key(200_000, 1, 10**8)
     """At most this many held-out rows are kept in memory for AUC / log loss (the first ones, in file order)."""
     options: dict = field(default_factory=dict)

@@ -8,7 +8,7 @@ embedding_dim`` and an over arch ``top_mlp -> 1``. It goes through the same path
 pass, which moves the 26 tables to the servers, then the optimized phase's passes. With servers the tables are
 built on the ``meta`` device and the servers initialise them, so no trainer allocates them.
 
-A Criteo :class:`~jobs.data.Batch` becomes the model's inputs with :func:`model_inputs`: the ``(B, 26)`` hashed
+A Criteo :class:`~recsys.criteo_format.Batch` becomes the model's inputs with :func:`model_inputs`: the ``(B, 26)`` hashed
 ids become a ``KeyedJaggedTensor`` with one id per bag (:func:`to_kjt`).
 
 Shapes: ``dense (B, 13) float32``, ``sparse`` a ``KeyedJaggedTensor`` (keys ``C1..C26``, ``B`` bags each) ->
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.data import NUM_SPARSE, Batch
+from recsys.criteo_format import NUM_SPARSE, Batch
 
 __all__ = ["FEATURES", "table_sizes", "dlrm", "to_kjt", "model_inputs"]
 

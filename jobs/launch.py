@@ -45,9 +45,10 @@ import torch
 
 from jobs import preflight, runs, table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
-from jobs.data import DataError, resolve_data_path
+from jobs.data import resolve_data_path
 from jobs.state import JobState, seed_snapshot, with_snapshot
 from jobs.stats import peak_rss_bytes
+from recsys.criteo_format import DataError
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases", "write_prometheus_files",
            "DASHBOARDS"]

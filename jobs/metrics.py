@@ -80,7 +80,7 @@ class Exporter:
                           "median of the interleaved block pairs and its interval.", ("job", "stat"),
                           registry=self.registry)
         self.reader_rate = Gauge("fxdist_reader_lines_per_second", "Criteo lines this trainer's reader parses per "
-                                 "second of parse time, per worker process (jobs.criteo_stream).", ("job", "rank"),
+                                 "second of parse time, per worker process (recsys.criteo_stream).", ("job", "rank"),
                                  registry=self.registry)
         self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._server = None
@@ -125,7 +125,7 @@ class Exporter:
         self.ps_bytes.labels(job=self.job, rank=self.rank).set(bytes)
 
     def observe_reader(self, lines_per_s: float) -> None:
-        """The trainer's parse throughput so far (:meth:`jobs.criteo_stream.CriteoStream.stats`), lines/s."""
+        """The trainer's parse throughput so far (:meth:`recsys.criteo_stream.CriteoStream.stats`), lines/s."""
         self.reader_rate.labels(job=self.job, rank=self.rank).set(lines_per_s)
 
     def observe_gain(self, gain: dict[str, Any]) -> None:

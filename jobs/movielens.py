@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.data import DataError
+from recsys.criteo_format import DataError
 
 __all__ = ["NUM_USERS", "NUM_ITEMS", "MEAN_RATING", "MatrixFactorization", "model", "batches", "default_path",
            "load_ratings"]

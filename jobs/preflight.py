@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from jobs.config import ConfigError, JobConfig
-from jobs.data import NUM_DENSE, NUM_SPARSE, locate_data
+from jobs.data import locate_data
+from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
 
 __all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "server_table_bytes", "MemoryEstimate", "server_table_copies",
            "available_memory_bytes"]
@@ -113,7 +114,7 @@ def plan(config: JobConfig, data: Path, *, local: bool, log: Any = None) -> tupl
         jobs.data.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
     """
     from jobs import table_sizes
-    from jobs.criteo_stream import scan
+    from recsys.criteo_shard import scan
 
     per_feature = config.model.table_sizes == "data"
     found = scan(data, config.cluster.trainers, config.data.eval_fraction,

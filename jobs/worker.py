@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from jobs.config import JobConfig, parse_config
-from jobs.data import CriteoShard
+from recsys.criteo_shard import CriteoShard
 from jobs.metrics import Exporter
 from jobs.optimizers import dense_optimizer
 from jobs.sparse_grads import data_parallel
@@ -375,7 +375,7 @@ def _deterministic_errors() -> dict[type, str]:
     """Error types that a retry cannot fix -> the kind the launcher maps to an exit status."""
     from fxdist.errors import TraceError
     from jobs.config import ConfigError
-    from jobs.data import DataError
+    from recsys.criteo_format import DataError
 
     return {ConfigError: "config", DataError: "data", TraceError: "job"}
 

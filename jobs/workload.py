@@ -40,8 +40,9 @@ from torch import nn
 
 from jobs import criteo, entry
 from jobs.config import JobConfig
-from jobs.criteo_stream import CriteoStream, DataPlan, SharedBatches, scan
-from jobs.data import CriteoShard, DataError
+from recsys.criteo_format import DataError
+from recsys.criteo_shard import CriteoShard, DataPlan, scan
+from recsys.criteo_stream import CriteoStream, SharedBatches
 
 __all__ = ["build_model", "criteo_shard", "CriteoWorkload", "UserWorkload", "make_workload", "LocalTables",
            "make_tables", "release_tables", "inference_batches"]

@@ -8,12 +8,14 @@ The model is torchrec's own ``torchrec.models.dlrm.DLRM``; put its tables on par
     for (dense, kjt, labels), nxt in scheduling.lookahead(criteo_batches(path, 256)):
         logits = gm(dense, kjt, next_sparse_features=None if nxt is None else nxt[1])
 
+:func:`criteo_batches` reads with the job's reader (:func:`recsys.criteo_shard.read_file`; the format and the one
+id hash: :mod:`recsys.criteo_format`), so a line gives the ids the job and ``quant``'s ``load_criteo`` give it.
+
 Source: torchrec ``DLRM`` (Naumov et al. 2019); the Criteo Kaggle display-advertising format.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,13 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
+from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
+from recsys.criteo_shard import read_file
+
 __all__ = ["criteo_tables", "criteo_dlrm", "criteo_batches", "criteo_kjt", "CRITEO_DENSE", "CRITEO_SPARSE"]
 
-CRITEO_DENSE = 13
-CRITEO_SPARSE = 26
+CRITEO_DENSE = NUM_DENSE
+CRITEO_SPARSE = NUM_SPARSE
 
 
 # ---- Criteo ---------------------------------------------------------------------------------------------
@@ -98,45 +103,27 @@ def criteo_kjt(sparse: torch.Tensor) -> Any:
                              lengths=torch.ones(sparse.numel(), dtype=torch.int32))
 
 
-def _parse_criteo(path: Path, limit: int | None) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
-    labels, dense, cats = [], [], []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if limit is not None and len(labels) >= limit:
-                break
-            cols = line.rstrip("\n").split("\t")
-            if len(cols) != 1 + CRITEO_DENSE + CRITEO_SPARSE:
-                raise ValueError(f"{path}:{lineno}: expected {1 + CRITEO_DENSE + CRITEO_SPARSE} tab-separated "
-                                 f"columns (label, I1..I13, C1..C26), got {len(cols)}")
-            labels.append(float(cols[0]))
-            dense.append([math.log1p(max(float(v), 0.0)) if v else 0.0 for v in cols[1:1 + CRITEO_DENSE]])
-            cats.append(cols[1 + CRITEO_DENSE:])
-    return torch.tensor(labels), torch.tensor(dense), cats
-
-
 def criteo_batches(path: str | Path, batch_size: int, num_embeddings: int = 1000,
                    num_tables: int = CRITEO_SPARSE, limit: int | None = None,
                    ) -> Iterator[tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]]:
     """Batches ``(dense (B, 13) float, kjt with keys C1.., labels (B,) float)`` from the Criteo TSV.
 
-    Dense values become ``log(1 + max(x, 0))`` (empty: 0); a categorical value is its hex string as an
-    integer modulo ``num_embeddings``, an empty one an empty bag. The last partial batch is dropped.
+    The job's parser and ids (:func:`recsys.criteo_shard.read_file`, :mod:`recsys.criteo_format`): dense values
+    become ``log(1 + max(x, 0))`` (empty: 0); categorical feature ``j``'s value is hashed into ``[1,
+    num_embeddings)`` (:func:`recsys.criteo_format.hash_ids`), an empty one is an empty bag. The last partial
+    batch is dropped; ``limit``: read at most that many rows.
 
     Raises:
-        ValueError: a line without 40 columns (names the file and line).
+        ValueError: a malformed line, e.g. without 40 columns (a :class:`recsys.criteo_format.DataError` naming
+            the file and line).
+        FileNotFoundError: no file at ``path``.
     """
-    labels, dense, cats = _parse_criteo(Path(path), limit)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Criteo file not found at {path}")
+    dense, sparse, labels = read_file(path, num_embeddings, limit=limit)
     keys = [f"C{i}" for i in range(1, num_tables + 1)]
     for lo in range(0, len(labels) - batch_size + 1, batch_size):
-        rows = cats[lo:lo + batch_size]
-        values, lengths = [], []
-        for k in range(num_tables):
-            for row in rows:
-                if row[k]:
-                    values.append(int(row[k], 16) % num_embeddings)
-                    lengths.append(1)
-                else:
-                    lengths.append(0)
-        kjt = KeyedJaggedTensor(keys=keys, values=torch.tensor(values, dtype=torch.long),
-                                lengths=torch.tensor(lengths, dtype=torch.int32))
+        ids = sparse[lo:lo + batch_size, :num_tables].t().reshape(-1)  # key-major, as the KJT's bags
+        kjt = KeyedJaggedTensor(keys=keys, values=ids[ids > 0], lengths=(ids > 0).to(torch.int32))
         yield dense[lo:lo + batch_size], kjt, labels[lo:lo + batch_size]

@@ -138,17 +138,11 @@ def test_fxdist_names_no_package_above_it_in_strings():
     assert not bad, "fxdist/ names a package above it by string:\n" + "\n".join(bad)
 
 
-KNOWN_CYCLES = {("jobs.criteo_parse", "jobs.data"), ("jobs.criteo_stream", "jobs.data")}
-"""The Criteo readers' circle, left until they move to one reader (issue: one Criteo format, one reader)."""
-
-
 def test_no_two_modules_import_each_other_above_the_core():
     """In the layers above fxdist a cycle (lazy imports inside functions included) hides which module owns a
     concept; the shared piece goes to a third module. (fxdist's own ``graph``/``node`` pairs follow torch.fx.)
     ``scripts/import_graph.py`` prints the graph."""
     pairs = [(a, b) for a, b in cycles(module_edges(MODULES)) if not a.startswith("fxdist")]
-    assert KNOWN_CYCLES <= set(pairs), f"fixed, remove from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - set(pairs))}"
-    pairs = [pair for pair in pairs if pair not in KNOWN_CYCLES]
     assert not pairs, "modules that import each other: " + ", ".join(f"{a} <-> {b}" for a, b in pairs)
 
 

@@ -21,7 +21,6 @@ Source: Naumov et al. 2019 (DLRM); torchrec/models/dlrm.py; torchrec/inference/m
 from __future__ import annotations
 
 import copy
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,11 @@ from torch import nn
 
 import fxdist as fx
 from recsys.criteo import criteo_kjt
+from recsys.criteo_shard import read_file
 from recsys.embedding import EmbeddingLeafTracer
 
 __all__ = ["load_criteo", "criteo_kjt", "train_dlrm", "quantize_tables", "trace_dlrm",
            "default_criteo_path"]
-
-NUM_DENSE, NUM_SPARSE = 13, 26
 
 
 def default_criteo_path() -> Path:
@@ -44,31 +42,21 @@ def default_criteo_path() -> Path:
 
 
 def load_criteo(path: str | Path | None = None, *, table_size: int = 1000) -> tuple[torch.Tensor, ...]:
-    """Read a Criteo TSV (label, I1..I13, C1..C26) into ``(dense (N, 13), sparse (N, 26), labels (N,))``.
+    """Read a Criteo TSV (label, I1..I13, C1..C26) into ``(dense (N, 13), sparse (N, 26), labels (N,))`` with the
+    job's parser and ids (:func:`recsys.criteo_shard.read_file`).
 
-    Dense counts become ``log1p(max(x, 0))`` (missing = 0); categorical hex strings are hashed (crc32) into
-    ``table_size`` rows per table (missing = row 0).
+    Dense counts become ``log1p(max(x, 0))`` (missing = 0); categorical values are hashed
+    (:func:`recsys.criteo_format.hash_ids`) into ``table_size`` rows per table (missing = row 0).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: a line without 40 tab-separated fields (names the line).
+        ValueError: a malformed line, e.g. without 40 tab-separated fields (a
+            :class:`recsys.criteo_format.DataError` naming the file and line).
     """
     path = Path(path) if path is not None else default_criteo_path()
     if not path.is_file():
         raise FileNotFoundError(f"Criteo sample not found at {path}")
-    dense, sparse, labels = [], [], []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        fields = line.split("\t")
-        if len(fields) != 1 + NUM_DENSE + NUM_SPARSE:
-            raise ValueError(f"{path}:{lineno}: expected 40 tab-separated fields, got {len(fields)}")
-        labels.append(float(fields[0]))
-        dense.append([float(f) if f else 0.0 for f in fields[1 : 1 + NUM_DENSE]])
-        sparse.append([
-            0 if not f else 1 + zlib.crc32(f"{t}:{f}".encode()) % (table_size - 1)
-            for t, f in enumerate(fields[1 + NUM_DENSE :])
-        ])
-    dense_t = torch.tensor(dense).clamp_min(0).log1p()
-    return dense_t, torch.tensor(sparse, dtype=torch.long), torch.tensor(labels)
+    return read_file(path, table_size)
 
 
 def train_dlrm(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jobs.config import ConfigError, JobConfig
-from jobs.data import write_synthetic_criteo
+from recsys.criteo_synth import write_synthetic_criteo
 from jobs.inference import compare
 from jobs.launch import check_gpus
 from jobs.report import table

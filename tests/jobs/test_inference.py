@@ -11,7 +11,7 @@ from torch import nn
 
 import fxdist
 from jobs.config import JobConfig
-from jobs.data import write_synthetic_criteo
+from recsys.criteo_synth import write_synthetic_criteo
 from jobs.inference import compare, rebuild_model
 from jobs.report import table
 from jobs.worker import build_model

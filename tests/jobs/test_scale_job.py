@@ -11,7 +11,7 @@ import pytest
 
 from jobs.cli import main
 from jobs.metrics import free_port_block
-from jobs.synth import SynthSpec, write_synthetic
+from recsys.criteo_synth import SynthSpec, write_synthetic
 
 pytestmark = pytest.mark.timeout(420)
 

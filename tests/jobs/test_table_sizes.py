@@ -11,9 +11,9 @@ import torch
 from jobs import criteo, preflight, table_sizes
 from jobs.cli import main
 from jobs.config import ConfigError, JobConfig
-from jobs.criteo_stream import scan
-from jobs.synth import CRITEO_KAGGLE_CARDINALITIES, SynthSpec, write_synthetic
 from jobs.workload import build_model
+from recsys.criteo_shard import scan
+from recsys.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthSpec, write_synthetic
 
 GB = 10**9
 CRITEO_1TB_CARDINALITIES = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,

@@ -23,7 +23,7 @@ import pytest
 from jobs import preflight, runs
 from jobs.cli import main
 from jobs.config import ConfigError, JobConfig, to_dict
-from jobs.data import NUM_DENSE, NUM_SPARSE
+from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
 from jobs.metrics import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
@@ -354,7 +354,7 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
 
     import jobs.worker
     from fxdist.errors import TraceError
-    from jobs.data import DataError
+    from recsys.criteo_format import DataError
 
     class Context:
         def get_world_rank(self):
@@ -432,7 +432,9 @@ def test_interrupt_exit_code_and_notes(monkeypatch, capsys):
 @pytest.mark.parametrize("trainers, eval_fraction", [(2, 0.0), (3, 0.5), (5, 0.3), (2, 0.1)])
 def test_synthetic_rows_check_matches_what_the_shards_need(tmp_path, trainers, eval_fraction):
     """The smallest synthetic_rows the check accepts is the smallest that gives every shard a line."""
-    from jobs.data import CriteoShard, DataError, write_synthetic_criteo
+    from recsys.criteo_format import DataError
+    from recsys.criteo_shard import CriteoShard
+    from recsys.criteo_synth import write_synthetic_criteo
 
     def shards_ok(rows: int) -> bool:
         path = write_synthetic_criteo(tmp_path / "s.tsv", rows)

@@ -12,7 +12,8 @@ from torch import nn
 
 import fxdist
 from jobs.config import JobConfig
-from jobs.data import CriteoShard, write_synthetic_criteo
+from recsys.criteo_shard import CriteoShard
+from recsys.criteo_synth import write_synthetic_criteo
 from jobs.report import table, to_json, write
 from jobs.stats import phase_summary
 from jobs.metrics import Exporter

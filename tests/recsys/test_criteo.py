@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from recsys.criteo import CRITEO_SPARSE, criteo_batches, criteo_dlrm, criteo_kjt, criteo_tables
+from recsys.criteo_format import parse_line
+from recsys.criteo_shard import CriteoShard
+from recsys.criteo_synth import write_synthetic_criteo
 
 
 def test_tables_one_per_feature_with_their_sizes():
@@ -49,3 +52,35 @@ def test_a_short_line_names_the_file_and_line(tmp_path):
     path.write_text("1\t" + "\t".join(["0"] * 39) + "\n0\t1\t2\n")
     with pytest.raises(ValueError, match=r"bad\.tsv:2: expected 40 tab-separated columns"):
         list(criteo_batches(path, 1))
+
+
+def _same_ids_in_every_reader(path, size: int, rows: int, batch: int) -> None:
+    """criteo_batches, quant's load_criteo and the job's readers (in memory, vectorised: CriteoShard; one line at
+    a time: parse_line) give the same rows and ids for the same lines: one parser, one hash."""
+    from quant.models.dlrm import load_criteo
+
+    shard = CriteoShard(path, size, eval_fraction=0.0, max_rows=rows)
+    text = [line for line in path.read_text().splitlines() if line.strip()][:rows]
+    assert shard.sparse.tolist() == [parse_line(line, size)[1] for line in text]
+    assert bool((shard.sparse == 0).any()) and bool((shard.sparse > 0).all(dim=1).any())  # missing and present ids
+    dense, sparse, labels = load_criteo(path, table_size=size)
+    assert torch.equal(sparse[:rows], shard.sparse) and torch.equal(dense[:rows], shard.dense)
+    assert torch.equal(labels[:rows], shard.labels)
+    batches = list(criteo_batches(path, batch, num_embeddings=size, limit=rows))
+    assert len(batches) == rows // batch
+    for k, (d, kjt, y) in enumerate(batches):
+        ids = shard.sparse[k * batch:(k + 1) * batch]
+        for j, key in enumerate(kjt.keys()):  # an empty bag where the job's id is 0 ("missing")
+            assert kjt[key].values().tolist() == ids[:, j][ids[:, j] > 0].tolist()
+            assert kjt[key].lengths().tolist() == (ids[:, j] > 0).int().tolist()
+        assert torch.equal(d, shard.dense[k * batch:(k + 1) * batch])
+        assert torch.equal(y, shard.labels[k * batch:(k + 1) * batch])
+
+
+def test_every_reader_gives_the_same_ids(tmp_path):
+    path = write_synthetic_criteo(tmp_path / "c.tsv", 300, seed=4, missing_rate=0.1)
+    _same_ids_in_every_reader(path, 97, 300, 50)
+
+
+def test_every_reader_gives_the_same_ids_on_the_criteo_sample(criteo_path):
+    _same_ids_in_every_reader(criteo_path, 500, 1000, 100)

@@ -1,7 +1,8 @@
-"""Synthetic Criteo-format data at scale: ``fxdist data synth --lines N --out DIR``.
+"""Synthetic Criteo-format data, the project's one generator: ``fxdist data synth --lines N --out DIR``, and the
+job's data when it finds none (:func:`write_synthetic_criteo`).
 
 Each line has Criteo Kaggle's 40 tab-separated fields (label, ``I1..I13``, ``C1..C26``; see
-:mod:`jobs.data`), drawn so that the data behaves like the real logs where the job's costs depend on it:
+:mod:`recsys.criteo_format`), drawn so that the data behaves like the real logs where the job's costs depend on it:
 
 - categorical feature ``j`` takes Zipf-distributed values (exponent ``zipf_a``, the heavy head real click
   logs have) over ``cardinality[j]`` distinct ids, Criteo Kaggle's per-feature counts by default
@@ -13,7 +14,8 @@ Each line has Criteo Kaggle's 40 tab-separated fields (label, ``I1..I13``, ``C1.
 
 Lines are written in chunks (numpy draws, one Python ``join`` per line): 1M lines take well under a minute
 here. The output is ``DIR/train_0.tsv`` ... (``--files``), each a plain TSV (or ``.gz`` with ``--gzip``),
-the layout of Criteo's ``day_0 .. day_23``.
+the layout of Criteo's ``day_0 .. day_23``. :func:`write_synthetic_criteo` writes one plain file with small
+vocabularies (:data:`SMALL_CARDINALITIES`), so that a few hundred lines already repeat ids a model can learn.
 
 Source: Criteo Kaggle Display Advertising Challenge (field layout); the per-feature cardinalities of its 26
 categorical features as used by the DLRM and torchrec Criteo examples.
@@ -22,13 +24,15 @@ categorical features as used by the DLRM and torchrec Criteo examples.
 from __future__ import annotations
 
 import gzip
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CRITEO_KAGGLE_CARDINALITIES", "SynthSpec", "write_synthetic", "main"]
+from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
+
+__all__ = ["CRITEO_KAGGLE_CARDINALITIES", "SMALL_CARDINALITIES", "SynthSpec", "write_synthetic",
+           "write_synthetic_criteo"]
 
 CRITEO_KAGGLE_CARDINALITIES = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
                                27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
@@ -38,6 +42,8 @@ _DENSE_MEANS = (3.5, 105.0, 26.9, 7.3, 18538.0, 116.1, 16.3, 12.5, 106.1, 0.6, 2
 """Rough means of ``I1..I13`` in Criteo Kaggle (the scale of each count)."""
 _DENSE_MISSING = (0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22)
 """Share of empty ``I1..I13`` fields in Criteo Kaggle."""
+SMALL_CARDINALITIES = tuple(50 + 40 * j for j in range(NUM_SPARSE))
+"""Distinct ids per feature of :func:`write_synthetic_criteo`: 50 to 1050."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class SynthSpec:
     """Zipf exponent of the categorical ids (rank ``k`` has probability ~ ``k**-a``)."""
     cat_missing: float = 0.04
     """Share of empty categorical fields."""
+    dense_missing: tuple[float, ...] = _DENSE_MISSING
+    """Share of empty fields of each of ``I1..I13`` (Criteo Kaggle's by default)."""
     base_ctr: float = 0.25
     """Click rate the labels are centred on (Criteo Kaggle's is about 0.26)."""
     seed: int = 0
@@ -94,7 +102,7 @@ def _chunk(spec: SynthSpec, rng: np.random.Generator, n: int) -> list[str]:
     int_cols = []
     for j, col in enumerate(dense):
         text = [str(v) for v in col.tolist()]
-        for i in np.flatnonzero(rng.random(n) < _DENSE_MISSING[j]).tolist():
+        for i in np.flatnonzero(rng.random(n) < spec.dense_missing[j]).tolist():
             text[i] = ""
         int_cols.append(text)
     cat_cols = []
@@ -118,8 +126,8 @@ def write_synthetic(out: str | Path, lines: int, *, files: int = 1, gzip_output:
     """
     if lines < 1 or files < 1:
         raise ValueError(f"write_synthetic: lines and files must be >= 1, got lines={lines}, files={files}")
-    if len(spec.cardinalities) != 26:
-        raise ValueError(f"write_synthetic: need 26 cardinalities (C1..C26), got {len(spec.cardinalities)}")
+    if len(spec.cardinalities) != NUM_SPARSE:
+        raise ValueError(f"write_synthetic: need {NUM_SPARSE} cardinalities (C1..C26), got {len(spec.cardinalities)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(spec.seed)
@@ -127,23 +135,28 @@ def write_synthetic(out: str | Path, lines: int, *, files: int = 1, gzip_output:
     per_file = [lines // files + (1 if i < lines % files else 0) for i in range(files)]
     for i, count in enumerate(per_file):
         path = out / (f"train_{i}.tsv.gz" if gzip_output else f"train_{i}.tsv")
-        opener = gzip.open(path, "wt", compresslevel=1) if gzip_output else path.open("w")
-        with opener as f:
-            for start in range(0, count, chunk):
-                f.write("\n".join(_chunk(spec, rng, min(chunk, count - start))) + "\n")
+        _write_file(path, count, spec, rng, gzip_output, chunk)
         paths.append(path)
     return paths
 
 
-def main(lines: int, out: str, *, files: int = 1, gzip_output: bool = False, seed: int = 0,
-         max_cardinality: int = 10_000_000) -> int:
-    """``fxdist data synth``: write the files and print what was written and how fast."""
-    t0 = time.perf_counter()
-    paths = write_synthetic(out, lines, files=files, gzip_output=gzip_output,
-                            spec=SynthSpec(seed=seed, max_cardinality=max_cardinality))
-    seconds = time.perf_counter() - t0
-    size = sum(p.stat().st_size for p in paths)
-    print(f"wrote {lines} synthetic Criteo lines to {len(paths)} file(s) in {out} ({size / 2**20:.1f} MiB) in "
-          f"{seconds:.1f} s ({lines / seconds:,.0f} lines/s); per-feature cardinalities: Criteo Kaggle's, capped at "
-          f"{max_cardinality}")
-    return 0
+def _write_file(path: Path, count: int, spec: SynthSpec, rng: np.random.Generator, gzip_output: bool,
+                chunk: int) -> None:
+    opener = gzip.open(path, "wt", compresslevel=1) if gzip_output else path.open("w")
+    with opener as f:
+        for start in range(0, count, chunk):
+            f.write("\n".join(_chunk(spec, rng, min(chunk, count - start))) + "\n")
+
+
+def write_synthetic_criteo(path: str | Path, rows: int, *, seed: int = 0, missing_rate: float = 0.05) -> Path:
+    """Write ``rows`` lines of Criteo-format TSV at ``path`` whose labels depend on the features (AUC > 0.5 is
+    learnable): :func:`write_synthetic`'s draws over :data:`SMALL_CARDINALITIES` ids per feature, with about
+    ``missing_rate`` of the feature values left empty, as in the real logs. The same arguments write the same
+    file.
+    """
+    spec = SynthSpec(cardinalities=SMALL_CARDINALITIES, cat_missing=missing_rate,
+                     dense_missing=(missing_rate,) * NUM_DENSE, seed=seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_file(path, rows, spec, np.random.default_rng(seed), False, 100_000)
+    return path

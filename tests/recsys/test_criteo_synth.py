@@ -1,4 +1,5 @@
-"""``fxdist data synth``: Criteo-format files the job reads, with Zipf ids and labels a model can learn."""
+"""recsys.criteo_synth: Criteo-format files the job reads, with Zipf ids and labels a model can learn; the
+job's small synthetic file."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import math
 
 import torch
 
-from jobs.cli import main
-from jobs.data import CriteoShard, parse_line
 from jobs.stats import auc
-from jobs.synth import SynthSpec, write_synthetic
+from recsys.criteo_format import parse_line
+from recsys.criteo_shard import CriteoShard
+from recsys.criteo_synth import SynthSpec, write_synthetic, write_synthetic_criteo
 
 
 def test_files_parse_and_the_gzip_layout_reads(tmp_path):
@@ -49,9 +50,14 @@ def test_ids_are_zipf_within_the_cap_and_labels_are_learnable(tmp_path):
     assert auc(scores, torch.tensor([float(r[0]) for r in test])) > 0.62
 
 
-def test_cli_writes_and_refuses_bad_counts(tmp_path, capsys):
-    assert main(["data", "synth", "--lines", "500", "--out", str(tmp_path / "d")]) == 0
-    assert "wrote 500 synthetic Criteo lines to 1 file(s)" in capsys.readouterr().out
-    assert len((tmp_path / "d" / "train_0.tsv").read_text().splitlines()) == 500
-    assert main(["data", "synth", "--lines", "0", "--out", str(tmp_path / "e")]) == 2
-    assert "lines and files must be >= 1" in capsys.readouterr().err
+def test_synthetic_data_is_criteo_format_and_learnable(tmp_path):
+    path = write_synthetic_criteo(tmp_path / "s.tsv", 2000, seed=0)
+    shard = CriteoShard(path, 1000, eval_fraction=0.0)
+    assert shard.stats.malformed_total == 0 and len(shard) == 2000
+    rate = shard.labels.mean().item()
+    assert 0.1 < rate < 0.6
+    # a label that depends on the features: the first categorical feature alone separates classes
+    ids = shard.sparse[:, 0]
+    means = {int(i): shard.labels[ids == i].mean().item() for i in ids.unique()}
+    scores = torch.tensor([means[int(i)] for i in ids])
+    assert auc(scores, shard.labels) > 0.6

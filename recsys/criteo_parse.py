@@ -1,13 +1,13 @@
 """Vectorised parsing of a chunk of Criteo lines: numpy over the chunk's bytes, not Python per field.
 
 :func:`parse_chunk` takes the bytes of whole lines (a chunk cut at a newline) and returns the valid lines'
-features as arrays plus the malformed lines by reason, with exactly the rules of :func:`jobs.data.parse_line`
-(the module docstring of :mod:`jobs.data` lists them). How:
+features as arrays plus the malformed lines by reason, with exactly the rules of
+:func:`recsys.criteo_format.parse_line` (the module docstring of :mod:`recsys.criteo_format` lists them). How:
 
 1. line bounds from the ``\\n`` positions; a line is blank when it has only ASCII whitespace (skipped, not
    counted), and trailing ``\\r`` are dropped (as ``str.rstrip("\\r\\n")``);
 2. lines with a non-ASCII or NUL byte, or an integer of more than 18 digits (whose int64 range needs an exact
-   check) take the per-line path (:func:`jobs.data.parse_fields`); they are rare in real logs;
+   check) take the per-line path (:func:`recsys.criteo_format.parse_fields`); they are rare in real logs;
 3. the others: per-line tab counts from a prefix sum (not 39 tabs: ``field_count``), then the 40 field
    bounds of every line as a ``(n, 40)`` matrix; digit / hex checks are prefix sums of a byte class over
    the chunk, so each field is checked in O(1); values are accumulated column by column over right-aligned
@@ -15,32 +15,32 @@ features as arrays plus the malformed lines by reason, with exactly the rules of
 4. a line's reason is the first failing check in parse_line's order (label, I1..I13, C1..C26).
 
 Categorical values come back as their numeric value (``uint64``, the hex digits read as a number) with a
-``present`` mask; :func:`hash_ids` maps them into each feature's table (``1 + mix64(v, j) % (size_j - 1)``,
-0 = missing) and :func:`jobs.data.parse_line` uses the same hash, so both paths give the same ids.
+``present`` mask; :func:`recsys.criteo_format.hash_ids` maps them into each feature's table (``1 + mix64(v, j) %
+(size_j - 1)``, 0 = missing) and :func:`recsys.criteo_format.parse_line` uses the same hash, so both paths give
+the same ids.
 
 Shapes: ``dense (n, 13) float32``, ``values (n, 26) uint64``, ``present (n, 26) bool``, ``labels (n,)
 float32``, ``lines (n,) int64`` (each valid row's line index in the chunk, 0-based).
 
-Source: the Criteo Kaggle format (see :mod:`jobs.data`); splitmix64's finaliser (Steele et al., "Fast
-splittable pseudorandom number generators", OOPSLA 2014) as the 64-bit id mix.
+Source: the Criteo Kaggle format (see :mod:`recsys.criteo_format`, which also holds the id hash: splitmix64's
+finaliser, Steele et al., "Fast splittable pseudorandom number generators", OOPSLA 2014).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ParsedChunk", "parse_chunk", "hash_ids", "mix64", "REASONS"]
+from recsys.criteo_format import NUM_DENSE, NUM_SPARSE, MalformedLine, parse_fields
 
-NUM_DENSE, NUM_SPARSE = 13, 26
+__all__ = ["ParsedChunk", "parse_chunk", "REASONS"]
+
 TABS = NUM_DENSE + NUM_SPARSE
 REASONS = ("nul_byte", "field_count", "label", "integer_feature", "integer_range", "categorical_feature",
            "encoding")
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 def _lut(chars: bytes | range, value: bool = True) -> np.ndarray:
@@ -56,31 +56,6 @@ for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_VALUE[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX_VALUE[_c] = 10 + _i
-
-
-def mix64(values: int, table: int) -> int:
-    """The 64-bit mix of categorical value ``values`` of table ``table`` (pure Python; see :func:`hash_ids`)."""
-    z = (values + (table + 1) * _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def hash_ids(values: np.ndarray, present: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-    """Ids of categorical values in their tables: ``1 + mix64(v, j) % (sizes[j] - 1)``, 0 where missing.
-
-    Shapes: ``values (n, T) uint64``, ``present (n, T) bool``, ``len(sizes) == T`` -> ``(n, T) int64``.
-    """
-    salt = (np.arange(1, values.shape[1] + 1, dtype=np.uint64) * np.uint64(_GOLDEN))
-    with np.errstate(over="ignore"):
-        z = values + salt
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    buckets = np.asarray(sizes, dtype=np.uint64) - np.uint64(1)
-    ids = (z % buckets + np.uint64(1)).astype(np.int64)
-    ids[~present] = 0
-    return ids
 
 
 @dataclass
@@ -199,8 +174,6 @@ def parse_chunk(buf: bytes, select: Callable[[np.ndarray], np.ndarray] | None = 
     Returns:
         A :class:`ParsedChunk`; never raises for any content of ``buf``.
     """
-    from jobs.data import MalformedLine, parse_fields
-
     a = np.frombuffer(buf, np.uint8)
     starts, ends = _line_bounds(a)
     count = len(starts)
