@@ -19,6 +19,9 @@ Kaggle's per-feature cardinalities, seed 0), written once to a temporary folder 
    (``PSServer.memory()``, the ``fxdist_ps_bytes`` gauge: stored rows + row-wise Adagrad state); ratios
    against the smallest point. Then each cost's growth: the least-squares slope of log(cost) vs
    log(total rows held) and its factor per doubling of the rows (``2 ** slope``).
+0. Reader: the launcher's first pass over all the lines (``recsys.criteo_shard.scan``, one process) with the
+   strict numpy parser alone and with the Arrow fast path (``recsys.criteo_arrow``), interleaved rounds: lines/s
+   and the ratio.
 2. Parse vs train: the job on all the lines (1M; ``--quick``: 100k): the reader's parse throughput in
    lines/s (from ``results.json`` when the reader reports it, else timed here with the job's own parser,
    ``recsys.criteo_shard.CriteoShard``, on one core) against the job's training QPS (samples/s = lines/s).
@@ -305,6 +308,25 @@ def parse_rates(results: dict, data: Path) -> list[tuple[str, float]]:
              lines / (time.perf_counter() - t0))]
 
 
+def reader_section(data: Path, lines: int, rounds: int = 3) -> None:
+    """Part 0: the first pass over the data (:func:`recsys.criteo_shard.scan`, one process, as the launcher
+    runs it) with the strict numpy parser alone vs the Arrow fast path, in interleaved rounds."""
+    from recsys.criteo_shard import scan
+
+    print(f"\n0. reader: the first pass over {lines:,} lines, numpy parser vs Arrow fast path "
+          f"(median of {rounds} interleaved rounds)")
+    for cap, label in ((None, "lines and shares"), (10**6, "+ distinct ids per feature")):
+        rates: dict[str, list[float]] = {"numpy": [], "auto": []}
+        for _ in range(rounds):
+            for engine in rates:
+                plan = scan(data, 2, 0.1, distinct_cap=cap, engine=engine)
+                rates[engine].append(plan.lines_per_s)
+        before, after = (sorted(r)[len(r) // 2] for r in rates.values())
+        print(f"  {label:28s} numpy {before:10,.0f} lines/s   arrow {after:10,.0f} lines/s   "
+              f"= {after / before:5.2f}x (min {min(rates['auto']) / max(rates['numpy']):.2f}x, "
+              f"max {max(rates['auto']) / min(rates['numpy']):.2f}x)")
+
+
 def parse_section(data: Path, lines: int, size: int, steps: int, port: int, work: Path) -> None:
     """Part 2: the job on every line; parse lines/s vs training samples/s."""
     print(f"\n2. parse throughput vs training QPS at {lines:,} lines (table_size {size:,}, fused8bit, {steps} steps)")
@@ -364,7 +386,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps per run (default 150; --quick 40)")
     parser.add_argument("--metrics-port", type=int, default=9520, help="base of the job's metrics ports")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic data (printed path)")
-    parser.add_argument("--parts", default="123", help="which parts to run, e.g. 13 (default: all)")
+    parser.add_argument("--parts", default="0123", help="which parts to run, e.g. 13 (default: all)")
     args = parser.parse_args()
     _ensure_allocator()
     steps = args.steps or (40 if args.quick else 150)
@@ -379,6 +401,8 @@ def main() -> None:
     try:
         full = synthesize(lines, work / "data")
         small = head(full, work / "head.tsv", head_lines)
+        if "0" in args.parts:
+            reader_section(full, lines)
         done = rows_section(small, sizes, steps, args.metrics_port, work, model_keys()) if "1" in args.parts else []
         if "1" in args.parts:
             growth(done)

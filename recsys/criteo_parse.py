@@ -2,7 +2,11 @@
 
 :func:`parse_chunk` takes the bytes of whole lines (a chunk cut at a newline) and returns the valid lines'
 features as arrays plus the malformed lines by reason, with exactly the rules of
-:func:`recsys.criteo_format.parse_line` (the module docstring of :mod:`recsys.criteo_format` lists them). How:
+:func:`recsys.criteo_format.parse_line` (the module docstring of :mod:`recsys.criteo_format` lists them).
+
+A chunk is first offered to Arrow's multithreaded CSV reader (:mod:`recsys.criteo_arrow`), which answers only
+when every line is valid and its reading provably equals this module's; any other chunk (and every chunk with
+``engine="numpy"`` or without pyarrow) is parsed here. How:
 
 1. line bounds from the ``\\n`` positions; a line is blank when it has only ASCII whitespace (skipped, not
    counted), and trailing ``\\r`` are dropped (as ``str.rstrip("\\r\\n")``);
@@ -34,9 +38,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from recsys.criteo_arrow import available, parse_clean_chunk
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE, MalformedLine, parse_fields
 
-__all__ = ["ParsedChunk", "parse_chunk", "REASONS"]
+__all__ = ["ParsedChunk", "parse_chunk", "REASONS", "ENGINES"]
+
+_ARROW = available()
 
 TABS = NUM_DENSE + NUM_SPARSE
 REASONS = ("nul_byte", "field_count", "label", "integer_feature", "integer_range", "categorical_feature",
@@ -161,8 +168,14 @@ def _parse_fast(a: np.ndarray, starts: np.ndarray, ends: np.ndarray, tab_pos: np
     return reason, dense, values, present, (first == 49).astype(np.float32), slow
 
 
+ENGINES = ("auto", "numpy")
+"""``auto``: Arrow's reader (:mod:`recsys.criteo_arrow`) for chunks of valid lines, this module's parser for the
+others and where pyarrow is missing; ``numpy``: this module's parser only (the reference, and the benchmark's
+"before")."""
+
+
 def parse_chunk(buf: bytes, select: Callable[[np.ndarray], np.ndarray] | None = None,
-                examples: int = 5) -> ParsedChunk:
+                examples: int = 5, engine: str = "auto") -> ParsedChunk:
     """Parse the lines in ``buf`` (whole lines; see the module docstring).
 
     Args:
@@ -170,10 +183,25 @@ def parse_chunk(buf: bytes, select: Callable[[np.ndarray], np.ndarray] | None = 
         select: ``select(line_indices) -> bool mask``: only these lines are parsed and counted (a trainer's
             share of a chunk); None = every line.
         examples: How many malformed line indices to keep in ``malformed_lines``.
+        engine: One of :data:`ENGINES`; both give the same arrays.
 
     Returns:
         A :class:`ParsedChunk`; never raises for any content of ``buf``.
+
+    Raises:
+        ValueError: an unknown ``engine``.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"parse_chunk: engine must be one of {ENGINES}, got {engine!r}")
+    clean = parse_clean_chunk(buf) if engine == "auto" and _ARROW else None
+    if clean is not None:
+        count = len(clean[3])
+        rows = np.arange(count) if select is None else np.flatnonzero(np.asarray(select(np.arange(count)), bool))
+        return ParsedChunk(*(x[rows] for x in clean), rows, count)
+    return _parse_strict(buf, select, examples)
+
+
+def _parse_strict(buf: bytes, select: Callable[[np.ndarray], np.ndarray] | None, examples: int) -> ParsedChunk:
     a = np.frombuffer(buf, np.uint8)
     starts, ends = _line_bounds(a)
     count = len(starts)

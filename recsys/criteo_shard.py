@@ -339,9 +339,10 @@ class DataPlan:
 
 
 def scan(path: str | Path, world_size: int, eval_fraction: float, *, distinct_cap: int | None = None,
-         chunk_bytes: int = CHUNK_BYTES) -> DataPlan:
+         chunk_bytes: int = CHUNK_BYTES, engine: str = "auto") -> DataPlan:
     """One pass over all the data (see the module docstring); with ``distinct_cap`` also count the distinct
-    values of each categorical feature (exactly, up to the cap).
+    values of each categorical feature (exactly, up to the cap). ``engine``: the chunk parser's
+    (:func:`recsys.criteo_parse.parse_chunk`).
 
     Raises:
         DataError: a file cannot be read.
@@ -353,7 +354,7 @@ def scan(path: str | Path, world_size: int, eval_fraction: float, *, distinct_ca
     lines, t0 = 0, time.perf_counter()
     for f, file in enumerate(files):
         for buf, first in iter_chunks(file, chunk_bytes):
-            parsed = parse_chunk(buf)
+            parsed = parse_chunk(buf, engine=engine)
             lines += parsed.line_count
             count_chunk(stats, parsed, buf, first, file.name if len(files) > 1 else "")
             owner = line_owner(f, len(files), world_size, every, first + parsed.lines)

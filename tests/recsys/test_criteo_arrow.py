@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("pyarrow.csv")
 
-from jobs.criteo_parse import parse_chunk  # noqa: E402
+from recsys.criteo_parse import parse_chunk  # noqa: E402
 from recsys.criteo_arrow import parse_clean_chunk  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -32,7 +32,7 @@ def _chunk(lines: list[str], final_newline: bool = True) -> bytes:
 
 
 def _same_as_strict(buf: bytes) -> None:
-    strict = parse_chunk(buf)
+    strict = parse_chunk(buf, engine="numpy")
     fast = parse_clean_chunk(buf)
     if fast is None:
         return
@@ -86,6 +86,7 @@ def test_anything_not_valid_goes_back_to_the_strict_parser(bad):
     buf = _chunk(lines)
     assert parse_clean_chunk(buf) is None
     assert parse_chunk(buf).line_count == 50
+    assert sum(parse_chunk(buf).malformed.values()) == (0 if bad in (("line", ""), ("line", "\r")) else 1)  # "\r": stripped
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,3 +99,25 @@ def test_corrupted_chunks_never_disagree(noise, seed, line):
     at = rng.randint(0, len(text))
     buf = (text[:at] + "".join(noise) + text[at:] + "\n").encode()
     _same_as_strict(buf)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_parse_chunk_gives_the_same_chunk_with_either_engine(corrupt):
+    rng = random.Random(11)
+    lines = [_line(rng, hex_len=(1, 16)) for _ in range(300)]
+    if corrupt:
+        lines[6] = lines[6].replace("\t", " ", 1)
+        lines[99] = ""
+    buf = _chunk(lines)
+    select = lambda idx: idx % 3 != 1  # noqa: E731 - a trainer's share, as the streaming reader asks
+    auto, strict = parse_chunk(buf, select, engine="auto"), parse_chunk(buf, select, engine="numpy")
+    for name in ("dense", "values", "present", "labels", "lines"):
+        np.testing.assert_array_equal(getattr(auto, name), getattr(strict, name))
+    assert (auto.line_count, auto.malformed, auto.malformed_lines) == (
+        strict.line_count, strict.malformed, strict.malformed_lines)
+    assert strict.line_count == 300 and len(strict) == 200 - 2 * corrupt and sum(strict.malformed.values()) == corrupt
+
+
+def test_an_unknown_engine_is_refused():
+    with pytest.raises(ValueError, match="engine must be one of"):
+        parse_chunk(b"", engine="polars")
