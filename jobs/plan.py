@@ -1,4 +1,5 @@
-"""What a launch has decided before any trainer starts (:class:`JobPlan`), and what each trainer gets (:class:`TrainerSpec`).
+"""What a launch decided before any trainer starts (:class:`JobPlan`), and what each trainer gets
+(:class:`TrainerSpec`).
 
 :func:`make_plan` runs, before Ray starts, every check that needs no Ray (:func:`jobs.preflight.check`), the
 first pass over the Criteo data when there is a file (:func:`jobs.preflight.plan`: each trainer's rows and, with
@@ -123,8 +124,8 @@ class TrainerSpec:
     handles the launcher made once Ray started.
 
     ``state``: the launcher's :class:`jobs.state.JobState` actor (progress, results, deterministic errors);
-    ``servers``: the parameter-server actor handles (``[cluster] parameter_servers`` of them, :func:`jobs.ps.start_servers`;
-    empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
+    ``servers``: the parameter-server actor handles (``[cluster] parameter_servers`` of them,
+    :func:`jobs.ps.start_servers`; empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
     ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC group's rendezvous binds to,
     None to use the node's Ray address (on a cluster).
     """

@@ -291,10 +291,11 @@ class ServerGroup:
 
 
 class ServerTables(ServerGroup):
-    """Tables backend (:class:`jobs.seams.TableBackend`) of a trainer with parameter servers: each phase's module (the built-in DLRM or yours) gets
-    the ``scheduling.parameter_servers`` pass first (:meth:`_PhaseTables.placement_pass`), which moves its
-    embedding tables to this group's servers under the clients ``fxdist-job-<phase>:<module path>``, shared by
-    the trainers in step order (``rank`` / ``world_size`` / ``group`` of the pass).
+    """Tables backend (:class:`jobs.seams.TableBackend`) of a trainer with parameter servers: each phase's module
+    (the built-in DLRM or yours) gets the ``scheduling.parameter_servers`` pass first
+    (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers under the
+    clients ``fxdist-job-<phase>:<module path>``, shared by the trainers in step order (``rank`` / ``world_size`` /
+    ``group`` of the pass).
 
     Each phase has its own tables on the servers (:meth:`view`), set from the same initial weights, so the phases
     can train side by side; with step order (:mod:`scheduling.ps.ordering`) every trainer's step-``k`` lookup
