@@ -108,7 +108,7 @@ def _trial(with_exporter: bool, steps: int, shard, config) -> dict:
     import torch
 
     from jobs.metrics import Exporter
-    from jobs.workload import LocalTables
+    from jobs.workload import CriteoWorkload, LocalTables
     from jobs.worker import build_model, run_phase
 
     exporter, scraper, meter, out = None, None, None, {}
@@ -122,7 +122,8 @@ def _trial(with_exporter: bool, steps: int, shard, config) -> dict:
     try:
         torch.manual_seed(0)
         model = build_model(config)
-        run, _, _ = run_phase("baseline", model, LocalTables(), shard, config.replace(job={"steps": steps}),
+        run, _, _ = run_phase("baseline", model, LocalTables(), CriteoWorkload(config, shard),
+                              config.replace(job={"steps": steps}),
                               exporter=exporter)
         out.update(qps=run.samples / run.wall_seconds, wall=run.wall_seconds, observe=run.metrics_seconds,
                    steps=run.steps)

@@ -2,8 +2,9 @@
 
 :func:`launch` does, in order:
 
-1. runs every check that needs no Ray (:mod:`jobs.preflight`: config ranges, passes, the data file, and on
-   this machine free metrics ports and enough memory) and picks the run folder without creating it
+1. plans the job (:func:`jobs.plan.make_plan`, a :class:`jobs.plan.JobPlan`): every check that needs no Ray
+   (:mod:`jobs.preflight`: config ranges, passes, the data file, and on this machine free metrics ports and
+   enough memory), the first pass over the data (table sizes), and the run folder, not created yet
    (:mod:`jobs.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
 2. joins Ray: an already initialised session, else ``[cluster] address``, else ``$RAY_ADDRESS``,
    else a local ``ray.init()``; then creates the run folder ``<run_dir>/<name>-<UTC timestamp>/`` (with
@@ -14,8 +15,8 @@
    ``FailureConfig(max_failures)`` restarts the worker group from the last checkpoint), after starting
    the parameter servers as Ray actors (:func:`jobs.ps.start_servers`; each worker group's rank 0 has
    them join its ``torch.distributed.rpc`` group, see :mod:`jobs.ps`; they are killed when the job ends,
-   also on errors and Ctrl-C); the trainers report to a :class:`JobState` actor, which the launcher
-   polls for the progress bars;
+   also on errors and Ctrl-C); each trainer gets a :class:`jobs.plan.TrainerSpec` (the plan and those
+   handles); the trainers report to a :class:`JobState` actor, which the launcher polls for the progress bars;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
    see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`: ``quant.select_int8``
    for the built-in DLRM and for your model alike);
@@ -38,14 +39,15 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from jobs import preflight, runs, table_sizes
+from jobs import runs, table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
-from jobs.data import resolve_data_path
+from jobs.plan import JobPlan, TrainerSpec, make_plan, with_data
 from jobs.state import JobState, seed_snapshot, with_snapshot
 from jobs.stats import peak_rss_bytes
 from recsys.criteo_format import DataError
@@ -129,35 +131,55 @@ def _fit(trainer, box: dict[str, Any]) -> None:
         box["error"] = e
 
 
-def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, ctx: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class Watch:
+    """What the launcher keeps about a running job, between its steps (:func:`launch`, :func:`_train`,
+    :func:`_follow`)."""
+
+    previous: dict[str, Any] | None = None
+    """The resumed run's results.json (``--resume``), else None."""
+    snap: dict[str, Any] = field(default_factory=dict)
+    """The last JobState snapshot (:meth:`jobs.state.JobState.snapshot`): what an interrupted launch reports."""
+    on_change: Callable[[dict[str, Any]], None] = lambda snap: None
+    """Runs with the snapshot when a phase has finished, a checkpoint was written or an event recorded."""
+    on_placement: Callable[[dict[str, Any]], None] = lambda snap: None
+    """Runs with the snapshot when the exporters' placement changed (rewrites targets.json)."""
+    placement: dict[str, Any] = field(default_factory=dict)
+    """The last placement seen (``snap["placement"]``: process name -> where it runs)."""
+    nodes: Any = None
+    """A :class:`jobs.cluster.NodeWatch` on a cluster (each node lost goes to the JobState), else None."""
+    warned: set[str] = field(default_factory=set)
+    """Exporters already reported as unreachable from here (warned once each)."""
+
+
+def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, watch: Watch) -> dict[str, Any]:
     """Poll the JobState actor and draw a tqdm bar per phase until the fit thread ends.
 
-    Each snapshot goes to ``ctx["snap"]`` (what an interrupted launch reports), and ``ctx["on_change"](snap)``
-    runs when a phase has finished, a checkpoint was written or an event recorded since the last poll. With
-    ``ctx["nodes"]`` (a :class:`jobs.cluster.NodeWatch`, on a cluster) each node lost goes to the JobState.
+    Each snapshot goes to ``watch.snap``; ``watch.on_change(snap)`` runs when a phase has finished, a checkpoint
+    was written or an event recorded since the last poll, ``watch.on_placement(snap)`` when the placement changed.
+    With ``watch.nodes`` (on a cluster) each node lost goes to the JobState.
     """
     import ray
     from tqdm import tqdm
 
     bars: dict[str, Any] = {}
-    snap: dict[str, Any] = ctx.get("snap", {})
+    snap: dict[str, Any] = watch.snap
     seen = _milestones(snap)
     try:
         while True:
             alive = thread.is_alive()
             try:
-                snap = ray.get(state.snapshot.remote(), timeout=10)
-                ctx["snap"] = snap
+                snap = watch.snap = ray.get(state.snapshot.remote(), timeout=10)
             except Exception:  # a slow actor must not kill the job
                 pass
             if _milestones(snap) != seen:
                 seen = _milestones(snap)
-                ctx.get("on_change", lambda snap: None)(snap)
-            for lost in ctx["nodes"].poll(snap.get("placement", {})) if "nodes" in ctx else ():
+                watch.on_change(snap)
+            for lost in watch.nodes.poll(snap.get("placement", {})) if watch.nodes is not None else ():
                 state.node_lost.remote(lost)  # noted; Ray Train restarts the worker group meanwhile
-            if snap.get("placement", {}) != ctx.get("placement", {}):
-                ctx["placement"] = snap.get("placement", {})
-                ctx.get("on_placement", lambda snap: None)(snap)
+            if snap.get("placement", {}) != watch.placement:
+                watch.placement = snap.get("placement", {})
+                watch.on_placement(snap)
             if show:
                 _draw(bars, snap, tqdm)
             if not alive:
@@ -187,7 +209,7 @@ def _draw(bars: dict[str, Any], snap: dict[str, Any], tqdm: Any) -> None:
             bar.close()
 
 
-def _trainer(config: JobConfig, loop_config: dict[str, Any], run_dir: Path):
+def _trainer(config: JobConfig, spec: TrainerSpec, run_dir: Path):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -197,7 +219,7 @@ def _trainer(config: JobConfig, loop_config: dict[str, Any], run_dir: Path):
     c = config.cluster
     return TorchTrainer(
         train_loop,
-        train_loop_config=loop_config,
+        train_loop_config={"spec": spec},  # Ray Train takes a dict
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=c.trainers, use_gpu=c.use_gpu,
                                      resources_per_worker={"CPU": c.cpus_per_trainer},
@@ -214,8 +236,9 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
            resume: bool = False) -> dict[str, Any]:
     """Run the job described by ``config`` and return its results (also written to ``results.json``).
 
-    Every check that needs no Ray runs first (:func:`jobs.preflight.check`, :func:`jobs.runs.choose`);
-    the run folder is created only once they pass and Ray has started.
+    Every check that needs no Ray runs first (:func:`jobs.plan.make_plan`: :func:`jobs.preflight.check`, the
+    first pass over the data, :func:`jobs.runs.choose`); the run folder is created only once they pass and Ray
+    has started.
 
     Args:
         config: The job config.
@@ -231,39 +254,31 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     Raises:
         ConfigError: a bad config, a taken port, not enough memory, a run folder that holds a run (or
             cannot be resumed), or a trainer's deterministic config error; nothing was started or retried.
-        jobs.data.DataError: the data cannot be used (found before Ray starts, or by a trainer).
+        recsys.criteo_format.DataError: the data cannot be used (found before Ray starts, or by a trainer).
         JobFailed: a trainer's deterministic error of another kind (e.g. a model that does not trace).
         ray.train.TrainingFailedError (or the trainer's exception): training failed more than
             ``max_failures`` times; the run folder keeps the logs and checkpoints.
         KeyboardInterrupt: Ctrl-C; results.json then says ``"status": "interrupted"``.
     """
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[fxdist] {msg}", flush=True))
-    local = not _expect_cluster(config)
-    data_path = preflight.check(config, local=local, log=log)
-    plan, sizes = None, None
-    if data_path is not None and not config.user_model:  # the first pass: shares, per-feature table sizes
-        config, plan, sizes = preflight.plan(config, data_path, local=local, log=log)
-    run_dir = runs.choose(config, run_dir, resume=resume)
-    previous = runs.read(run_dir) if resume else None
-    started_ray, on_cluster = _join_ray(config, log=log)
-    ctx: dict[str, Any] = {"previous": previous}
-    results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(config),
+    plan = make_plan(config, run_dir, resume=resume, local=not _expect_cluster(config), log=log)
+    run_dir, previous = plan.run_dir, runs.read(plan.run_dir) if resume else None
+    started_ray, on_cluster = _join_ray(plan.config, log=log)
+    watch = Watch(previous=previous)
+    results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
                                "config_source": config.source, "run_dir": str(run_dir),
                                "launcher": {"pid": os.getpid(), "host": socket.gethostname()},
                                "resumes": (previous or {}).get("resumes", 0) + (1 if resume else 0)}
     try:
         try:
-            check_gpus(config)
+            check_gpus(plan.config)
             run_dir.mkdir(parents=True, exist_ok=True)
-            data_path, data_note = _data(config, data_path, run_dir)
-            log(data_note)
-            if plan is None and data_path is not None:  # synthetic data, generated just now
-                config, plan, sizes = preflight.plan(config, data_path, local=local, log=log)
-            _record_data(config, results, run_dir, data_path, data_note, plan, sizes)
-            ctx["plan"] = plan
-            ctx["on_change"] = lambda snap: runs.write(run_dir, with_snapshot(results, snap))
+            plan = with_data(plan, log=log)
+            config, data_path = plan.config, plan.data_path
+            _record_data(plan, results)
+            watch.on_change = lambda snap: runs.write(run_dir, with_snapshot(results, snap))
             runs.write(run_dir, with_snapshot(results, seed_snapshot(previous)))
-            snap, final, train_seconds = _train(config, run_dir, data_path, on_cluster, quiet=quiet, log=log, ctx=ctx)
+            snap, final, train_seconds = _train(plan, on_cluster, quiet=quiet, log=log, watch=watch)
         finally:
             if started_ray:
                 import ray
@@ -277,7 +292,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         results["processes"]["launcher"] = {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}
     except BaseException as e:
         if run_dir.is_dir():
-            _record_end(run_dir, results, ctx, e)
+            _record_end(run_dir, results, watch, e)
         raise
     _report(config, results, run_dir, quiet, log)
     return results
@@ -300,26 +315,16 @@ def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bo
                           '(set [phases] parity = "warn" to accept a difference)')
 
 
-def _record_data(config: JobConfig, results: dict[str, Any], run_dir: Path, data_path: Path | None, note: str,
-                 plan: Any, sizes: dict[str, Any] | None) -> None:
+def _record_data(plan: JobPlan, results: dict[str, Any]) -> None:
     """Into ``results``: the data (path, note, the first pass's ``scan``), the config with its table sizes
     resolved, and ``tables`` (the sizes, and the cardinalities they came from, also in ``cardinalities.json``)."""
-    results["data"] = {"path": str(data_path or ""), "note": note}
-    if plan is not None:
-        results["data"]["scan"] = plan.summary()
-        results["config"] = to_dict(config)
-        results["tables"] = {"sizes": config.table_sizes, **(sizes or {})}
-    if sizes is not None:
-        table_sizes.write_record(run_dir, sizes)
-
-
-def _data(config: JobConfig, data_path: Path | None, run_dir: Path) -> tuple[Path | None, str]:
-    """(the Criteo file, generated into ``run_dir`` when none was found; None for your batches), and a note."""
-    if config.user_model:
-        return None, f"your batches from {config.data.batches}, your model from {config.model.factory}"
-    if data_path is None:
-        return resolve_data_path("", run_dir, config.data.synthetic_rows, seed=config.job.seed)
-    return data_path, f"Criteo data from {data_path}"
+    results["data"] = {"path": str(plan.data_path or ""), "note": plan.data_note}
+    if plan.data_plan is not None:
+        results["data"]["scan"] = plan.data_plan.summary()
+        results["config"] = to_dict(plan.config)
+        results["tables"] = {"sizes": plan.config.table_sizes, **(plan.tables or {})}
+    if plan.tables is not None:
+        table_sizes.write_record(plan.run_dir, plan.tables)
 
 
 class ParityError(RuntimeError):
@@ -358,9 +363,9 @@ def _expect_cluster(config: JobConfig) -> bool:
     return bool(address)
 
 
-def _record_end(run_dir: Path, results: dict[str, Any], ctx: dict[str, Any], error: BaseException) -> None:
+def _record_end(run_dir: Path, results: dict[str, Any], watch: Watch, error: BaseException) -> None:
     """Write results.json of a run that did not complete: "interrupted" (Ctrl-C) or "failed"."""
-    snap = ctx.get("snap") or seed_snapshot(ctx.get("previous"))
+    snap = watch.snap or seed_snapshot(watch.previous)
     out = with_snapshot(results, snap)
     running = {p: n for p, n in snap.get("progress", {}).items() if p not in snap.get("results", {})}
     if isinstance(error, KeyboardInterrupt):
@@ -402,11 +407,11 @@ def _recorded_error(error: dict[str, Any]) -> Exception:
     return JobFailed(message)
 
 
-def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, *, quiet: bool,
-           log: Any, ctx: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float]:
+def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
+           watch: Watch) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Start the server actors, run the TorchTrainer, kill the actors (also on errors and Ctrl-C).
 
-    ``ctx["snap"]`` keeps the last JobState snapshot, also when this raises.
+    ``watch.snap`` keeps the last JobState snapshot, also when this raises.
 
     Returns:
         (the JobState snapshot, the final checkpoint's contents, training seconds).
@@ -416,6 +421,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
     """
     import ray
 
+    config, run_dir = plan.config, plan.run_dir
     servers: list[Any] = []
     state = None
     try:
@@ -424,23 +430,19 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
             prom = write_prometheus_files(config, run_dir)
             metrics_port = config.metrics.port
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
-            ctx["on_placement"] = lambda snap: _retarget(config, run_dir, snap.get("placement", {}), log,
-                                                        ctx.setdefault("warned", set()))
+            watch.on_placement = lambda snap: _retarget(config, run_dir, snap.get("placement", {}), log, watch.warned)
         from jobs.cluster import NodeWatch, here_options
 
         # on the launcher's node, as Ray Train's controller: the job's record must outlive any other node
-        state = ray.remote(num_cpus=0, **here_options())(JobState).remote(ctx.get("previous"))
+        state = ray.remote(num_cpus=0, **here_options())(JobState).remote(watch.previous)
         if on_cluster:
-            ctx["nodes"] = NodeWatch()
+            watch.nodes = NodeWatch()
         if config.cluster.parameter_servers:
             from jobs.ps import start_servers
 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
-        loop_config = {"config": to_dict(config), "source": config.source, "data_path": str(data_path or ""),
-                       "run_dir": str(run_dir), "metrics_port": metrics_port, "state": state, "servers": servers,
-                       "data_plan": ctx.get("plan"),
-                       "rpc_host": None if on_cluster else "127.0.0.1"}
-        trainer = _trainer(config, loop_config, run_dir)
+        spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1")
+        trainer = _trainer(config, spec, run_dir)
         log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers "
             f"(Ray actors, transport {config.cluster.transport}), {config.job.steps} steps per phase, "
             f"passes {list(config.phases.passes)}")
@@ -449,10 +451,10 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
         state.event.remote("launcher: TorchTrainer.fit started")
         thread = threading.Thread(target=_fit, args=(trainer, box), daemon=True)
         thread.start()
-        _follow(state, box, thread, not quiet and config.job.progress, ctx)
+        _follow(state, box, thread, not quiet and config.job.progress, watch)
         train_seconds = time.perf_counter() - t0
         _record_server_stats(state, servers, config.cluster.rpc_timeout_s)
-        snap = ctx["snap"] = ray.get(state.snapshot.remote(), timeout=60)
+        snap = watch.snap = ray.get(state.snapshot.remote(), timeout=60)
         if snap.get("error"):
             raise _recorded_error(snap["error"]) from box.get("error")
         if "error" in box:
@@ -461,7 +463,7 @@ def _train(config: JobConfig, run_dir: Path, data_path: Path, on_cluster: bool, 
     except BaseException:
         if state is not None:
             try:  # what finished, for results.json (the actor dies with ray.shutdown)
-                ctx["snap"] = ray.get(state.snapshot.remote(), timeout=5)
+                watch.snap = ray.get(state.snapshot.remote(), timeout=5)
             except BaseException:
                 pass
         raise

@@ -65,7 +65,7 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
     Raises:
         ConfigError: a pass or entry point that does not resolve, bad batches, a taken port, or not enough
             memory (the memory estimate is the built-in DLRM's; your model's is not estimated).
-        jobs.data.DataError: the data file cannot be used.
+        recsys.criteo_format.DataError: the data file cannot be used.
     """
     check_passes(config)
     import torch
@@ -102,16 +102,16 @@ def _log_memory(estimate: MemoryEstimate, log: Any) -> None:
 
 
 def plan(config: JobConfig, data: Path, *, local: bool, log: Any = None) -> tuple[JobConfig, Any, dict | None]:
-    """The first pass over the Criteo data (:func:`jobs.criteo_stream.scan`): lines, each trainer's rows,
+    """The first pass over the Criteo data (:func:`recsys.criteo_shard.scan`): lines, each trainer's rows,
     and with ``[model] table_sizes = "data"`` the distinct values per feature, which resolve the table sizes
     (:func:`jobs.table_sizes.resolve`); then, on this machine, the memory check with those sizes.
 
     Returns:
-        (the config with the table sizes resolved, the :class:`jobs.criteo_stream.DataPlan`, the table-size
+        (the config with the table sizes resolved, the :class:`recsys.criteo_shard.DataPlan`, the table-size
         record for ``cardinalities.json`` or None).
 
     Raises:
-        jobs.data.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
+        recsys.criteo_format.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
     """
     from jobs import table_sizes
     from recsys.criteo_shard import scan

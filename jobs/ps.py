@@ -146,7 +146,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
     ``[job] max_failures`` times after its process dies; it exports metrics on
     ``metrics_port + trainers + i`` of its node (None: no exporter; another free port of its node when that
     one is taken there). ``[cluster] placement`` picks its node (:func:`jobs.cluster.server_options`).
-    Returns the handles (for ``loop_config``).
+    Returns the handles (for the trainers' :class:`jobs.plan.TrainerSpec`).
     """
     from jobs.cluster import server_options
 
@@ -198,9 +198,10 @@ def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -
     return places
 
 
-def _rpc_host(loop_config: dict[str, Any]) -> str:
-    if loop_config.get("rpc_host"):
-        return loop_config["rpc_host"]
+def _rpc_host(spec: Any) -> str:
+    """Where the RPC group's rendezvous binds: ``spec.rpc_host``, else this node's Ray address."""
+    if spec.rpc_host:
+        return spec.rpc_host
     import ray.util
 
     return ray.util.get_node_ip_address()
@@ -208,13 +209,14 @@ def _rpc_host(loop_config: dict[str, Any]) -> str:
 
 class ServerGroup:
     """This worker group's ``torch.distributed.rpc`` group: the ``world`` trainers and the launcher's
-    server actors (``PSActor``) (``loop_config["servers"]``), which rank 0 asks to join (see the module docstring).
+    server actors (``PSActor``) (``spec.servers`` of the trainers' :class:`jobs.plan.TrainerSpec` ``spec``), which
+    rank 0 asks to join (see the module docstring).
 
     Attributes: ``rank``, ``world``, ``config``, ``num_servers``, ``servers`` (RPC names ``ps<i>``), ``group``
     (a key rank 0 drew and broadcast: the trainers share tables in step order under it), ``joined``.
     """
 
-    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any]) -> None:
+    def __init__(self, config: Any, rank: int, world: int, spec: Any) -> None:
         c = config.cluster
         self.rank, self.world, self.config = rank, world, config
         self.transport = c.transport
@@ -224,20 +226,20 @@ class ServerGroup:
 
         self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
         """The transport's lifecycle object: how this group's servers are readied, joined and left."""
-        self.actors: list[Any] = list(loop_config.get("servers") or [])
+        self.actors: list[Any] = list(spec.servers)
         if len(self.actors) != self.num_servers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
                                f"[cluster] parameter_servers = {self.num_servers}")
         # where each server runs now: a restarted one may have moved (its node died) and may still be
         # restarting, so rank 0 waits for it (the other ranks wait for rank 0 in the group set-up below)
         places = wait_for_servers(self.actors, c.rpc_timeout_s) if rank == 0 else []
-        self.joined = self._start_group(loop_config)
-        if self.joined and loop_config.get("state") is not None:
-            loop_config["state"].servers_joined.remote(self.joined)
+        self.joined = self._start_group(spec)
+        if self.joined and spec.state is not None:
+            spec.state.servers_joined.remote(self.joined)
             for i, info in enumerate(places):
-                loop_config["state"].placed.remote(f"ps{i}", info)
+                spec.state.placed.remote(f"ps{i}", info)
 
-    def _start_group(self, loop_config: dict[str, Any]) -> list[dict[str, Any]]:
+    def _start_group(self, spec: Any) -> list[dict[str, Any]]:
         """Rank 0 readies the server actors for this worker group (``torch_rpc``: picks the rendezvous of a new
         RPC group; ``ray``: empties every server) before the other trainers hear the group key; then every
         trainer joins (``torch_rpc``: rank 0 has the servers join too; ``ray``: registers the actors under
@@ -251,7 +253,7 @@ class ServerGroup:
 
         box: list[Any] = [None]
         if self.rank == 0:
-            box = [(self.lifecycle.rendezvous(_rpc_host(loop_config), self.actors), uuid.uuid4().hex)]
+            box = [(self.lifecycle.rendezvous(_rpc_host(spec), self.actors), uuid.uuid4().hex)]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
         rendezvous, self.group = box[0]
@@ -262,7 +264,7 @@ class ServerGroup:
             dist.barrier()
 
     def view(self, phase: str) -> Any:
-        """The tables of ``phase`` (its own clients and tables on the servers)."""
+        """The tables of ``phase`` (its own clients and tables on the servers, a :class:`jobs.seams.Tables`)."""
         return self.views[phase]
 
     def kill_server(self, index: int) -> None:
@@ -289,19 +291,20 @@ class ServerGroup:
 
 
 class ServerTables(ServerGroup):
-    """Tables backend of a trainer with parameter servers: each phase's module (the built-in DLRM or yours) gets
-    the ``scheduling.parameter_servers`` pass first (:meth:`_PhaseTables.placement_pass`), which moves its
-    embedding tables to this group's servers under the clients ``fxdist-job-<phase>:<module path>``, shared by
-    the trainers in step order (``rank`` / ``world_size`` / ``group`` of the pass).
+    """Tables backend (:class:`jobs.seams.TableBackend`) of a trainer with parameter servers: each phase's module
+    (the built-in DLRM or yours) gets the ``scheduling.parameter_servers`` pass first
+    (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers under the
+    clients ``fxdist-job-<phase>:<module path>``, shared by the trainers in step order (``rank`` / ``world_size`` /
+    ``group`` of the pass).
 
     Each phase has its own tables on the servers (:meth:`view`), set from the same initial weights, so the phases
     can train side by side; with step order (:mod:`scheduling.ps.ordering`) every trainer's step-``k`` lookup
     sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever the schedule, so the baseline and the
     optimized phase train identically."""
 
-    def __init__(self, config: Any, rank: int, world: int, loop_config: dict[str, Any], exporter: Any,
+    def __init__(self, config: Any, rank: int, world: int, spec: Any, exporter: Any,
                  phases: Sequence[str] = ("baseline", "optimized")) -> None:
-        super().__init__(config, rank, world, loop_config)
+        super().__init__(config, rank, world, spec)
         self.views = {phase: _PhaseTables(self, phase) for phase in phases}
         self._barrier()
 
@@ -332,9 +335,11 @@ class _FetchTimer:
 
 
 class _PhaseTables(_FetchTimer):
-    """One phase's tables: set up by the ``parameter_servers`` pass, then read through the module it produced."""
+    """One phase's tables (a :class:`jobs.seams.Tables`): set up by the ``parameter_servers`` pass, then read
+    through the module it produced."""
 
     local = False
+    can_kill_server = True
 
     def __init__(self, owner: ServerGroup, phase: str) -> None:
         super().__init__()

@@ -1,9 +1,9 @@
 """Per-feature embedding table sizes from the data (``[model] table_sizes = "data"``).
 
-The launcher's first pass over the data (:func:`jobs.criteo_stream.scan`) counts the distinct values of each
+The launcher's first pass over the data (:func:`recsys.criteo_shard.scan`) counts the distinct values of each
 categorical feature ``C1..C26``; table ``j`` then gets ``min(distinct_j + 1, [model] max_table_size)`` rows
 (row 0 holds the missing value) and ids are hashed into each feature's own table
-(:func:`jobs.criteo_parse.hash_ids`). The counts and the chosen sizes go to ``<run>/cardinalities.json`` and
+(:func:`recsys.criteo_format.hash_ids`). The counts and the chosen sizes go to ``<run>/cardinalities.json`` and
 results.json (``tables``); the resolved list replaces "data" in the config the trainers get, so a resumed
 run keeps its sizes.
 
@@ -34,7 +34,7 @@ def sizes_from_counts(distinct: list[int], cap: int) -> list[int]:
 
 
 def resolve(config: JobConfig, plan: Any) -> tuple[JobConfig, dict[str, Any] | None]:
-    """``config`` with ``[model] table_sizes`` resolved from ``plan`` (a :class:`jobs.criteo_stream.DataPlan`
+    """``config`` with ``[model] table_sizes`` resolved from ``plan`` (a :class:`recsys.criteo_shard.DataPlan`
     with ``distinct`` counted) when it is "data", and the record of the choice (None otherwise).
 
     Raises:

@@ -1,6 +1,8 @@
 """The per-trainer training loop that Ray Train runs: baseline phase, optimized phase, checkpoints.
 
-``train_loop(loop_config)`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer``. Each trainer:
+``train_loop({"spec": spec})`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer`` (``spec``: a
+:class:`jobs.plan.TrainerSpec`). It meets the model only through the seams of :mod:`jobs.seams` (a ``Workload``
+and its ``Tables``). Each trainer:
 
 1. reads its shard of the data (:mod:`jobs.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
@@ -42,14 +44,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from jobs.config import JobConfig, parse_config
-from recsys.criteo_shard import CriteoShard
+from jobs.config import JobConfig
 from jobs.metrics import Exporter
 from jobs.optimizers import dense_optimizer
 from jobs.sparse_grads import data_parallel
 from jobs.user_code import user_error_frame
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
-from jobs.workload import CriteoWorkload, build_model, make_tables, make_workload, release_tables
+from jobs.plan import TrainerSpec
+from jobs.seams import Tables, Workload
+from jobs.workload import build_model, make_tables, make_workload, release_tables
 
 __all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
 
@@ -82,14 +85,14 @@ class PhaseRun:
     """Training seconds of each block of steps (phases alternate block by block; see :func:`block_ends`)."""
 
 
-def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables: Any = None,
+def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables: Tables,
                          ) -> tuple[nn.Module, dict[str, Any]]:
     """The module trained in ``phase``: the eager model, or ``fxdist.optimize(model, passes)``; when the
-    tables backend has a ``placement_pass`` (parameter servers), that pass comes first in both phases
+    tables have a ``placement_pass()`` (parameter servers), that pass comes first in both phases
     (no eager fallback then: the tables must move)."""
     info: dict[str, Any] = {"passes": [], "fallback": None}
-    first = getattr(tables, "placement_pass", None)
-    passes = [first()] if first is not None else []
+    first = tables.placement_pass()
+    passes = [first] if first is not None else []
     passes += list(config.phases.passes) if phase != "baseline" else []
     if not passes:
         return model, info
@@ -114,9 +117,10 @@ class PhaseTrainer:
     optimizer and batch stream, trained in blocks of steps so that phases can alternate (:meth:`train`).
 
     Args:
-        tables: The phase's tables backend (:class:`jobs.workload.LocalTables` or a :class:`jobs.ps.ServerTables`
-            view): gives ``fetch_seconds()``, ``after_backward()`` and, on servers, the ``parameter_servers`` pass.
-        data: The workload (:mod:`jobs.workload`), or a :class:`~jobs.data.CriteoShard` for the built-in DLRM.
+        tables: The phase's tables (:class:`jobs.seams.Tables`: :class:`jobs.workload.LocalTables` or a
+            :class:`jobs.ps.ServerTables` view): ``fetch_seconds()``, ``after_backward()`` and, on servers, the
+            ``parameter_servers`` pass.
+        workload: The model and its data (:class:`jobs.seams.Workload`, e.g. ``CriteoWorkload(config, shard)``).
         start_step: The first step (a resumed trainer continues the batch sequence there).
         optim_state: Optimizer state to resume from.
 
@@ -124,16 +128,16 @@ class PhaseTrainer:
     batch's input of that name (positional inputs are named by the module's ``forward`` signature).
     """
 
-    def __init__(self, phase: str, model: nn.Module, tables: Any, data: Any, config: JobConfig, *,
+    def __init__(self, phase: str, model: nn.Module, tables: Tables, workload: Workload, config: JobConfig, *,
                  start_step: int = 0, optim_state: dict | None = None, exporter: Exporter | None = None) -> None:
         self.phase, self.model, self.tables, self.config, self.exporter = phase, model, tables, config, exporter
-        self.workload = CriteoWorkload(config, data) if isinstance(data, CriteoShard) else data
+        self.workload = workload
         self.device = _device(config)
         model._apply(lambda t: t if t.is_meta else t.to(self.device))  # tables on meta stay there (servers')
         self.module, self.info = _make_trained_module(model, phase, config, tables)
         release_tables(model, tables.moved)
         # a model on servers is evaluated through its module (its own tables left the trainer)
-        self.evaluated = self.module if hasattr(tables, "attach") else model
+        self.evaluated = model if tables.local else self.module
         self.trained, sync_sparse = data_parallel(self.module, self.device)  # DDP; sparse tables averaged apart
         self._after_backward = lambda: (sync_sparse(), tables.after_backward())
         self.optimizer = dense_optimizer(config, (p for p in self.trained.parameters() if p.requires_grad))
@@ -218,8 +222,8 @@ class PhaseTrainer:
 def run_phase(
     phase: str,
     model: nn.Module,
-    tables: Any,
-    shard: Any,
+    tables: Tables,
+    workload: Workload,
     config: JobConfig,
     *,
     start_step: int = 0,
@@ -232,7 +236,7 @@ def run_phase(
     Returns:
         (measurements, optimize info, optimizer).
     """
-    trainer = PhaseTrainer(phase, model, tables, shard, config, start_step=start_step, optim_state=optim_state,
+    trainer = PhaseTrainer(phase, model, tables, workload, config, start_step=start_step, optim_state=optim_state,
                            exporter=exporter)
     trainer.train(config.job.steps, on_step)
     return trainer.run, trainer.info, trainer.optimizer
@@ -256,7 +260,7 @@ def _next_batch_inputs(module: nn.Module) -> tuple[list[str], dict[str, str]]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, workload: Any, tables: Any) -> dict[str, float]:
+def evaluate(model: nn.Module, workload: Workload, tables: Tables) -> dict[str, float]:
     """The held-out quality of ``model`` on the workload's eval batches (:meth:`quality`: AUC and log loss
     for the DLRM); ``{}`` when this rank has none."""
     batches = workload.eval_batches()
@@ -281,7 +285,8 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, world: int, state, tables) -> None:
+def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, world: int, state,
+                         tables: Tables) -> None:
     """Fire the configured faults once per job (the JobState actor remembers which fired): kill a trainer,
     kill a server, or pause rank 0 (a window for an outside fault; the pause's start is a timeline event).
 
@@ -306,7 +311,7 @@ def _maybe_inject_faults(config: JobConfig, phase: str, step: int, rank: int, wo
             ray.get(state.event.remote(f"fault: pausing trainer rank 0 (pid {os.getpid()}) for "
                                        f"{faults.pause_seconds} s at step {step}"))
             time.sleep(faults.pause_seconds)
-    if step == faults.kill_server_at_step and rank == 0 and hasattr(tables, "kill_server"):
+    if step == faults.kill_server_at_step and rank == 0 and tables.can_kill_server:
         if ray.get(state.fire.remote("server")):
             time.sleep(REGISTER_WAIT_S)
             state.event.remote(f"fault: killing parameter server 0 at step {step}")
@@ -380,8 +385,11 @@ def _deterministic_errors() -> dict[type, str]:
     return {ConfigError: "config", DataError: "data", TraceError: "job"}
 
 
-def train_loop(loop_config: dict[str, Any]) -> None:
+def train_loop(loop_config: dict[str, TrainerSpec]) -> None:
     """Ray Train entry point: run the job on this trainer, stopping for good on a deterministic error.
+
+    ``loop_config``: ``{"spec": spec}`` (Ray Train's ``train_loop_config`` is a dict), ``spec`` the
+    :class:`jobs.plan.TrainerSpec` every trainer of the job gets.
 
     A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not
     trace, an exception raised in your own code: :func:`jobs.user_code.user_error_frame`) is recorded on the
@@ -393,11 +401,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     import ray
     import ray.train
 
-    state = loop_config["state"]
+    spec = loop_config["spec"]
+    state = spec.state
     if ray.get(state.failure.remote()) is not None:
         return  # an earlier attempt hit a deterministic error: nothing to retry
     try:
-        _train_loop(loop_config)
+        _train_loop(spec)
     except Exception as e:  # noqa: BLE001 - deterministic errors stop the job; the others are Ray Train's
         kind, message = next((k for t, k in _deterministic_errors().items() if isinstance(e, t)), None), str(e)
         if kind is None and (where := user_error_frame(e)) is None:
@@ -410,36 +419,31 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             raise
 
 
-def _train_loop(loop_config: dict[str, Any]) -> None:
-    """Run every phase of the job on this trainer.
-
-    ``loop_config`` keys: ``config`` (the job config as plain dicts), ``data_path``, ``data_plan``, ``run_dir``,
-    ``metrics_port`` (base port, or None), ``state`` (the JobState actor), ``servers`` (server actors), ``rpc_host``.
-    """
+def _train_loop(spec: TrainerSpec) -> None:
+    """Run every phase of the job on this trainer (``spec``: the launcher's plan and runtime handles)."""
     import ray
     import ray.train
 
     from jobs.cluster import serve_exporter, where
 
-    config = parse_config(loop_config["config"], source=loop_config.get("source", "<job>"))
-    state = loop_config["state"]
+    config, state = spec.config, spec.state
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if rank == 0:
         state.event.remote("rank 0: training loop started")
     torch.set_num_threads(max(1, int(config.cluster.cpus_per_trainer)))
     exporter, bound = None, None
-    if loop_config.get("metrics_port") is not None:
+    if spec.metrics_port is not None:
         exporter = Exporter(config.job.name, rank)
         exporter.touch(PHASES)
-        bound = serve_exporter(exporter, config.metrics.host, loop_config["metrics_port"] + rank)
+        bound = serve_exporter(exporter, config.metrics.host, spec.metrics_port + rank)
     state.placed.remote(f"trainer{rank}", where(bound))  # where this trainer and its exporter run
-    workload = make_workload(config, rank, world, loop_config["data_path"], plan=loop_config.get("data_plan"),
+    workload = make_workload(config, rank, world, str(spec.plan.data_path or ""), plan=spec.plan.data_plan,
                              exporter=exporter)
     if rank == 0 and workload.parse is not None:
         state.parse_stats.remote(workload.parse, workload.rows)
     resume = _load_checkpoint()
-    tables = make_tables(config, rank, world, loop_config, exporter)
+    tables = make_tables(config, rank, world, spec, exporter)
     if rank == 0:
         state.event.remote("rank 0: data loaded, tables ready")
     graceful = False
@@ -476,7 +480,7 @@ def _evaluate_mid_phase(t: PhaseTrainer, step: int, snapshot: bool) -> dict[str,
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank's updates for `step` are on the servers
     out: dict[str, Any] = {}
-    if _has_eval(t.workload):
+    if t.workload.has_eval:
         out = {"step": step, "quality": evaluate(t.evaluated, t.workload, tables)}
         if snapshot:
             out["model"] = {k: v.detach().clone() for k, v in t.dense_state().items()}
@@ -484,11 +488,6 @@ def _evaluate_mid_phase(t: PhaseTrainer, step: int, snapshot: bool) -> dict[str,
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return out
-
-
-def _has_eval(workload: Any) -> bool:
-    """This rank evaluates (rank 0, with held-out data)."""
-    return bool(getattr(workload, "has_eval", False))
 
 
 def block_ends(start: int, steps: int, block_steps: int, checkpoint_every: int) -> list[int]:
@@ -560,7 +559,7 @@ def _run_phases(config, rank, world, workload, tables, resume, state, exporter) 
 
 
 def reader_summary(stats: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The trainers' reader statistics (:meth:`jobs.criteo_stream.CriteoStream.stats`, one per rank) in one:
+    """The trainers' reader statistics (:meth:`recsys.criteo_stream.CriteoStream.stats`, one per rank) in one:
     ``lines_per_s`` (the mean per-worker parse rate), ``capacity_lines_per_s`` (all trainers' workers
     together), ``workers`` (per trainer), ``lines``, ``rows``, ``per_trainer``; None without a stream.
 
@@ -587,7 +586,7 @@ def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: i
     for phase, t in trainers.items():
         t.tables.sync()
         runs = _gather(t.run)  # also a barrier: every rank's updates are on the servers before evaluation
-        end = evaluate(t.evaluated, workload, t.tables) if _has_eval(workload) else {}
+        end = evaluate(t.evaluated, workload, t.tables) if workload.has_eval else {}
         if rank == 0:
             summary = phase_summary(runs, config.job.batch_size)
             quality_step = early[phase].get("step", steps)

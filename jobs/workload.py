@@ -1,7 +1,8 @@
 """What a trainer trains (the built-in torchrec DLRM on Criteo, or your model on your batches), and where its
 embedding tables live.
 
-A *workload* gives the training loop (:mod:`jobs.worker`) everything that depends on the model and the data:
+A *workload* (the :class:`jobs.seams.Workload` protocol) gives the training loop (:mod:`jobs.worker`) everything
+that depends on the model and the data:
 
 - ``rows``: this trainer's training rows per epoch (for ``[job] eval_epochs``), ``parse``: the reader's
   statistics or None, ``has_eval``: this rank evaluates (rank 0, with held-out data);
@@ -19,12 +20,13 @@ machinery with the built-in model (:func:`jobs.criteo.dlrm`) and the Criteo read
 path: with parameter servers, each phase's module first gets the ``parameter_servers`` pass
 (:class:`jobs.ps.ServerTables`).
 
-A *tables backend* (:func:`make_tables`): :class:`LocalTables` (the tables stay in the model: DDP parameters) or
-:class:`jobs.ps.ServerTables` (the ``parameter_servers`` pass moves them to the job's servers), with
-``view(phase)`` (each phase's own tables), ``after_backward()``, ``sync()`` (wait for updates in flight),
-``fetch_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
+A *tables backend* (:func:`make_tables`, the :class:`jobs.seams.TableBackend` protocol): :class:`LocalTables` (the
+tables stay in the model: DDP parameters) or :class:`jobs.ps.ServerTables` (the ``parameter_servers`` pass moves
+them to the job's servers), with ``view(phase)`` (each phase's own tables, :class:`jobs.seams.Tables`: ``local``,
+``placement_pass()`` (None when local) and ``attach(gm)``, ``after_backward()``, ``sync()`` (wait for updates in
+flight), ``fetch_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
 ``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
-live on the servers) and ``close()``; a server view also has ``placement_pass()`` and ``attach(gm)``.
+live on the servers), ``can_kill_server`` / ``kill_server(i)``) and ``close(graceful)``.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -40,6 +42,7 @@ from torch import nn
 
 from jobs import criteo, entry
 from jobs.config import JobConfig
+from jobs.seams import TableBackend, Tables
 from recsys.criteo_format import DataError
 from recsys.criteo_shard import CriteoShard, DataPlan, scan
 from recsys.criteo_stream import CriteoStream, SharedBatches
@@ -55,7 +58,7 @@ def build_model(config: JobConfig) -> nn.Module:
 
 
 def criteo_shard(config: JobConfig, data_path: str | Path, **kwargs: Any) -> CriteoShard:
-    """A :class:`~jobs.data.CriteoShard` of ``data_path`` hashed for the built-in model's tables (``kwargs``:
+    """A :class:`~recsys.criteo_shard.CriteoShard` of ``data_path`` hashed for the built-in model's tables (``kwargs``:
     ``rank``, ``world_size``, ``split``); ``eval_fraction`` defaults to ``[data] eval_fraction``."""
     kwargs.setdefault("eval_fraction", config.data.eval_fraction)
     return CriteoShard(data_path, config.table_sizes, **kwargs)
@@ -71,7 +74,9 @@ class UserWorkload:
         ConfigError: an entry point that does not resolve, or an epoch without a batch.
     """
 
-    parse = None
+    parse: dict[str, Any] | None = None
+    has_eval: bool = False
+    rows: int = 0
 
     def __init__(self, config: JobConfig, rank: int, world_size: int) -> None:
         self.config = config
@@ -86,7 +91,7 @@ class UserWorkload:
                                     f"batch for rank {rank} of {world_size}")
         self.rows = sum(entry.split_batch(b)[2].shape[0] for b in epoch)
 
-    def build(self, view: Any) -> nn.Module:
+    def build(self, view: Tables) -> nn.Module:
         return build_model(self.config)
 
     def train_batches(self, start: int = 0) -> Iterator[Any]:
@@ -102,11 +107,11 @@ class UserWorkload:
     def close(self) -> None:
         """Nothing to stop."""
 
-    def inputs(self, batch: Any, tables: Any, device: torch.device) -> tuple[tuple, dict[str, Any], torch.Tensor]:
+    def inputs(self, batch: Any, tables: Tables, device: torch.device) -> tuple[tuple, dict[str, Any], torch.Tensor]:
         """The batch's ``(args, kwargs, labels)`` (:func:`jobs.entry.split_batch`), tensors on ``device``; a
         ``KeyedJaggedTensor`` too when the tables are local (server lookups take it on the CPU)."""
         args, kwargs, labels = entry.split_batch(batch, f"[data] batches = {self.config.data.batches!r}")
-        local = getattr(tables, "local", False)
+        local = tables.local
 
         def move(v: Any) -> Any:
             return v.to(device) if isinstance(v, torch.Tensor) or (local and hasattr(v, "to")) else v
@@ -158,8 +163,8 @@ class CriteoWorkload(UserWorkload):
     """The built-in model (:func:`jobs.criteo.dlrm`) on Criteo rows; batches are ``(dense, kjt, labels)``
     (:func:`jobs.criteo.model_inputs`), the loss ``[train] loss = "bce_with_logits"`` (AUC and log loss held out).
 
-    ``shard``: a :class:`jobs.data.CriteoShard` (in memory) or a :class:`jobs.criteo_stream.CriteoStream`
-    (streamed; its batches are shared by the ``readers`` phases, :class:`jobs.criteo_stream.SharedBatches`);
+    ``shard``: a :class:`recsys.criteo_shard.CriteoShard` (in memory) or a :class:`recsys.criteo_stream.CriteoStream`
+    (streamed; its batches are shared by the ``readers`` phases, :class:`recsys.criteo_stream.SharedBatches`);
     ``eval_shard``: the held-out rows, or None; ``parse``: the parse statistics to report (default: the shard's).
     """
 
@@ -174,11 +179,11 @@ class CriteoWorkload(UserWorkload):
         self._loss = entry.loss_fn(config)
         self._train_step = None
 
-    def build(self, view: Any) -> nn.Module:
+    def build(self, view: Tables) -> nn.Module:
         """The built-in DLRM (:func:`jobs.criteo.dlrm`); with parameter servers (``view`` not local) its tables
         are on the ``meta`` device: the trainer allocates none of them and the servers initialise them (the
         ``parameter_servers`` pass, seeded by ``[job] seed``), the same rows for every phase."""
-        return criteo.dlrm(self.config, tables_device=None if getattr(view, "local", True) else "meta")
+        return criteo.dlrm(self.config, tables_device=None if view.local else "meta")
 
     def train_batches(self, start: int = 0) -> Iterator[Any]:
         """Endless batches from batch ``start``; a stream's are read once and shared by the ``readers`` phases
@@ -192,7 +197,7 @@ class CriteoWorkload(UserWorkload):
         return map(criteo.model_inputs, shared.reader())
 
     def reader_stats(self) -> dict[str, Any] | None:
-        """The stream's parse throughput (:meth:`jobs.criteo_stream.CriteoStream.stats`), or None."""
+        """The stream's parse throughput (:meth:`recsys.criteo_stream.CriteoStream.stats`), or None."""
         return self.shard.stats() if isinstance(self.shard, CriteoStream) else None
 
     def close(self) -> None:
@@ -207,16 +212,16 @@ class CriteoWorkload(UserWorkload):
 def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, plan: DataPlan | None = None,
                   exporter: Any = None) -> CriteoWorkload | UserWorkload:
     """This trainer's workload: :class:`UserWorkload` with ``[model] factory``, else the DLRM on the Criteo data
-    ``data_path`` (a file, directory or glob), streamed (:class:`jobs.criteo_stream.CriteoStream`, ``[data]
+    ``data_path`` (a file, directory or glob), streamed (:class:`recsys.criteo_stream.CriteoStream`, ``[data]
     reader_workers`` processes); rank 0 also reads the held-out rows (at most ``[data] eval_max_rows``) when
     ``[data] eval_fraction > 0``.
 
     Args:
-        plan: The launcher's first pass (:func:`jobs.criteo_stream.scan`); None: this trainer scans the data.
+        plan: The launcher's first pass (:func:`recsys.criteo_shard.scan`); None: this trainer scans the data.
         exporter: The trainer's :class:`jobs.metrics.Exporter` (its reader gauge), or None.
 
     Raises:
-        jobs.data.DataError: the Criteo data cannot be used, or this trainer's share has no valid line;
+        recsys.criteo_format.DataError: the Criteo data cannot be used, or this trainer's share has no valid line;
             ConfigError: see :class:`UserWorkload`.
     """
     if config.user_model:
@@ -258,10 +263,28 @@ def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[
 
 
 class LocalTables:
-    """Embedding tables inside the model (DDP parameters; the built-in DLRM's give sparse gradients)."""
+    """Embedding tables inside the model (DDP parameters; the built-in DLRM's give sparse gradients): the
+    :class:`jobs.seams.TableBackend` and every phase's :class:`jobs.seams.Tables` (:meth:`view` is itself)."""
 
     local = True
     moved: frozenset[str] = frozenset()
+    can_kill_server = False
+
+    def placement_pass(self) -> None:
+        """None: the tables stay in the module."""
+        return None
+
+    def attach(self, gm: nn.Module) -> None:
+        """Nothing to do: no pass moved the tables."""
+
+    def kill_server(self, index: int) -> None:
+        """No server to kill (:attr:`can_kill_server` is False).
+
+        Raises:
+            RuntimeError: always (``[cluster] parameter_servers = 0``).
+        """
+        raise RuntimeError(f"cannot kill parameter server {index}: the tables are local ([cluster] "
+                           "parameter_servers = 0)")
 
     def view(self, phase: str) -> "LocalTables":
         """Itself: each phase's tables are in its own model."""
@@ -287,7 +310,7 @@ class LocalTables:
         """Nothing to do: the tables are in the model's state dict."""
 
     def close(self, graceful: bool = True) -> None:
-        pass
+        """Nothing to release."""
 
 
 def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
@@ -299,12 +322,17 @@ def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0, module.weight.shape[-1]), requires_grad=False)
 
 
-def make_tables(config: JobConfig, rank: int, world: int, loop_config: dict[str, Any], exporter: Any) -> Any:
+def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: Any) -> TableBackend:
     """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``, else
-    :class:`jobs.ps.ServerTables` (the job's servers, one table set per phase)."""
+    :class:`jobs.ps.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.plan.TrainerSpec`
+    ``spec``, one table set per phase).
+
+    Raises:
+        RuntimeError: ``spec`` has another number of server actors than ``[cluster] parameter_servers``.
+    """
     if config.cluster.parameter_servers == 0:
         return LocalTables()
     from jobs.ps import ServerTables
 
     phases = ("baseline", "optimized") if config.phases.baseline else ("optimized",)
-    return ServerTables(config, rank, world, loop_config, exporter, phases)
+    return ServerTables(config, rank, world, spec, exporter, phases)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -367,29 +368,32 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     monkeypatch.setattr(ray.train, "get_context", lambda: Context())
     calls = []
 
-    def failing(loop_config):
-        calls.append(loop_config)
-        raise loop_config["raise"]
+    def failing(spec):
+        calls.append(spec)
+        raise spec.error
+
+    def loop_config(state, error):  # train_loop reads only the spec's JobState actor before _train_loop
+        return {"spec": SimpleNamespace(state=state, error=error)}
 
     monkeypatch.setattr(jobs.worker, "_train_loop", failing)
     state = _FakeState()
     error = DataError("x.tsv has no valid train line")
     if world == 1:  # one trainer: return normally, so fit() ends without a retry
-        jobs.worker.train_loop({"state": state, "raise": error})
+        jobs.worker.train_loop(loop_config(state, error))
     else:  # more: re-raise, so Ray Train tears down the ranks waiting in a collective
         with pytest.raises(DataError):
-            jobs.worker.train_loop({"state": state, "raise": error})
+            jobs.worker.train_loop(loop_config(state, error))
     assert state.actor.error == {"kind": "data", "type": "DataError", "message": str(error), "rank": world - 1}
     # the retried attempt returns at once, without running the loop
-    jobs.worker.train_loop({"state": state, "raise": AssertionError("not reached")})
+    jobs.worker.train_loop(loop_config(state, AssertionError("not reached")))
     assert len(calls) == 1
     # a trace error is recorded as a job error; a process-level failure is Ray Train's to retry
     state = _FakeState()
     with pytest.raises(ConnectionResetError, match="connection reset"):
-        jobs.worker.train_loop({"state": state, "raise": ConnectionResetError("connection reset")})
+        jobs.worker.train_loop(loop_config(state, ConnectionResetError("connection reset")))
     assert state.actor.error is None
     try:
-        jobs.worker.train_loop({"state": state, "raise": TraceError("control flow")})
+        jobs.worker.train_loop(loop_config(state, TraceError("control flow")))
     except TraceError:
         assert world > 1
     assert state.actor.error["kind"] == "job"

@@ -18,24 +18,25 @@ from jobs.report import table, to_json, write
 from jobs.stats import phase_summary
 from jobs.metrics import Exporter
 from jobs.worker import build_model, eval_step, run_phase
-from jobs.workload import LocalTables
+from jobs.workload import CriteoWorkload, LocalTables
 
 CONFIG = JobConfig().replace(job={"steps": 12, "batch_size": 32}, model={"table_size": 300, "bottom_mlp": [16],
                                                                           "top_mlp": [16]}, phases={"passes": ["dce"]})
 
 
 @pytest.fixture(scope="module")
-def shard(tmp_path_factory):
+def workload(tmp_path_factory):
+    """The built-in DLRM's workload on a synthetic shard (the trainer gets a workload, never a bare shard)."""
     path = write_synthetic_criteo(tmp_path_factory.mktemp("data") / "c.tsv", 500, seed=3)
-    return CriteoShard(path, 300)
+    return CriteoWorkload(CONFIG, CriteoShard(path, 300))
 
 
-def test_baseline_and_optimized_phases_train_the_same_model_on_the_same_batches(shard):
+def test_baseline_and_optimized_phases_train_the_same_model_on_the_same_batches(workload):
     torch.set_num_threads(1)
     runs = {}
     for phase in ("baseline", "optimized"):
         model = build_model(CONFIG)
-        run, info, _ = run_phase(phase, model, LocalTables(), shard, CONFIG)
+        run, info, _ = run_phase(phase, model, LocalTables(), workload, CONFIG)
         runs[phase] = (run, info, model)
     base, opt = runs["baseline"][0], runs["optimized"][0]
     assert base.steps == opt.steps == 12 and base.samples == opt.samples == 12 * 32
@@ -48,12 +49,12 @@ def test_baseline_and_optimized_phases_train_the_same_model_on_the_same_batches(
     assert summary["fetch_p50_ms"] is None  # local tables: no fetches
 
 
-def test_resume_mid_phase_continues_the_batch_sequence(shard):
+def test_resume_mid_phase_continues_the_batch_sequence(workload):
     torch.set_num_threads(1)
-    full, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), shard, CONFIG)
+    full, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), workload, CONFIG)
     model = build_model(CONFIG)
-    first, _, opt = run_phase("baseline", model, LocalTables(), shard, CONFIG.replace(job={"steps": 5}))
-    rest, _, _ = run_phase("baseline", model, LocalTables(), shard, CONFIG, start_step=5,
+    first, _, opt = run_phase("baseline", model, LocalTables(), workload, CONFIG.replace(job={"steps": 5}))
+    rest, _, _ = run_phase("baseline", model, LocalTables(), workload, CONFIG, start_step=5,
                            optim_state=opt.state_dict())
     assert rest.start_step == 5 and rest.steps == 7
     assert first.losses + rest.losses == pytest.approx(full.losses, rel=1e-5, abs=1e-6)
@@ -70,15 +71,15 @@ class _Untraceable(nn.Module):
         return -self.dlrm(dense, sparse)
 
 
-def test_untraceable_model_fails_unless_eager_fallback_is_allowed(shard):
+def test_untraceable_model_fails_unless_eager_fallback_is_allowed(workload):
     def model():
         return _Untraceable()
 
     with pytest.raises(fxdist.TraceError) as info:
-        run_phase("optimized", model(), LocalTables(), shard, CONFIG)
+        run_phase("optimized", model(), LocalTables(), workload, CONFIG)
     assert any("allow_eager_fallback" in note for note in info.value.__notes__)
     allowed = CONFIG.replace(job={"allow_eager_fallback": True})
-    run, info, _ = run_phase("optimized", model(), LocalTables(), shard, allowed)
+    run, info, _ = run_phase("optimized", model(), LocalTables(), workload, allowed)
     assert run.steps == 12 and info["fallback"].startswith("TraceError")
 
 
@@ -120,22 +121,22 @@ def test_eval_step_is_one_pass_over_the_shard_capped_at_the_phase_end():
     assert eval_step(config.replace(job={"eval_epochs": 1e-6}), 4500) == 1
 
 
-def test_metrics_updates_are_timed_in_the_training_loop(shard):
-    run, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), shard, CONFIG,
+def test_metrics_updates_are_timed_in_the_training_loop(workload):
+    run, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), workload, CONFIG,
                           exporter=Exporter("t", 0))
     assert 0 < run.metrics_seconds < run.wall_seconds
     summary = phase_summary([run], CONFIG.job.batch_size)
     assert summary["metrics_percent"] == pytest.approx(100 * run.metrics_seconds / run.wall_seconds)
-    plain, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), shard, CONFIG)
+    plain, _, _ = run_phase("baseline", build_model(CONFIG), LocalTables(), workload, CONFIG)
     assert plain.metrics_seconds == 0.0
 
 
-def test_interleaved_blocks_train_each_phase_as_one_uninterrupted_run(shard):
+def test_interleaved_blocks_train_each_phase_as_one_uninterrupted_run(workload):
     from jobs.worker import PhaseTrainer, block_ends
 
     torch.set_num_threads(1)
-    whole, _, _ = run_phase("optimized", build_model(CONFIG), LocalTables(), shard, CONFIG)
-    trainers = {p: PhaseTrainer(p, build_model(CONFIG), LocalTables(), shard, CONFIG) for p in ("baseline", "optimized")}
+    whole, _, _ = run_phase("optimized", build_model(CONFIG), LocalTables(), workload, CONFIG)
+    trainers = {p: PhaseTrainer(p, build_model(CONFIG), LocalTables(), workload, CONFIG) for p in ("baseline", "optimized")}
     ends = block_ends(0, 12, 5, 0)
     assert ends == [5, 10, 12]
     for b, end in enumerate(ends):
