@@ -54,7 +54,7 @@ from typing import Any
 
 __all__ = ["PLACEMENTS", "SETUP_HOOK", "NODE_ID_LABEL", "interface_of", "is_loopback", "node_address",
            "set_socket_ifnames", "serve_exporter", "where", "server_nodes", "server_options", "here_options",
-           "trainer_strategy", "placement_lines", "lost_nodes", "NodeWatch", "file_sd_groups", "launcher_address",
+           "trainer_strategy", "placement_lines", "lost_nodes", "NodeWatch", "launcher_address",
            "loopback_elsewhere"]
 
 PLACEMENTS = ("pack", "spread")
@@ -288,32 +288,3 @@ def loopback_elsewhere(placement: dict[str, Any], here: str | None) -> list[str]
     return sorted(name for name, info in placement.items()
                   if info.get("metrics") and is_loopback(info["metrics"][0]) and here is not None
                   and info.get("address") != here)
-
-
-def file_sd_groups(config: Any, placement: dict[str, Any]) -> list[dict[str, Any]]:
-    """Prometheus file-SD target groups of a job, one per exporter (see ``jobs.launch.write_prometheus_files``).
-
-    A process in ``placement`` (``JobState.placed``: :func:`where`) is listed at the (address, port) its
-    exporter reported, with label ``node``; one not reported yet at the configured ``host:port + offset``
-    (trainer rank r: r; server i: trainers + i), or not at all with ``[metrics] host = "node"``. Exporters
-    on loopback of another node than the launcher's (:func:`loopback_elsewhere`) are left out.
-    """
-    m, c = config.metrics, config.cluster
-    host = "127.0.0.1" if m.host in ("", "0.0.0.0") else m.host
-    away = set(loopback_elsewhere(placement, launcher_address(placement)))
-    names = [(f"trainer{r}", "trainer", m.port + r) for r in range(c.trainers)]
-    names += [(f"ps{i}", "parameter_server", m.port + c.trainers + i) for i in range(c.parameter_servers)]
-    groups = []
-    for name, role, port in names:
-        labels = {"fxdist_job": config.job.name, "role": role}
-        info = placement.get(name) or {}
-        if info.get("metrics"):
-            addr, port = info["metrics"]
-            labels["node"] = info.get("address", "")
-        elif m.host == "node":
-            continue
-        else:
-            addr = host
-        if name not in away:
-            groups.append({"targets": [f"{addr}:{port}"], "labels": labels})
-    return groups

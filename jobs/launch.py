@@ -33,7 +33,6 @@ Source: Ray Train (TorchTrainer, ScalingConfig, RunConfig, FailureConfig, Checkp
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -48,14 +47,13 @@ import torch
 from jobs import runs, table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.plan import JobPlan, TrainerSpec, make_plan, with_data
+from jobs.prometheus import retarget, write_prometheus_files
 from jobs.state import JobState, seed_snapshot, with_snapshot
 from jobs.stats import peak_rss_bytes
 from recsys.criteo_format import DataError
 
-__all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases", "write_prometheus_files",
-           "DASHBOARDS"]
+__all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases"]
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 
 
 def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
@@ -96,32 +94,6 @@ def check_gpus(config: JobConfig, resources: dict[str, float] | None = None) -> 
         raise ConfigError(f"{config.source}: [cluster] use_gpu = true needs one GPU per trainer (trainers = "
                           f"{c.trainers}), but the Ray cluster offers {gpus:g} GPU(s); set use_gpu = false to train "
                           "on CPUs, or join a cluster with GPUs ([cluster] address)")
-
-
-def write_prometheus_files(config: JobConfig, run_dir: Path, placement: dict[str, Any] | None = None) -> Path:
-    """Write ``prometheus/targets.json`` (file-based service discovery) and ``prometheus/prometheus.yml``.
-
-    Targets, one group each, with labels ``fxdist_job``, ``role`` (trainer | parameter_server) and, once
-    known, ``node`` (the node's Ray address): the (address, port) each exporter reported in ``placement``
-    (``JobState.placed``, :func:`jobs.cluster.serve_exporter`); until then the configured ones, trainer rank
-    r at ``host:port + r`` and parameter server i at ``host:port + trainers + i`` (left out with
-    ``[metrics] host = "node"``, whose address is known only once the exporter runs). An exporter bound to
-    loopback on another node than the launcher's cannot be scraped from here: it is left out (see
-    :func:`jobs.cluster.file_sd_groups`). The file is replaced atomically (Prometheus re-reads it). Returns the
-    prometheus.yml path.
-    """
-    from jobs.cluster import file_sd_groups
-
-    out = run_dir / "prometheus"
-    out.mkdir(parents=True, exist_ok=True)
-    groups = file_sd_groups(config, placement or {})
-    tmp = out / "targets.json.tmp"
-    tmp.write_text(json.dumps(groups, indent=2) + "\n")
-    tmp.replace(out / "targets.json")
-    template = (DASHBOARDS / "prometheus.yml").read_text()
-    rendered = template.replace("{{TARGETS_DIR}}", str(out)).replace("{{RULES}}", str(DASHBOARDS / "rules.yml"))
-    (out / "prometheus.yml").write_text(rendered)
-    return out / "prometheus.yml"
 
 
 def _fit(trainer, box: dict[str, Any]) -> None:
@@ -430,7 +402,8 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
             prom = write_prometheus_files(config, run_dir)
             metrics_port = config.metrics.port
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
-            watch.on_placement = lambda snap: _retarget(config, run_dir, snap.get("placement", {}), log, watch.warned)
+            watch.on_placement = lambda snap: retarget(config, run_dir, snap.get("placement", {}), log,
+                                                       watch.warned)
         from jobs.cluster import NodeWatch, here_options
 
         # on the launcher's node, as Ray Train's controller: the job's record must outlive any other node
@@ -484,18 +457,6 @@ def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> No
             ray.get(state.process_stats.remote(f"ps{i}", ray.get(actor.stats.remote(), timeout=timeout_s)))
         except Exception:  # noqa: BLE001 - statistics never fail a job
             pass
-
-
-def _retarget(config: JobConfig, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str]) -> None:
-    """Rewrite targets.json with the exporters' real addresses; warn about unreachable ones once each."""
-    write_prometheus_files(config, run_dir, placement)
-    from jobs.cluster import launcher_address, loopback_elsewhere
-
-    for name in loopback_elsewhere(placement, launcher_address(placement)):
-        if name not in warned:
-            warned.add(name)
-            log(f"{name}'s metrics exporter listens on 127.0.0.1 of node {placement[name].get('address')}: "
-                'left out of targets.json (set [metrics] host = "node" to scrape it from another host)')
 
 
 def _final_state(result) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 
 from jobs.config import load_config
-from jobs.launch import write_prometheus_files
+from jobs.prometheus import write_prometheus_files
 
 pytestmark = pytest.mark.timeout(900)  # per test, with its fixtures; a loaded 2-core machine needs 3-4 min a job
 

@@ -15,8 +15,9 @@ import pytest
 
 import jobs.cluster as cluster
 from jobs.config import ConfigError, load_config, parse_config
-from jobs.launch import JobState, write_prometheus_files
+from jobs.launch import JobState
 from jobs.metrics import Exporter
+from tests.jobs._placement import where_info as _where
 
 Addr = namedtuple("Addr", "family address")
 
@@ -98,38 +99,6 @@ def test_serve_exporter_falls_back_to_a_free_port_of_its_node():
             assert "fxdist_samples_total" in body or "fxdist_loss" in body
         finally:
             e.close()
-
-
-def _where(address: str, metrics: tuple[str, int] | None) -> dict:
-    return {"node_id": f"node-{address}", "address": address, "hostname": "h", "pid": 1,
-            "metrics": list(metrics) if metrics else None, "ifnames": {}}
-
-
-def test_targets_follow_the_reported_addresses(tmp_path, monkeypatch):
-    config = load_config().replace(metrics={"port": 19000}, job={"name": "t"})
-    write_prometheus_files(config, tmp_path)
-    groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
-    assert [g["targets"] for g in groups] == [["127.0.0.1:19000"], ["127.0.0.1:19001"], ["127.0.0.1:19002"]]
-    assert [g["labels"]["role"] for g in groups] == ["trainer", "trainer", "parameter_server"]
-    # what the processes reported: trainer1 moved to another port, the server is on another node
-    monkeypatch.setattr(cluster, "node_address", lambda: "10.0.0.1")
-    placement = {"trainer0": _where("10.0.0.1", ("127.0.0.1", 19000)),
-                 "trainer1": _where("10.0.0.1", ("127.0.0.1", 40000)),
-                 "ps0": _where("10.0.0.2", ("127.0.0.1", 19002))}
-    write_prometheus_files(config, tmp_path, placement)
-    groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
-    # ps0's exporter listens on its own node's loopback: unreachable from here, left out
-    assert [(g["targets"], g["labels"]["node"]) for g in groups] == [
-        (["127.0.0.1:19000"], "10.0.0.1"), (["127.0.0.1:40000"], "10.0.0.1")]
-    assert cluster.loopback_elsewhere(placement, "10.0.0.1") == ["ps0"]
-    node = config.replace(metrics={"host": "node"})
-    write_prometheus_files(node, tmp_path)  # addresses not known yet
-    assert json.loads((tmp_path / "prometheus" / "targets.json").read_text()) == []
-    placement["ps0"] = _where("10.0.0.2", ("10.0.0.2", 19002))
-    write_prometheus_files(node, tmp_path, {"ps0": placement["ps0"]})
-    groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
-    assert groups == [{"targets": ["10.0.0.2:19002"], "labels": {"fxdist_job": "t", "role": "parameter_server",
-                                                                 "node": "10.0.0.2"}}]
 
 
 def test_job_state_records_placement_and_the_table_line():

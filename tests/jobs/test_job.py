@@ -24,7 +24,7 @@ import pytest
 
 from jobs.cli import main
 from jobs.config import load_config
-from jobs.launch import DASHBOARDS, write_prometheus_files
+from jobs.prometheus import DASHBOARDS, write_prometheus_files
 from jobs.metrics import free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(420)
