@@ -12,9 +12,9 @@ exercises it. Rules (docs/CONTRACTS.md, ../shared/STYLE.md):
 * sibling packages do not import each other: ``scheduling`` never imports ``quant``, nor ``quant`` ``scheduling``
   (what both need goes to ``recsys``);
 * a module has at most ``MAX_MODULE_LINES`` lines and a function at most ``MAX_FUNCTION_LINES``;
-* every module of ``fxdist/``, ``scheduling/`` and ``quant/`` has its tests where a newcomer looks for them: a
-  mirrored file (``scheduling/ps/ordering.py`` -> ``tests/scheduling/test_ps_ordering.py``), or an entry of
-  ``TESTED_ELSEWHERE`` naming the file that tests it.
+* every module of ``fxdist/``, ``scheduling/``, ``quant/``, ``recsys/`` and ``jobs/`` has its tests where a newcomer
+  looks for them: a mirrored file (``scheduling/ps/ordering.py`` -> ``tests/scheduling/test_ps_ordering.py``), or
+  an entry of ``TESTED_ELSEWHERE`` naming the file that tests it.
 """
 
 from __future__ import annotations
@@ -146,9 +146,9 @@ def test_no_two_modules_import_each_other_above_the_core():
     assert not pairs, "modules that import each other: " + ", ".join(f"{a} <-> {b}" for a, b in pairs)
 
 
-TEST_DIRS = {"fxdist": ("tests/fx", "tests/passes"), "scheduling": ("tests/scheduling",), "quant": ("tests/quant",)}
-"""Where the tests of each package's modules live. ``jobs/`` and ``recsys/`` are left out of the mirror check on
-purpose: their tests are being moved by other work (issue 23), and they join this map when that settles."""
+TEST_DIRS = {"fxdist": ("tests/fx", "tests/passes"), "scheduling": ("tests/scheduling",), "quant": ("tests/quant",),
+             "recsys": ("tests/recsys",), "jobs": ("tests/jobs",)}
+"""Where the tests of each package's modules live."""
 
 TESTED_ELSEWHERE = {
     # fxdist's private helpers, tested through the public API that uses them
@@ -166,7 +166,6 @@ TESTED_ELSEWHERE = {
     "fxdist.annotate": "tests/conformance/test_annotate.py",
     "fxdist.immutable_collections": "tests/fx/test_node.py",
     "fxdist.passes.utils.matcher_utils": "tests/fx/test_subgraph_rewriter.py",
-    "fxdist.pipeline": "tests/test_pipeline.py",
     "fxdist.proxy": "tests/fx/test_tracer.py",
     # scheduling: the passes' helpers, and the parameter-server runtime exercised through a cluster
     "scheduling.batch_replay": "tests/scheduling/test_prefetch_inputs.py",
@@ -191,6 +190,19 @@ TESTED_ELSEWHERE = {
     "quant.models.deeprec": "tests/quant/test_data.py",
     "quant.models.digits_cnn": "tests/quant/test_fuse_conv_bn.py",
     "quant.models.resnet": "tests/quant/test_fuse_conv_bn.py",
+    # jobs: the launcher and its helpers run end to end (Ray) in the job tests
+    "jobs.criteo": "tests/jobs/test_workload.py",
+    "jobs.entry": "tests/jobs/test_user_outputs.py",
+    "jobs.launch": "tests/jobs/test_job.py",
+    "jobs.movielens": "tests/jobs/test_user_model.py",
+    "jobs.optimizers": "tests/jobs/test_user_outputs.py",
+    "jobs.plan": "tests/jobs/test_seams.py",
+    "jobs.preflight": "tests/jobs/test_memory_plan.py",
+    "jobs.ps": "tests/jobs/test_job.py",
+    "jobs.report": "tests/jobs/test_user_outputs.py",
+    "jobs.runs": "tests/jobs/test_validation.py",
+    "jobs.state": "tests/jobs/test_cluster_helpers.py",
+    "jobs.user_code": "tests/jobs/test_user_outputs.py",
 }
 """Modules whose behaviour is tested in a file not named after them: module -> the test file to read."""
 
