@@ -34,7 +34,6 @@ Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.dis
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Sequence

@@ -47,3 +47,15 @@ def movielens_path(shared_data: Path) -> Path:
     if not (path / "u.data").is_file():
         pytest.skip(f"MovieLens-100K missing at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def layouts(tmp_path_factory):
+    """Synthetic Criteo data in three layouts: one plain file, three gzip files (a folder) and a glob of them."""
+    from recsys.criteo_synth import SynthSpec, write_synthetic
+
+    root = tmp_path_factory.mktemp("layouts")
+    spec = SynthSpec(seed=7, max_cardinality=300)
+    (one,) = write_synthetic(root / "one", 3000, spec=spec)
+    gz = write_synthetic(root / "gz", 3000, files=3, gzip_output=True, spec=spec)
+    return {"one": one, "gz": gz[0].parent, "glob": str(root / "gz" / "train_*.tsv.gz")}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn

@@ -6,7 +6,6 @@ The end-to-end check on a 3-host cluster is tests/jobs/test_cluster.py.
 
 from __future__ import annotations
 
-import json
 import socket
 import urllib.request
 from collections import namedtuple

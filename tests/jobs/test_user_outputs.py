@@ -8,7 +8,6 @@ their rule for non-tensor outputs, evaluation keeps any output structure, and ``
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 

@@ -5,26 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys.criteo_format import NUM_DENSE, NUM_SPARSE, DataError
+from recsys.criteo_format import DataError
 from recsys.criteo_shard import CriteoShard
-from recsys.criteo_synth import SynthSpec, write_synthetic
 
-SIZES = [50 + 7 * j for j in range(NUM_SPARSE)]
-
-
-def _line(label="1", ints=None, cats=None):
-    ints = ints if ints is not None else [str(i) for i in range(NUM_DENSE)]
-    cats = cats if cats is not None else [f"{j:08x}" for j in range(NUM_SPARSE)]
-    return "\t".join([label, *ints, *cats]) + "\n"
-
-
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layouts")
-    spec = SynthSpec(seed=7, max_cardinality=300)
-    (one,) = write_synthetic(root / "one", 3000, spec=spec)
-    gz = write_synthetic(root / "gz", 3000, files=3, gzip_output=True, spec=spec)
-    return {"one": one, "gz": gz[0].parent, "glob": str(root / "gz" / "train_*.tsv.gz")}
+from tests.recsys._lines import SIZES
+from tests.recsys._lines import criteo_line as _line
 
 
 def test_report_shows_parse_throughput_next_to_qps():

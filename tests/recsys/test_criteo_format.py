@@ -24,13 +24,8 @@ from recsys.criteo_format import (
 )
 from recsys.criteo_shard import CriteoShard
 
-SIZES = [50 + 7 * j for j in range(NUM_SPARSE)]
-
-
-def _line(label="1", ints=None, cats=None):
-    ints = ints if ints is not None else [str(i) for i in range(NUM_DENSE)]
-    cats = cats if cats is not None else [f"{j:08x}" for j in range(NUM_SPARSE)]
-    return "\t".join([label, *ints, *cats]) + "\n"
+from tests.recsys._lines import SIZES
+from tests.recsys._lines import criteo_line as _line
 
 
 def test_parse_line_log_transform_and_hashing():

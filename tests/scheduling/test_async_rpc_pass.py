@@ -16,16 +16,9 @@ from fxdist.graph import Graph
 import scheduling
 from scheduling.async_rpc_pass import AsyncRPC
 from scheduling.ps import ops
-from tests.scheduling._graphs import before, offline_client, order
+from tests.scheduling._graphs import before, order
 from tests.scheduling._graphs import graph_module as _gm
 from tests.scheduling._graphs import push_fetch_graph as _push_fetch_graph
-
-
-@pytest.fixture()
-def client():
-    c = offline_client("graph_ps")
-    yield c
-    c.close(flush=False)
 
 
 def test_two_fetches_start_at_top_and_wait_before_first_user(client):

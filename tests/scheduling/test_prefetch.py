@@ -13,16 +13,9 @@ import scheduling
 from fxdist.graph import Graph
 from scheduling.prefetch import PrefetchWarning
 from scheduling.ps import ops
-from tests.scheduling._graphs import before, offline_client
+from tests.scheduling._graphs import before
 from tests.scheduling._graphs import graph_module as _gm
 from tests.scheduling._graphs import push_fetch_graph as _push_fetch_graph
-
-
-@pytest.fixture()
-def client():
-    c = offline_client("graph_ps")
-    yield c
-    c.close(flush=False)
 
 
 def test_no_exact_prefetch_without_the_push_or_with_two_lookups_per_server(client):
