@@ -26,20 +26,23 @@ ConvertOptions) in the PyArrow API reference.
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
 import numpy as np
 
+from recsys.criteo_format import NUM_DENSE, NUM_SPARSE, hex_values, right_aligned
+
 __all__ = ["parse_clean_chunk", "available"]
 
-NUM_DENSE, NUM_SPARSE = 13, 26
 _NAMES = ["label", *(f"I{j + 1}" for j in range(NUM_DENSE)), *(f"C{j + 1}" for j in range(NUM_SPARSE))]
 _ALLOWED = b"0123456789abcdefABCDEF-\t\n"
 
 
+@functools.cache
 def available() -> bool:
-    """Whether pyarrow (with its CSV reader) can be imported here."""
+    """Whether pyarrow (with its CSV reader) can be imported here (imported on the first call, not on import)."""
     try:
         import pyarrow.csv  # noqa: F401
     except ImportError:
@@ -68,8 +71,8 @@ def _options() -> tuple[Any, Any, Any, list[bool]]:
 
 
 def _binary(column: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets ``(n + 1,)`` int64, data bytes) of a binary column (one chunk)."""
-    array = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    """(offsets ``(n + 1,)`` int64, data bytes) of a binary table column (a ChunkedArray, combined)."""
+    array = column.combine_chunks()
     _, offsets, data = array.buffers()
     off = np.frombuffer(offsets, np.int32, count=len(array) + 1, offset=array.offset * 4).astype(np.int64)
     return off, (np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8))
@@ -88,12 +91,8 @@ def _hex_values(off: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, np.ndarr
     if width == 8 and (lengths[present] == 8).all():  # Criteo's 32-bit ids: the data is an (m, 8) matrix
         g = data[off[0]:off[-1]].reshape(-1, 8)
     else:
-        padded = np.concatenate([np.full(16, 48, np.uint8), data])
-        g = np.lib.stride_tricks.sliding_window_view(padded, 16)[off[1:][present]]
-        g = np.where(np.arange(16) < (16 - lengths[present])[:, None], 48, g).astype(np.uint8)
-    nib = (g & np.uint8(15)) + np.uint8(9) * (g >> np.uint8(6))  # "0"-"9" -> 0-9, "a"-"f" / "A"-"F" -> 10-15
-    packed = np.ascontiguousarray((nib[:, 0::2] << np.uint8(4)) | nib[:, 1::2])  # two hex digits per byte
-    values[present] = packed.view(">u4" if packed.shape[1] == 4 else ">u8")[:, 0]
+        g = right_aligned(data, off[1:][present], lengths[present], 16, 48)
+    values[present] = hex_values(g)
     return values, present
 
 

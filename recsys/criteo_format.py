@@ -71,6 +71,8 @@ __all__ = [
     "READ_ERRORS",
     "mix64",
     "hash_ids",
+    "right_aligned",
+    "hex_values",
     "parse_line",
     "parse_fields",
     "table_size_list",
@@ -159,6 +161,28 @@ def hash_ids(values: np.ndarray, present: np.ndarray, sizes: Sequence[int]) -> n
     ids = (z % buckets + np.uint64(1)).astype(np.int64)
     ids[~present] = 0
     return ids
+
+
+def right_aligned(a: np.ndarray, end: np.ndarray, length: np.ndarray, width: int, fill: int) -> np.ndarray:
+    """The bytes of fields ``a[end - length:end]`` right-aligned in a ``(m, width)`` uint8 matrix, ``fill``
+    before them (every ``length <= width``): rows of a sliding-window view, one index per field."""
+    padded = np.concatenate([np.full(width, fill, np.uint8), a])
+    out = np.lib.stride_tricks.sliding_window_view(padded, width)[end]
+    out[np.arange(width) < (width - length)[:, None]] = fill
+    return out
+
+
+def hex_values(digits: np.ndarray) -> np.ndarray:
+    """Categorical values: the hex digits of each row read as a number.
+
+    Shapes: ``digits (m, W)`` uint8, right-aligned and padded with ``"0"`` (:func:`right_aligned`), ``W`` even and
+    at most 16 -> ``(m,)`` uint64. A byte that is not a hex digit gives an unspecified value (callers check them).
+    """
+    nib = (digits & np.uint8(15)) + np.uint8(9) * (digits >> np.uint8(6))  # "0"-"9" -> 0-9, "a"-"f"/"A"-"F" -> 10-15
+    packed = (nib[:, 0::2] << np.uint8(4)) | nib[:, 1::2]  # two digits per byte, most significant first
+    if packed.shape[1] not in (4, 8):
+        packed = np.concatenate([np.zeros((len(packed), 8 - packed.shape[1]), np.uint8), packed], axis=1)
+    return np.ascontiguousarray(packed).view(f">u{packed.shape[1]}")[:, 0].astype(np.uint64)
 
 
 _INTEGER = re.compile(r"-?[0-9]+")

@@ -39,11 +39,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from recsys.criteo_arrow import available, parse_clean_chunk
-from recsys.criteo_format import NUM_DENSE, NUM_SPARSE, MalformedLine, parse_fields
+from recsys.criteo_format import NUM_DENSE, NUM_SPARSE, MalformedLine, hex_values, parse_fields, right_aligned
 
 __all__ = ["ParsedChunk", "parse_chunk", "REASONS", "ENGINES"]
-
-_ARROW = available()
 
 TABS = NUM_DENSE + NUM_SPARSE
 REASONS = ("nul_byte", "field_count", "label", "integer_feature", "integer_range", "categorical_feature",
@@ -58,11 +56,6 @@ def _lut(chars: bytes | range, value: bool = True) -> np.ndarray:
 
 _WHITESPACE = _lut(b" \t\n\r\x0b\x0c")
 _SPECIAL = _lut(range(0x80, 0x100)) | _lut(b"\x00")
-_HEX_VALUE = np.zeros(256, np.uint64)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX_VALUE[_c] = _i
-for _i, _c in enumerate(b"ABCDEF"):
-    _HEX_VALUE[_c] = 10 + _i
 
 
 @dataclass
@@ -99,18 +92,8 @@ def _in_lines(positions: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
     return np.searchsorted(positions, ends) - np.searchsorted(positions, starts)
 
 
-def _gather(a: np.ndarray, end: np.ndarray, length: np.ndarray, width: int, fill: int) -> np.ndarray:
-    """The bytes of fields ``a[end - length:end]`` right-aligned in a ``(m, width)`` uint8 matrix, ``fill``
-    before them (every ``length <= width``): rows of a sliding-window view, one index per field."""
-    padded = np.concatenate([np.full(width, fill, np.uint8), a])
-    out = np.lib.stride_tricks.sliding_window_view(padded, width)[end]
-    out[np.arange(width) < (width - length)[:, None]] = fill
-    return out
-
-
 _DIGIT = _lut(b"0123456789")
 _HEX = _lut(b"0123456789abcdefABCDEF")
-_NIBBLE = _HEX_VALUE.astype(np.uint8)
 
 
 def _integers(a: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,7 +105,7 @@ def _integers(a: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, 
     long = (digits > 18).any(axis=1)
     short = (n > 0) & (digits <= 18)
     width = max(1, int(digits[short].max()) if short.any() else 1)
-    g = _gather(a, e[short], digits[short], width, 48)
+    g = right_aligned(a, e[short], digits[short], width, 48)
     ok = n == 0
     ok[short] = (digits[short] >= 1) & _DIGIT[g].all(axis=1)
     x = np.zeros(s.shape, np.int64)  # no BLAS product: it would spin up threads for a (m, <= 18) matrix
@@ -133,20 +116,17 @@ def _integers(a: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, 
 
 def _categoricals(a: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """C1..C26 of ``m`` lines: (ok ``(m, 26)``: empty or 1 to 16 hex digits; values ``(m, 26)`` uint64;
-    present ``(m, 26)``). Values: pairs of nibbles packed into bytes, read as one big-endian uint64."""
+    present ``(m, 26)``; :func:`recsys.criteo_format.hex_values`)."""
     n = e - s
     present = n > 0
     fits = present & (n <= 16)
     width = max(1, int(n[fits].max()) if fits.any() else 1)
     width += width % 2
-    g = _gather(a, e[fits], n[fits], width, 48)
+    g = right_aligned(a, e[fits], n[fits], width, 48)
     ok = ~present
     ok[fits] = _HEX[g].all(axis=1)
-    nib = _NIBBLE[g]
-    packed = np.zeros((len(g), 8), np.uint8)
-    packed[:, 8 - width // 2:] = (nib[:, 0::2] << np.uint8(4)) | nib[:, 1::2]
     values = np.zeros(s.shape, np.uint64)
-    values[fits] = packed.view(">u8")[:, 0]
+    values[fits] = hex_values(g)
     return ok, values, present
 
 
@@ -193,7 +173,7 @@ def parse_chunk(buf: bytes, select: Callable[[np.ndarray], np.ndarray] | None = 
     """
     if engine not in ENGINES:
         raise ValueError(f"parse_chunk: engine must be one of {ENGINES}, got {engine!r}")
-    clean = parse_clean_chunk(buf) if engine == "auto" and _ARROW else None
+    clean = parse_clean_chunk(buf) if engine == "auto" and available() else None
     if clean is not None:
         count = len(clean[3])
         rows = np.arange(count) if select is None else np.flatnonzero(np.asarray(select(np.arange(count)), bool))
