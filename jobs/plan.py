@@ -42,7 +42,7 @@ class JobPlan:
     for synthetic data not generated yet; ``data_note``: where the data came from (for the log and results.json);
     ``data_plan``: the first pass (:class:`recsys.criteo_shard.DataPlan`: lines, rows per trainer, held-out rows),
     None for your batches; ``tables``: the table-size record for ``cardinalities.json`` (distinct counts per
-    feature, sizes) with ``table_sizes = "data"``, else None; ``memory``: the built-in model's memory estimate in
+    feature, sizes) with ``table_sizes = "data"``, else None; :attr:`memory`: the built-in model's memory estimate in
     bytes (:class:`jobs.preflight.MemoryEstimate`), None for your model (not estimated); ``resume``: the launch
     continues the run in ``run_dir``; ``local``: the job runs on this machine (no Ray cluster expected).
     """
@@ -53,9 +53,16 @@ class JobPlan:
     data_note: str = ""
     data_plan: DataPlan | None = None
     tables: dict[str, Any] | None = None
-    memory: preflight.MemoryEstimate | None = None
     resume: bool = False
     local: bool = True
+
+    @property
+    def memory(self) -> preflight.MemoryEstimate | None:
+        """The built-in model's memory estimate (:func:`jobs.preflight.estimate_memory`), derived from
+        :attr:`config` when asked; None for your model and while the table sizes are not resolved."""
+        if self.config.user_model or self.config.model.table_sizes == "data":
+            return None
+        return preflight.estimate_memory(self.config)
 
     @property
     def needs_data(self) -> bool:
@@ -82,7 +89,7 @@ def make_plan(config: JobConfig, run_dir: str | Path | None = None, *, resume: b
     if data_path is not None and not config.user_model:  # the first pass: shares, per-feature table sizes
         config, data_plan, record = preflight.plan(config, data_path, local=local, log=log)
     plan = JobPlan(config, runs.choose(config, run_dir, resume=resume), data_path, data_plan=data_plan,
-                   tables=record, memory=_estimate(config), resume=resume, local=local)
+                   tables=record, resume=resume, local=local)
     if config.user_model:
         return replace(plan, data_note=f"your batches from {config.data.batches}, your model from "
                                        f"{config.model.factory}")
@@ -107,15 +114,7 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
     data_path, note = resolve_data_path("", plan.run_dir, config.data.synthetic_rows, seed=config.job.seed)
     log(note)
     config, data_plan, record = preflight.plan(config, data_path, local=plan.local, log=log)
-    return replace(plan, config=config, data_path=data_path, data_note=note, data_plan=data_plan, tables=record,
-                   memory=_estimate(config))
-
-
-def _estimate(config: JobConfig) -> preflight.MemoryEstimate | None:
-    """The built-in model's memory estimate, once its table sizes are known (else None)."""
-    if config.user_model or config.model.table_sizes == "data":
-        return None
-    return preflight.estimate_memory(config)
+    return replace(plan, config=config, data_path=data_path, data_note=note, data_plan=data_plan, tables=record)
 
 
 @dataclass(frozen=True)
