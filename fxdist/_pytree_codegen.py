@@ -10,7 +10,8 @@ structure and rebuilds the traced output structure on return, in the text torch.
         add = x_1 + x_2;  x_1 = x_2 = None
         return pytree.tree_unflatten([add], self._out_spec)
 
-``fx_pytree`` is this module (its :func:`tree_flatten_spec`), ``pytree`` is ``torch.utils._pytree``, and the
+``fx_pytree`` is :mod:`fxdist._pytree` (its ``tree_flatten_spec``, with the registry of container types),
+``pytree`` is ``torch.utils._pytree``, and the
 GraphModule keeps the specs as ``_in_spec``/``_out_spec`` (set by ``recompile``). Because containers are
 taken apart by indexing (``x["a"]``), the generated ``forward`` can itself be traced again: a Proxy
 argument gives ``getitem`` nodes.
@@ -21,52 +22,15 @@ torch/fx/_symbolic_trace.py ``create_args_for_root``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch.utils._pytree as pytree
 
+from fxdist import _pytree as fx_pytree
 from fxdist.codegen import CodeGen
 
-__all__ = ["PyTreeCodeGen", "tree_flatten_spec"]
-
-_INDEXED = (tuple, list)
-
-
-def tree_flatten_spec(tree: Any, spec: pytree.TreeSpec) -> list[Any]:
-    """The leaves of ``tree`` in the order of ``spec``, taken by indexing: a dict by the keys ``spec``
-    names, a list/tuple/namedtuple by position. So ``tree`` may be a Proxy (retracing indexes it, one
-    ``getitem`` node per leaf) and a dict may hold extra keys. Other container types are flattened with
-    ``torch.utils._pytree`` and must have exactly the structure ``spec``.
-
-    Raises:
-        KeyError, IndexError: a dict lacks a key or a sequence is too short, as in torch.fx; a note on
-            the exception gives the structure expected.
-        RuntimeError: ``tree``'s structure differs from ``spec`` (a container type indexing does not
-            cover), naming both, as torch.fx's ``tree_flatten_spec``.
-
-    Source: torch/fx/_pytree.py (``tree_flatten_spec``).
-    """
-    try:
-        return _flatten_spec(tree, spec)
-    except (KeyError, IndexError) as e:
-        e.add_note(f"the inputs do not have the structure the module was traced with: expected {spec}")
-        raise
-
-
-def _flatten_spec(tree: Any, spec: pytree.TreeSpec) -> list[Any]:
-    if spec.is_leaf():
-        return [tree]
-    kind = spec.type
-    if kind is dict or kind in _INDEXED or pytree.is_namedtuple_class(kind):
-        keys = spec.context if kind is dict else range(spec.num_children)
-        return [leaf for key, child in zip(keys, spec.children()) for leaf in _flatten_spec(tree[key], child)]
-    leaves, got = pytree.tree_flatten(tree)
-    if got != spec:
-        raise RuntimeError(f"Real spec {got} of object {tree} is different from expected spec {spec}")
-    return leaves
-
+__all__ = ["PyTreeCodeGen"]
 
 class PyTreeCodeGen(CodeGen):
     """A CodeGen whose ``forward`` takes the original (nested) arguments and returns the original
@@ -118,4 +82,4 @@ class PyTreeCodeGen(CodeGen):
         return outputs if self.out_spec is None else pytree.tree_unflatten(outputs, self.out_spec)
 
     def additional_globals(self) -> list[tuple[str, Any]]:
-        return [("fx_pytree", sys.modules[__name__]), ("pytree", pytree)]
+        return [("fx_pytree", fx_pytree), ("pytree", pytree)]

@@ -159,6 +159,7 @@ TESTED_ELSEWHERE = {
     "fxdist._mutable_ops": "tests/fx/test_tracer.py",                # check_mutable_operations
     "fxdist._patching": "tests/conformance/test_wrap_torch_fx_leaves.py",
     "fxdist._pysource": "tests/fx/test_codegen.py",
+    "fxdist._pytree": "tests/conformance/test_pytree_retrace.py",
     "fxdist._pytree_codegen": "tests/conformance/test_pytree_retrace.py",
     "fxdist._stack_trace": "tests/fx/test_tracer.py",                # node.stack_trace, user frames
     "fxdist._symbolic_trace": "tests/conformance/test_placeholder_markers.py",
