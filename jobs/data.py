@@ -13,13 +13,9 @@ from pathlib import Path
 
 from recsys.criteo_format import DataError, check_data_file, data_files
 from recsys.criteo_synth import write_synthetic_criteo
+from recsys.shared_data import default_criteo_path  # the shared Criteo sample (re-exported)
 
 __all__ = ["locate_data", "default_criteo_path", "resolve_data_path"]
-
-
-def default_criteo_path() -> Path:
-    """``<repo>/../shared/data/criteo/train_examples.txt`` (it may be absent outside CI)."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo" / "train_examples.txt"
 
 
 def locate_data(configured: str, table_size: int | Sequence[int] = 20000) -> Path | None:

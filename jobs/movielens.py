@@ -7,7 +7,8 @@ entry points (:mod:`jobs.entry`): ``[model] factory = "jobs.movielens:model"``, 
 tables (user and item vectors, user and item biases: ``nn.Embedding`` s) move to the servers through the
 ``scheduling.parameter_servers`` pass, like any model's; the job reports the held-out RMSE.
 
-Data: ``[data] path``, else ``../shared/data/movielens-100k/u.data`` next to the repository. Every k-th
+Data: ``[data] path``, else ``../shared/data/movielens-100k/u.data`` next to the repository, read by
+:func:`recsys.movielens.load_ratings`. Every k-th
 rating (k = round(1 / ``[data] eval_fraction``)) is held out; the others are dealt round-robin to the
 trainers, in file order (the file is not sorted by user or time).
 
@@ -20,22 +21,16 @@ Source: Koren, Bell and Volinsky, "Matrix Factorization Techniques for Recommend
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from recsys.criteo_format import DataError
+from recsys.movielens import MEAN_RATING, NUM_ITEMS, NUM_USERS, load_ratings, ratings_file
 
-__all__ = ["NUM_USERS", "NUM_ITEMS", "MEAN_RATING", "MatrixFactorization", "model", "batches", "default_path",
-           "load_ratings"]
+__all__ = ["MatrixFactorization", "model", "batches"]
 
-NUM_USERS = 943
-NUM_ITEMS = 1682
-MEAN_RATING = 3.53
-"""The mean rating of MovieLens-100K (3.5299), the model's starting global bias."""
 
 
 class MatrixFactorization(nn.Module):
@@ -66,45 +61,11 @@ class MatrixFactorization(nn.Module):
 
 def model(config: Any) -> MatrixFactorization:
     """``[model] factory`` of the example: ``dim = [model] embedding_dim``; ``[model] options`` may set
-    ``num_users`` / ``num_items`` (ids must be smaller)."""
+    ``num_users`` / ``num_items`` (ids must be smaller; MovieLens-100K's :data:`recsys.movielens.NUM_USERS` and
+    ``NUM_ITEMS`` by default)."""
     options = config.model.options
     return MatrixFactorization(int(options.get("num_users", NUM_USERS + 1)),
                                int(options.get("num_items", NUM_ITEMS + 1)), config.model.embedding_dim)
-
-
-def default_path() -> Path:
-    """``<repo>/../shared/data/movielens-100k/u.data`` (it may be absent outside CI)."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "movielens-100k" / "u.data"
-
-
-@functools.lru_cache(maxsize=2)
-def load_ratings(path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(users, items, ratings)`` of a ``u.data`` file: int64, int64, float32, each ``(N,)``.
-
-    Raises:
-        DataError: the file is missing or unreadable, or a line is not 4 tab-separated integers (line number).
-    """
-    users, items, ratings = [], [], []
-    try:
-        with open(path) as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                fields = line.split("\t")
-                try:
-                    u, i, r, _ = (int(x) for x in fields)
-                except ValueError:
-                    raise DataError(f"{path}: line {lineno}: expected 4 tab-separated integers "
-                                    f"(user, item, rating, timestamp), got {line[:60]!r}") from None
-                users.append(u)
-                items.append(i)
-                ratings.append(float(r))
-    except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror or e}); MovieLens-100K's u.data is expected "
-                        f"(default {default_path()}; set [data] path)") from None
-    if not ratings:
-        raise DataError(f"{path}: no rating")
-    return torch.tensor(users), torch.tensor(items), torch.tensor(ratings)
 
 
 def batches(ctx: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -112,9 +73,12 @@ def batches(ctx: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     (:class:`jobs.entry.DataContext`); every k-th rating is held out (k = round(1 / ctx.eval_fraction)).
 
     Raises:
-        DataError: see :func:`load_ratings`.
+        DataError: ``[data] path`` cannot be read as MovieLens ratings (:func:`recsys.movielens.load_ratings`).
     """
-    users, items, ratings = load_ratings(str(Path(ctx.path).expanduser() if ctx.path else default_path()))
+    try:
+        users, items, ratings = load_ratings(str(ratings_file(ctx.path)))
+    except DataError as e:
+        raise DataError(f"[data] path = {ctx.path!r}: {e}") from None
     index = torch.arange(ratings.numel())
     every = round(1 / ctx.eval_fraction) if ctx.eval_fraction > 0 else 0
     held_out = (index % every == every - 1) if every else torch.zeros_like(index, dtype=torch.bool)

@@ -19,12 +19,10 @@ from pathlib import Path
 
 import torch
 
+from recsys.movielens import load_ratings, ratings_file
+from recsys.shared_data import default_movielens_path
+
 __all__ = ["RatingMatrix", "load_movielens", "default_movielens_path"]
-
-
-def default_movielens_path() -> Path:
-    """``<repo>/../shared/data/movielens-100k`` (the folder may be absent outside CI)."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "movielens-100k"
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,8 @@ def load_movielens(
     """Read ``u.data`` and split each rating into train or test at random (seeded).
 
     Args:
-        path: the ``movielens-100k`` folder (or ``u.data`` itself); defaults to :func:`default_movielens_path`.
+        path: the ``movielens-100k`` folder (or ``u.data`` itself); defaults to the shared copy
+            (:func:`recsys.shared_data.default_movielens_path`). Read by :func:`recsys.movielens.load_ratings`.
         n_items: width of the item vector; defaults to the largest item id. Must be >= the largest item id.
         test_fraction: fraction of ratings held out, in (0, 1).
         seed: seed of the split.
@@ -61,30 +60,22 @@ def load_movielens(
 
     Raises:
         FileNotFoundError: ``u.data`` is not there.
-        ValueError: a malformed line, ``n_items`` too small or ``test_fraction`` out of range.
+        ValueError: ``n_items`` too small or ``test_fraction`` out of range; ``recsys.criteo_format.DataError``
+            (a ValueError) for a malformed line, naming the file and line.
     """
-    path = Path(path) if path is not None else default_movielens_path()
-    data_file = path if path.is_file() else path / "u.data"
+    data_file = ratings_file(path)
     if not data_file.is_file():
         raise FileNotFoundError(f"MovieLens ratings not found at {data_file} (expected the ml-100k u.data file)")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    rows = []
-    for lineno, line in enumerate(data_file.read_text().splitlines(), 1):
-        parts = line.split("\t")
-        if len(parts) != 4:
-            raise ValueError(f"{data_file}:{lineno}: expected 4 tab-separated fields, got {len(parts)}: {line!r}")
-        rows.append((int(parts[0]), int(parts[1]), float(parts[2])))
-    triples = torch.tensor(rows, dtype=torch.float64)
-    users = triples[:, 0].long() - 1
-    items = triples[:, 1].long() - 1
-    ratings = triples[:, 2].float()
+    user_ids, item_ids, ratings = load_ratings(str(data_file))
+    users, items = user_ids - 1, item_ids - 1
     width = int(items.max()) + 1
     if n_items is None:
         n_items = width
     elif n_items < width:
         raise ValueError(f"n_items={n_items} is smaller than the largest item id {width} in {data_file}")
-    is_test = torch.rand(len(rows), generator=torch.Generator().manual_seed(seed)) < test_fraction
+    is_test = torch.rand(ratings.numel(), generator=torch.Generator().manual_seed(seed)) < test_fraction
     n_users = int(users.max()) + 1
     train = torch.zeros(n_users, n_items)
     test = torch.zeros(n_users, n_items)

@@ -9,6 +9,8 @@ A leaf: it imports torch, torchrec, numpy and fxdist, never ``scheduling``, ``qu
   file, the one id hash), :mod:`recsys.criteo_parse` (the vectorised chunk parser), :mod:`recsys.criteo_shard`
   (trainers' shares, rows in memory, the first pass), :mod:`recsys.criteo_stream` (the streaming reader) and
   :mod:`recsys.criteo_synth` (the one synthetic generator).
+- :mod:`recsys.movielens`: the one reader of MovieLens-100K's ``u.data``; :mod:`recsys.shared_data`: the one
+  helper that finds ``../shared/data`` beside the repository.
 - :mod:`recsys.embedding`: which modules are embedding modules (torchrec ``EmbeddingBagCollection`` /
   ``EmbeddingCollection`` and their quantized forms, ``nn.EmbeddingBag``, ``nn.Embedding``), and
   :class:`~recsys.embedding.EmbeddingLeafTracer`, which keeps each one a single ``call_module`` node.

@@ -30,14 +30,10 @@ import fxdist as fx
 from recsys.criteo import criteo_kjt
 from recsys.criteo_shard import read_file
 from recsys.embedding import EmbeddingLeafTracer
+from recsys.shared_data import default_criteo_path  # re-exported
 
 __all__ = ["load_criteo", "criteo_kjt", "train_dlrm", "quantize_tables", "trace_dlrm",
            "default_criteo_path"]
-
-
-def default_criteo_path() -> Path:
-    """``<repo>/../shared/data/criteo/train_examples.txt`` (absent outside CI)."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "criteo" / "train_examples.txt"
 
 
 def load_criteo(path: str | Path | None = None, *, table_size: int = 1000) -> tuple[torch.Tensor, ...]:
