@@ -156,6 +156,40 @@ def test_a_tuple_output_gets_the_int8_comparison_leaf_by_leaf(monkeypatch):
     assert f"int8 outputs differ from fp32 by at most {r['output_max_abs_diff']:.3g} (every output leaf)" in text
 
 
+def test_torchrecs_dlrm_train_tuple_goes_through_quantize_and_the_comparison():
+    """torchrec's ``DLRMTrain`` returns ``(loss, (loss.detach(), logits.detach(), labels))``: the job crashed on
+    ``.detach()`` of that tuple after both phases had trained."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from jobs.inference import _run, quantize
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=20,
+                                                     feature_names=[f"f{i}"]) for i in range(2)])
+    model = DLRMTrain(DLRM(ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8],
+                           over_arch_layer_sizes=[16, 1])).eval()
+    batches = [(Batch(torch.randn(8, 4), KeyedJaggedTensor.from_lengths_sync(
+        ["f0", "f1"], torch.randint(0, 20, (16,)), torch.ones(16, dtype=torch.int32)),
+        (torch.rand(8) < 0.5).float()),) for _ in range(3)]
+    with torch.no_grad():
+        int8, info = quantize(model, batches[:2], timer=_int8_faster)
+        fp32_out, int8_out = _run(model, batches), _run(int8, batches)
+    assert [x["name"] for x in info["layers"]] == ["model.dense_arch.model._mlp.0._linear",
+                                                   "model.dense_arch.model._mlp.1._linear",
+                                                   "model.over_arch.model.0._mlp.0._linear", "model.over_arch.model.1"]
+    assert info["quantized_modules"] == 4 and info["note"] == "int8 for 4 of 4 layers: 2.00x the fp32 module"
+    loss, (loss_copy, logits, labels) = fp32_out[0]
+    assert loss.shape == () and logits.shape == (8,) and torch.equal(labels, batches[0][0].labels)
+    assert max_abs_diff(int8_out, fp32_out) < 0.05  # loss and logits leaves, int8 vs fp32
+    scores, where = entry.binary_score(fp32_out, [b[0].labels for b in batches])
+    assert where == "output leaf 2 of tuple (pytree order)"
+    assert torch.equal(scores, torch.cat([out[1][1] for out in fp32_out]).double())
+
+
 def test_max_abs_diff_flattens_any_structure_and_refuses_a_different_one():
     a = [{"p": torch.tensor([1.0, 2.0]), "pair": (torch.tensor([3.0]), None, torch.tensor([1, 2]))}]
     b = [{"p": torch.tensor([1.5, 2.0]), "pair": (torch.tensor([0.0]), None, torch.tensor([9, 9]))}]
