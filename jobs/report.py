@@ -12,7 +12,9 @@
 ``ps<i>`` / ``launcher`` -> ``pid``, ``peak_rss_bytes``: :func:`jobs.stats.peak_rss_bytes` at the process's end;
 a server's also ``rows`` and ``bytes`` held: ``PSServer.memory()``, stored rows + optimizer state), ``inference`` (``fp32`` / ``int8``:
 ``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized; ``isa``; ``layers``:
-the per-layer int8 choice of ``quant.select_int8``; ``kept_fp32``: no layer paid, the int8 row is the fp32 model) and
+the per-layer int8 choice of ``quant.select_int8``, named by module path; ``kept_fp32``: no layer paid, the int8 row
+is the fp32 model; ``output_max_abs_diff``: int8 vs fp32 over every output leaf; or ``skipped``: why there is no
+comparison, an error of that stage included: :func:`jobs.inference.compare`) and
 ``run_dir``.
 """
 
