@@ -12,8 +12,8 @@ Steps (one function each):
     with its real input captured on the first calibration batch. The cost model
     (:func:`fxdist.passes.cost_model.estimate`: a roofline on this CPU's measured profile; its ShapeProp runs
     under FakeTensor with the attention fast path off, on the real inputs when FakeTensor refuses an op)
-    predicts each one's fp32 time; layers predicted under ``min_share`` of the candidates' total are not measured and stay fp32
-    (quantizing them could save at most that share). The others are measured, largest predicted first.
+    predicts each one's fp32 time; layers predicted under ``min_share`` of the candidates' total are not
+    measured and stay fp32 (quantizing them could save at most that share). The others are measured, largest predicted first.
  3. Measure each candidate: the fp32 module on its input, the int8 module on that input quantized with the
     observer's qparams, and the boundary it pays when its neighbours stay fp32 (``quantize_per_tensor`` of the
     input plus ``dequantize`` of the output). Variants are timed in alternating rounds (``rounds``), keeping
