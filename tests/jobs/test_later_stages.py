@@ -26,7 +26,8 @@ PATHS = ["user_tower.0", "user_tower.2", "item_tower.0", "item_tower.2"]
 
 class TupleTwoTower(nn.Module):
     """Two towers over EmbeddingBag tables, returning a tuple as torchrec's ``DLRMTrain`` does.
-    Shapes: ``users (B, 2)``, ``items (B, 2)`` int64 -> ``(logits (B,), (user vectors (B, 8), item vectors (B, 8)))``."""
+    Shapes: ``users (B, 2)``, ``items (B, 2)`` int64 -> ``(logits (B,), (user vectors (B, 8), item vectors
+    (B, 8)))``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,7 +89,8 @@ def branchy() -> nn.Module:
 
 def pairs(ctx) -> list[dict]:
     gen = torch.Generator().manual_seed(ctx.seed + (1 if ctx.split == "eval" else 0))
-    return [{"users": torch.randint(0, 40, (32, 2), generator=gen), "items": torch.randint(0, 30, (32, 2), generator=gen),
+    return [{"users": torch.randint(0, 40, (32, 2), generator=gen),
+             "items": torch.randint(0, 30, (32, 2), generator=gen),
              "labels": (torch.rand(32, generator=gen) < 0.5).float()} for _ in range(3)]
 
 
@@ -233,7 +235,8 @@ def test_a_transformer_encoder_returning_a_dict_gets_its_head_in_int8(monkeypatc
     fastpath = torch.backends.mha.get_fastpath_enabled()
     r = compare(config, _state(model), timer=_int8_faster)
     assert "skipped" not in r, r.get("skipped")
-    assert [(x["name"], x["op"], x["input_shape"], x["chosen"]) for x in r["layers"]] == [("head", "Linear", [8, 16], True)]
+    layers = [(x["name"], x["op"], x["input_shape"], x["chosen"]) for x in r["layers"]]
+    assert layers == [("head", "Linear", [8, 16], True)]
     assert r["speedup"] == 1.5 and r["rows"] == 16 and r["fp32"]["score"] == "output leaf 0 of dict (pytree order)"
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
     held_out = sentences(entry.data_context(config, "eval"))
