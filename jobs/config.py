@@ -283,8 +283,8 @@ class TrainSection:
     loss: str = "bce_with_logits"
     """The training loss of ``model(*inputs)`` against the batch's labels: "bce_with_logits" (labels in
     {0, 1}; quality = held-out AUC and log loss), "mse" (quality = held-out RMSE), or
-    ``"package.module:function"``, ``loss(output, labels) -> scalar tensor`` (quality = held-out mean loss).
-    The built-in DLRM trains with "bce_with_logits"."""
+    ``"package.module:function"``, ``loss(output, labels) -> scalar tensor`` (quality = held-out mean loss;
+    with 0/1 labels also AUC and log loss, :func:`jobs.entry.binary_score`). The DLRM uses "bce_with_logits"."""
     train_step: str = ""
     """Instead of ``loss`` in training: ``"package.module:function"``, ``train_step(model, batch) -> scalar loss
     tensor`` (your forward and loss, e.g. with a regularization term; the job runs ``backward()`` and the

@@ -59,7 +59,7 @@ from torch import nn
 from jobs.config import ConfigError, JobConfig
 
 __all__ = ["DataContext", "resolve", "split_batch", "rebuild_batch", "make_model", "data_context", "epoch_batches",
-           "endless", "loss_fn", "train_step_fn", "quality", "BUILTIN_LOSSES"]
+           "endless", "loss_fn", "train_step_fn", "quality", "binary_score", "BUILTIN_LOSSES"]
 
 BUILTIN_LOSSES = ("bce_with_logits", "mse")
 
@@ -251,10 +251,12 @@ def loss_fn(config: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.T
     return fn
 
 
-def quality(config: JobConfig, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
+def quality(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor]) -> dict[str, Any]:
     """Held-out quality of the outputs of every eval batch: AUC / log loss ("bce_with_logits"), RMSE with its
     standard error ("mse", :func:`jobs.stats.regression_metrics`), else the mean loss over batches with its
-    standard error (``eval_loss``, ``eval_loss_se``)."""
+    standard error (``eval_loss``, ``eval_loss_se``) and, when every label is 0 or 1, the AUC and log loss of
+    the score :func:`binary_score` finds (``auc``, ``log_loss``, ``positives``, ``score``: which output it
+    is), or ``score_note`` saying why there is none."""
     if not outputs:
         return {}
     base = _builtin_quality(config, outputs, labels)
@@ -291,4 +293,44 @@ def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.T
     sizes = torch.tensor([t.shape[0] for t in labels], dtype=torch.float64)
     mean = float((values * sizes).sum() / sizes.sum())
     se = float(values.std() / math.sqrt(len(values))) if len(values) > 1 else float("nan")
-    return {"eval_loss": mean, "eval_loss_se": se, "rows": int(sizes.sum())}
+    out: dict[str, Any] = {"eval_loss": mean, "eval_loss_se": se, "rows": int(sizes.sum())}
+    if bool(((y == 0) | (y == 1)).all()):  # binary labels: the AUC of the model's score, whatever its loss
+        scores, where = binary_score(outputs, labels)
+        if scores is None:
+            out["score_note"] = f"no AUC: {where}"
+        else:
+            p = scores if bool(((scores >= 0) & (scores <= 1)).all()) else torch.sigmoid(scores)
+            out.update(binary_metrics(p, y), score=where)
+    return out
+
+
+def binary_score(outputs: list[Any], labels: list[torch.Tensor]) -> tuple[torch.Tensor | None, str]:
+    """The score the AUC of a binary-label model with its own loss is computed from, by this rule: the output
+    when it is a floating tensor with one value per label; for a structure (tuple, list, dict, dataclass
+    registered with pytree), its first leaf in ``torch.utils._pytree`` order that is a floating tensor with
+    one value per label (``numel == B``), e.g. the logits of torchrec's ``DLRMTrain``, which returns
+    ``(loss, (loss, logits, labels))``. The same leaf position in every batch. Values all in [0, 1] are taken
+    as probabilities, others as logits (a sigmoid is applied; the AUC does not depend on which).
+
+    Shapes: ``outputs[i]`` the model's output for batch ``i``; ``labels[i]`` ``(B_i,)``.
+
+    Returns:
+        ``(scores (N,) float64 over all batches, "output leaf k of <structure>")``, or ``(None, why)`` when no
+        leaf qualifies in every batch.
+    """
+    from torch.utils._pytree import tree_flatten
+
+    found: int | None = None
+    flat = [tree_flatten(o)[0] for o in outputs]
+    for k, leaf in enumerate(flat[0] if flat else []):
+        if all(k < len(leaves) and isinstance(leaves[k], torch.Tensor) and leaves[k].is_floating_point()
+               and leaves[k].numel() == t.numel() for leaves, t in zip(flat, labels)):
+            found = k
+            break
+    if found is None:
+        kind = type(outputs[0]).__name__ if outputs else "nothing"
+        return None, (f"no output leaf is a floating tensor with one value per label in every batch (the model "
+                      f"returns a {kind}; rule: jobs.entry.binary_score)")
+    where = "the output" if isinstance(outputs[0], torch.Tensor) else \
+        f"output leaf {found} of {type(outputs[0]).__name__} (pytree order)"
+    return torch.cat([leaves[found].detach().reshape(-1).double().cpu() for leaves in flat]), where

@@ -13,7 +13,18 @@ int8 pays on CPUs with AVX-512 VNNI (4-6x) and often not on AVX2-only ones (FACT
 or the selected int8 model is not faster end to end, the fp32 model is kept: ``kept_fp32`` is True, ``speedup``
 is 1.0 and ``int8`` repeats the fp32 scores, so a slowdown is never reported as the optimized model; ``note``
 says why and ``all_int8_speedup`` what plain static PTQ of every layer measured. A model without a layer static
-int8 can quantize (``nn.Linear``, ``nn.Conv1d/2d/3d``) is skipped with the reason.
+int8 can quantize (``nn.Linear``, ``nn.Conv1d/2d/3d``) outside the ``torch.nn`` modules the tracer keeps whole
+(``nn.TransformerEncoder``, ``nn.MultiheadAttention``: they stay fp32) is skipped with the reason.
+
+Any output structure: outputs (a tensor, tuples, lists, dicts, dataclasses registered with pytree) are
+compared leaf by leaf, flattened with ``torch.utils._pytree.tree_flatten``: ``output_max_abs_diff`` is the
+largest ``|int8 - fp32|`` over the floating tensor leaves of every held-out batch. Layers are named by module
+path (``over_arch.model.0._mlp.0._linear``) in ``layers`` (``name`` and ``target``; ``node`` is the graph's node
+name), ``note`` and ``selection``.
+
+Never fails after training: :func:`compare` turns any exception (the model does not trace, FakeTensor or
+FBGEMM refuses an op, the eval batches do not fit ``forward``) into ``{"skipped": reason}`` with the
+exception's type and message, which the results table prints and ``results.json`` keeps.
 
 Source: torch.fx paper §6.2.1 (quantization as a graph pass); FBGEMM; DLRM inference.
 """
@@ -31,14 +42,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from jobs import entry
 from jobs.config import JobConfig
 
-__all__ = ["rebuild_model", "quantize", "compare"]
+__all__ = ["rebuild_model", "quantize", "compare", "max_abs_diff", "NothingToQuantize"]
 
 QUANTIZABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 """Layer types static int8 lowers (quant.rules); a model with none of them has nothing to compare."""
+
+
+class NothingToQuantize(Exception):
+    """The traced model has no ``call_module`` node of a :data:`QUANTIZABLE` type (its layers are all inside
+    modules the tracer keeps whole); :func:`compare` reports it as the skip reason."""
 
 
 def rebuild_model(config: JobConfig, state: dict[str, Any]) -> nn.Module:
@@ -99,8 +116,14 @@ def quantize(model: nn.Module, calibration: list[tuple[Any, ...]], *, timer: Any
     Returns:
         (module, info): ``info`` has ``method``, ``fused_modules``, ``quantized_modules`` (the layers in int8; 0
         when fp32 is kept),
-        ``isa``, ``layers`` (one dict per candidate layer: ``name``, ``target``, ``fp32_us``, ``int8_us``,
-        ``speedup``, ``chosen``...), ``kept_fp32``, ``note``, ``all_int8_speedup`` and ``selection`` (the report).
+        ``isa``, ``layers`` (one dict per candidate layer: ``name`` and ``target`` its module path, ``node`` its
+        graph node name, ``fp32_us``, ``int8_us``, ``speedup``, ``chosen``...), ``kept_fp32``, ``note``,
+        ``all_int8_speedup`` and ``selection`` (the report).
+
+    Raises:
+        NothingToQuantize: no Linear/Conv layer is traced as its own module (all inside ``torch.nn`` leaves).
+        fxdist.TraceError: the model does not trace (control flow on an input); other errors of
+            :func:`quant.select_int8` (an op FBGEMM or the observers refuse) propagate.
     """
     import fxdist
     from quant import fuse, select_int8
@@ -109,11 +132,16 @@ def quantize(model: nn.Module, calibration: list[tuple[Any, ...]], *, timer: Any
     tracer = EmbeddingLeafTracer()  # embedding modules stay whole (and fp32)
     graph = tracer.trace(model)
     gm = fxdist.GraphModule(tracer.root, graph, type(model).__name__)
+    if not any(n.op == "call_module" and isinstance(gm.get_submodule(n.target), QUANTIZABLE) for n in graph.nodes):
+        whole = sorted({type(gm.get_submodule(n.target)).__name__ for n in graph.nodes if n.op == "call_module"
+                        and any(isinstance(m, QUANTIZABLE) for m in gm.get_submodule(n.target).modules())})
+        raise NothingToQuantize(f"{type(model).__name__}'s nn.Linear / nn.Conv layers are all inside modules traced "
+                                f"whole ({', '.join(whole)}), which stay fp32")
     with _shared_in_copies([m for m in model.modules() if is_embedding_module(m)]):
         fused = fuse(gm, patterns=True)
         chosen, report = select_int8(fused, calibration, timer=timer)
     fused_modules = sum(1 for m in fused.modules() if type(m).__module__.startswith("torch.ao.nn.intrinsic"))
-    layers = report.as_dict()["layers"]
+    layers = [{**x, "name": x["target"], "node": x["name"]} for x in report.as_dict()["layers"]]
     info = {"method": "quant: fuse(Linear+ReLU) + select_int8 (FBGEMM static int8 for the layers measured faster; "
                       "embedding tables fp32)",
             "fused_modules": fused_modules, "quantized_modules": sum(1 for x in layers if x["chosen"]),
@@ -122,8 +150,32 @@ def quantize(model: nn.Module, calibration: list[tuple[Any, ...]], *, timer: Any
     return chosen.eval(), info
 
 
-def _run(model: nn.Module, inputs: list[tuple[Any, ...]]) -> list[torch.Tensor]:
-    return [model(*x).detach() for x in inputs]
+def _run(model: nn.Module, inputs: list[tuple[Any, ...]]) -> list[Any]:
+    """The model's output for each input, in its own structure, every tensor leaf detached."""
+    return [tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, model(*x)) for x in inputs]
+
+
+def max_abs_diff(a: list[Any], b: list[Any]) -> float | None:
+    """Largest ``|a - b|`` over the floating tensor leaves of two lists of outputs of any structure, flattened
+    with ``torch.utils._pytree.tree_flatten`` (int8 vs fp32 outputs, in the outputs' units); None when no leaf
+    is a floating tensor.
+
+    Raises:
+        ValueError: the two outputs of a batch differ in structure or in a leaf's shape.
+    """
+    worst = None
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        (xs, xspec), (ys, yspec) = tree_flatten(x), tree_flatten(y)
+        if xspec != yspec:
+            raise ValueError(f"held-out batch {i}: the outputs differ in structure: {xspec} vs {yspec}")
+        for j, (u, v) in enumerate(zip(xs, ys)):
+            if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.is_floating_point():
+                if u.shape != v.shape:
+                    raise ValueError(f"held-out batch {i}, output leaf {j}: shapes {tuple(u.shape)} vs "
+                                     f"{tuple(v.shape)}")
+                d = float((u.double() - v.double()).abs().max()) if u.numel() else 0.0
+                worst = d if worst is None else max(worst, d)
+    return worst
 
 
 def _best_qps(models: dict[str, nn.Module], inputs: list[tuple[Any, ...]], rows: int, *, min_seconds: float = 1.0,
@@ -159,23 +211,35 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
     Returns:
         :func:`quantize`'s info plus ``rows``, ``batch_size``, ``threads``, ``fp32`` and ``int8`` (``qps`` in
         rows/s and the quality metrics; ``int8`` is the model chosen: a copy of ``fp32`` when ``kept_fp32``) and
-        ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is kept, else > 1), ``device`` (``"cpu"``: FBGEMM's int8
-        kernels are CPU kernels, so the comparison runs on the launcher's CPU even when the trainers used GPUs;
-        ``device_note`` says so then); or ``{"skipped": reason}`` when
-        there is no held-out batch or no layer to quantize.
+        ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is kept, else > 1), ``output_max_abs_diff``
+        (:func:`max_abs_diff` of the int8 and fp32 outputs: 0.0 when fp32 is kept at selection), ``device``
+        (``"cpu"``: FBGEMM's int8 kernels are CPU kernels, so the comparison runs on the launcher's CPU even when
+        the trainers used GPUs; ``device_note`` says so then); or ``{"skipped": reason}`` when there is no
+        held-out batch, no layer to quantize, quantization cannot run on the model (the reason names the
+        exception's type and message), or anything else in this stage raised (then reason starts with "failed:").
+
+    Never raises an ``Exception``: the job trained, and this stage only adds to its results.
     """
     from jobs.workload import inference_batches
 
-    held_out, calibration = inference_batches(config, data_path)
-    if not held_out:
-        return {"skipped": "no held-out batch (the eval split is empty)"}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
+        held_out, calibration = inference_batches(config, data_path)
+        if not held_out:
+            return {"skipped": "no held-out batch (the eval split is empty)"}
+        torch.set_num_threads(1)
         with torch.no_grad():
             return _compare(config, rebuild_model(config, state), held_out, calibration, timer)
+    except Exception as e:  # noqa: BLE001 - recorded as the stage's skip reason, never the job's failure
+        return {"skipped": f"failed: {_describe(e)}"}
     finally:
         torch.set_num_threads(threads)
+
+
+def _describe(e: BaseException) -> str:
+    """``"<type>: <message>"`` of an exception, its lines joined (one line of the results table)."""
+    message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibration: list[Any],
@@ -185,16 +249,24 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
     batches = [entry.split_batch(b) for b in held_out]
     inputs, labels = [_positional(model, b) for b in batches], [b[2] for b in batches]
     rows = sum(y.shape[0] for y in labels)
-    with warnings.catch_warnings():  # torch.ao's deprecation notices, once per observer/module
-        warnings.simplefilter("ignore", UserWarning)
-        int8_model, info = quantize(model, [_positional(model, entry.split_batch(b)) for b in calibration],
-                                    timer=timer)
+    try:
+        with warnings.catch_warnings():  # torch.ao's deprecation notices, once per observer/module
+            warnings.simplefilter("ignore", UserWarning)
+            int8_model, info = quantize(model, [_positional(model, entry.split_batch(b)) for b in calibration],
+                                        timer=timer)
+    except NothingToQuantize as e:
+        return {"skipped": str(e)}
+    except Exception as e:  # noqa: BLE001 - tracing, the cost model, FakeTensor or FBGEMM refused the model
+        return {"skipped": f"quantization cannot run on {type(model).__name__}: {_describe(e)}"}
     models = {"fp32": model} if info["kept_fp32"] else {"fp32": model, "int8": int8_model}
     qps = _best_qps(models, inputs, rows)
-    fp32 = {"qps": qps["fp32"], **entry.quality(config, _run(model, inputs), labels)}
-    int8 = dict(fp32)
+    fp32_out = _run(model, inputs)
+    fp32 = {"qps": qps["fp32"], **entry.quality(config, fp32_out, labels)}
+    int8, info["output_max_abs_diff"] = dict(fp32), 0.0
     if not info["kept_fp32"]:
-        measured = {"qps": qps["int8"], **entry.quality(config, _run(int8_model, inputs), labels)}
+        int8_out = _run(int8_model, inputs)
+        info["output_max_abs_diff"] = max_abs_diff(int8_out, fp32_out)
+        measured = {"qps": qps["int8"], **entry.quality(config, int8_out, labels)}
         if measured["qps"] > fp32["qps"]:
             int8 = measured
         else:  # the selected layers were faster, the whole model with its lookups is not: keep fp32

@@ -12,7 +12,9 @@
 ``ps<i>`` / ``launcher`` -> ``pid``, ``peak_rss_bytes``: :func:`jobs.stats.peak_rss_bytes` at the process's end;
 a server's also ``rows`` and ``bytes`` held: ``PSServer.memory()``, stored rows + optimizer state), ``inference`` (``fp32`` / ``int8``:
 ``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized; ``isa``; ``layers``:
-the per-layer int8 choice of ``quant.select_int8``; ``kept_fp32``: no layer paid, the int8 row is the fp32 model) and
+the per-layer int8 choice of ``quant.select_int8``, named by module path; ``kept_fp32``: no layer paid, the int8 row
+is the fp32 model; ``output_max_abs_diff``: int8 vs fp32 over every output leaf; or ``skipped``: why there is no
+comparison, an error of that stage included: :func:`jobs.inference.compare`) and
 ``run_dir``.
 """
 
@@ -93,9 +95,12 @@ def _metrics(parity: dict[str, Any]) -> list[str]:
 
 
 def _columns(results: dict[str, Any]) -> tuple[str, ...]:
-    """The quality columns of the table: AUC and log loss, RMSE and MAE, or the held-out loss."""
+    """The quality columns of the table: AUC and log loss, RMSE and MAE, or the held-out loss (and the AUC and
+    log loss of a binary-label model with its own loss, :func:`jobs.entry.binary_score`)."""
     for p in results.get("phases", {}).values():
         q = p.get("quality") or {}
+        if "eval_loss" in q:
+            return _COLUMNS["eval_loss"] + (_COLUMNS["auc"] if "auc" in q else ())
         for key, columns in _COLUMNS.items():
             if key in q:
                 return columns
@@ -192,6 +197,8 @@ def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[
             for x in inf["layers"]))
     note = f" ({inf['note']})" if inf.get("note") else ""
     lines.append(f"int8 speed-up: {_fmt(inf['speedup'], '.2f')}x{note}")
+    if inf.get("output_max_abs_diff") is not None and not inf.get("kept_fp32"):
+        lines.append(f"int8 outputs differ from fp32 by at most {inf['output_max_abs_diff']:.3g} (every output leaf)")
     if inf.get("device_note"):
         lines.append(f"int8 comparison: {inf['device_note']}")
     return lines
@@ -213,6 +220,9 @@ def _quality_notes(results: dict[str, Any], steps: Any, cols: tuple[str, ...] = 
                                                for k in cols)
                          for name, p in phases.items())
         lines.append(f"  at the phase end (step {steps}, {_fmt(first.get('epochs'), '.1f')} epochs): {ends}")
+    q = first.get("quality") or {}
+    if q.get("score") or q.get("score_note"):  # a binary-label model with its own loss (jobs.entry.binary_score)
+        lines.append(f"  AUC, logloss: the score is {q['score']}" if q.get("score") else f"  {q['score_note']}")
     for name, p in phases.items():
         mine = (p.get("quality") or {}).get("metric")
         if mine:

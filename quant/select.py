@@ -10,9 +10,10 @@ Steps (one function each):
     quantized modules are the per-layer int8 versions.
  2. Candidates: every ``call_module`` node static PTQ lowers (Linear, Linear+ReLU, Conv{1,2,3}d(+ReLU)...),
     with its real input captured on the first calibration batch. The cost model
-    (:func:`fxdist.passes.cost_model.estimate`: a roofline on this CPU's measured profile) predicts each one's
-    fp32 time; layers predicted under ``min_share`` of the candidates' total are not measured and stay fp32
-    (quantizing them could save at most that share). The others are measured, largest predicted first.
+    (:func:`fxdist.passes.cost_model.estimate`: a roofline on this CPU's measured profile; its ShapeProp runs
+    under FakeTensor with the attention fast path off, on the real inputs when FakeTensor refuses an op)
+    predicts each one's fp32 time; layers predicted under ``min_share`` of the candidates' total are not
+    measured and stay fp32 (quantizing them could save at most that share). The others are measured, largest predicted first.
  3. Measure each candidate: the fp32 module on its input, the int8 module on that input quantized with the
     observer's qparams, and the boundary it pays when its neighbours stay fp32 (``quantize_per_tensor`` of the
     input plus ``dequantize`` of the output). Variants are timed in alternating rounds (``rounds``), keeping
@@ -35,10 +36,11 @@ Source: FBGEMM (int8 GEMM: ``vpdpbusd`` with VNNI, ``vpmaddubsw`` + ``vpmaddwd``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -156,7 +158,7 @@ class LayerChoice:
 
 @dataclass(frozen=True)
 class SelectionReport:
-    """What :class:`SelectInt8` measured and chose; ``str()`` gives a table."""
+    """What :class:`SelectInt8` measured and chose; ``str()`` gives a table (layers by module path)."""
 
     isa: str
     """The int8 instructions seen (:func:`cpu_isa`), e.g. ``"AVX2, no VNNI"``."""
@@ -201,19 +203,21 @@ class SelectionReport:
         return out
 
     def __str__(self) -> str:
-        width = max([len(layer.name) for layer in self.layers] + [5])
+        """The table, layers named by module path (``LayerChoice.target``, as in the model's ``named_modules``)."""
+        width = max([len(layer.target) for layer in self.layers] + [5])
         lines = [f"int8 layer selection on this CPU ({self.isa}, {self.threads} thread(s)), µs per call:",
                  f"{'layer':<{width}}  {'op':<12} {'input':<14} {'pred':>8} {'fp32':>8} {'int8':>8} {'q/dq':>7} "
                  f"{'speed-up':>8}  chosen"]
         for layer in self.layers:
             lines.append(
-                f"{layer.name:<{width}}  {layer.op:<12} {str(layer.input_shape):<14} {layer.predicted_us:8.1f} "
+                f"{layer.target:<{width}}  {layer.op:<12} {str(layer.input_shape):<14} {layer.predicted_us:8.1f} "
                 f"{_us(layer.fp32_us):>8} {_us(layer.int8_us):>8} {_us(layer.boundary_us):>7} "
                 f"{_ratio(layer.speedup):>8}  {'yes' if layer.chosen else 'no'}: {layer.reason}")
         whole = f"whole module: fp32 {self.fp32_us:.1f} µs, every layer int8 {self.all_int8_us:.1f} µs " \
                 f"({self.all_int8_speedup:.2f}x)"
+        path = {layer.name: layer.target for layer in self.layers}
         for names, us in self.tries:
-            whole += f", int8 [{', '.join(names)}] {us:.1f} µs ({self.fp32_us / us:.2f}x)"
+            whole += f", int8 [{', '.join(path[n] for n in names)}] {us:.1f} µs ({self.fp32_us / us:.2f}x)"
         return "\n".join([*lines, whole, self.reason])
 
 
@@ -345,10 +349,9 @@ class SelectInt8(PassBase):
 
     def _candidates(self, gm: Any, prepared: Any, full: Any, inputs: tuple[Any, ...]) -> list[_Candidate]:
         """Step 2: the lowered ``call_module`` nodes, their captured inputs and predicted fp32 times."""
-        from fxdist.passes.cost_model import estimate, measure_cpu_profile
+        from fxdist.passes.cost_model import measure_cpu_profile
 
-        costs = estimate(copy.deepcopy(gm), *inputs, profile=self.profile or measure_cpu_profile())
-        predicted = {n.name: n.seconds for n in costs.nodes}
+        predicted = _predicted_seconds(gm, inputs, self.profile or measure_cpu_profile())
         lowered = tuple(QUANTIZED_MODULES.values())
         candidates = []
         for node in prepared.graph.nodes:
@@ -379,11 +382,46 @@ class SelectInt8(PassBase):
         if not tries:
             reason = f"kept fp32: no layer is faster in int8 on this CPU ({isa})"
         else:
-            reason = (f"kept fp32: the layers faster in int8 alone ({', '.join(tries[0][0])}) do not make the "
+            paths = ", ".join(str(c.node.target) for c in candidates if c.node.name in tries[0][0])
+            reason = (f"kept fp32: the layers faster in int8 alone ({paths}) do not make the "
                       f"whole module faster (quantize/dequantize boundaries): best {min(s for _, s in tries) * 1e6:.1f}"
                       f" µs vs {fp32_s * 1e6:.1f} µs fp32")
         return SelectionReport(isa, torch.get_num_threads(), layers, fp32_s * 1e6, all_int8_s * 1e6, None, True,
                                reason, tries_us)
+
+
+@contextlib.contextmanager
+def _mha_fastpath_disabled() -> Iterator[None]:
+    """``torch.backends.mha.set_fastpath_enabled(False)`` inside: ``nn.TransformerEncoder`` /
+    ``nn.MultiheadAttention`` in eval mode under ``no_grad`` then run their plain ops instead of the fused
+    ``torch._transformer_encoder_layer_fwd`` and the nested tensors of ``src_key_padding_mask``
+    (``torch._nested_tensor_from_mask``), which FakeTensor cannot describe ("NestedTensorImpl doesn't support
+    sizes"). The outputs' shapes are the same; the setting is restored on exit."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def _predicted_seconds(gm: Any, inputs: tuple[Any, ...], profile: Any) -> dict[str, float]:
+    """Step 2's cost model: node name -> predicted fp32 seconds (:func:`fxdist.passes.cost_model.estimate` on a
+    copy of ``gm``), with the attention fast path off (:func:`_mha_fastpath_disabled`). When ShapeProp under
+    FakeTensor fails on an op (a fake kernel missing or refused), the shapes are propagated on the real
+    ``inputs`` instead (one real forward of the copy); an error there is the model's and propagates."""
+    from fxdist.passes.cost_model import estimate
+    from fxdist.passes.shape_prop import ShapeProp
+
+    with _mha_fastpath_disabled():
+        try:
+            costs = estimate(copy.deepcopy(gm), *inputs, profile=profile)
+        except Exception:  # noqa: BLE001 - FakeTensor's refusals have no common type; real tensors decide
+            real = copy.deepcopy(gm)
+            with torch.no_grad():
+                ShapeProp(real).propagate(*inputs)
+            costs = estimate(real, profile=profile)
+    return {n.name: n.seconds for n in costs.nodes}
 
 
 def _interleaved(timer: Timer, subject: str, runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
