@@ -22,8 +22,9 @@ __all__ = ["check", "user_frame", "user_error_frame", "describe", "first_step"]
 _LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {Path(torch.__file__).parents[1], Path(sys.base_prefix),
                                                        Path(sys.prefix)})
 """Files under these are not the user's: site-packages (torch, torchrec, ray, ...), the Python library, and this
-repository's packages (fxdist, scheduling, quant, jobs; the user's own files elsewhere count as theirs)."""
-_OURS = ("fxdist", "scheduling", "quant", "jobs")
+repository's packages (fxdist, scheduling, quant, jobs, recsys: the Criteo readers; the user's own files elsewhere count as
+theirs)."""
+_OURS = ("fxdist", "scheduling", "quant", "jobs", "recsys")
 
 
 def _is_user_file(filename: str) -> bool:
@@ -52,7 +53,7 @@ _GENERATED_FROM = re.compile(r" from (.+):(\d+) in (\w+)$")
 def user_error_frame(exc: BaseException) -> str | None:
     """Where your code raised ``exc``, if it is a deterministic error of yours: ``"file:line in function"`` of
     the code that called into the libraries (torch, ...), when that is your file or a GraphModule traced from
-    your ``forward``; None when fxdist, scheduling, quant or jobs raised it, and for errors of the machinery
+    your ``forward``; None when fxdist, scheduling, quant, jobs or recsys (the Criteo readers) raised it, and for errors of the machinery
     (RPC, Ray, connections, timeouts), which Ray Train retries.
     """
     if isinstance(exc, (OSError, TimeoutError, ConnectionError)) or type(exc).__module__.startswith(("ray", "torch.distributed")) \
@@ -69,7 +70,7 @@ def user_error_frame(exc: BaseException) -> str | None:
         if _is_user_file(f.filename):
             return f"{f.filename}:{f.lineno} in {f.name}"
         if not f.filename.startswith("<eval_with_key>"):
-            return None                             # raised by fxdist, scheduling, quant or jobs
+            return None                             # raised by fxdist, scheduling, quant, jobs or recsys
         m = _GENERATED_FROM.search(f.filename)     # generated code names the forward it was traced from
         return f"{m[1]}:{m[2]} in {m[3]}" if m and _is_user_file(m[1]) else None
     return None
