@@ -87,9 +87,13 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
 
 
-def first_step(config: Any, model: torch.nn.Module, batch: Any, args: tuple, kwargs: dict[str, Any],
-               labels: torch.Tensor) -> Any:
+def first_step(config: Any, model: torch.nn.Module, batch: Any,
+               parts: tuple[tuple, dict[str, Any], torch.Tensor] | None = None) -> Any:
     """Run ``model`` (or ``[train] train_step``) and the loss once on the first batch, without gradients.
+
+    Args:
+        batch: The first train batch as ``[data] batches`` yielded it (what ``train_step`` gets).
+        parts: Its ``(args, kwargs, labels)`` (:func:`jobs.entry.split_batch`); needed without ``train_step``.
 
     Returns:
         The model's output (None with ``train_step``).
@@ -103,6 +107,7 @@ def first_step(config: Any, model: torch.nn.Module, batch: Any, args: tuple, kwa
 
     step = train_step_fn(config)
     what = f"[train] train_step = {config.train.train_step!r}" if step else f"[model] factory = {config.model.factory!r}"
+    args, kwargs, labels = parts if parts is not None else ((), {}, None)
     with torch.no_grad():
         try:
             out = step(model, batch) if step else model(*args, **kwargs)
@@ -141,19 +146,22 @@ def check(config: Any) -> str:
 
     model = entry.make_model(config)
     entry.loss_fn(config)
-    entry.train_step_fn(config)
+    step = entry.train_step_fn(config)
     ctx = entry.data_context(config, "train", 0, config.cluster.trainers)
     first = next(iter(entry._batches(config, ctx)), None)
     if first is None:
         raise ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train batch for "
                           f"rank 0 of {config.cluster.trainers}")
-    args, kwargs, labels = entry.split_batch(first, f"{config.source}: [data] batches = {config.data.batches!r}: first batch")
-    try:
-        inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{config.source}: [data] batches: the first batch's inputs do not fit "
-                          f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {e}") from None
-    first_step(config, model, first, args, kwargs, labels)
+    parts = None
+    if step is None:  # with train_step the batch goes to it as yielded: not split, not bound to forward
+        parts = entry.split_batch(first, f"{config.source}: [data] batches = {config.data.batches!r}: first batch",
+                                  model.forward)
+        try:
+            inspect.signature(model.forward).bind(*parts[0], **parts[1])
+        except TypeError as e:
+            raise ConfigError(f"{config.source}: [data] batches: the first batch's inputs do not fit "
+                              f"{type(model).__name__}.forward{inspect.signature(model.forward)}: {e}") from None
+    first_step(config, model, first, parts)
     dense_optimizer(config, (p for p in model.parameters() if p.requires_grad))
     params = sum(p.numel() for p in model.parameters())
     return (f"your model: {type(model).__name__} from {config.model.factory} ({params:_} parameters); "
