@@ -389,12 +389,12 @@ def train_loop(loop_config: dict[str, TrainerSpec]) -> None:
     ``loop_config``: ``{"spec": spec}`` (Ray Train's ``train_loop_config`` is a dict), ``spec`` the
     :class:`jobs.plan.TrainerSpec` every trainer of the job gets.
 
-    A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not
-    trace, an exception raised in your own code: :func:`jobs.user_code.user_error_frame`) is recorded on the
-    launcher's JobState actor; with one trainer the loop then returns, so
-    ``fit()`` ends without a retry; with more it re-raises (the other ranks may wait in a collective, and
-    only a restart frees them), and every later attempt returns at once, seeing the recorded error. Ray
-    Train's retries are thus left to process and node failures.
+    A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not trace, an
+    exception raised in your own code or a loss of yours without gradient at ``loss.backward()``:
+    :func:`jobs.user_code.user_error_frame`) is recorded on the launcher's JobState actor; with one trainer the
+    loop then returns, so ``fit()`` ends without a retry; with more it re-raises (the other ranks may wait in a
+    collective, and only a restart frees them), and every later attempt returns at once, seeing the recorded
+    error. Ray Train's retries are thus left to process and node failures.
     """
     import ray
     import ray.train
@@ -407,7 +407,7 @@ def train_loop(loop_config: dict[str, TrainerSpec]) -> None:
         _train_loop(spec)
     except Exception as e:  # noqa: BLE001 - deterministic errors stop the job; the others are Ray Train's
         kind, message = next((k for t, k in _deterministic_errors().items() if isinstance(e, t)), None), str(e)
-        if kind is None and (where := user_error_frame(e)) is None:
+        if kind is None and (where := user_error_frame(e, spec.config)) is None:
             raise
         if kind is None:
             kind, message = "job", f"{e} (raised by your code at {where}; not retried)"

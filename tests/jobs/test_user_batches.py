@@ -251,3 +251,98 @@ def test_a_batch_moves_keeping_its_type_and_with_servers_its_kjt_stays():
     nested = move_batch({"pair": Pair(torch.zeros(2), [torch.ones(1), "tag"])}, "meta")
     assert type(nested["pair"]) is Pair and nested["pair"].x.is_meta and nested["pair"].y[0].is_meta
     assert nested["pair"].y[1] == "tag"
+
+
+def detached_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(output[1][1], labels)   # DLRMTrain's detached logits
+
+
+def detached_step(model, batch: Batch) -> torch.Tensor:
+    return detached_loss(model(batch), batch.labels)
+
+
+class DetachedModel(FieldModel):
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        return super().forward(dense_features, sparse_features).detach()
+
+
+def detached_model(config) -> nn.Module:
+    return DetachedModel()
+
+
+def _def_line(fn) -> str:
+    return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]} in {fn.__name__}"
+
+
+@pytest.mark.parametrize("sets, entry, fn", [
+    ((f'model.factory="{HERE}:dlrm_train"', f'train.loss="{HERE}:detached_loss"'),
+     f"[train] loss = '{HERE}:detached_loss'", detached_loss),
+    ((f'model.factory="{HERE}:dlrm_train"', f'train.train_step="{HERE}:detached_step"'),
+     f"[train] train_step = '{HERE}:detached_step'", detached_step),
+    ((f'model.factory="{HERE}:detached_model"',), f"[model] factory = '{HERE}:detached_model'", DetachedModel.forward),
+])
+def test_a_loss_without_gradient_exits_2_before_ray_naming_its_entry_point(tmp_path, capsys, sets, entry, fn):
+    """Preflight runs ``loss.backward()``: a loss computed from detached outputs (your loss, your ``train_step``,
+    or a built-in loss of a detached forward) exits 2 naming the entry point and the line of its ``def``."""
+    import ray
+
+    from jobs.cli import main
+
+    args = ["launch", "--quiet", "--run-dir", str(tmp_path / "run"), "--set", "metrics.enabled=false",
+            "--set", f'data.batches="{HERE}:torchrec_batches"']
+    rc = main(args + [a for s in sets for a in ("--set", s)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert (f"{entry} (at {_def_line(fn)}): the first batch's loss has no gradient (requires_grad is False), so "
+            "loss.backward() would fail in every trainer; compute it from the model's output without detach()") in err
+    assert not (tmp_path / "run").exists() and not ray.is_initialized()
+
+
+SHARED: list[nn.Module] = []
+
+
+def shared_model(config) -> nn.Module:
+    """The same module on every call (a factory that caches): preflight must leave it as it found it."""
+    if not SHARED:
+        SHARED.append(FieldModel())
+    return SHARED[0]
+
+
+def test_preflight_runs_backward_once_and_changes_no_weight_and_no_gradient():
+    model = shared_model(None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    backwards = []
+    model.top.weight.register_hook(lambda grad: backwards.append(grad.shape))
+    user_code.check(_config("shared_model", loss="bce_with_logits"))
+    assert backwards == [torch.Size([1, 12])]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+
+
+def test_a_loss_without_gradient_in_a_trainer_is_your_error_recorded_once_and_not_retried(monkeypatch, one_trainer):
+    """Past preflight (e.g. the eval-time model differs), the trainer's ``loss.backward()`` raises autograd's
+    RuntimeError: ``train_loop`` records it once as your error at the loss's entry point, and the next attempt
+    returns at once without training."""
+    from jobs.user_code import user_error_frame
+
+    config = _config("dlrm_train", loss=f"{HERE}:detached_loss")
+    runs = []
+
+    def trainer_loop(spec):                         # the trainer's loop on this process, no Ray
+        runs.append(spec)
+        _train(spec.config)
+
+    monkeypatch.setattr(jobs.worker, "_train_loop", trainer_loop)
+    state = _State()
+    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=config)})
+    assert state.error == (
+        "job", "RuntimeError", "element 0 of tensors does not require grad and does not have a grad_fn (raised by "
+        f"your code at {_def_line(detached_loss)} ([train] loss = '{HERE}:detached_loss', whose loss has no "
+        "gradient); not retried)", 0)
+    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=config)})
+    assert len(runs) == 1
+    with pytest.raises(RuntimeError) as info:
+        _train(config)
+    assert user_error_frame(info.value, config) == (f"{_def_line(detached_loss)} ([train] loss = "
+                                                    f"'{HERE}:detached_loss', whose loss has no gradient)")
+    assert user_error_frame(info.value) == "your [train] loss, train_step or model's forward (the loss has no gradient)"
