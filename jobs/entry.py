@@ -71,8 +71,8 @@ from torch import nn
 
 from jobs.config import ConfigError, JobConfig
 
-__all__ = ["DataContext", "resolve", "split_batch", "move_batch", "batch_rows", "make_model", "data_context", "epoch_batches",
-           "endless", "loss_fn", "train_step_fn", "quality", "BUILTIN_LOSSES"]
+__all__ = ["DataContext", "resolve", "split_batch", "move_batch", "batch_rows", "make_model", "data_context",
+           "epoch_batches", "endless", "loss_fn", "train_step_fn", "quality", "BUILTIN_LOSSES"]
 
 BUILTIN_LOSSES = ("bce_with_logits", "mse")
 
@@ -248,10 +248,11 @@ def _dataclass_call(batch: Any, fields: dict[str, Any], where: str,
         except TypeError:
             continue
         return args, kwargs
-    raise ConfigError(f"{where}: a {type(batch).__name__} (dataclass) batch goes to forward{sig} either as its fields other "
-                      f"than 'labels' as keyword arguments ({', '.join(fields)}) or whole, as forward's one "
-                      "argument; this forward takes neither. Rename forward's parameters after the fields, give it "
-                      "one parameter for the batch, or set [train] train_step to call the model yourself")
+    raise ConfigError(f"{where}: a {type(batch).__name__} (dataclass) batch goes to forward{sig} either as its "
+                      f"fields other than 'labels' as keyword arguments ({', '.join(fields)}) or whole, as "
+                      "forward's one argument; this forward takes neither. Rename forward's parameters after the "
+                      "fields, give it one parameter for the batch, or set [train] train_step to call the model "
+                      "yourself")
 
 
 def move_batch(batch: Any, device: torch.device | str, *, own_to: bool = True) -> Any:

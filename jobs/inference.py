@@ -187,8 +187,8 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
     rows = sum(y.shape[0] for y in labels)
     with warnings.catch_warnings():  # torch.ao's deprecation notices, once per observer/module
         warnings.simplefilter("ignore", UserWarning)
-        int8_model, info = quantize(model, [_positional(model, entry.split_batch(b, forward=model.forward)) for b in calibration],
-                                    timer=timer)
+        int8_model, info = quantize(model, [_positional(model, entry.split_batch(b, forward=model.forward))
+                                            for b in calibration], timer=timer)
     models = {"fp32": model} if info["kept_fp32"] else {"fp32": model, "int8": int8_model}
     qps = _best_qps(models, inputs, rows)
     fp32 = {"qps": qps["fp32"], **entry.quality(config, _run(model, inputs), labels)}

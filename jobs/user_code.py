@@ -29,8 +29,8 @@ __all__ = ["check", "user_frame", "user_error_frame", "describe", "first_step", 
 _LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {Path(torch.__file__).parents[1], Path(sys.base_prefix),
                                                        Path(sys.prefix)})
 """Files under these are not the user's: site-packages (torch, torchrec, ray, ...), the Python library, and this
-repository's packages (fxdist, scheduling, quant, jobs, recsys: the Criteo readers; the user's own files elsewhere count as
-theirs)."""
+repository's packages (fxdist, scheduling, quant, jobs, recsys: the Criteo readers; the user's own files elsewhere
+count as theirs)."""
 _OURS = ("fxdist", "scheduling", "quant", "jobs", "recsys")
 
 
@@ -187,7 +187,8 @@ def first_step(config: Any, model: torch.nn.Module, batch: Any,
             scalar = isinstance(loss, torch.Tensor) and (loss.dim() == 0 if config.train.train_step else
                                                          loss.numel() == 1)
             if not scalar:
-                got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                       else type(loss).__name__)
                 raise ConfigError(f"{where}: the first batch's loss is {got}, expected a scalar tensor")
             if not loss.requires_grad:
                 raise ConfigError(f"{where}: the first batch's loss has no gradient (requires_grad is False), so "

@@ -193,7 +193,8 @@ def test_a_dataclass_batch_that_fits_no_form_of_forward_is_refused_naming_the_ke
         user_code.check(_config("two_inputs", loss="bce_with_logits"))
     assert str(info.value) == (
         f"{load_config().source}: [data] batches = '{HERE}:torchrec_batches': first batch: a Batch (dataclass) batch "
-        f"goes to forward{inspect.signature(TwoInputs().forward)} either as its fields other than 'labels' as keyword arguments (dense_features, sparse_features) or whole, as "
+        f"goes to forward{inspect.signature(TwoInputs().forward)} either as its fields other than 'labels' as "
+        "keyword arguments (dense_features, sparse_features) or whole, as "
         "forward's one argument; this forward takes neither. Rename forward's parameters after the fields, give it "
         "one parameter for the batch, or set [train] train_step to call the model yourself")
 
