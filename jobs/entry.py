@@ -19,32 +19,45 @@ give the same weights, so that both phases start alike). ``batches(ctx)`` is cal
 iterable is one epoch: when it ends, the job calls ``batches`` again. It must be deterministic (the same
 batches for the same ``ctx``): each phase reads its own copy and they are compared step by step.
 
-A batch is one of (labels: a ``(B,)`` or ``(B, 1)`` float tensor; the inputs: tensors, torchrec
-``KeyedJaggedTensor`` s or anything your ``forward`` takes)::
+With ``[train] loss`` a batch is split into the model's inputs and its labels, in one of three forms (labels: a
+``(B,)`` or ``(B, 1)`` float tensor; the inputs: tensors, torchrec ``KeyedJaggedTensor`` s or anything your
+``forward`` takes; :func:`split_batch`)::
 
     (input_1, ..., input_n, labels)        # a tuple or list: model(input_1, ..., input_n)
     {"name": input, ..., "labels": labels} # a dict: model(name=input, ...)
-    a dataclass with a ``labels`` field    # its other fields as keyword arguments
+    a dataclass with a ``labels`` field    # model(field=value, ...) for its other fields, when forward takes
+                                           # them as keywords; else model(batch), when forward takes one
+                                           # argument (torchrec's ``Batch`` with ``DLRMTrain.forward(batch)``)
 
-Tensors move to the trainer's device; other inputs (``KeyedJaggedTensor``) stay on the CPU. With
-``async_rpc_prefetch`` the optimized module takes ``next_<input>`` arguments: the job passes the next
-batch's input of the same name (see :func:`jobs.worker.PhaseTrainer`).
+A dataclass whose fields ``forward`` takes neither way is a :class:`jobs.config.ConfigError` naming ``[data]
+batches`` and ``forward``'s signature. Held-out ("eval") batches are always split so, with ``train_step`` too.
+
+Every batch moves to the trainer's device keeping its type (:func:`move_batch`): tensors inside tuples, lists,
+dicts and dataclasses move, and an object with its own ``.to(device)`` (a ``KeyedJaggedTensor``, torchrec's
+``Batch`` or any ``Pipelineable``) is moved by it; with parameter servers the ``KeyedJaggedTensor`` s stay on the
+CPU (the servers' lookups take them there). With ``async_rpc_prefetch`` the optimized module takes
+``next_<input>`` arguments: the job passes the next batch's input of the same name (see
+:func:`jobs.worker.PhaseTrainer`).
 
 ``train_step(model, batch) -> loss`` (optional) is your own forward and loss for one training batch: ``batch`` is
-the batch as ``batches`` yielded it (same form, tensors on the trainer's device), ``model`` the phase's trained
-module (eager or optimized, wrapped in DDP with several trainers; call it once per step: with prefetch the call
-also carries the next batch's lookups), and it returns a scalar tensor; the job then runs ``loss.backward()`` and
-the optimizer step. ``[train] loss`` still names the held-out quality metric (:func:`quality`).
+the batch exactly as ``batches`` yielded it, of any type (not split, not checked against ``forward``; moved to the
+trainer's device as above), ``model`` the phase's trained module (eager or optimized, wrapped in DDP with several
+trainers; call it once per step: with prefetch the call also carries the next batch's lookups), and it returns a
+scalar tensor; the job then runs ``loss.backward()`` and the optimizer step. ``[train] loss`` still names the
+held-out quality metric (:func:`quality`). A batch's sample count (the QPS) is its labels' length when it
+splits, else the first dimension of the first tensor in it (:func:`batch_rows`).
 
 Every entry point is imported and checked before Ray starts (:func:`jobs.user_code.check`): the factory is called once and
-must return an ``nn.Module``, and the first train batch must follow the contract; a problem is a
-:class:`jobs.config.ConfigError` naming the key (``fxdist launch`` exits with status 2).
+must return an ``nn.Module``, the first train batch must follow the contract, and its loss must have a gradient
+(preflight runs forward, the loss and ``loss.backward()`` on it); a problem is a :class:`jobs.config.ConfigError`
+naming the key and your file and line (``fxdist launch`` exits with status 2).
 
 Source: Ray Train ``train_loop_per_worker`` (user code run in every worker); torchrec ``KeyedJaggedTensor``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -58,8 +71,8 @@ from torch import nn
 
 from jobs.config import ConfigError, JobConfig
 
-__all__ = ["DataContext", "resolve", "split_batch", "rebuild_batch", "make_model", "data_context", "epoch_batches",
-           "endless", "loss_fn", "train_step_fn", "quality", "binary_score", "BUILTIN_LOSSES"]
+__all__ = ["DataContext", "resolve", "split_batch", "move_batch", "batch_rows", "make_model", "data_context",
+           "epoch_batches", "endless", "loss_fn", "train_step_fn", "quality", "binary_score", "BUILTIN_LOSSES"]
 
 BUILTIN_LOSSES = ("bce_with_logits", "mse")
 
@@ -183,11 +196,20 @@ def endless(config: JobConfig, ctx: DataContext, start: int = 0) -> Iterator[Any
                               f"train split of rank {ctx.rank} of {ctx.world_size}")
 
 
-def split_batch(batch: Any, where: str = "batch") -> tuple[tuple, dict[str, Any], torch.Tensor]:
-    """``(args, kwargs, labels)`` of a batch (see the module docstring for the three forms).
+def split_batch(batch: Any, where: str = "batch", forward: Callable | inspect.Signature | None = None,
+                ) -> tuple[tuple, dict[str, Any], torch.Tensor]:
+    """``(args, kwargs, labels)`` of a batch, the model then called as ``model(*args, **kwargs)`` (the three forms
+    of the module docstring; the parts are the batch's own objects).
+
+    Args:
+        where: What the batch is, for errors (e.g. ``"test.toml: [data] batches = 'm:f': first batch"``).
+        forward: The model's ``forward`` (or its signature), which decides a dataclass batch: its fields other
+            than ``labels`` as keyword arguments when ``forward`` takes them, else ``args = (batch,)`` when it
+            takes one argument. None: the keyword form.
 
     Raises:
-        ConfigError: another type, no labels, or labels that are not a tensor.
+        ConfigError: naming ``where``: another type, no labels, labels that are not a ``(B,)`` tensor, or a
+            dataclass whose fields ``forward`` takes neither way.
     """
     if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
         if len(batch) < 2:
@@ -201,6 +223,8 @@ def split_batch(batch: Any, where: str = "batch") -> tuple[tuple, dict[str, Any]
                               f"{sorted(items)})")
         labels = items.pop("labels")
         args, kwargs = (), items
+        if not isinstance(batch, dict) and forward is not None:
+            args, kwargs = _dataclass_call(batch, items, where, forward)
     else:
         raise ConfigError(f"{where}: expected a tuple (inputs..., labels), a dict or a dataclass with 'labels', got "
                           f"{type(batch).__name__}")
@@ -210,14 +234,78 @@ def split_batch(batch: Any, where: str = "batch") -> tuple[tuple, dict[str, Any]
     return args, kwargs, labels
 
 
-def rebuild_batch(batch: Any, args: tuple, kwargs: dict[str, Any], labels: torch.Tensor) -> Any:
-    """A batch of the same form as ``batch`` (tuple, list, dict or dataclass) holding ``args`` / ``kwargs`` /
-    ``labels`` (:func:`split_batch`'s parts, e.g. moved to a device)."""
-    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
-        return type(batch)([*args, labels])
+def _dataclass_call(batch: Any, fields: dict[str, Any], where: str,
+                    forward: Callable | inspect.Signature) -> tuple[tuple, dict[str, Any]]:
+    """``((), fields)`` when ``forward`` binds the fields as keywords, else ``((batch,), {})`` when it binds one
+    positional argument (see :func:`split_batch`)."""
+    try:
+        sig = forward if isinstance(forward, inspect.Signature) else inspect.signature(forward)
+    except (TypeError, ValueError):  # no signature: the keyword form, the call decides
+        return (), fields
+    for args, kwargs in (((), fields), ((batch,), {})):
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError:
+            continue
+        return args, kwargs
+    raise ConfigError(f"{where}: a {type(batch).__name__} (dataclass) batch goes to forward{sig} either as its "
+                      f"fields other than 'labels' as keyword arguments ({', '.join(fields)}) or whole, as "
+                      "forward's one argument; this forward takes neither. Rename forward's parameters after the "
+                      "fields, give it one parameter for the batch, or set [train] train_step to call the model "
+                      "yourself")
+
+
+def move_batch(batch: Any, device: torch.device | str, *, own_to: bool = True) -> Any:
+    """``batch`` with its tensors on ``device``, of the same type and structure (tuples, named tuples, lists, dicts
+    and dataclasses are rebuilt around their moved items; anything else is kept as it is).
+
+    Args:
+        own_to: Move an object that has its own ``.to(device)`` (a ``KeyedJaggedTensor``, torchrec's ``Batch``
+            or another ``Pipelineable``) by it. False (tables on parameter servers): such objects stay where
+            they are, except dataclasses, whose fields are moved one by one.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    is_dataclass = dataclasses.is_dataclass(batch) and not isinstance(batch, type)
+    if own_to and callable(getattr(batch, "to", None)) and not isinstance(batch, (tuple, list, dict)):
+        return batch.to(device)
+    if is_dataclass:
+        moved = {f.name: move_batch(getattr(batch, f.name), device, own_to=own_to)
+                 for f in dataclasses.fields(batch) if f.init}
+        same = all(v is getattr(batch, k) for k, v in moved.items())
+        return batch if same else dataclasses.replace(batch, **moved)
     if isinstance(batch, dict):
-        return {**kwargs, "labels": labels}
-    return dataclasses.replace(batch, **kwargs, labels=labels)
+        out = copy.copy(batch)
+        for k, v in batch.items():
+            out[k] = move_batch(v, device, own_to=own_to)
+        return out
+    if isinstance(batch, (tuple, list)):
+        items = [move_batch(v, device, own_to=own_to) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def batch_rows(batch: Any, default: int) -> int:
+    """The samples in a batch: its labels' length when it splits (:func:`split_batch`), else the first dimension
+    of the first tensor found in it (depth first through tuples, lists, dicts and dataclass fields), else
+    ``default`` (``[job] batch_size``)."""
+    try:
+        return split_batch(batch)[2].shape[0]
+    except ConfigError:
+        pass
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            if item.dim() > 0:
+                return item.shape[0]
+        elif isinstance(item, dict):
+            stack[:0] = list(item.values())
+        elif isinstance(item, (tuple, list)):
+            stack[:0] = list(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack[:0] = [getattr(item, f.name) for f in dataclasses.fields(item)]
+    return default
 
 
 def train_step_fn(config: JobConfig) -> Callable[[Any, Any], torch.Tensor] | None:

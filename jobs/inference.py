@@ -246,13 +246,14 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
              timer: Any) -> dict[str, Any]:
     if not any(isinstance(m, QUANTIZABLE) for m in model.modules()):
         return {"skipped": f"{type(model).__name__} has no nn.Linear or nn.Conv layer to quantize"}
-    batches = [entry.split_batch(b) for b in held_out]
+    batches = [entry.split_batch(b, forward=model.forward) for b in held_out]
     inputs, labels = [_positional(model, b) for b in batches], [b[2] for b in batches]
     rows = sum(y.shape[0] for y in labels)
     try:
         with warnings.catch_warnings():  # torch.ao's deprecation notices, once per observer/module
             warnings.simplefilter("ignore", UserWarning)
-            int8_model, info = quantize(model, [_positional(model, entry.split_batch(b)) for b in calibration],
+            int8_model, info = quantize(model, [_positional(model, entry.split_batch(b, forward=model.forward))
+                                                for b in calibration],
                                         timer=timer)
     except NothingToQuantize as e:
         return {"skipped": str(e)}

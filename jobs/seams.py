@@ -13,7 +13,8 @@ The trainer asks for nothing else: every member below exists on every implementa
 
 Batches follow the contract of :mod:`jobs.entry`; a model's call is ``module(*args, **kwargs)`` with
 ``(args, kwargs, labels)`` from :meth:`Workload.inputs`, ``labels`` a tensor of shape ``(B,)`` or ``(B, ...)``
-for a batch of ``B`` samples.
+for a batch of ``B`` samples; a training step gets a :class:`StepBatch` (:meth:`Workload.step_batch`), which
+also carries the batch as it was yielded (on the device) for your ``[train] train_step``.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -21,12 +22,31 @@ Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept a
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["Workload", "Tables", "TableBackend"]
+__all__ = ["Workload", "Tables", "TableBackend", "StepBatch"]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One training batch, ready for a step (:meth:`Workload.step_batch`)."""
+
+    batch: Any
+    """The batch as ``batches`` yielded it, of its own type, moved to the trainer's device
+    (:func:`jobs.entry.move_batch`): what ``[train] train_step`` gets."""
+    rows: int
+    """Its samples ``B`` (the step's throughput)."""
+    args: tuple = ()
+    """The model's positional inputs (:func:`jobs.entry.split_batch` of :attr:`batch`; the same objects), for the
+    loss and for the next step's ``next_<input>`` lookups; empty for a ``train_step`` batch that does not split."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The model's keyword inputs, as :attr:`args`."""
+    labels: torch.Tensor | None = None
+    """The labels, ``(B,)`` or ``(B, ...)``; None for a ``train_step`` batch that does not split."""
 
 
 class Tables(Protocol):
@@ -119,10 +139,18 @@ class Workload(Protocol):
         """``(args, kwargs, labels)`` of the model's call on ``batch``, tensors on ``device`` (a lookup's
         ``KeyedJaggedTensor`` stays on the CPU when ``tables`` are not local)."""
 
-    def step_loss(self, module: nn.Module, batch: Any, inputs: tuple[tuple, dict[str, Any], torch.Tensor],
-                  ahead: dict[str, Any]) -> torch.Tensor:
-        """One training step's scalar loss (``[train] loss`` of ``module(*args, **kwargs, **ahead)``, or your
-        ``[train] train_step``); ``ahead``: the next batch's ``next_<input>`` arguments (prefetch).
+    def step_batch(self, batch: Any, tables: Tables, device: torch.device) -> StepBatch:
+        """A training batch on ``device`` and its parts (:class:`StepBatch`), the KJTs on the CPU when ``tables``
+        are not local.
+
+        Raises:
+            ConfigError: a batch that does not follow the contract (with ``[train] loss``).
+        """
+
+    def step_loss(self, module: nn.Module, step: StepBatch, ahead: dict[str, Any]) -> torch.Tensor:
+        """One training step's scalar loss (``[train] loss`` of ``module(*step.args, **step.kwargs, **ahead)``,
+        or your ``[train] train_step`` of ``step.batch``); ``ahead``: the next batch's ``next_<input>`` arguments
+        (prefetch).
 
         Raises:
             ConfigError: your ``train_step`` returned something other than a scalar tensor.

@@ -51,7 +51,7 @@ from jobs.sparse_grads import data_parallel
 from jobs.user_code import user_error_frame
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
 from jobs.plan import TrainerSpec
-from jobs.seams import Tables, Workload
+from jobs.seams import StepBatch, Tables, Workload
 from jobs.workload import build_model, make_tables, make_workload, release_tables
 
 __all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
@@ -158,16 +158,14 @@ class PhaseTrainer:
         and without non-tensor entries: what a checkpoint saves as the phase's model."""
         return {k: v for k, v in _plain_state(self.model.state_dict()).items() if k not in self.tables.moved}
 
-    def _next(self) -> tuple[Any, tuple[tuple, dict[str, Any], torch.Tensor]]:
-        batch = next(self._batches)
-        return batch, self.workload.inputs(batch, self.tables, self.device)
+    def _next(self) -> StepBatch:
+        return self.workload.step_batch(next(self._batches), self.tables, self.device)
 
     def _lookahead(self) -> dict[str, Any]:
         """``{next_<input>: the next batch's <input>}`` for the module's ``next_*`` parameters."""
         if not self._ahead or self._upcoming is None:
             return {}
-        args, kwargs, _ = self._upcoming[1]
-        given = {**dict(zip(self._names, args)), **kwargs}
+        given = {**dict(zip(self._names, self._upcoming.args)), **self._upcoming.kwargs}
         return {nxt: given[name] for nxt, name in self._ahead.items() if name in given}
 
     def train(self, until: int, on_step: Any = None) -> float:
@@ -179,18 +177,18 @@ class PhaseTrainer:
         block_start, callbacks = time.perf_counter(), 0.0
         before = run.wall_seconds
         while self.step < min(until, steps):
-            batch, (args, kwargs, labels) = self._upcoming
+            step = self._upcoming
             self._upcoming = self._next() if self.step + 1 < steps else None
             # a module from async_rpc(prefetch=True) takes the next batch's inputs, to look them up in this step
             ahead = self._lookahead()
             t0 = time.perf_counter()
-            loss = self.workload.step_loss(self.trained, batch, (args, kwargs, labels), ahead)
+            loss = self.workload.step_loss(self.trained, step, ahead)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self._after_backward()
             self.optimizer.step()
             t1 = time.perf_counter()
-            self._record(labels.shape[0], t1 - t0, loss.item(), before + t1 - block_start - callbacks)
+            self._record(step.rows, t1 - t0, loss.item(), before + t1 - block_start - callbacks)
             self.step += 1
             if on_step is not None:
                 t2 = time.perf_counter()
@@ -391,12 +389,12 @@ def train_loop(loop_config: dict[str, TrainerSpec]) -> None:
     ``loop_config``: ``{"spec": spec}`` (Ray Train's ``train_loop_config`` is a dict), ``spec`` the
     :class:`jobs.plan.TrainerSpec` every trainer of the job gets.
 
-    A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not
-    trace, an exception raised in your own code: :func:`jobs.user_code.user_error_frame`) is recorded on the
-    launcher's JobState actor; with one trainer the loop then returns, so
-    ``fit()`` ends without a retry; with more it re-raises (the other ranks may wait in a collective, and
-    only a restart frees them), and every later attempt returns at once, seeing the recorded error. Ray
-    Train's retries are thus left to process and node failures.
+    A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not trace, an
+    exception raised in your own code or a loss of yours without gradient at ``loss.backward()``:
+    :func:`jobs.user_code.user_error_frame`) is recorded on the launcher's JobState actor; with one trainer the
+    loop then returns, so ``fit()`` ends without a retry; with more it re-raises (the other ranks may wait in a
+    collective, and only a restart frees them), and every later attempt returns at once, seeing the recorded
+    error. Ray Train's retries are thus left to process and node failures.
     """
     import ray
     import ray.train
@@ -409,7 +407,7 @@ def train_loop(loop_config: dict[str, TrainerSpec]) -> None:
         _train_loop(spec)
     except Exception as e:  # noqa: BLE001 - deterministic errors stop the job; the others are Ray Train's
         kind, message = next((k for t, k in _deterministic_errors().items() if isinstance(e, t)), None), str(e)
-        if kind is None and (where := user_error_frame(e)) is None:
+        if kind is None and (where := user_error_frame(e, spec.config)) is None:
             raise
         if kind is None:
             kind, message = "job", f"{e} (raised by your code at {where}; not retried)"

@@ -10,8 +10,9 @@ that depends on the model and the data:
 - ``build(view)``: the phase's model, from ``[job] seed`` (``view``: the phase's tables backend);
 - ``train_batches(start)``: endless batches from batch ``start`` on; ``eval_batches()``: the held-out ones
   (rank 0; None elsewhere); every batch follows the contract of :mod:`jobs.entry`;
-- ``inputs(batch, tables, device)``: ``(args, kwargs, labels)`` of the model's call;
-- ``step_loss(module, batch, inputs, ahead)``: one training step's loss (``[train] loss`` of the module's output,
+- ``inputs(batch, tables, device)``: ``(args, kwargs, labels)`` of the model's call; ``step_batch(batch, tables,
+  device)``: a training batch on the device with those parts (:class:`jobs.seams.StepBatch`);
+- ``step_loss(module, step, ahead)``: one training step's loss (``[train] loss`` of the module's output,
   or your ``[train] train_step``); ``loss(output, labels)`` and ``quality(outputs, labels)``: the loss and the
   held-out metrics.
 
@@ -33,6 +34,7 @@ Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept a
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from torch import nn
 
 from jobs import criteo, entry
 from jobs.config import JobConfig
-from jobs.seams import TableBackend, Tables
+from jobs.seams import StepBatch, TableBackend, Tables
 from recsys.criteo_format import DataError
 from recsys.criteo_shard import CriteoShard, DataPlan, scan
 from recsys.criteo_stream import CriteoStream, SharedBatches
@@ -77,6 +79,9 @@ class UserWorkload:
     parse: dict[str, Any] | None = None
     has_eval: bool = False
     rows: int = 0
+    _forward: Any = None
+    """The signature of the model's ``forward`` (set by :meth:`build`), which splits a dataclass batch
+    (:func:`jobs.entry.split_batch`); None: the keyword form."""
 
     def __init__(self, config: JobConfig, rank: int, world_size: int) -> None:
         self.config = config
@@ -89,10 +94,12 @@ class UserWorkload:
         if not epoch:
             raise entry.ConfigError(f"{config.source}: [data] batches = {config.data.batches!r} gave no train "
                                     f"batch for rank {rank} of {world_size}")
-        self.rows = sum(entry.split_batch(b)[2].shape[0] for b in epoch)
+        self.rows = sum(entry.batch_rows(b, config.job.batch_size) for b in epoch)
 
     def build(self, view: Tables) -> nn.Module:
-        return build_model(self.config)
+        model = build_model(self.config)
+        self._forward = inspect.signature(model.forward)
+        return model
 
     def train_batches(self, start: int = 0) -> Iterator[Any]:
         return entry.endless(self.config, self._train, start)
@@ -108,33 +115,48 @@ class UserWorkload:
         """Nothing to stop."""
 
     def inputs(self, batch: Any, tables: Tables, device: torch.device) -> tuple[tuple, dict[str, Any], torch.Tensor]:
-        """The batch's ``(args, kwargs, labels)`` (:func:`jobs.entry.split_batch`), tensors on ``device``; a
-        ``KeyedJaggedTensor`` too when the tables are local (server lookups take it on the CPU)."""
-        args, kwargs, labels = entry.split_batch(batch, f"[data] batches = {self.config.data.batches!r}")
-        local = tables.local
+        """The batch's ``(args, kwargs, labels)`` (:func:`jobs.entry.split_batch` by the model's ``forward``),
+        moved to ``device`` (:func:`jobs.entry.move_batch`; a ``KeyedJaggedTensor`` stays on the CPU when the
+        tables are not local: server lookups take it there).
 
-        def move(v: Any) -> Any:
-            return v.to(device) if isinstance(v, torch.Tensor) or (local and hasattr(v, "to")) else v
+        Raises:
+            ConfigError: the batch does not follow the contract.
+        """
+        moved = entry.move_batch(batch, device, own_to=tables.local)
+        return entry.split_batch(moved, f"{self.config.source}: [data] batches = {self.config.data.batches!r}",
+                                 self._forward)
 
-        return tuple(map(move, args)), {k: move(v) for k, v in kwargs.items()}, labels.to(device)
+    def step_batch(self, batch: Any, tables: Tables, device: torch.device) -> StepBatch:
+        """The batch moved as by :meth:`inputs`, with its parts; with ``[train] train_step`` it need not split
+        (then no parts, and its rows are :func:`jobs.entry.batch_rows`'s).
+
+        Raises:
+            ConfigError: with ``[train] loss``, the batch does not follow the contract.
+        """
+        moved = entry.move_batch(batch, device, own_to=tables.local)
+        try:
+            args, kwargs, labels = entry.split_batch(moved, f"{self.config.source}: [data] batches = "
+                                                            f"{self.config.data.batches!r}", self._forward)
+        except entry.ConfigError:
+            if self._train_step is None:
+                raise
+            return StepBatch(moved, entry.batch_rows(moved, self.config.job.batch_size))
+        return StepBatch(moved, labels.shape[0], args, kwargs, labels)
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._loss(output, labels)
 
-    def step_loss(self, module: nn.Module, batch: Any, inputs: tuple[tuple, dict[str, Any], torch.Tensor],
-                  ahead: dict[str, Any]) -> torch.Tensor:
-        """The loss of one training step: ``loss(module(*args, **kwargs, **ahead), labels)``, or with ``[train]
-        train_step`` ``train_step(module, batch)`` (``batch`` rebuilt from ``inputs``, on the device; ``ahead``,
+    def step_loss(self, module: nn.Module, step: StepBatch, ahead: dict[str, Any]) -> torch.Tensor:
+        """The loss of one training step: ``loss(module(*step.args, **step.kwargs, **ahead), step.labels)``, or with
+        ``[train] train_step`` ``train_step(module, step.batch)`` (the batch as yielded, on the device; ``ahead``,
         the next batch's ``next_<input>`` lookups, added to the module's call).
 
         Raises:
             ConfigError: ``train_step`` returned something other than a scalar tensor.
         """
-        args, kwargs, labels = inputs
         if self._train_step is None:
-            return self._loss(module(*args, **kwargs, **ahead), labels)
-        loss = self._train_step(_Lookahead(module, ahead) if ahead else module,
-                                entry.rebuild_batch(batch, args, kwargs, labels))
+            return self._loss(module(*step.args, **step.kwargs, **ahead), step.labels)
+        loss = self._train_step(_Lookahead(module, ahead) if ahead else module, step.batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise entry.ConfigError(f"{self.config.source}: [train] train_step = {self.config.train.train_step!r} "
                                     f"returned {type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}, expected a "

@@ -237,7 +237,7 @@ def test_an_error_of_your_code_in_a_trainer_is_recorded_once_and_not_retried(mon
                         lambda: type("C", (), {"get_world_rank": lambda _: 0, "get_world_size": lambda _: 1})())
     monkeypatch.setattr(jobs.worker, "_train_loop", lambda config: _user_bug({}))
     state = State()
-    jobs.worker.train_loop({"spec": SimpleNamespace(state=state)})
+    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=None)})
     line = next(i for i, text in enumerate(open(__file__), 1) if "# USER-BUG-LINE" in text)
     kind, name, message, rank = state.error
     assert (kind, name, rank) == ("job", "KeyError", 0)
@@ -249,7 +249,7 @@ def test_an_error_of_your_code_in_a_trainer_is_recorded_once_and_not_retried(mon
 
     monkeypatch.setattr(jobs.worker, "_train_loop", torch_error)
     state = State()
-    jobs.worker.train_loop({"spec": SimpleNamespace(state=state)})
+    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=None)})
     assert state.error[1] == "RuntimeError" and "in torch_error; not retried" in state.error[2]
 
 

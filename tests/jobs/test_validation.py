@@ -374,8 +374,8 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
         calls.append(spec)
         raise spec.error
 
-    def loop_config(state, error):  # train_loop reads only the spec's JobState actor before _train_loop
-        return {"spec": SimpleNamespace(state=state, error=error)}
+    def loop_config(state, error):  # train_loop reads only the spec's JobState actor (and config) itself
+        return {"spec": SimpleNamespace(state=state, error=error, config=None)}
 
     monkeypatch.setattr(jobs.worker, "_train_loop", failing)
     state = _FakeState()
