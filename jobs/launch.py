@@ -71,6 +71,9 @@ def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
         ray.init(address=address, log_to_driver=False, runtime_env={"worker_process_setup_hook": SETUP_HOOK})
         return True, True
     log("starting Ray locally (set RAY_ADDRESS or [cluster] address to use a cluster)")
+    from recsys.quiet import RAY_TOKEN_AUTH_ENABLED, RAY_TOKEN_AUTH_LOGGER, drop_log_records
+
+    drop_log_records(RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_ENABLED)  # our own local cluster (token auth stays on)
     ray.init(include_dashboard=False, log_to_driver=False)
     return True, False
 
