@@ -408,7 +408,10 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
         spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1")
         trainer = _trainer(config, spec, run_dir)
-        log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers "
+        from jobs.report import counted
+
+        log(f"training: {counted(config.cluster.trainers, 'trainer')}, "
+            f"{counted(config.cluster.parameter_servers, 'parameter server')} "
             f"(Ray actors, transport {config.cluster.transport}), {config.job.steps} steps per phase, "
             f"passes {list(config.phases.passes)}")
         box: dict[str, Any] = {}
