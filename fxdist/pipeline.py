@@ -344,14 +344,18 @@ def _all_ranks_here(group: Any, timeout_s: float) -> None:
     if world == 1:
         return
     rank, timeout = dist.get_rank(group), datetime.timedelta(seconds=timeout_s)
+    gloo = dist.get_backend(group) == "gloo"
     try:
-        if dist.get_backend(group) == "gloo":
+        if gloo:
             dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
         else:
             dist.barrier(group, async_op=True).wait(timeout=timeout)
     except RuntimeError as e:
         found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e))
-        missing = found.group(1).strip(" ,") if found else ("0" if rank != 0 else "unknown")
+        if found:  # rank 0 collects gloo's monitored barrier and names the late ranks
+            missing = found.group(1).strip(" ,")
+        else:  # elsewhere: rank 0 did not answer (gloo), or the backend does not say
+            missing = "0" if gloo and rank != 0 else "unknown (the backend does not say)"
         raise DDPRanksMissingError(
             f"fxdist.optimize on a DistributedDataParallel module is a collective: all {world} ranks of its process "
             f"group must call it together. Rank {rank} waited {timeout_s:g} s; missing rank(s): {missing} "

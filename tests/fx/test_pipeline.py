@@ -269,6 +269,12 @@ def test_optimize_on_ddp_by_one_rank_alone_fails_naming_the_missing_rank(tmp_pat
     assert "is a collective: all 2 ranks" in r["message"] and "missing rank(s): 1" in r["message"]
 
 
+def test_optimize_on_ddp_by_rank_1_alone_fails_naming_rank_0(tmp_path):
+    r = _two_ranks(tmp_path, (False, True), timeout_s=3.0)[1]
+    assert r["error"] == "DDPRanksMissingError"
+    assert r["seconds"] < 20.0 and "Rank 1 waited 3 s; missing rank(s): 0" in r["message"]
+
+
 def test_ddp_timeout_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(pipeline.DDP_TIMEOUT_ENV, "7.5")
     assert pipeline._ddp_timeout_s(None) == 7.5
