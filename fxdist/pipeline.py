@@ -31,6 +31,10 @@ module object, so the result shares the caller's ``Parameter`` objects (and buff
 on ``model.parameters()`` or ``DistributedDataParallel(gm)`` trains the same tensors. Parameters a pass
 really changed (e.g. conv-BN folding) stay new; ``gm.meta["fxdist"]["new_parameters"]`` names them.
 
+On a ``DistributedDataParallel`` module ``optimize`` is a collective of the DDP's process group: every rank calls
+it together. A rank that calls it alone gets :class:`DDPRanksMissingError` naming the missing ranks after
+``ddp_timeout_s`` (60 s by default), never a hang; the old DDP wrapper raises if called again.
+
 Source: torch.fx paper §5 (program capture, transformation, codegen pipeline);
 torch/fx/passes/infra/pass_manager.py.
 """
@@ -48,7 +52,7 @@ import torch
 from torch import nn
 
 __all__ = ["optimize", "register_pass", "resolve_pass", "known_passes", "PASSES", "NO_OP_REASONS",
-           "NoOpPassWarning"]
+           "NoOpPassWarning", "DDPRanksMissingError", "DDP_TIMEOUT_ENV"]
 
 ENTRY_POINT_GROUP = "fxdist.passes"
 """Entry-point group in which installed packages declare their passes (``name = "module:attribute"``)."""
@@ -303,8 +307,76 @@ def _run_in_place(manager: Any, gm: Any, example_inputs: Sequence[Any] | None) -
     return gm
 
 
-def _rewrap_ddp(ddp: nn.parallel.DistributedDataParallel, inner: nn.Module) -> nn.Module:
-    return nn.parallel.DistributedDataParallel(
+DDP_TIMEOUT_ENV = "FXDIST_DDP_TIMEOUT_S"
+"""Environment variable giving the default ``ddp_timeout_s`` of :func:`optimize` (seconds; 60 when unset)."""
+
+
+class DDPRanksMissingError(RuntimeError):
+    """``optimize`` on a ``DistributedDataParallel`` module ran on some ranks of its process group only: the others
+    did not reach it within the timeout (the message names them)."""
+
+
+def _ddp_timeout_s(timeout_s: float | None) -> float:
+    if timeout_s is None:
+        import os
+
+        timeout_s = float(os.environ.get(DDP_TIMEOUT_ENV, "60"))
+    if timeout_s <= 0:
+        raise ValueError(f"fxdist.optimize: ddp_timeout_s must be > 0, got {timeout_s}")
+    return timeout_s
+
+
+def _all_ranks_here(group: Any, timeout_s: float) -> None:
+    """Wait until every rank of ``group`` has reached this point, at most ``timeout_s`` seconds.
+
+    A gloo group gets ``monitored_barrier(wait_all_ranks=True)`` (it names the ranks that did not come); another
+    backend (nccl) a barrier waited with a timeout.
+
+    Raises:
+        DDPRanksMissingError: some rank did not arrive in time (the message names it where the backend says).
+    """
+    import datetime
+    import re
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    rank, timeout = dist.get_rank(group), datetime.timedelta(seconds=timeout_s)
+    gloo = dist.get_backend(group) == "gloo"
+    try:
+        if gloo:
+            dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
+        else:
+            dist.barrier(group, async_op=True).wait(timeout=timeout)
+    except RuntimeError as e:
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e))
+        if found:  # rank 0 collects gloo's monitored barrier and names the late ranks
+            missing = found.group(1).strip(" ,")
+        else:  # elsewhere: rank 0 did not answer (gloo), or the backend does not say
+            missing = "0" if gloo and rank != 0 else "unknown (the backend does not say)"
+        raise DDPRanksMissingError(
+            f"fxdist.optimize on a DistributedDataParallel module is a collective: all {world} ranks of its process "
+            f"group must call it together. Rank {rank} waited {timeout_s:g} s; missing rank(s): {missing} "
+            f"(set ddp_timeout_s= or ${DDP_TIMEOUT_ENV} to wait longer; torch: {str(e).splitlines()[0]})") from e
+
+
+def _retire(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Make the replaced DDP wrapper refuse ``forward`` (its module and Reducer are not the trained ones)."""
+
+    def stale_forward(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this DistributedDataParallel wrapper was replaced by the one fxdist.optimize returned "
+                           "(around the optimized module); train and call the returned module instead")
+
+    ddp.forward = stale_forward  # type: ignore[method-assign]
+
+
+def _rewrap_ddp(ddp: nn.parallel.DistributedDataParallel, inner: nn.Module, timeout_s: float) -> nn.Module:
+    # DDP's constructor checks the parameter shapes across processes (a collective that waits forever): first make
+    # sure that every rank is here, with a timeout
+    _all_ranks_here(ddp.process_group, timeout_s)
+    new = nn.parallel.DistributedDataParallel(
         inner,
         device_ids=ddp.device_ids,
         output_device=ddp.output_device,
@@ -315,6 +387,8 @@ def _rewrap_ddp(ddp: nn.parallel.DistributedDataParallel, inner: nn.Module) -> n
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         static_graph=ddp.static_graph,
     )
+    _retire(ddp)
+    return new
 
 
 def optimize(
@@ -324,18 +398,24 @@ def optimize(
     *,
     concrete_args: dict[str, Any] | None = None,
     tracer_class: type | None = None,
+    ddp_timeout_s: float | None = None,
 ) -> Any:
     """Trace ``module`` with fxdist, apply ``passes`` in order, and keep its Parameter objects.
 
     Args:
         module: An ``nn.Module``, or a ``DistributedDataParallel`` around one: then the inner module is
-            optimized and a new DDP with the same process group (and options) wraps it.
+            optimized and a new DDP with the same process group (and options) wraps it. That is a
+            **collective**: every rank of the DDP's process group must call ``optimize`` together (building a
+            DDP checks the parameter shapes across processes). The old wrapper is retired: calling it raises
+            ``RuntimeError``; train the returned module.
         passes: Pass names (see :data:`PASSES`, :func:`register_pass`) or callables ``gm -> GraphModule``.
         example_inputs: If given, each pass that changes the graph is checked to keep the outputs
             (``PassVerificationError`` otherwise).
         concrete_args: Passed to the tracer (arguments to specialise, as in ``symbolic_trace``).
         tracer_class: A ``fxdist.Tracer`` subclass (e.g. one with more leaf modules); passes may add leaves
             (``fxdist_leaf_module``, see the module docstring).
+        ddp_timeout_s: With a DDP module: how long, in seconds, this rank waits for the other ranks before
+            re-wrapping (None: ``$FXDIST_DDP_TIMEOUT_S``, else 60).
 
     Returns:
         A ``GraphModule`` (or a DDP around one) with ``meta["fxdist"]``: ``passes`` (one record per pass),
@@ -349,11 +429,14 @@ def optimize(
         TraceError (or what the tracer raised): ``module`` cannot be traced; a note lists the remedies.
         ValueError: an unknown pass name.
         PassVerificationError: a pass changed the outputs on ``example_inputs``.
+        DDPRanksMissingError: with a DDP module, some rank of its process group did not call ``optimize``
+            within ``ddp_timeout_s`` (the message names the missing ranks; on gloo, ``monitored_barrier``).
     """
     if isinstance(module, nn.parallel.DistributedDataParallel):
+        timeout_s = _ddp_timeout_s(ddp_timeout_s)
         inner = optimize(module.module, passes, example_inputs, concrete_args=concrete_args,
                          tracer_class=tracer_class)
-        return _rewrap_ddp(module, inner)
+        return _rewrap_ddp(module, inner, timeout_s)
     if not isinstance(module, nn.Module):
         raise TypeError(f"fxdist.optimize expects an nn.Module, got {type(module).__name__}")
     named = [resolve_pass(p) for p in passes]

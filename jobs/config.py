@@ -130,7 +130,7 @@ class JobSection:
     allow_eager_fallback: bool = False
     """If the model cannot be traced, run the optimized phase eagerly instead of failing."""
     progress: bool = True
-    """Show a progress bar per phase (tqdm) in the launching process."""
+    """Show the steps of the phases in the launching process: a tqdm bar on a terminal, plain lines otherwise."""
 
 
 @dataclass(frozen=True)

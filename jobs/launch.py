@@ -16,7 +16,7 @@
    the parameter servers as Ray actors (:func:`jobs.ps.start_servers`; each worker group's rank 0 has
    them join its ``torch.distributed.rpc`` group, see :mod:`jobs.ps`; they are killed when the job ends,
    also on errors and Ctrl-C); each trainer gets a :class:`jobs.plan.TrainerSpec` (the plan and those
-   handles); the trainers report to a :class:`JobState` actor, which the launcher polls for the progress bars;
+   handles); the trainers report to a :class:`JobState` actor, which the launcher polls for its progress display;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
    see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`: ``quant.select_int8``
    for the built-in DLRM and for your model alike);
@@ -71,6 +71,9 @@ def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
         ray.init(address=address, log_to_driver=False, runtime_env={"worker_process_setup_hook": SETUP_HOOK})
         return True, True
     log("starting Ray locally (set RAY_ADDRESS or [cluster] address to use a cluster)")
+    from recsys.quiet import RAY_TOKEN_AUTH_ENABLED, RAY_TOKEN_AUTH_LOGGER, drop_log_records
+
+    drop_log_records(RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_ENABLED)  # our own local cluster (token auth stays on)
     ray.init(include_dashboard=False, log_to_driver=False)
     return True, False
 
@@ -125,16 +128,18 @@ class Watch:
 
 
 def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, watch: Watch) -> dict[str, Any]:
-    """Poll the JobState actor and draw a tqdm bar per phase until the fit thread ends.
+    """Poll the JobState actor and update the progress display (:class:`jobs.progress.Progress`: one bar on a
+    terminal, plain lines otherwise) until the fit thread ends.
 
     Each snapshot goes to ``watch.snap``; ``watch.on_change(snap)`` runs when a phase has finished, a checkpoint
     was written or an event recorded since the last poll, ``watch.on_placement(snap)`` when the placement changed.
     With ``watch.nodes`` (on a cluster) each node lost goes to the JobState.
     """
     import ray
-    from tqdm import tqdm
 
-    bars: dict[str, Any] = {}
+    from jobs.progress import Progress
+
+    progress = Progress() if show else None
     snap: dict[str, Any] = watch.snap
     seen = _milestones(snap)
     try:
@@ -152,33 +157,20 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, wa
             if snap.get("placement", {}) != watch.placement:
                 watch.placement = snap.get("placement", {})
                 watch.on_placement(snap)
-            if show:
-                _draw(bars, snap, tqdm)
+            if progress is not None:
+                progress.update(snap)
             if not alive:
                 break
             thread.join(timeout=0.5)
     finally:
-        for bar in bars.values():
-            bar.close()
+        if progress is not None:
+            progress.close()
     return snap
 
 
 def _milestones(snap: dict[str, Any]) -> tuple[tuple[str, ...], int, int]:
     """Phases finished, checkpoints and timeline events so far: results.json is rewritten when they change."""
     return tuple(sorted(snap.get("results", {}))), len(snap.get("checkpoints", [])), len(snap.get("events", []))
-
-
-def _draw(bars: dict[str, Any], snap: dict[str, Any], tqdm: Any) -> None:
-    for phase, total in snap.get("totals", {}).items():
-        bar = bars.get(phase)
-        if bar is None:
-            bar = bars[phase] = tqdm(total=total, desc=f"{phase:>9}", unit="step", leave=True)
-        if bar.disable:
-            continue
-        bar.n = snap["progress"].get(phase, 0)
-        bar.refresh()
-        if phase in snap.get("results", {}):
-            bar.close()
 
 
 def _trainer(config: JobConfig, spec: TrainerSpec, run_dir: Path):
@@ -216,7 +208,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         config: The job config.
         run_dir: The run folder; default ``<[job] run_dir>/<name>-<UTC timestamp>``. It must not hold a
             run yet, unless ``resume`` (see :mod:`jobs.runs`).
-        quiet: No progress bars or table (tests).
+        quiet: No progress display or table (tests).
         resume: Continue the interrupted or failed run in ``run_dir`` from its last checkpoint (``config``
             should be :func:`jobs.runs.load_config` of it).
 
@@ -416,7 +408,10 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
         spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1")
         trainer = _trainer(config, spec, run_dir)
-        log(f"training: {config.cluster.trainers} trainers, {config.cluster.parameter_servers} parameter servers "
+        from jobs.report import counted
+
+        log(f"training: {counted(config.cluster.trainers, 'trainer')}, "
+            f"{counted(config.cluster.parameter_servers, 'parameter server')} "
             f"(Ray actors, transport {config.cluster.transport}), {config.job.steps} steps per phase, "
             f"passes {list(config.phases.passes)}")
         box: dict[str, Any] = {}

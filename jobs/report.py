@@ -28,7 +28,12 @@ from typing import Any
 from jobs.cluster import placement_lines
 from jobs.stats import gain_percent
 
-__all__ = ["table", "write", "plot", "to_json", "parity_problem"]
+__all__ = ["table", "write", "plot", "to_json", "parity_problem", "counted"]
+
+
+def counted(n: Any, noun: str) -> str:
+    """``"1 trainer"``, ``"2 trainers"``, ``"0 parameter servers"`` (``noun`` singular; plural adds an s)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _fmt(value: Any, spec: str = ".1f") -> str:
@@ -114,8 +119,9 @@ def table(results: dict[str, Any]) -> str:
     cols = _columns(results)
     heads = "".join(f" {_LABELS[k]:>8}" for k in cols)
     lines = [
-        f"fxdist job {results.get('job')}: {c.get('trainers')} trainers, {c.get('parameter_servers')} parameter "
-        f"servers, {j.get('steps')} steps per phase, batch {j.get('batch_size')} per trainer"
+        f"fxdist job {results.get('job')}: {counted(c.get('trainers'), 'trainer')}, "
+        f"{counted(c.get('parameter_servers'), 'parameter server')}, {j.get('steps')} steps per phase, "
+        f"batch {j.get('batch_size')} per trainer"
         + (f", emulated server latency {c.get('server_fetch_delay_ms')} ms per lookup"
            if c.get("parameter_servers") and c.get("server_fetch_delay_ms") else ""),
         "",
@@ -140,8 +146,8 @@ def table(results: dict[str, Any]) -> str:
     lines += ["", *_gain_lines(results), *_parity_lines(results)]
     opt = results.get("phases", {}).get("optimized", {}).get("optimize", {})
     if opt:
-        ran = ", ".join(f"{r['name']} ({r.get('nodes_added', 0)}+/{r.get('nodes_erased', 0)}-)"
-                        for r in opt.get("passes", [])) or "none"
+        ran = ", ".join(f"{r['name']} ({counted(r.get('nodes_added', 0), 'graph node')} added, "
+                        f"{r.get('nodes_erased', 0)} removed)" for r in opt.get("passes", [])) or "none"
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
         if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
             lines += opt["placement"].splitlines()

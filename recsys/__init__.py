@@ -14,4 +14,10 @@ A leaf: it imports torch, torchrec, numpy and fxdist, never ``scheduling``, ``qu
 - :mod:`recsys.embedding`: which modules are embedding modules (torchrec ``EmbeddingBagCollection`` /
   ``EmbeddingCollection`` and their quantized forms, ``nn.EmbeddingBag``, ``nn.Embedding``), and
   :class:`~recsys.embedding.EmbeddingLeafTracer`, which keeps each one a single ``call_module`` node.
+- :mod:`recsys.quiet`: known torch and Ray noise dropped where it is made; importing :mod:`recsys` drops torch.fx's
+  ``is_fx_tracing will return true ...`` notice, which every ``KeyedJaggedTensor`` construction caused.
 """
+
+from recsys.quiet import quiet_fx_tracing_notice as _quiet_fx_tracing_notice
+
+_quiet_fx_tracing_notice()

@@ -302,7 +302,9 @@ def _report(gm: GraphModule, kept: list[NotMoved]) -> None:
 
 def _record(gm: GraphModule, placements: list[TablePlacement], servers: list[str], clients: dict[str, Any],
             optimizer: dict[str, Any], storage: str = "fp32") -> str:
-    header = (f"parameter_servers plan: {len(placements)} tables on {len(servers)} servers, optimizer "
+    n_tables, n_servers = len(placements), len(servers)
+    header = (f"parameter_servers plan: {n_tables} table{'s' * (n_tables != 1)} on {n_servers} "
+              f"server{'s' * (n_servers != 1)}, optimizer "
               f"{optimizer['name']} ({', '.join(f'{k}={v}' for k, v in optimizer.items() if k != 'name')})"
               + (f", rows stored {storage}" if storage != "fp32" else ""))
     text = format_plan(placements, servers, header)

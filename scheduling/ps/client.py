@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from recsys.quiet import rpc_init_warnings_filtered
+
 from . import server as _srv
 from .device import Lookup, to_host
 from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
@@ -73,8 +75,9 @@ def init_trainer(name: str, rank: int, world_size: int, *, master_addr: str = "1
         init_method = f"tcp://{master_addr}:{master_port}"
     _srv.reset_rpc_process_state()  # the process may have been in another group before (restart)
     try:
-        rpc.init_rpc(name, rank=rank, world_size=world_size,
-                     rpc_backend_options=_srv.rpc_backend_options(init_method, timeout_s))
+        with rpc_init_warnings_filtered():
+            rpc.init_rpc(name, rank=rank, world_size=world_size,
+                         rpc_backend_options=_srv.rpc_backend_options(init_method, timeout_s))
     except RuntimeError as e:
         raise PSUnavailableError(f"trainer {name!r}: the RPC group at {init_method} (world_size={world_size}) "
                                  f"did not assemble within {timeout_s} s; are the servers running? ({e})") from e

@@ -29,9 +29,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _server_main(name: str, rank: int, world_size: int, port: int, kwargs: dict[str, Any]) -> None:
+    from recsys.quiet import filtered_stderr
+
     from .server import start_server
 
-    start_server(name, rank, world_size, master_port=port, **kwargs)
+    with filtered_stderr():  # TensorPipe's lines as members leave (recsys.quiet.TENSORPIPE_SHUTDOWN)
+        start_server(name, rank, world_size, master_port=port, **kwargs)
 
 
 class TorchRPCServers:
@@ -90,6 +93,12 @@ class TorchRPCServers:
     def stop(self, joined: bool) -> None:
         """Ask the live servers to stop (:meth:`TorchRPCTransport.stop`), leave the group (if ``joined``) and
         make sure the server processes are gone."""
+        from recsys.quiet import filtered_stderr
+
+        with filtered_stderr():  # TensorPipe's lines as the servers leave (recsys.quiet.TENSORPIPE_SHUTDOWN)
+            self._stop(joined)
+
+    def _stop(self, joined: bool) -> None:
         from torch.distributed import rpc
 
         try:
@@ -138,7 +147,10 @@ class TorchRPCServers:
         (after a failure the next group's :meth:`join` makes them leave the broken one)."""
         from torch.distributed import rpc
 
-        rpc.shutdown(graceful=False)
+        from recsys.quiet import filtered_stderr
+
+        with filtered_stderr():  # TensorPipe's lines as members leave (recsys.quiet.TENSORPIPE_SHUTDOWN)
+            rpc.shutdown(graceful=False)
         if graceful and rank == 0 and actors:
             from .ray_transport import wait_all
 

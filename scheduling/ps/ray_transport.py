@@ -282,6 +282,9 @@ def start_local(names: Sequence[str], checkpoints: Sequence[str | None] | None =
     was started here)."""
     started = not ray.is_initialized()
     if started:
+        from recsys.quiet import RAY_TOKEN_AUTH_ENABLED, RAY_TOKEN_AUTH_LOGGER, drop_log_records
+
+        drop_log_records(RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_ENABLED)  # the local cluster started here
         ray.init(include_dashboard=False, log_to_driver=False)
     return start_actors(names, checkpoints, **kwargs), started
 

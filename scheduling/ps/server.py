@@ -537,8 +537,11 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
         server.load_state_dict(torch.load(checkpoint, weights_only=False))
     _ENDPOINTS.server = server
     reset_rpc_process_state()
-    rpc.init_rpc(name, rank=rank, world_size=world_size,
-                 rpc_backend_options=rpc_backend_options(init_method, timeout_s, num_worker_threads))
+    from recsys.quiet import rpc_init_warnings_filtered
+
+    with rpc_init_warnings_filtered():
+        rpc.init_rpc(name, rank=rank, world_size=world_size,
+                     rpc_backend_options=rpc_backend_options(init_method, timeout_s, num_worker_threads))
     if block:
         _STOP.wait()
         time.sleep(0.2)  # let the reply to the stop request leave

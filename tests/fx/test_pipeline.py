@@ -229,6 +229,62 @@ def test_ddp_module_is_rewrapped_with_the_same_process_group(tmp_path):
         dist.destroy_process_group()
 
 
+def _two_ranks(tmp_path, calls: tuple[bool, bool], timeout_s: float) -> dict[int, dict]:
+    """Run tests/fx/_ddp_ranks.rank_main in 2 spawned processes (gloo); their reports by rank."""
+    import multiprocessing as mp
+
+    from tests.fx._ddp_ranks import rank_main
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, str(tmp_path / "store"), calls[r], 0.0, timeout_s, queue),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = {r["rank"]: r for r in (queue.get(timeout=120) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert not [r["unexpected"] for r in results.values() if "unexpected" in r]
+    return results
+
+
+def test_optimize_on_ddp_with_both_ranks_rewraps_and_retires_the_old_wrapper(tmp_path):
+    results = _two_ranks(tmp_path, (True, True), timeout_s=30.0)
+    for r in results.values():
+        assert "error" not in r, r
+        assert r["new_is_ddp"]
+        assert "replaced by the one fxdist.optimize returned" in r["old_error"]
+    assert results[0]["grad"] == results[1]["grad"]  # the new DDP all-reduced the gradients
+
+
+def test_optimize_on_ddp_by_one_rank_alone_fails_naming_the_missing_rank(tmp_path):
+    results = _two_ranks(tmp_path, (True, False), timeout_s=3.0)
+    r = results[0]
+    assert r["error"] == "DDPRanksMissingError"
+    assert 3.0 <= r["seconds"] < 20.0
+    assert "is a collective: all 2 ranks" in r["message"] and "missing rank(s): 1" in r["message"]
+
+
+def test_optimize_on_ddp_by_rank_1_alone_fails_naming_rank_0(tmp_path):
+    r = _two_ranks(tmp_path, (False, True), timeout_s=3.0)[1]
+    assert r["error"] == "DDPRanksMissingError"
+    assert r["seconds"] < 20.0 and "Rank 1 waited 3 s; missing rank(s): 0" in r["message"]
+
+
+def test_ddp_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(pipeline.DDP_TIMEOUT_ENV, "7.5")
+    assert pipeline._ddp_timeout_s(None) == 7.5
+    assert pipeline._ddp_timeout_s(2) == 2
+    monkeypatch.delenv(pipeline.DDP_TIMEOUT_ENV)
+    assert pipeline._ddp_timeout_s(None) == 60
+    with pytest.raises(ValueError, match="ddp_timeout_s must be > 0"):
+        pipeline._ddp_timeout_s(0)
+
+
 def test_a_pass_that_changes_nothing_is_warned_with_its_reason():
     from fxdist.pipeline import NO_OP_REASONS, NoOpPassWarning
 

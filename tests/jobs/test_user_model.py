@@ -180,7 +180,7 @@ def test_user_model_trains_on_parameter_servers_with_parity(user_job):
     assert inf["rows"] == 8 * 32 and "select_int8" in inf["method"]
     assert inf["fp32"]["auc"] == pytest.approx(opt["quality"]["auc"], abs=1e-4) and inf["model_step"] == 20
     assert abs(inf["int8"]["auc"] - inf["fp32"]["auc"]) < 0.05
-    assert opt["optimize"]["placement"].startswith("parameter_servers plan: 2 tables on 1 servers")
+    assert opt["optimize"]["placement"].startswith("parameter_servers plan: 2 tables on 1 server,")
 
 
 def test_user_model_restarts_from_its_checkpoint(user_job):
@@ -204,7 +204,7 @@ def test_user_model_results_table(user_job):
     assert "parity of the optimized phase (async_rpc_prefetch): OK: per-step losses bit-identical" in text
     assert re.search(r"^inference on 256 held-out rows .*select_int8", text, re.M)
     assert "int8 layer selection on this CPU" in text and "int8 speed-up" in text
-    assert "parameter_servers plan: 2 tables on 1 servers" in text  # the optimized phase's plan
+    assert "parameter_servers plan: 2 tables on 1 server," in text  # the optimized phase's plan
     assert re.search(r"^  t_cat +ebc +100 x 8 +table_wise +ps0", text, re.M)
     assert re.search(r"^  tags +tags +50 x 8 +table_wise +ps0", text, re.M)
     assert "passes run: parameter_servers (" in text and "async_rpc_prefetch (" in text
@@ -231,7 +231,7 @@ def test_bundled_movielens_job(ray_session, tmp_path, capsys):
     assert opt["prefetched_lookups"] > 0
     assert re.search(r"^phase .* loss\s+RMSE\s+MAE$", text, re.M)
     assert "parity of the optimized phase (async_rpc_prefetch): OK" in text and "RMSE diff" in text
-    assert "parameter_servers plan: 4 tables on 1 servers" in text
+    assert "parameter_servers plan: 4 tables on 1 server," in text
 
 
 # ---- bad entry points: found before Ray starts ------------------------------------------------------------

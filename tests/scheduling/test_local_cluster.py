@@ -73,3 +73,36 @@ def test_an_unknown_transport_names_the_known_ones():
         with pytest.raises(ValueError, match=r"unknown parameter-server transport 'grpc'; known transports: "
                                              r"ray, torch_rpc"):
             make()
+
+
+_QUIET_SCRIPT = """
+import os
+from scheduling.ps import LocalCluster
+from scheduling.placement import parameter_servers  # a KeyedJaggedTensor and the servers' tables
+
+with LocalCluster(num_servers=2):
+    from torchrec import KeyedJaggedTensor
+    import torch
+    KeyedJaggedTensor(keys=["f"], values=torch.tensor([1]), lengths=torch.tensor([1]))
+print("cluster closed", flush=True)
+"""
+
+
+def test_a_local_cluster_starts_and_stops_without_torchs_noise(tmp_path):
+    """gloo's 'deprecated since PyTorch 2.0' warning (one per member), TensorPipe's 'EOF' / 'pipe closed' lines at
+    shutdown (five with two servers) and torch.fx's is_fx_tracing notice, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", _QUIET_SCRIPT], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "cluster closed" in proc.stdout
+    for noise in ("deprecated since PyTorch 2.0", "encountered error when reading incoming request",
+                  "is_fx_tracing will return true"):
+        assert noise not in out, out

@@ -476,7 +476,7 @@ def test_storage_applies_to_the_moved_tables(cluster, capsys):
     gm = scheduling.parameter_servers(model, optimizer="sgd", lr=0.1, storage="fp16")
     try:
         assert gm.meta["fxdist"]["placement"]["storage"] == "fp16"
-        assert capsys.readouterr().out.startswith("parameter_servers plan: 1 tables on 2 servers, optimizer sgd "
+        assert capsys.readouterr().out.startswith("parameter_servers plan: 1 table on 2 servers, optimizer sgd "
                                                   "(lr=0.1), rows stored fp16")
         stored = placement.table_state_dict(gm)["bag.weight"]
         assert stored.dtype == torch.float32 and torch.equal(stored, weight.half().float())
