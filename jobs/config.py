@@ -60,22 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "ConfigError",
-    "JobSection",
-    "DataSection",
-    "ModelSection",
-    "ClusterSection",
-    "PhasesSection",
-    "MetricsSection",
-    "QuantSection",
-    "FaultSection",
-    "TrainSection",
-    "JobConfig",
-    "DEFAULT_CONFIG",
-    "load_config",
-    "parse_config",
-]
+__all__ = ["ConfigError", "JobSection", "DataSection", "ModelSection", "ClusterSection", "PhasesSection",
+           "MetricsSection", "QuantSection", "FaultSection", "TrainSection", "JobConfig", "DEFAULT_CONFIG",
+           "load_config", "parse_config"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("default.toml")
 
@@ -185,8 +172,10 @@ class ModelSection:
     top_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
     """Hidden widths of the over (top) MLP (1 to 16 layers); its output width is 1 (the click logit)."""
     plan: dict = field(default_factory=dict)
-    """Placement overrides of the ``parameter_servers`` pass: ``{table name or weight path = "table_wise" |
-    "row_wise" | server index}``, e.g. ``{t_C1 = "row_wise"}``."""
+    """Placement overrides of the ``parameter_servers`` pass: ``{table name, weight path or module = "table_wise" |
+    "row_wise" | server index | "local"}``, e.g. ``{t_C1 = "row_wise", pos = "local"}`` ("local": on the trainers)."""
+    local_below_rows: int = _key(32, 0, MAX_TABLE_SIZE)
+    """Your modules whose tables all have fewer rows stay on the trainers (DDP) unless ``plan`` places them; 0 = none."""
     server_storage: str = "fp32"
     """How the parameter servers store the rows: "fp32", "fp16" (half the memory) or "fused8bit" (FBGEMM's
     fused 8-bit row-wise form, about a quarter; see scheduling.ps.storage). Lookups answer float32."""
@@ -380,7 +369,7 @@ class JobConfig:
             errors.append(f'[cluster] transport = {c.transport!r}: must be "torch_rpc" or "ray"')
         if c.placement not in ("pack", "spread"):
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
-        errors += _train_errors(self.train, self.model.plan)
+        errors += _train_errors(self.train, self.model.plan, self.user_model)
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         errors += self._entry_point_errors()
@@ -505,8 +494,9 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def _train_errors(t: TrainSection, plan: dict) -> list[str]:
-    """The optimizer keys and ``[model] plan`` (a ``"pkg.mod:fn"`` optimizer is resolved by preflight)."""
+def _train_errors(t: TrainSection, plan: dict, user_model: bool = True) -> list[str]:
+    """The optimizer keys and ``[model] plan`` ("local" only for your model: the built-in DLRM's tables are made on
+    the servers, the meta device on the trainers); a ``"pkg.mod:fn"`` optimizer is resolved by preflight."""
     import torch
 
     errors = []
@@ -521,8 +511,11 @@ def _train_errors(t: TrainSection, plan: dict) -> list[str]:
     if t.table_grad_reduction not in ("mean", "sum"):
         errors.append(f'[train] table_grad_reduction = {t.table_grad_reduction!r}: must be "mean" or "sum"')
     for table, how in plan.items():
-        if how not in ("table_wise", "row_wise") and not (isinstance(how, int) and how >= 0):
-            errors.append(f'[model] plan: {table} = {how!r}: must be "table_wise", "row_wise" or a server index')
+        if how not in ("table_wise", "row_wise", "local") and not (isinstance(how, int) and how >= 0):
+            errors.append(f'[model] plan: {table} = {how!r}: must be "table_wise", "row_wise", "local" or a server index')
+        elif how == "local" and not user_model:
+            errors.append(f'[model] plan: {table} = "local": only your model\'s tables ([model] factory) can stay on '
+                          "the trainers; for the built-in DLRM's set [cluster] parameter_servers = 0")
     return errors
 
 

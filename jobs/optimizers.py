@@ -46,7 +46,9 @@ def dense_optimizer(config: JobConfig, params: Iterable[torch.nn.Parameter]) -> 
 
 
 def table_optimizer_args(config: JobConfig) -> dict[str, Any]:
-    """Keyword arguments of the ``parameter_servers`` pass from ``[train]`` and ``[model] plan``."""
+    """Keyword arguments of the ``parameter_servers`` pass from ``[train]``, ``[model] plan`` and ``[model]
+    local_below_rows``."""
     t = config.train
     return {"optimizer": t.table_optimizer, "lr": t.table_lr or config.job.lr,
-            "grad_reduction": t.table_grad_reduction, "plan": dict(config.model.plan) or None}
+            "grad_reduction": t.table_grad_reduction, "plan": dict(config.model.plan) or None,
+            "local_below_rows": config.model.local_below_rows}

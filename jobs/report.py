@@ -5,7 +5,7 @@
 ``optimized``: ``qps`` samples/s, ``step_p50_ms``, ``step_p99_ms``, ``fetch_p50_ms``, ``fetch_p99_ms``,
 ``loss``, ``quality`` {``auc``, ``log_loss``, ``rows``, ``positives``} of the model after ``quality_step``
 (``quality_epochs`` passes over a trainer's shard), ``quality_end`` (the same at the phase end), ``qps_series`` [(seconds, samples/s)], ``optimize``
-{passes run}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
+{passes run; ``prefetch``: per lookup ``prefetched``, ``reason``, ``where``: :func:`jobs.lookups.optimize_record`}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
 ``gain_percent`` (its median), ``parity`` (:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``),
 ``restarts``, ``faults_fired``, ``placement`` (``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``,
 ``hostname``, ``pid``, ``metrics`` [address, port]: :func:`jobs.cluster.where`), ``processes`` (``trainer<r>`` /
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.cluster import placement_lines
+from jobs.lookups import prefetch_lines
 from jobs.stats import gain_percent
 
 __all__ = ["table", "write", "plot", "to_json", "parity_problem", "counted"]
@@ -151,6 +152,7 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
         if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
             lines += opt["placement"].splitlines()
+        lines += prefetch_lines(results["phases"]["optimized"])  # per lookup: prefetched, or why not (jobs.lookups)
     lines += _inference_lines(results.get("inference"), cols)
     parse = (results.get("data") or {}).get("parse") or {}
     if parse:

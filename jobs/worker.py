@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from jobs.config import JobConfig
+from jobs.lookups import optimize_record
 from jobs.metrics import Exporter
 from jobs.optimizers import dense_optimizer
 from jobs.sparse_grads import data_parallel
@@ -108,7 +109,7 @@ def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables
     if first is not None:
         tables.attach(gm)
         info["placement"] = gm.meta["fxdist"].get("placement", {}).get("plan_text")
-    info["passes"] = list(gm.meta.get("fxdist", {}).get("passes", []))
+    info.update(optimize_record(gm))  # the passes run; per lookup, whether async_rpc_prefetch prefetches it
     return gm, info
 
 

@@ -16,10 +16,14 @@ and returns the same object for the same input objects (not modified in place si
 client matches a prefetched lookup with the next step's by identity (``PSClient.fetch_async``), so the batch
 this step builds from ``next_ids`` must be the very object the next step's lookup reads.
 
-Not a function of the inputs alone (see :func:`input_reason`): a batch depending on a parameter or buffer
-(``get_attr``), on a module's output (``call_module``), on a random op, on an impure call (an RPC's answer,
-an in-place op), or on a value that an impure call may modify in place. Constants stored by the trace
-(``get_attr`` of a plain tensor attribute) count as part of the function.
+Not a function of the inputs alone (see :func:`input_reason`): a batch depending on a parameter (``get_attr``),
+on a buffer that the graph may update (one of a module the graph calls, e.g. running statistics, or one modified
+in place), on a module's output (``call_module``), on a random op, on an impure call (an RPC's answer, an
+in-place op), or on a value that an impure call may modify in place. Constants count as part of the function:
+tensors the trace stored (``torch.arange(20)`` in ``forward`` becomes ``get_attr _tensor_constant0``), buffers
+the graph does not update, and calls on no input at all; a batch of constants only (positions
+``torch.arange(L)``) is the same every step, so it is looked up ahead too. A buffer changed between steps
+(outside the graph) is noticed: :class:`BatchReplay` computes the batch again when a constant's values changed.
 
 Source: torch.fx paper §6.2.3 (move each start as early as its inputs allow); torchrec
 ``TrainPipelineSparseDist`` (the next batch's input distribution runs during this batch).
@@ -30,6 +34,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from fxdist._impure import _RANDOM_FUNCTIONS
@@ -46,12 +51,18 @@ _RANDOM_METHODS = frozenset({"bernoulli", "bernoulli_", "multinomial", "normal_"
                              "exponential_", "geometric_", "cauchy_", "log_normal_"})
 
 
-def _stamp(objects: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((weakref.ref(o), getattr(o, "_version", None)) for o in objects)
+def _stamp(objects: tuple[Any, ...], constants: tuple[torch.Tensor, ...] = ()) -> tuple[Any, ...]:
+    return (tuple((weakref.ref(o), getattr(o, "_version", None)) for o in objects),
+            tuple((c, c._version, c.detach().clone()) for c in constants))
 
 
-def _same(stamp: tuple[Any, ...], objects: tuple[Any, ...]) -> bool:
-    return all(ref() is o and getattr(o, "_version", None) == version for (ref, version), o in zip(stamp, objects))
+def _same(stamp: tuple[Any, ...], objects: tuple[Any, ...], constants: tuple[torch.Tensor, ...] = ()) -> bool:
+    """The same input objects, not modified since; the same constants' values (a constant written in place with
+    the same values, e.g. DDP's broadcast of the buffers, still matches)."""
+    inputs, consts = stamp
+    return (all(ref() is o and getattr(o, "_version", None) == version for (ref, version), o in zip(inputs, objects))
+            and all(c is now and (c._version == version or torch.equal(copy, now))
+                    for (c, version, copy), now in zip(consts, constants)))
 
 
 class BatchReplay(nn.Module):
@@ -73,16 +84,18 @@ class BatchReplay(nn.Module):
         self.chain = chain
         self.lookup = lookup
         self._recent: list[tuple[tuple[Any, ...], Any]] = []
+        self._constants = [str(n.target) for n in chain.graph.nodes if n.op == "get_attr"]
 
     def forward(self, *inputs: Any, next_batch: bool = False) -> Any:
         if next_batch and any(x is None for x in inputs):
             return None
+        constants = tuple(t for t in (_attr(self.chain, name) for name in self._constants) if isinstance(t, torch.Tensor))
         for stamp, out in self._recent:
-            if _same(stamp, inputs):
+            if _same(stamp, inputs, constants):
                 return out
         out = self.chain(*inputs)
         try:
-            self._recent.append((_stamp(inputs), out))
+            self._recent.append((_stamp(inputs, constants), out))
         except TypeError:  # an input without weak references (e.g. an int): nothing to match next time
             return out
         del self._recent[:-_KEEP]
@@ -95,6 +108,38 @@ class BatchReplay(nn.Module):
 
     def extra_repr(self) -> str:
         return f"lookup={self.lookup!r}" if self.lookup else ""
+
+
+def _attr(module: nn.Module, path: str) -> Any:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _where(node: Node) -> str:
+    """``at <file>:<line> in <function>: `<source>``` of the user's code that made ``node`` (its ``stack_trace``),
+    else ``node %<name>`` (a hand-built graph)."""
+    from fxdist.errors import location_of_stack_trace
+
+    where = location_of_stack_trace(node.meta.get("stack_trace"))
+    return f"at {where}" if where else f"node %{node.name}"
+
+
+def _buffer_reason(node: Node, root: Any) -> str | None:
+    """Why buffer ``node.target`` may change within the graph (None: a constant of the step): a module the graph
+    calls owns it (it may update it, e.g. running statistics), or a node modifies it in place."""
+    target = str(node.target)
+    what = ("the tensor constant" if target.startswith("_tensor_constant") else f"buffer '{target}'")
+    for n in node.graph.nodes:
+        if n.op == "call_module" and target.startswith(f"{n.target}."):
+            return f"its ids depend on {what}, which module '{n.target}' may update"
+        if n.op == "get_attr" and n.target == node.target:
+            for user in n.users:
+                if user.op in ("call_function", "call_method") and user.is_impure() and "async_rpc" not in user.meta \
+                        and getattr(user.target, "__module__", None) != ops.__name__:
+                    return (f"its ids depend on {what}, which the impure call {_target_name(user)} ({_where(user)}) "
+                            "may modify in place")
+    return None
 
 
 def _target_name(node: Node) -> str:
@@ -122,13 +167,13 @@ def _own_reason(node: Node, root: Any) -> str | None:
             if node.target in dict(root.named_parameters()):
                 return f"its ids depend on parameter '{node.target}'"
             if node.target in dict(root.named_buffers()):
-                return f"its ids depend on buffer '{node.target}'"
+                return _buffer_reason(node, root)  # None: a buffer the graph does not update is a constant
         return None  # a constant the trace stored
     if node.op == "call_module":
         return f"its ids depend on the output of module '{node.target}'"
     if node.op in ("call_function", "call_method") and node.is_impure():
         kind = "the random op" if _is_random(node) else "the impure call"
-        return f"its ids depend on {kind} {_target_name(node)} (node %{node.name})"
+        return f"its ids depend on {kind} {_target_name(node)} ({_where(node)})"
     return None
 
 
@@ -165,8 +210,9 @@ def _mutated(chain: list[Node]) -> list[str]:
             if getattr(user.target, "__module__", None) == ops.__name__ or not user.is_impure():
                 continue
             what = "the input" if node.op == "placeholder" else "the value"
-            out.append(f"its ids depend on {what} %{node.name}, which the impure call {_target_name(user)} "
-                       f"(node %{user.name}) may modify in place")
+            value = f"%{node.name}" if "stack_trace" not in node.meta else f"computed {_where(node)}"
+            out.append(f"its ids depend on {what} {value}, which the impure call {_target_name(user)} "
+                       f"({_where(user)}) may modify in place")
     return out
 
 
@@ -177,11 +223,8 @@ def input_reason(batch: Any) -> str | None:
     if not isinstance(batch, Node):
         return f"its batch is the constant {batch!r}, not computed from the graph's inputs"
     chain, reasons = chain_of(batch)
-    if not reasons:
-        if not any(n.op == "placeholder" for n in chain):
-            reasons.append("its ids depend on no graph input (a constant batch)")
-        else:
-            reasons.extend(_mutated(chain))
+    if not reasons:  # no graph input at all: constants only, the same batch every step
+        reasons.extend(_mutated(chain))
     return "; ".join(dict.fromkeys(reasons)) or None
 
 

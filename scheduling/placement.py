@@ -29,6 +29,11 @@ Configuration (what trains what):
   settings uses.
 - The dense part is trained by *your* optimizer: build it on ``gm.parameters()`` after the pass (the moved
   tables are no longer parameters of ``gm``).
+- Tables that stay on the trainer: ``plan={"pos": "local"}`` (a table, weight path or module), and with
+  ``local_below_rows=n`` every module whose tables all have fewer than ``n`` rows, unless the plan places it
+  (default 0: none). Such a module stays in ``gm`` as written: a parameter of ``gm``, trained by your optimizer
+  (and, wrapped in DDP, its gradient all-reduced like the dense part's). The printed plan ends with
+  ``kept local: pos (20 rows < local_below_rows=32)`` per such module.
 - ``storage`` sets how the servers hold the rows (``"fp32"``, ``"fp16"``, ``"fused8bit"``:
   :mod:`scheduling.ps.storage`); lookups still answer float32.
 - A module called from several nodes moves once (one table on the servers) and pushes once per call; with SGD
@@ -82,7 +87,7 @@ from recsys.embedding import EmbeddingLeafTracer, is_embedding_module
 from . import placement_ops
 from .placement_find import Candidate, NotMoved, call_arguments, find_embeddings
 from .placement_group import group_candidates, group_label, rewrite_group
-from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of
+from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
 from .ps import ops
 from .ps.config import TableSpec, table_specs
 from .rpc_kinds import trace_meta
@@ -300,14 +305,54 @@ def _report(gm: GraphModule, kept: list[NotMoved]) -> None:
     gm.meta.setdefault("fxdist", {}).setdefault("placement", {})["not_moved"] = [asdict(k) for k in kept]
 
 
+def _keep_local(gm: GraphModule, found: list[Candidate], kept: list[NotMoved], plan: Mapping[str, Any] | None,
+                local_below_rows: int) -> tuple[list[Candidate], dict[str, Any], list[str]]:
+    """(the modules to move, the plan left for :func:`plan_tables`, the printout's lines on those that stay on the
+    trainer by the plan or ``local_below_rows``: ``kept local: pos (20 rows < local_below_rows=32)``)."""
+    if local_below_rows < 0:
+        raise ValueError(f"parameter_servers: local_below_rows must be >= 0, got {local_below_rows}")
+    tables = {c.qualname: [t for t, _ in _tables_of(c)] for c in found}
+    local, rest = split_local(tables, plan, local_below_rows, [k.module for k in kept])
+    for c in found:
+        if c.qualname in local and any(w.is_meta for w in _weights_of(c)):
+            raise ValueError(f"parameter_servers: module '{c.qualname}' stays on the trainer ({local[c.qualname]}) but "
+                             "its weights are on the meta device (tables the servers would initialise); build it "
+                             "with real weights, or let it move")
+    gm.meta.setdefault("fxdist", {}).setdefault("placement", {})["local"] = [
+        {"module": q, "rows": [t.spec.num_embeddings for t in tables[q]], "reason": why} for q, why in local.items()]
+    return [c for c in found if c.qualname not in local], rest, [f"  kept local: {q} ({why})" for q, why in local.items()]
+
+
+def _nothing_to_move(gm: GraphModule, kept: list[NotMoved], local: list[str], verbose: bool,
+                     file: TextIO | None) -> GraphModule:
+    """Record why the pass changes nothing (returns ``gm``); with ``verbose`` print the modules kept local."""
+    if local:
+        text = "\n".join(["parameter_servers plan: no table on the servers", *local])
+        gm.meta["fxdist"]["placement"]["plan_text"] = text
+        logger.info("%s", text)
+        if verbose:
+            print(text, file=file or sys.stdout)
+    gm.meta["fxdist"]["unchanged_reason"] = (
+        f"every embedding module stays on the trainer ({len(local)} by the plan or local_below_rows, "
+        f"{len(kept)} that cannot move)" if local else
+        f"no movable embedding module ({len(kept)} stay local, see the warnings)" if kept else
+        "no embedding module found (torchrec EmbeddingBagCollection, nn.EmbeddingBag or nn.Embedding called "
+        "as a call_module node; trace with scheduling.placement.EmbeddingLeafTracer)")
+    return gm
+
+
+def _weights_of(c: Candidate) -> list[torch.Tensor]:
+    return [w for _, w in _tables_of(c)]
+
+
 def _record(gm: GraphModule, placements: list[TablePlacement], servers: list[str], clients: dict[str, Any],
-            optimizer: dict[str, Any], storage: str = "fp32") -> str:
+            optimizer: dict[str, Any], storage: str = "fp32", local: Sequence[str] = ()) -> str:
     n_tables, n_servers = len(placements), len(servers)
     header = (f"parameter_servers plan: {n_tables} table{'s' * (n_tables != 1)} on {n_servers} "
               f"server{'s' * (n_servers != 1)}, optimizer "
               f"{optimizer['name']} ({', '.join(f'{k}={v}' for k, v in optimizer.items() if k != 'name')})"
               + (f", rows stored {storage}" if storage != "fp32" else ""))
-    text = format_plan(placements, servers, header)
+    text = "\n".join([format_plan(placements, servers, header), *local])
     meta = gm.meta.setdefault("fxdist", {}).setdefault("placement", {})
     meta.update({
         "servers": list(servers), "optimizer": optimizer, "storage": storage, "plan_text": text,
@@ -336,7 +381,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
                       timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None,
                       rank: int = 0, world_size: int = 1, group: str | None = None,
                       storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean",
-                      group_tables: bool = True) -> GraphModule:
+                      group_tables: bool = True, local_below_rows: int = 0) -> GraphModule:
     """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
 
     Args:
@@ -344,8 +389,9 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
             ``fxdist.optimize`` does that for this pass), or an ``nn.Module``, traced here.
         optimizer: the servers' optimizer for every table, ``"rowwise_adagrad"`` or ``"sgd"``.
         lr: its learning rate; ``optimizer_kwargs`` adds others (e.g. ``{"eps": 1e-8}``).
-        plan: per-table overrides ``{table name | weight path: "table_wise" | "row_wise" | server index}``
-            (see :mod:`scheduling.placement_plan` for the automatic choice).
+        plan: per-table overrides ``{table name | weight path | module: "table_wise" | "row_wise" | server index
+            | "local"}`` (:mod:`scheduling.placement_plan`); ``"local"``: on the trainer (see the module docstring).
+        local_below_rows: modules whose tables all have fewer rows stay on the trainer unless ``plan`` places them.
         servers: names of the servers to use (default: every server of the group): ``torch_rpc`` worker names,
             or names of Ray server actors registered in this process (``LocalCluster(transport="ray")``, a job
             with ``[cluster] transport = "ray"``), for which the clients use the ``ray`` transport.
@@ -373,24 +419,23 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
-        ``server_bytes``, ``clients``) and ``not_moved`` (modules left local, with the reason).
+        ``server_bytes``, ``clients``, ``plan_text``), ``not_moved`` (modules that cannot move, with the reason)
+        and ``local`` (kept on the trainer by ``plan`` or ``local_below_rows``: ``module``, ``rows``, ``reason``).
 
     Raises:
         scheduling.ps.NoGroupError: there is something to move but no parameter-server group runs here.
-        ValueError: a bad ``plan`` entry, unknown optimizer or ``storage``, servers used by a client with another
-            optimizer, or ``world_size > 1`` without a ``group`` key.
+        ValueError: a bad ``plan`` entry (``"local"`` for part of a module, or for meta weights), ``local_below_rows
+            < 0``, unknown optimizer or ``storage``, servers used by a client with another optimizer, or
+            ``world_size > 1`` without a ``group`` key.
         scheduling.ps.PSUnavailableError: a server did not answer the configuration.
     """
     _check_choices(storage, grad_reduction)
     gm = _as_graph_module(gm)
     found, kept = find_embeddings(gm)
     _report(gm, kept)
+    found, plan, local = _keep_local(gm, found, kept, plan, local_below_rows)
     if not found:
-        gm.meta["fxdist"]["unchanged_reason"] = (
-            f"no movable embedding module ({len(kept)} stay local, see the warnings)" if kept else
-            "no embedding module found (torchrec EmbeddingBagCollection, nn.EmbeddingBag or nn.Embedding called "
-            "as a call_module node; trace with scheduling.placement.EmbeddingLeafTracer)")
-        return gm
+        return _nothing_to_move(gm, kept, local, verbose, file)
     from .ps.launch import group_servers
     names = list(servers) if servers else group_servers("parameter_servers")
     kwargs = {"lr": lr, **(optimizer_kwargs or {})}
@@ -405,7 +450,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     _rewrite_groups(gm, groups, clients, trainable)
     gm.graph.lint()
     gm.recompile()
-    text = _record(gm, placements, names, clients, {"name": optimizer, **kwargs}, storage)
+    text = _record(gm, placements, names, clients, {"name": optimizer, **kwargs}, storage, local)
     logger.info("%s", text)
     if verbose:
         print(text, file=file or sys.stdout)

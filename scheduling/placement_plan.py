@@ -12,6 +12,10 @@ Rule (deterministic, from table sizes and the number of servers ``N``):
 4. ``overrides`` (``{table: "table_wise" | "row_wise" | server index}``) win over rules 2 and 3; an index pins a
    table-wise table to that server.
 
+Before that, :func:`split_local` takes out the modules that stay on the trainer (``"local"``): those the overrides
+keep there (a module moves as a whole, so every table of a multi-table module must be named, or the module), and,
+with ``local_below_rows > 0``, those whose tables all have fewer rows and that no override places.
+
 Source: torchrec's planner (``EmbeddingShardingPlanner``: ``TABLE_WISE`` / ``ROW_WISE`` sharding types, the
 plan printed as a table of shards, ranks and storage); Graham 1969 (LPT greedy balancing).
 """
@@ -24,9 +28,12 @@ from typing import Any
 
 from .ps.config import ShardSpec, TableSpec, plan_shards
 
-__all__ = ["TableInfo", "TablePlacement", "plan_tables", "shards_of", "format_plan", "FLOAT32_BYTES"]
+__all__ = ["TableInfo", "TablePlacement", "plan_tables", "split_local", "shards_of", "format_plan", "FLOAT32_BYTES",
+           "LOCAL"]
 
 FLOAT32_BYTES = 4
+LOCAL = "local"
+"""The placement value that keeps a table on the trainer (its module stays in the model: a DDP parameter)."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +83,59 @@ def _check_overrides(tables: Sequence[TableInfo], overrides: Mapping[str, Any], 
         ok = value in ("table_wise", "row_wise") or (isinstance(value, int) and not isinstance(value, bool)
                                                      and 0 <= value < num_servers)
         if not ok:
-            raise ValueError(f"parameter_servers: plan[{key!r}] = {value!r}; use 'table_wise', 'row_wise' or a "
-                             f"server index 0..{num_servers - 1}")
+            raise ValueError(f"parameter_servers: plan[{key!r}] = {value!r}; use 'table_wise', 'row_wise', 'local' "
+                             f"or a server index 0..{num_servers - 1}")
         for i in hits:
             out[i] = value
     return out
+
+
+def split_local(modules: Mapping[str, Sequence[TableInfo]], overrides: Mapping[str, Any] | None,
+                local_below_rows: int = 0, staying: Sequence[str] = ()) -> tuple[dict[str, str], dict[str, Any]]:
+    """Which modules stay on the trainer, and the overrides left for :func:`plan_tables`.
+
+    Args:
+        modules: module path -> its tables (the movable modules, in graph order).
+        overrides: the plan, ``{table name | weight path | module: "local" | "table_wise" | "row_wise" | index}``.
+        local_below_rows: modules whose tables all have fewer rows stay local when no override names one of
+            their tables (0: none).
+        staying: modules that stay local anyway (the pass cannot move them): a ``"local"`` key may name them.
+
+    Returns:
+        ``({module: why it stays, e.g. "20 rows < local_below_rows=32" or "plan['pos'] = 'local'"}, the other
+        overrides)``.
+
+    Raises:
+        ValueError: a ``"local"`` key names no table, or only some tables of a module (it moves as a whole).
+    """
+    overrides = dict(overrides or {})
+    rest = {k: v for k, v in overrides.items() if v != LOCAL}
+    named: dict[str, dict[str, str]] = {}  # module -> {table path: the key keeping it local}
+    for key in (k for k, v in overrides.items() if v == LOCAL):
+        hits = {q: [t.path for t in ts if t.matches(key)] for q, ts in modules.items()}
+        hits = {q: paths for q, paths in hits.items() if paths}
+        if not hits and not any(key == m or key.startswith(f"{m}.") for m in staying):
+            known = ", ".join(sorted({t.spec.name for ts in modules.values() for t in ts}
+                                     | {t.path for ts in modules.values() for t in ts}))
+            raise ValueError(f"parameter_servers: plan[{key!r}] = 'local' names no embedding table of the model "
+                             f"({known})")
+        for q, paths in hits.items():
+            named.setdefault(q, {}).update(dict.fromkeys(paths, key))
+    local: dict[str, str] = {}
+    for q, keys in named.items():
+        missing = [t.path for t in modules[q] if t.path not in keys]
+        if missing:
+            raise ValueError(f"parameter_servers: plan keeps {', '.join(sorted(keys))} of module '{q}' local but not "
+                             f"{', '.join(missing)}: a module moves as a whole; name the module ({q} = 'local') to "
+                             "keep all its tables on the trainer")
+        local[q] = f"plan[{next(iter(keys.values()))!r}] = 'local'"
+    for q, ts in modules.items():
+        rows = max(t.spec.num_embeddings for t in ts)
+        placed = any(t.matches(key) for t in ts for key in rest)
+        if q not in local and not placed and rows < local_below_rows:
+            local[q] = f"{rows} rows < local_below_rows={local_below_rows}" if len(ts) == 1 else (
+                f"{len(ts)} tables of at most {rows} rows < local_below_rows={local_below_rows}")
+    return {q: local[q] for q in modules if q in local}, rest
 
 
 def plan_tables(tables: Sequence[TableInfo], num_servers: int,

@@ -36,10 +36,20 @@ backward in the graph) gets the same: the hook's push carries the next lookup. A
 - (without ``max_staleness``) the graph pushes to that server, in the graph or by one such hook: otherwise
   the pass cannot know when the prefetch would be exact.
 
-Every other lookup keeps the in-step schedule, with one :class:`PrefetchWarning` per lookup::
+A batch of constants only (``self.pos(torch.arange(20))``: a tensor the trace stored, a buffer the graph does not
+update, calls on no input) is the same every step: it is computed once, by a ``BatchReplay`` without inputs, and
+each step's push asks for the next step's lookup of it (no ``next_`` input is added for it).
 
-    async_rpc_prefetch: the lookup of module 'emb' (batch %bag_to_kjt) is not prefetched: its ids depend on
-    the output of module 'proj' (servers 0, 1); it keeps the in-step schedule
+Every other lookup keeps the in-step schedule, with one :class:`PrefetchWarning` per lookup, naming the user's
+call of the module (from the nodes' ``stack_trace``; ``batch %<node>`` only in a graph without one)::
+
+    async_rpc_prefetch: the lookup of module 'emb' (at model.py:31 in forward: `e = self.emb(self.proj(x)...)`)
+    is not prefetched: its ids depend on the output of module 'proj' (servers 0, 1); it keeps the in-step schedule
+
+Every lookup's outcome is recorded in ``gm.meta["fxdist"]["prefetch"]["lookups"]``: ``{module path (the client's
+name when unknown): {"prefetched": bool, "reason": str | None, "where": "file:line" | None, "servers": [int]}}``
+(the ``parameter_servers`` pass's modules; a group's modules share one lookup, so one outcome), and the warnings'
+text in ``["not_prefetched"]``.
 
 Source: torchrec ``TrainPipelineSparseDist`` (starts batch ``i + 1``'s input distribution during batch
 ``i``); torch.fx paper §6.2.3 (move the start as early as its inputs allow).
@@ -47,10 +57,12 @@ Source: torchrec ``TrainPipelineSparseDist`` (starts batch ``i + 1``'s input dis
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
+from fxdist.errors import location_of_stack_trace
 from fxdist.graph import Graph
 from fxdist.node import Node
 
@@ -165,28 +177,58 @@ def _erase_unused(graph: Graph, node: Node) -> None:
 def _lookup_names(graph: Graph) -> dict[str, str]:
     """client name -> the module(s) it serves (from the ``parameter_servers`` pass's record), when known:
     ``"module 'emb'"``, or for a group of modules sharing one client ``"modules 'a' (+52 grouped with it)"``."""
+    served = _served(graph)
+    return {client: f"module '{q[0]}'" if len(q) == 1 else f"modules '{q[0]}' (+{len(q) - 1} grouped with it)"
+            for client, q in served.items()}
+
+
+def _served(graph: Graph) -> dict[str, list[str]]:
+    """client name -> the modules it serves, in the ``parameter_servers`` pass's record (empty when unknown)."""
     owner = graph.owning_module
     clients = getattr(owner, "meta", {}).get("fxdist", {}).get("placement", {}).get("clients", {})
     served: dict[str, list[str]] = {}
     for qualname, client in clients.items():
         served.setdefault(client, []).append(qualname)
-    return {client: f"module '{q[0]}'" if len(q) == 1 else f"modules '{q[0]}' (+{len(q) - 1} grouped with it)"
-            for client, q in served.items()}
+    return served
 
 
-def _warn(graph: Graph, skipped: dict[tuple[str, str], dict[str, list[int]]], names: dict[str, str]) -> None:
-    """One PrefetchWarning per lookup not prefetched; the messages also go to
-    ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``."""
-    messages = []
+def _source(graph: Graph, module: str | None, fallback: Node) -> str | None:
+    """``<file>:<line> in <function>: `<source>``` of the user's call of ``module`` (the first node the
+    ``parameter_servers`` pass made for it with a ``stack_trace``), else of ``fallback``; None without one."""
+    nodes = [n for n in graph.nodes if module is not None and n.meta.get("parameter_servers") == module]
+    trace = next((n.meta["stack_trace"] for n in [*nodes, fallback] if n.meta.get("stack_trace")), None)
+    return location_of_stack_trace(trace)
+
+
+def _file_line(where: str | None) -> str | None:
+    """``"model.py:31"`` of a :func:`_source` description."""
+    found = re.match(r"(.*?:\d+) in ", where or "")
+    return found.group(1) if found else None
+
+
+def _warn(graph: Graph, skipped: dict[tuple[str, str], dict[str, list[int]]], names: dict[str, str],
+          lookups: dict[str, tuple[Node, list[int]]]) -> None:
+    """One PrefetchWarning per lookup not prefetched, naming the user's call of the module (``batch %<node>``
+    in a graph without stack traces); the messages go to ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``,
+    every lookup's outcome (``lookups``: client -> (its first fetch start, servers)) to ``["lookups"]``."""
+    messages, served, record = [], _served(graph), {}
+    whys: dict[str, str] = {}
     for (client, batch), reasons in skipped.items():
         what = names.get(client, f"client '{client}'")
         why = "; ".join(f"{r} (server{'s' * (len(s) > 1)} {', '.join(map(str, s))})" for r, s in reasons.items())
-        messages.append(f"async_rpc_prefetch: the lookup of {what} (batch %{batch}) is not prefetched: {why}; "
-                        "it keeps the in-step schedule")
+        whys[client] = f"{whys[client]}; {why}" if client in whys else why
+        where = _source(graph, (served.get(client) or [None])[0], lookups[client][0])
+        messages.append(f"async_rpc_prefetch: the lookup of {what} ({f'at {where}' if where else f'batch %{batch}'}) "
+                        f"is not prefetched: {why}; it keeps the in-step schedule")
         warnings.warn(messages[-1], PrefetchWarning, stacklevel=4)
+    for client, (start, servers) in lookups.items():
+        for key in served.get(client) or [client]:
+            record[key] = {"prefetched": client not in whys, "reason": whys.get(client),
+                           "where": _file_line(_source(graph, key if key != client else None, start)),
+                           "servers": sorted(servers)}
     owner = graph.owning_module
     if owner is not None and isinstance(getattr(owner, "meta", None), dict):
-        owner.meta.setdefault("fxdist", {}).setdefault("prefetch", {})["not_prefetched"] = messages
+        owner.meta.setdefault("fxdist", {}).setdefault("prefetch", {}).update(not_prefetched=messages, lookups=record)
 
 
 def _site_reason(site: Any, reads: list[Any], sites: list[Any], stale: bool, nb: _NextBatches) -> str | None:
@@ -213,8 +255,9 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
     push starts given ``next_kjt``, or (``max_staleness >= 1``) new ``ps_prefetch`` nodes.
 
     ``sites`` are the pass's :class:`~scheduling.async_rpc_pass.RPCSite` list. Each parameter-server lookup not
-    prefetched gets one :class:`PrefetchWarning` naming its module (or client) and why (the messages are also
-    kept in ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``).
+    prefetched gets one :class:`PrefetchWarning` naming its module (or client), the user's call of it and why
+    (the messages are also kept in ``gm.meta["fxdist"]["prefetch"]["not_prefetched"]``); every lookup's outcome
+    goes to ``gm.meta["fxdist"]["prefetch"]["lookups"]`` (see the module docstring).
 
     Raises:
         ValueError: the graph has a ``*args``/``**kwargs`` input (a new input cannot follow it).
@@ -228,7 +271,9 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
     added: list[Node] = []
     skipped: dict[tuple[str, str], dict[str, list[int]]] = {}
     reads = [s for s in sites if s.pair.family == "ps" and s.pair.kind == "read" and s.dest is not None]
+    lookups: dict[str, tuple[Node, list[int]]] = {}
     for site in reads:
+        lookups.setdefault(str(site.dest[1]), (site.start, []))[1].append(site.dest[2])
         batch = node_arg(site.start, 2, "kjt")
         reason = _site_reason(site, reads, sites, stale, nb)
         if reason is not None:
@@ -240,7 +285,7 @@ def add_prefetch(graph: Graph, sites: list[Any], max_staleness: int | None) -> l
         nxt = nb.of(batch, names.get(site.dest[1], str(site.dest[1])))
         added.append(_start_prefetch(graph, site, sites, nxt, max_staleness))
     nb.hoist(reads)
-    _warn(graph, skipped, names)
+    _warn(graph, skipped, names, lookups)
     return added
 
 

@@ -110,6 +110,7 @@ OUT_OF_RANGE = [
     ("model", "table_sizes", [5] * 25, r"a list of 26 to 26 items"),
     ("model", "table_sizes", [5] * 25 + [1], r"item 25 \(1\) is out of range: each must be an integer in 2\.\."),
     ("model", "max_table_size", 1, r"an integer in 2\.\.4_294_967_296"),
+    ("model", "local_below_rows", -1, r"an integer in 0\.\.4_294_967_296"),
     ("model", "bottom_mlp", [], r"a list of 1 to 16 items"),
     ("model", "top_mlp", [8, 0], r"item 1 \(0\) is out of range: each must be an integer in 1\.\.65_536"),
     ("cluster", "trainers", 0, r"an integer in 1\.\.1_024"),
@@ -140,6 +141,17 @@ def test_table_sizes_are_uniform_data_or_26_sizes():
         JobConfig().replace(model={"table_sizes": "all"})
     with pytest.raises(ConfigError, match=r"\[model\] table_sizes: expected a list or str, got int \(7\)"):
         JobConfig().replace(model={"table_sizes": 7})
+
+
+def test_a_plan_keeps_your_tables_local_and_refuses_local_for_the_builtin_dlrm():
+    yours = JobConfig().replace(model={"factory": "mypkg.models:make", "plan": {"pos": "local", "t_C1": 0},
+                                       "local_below_rows": 0}, data={"batches": "mypkg.data:batches"})
+    assert yours.model.plan == {"pos": "local", "t_C1": 0} and yours.model.local_below_rows == 0
+    assert JobConfig().model.local_below_rows == 32
+    with pytest.raises(ConfigError, match=r"\[model\] plan: t_C1 = \"local\": only your model's tables \(\[model\] "
+                                          r"factory\) can stay on the trainers; for the built-in DLRM's set \[cluster\] "
+                                          r"parameter_servers = 0"):
+        JobConfig().replace(model={"plan": {"t_C1": "local"}})
 
 
 def test_parity_mode_is_error_or_warn():

@@ -135,7 +135,7 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
     assert base["fetch_p50_ms"] is not None  # a parameter server served the embeddings
     # torchrec's DLRM, its 26 tables moved by the parameter_servers pass in both phases
     assert [p["name"] for p in base["optimize"]["passes"]] == ["parameter_servers"]
-    assert opt["optimize"]["placement"].startswith("parameter_servers plan: 26 tables on 1 servers")
+    assert opt["optimize"]["placement"].startswith("parameter_servers plan: 26 tables on 1 server,")
     # held-out AUC / log loss of the model after 0.4 epochs (step 29 of 40 on the Criteo sample; the
     # optimized phase evaluates between the two faults, so its result comes back from a checkpoint)
     expected = min(40, math.ceil(0.4 * r["data"]["parse"]["rank0_rows"] / 64))

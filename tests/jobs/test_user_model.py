@@ -31,7 +31,8 @@ HERE = "tests.jobs.test_user_model"
 
 class TinyRecommender(nn.Module):
     """A click model of our own: dense features, a torchrec EmbeddingBagCollection over a jagged feature and an
-    nn.EmbeddingBag over 3 tags per sample. Shapes: ``dense (B, 4)``, ``features`` KJT with key "cat",
+    nn.EmbeddingBag over 3 tags per sample, plus a 20-row slot embedding at ``torch.arange(3)`` (under ``[model]
+    local_below_rows``: it stays on the trainers). Shapes: ``dense (B, 4)``, ``features`` KJT with key "cat",
     ``tags (B, 3)`` -> logits ``(B,)``."""
 
     def __init__(self, dim: int = 8) -> None:
@@ -41,13 +42,14 @@ class TinyRecommender(nn.Module):
         self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
             name="t_cat", embedding_dim=dim, num_embeddings=100, feature_names=["cat"])])
         self.tags = nn.EmbeddingBag(50, dim, mode="sum")
+        self.slot = nn.Embedding(20, dim)
         self.dense = nn.Linear(4, dim)
         self.top = nn.Linear(3 * dim, 1)
 
     def forward(self, dense: torch.Tensor, features, tags: torch.Tensor) -> torch.Tensor:
         pooled = self.ebc(features).values()
         x = torch.cat([torch.relu(self.dense(dense)), pooled, self.tags(tags)], dim=1)
-        return self.top(x).squeeze(1)
+        return self.top(x + self.slot(torch.arange(3)).reshape(1, -1)).squeeze(1)
 
 
 def make_model(config) -> nn.Module:
@@ -181,6 +183,15 @@ def test_user_model_trains_on_parameter_servers_with_parity(user_job):
     assert inf["fp32"]["auc"] == pytest.approx(opt["quality"]["auc"], abs=1e-4) and inf["model_step"] == 20
     assert abs(inf["int8"]["auc"] - inf["fp32"]["auc"]) < 0.05
     assert opt["optimize"]["placement"].startswith("parameter_servers plan: 2 tables on 1 server,")
+    assert opt["optimize"]["placement"].endswith("\n  kept local: slot (20 rows < local_below_rows=32)")
+    # per lookup: prefetched, and where the model looks it up
+    lookups = opt["optimize"]["prefetch"]
+    assert {k: (v["prefetched"], v["reason"], v["servers"]) for k, v in lookups.items()} == {
+        "ebc": (True, None, [0]), "tags": (True, None, [0])}
+    line = TinyRecommender.forward.__code__.co_firstlineno
+    assert lookups["ebc"]["where"].endswith(f"test_user_model.py:{line + 1}")
+    assert lookups["tags"]["where"].endswith(f"test_user_model.py:{line + 2}")
+    assert "prefetch" not in base["optimize"]
 
 
 def test_user_model_restarts_from_its_checkpoint(user_job):
@@ -207,6 +218,9 @@ def test_user_model_results_table(user_job):
     assert "parameter_servers plan: 2 tables on 1 server," in text  # the optimized phase's plan
     assert re.search(r"^  t_cat +ebc +100 x 8 +table_wise +ps0", text, re.M)
     assert re.search(r"^  tags +tags +50 x 8 +table_wise +ps0", text, re.M)
+    assert re.search(r"^  kept local: slot \(20 rows < local_below_rows=32\)$", text, re.M)
+    assert re.search(r"^prefetch \(async_rpc_prefetch\): 2 of 2 lookups prefetched; \d+ lookups answered by a "
+                     r"prefetch\n  ebc   prefetched      \S*test_user_model.py:\d+\n  tags  prefetched      ", text, re.M)
     assert "passes run: parameter_servers (" in text and "async_rpc_prefetch (" in text
 
 

@@ -165,11 +165,12 @@ def test_the_table_keys_reach_the_parameter_servers_pass():
     from jobs.optimizers import table_optimizer_args
 
     config = parse_config({"train": {"table_optimizer": "sgd", "table_lr": 0.5, "table_grad_reduction": "sum"},
-                           "model": {"plan": {"t_C1": "row_wise"}}})
+                           "model": {"plan": {"t_C1": "row_wise"}, "local_below_rows": 0}})
     assert table_optimizer_args(config) == {"optimizer": "sgd", "lr": 0.5, "grad_reduction": "sum",
-                                            "plan": {"t_C1": "row_wise"}}
+                                            "plan": {"t_C1": "row_wise"}, "local_below_rows": 0}
     defaults = table_optimizer_args(parse_config({}))
-    assert defaults == {"optimizer": "rowwise_adagrad", "lr": 0.01, "grad_reduction": "mean", "plan": None}
+    assert defaults == {"optimizer": "rowwise_adagrad", "lr": 0.01, "grad_reduction": "mean", "plan": None,
+                        "local_below_rows": 32}
 
 
 def recall_at_2(outputs, labels) -> dict[str, float]:

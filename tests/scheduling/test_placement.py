@@ -182,7 +182,7 @@ def test_plan_overrides_and_bad_overrides():
         ("table_wise", (0,), "override"), ("row_wise", (0, 1), "override"), ("table_wise", (1,), "override")]
     with pytest.raises(ValueError, match=r"plan names table 'nope', which is not among the tables"):
         plan_tables(tables, 2, {"nope": "row_wise"})
-    with pytest.raises(ValueError, match=r"plan\['a'\] = 'columns'; use 'table_wise', 'row_wise' or a server"):
+    with pytest.raises(ValueError, match=r"plan\['a'\] = 'columns'; use 'table_wise', 'row_wise', 'local' or a server"):
         plan_tables(tables, 2, {"a": "columns"})
 
 

@@ -32,6 +32,7 @@ from scheduling.prefetch import PrefetchWarning
 from scheduling.ps import LocalCluster, get_client, ops
 from tests.scheduling._graphs import offline_client
 
+HERE = "tests/scheduling/test_prefetch_inputs.py"
 LR_TABLES = 0.05
 B, STEPS = 4, 4
 
@@ -107,6 +108,24 @@ class ArgmaxIds(nn.Module):
         return self.top(torch.cat([self.cluster(self.proj(dense).argmax(dim=1)), self.user(ids)], dim=1)).squeeze(1)
 
 
+class Positions(nn.Module):
+    """A positional ``nn.Embedding`` looked up at ``torch.arange(L)`` (a tensor constant of the trace) and at
+    a buffer that nothing updates, added to each sample's item rows: ids ``(B, L)`` -> logits ``(B,)``."""
+
+    def __init__(self, length: int = 5) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(20, 4)
+        self.slot = nn.Embedding(7, 4)
+        self.item = nn.Embedding(11, 4)
+        self.register_buffer("slots", torch.tensor([6, 0, 3, 3, 1]))
+        self.top = nn.Linear(4, 1)
+        self.length = length
+
+    def forward(self, ids):
+        h = self.item(ids) + self.pos(torch.arange(5)) + self.slot(self.slots)
+        return self.top(h.sum(dim=1)).squeeze(1)
+
+
 def _batches(make_inputs, seed: int) -> list[tuple]:
     gen = torch.Generator().manual_seed(seed)
     return [(make_inputs(gen), torch.rand(B, generator=gen).round()) for _ in range(STEPS)]
@@ -146,9 +165,10 @@ def _train_local(model: nn.Module, batches: list[tuple]) -> tuple[list[float], d
     return losses, {n: w.detach().clone() for n, w in tables.items()}
 
 
-def _train_on_servers(model: nn.Module, batches: list[tuple], prefetch: bool):
-    """(losses, tables, the optimized module, prefetch hits, PrefetchWarnings of the passes)."""
-    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR_TABLES, verbose=False)
+def _train_on_servers(model: nn.Module, batches: list[tuple], prefetch: bool, **options):
+    """(losses, tables, the optimized module, prefetch hits, PrefetchWarnings of the passes); ``options``: more
+    arguments of the ``parameter_servers`` pass."""
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR_TABLES, verbose=False, **options)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         gm = fxdist.optimize(model, passes=(ps, "async_rpc_prefetch") if prefetch else (ps,))
@@ -228,12 +248,66 @@ def test_ids_from_a_module_output_are_warned_and_train_as_blocking(cluster):
     _assert_same_training([local, blocking[:2], (losses, tables)])
     meta = gm.meta["fxdist"]["placement"]
     server = next(meta["servers"].index(t["servers"][0]) for t in meta["tables"] if t["module"] == "cluster")
+    line = inspect.getsourcelines(ArgmaxIds.forward)[1] + 1    # the user's call of the module, not internal nodes
+    call = "return self.top(torch.cat([self.cluster(self.proj(dense).argmax(dim=1)), self.user(ids)], dim=1)).squeeze(1)"
     assert [str(w.message) for w in warned] == [
-        "async_rpc_prefetch: the lookup of module 'cluster' (batch %index_to_kjt) is not prefetched: its ids "
-        f"depend on the output of module 'proj' (server {server}); it keeps the in-step schedule"]
+        f"async_rpc_prefetch: the lookup of module 'cluster' (at {HERE}:{line} in forward: `{call}`) is not "
+        f"prefetched: its ids depend on the output of module 'proj' (server {server}); it keeps the in-step schedule"]
+    assert "%" not in str(warned[0].message) and "index_to_kjt" not in str(warned[0].message)
     assert gm.meta["fxdist"]["prefetch"]["not_prefetched"] == [str(w.message) for w in warned]
+    user_server = next(meta["servers"].index(t["servers"][0]) for t in meta["tables"] if t["module"] == "user")
+    assert gm.meta["fxdist"]["prefetch"]["lookups"] == {
+        "cluster": {"prefetched": False, "reason": f"its ids depend on the output of module 'proj' (server {server})",
+                    "where": f"{HERE}:{line}", "servers": [server]},
+        "user": {"prefetched": True, "reason": None, "where": f"{HERE}:{line}", "servers": [user_server]}}
     assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["dense", "ids", "next_ids"]
     assert hits == STEPS - 1                                     # the user table's lookups only
+
+
+@pytest.mark.parametrize("group_tables", [False, True], ids=["own_lookups", "grouped"])
+def test_position_ids_from_constants_are_prefetched_and_train_exactly(cluster, group_tables):
+    """``self.pos(torch.arange(5))`` and a buffer nothing updates: the same batch every step, looked up ahead
+    (each table its own lookup: a batch of constants only; grouped: one batch of the input and the constants)."""
+    torch.manual_seed(0)
+    model = Positions()
+    batches = _batches(lambda g: (torch.randint(0, 11, (B, 5), generator=g),), 11)
+    local = _train_local(copy.deepcopy(model), batches)
+    blocking = _train_on_servers(copy.deepcopy(model), batches, prefetch=False, group_tables=group_tables)
+    losses, tables, gm, hits, warned = _train_on_servers(model, batches, prefetch=True, group_tables=group_tables)
+    _assert_same_training([local, blocking[:2], (losses, tables)])
+    assert losses == blocking[0] and all(torch.equal(tables[k], blocking[1][k]) for k in tables)
+    assert warned == []
+    lookups = gm.meta["fxdist"]["prefetch"]["lookups"]
+    line = inspect.getsourcelines(Positions.forward)[1] + 1
+    assert {k: (v["prefetched"], v["reason"], v["where"]) for k, v in lookups.items()} == {
+        name: (True, None, f"{HERE}:{line}") for name in ("item", "pos", "slot")}
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["ids", "next_ids"]  # no next_ for constants
+    starts = gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)
+    assert len(starts) == (2 if group_tables else 3)              # a lookup per (client, server)
+    assert hits == (STEPS - 1) * len(starts)                     # every lookup after step 1 answered by a prefetch
+
+
+def test_a_constant_batch_is_computed_once_and_again_when_its_values_change(client):
+    root = nn.Module()
+    root.register_buffer("positions", torch.arange(3))
+    g = Graph()
+    g.placeholder("x")
+    kjt = g.call_function(operator.add, (g.get_attr("positions"), 1))
+    part = g.call_function(ops.ps_fetch, ("replay_ps", 0, kjt))
+    done = g.call_function(ops.ps_backward, (g.call_function(torch.sum, (part,)),))
+    g.call_function(ops.ps_push, ("replay_ps", 0, kjt, part, done))
+    g.output(done)
+    gm, warned = _prefetch(GraphModule(root, g))
+    assert warned == [] and _placeholders(gm) == ["x"]
+    replay = gm.graph.find_nodes(op="call_function", target=ops.ps_push_start)[0].kwargs["next_kjt"]
+    assert replay.args == () and replay.kwargs == {"next_batch": True}
+    module = gm.get_submodule(replay.target)
+    out = module(next_batch=True)
+    assert out.tolist() == [1, 2, 3] and module() is out       # the same object every step: the prefetch matches
+    gm.positions.copy_(torch.arange(3))                          # written with the same values (DDP's broadcast)
+    assert module() is out
+    gm.positions.add_(1)                                         # changed between steps: computed again
+    assert module().tolist() == [2, 3, 4]
 
 
 # ---- hand-built graphs: what is not prefetched, and why ------------------------------------------------------
@@ -276,14 +350,15 @@ def _after(_first, then):
 
 @pytest.mark.parametrize("make_batch, reason", [
     (lambda g, ids: g.call_function(operator.add, (ids, g.get_attr("w"))), "its ids depend on parameter 'w'"),
-    (lambda g, ids: g.call_function(operator.add, (ids, g.get_attr("counts"))), "its ids depend on buffer 'counts'"),
+    (lambda g, ids: _after(g.call_method("add_", (g.get_attr("counts"), 1)),
+                           g.call_function(operator.add, (ids, g.get_attr("counts")))),
+     "its ids depend on buffer 'counts', which the impure call '.add_()' (node %add_) may modify in place"),
     (lambda g, ids: g.call_function(torch.randint_like, (ids, 10)),
      "its ids depend on the random op 'torch.randint_like' (node %randint_like)"),
     (lambda g, ids: g.call_method("add_", (ids, 1)), "its ids depend on the impure call '.add_()' (node %add_)"),
     (lambda g, ids: _after(g.call_method("clamp_", (ids, 0, 5)), g.call_function(operator.getitem, (ids, 0))),
      "its ids depend on the input %ids, which the impure call '.clamp_()' (node %clamp_) may modify in place"),
-    (lambda g, ids: g.call_function(torch.ones, (3,)), "its ids depend on no graph input (a constant batch)"),
-], ids=["parameter", "buffer", "random", "in_place", "mutated_input", "constant"])
+], ids=["parameter", "updated_buffer", "random", "in_place", "mutated_input"])
 def test_lookups_that_are_not_a_function_of_the_inputs_are_warned(client, make_batch, reason):
     gm, warned = _prefetch(_step(make_batch))
     batch = gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)[0].args[2]
