@@ -170,9 +170,9 @@ TESTED_ELSEWHERE = {
     "fxdist.proxy": "tests/fx/test_tracer.py",
     # scheduling: the passes' helpers, and the parameter-server runtime exercised through a cluster
     "scheduling.batch_replay": "tests/scheduling/test_prefetch_inputs.py",
-    "scheduling.placement_find": "tests/scheduling/test_placement_group.py",
-    "scheduling.placement_ops": "tests/scheduling/test_placement_group.py",
-    "scheduling.placement_plan": "tests/scheduling/test_placement.py",
+    "scheduling.placement.conversions": "tests/scheduling/test_placement_table_groups.py",
+    "scheduling.placement.find": "tests/scheduling/test_placement_table_groups.py",
+    "scheduling.placement.plan": "tests/scheduling/test_placement.py",
     "scheduling.ray_calls": "tests/scheduling/test_ray_transport.py",
     "scheduling.rpc_kinds": "tests/scheduling/test_ray_transport.py",
     "scheduling.timeline": "tests/scheduling/test_prefetch.py",
