@@ -68,7 +68,7 @@ from fxdist.node import Node
 
 from .batch_replay import input_reason, replay_module
 from .ps import ops
-from .rpc_kinds import node_arg, trace_meta
+from .async_pairs import node_arg, trace_meta
 
 __all__ = ["add_prefetch", "lookahead", "PrefetchWarning"]
 

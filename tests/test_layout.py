@@ -35,7 +35,7 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 RAY_MODULES = {"scheduling.ps.ray_transport", "scheduling.ray_calls"}
 """The only modules of scheduling/ that import Ray: the ``ray`` transport and the Ray calls of traced models,
-each imported only when asked for (see scheduling/rpc_kinds.py EXTENSIONS)."""
+each imported only when asked for (see scheduling/async_pairs.py)."""
 IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespace", "fxdist._impure",
               "fxdist._graph_lint", "fxdist._graph_state", "fxdist.immutable_collections", "fxdist._pysource"}
 
@@ -174,7 +174,7 @@ TESTED_ELSEWHERE = {
     "scheduling.placement.find": "tests/scheduling/test_placement_table_groups.py",
     "scheduling.placement.plan": "tests/scheduling/test_placement.py",
     "scheduling.ray_calls": "tests/scheduling/test_ray_transport.py",
-    "scheduling.rpc_kinds": "tests/scheduling/test_ray_transport.py",
+    "scheduling.async_pairs": "tests/scheduling/test_ray_transport.py",
     "scheduling.timeline": "tests/scheduling/test_prefetch.py",
     "scheduling.ps.client": "tests/scheduling/test_ps.py",
     "scheduling.ps.ebc": "tests/scheduling/test_ps.py",

@@ -90,7 +90,7 @@ from .table_groups import group_candidates, group_label, rewrite_group
 from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
 from ..ps import ops
 from ..ps.config import TableSpec, table_specs
-from ..rpc_kinds import trace_meta
+from ..async_pairs import trace_meta
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
            "table_state_dict", "load_table_state_dict", "client_names"]

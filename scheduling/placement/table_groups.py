@@ -43,7 +43,7 @@ from recsys.embedding import embedding_kind
 
 from .find import Candidate, call_arguments, is_inplace
 from ..ps import ops
-from ..rpc_kinds import trace_meta
+from ..async_pairs import trace_meta
 
 __all__ = ["GROUPABLE", "group_candidates", "group_label", "rewrite_group"]
 
