@@ -31,8 +31,8 @@ call; while it traces, ``ActorMethod.remote`` given a Proxy records ``ray_remote
 task; an ``ActorHandle`` argument becomes a ``get_attr`` of the module attribute that holds it (or of a new
 ``_ray_actor<i>`` attribute).
 
-The generic pass code never imports Ray: :data:`scheduling.async_pairs.EXTENSIONS` imports this module once
-Ray is imported.
+The generic pass code never imports Ray, nor names this module: importing it (as :class:`RayTracer`,
+:func:`ray_call` and :func:`ray_remote` need) registers its pair, so a graph holding those nodes finds it.
 
 Source: torch.fx ``Tracer(autowrap_modules=...)`` and ``wrap``; torch.fx paper §6.2.3; Ray actors.
 """

@@ -35,7 +35,7 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 RAY_MODULES = {"scheduling.ps.ray_transport", "scheduling.ray_calls"}
 """The only modules of scheduling/ that import Ray: the ``ray`` transport and the Ray calls of traced models,
-each imported only when asked for (see scheduling/async_pairs.py)."""
+each imported only by code that asks for Ray (ray_calls registers its async pair when imported)."""
 IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespace", "fxdist._impure",
               "fxdist._graph_lint", "fxdist._graph_state", "fxdist.immutable_collections", "fxdist._pysource"}
 
