@@ -16,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "map_arg": "node",
     "map_aggregate": "node",
     "has_side_effect": "node",
+    "is_random_op": "node",  # fxdist-only public helper (torch.fx keeps its random-op table private)
     "Graph": "graph",
     "PythonCode": "codegen",
     "CodeGen": "codegen",

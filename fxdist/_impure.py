@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-__all__ = ["has_side_effect", "target_is_impure"]
+__all__ = ["has_side_effect", "target_is_impure", "is_random_op"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -123,6 +123,26 @@ _DISTRIBUTED_CALLS: tuple[tuple[str, frozenset[str]], ...] = (
 )
 _IMPURE_METHODS = frozenset({"__setitem__", "__delitem__"})
 _RANDOM_METHODS = frozenset({"bernoulli", "multinomial"})
+
+
+def is_random_op(op: str, target: Any) -> bool:
+    """Whether a node's target draws random numbers (``torch.rand``, ``torch.randn``, ``Tensor.bernoulli``...):
+    impure whatever ``impure_random`` says, so a pass must not replay or reorder it.
+
+    Args:
+        op: the node's ``op`` (``"call_function"`` or ``"call_method"``; any other op gives False).
+        target: the node's ``target`` (a callable, or a method name for ``"call_method"``); an unhashable
+            target gives False.
+
+    fxdist-only public helper (torch.fx keeps this table private: torch/_library/utils.py
+    ``_RANDOM_FUNCTIONS``), exported as ``fxdist.node.is_random_op``.
+    """
+    try:
+        if op == "call_method":
+            return target in _RANDOM_METHODS
+        return op == "call_function" and target in _RANDOM_FUNCTIONS
+    except TypeError:  # unhashable target
+        return False
 
 
 def _is_distributed_call(fn: Any) -> bool:

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
-from fxdist._impure import _side_effectful_functions, has_side_effect, target_is_impure
+from fxdist._impure import _side_effectful_functions, has_side_effect, is_random_op, target_is_impure
 from fxdist.immutable_collections import ImmutableMutationError, immutable_dict, immutable_list
 
 if TYPE_CHECKING:
     from fxdist.graph import Graph
 
-__all__ = ["Node", "map_arg", "map_aggregate", "has_side_effect", "immutable_list", "immutable_dict"]
+__all__ = ["Node", "map_arg", "map_aggregate", "has_side_effect", "immutable_list", "immutable_dict", "is_random_op"]
 
 BaseArgumentTypes = Union[  # noqa: UP007
     str, int, float, bool, complex, torch.dtype, torch.Tensor, torch.device, torch.memory_format,

@@ -225,9 +225,9 @@ def dense_parameters(config: JobConfig) -> int:
 
 def _server_rows(config: JobConfig) -> list[int]:
     """Rows each parameter server holds of one table set, placed as the ``parameter_servers`` pass places the
-    built-in DLRM's tables ``t_C1 .. t_C26`` (:func:`scheduling.placement_plan.plan_tables`, with ``[model] plan``'s
+    built-in DLRM's tables ``t_C1 .. t_C26`` (:func:`scheduling.placement.plan.plan_tables`, with ``[model] plan``'s
     overrides): table-wise, a large table row-wise when the servers would otherwise be unbalanced."""
-    from scheduling.placement_plan import TableInfo, plan_tables, shards_of
+    from scheduling.placement.plan import TableInfo, plan_tables, shards_of
     from scheduling.ps.config import TableSpec
 
     m, n = config.model, config.cluster.parameter_servers

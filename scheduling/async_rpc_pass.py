@@ -16,7 +16,7 @@ After (both lookups in flight while the bottom MLP runs)::
     %ps_fetch_wait = ps_fetch_wait(%ps_fetch_start); %ps_fetch_wait_1 = ps_fetch_wait(%ps_fetch_start_1)
 
 Steps (one function each):
-  1. :func:`split_rpcs`: each blocking RPC node (see :mod:`scheduling.rpc_kinds`) becomes a start node and
+  1. :func:`split_rpcs`: each blocking RPC node (see :mod:`scheduling.async_pairs`) becomes a start node and
      a wait node at its place; its users now use the wait.
   2. :func:`order_constraints`: a write (parameter-server push) and any other RPC to the same destination
      keep their order: the earlier one's wait must precede the later one's start.
@@ -48,7 +48,7 @@ from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
 
 from .prefetch import add_prefetch
-from .rpc_kinds import AsyncPair, destination, pair_for, presplit_pair_for, trace_meta
+from .async_pairs import AsyncPair, destination, pair_for, presplit_pair_for, trace_meta
 from .timeline import format_timeline
 
 __all__ = ["async_rpc", "async_rpc_prefetch", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]

@@ -37,10 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxdist._impure import _RANDOM_FUNCTIONS
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
-from fxdist.node import Node, _get_qualified_name
+from fxdist.node import Node, is_random_op
 
 from .ps import ops
 
@@ -145,19 +144,14 @@ def _buffer_reason(node: Node, root: Any) -> str | None:
 def _target_name(node: Node) -> str:
     if node.op == "call_method":
         return f"'.{node.target}()'"
-    try:
-        return f"'{_get_qualified_name(node.target)}'"
-    except Exception:  # noqa: BLE001 - any callable: its repr will do
-        return f"'{getattr(node.target, '__name__', node.target)}'"
+    module, name = getattr(node.target, "__module__", None), getattr(node.target, "__name__", node.target)
+    return f"'{module}.{name}'" if module and module != "builtins" else f"'{name}'"
 
 
 def _is_random(node: Node) -> bool:
     if node.op == "call_method":
         return node.target in _RANDOM_METHODS
-    try:
-        return node.target in _RANDOM_FUNCTIONS or not node.is_impure(impure_random=False)
-    except TypeError:  # unhashable target
-        return not node.is_impure(impure_random=False)
+    return is_random_op(node.op, node.target) or not node.is_impure(impure_random=False)
 
 
 def _own_reason(node: Node, root: Any) -> str | None:

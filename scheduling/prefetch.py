@@ -27,7 +27,7 @@ A forward whose pushes run in backward from ``ps_push_in_backward`` hooks (a tra
 backward in the graph) gets the same: the hook's push carries the next lookup. A lookup is prefetched when
 
 - its batch is a function of the graph's inputs alone: an input itself, a conversion of inputs by a function
-  marked ``fxdist_batch_conversion`` (e.g. :func:`scheduling.placement_ops.bag_to_kjt`), or any chain of
+  marked ``fxdist_batch_conversion`` (e.g. :func:`scheduling.placement.conversions.bag_to_kjt`), or any chain of
   side-effect-free nodes from inputs (``ids[:, j]``, ``.long()``, ``.view(-1)``,
   ``KeyedJaggedTensor.from_lengths_sync(...)``), replayed on the ``next_`` inputs by a
   :class:`~scheduling.batch_replay.BatchReplay` submodule (:mod:`scheduling.batch_replay` says what breaks
@@ -68,7 +68,7 @@ from fxdist.node import Node
 
 from .batch_replay import input_reason, replay_module
 from .ps import ops
-from .rpc_kinds import node_arg, trace_meta
+from .async_pairs import node_arg, trace_meta
 
 __all__ = ["add_prefetch", "lookahead", "PrefetchWarning"]
 

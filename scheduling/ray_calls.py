@@ -18,12 +18,12 @@ the wait, with the handle read from the module (``get_attr``)::
     %ray_remote = ray_remote(%tables, "lookup", %ids)      # handle.lookup.remote(ids): an ObjectRef
     %get = ray.get(%ray_remote)
 
-and registers the pair ``ray_remote`` / ``ray.get`` with :mod:`scheduling.rpc_kinds` (``presplit``), so
+and registers the pair ``ray_remote`` / ``ray.get`` with :mod:`scheduling.async_pairs` (``presplit``), so
 :func:`scheduling.async_rpc` hoists ``ray_remote`` to just after its inputs and sinks ``ray.get`` to the
 first use of the answer (here the lookup overlaps ``self.dense(x)``), as it does with ``rpc_sync`` ->
 ``rpc_async`` + wait. :func:`ray_call` is the one-node blocking form (``ray.get(handle.m.remote(...))``),
 split the same way. Calls are assumed to be reads (they may overlap each other); register your own
-:class:`~scheduling.rpc_kinds.AsyncPair` with ``kind="write"`` for calls that must stay ordered.
+:class:`~scheduling.async_pairs.AsyncPair` with ``kind="write"`` for calls that must stay ordered.
 
 How tracing captures them: ``RayTracer`` adds ``ray`` to ``autowrap_modules`` (torch.fx's mechanism that
 records ``math.sqrt`` calls): ``ray.get`` (and any public ``ray`` function) given a Proxy becomes a leaf
@@ -31,8 +31,8 @@ call; while it traces, ``ActorMethod.remote`` given a Proxy records ``ray_remote
 task; an ``ActorHandle`` argument becomes a ``get_attr`` of the module attribute that holds it (or of a new
 ``_ray_actor<i>`` attribute).
 
-The generic pass code never imports Ray: :data:`scheduling.rpc_kinds.EXTENSIONS` imports this module once
-Ray is imported.
+The generic pass code never imports Ray, nor names this module: importing it (as :class:`RayTracer`,
+:func:`ray_call` and :func:`ray_remote` need) registers its pair, so a graph holding those nodes finds it.
 
 Source: torch.fx ``Tracer(autowrap_modules=...)`` and ``wrap``; torch.fx paper §6.2.3; Ray actors.
 """
@@ -53,7 +53,7 @@ from fxdist.node import has_side_effect, map_aggregate
 from fxdist.proxy import Proxy
 from fxdist.tracer import Tracer
 
-from .rpc_kinds import AsyncPair, register_async_pair
+from .async_pairs import AsyncPair, register_async_pair
 
 __all__ = ["ray_remote", "ray_call", "RayTracer", "symbolic_trace"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from fxdist.graph import Graph
 from fxdist.node import Node
 
-from .rpc_kinds import pair_for
+from .async_pairs import pair_for
 
 __all__ = ["format_timeline"]
 

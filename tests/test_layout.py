@@ -11,6 +11,10 @@ exercises it. Rules (docs/CONTRACTS.md, ../shared/STYLE.md):
 * ``recsys/`` is a leaf below the passes: it imports none of ``scheduling``, ``quant``, ``jobs`` or Ray;
 * sibling packages do not import each other: ``scheduling`` never imports ``quant``, nor ``quant`` ``scheduling``
   (what both need goes to ``recsys``);
+* no module imports or reads a private name (``_x``, or a name in a ``_module``) of another of our top-level
+  packages (``PRIVATE_REACHES_ALLOWED`` would say why, and is empty): that package gets a public name instead;
+* a module name written in a string (``"scheduling.ray_calls"``, ``"pkg.mod:attr"``) may not be an upward edge nor
+  close an import circle: the lower module is imported by whoever needs it and registers itself;
 * a module has at most ``MAX_MODULE_LINES`` lines and a function at most ``MAX_FUNCTION_LINES``;
 * every module of ``fxdist/``, ``scheduling/``, ``quant/``, ``recsys/`` and ``jobs/`` has its tests where a newcomer
   looks for them: a mirrored file (``scheduling/ps/ordering.py`` -> ``tests/scheduling/test_ps_ordering.py``), or
@@ -35,7 +39,7 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 RAY_MODULES = {"scheduling.ps.ray_transport", "scheduling.ray_calls"}
 """The only modules of scheduling/ that import Ray: the ``ray`` transport and the Ray calls of traced models,
-each imported only when asked for (see scheduling/rpc_kinds.py EXTENSIONS)."""
+each imported only by code that asks for Ray (ray_calls registers its async pair when imported)."""
 IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespace", "fxdist._impure",
               "fxdist._graph_lint", "fxdist._graph_state", "fxdist.immutable_collections", "fxdist._pysource"}
 
@@ -146,6 +150,135 @@ def test_no_two_modules_import_each_other_above_the_core():
     assert not pairs, "modules that import each other: " + ", ".join(f"{a} <-> {b}" for a, b in pairs)
 
 
+def _dotted(expr: ast.AST) -> str | None:
+    """``a.b.c`` for an attribute chain on a name, else None."""
+    parts = []
+    while isinstance(expr, ast.Attribute):
+        parts.append(expr.attr)
+        expr = expr.value
+    return ".".join([expr.id, *reversed(parts)]) if isinstance(expr, ast.Name) else None
+
+
+def _is_private(name: str) -> bool:
+    """``pkg.mod._x`` or ``pkg._mod.x``: some part after the package is private (``__dunder__`` names are not)."""
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in name.split(".")[1:])
+
+
+def private_reaches(module: str, source: str) -> list[str]:
+    """The private names (``_x``, or anything in a ``_module``) of *another* of our top-level packages that
+    ``source`` imports (``from fxdist.node import _x``, ``import fxdist._impure``) or reads through an imported
+    name (``fxdist.node._x``, ``node._x`` after ``from fxdist import node``). Relative imports stay in the package."""
+    top, bound, hits = module.split(".")[0], {}, set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            pairs = [(a.name, a.asname or a.name.split(".")[0], a.name if a.asname else a.name.split(".")[0])
+                     for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            pairs = [(f"{node.module}.{a.name}", a.asname or a.name, f"{node.module}.{a.name}") for a in node.names]
+        else:
+            continue
+        for full, local, target in pairs:
+            if full.split(".")[0] in PACKAGES and full.split(".")[0] != top:
+                (hits.add(full) if _is_private(full) else bound.__setitem__(local, target))
+    for node in ast.walk(tree):
+        dotted = _dotted(node) if isinstance(node, ast.Attribute) else None
+        if dotted and dotted.split(".")[0] in bound:
+            full = ".".join([bound[dotted.split(".")[0]], *dotted.split(".")[1:]])
+            if _is_private(full):
+                hits.add(full)
+    return sorted(hits)
+
+
+PRIVATE_REACHES_ALLOWED: dict[tuple[str, str], str] = {}
+"""(module, private name of another package) -> why it may import it. Empty: give the other package a public name."""
+
+
+def test_no_module_reaches_into_another_packages_private_names() -> None:
+    bad = [f"{MODULES[m].relative_to(ROOT)}: {name}" for m in sorted(MODULES)
+           for name in private_reaches(m, MODULES[m].read_text()) if (m, name) not in PRIVATE_REACHES_ALLOWED]
+    assert not bad, ("private names of another package (make them public there, as fxdist.node.is_random_op, or "
+                     "add a PRIVATE_REACHES_ALLOWED entry with its reason):\n" + "\n".join(bad))
+
+
+def test_the_private_reach_checker_can_fail() -> None:
+    source = ("from fxdist._impure import _RANDOM_FUNCTIONS\nfrom fxdist.node import Node, _get_qualified_name\n"
+              "import fxdist.node\nfrom fxdist import node as n\nfrom .ps.client import _CLIENTS\n"
+              "x = fxdist.node._get_qualified_name, n._x, n.Node, fxdist.__name__\n")
+    assert private_reaches("scheduling.bad", source) == [
+        "fxdist._impure._RANDOM_FUNCTIONS", "fxdist.node._get_qualified_name", "fxdist.node._x"]
+    assert private_reaches("fxdist.bad", "from fxdist.node import _get_qualified_name\n") == []   # its own package
+
+
+MODULE_IN_STRING = re.compile(r"^((?:fxdist|recsys|scheduling|quant|jobs)(?:\.\w+)+)(?::\w+)?$|"
+                              r"^((?:fxdist|recsys|scheduling|quant|jobs)):\w+$")
+"""``"scheduling.ray_calls"``, ``"pkg.mod:attr"`` (an entry-point style reference); a bare ``"fxdist"`` (a meta
+key, a config section) is no module reference."""
+
+
+def string_edges(module: str, source: str, modules: dict[str, Path] | set[str]) -> set[str]:
+    """The project's modules that ``source`` names in a string literal (the longest known module of the name)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        match = MODULE_IN_STRING.match(node.value)
+        if not match:
+            continue
+        parts = (match.group(1) or match.group(2)).split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in modules:
+                found.add(".".join(parts[:n]))
+                break
+    return found - {module}
+
+
+def _reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def bad_string_edges(edges: dict[str, set[str]], named: dict[str, set[str]]) -> list[str]:
+    """String references that would be an upward edge (forbidden as an import) or close an import circle (the
+    named module imports, directly or not, the one naming it)."""
+    bad = []
+    for module in sorted(named):
+        for target in sorted(named[module]):
+            if _hits({target}, _forbidden_for(module)):
+                bad.append(f"{module} names {target!r}: an upward edge")
+            elif module in _reachable(edges, target):
+                bad.append(f"{module} names {target!r}, which imports {module}: a circle")
+    return bad
+
+
+STRING_EDGES_ALLOWED: dict[tuple[str, str], str] = {}
+"""(module, module it names in a string) -> why the edge is fine. Keep it empty: register from the lower module."""
+
+
+def test_no_string_names_a_module_that_makes_a_circle_or_an_upward_edge() -> None:
+    named = {m: {t for t in string_edges(m, MODULES[m].read_text(), MODULES) if (m, t) not in STRING_EDGES_ALLOWED}
+             for m in MODULES}
+    bad = bad_string_edges(module_edges(MODULES), named)
+    assert not bad, "module names in strings (an import the rules above cannot see):\n" + "\n".join(bad)
+
+
+def test_the_string_edge_checker_can_fail() -> None:
+    modules = {"scheduling.rpc_kinds", "scheduling.ray_calls", "recsys.embedding", "scheduling"}
+    src = 'EXTENSIONS = {"ray": "scheduling.ray_calls"}\nlog = "scheduling"\nkey = "quant.enabled"\n'
+    assert string_edges("scheduling.rpc_kinds", src, modules) == {"scheduling.ray_calls"}
+    named = {"scheduling.rpc_kinds": {"scheduling.ray_calls"}, "recsys.embedding": {"scheduling"}}
+    edges = {"scheduling.ray_calls": {"scheduling.rpc_kinds"}}
+    assert bad_string_edges(edges, named) == [
+        "recsys.embedding names 'scheduling': an upward edge",
+        "scheduling.rpc_kinds names 'scheduling.ray_calls', which imports scheduling.rpc_kinds: a circle"]
+    assert string_edges("jobs.x", 'f = importlib.import_module("recsys.embedding:fn")', modules) == {"recsys.embedding"}
+
+
 TEST_DIRS = {"fxdist": ("tests/fx", "tests/passes"), "scheduling": ("tests/scheduling",), "quant": ("tests/quant",),
              "recsys": ("tests/recsys",), "jobs": ("tests/jobs",)}
 """Where the tests of each package's modules live."""
@@ -170,11 +303,11 @@ TESTED_ELSEWHERE = {
     "fxdist.proxy": "tests/fx/test_tracer.py",
     # scheduling: the passes' helpers, and the parameter-server runtime exercised through a cluster
     "scheduling.batch_replay": "tests/scheduling/test_prefetch_inputs.py",
-    "scheduling.placement_find": "tests/scheduling/test_placement_group.py",
-    "scheduling.placement_ops": "tests/scheduling/test_placement_group.py",
-    "scheduling.placement_plan": "tests/scheduling/test_placement.py",
+    "scheduling.placement.conversions": "tests/scheduling/test_placement_table_groups.py",
+    "scheduling.placement.find": "tests/scheduling/test_placement_table_groups.py",
+    "scheduling.placement.plan": "tests/scheduling/test_placement.py",
     "scheduling.ray_calls": "tests/scheduling/test_ray_transport.py",
-    "scheduling.rpc_kinds": "tests/scheduling/test_ray_transport.py",
+    "scheduling.async_pairs": "tests/scheduling/test_ray_transport.py",
     "scheduling.timeline": "tests/scheduling/test_prefetch.py",
     "scheduling.ps.client": "tests/scheduling/test_ps.py",
     "scheduling.ps.ebc": "tests/scheduling/test_ps.py",

@@ -26,7 +26,7 @@ from fxdist.pipeline import NoOpPassWarning
 from scheduling import placement
 from scheduling.placement import PlacementWarning
 from recsys.criteo import criteo_dlrm
-from scheduling.placement_plan import TableInfo, plan_tables, server_bytes
+from scheduling.placement.plan import TableInfo, plan_tables, server_bytes
 from scheduling.ps import LocalCluster, NoGroupError, get_client, ops
 from scheduling.ps.config import TableSpec
 

@@ -1,5 +1,5 @@
 """Tables that stay on the trainer: ``plan={...: "local"}`` and ``local_below_rows`` of the ``parameter_servers``
-pass (:func:`scheduling.placement_plan.split_local`), against real servers on loopback.
+pass (:func:`scheduling.placement.plan.split_local`), against real servers on loopback.
 
 Differential: a model with a 20-row positional ``nn.Embedding`` (indexed by ``torch.arange``) kept local and its
 other tables on a server trains as the same model with every table local, with one trainer, and with two trainers
@@ -21,7 +21,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 import fxdist
 import scheduling
 from scheduling import placement
-from scheduling.placement_plan import TableInfo, split_local
+from scheduling.placement.plan import TableInfo, split_local
 from scheduling.ps import LocalCluster
 from scheduling.ps.config import TableSpec
 from scheduling.ps.launch import free_port

@@ -1,4 +1,4 @@
-"""Groups of embedding modules sharing one request per server (:mod:`scheduling.placement_group`).
+"""Groups of embedding modules sharing one request per server (:mod:`scheduling.placement.table_groups`).
 
 Differential: a Wide & Deep-like model with one ``nn.EmbeddingBag`` or ``nn.Embedding`` per feature of a
 ``(B, F, L)`` id tensor, trained with its tables on 2 real servers (blocking, and with ``async_rpc_prefetch``),
@@ -19,9 +19,10 @@ from torch import nn
 
 import fxdist
 import scheduling
-from scheduling import placement, placement_ops
-from scheduling.placement_group import group_candidates, group_label
-from scheduling.placement_find import find_embeddings
+from scheduling import placement
+from scheduling.placement import conversions
+from scheduling.placement.table_groups import group_candidates, group_label
+from scheduling.placement.find import find_embeddings
 from scheduling.ps import LocalCluster, get_client, ops
 from scheduling.ps.client import PSClient
 
@@ -198,35 +199,35 @@ def test_group_to_kjt_pads_keys_fills_weights_drops_padding_and_keeps_identity()
     b = torch.tensor([5, 0, 7])                                   # 0: b's padding id, an empty bag
     c, c_offsets = torch.tensor([4, 6, 8]), torch.tensor([0, 2, 3])   # bags [4, 6], [8]; 4: c's padding id
     tensors = (a, None, a_weights, b, c, c_offsets, None)
-    kjt = placement_ops.group_to_kjt(("a", "b", "c"), members, *tensors)
+    kjt = conversions.group_to_kjt(("a", "b", "c"), members, *tensors)
     assert kjt.keys() == ["a", "b", "c"]
     assert kjt.lengths().tolist() == [2, 2, 0, 1, 0, 1, 1, 1, 0]   # a's and c's 2 bags padded to b's 3
     assert kjt.values().tolist() == [1, 2, 3, 4, 5, 7, 6, 8]
     assert kjt.weights().tolist() == [0.5, 2.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0]
-    assert placement_ops.group_to_kjt(("a", "b", "c"), members, *tensors) is kjt   # the prefetched batch again
-    assert placement_ops.group_to_kjt(("a", "b", "c"), members, None, *tensors[1:]) is None
+    assert conversions.group_to_kjt(("a", "b", "c"), members, *tensors) is kjt   # the prefetched batch again
+    assert conversions.group_to_kjt(("a", "b", "c"), members, None, *tensors[1:]) is None
     values = torch.arange(3 * 7.0).reshape(3, 7)
 
     class KT:
         def values(self):
             return values
 
-    assert torch.equal(placement_ops.group_output(KT(), 0, 4, a), values[:2, 0:4])
-    assert torch.equal(placement_ops.group_output(KT(), 4, 7, c, c_offsets, include_last_offset=True),
+    assert torch.equal(conversions.group_output(KT(), 0, 4, a), values[:2, 0:4])
+    assert torch.equal(conversions.group_output(KT(), 4, 7, c, c_offsets, include_last_offset=True),
                        values[:2, 4:7])
     index = torch.tensor([[5], [6], [7]])
-    assert torch.equal(placement_ops.group_output(KT(), 4, 7, index, embedding=True), values[:, 4:7].reshape(3, 1, 3))
+    assert torch.equal(conversions.group_output(KT(), 4, 7, index, embedding=True), values[:, 4:7].reshape(3, 1, 3))
 
 
 def test_a_group_refuses_what_its_first_bad_module_refuses():
     members = (("bag", 10, "sum", False, None), ("embedding", 9, None))
     good = (torch.tensor([[1, 2]]), None, None)
     with pytest.raises(IndexError, match="index out of range in self"):       # F.embedding's own message
-        placement_ops.group_to_kjt(("a", "b"), members, *good, torch.tensor([9]))
+        conversions.group_to_kjt(("a", "b"), members, *good, torch.tensor([9]))
     with pytest.raises(RuntimeError) as local:
         nn.EmbeddingBag(10, 2, mode="sum")(torch.tensor([[1, 2.0]]))
     with pytest.raises(RuntimeError) as grouped:
-        placement_ops.group_to_kjt(("a", "b"), members, torch.tensor([[1, 2.0]]), None, None, torch.tensor([3]))
+        conversions.group_to_kjt(("a", "b"), members, torch.tensor([[1, 2.0]]), None, None, torch.tensor([3]))
     assert str(grouped.value) == str(local.value)
 
 

@@ -16,7 +16,7 @@ can then schedule::
 
 ``nn.EmbeddingBag`` inputs ``(input, offsets)`` or 2-D ``input``, ``nn.Embedding`` index tensors and
 ``EmbeddingCollection`` inputs (each id a bag of its own) are turned into the servers' ``KeyedJaggedTensor`` format
-in the graph (:mod:`scheduling.placement_ops`), and the lookup's result back into what the module returned
+in the graph (:mod:`scheduling.placement.conversions`), and the lookup's result back into what the module returned
 (``(B, D)``; ``(*S, D)``; ``{feature: JaggedTensor}``).
 
 Configuration (what trains what):
@@ -43,7 +43,7 @@ Configuration (what trains what):
   seen); ``gm.meta["fxdist"]["placement"]["clients"]`` maps each module to its client. ``nn.EmbeddingBag`` and
   ``nn.Embedding`` modules called once share clients instead, in groups (``group_tables=True``, the default:
   one lookup and one push per server and step for a whole group, named ``"<client>:<first module>+<others>"``;
-  :mod:`scheduling.placement_group`).
+  :mod:`scheduling.placement.table_groups`).
 - After the last step call :func:`flush` (waits the pushes still in flight); :func:`table_state_dict` reads the
   tables back under your model's state-dict names (with ``optimizer_state=True`` also the row-wise Adagrad
   state, ``"<path>.momentum"``), :func:`load_table_state_dict` writes such a dict back (checkpoint restore);
@@ -84,13 +84,13 @@ from fxdist.passes.pass_base import PassBase, PassResult
 
 from recsys.embedding import EmbeddingLeafTracer, is_embedding_module
 
-from . import placement_ops
-from .placement_find import Candidate, NotMoved, call_arguments, find_embeddings
-from .placement_group import group_candidates, group_label, rewrite_group
-from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
-from .ps import ops
-from .ps.config import TableSpec, table_specs
-from .rpc_kinds import trace_meta
+from . import conversions
+from .find import Candidate, NotMoved, call_arguments, find_embeddings
+from .table_groups import group_candidates, group_label, rewrite_group
+from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
+from ..ps import ops
+from ..ps.config import TableSpec, table_specs
+from ..async_pairs import trace_meta
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
            "table_state_dict", "load_table_state_dict", "client_names"]
@@ -130,7 +130,7 @@ def _tables_of(c: Candidate) -> list[tuple[TableInfo, torch.Tensor]]:
 
 def _client_name(prefix: str, qualname: str) -> str:
     """``<prefix>:<qualname>``, made unique in this process (a server keeps the shards of a name it has seen)."""
-    from .ps.client import _CLIENTS
+    from ..ps.client import _CLIENTS
 
     base = name = f"{prefix}:{qualname}"
     k = 1
@@ -143,8 +143,8 @@ def _client_name(prefix: str, qualname: str) -> str:
 
 def _check_optimizer(servers: Sequence[str], optimizer: str, kwargs: Mapping[str, float]) -> None:
     """Raise ValueError when a live client on these servers runs another optimizer (one per server process)."""
-    from .ps.client import _CLIENTS
-    from .ps.optimizer import make_optimizer
+    from ..ps.client import _CLIENTS
+    from ..ps.optimizer import make_optimizer
 
     make_optimizer(optimizer, **kwargs)  # unknown names / arguments fail here, before anything is created
     for other in list(_CLIENTS.values()):
@@ -157,7 +157,7 @@ def _check_optimizer(servers: Sequence[str], optimizer: str, kwargs: Mapping[str
 
 def _use_shards(client: Any, shards: list[Any]) -> None:
     """Give an unconfigured PSClient an explicit shard list (the plan's) instead of its own ``plan_shards``."""
-    from .ps.server import server_layout
+    from ..ps.server import server_layout
 
     client.shards = list(shards)
     client.layouts = [server_layout(client.shards, s) for s in range(len(client.servers))]
@@ -177,10 +177,10 @@ def _make_clients(groups: list[list[Candidate]], tables: dict[str, list[tuple[Ta
     ``meta`` device from ``seed``), the other ranks attach to them."""
     import functools
 
-    from .ps.checks import check_kjt
-    from .ps.client import PSClient
+    from ..ps.checks import check_kjt
+    from ..ps.client import PSClient
 
-    from .ps.coalesce import PushBatcher
+    from ..ps.coalesce import PushBatcher
 
     rank, world_size, key = group
     clients: dict[str, Any] = {}
@@ -227,18 +227,18 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
         features = tuple(f for cfg in m.embedding_configs() for f in cfg.feature_names)
         names = tuple(n for names in m.embedding_names_by_table() for n in names)
         rows = tuple(cfg.num_embeddings for cfg in m.embedding_configs() for _ in cfg.feature_names)
-        fn, fn_args, kwargs = placement_ops.sequence_to_kjt, (args[0], features), {"num_embeddings": rows}
-        finish = lambda kt: graph.call_function(placement_ops.sequence_output,  # noqa: E731
+        fn, fn_args, kwargs = conversions.sequence_to_kjt, (args[0], features), {"num_embeddings": rows}
+        finish = lambda kt: graph.call_function(conversions.sequence_output,  # noqa: E731
                                                 (kt, args[0], features, names, m.need_indices()))
     elif c.kind == "bag":
-        fn, fn_args = placement_ops.bag_to_kjt, (c.qualname, *args[:3])
+        fn, fn_args = conversions.bag_to_kjt, (c.qualname, *args[:3])
         kwargs = {"include_last_offset": m.include_last_offset, "padding_idx": m.padding_idx,
                   "num_embeddings": m.num_embeddings, "mode": m.mode}
         finish = lambda kt: graph.call_method("values", (kt,))  # noqa: E731
     else:
-        fn, fn_args, kwargs = placement_ops.index_to_kjt, (c.qualname, args[0]), {"padding_idx": m.padding_idx,
+        fn, fn_args, kwargs = conversions.index_to_kjt, (c.qualname, args[0]), {"padding_idx": m.padding_idx,
                                                                                 "num_embeddings": m.num_embeddings}
-        finish = lambda kt: graph.call_function(placement_ops.index_output, (kt, args[0]))  # noqa: E731
+        finish = lambda kt: graph.call_function(conversions.index_output, (kt, args[0]))  # noqa: E731
     # the conversion goes right after its inputs, so that async_rpc can start the lookup that early
     inputs = [a for a in fn_args if isinstance(a, Node)]
     pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -367,7 +367,7 @@ def _record(gm: GraphModule, placements: list[TablePlacement], servers: list[str
 
 
 def _check_choices(storage: str, grad_reduction: str) -> None:
-    from .ps.storage import STORAGES
+    from ..ps.storage import STORAGES
 
     if storage not in STORAGES:
         raise ValueError(f"parameter_servers: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
@@ -390,7 +390,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
         optimizer: the servers' optimizer for every table, ``"rowwise_adagrad"`` or ``"sgd"``.
         lr: its learning rate; ``optimizer_kwargs`` adds others (e.g. ``{"eps": 1e-8}``).
         plan: per-table overrides ``{table name | weight path | module: "table_wise" | "row_wise" | server index
-            | "local"}`` (:mod:`scheduling.placement_plan`); ``"local"``: on the trainer (see the module docstring).
+            | "local"}`` (:mod:`scheduling.placement.plan`); ``"local"``: on the trainer (see the module docstring).
         local_below_rows: modules whose tables all have fewer rows stay on the trainer unless ``plan`` places them.
         servers: names of the servers to use (default: every server of the group): ``torch_rpc`` worker names,
             or names of Ray server actors registered in this process (``LocalCluster(transport="ray")``, a job
@@ -415,7 +415,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
             trainer's gradient as computed (``world_size`` times the learning rate of one trainer).
         group_tables: group ``nn.EmbeddingBag`` / ``nn.Embedding`` modules called once into one client each
             group: one lookup and one push per server and step for a group instead of one per module (which
-            modules can share one: :mod:`scheduling.placement_group`). ``False``: one client per module.
+            modules can share one: :mod:`scheduling.placement.table_groups`). ``False``: one client per module.
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
@@ -436,7 +436,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     found, plan, local = _keep_local(gm, found, kept, plan, local_below_rows)
     if not found:
         return _nothing_to_move(gm, kept, local, verbose, file)
-    from .ps.launch import group_servers
+    from ..ps.launch import group_servers
     names = list(servers) if servers else group_servers("parameter_servers")
     kwargs = {"lr": lr, **(optimizer_kwargs or {})}
     _check_optimizer(names, optimizer, kwargs)
@@ -496,7 +496,7 @@ def client_names(gm: Any) -> list[str]:
 
 def flush(gm: Any) -> None:
     """Wait every push still in flight (and drop unused prefetches) of ``gm``'s clients; call after training."""
-    from .ps.client import get_client
+    from ..ps.client import get_client
 
     for name in client_names(gm):
         get_client(name).flush()
@@ -504,7 +504,7 @@ def flush(gm: Any) -> None:
 
 def close(gm: Any) -> None:
     """:func:`flush`, then unregister ``gm``'s clients (their tables stay on the servers)."""
-    from .ps.client import get_client
+    from ..ps.client import get_client
 
     for name in client_names(gm):
         get_client(name).close()
@@ -514,7 +514,7 @@ def table_state_dict(gm: Any, optimizer_state: bool = False) -> dict[str, torch.
     """The moved tables as in the original model's ``state_dict``: ``{"<path>.weight": (N, D)}``; with
     ``optimizer_state`` also the servers' row-wise Adagrad state ``{"<path>.momentum": (N,)}`` (when the
     optimizer has one). Waits this trainer's pushes first."""
-    from .ps.client import get_client
+    from ..ps.client import get_client
 
     meta = _placement_meta(gm)
     out, states = {}, {}
@@ -540,7 +540,7 @@ def load_table_state_dict(gm: Any, state: Mapping[str, torch.Tensor]) -> None:
         KeyError: a moved table's ``"<path>.weight"`` is missing from ``state`` (the message lists the keys).
         ValueError: a weight's shape differs from the table's.
     """
-    from .ps.client import get_client
+    from ..ps.client import get_client
 
     meta = _placement_meta(gm)
     per_client: dict[str, dict[str, torch.Tensor]] = {}

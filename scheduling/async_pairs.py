@@ -15,16 +15,15 @@ A plain ``rpc_sync`` is assumed to be a read (it usually fetches values); regist
 
 A pair with ``presplit=True`` is also recognised already split: a wait node whose argument is a start node
 used by nothing else (code that starts and waits itself, as ``ray.get(handle.m.remote(x))`` does); the pass
-then only moves the two. Transport-specific pairs live in their own modules (:data:`EXTENSIONS`), imported
-here only once the library they are about has been imported, so the pass never imports Ray.
+then only moves the two. Transport-specific pairs live in their own modules, which register them when they are
+imported (:mod:`scheduling.ray_calls` for Ray): a graph can call ``ray_remote`` / ``ray_call`` only once that
+module is imported, so this module names none of them and the pass never imports Ray.
 
 Source: torch.fx paper §6.2.3.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,8 +34,7 @@ from fxdist.node import Node
 
 from .ps import ops
 
-__all__ = ["AsyncPair", "register_async_pair", "pair_for", "presplit_pair_for", "destination", "node_arg", "trace_meta",
-           "EXTENSIONS"]
+__all__ = ["AsyncPair", "register_async_pair", "pair_for", "presplit_pair_for", "destination", "node_arg", "trace_meta"]
 
 
 @dataclass(frozen=True)
@@ -62,19 +60,6 @@ class AsyncPair:
 
 
 _PAIRS: dict[Any, AsyncPair] = {}
-EXTENSIONS = {"ray": "scheduling.ray_calls"}
-"""library module -> the module registering its pairs, imported once the library is loaded (a graph can
-call the library's functions only then)."""
-_LOADED: set[str] = set()
-
-
-def _load_extensions() -> None:
-    if len(_LOADED) == len(EXTENSIONS):
-        return
-    for library, module in EXTENSIONS.items():
-        if library not in _LOADED and library in sys.modules:
-            _LOADED.add(library)
-            importlib.import_module(module)
 
 
 def register_async_pair(pair: AsyncPair) -> AsyncPair:
@@ -87,7 +72,6 @@ def pair_for(node: Node) -> AsyncPair | None:
     """The pair whose blocking target ``node`` calls, or None."""
     if node.op != "call_function":
         return None
-    _load_extensions()
     try:
         return _PAIRS.get(node.target)
     except TypeError:  # unhashable target
@@ -98,7 +82,6 @@ def presplit_pair_for(node: Node) -> AsyncPair | None:
     """The ``presplit`` pair for which ``node`` is the wait of a start node that only it uses, or None."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
         return None
-    _load_extensions()
     start = node.args[0]
     for pair in _PAIRS.values():
         if (pair.presplit and node.target is pair.wait and start.op == "call_function" and start.target is pair.start

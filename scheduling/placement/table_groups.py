@@ -38,12 +38,12 @@ from typing import Any
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 
-from . import placement_ops
+from . import conversions
 from recsys.embedding import embedding_kind
 
-from .placement_find import Candidate, call_arguments, is_inplace
-from .ps import ops
-from .rpc_kinds import trace_meta
+from .find import Candidate, call_arguments, is_inplace
+from ..ps import ops
+from ..async_pairs import trace_meta
 
 __all__ = ["GROUPABLE", "group_candidates", "group_label", "rewrite_group"]
 
@@ -129,7 +129,7 @@ def _move_chain(members: list[Candidate]) -> None:
 
 
 def _member(c: Candidate) -> tuple[tuple, tuple[Any, ...]]:
-    """A member's static description for :func:`~scheduling.placement_ops.group_to_kjt` and its input nodes."""
+    """A member's static description for :func:`~scheduling.conversions.group_to_kjt` and its input nodes."""
     m = c.module
     args = tuple(call_arguments(m, c.nodes[0]))
     if c.kind == "embedding":
@@ -139,7 +139,7 @@ def _member(c: Candidate) -> tuple[tuple, tuple[Any, ...]]:
 
 def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, trainable: bool) -> None:
     """Replace the members' calls by one lookup per server (+ backward pushes), the pooling, and each member's
-    slice of it (:func:`scheduling.placement_ops.group_output`); the caller drops the modules."""
+    slice of it (:func:`scheduling.conversions.group_output`); the caller drops the modules."""
     graph = gm.graph
     _move_chain(members)
     first = members[0].nodes[0]
@@ -152,7 +152,7 @@ def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, traina
     after = max([a for a in tensors if isinstance(a, Node)] + [n for n in graph.nodes if n.op == "placeholder"],
                 key=pos.__getitem__)
     with graph.inserting_after(after):
-        kjt = graph.call_function(placement_ops.group_to_kjt, (tuple(c.qualname for c in members),
+        kjt = graph.call_function(conversions.group_to_kjt, (tuple(c.qualname for c in members),
                                                               tuple(d for d, _ in described), *tensors))
     anchor = first.prev
     with graph.inserting_before(first):
@@ -170,7 +170,7 @@ def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, traina
         extra = {"embedding": True} if c.kind == "embedding" else {
             "offsets": args[1], "include_last_offset": c.module.include_last_offset}
         with graph.inserting_before(node):
-            out = graph.call_function(placement_ops.group_output, (pooled, start, start + dim, args[0]), extra)
+            out = graph.call_function(conversions.group_output, (pooled, start, start + dim, args[0]), extra)
         out.meta.update(trace_meta(node))
         out.meta["parameter_servers"] = c.qualname
         start += dim

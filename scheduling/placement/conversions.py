@@ -31,7 +31,7 @@ import torch
 
 import fxdist
 
-from .ps.checks import bad_id_dtype, ids_suspect, raise_embedding_bag_error, raise_embedding_error
+from ..ps.checks import bad_id_dtype, ids_suspect, raise_embedding_bag_error, raise_embedding_error
 
 __all__ = ["bag_to_kjt", "index_to_kjt", "index_output", "sequence_to_kjt", "sequence_output", "group_to_kjt",
            "group_output"]
