@@ -3,18 +3,20 @@
 The test files are public PyTorch code: they are read from a checkout outside this repository (never copied
 into it) and run by pytest in this process, with the FX names they import resolved to fxdist.
 
-Scheme (nothing is written to disk; all of it lives in this runner process only):
+Scheme (nothing is written to disk; all of it lives in this runner process only, and only in the test files):
 
-- While pytest *collects* (imports) the test files, a meta-path alias serves ``torch.fx`` and
-  ``torch.fx.<sub>`` (and the same under ``pippy.fx``, the name PiPPy's vendored copy of the tests uses)
-  from ``fxdist`` and ``fxdist.<sub>``: ``sys.modules`` entries of the real ``torch.fx`` are swapped out for
-  that time, so ``from torch.fx import Graph`` in a test file binds fxdist's ``Graph``. A submodule fxdist
-  does not provide (``_compatibility``, ``operator_schemas``, ``experimental.rewriter``...) resolves to
-  torch.fx's own, so the file still imports; tests that use it then exercise torch.fx.
-- After collection the real ``torch.fx`` modules go back into ``sys.modules`` (torch's own internals --
-  dynamo, export, jit, ao -- keep seeing the real one), and the global ``torch`` of every module loaded from
-  the test folder is rebound to a stand-in whose ``fx`` attribute is the fxdist alias and whose other
-  attributes are torch's, so ``torch.fx.Graph()`` inside a test body is fxdist's too.
+- A meta-path finder claims the modules whose files lie under the test folder (``test_fx.py``, the
+  ``fx/test_*.py`` helpers it imports) and executes each with its own ``__builtins__``, whose ``__import__``
+  resolves ``torch.fx[.sub]`` (and ``pippy.fx[.sub]``, the name PiPPy's vendored copy of the tests uses) to
+  ``fxdist[.sub]``: ``from torch.fx import Graph`` in a test file binds fxdist's ``Graph``. A name or submodule
+  fxdist does not provide (``_compatibility``, ``operator_schemas``, ``experimental.rewriter``,
+  ``experimental.const_fold``...) resolves to torch.fx's own, so the file still imports; tests that use it
+  then exercise torch.fx (or torch.fx's code on fxdist graphs).
+- ``import torch`` in a test file binds a stand-in whose ``fx`` attribute is fxdist (same fallback) and whose
+  other attributes are torch's, so ``torch.fx.Graph()`` and ``torch.fx.proxy.TracerBase`` in a test body are
+  fxdist's too. ``sys.modules`` is untouched: torch's own internals (dynamo, export, jit, ao) keep torch.fx.
+- ``--torch-fx`` resolves the same names to torch.fx itself: the reference run, to tell fxdist's failures
+  from tests that fail on this torch version anyway.
 - ``SKIPS`` below lists tests of torch-only machinery fxdist deliberately does not reimplement, each with a
   reason; they are reported as skipped.
 
@@ -197,7 +199,11 @@ class _Plugin:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the chosen PyTorch FX test files on fxdist; return pytest's exit code."""
+    """Run the chosen PyTorch FX test files on fxdist; return pytest's exit code.
+
+    Raises:
+        SystemExit: bad command-line arguments (argparse).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="a PyTorch test/ folder, or test files")
     parser.add_argument("--torch-fx", action="store_true",
