@@ -14,7 +14,7 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 
 import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
@@ -37,6 +37,7 @@ Argument = Optional[Union[  # noqa: UP007
     tuple["Argument", ...], Sequence["Argument"], Mapping[str, "Argument"], slice, range, "Node",
     BaseArgumentTypes,
 ]]
+ArgumentT = TypeVar("ArgumentT", bound=Argument)  # map_arg's type variable, as in torch/fx/node.py
 
 _legal_ops = dict.fromkeys(
     ["placeholder", "call_method", "call_module", "call_function", "get_attr", "output", "root"])
