@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,15 @@ def test_the_table_is_the_same_for_the_typed_results():
     assert table(JobResults.from_json(data)) == text
     assert "QPS gain, optimized vs baseline: +25.0 %" in text and "int8 speed-up: 2.00x" in text
     assert "prefetch (async_rpc_prefetch): 1 of 1 lookups prefetched; 260 lookups answered by a prefetch" in text
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_real_short_runs_results_round_trip_and_print_the_same_table():
+    """results.json of a short run (2 trainers, 1 server, 12 steps, int8 comparison) and the table the report
+    printed for it before the results were typed."""
+    data = json.loads((DATA / "results_short_run.json").read_text())
+    typed = JobResults.from_json(data)
+    assert typed.to_json() == data and JobResults.from_json(typed.to_json()) == typed
+    assert table(typed) + "\n" == (DATA / "results_short_run.table.txt").read_text()
