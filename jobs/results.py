@@ -6,7 +6,9 @@ field's name). A field left :data:`ABSENT` is not in the JSON (e.g. ``inference`
 ``[quant] enabled``, ``error`` of a completed run); a field that is None is written as ``null``.
 :meth:`JobResults.to_json` gives the dict for ``json.dump`` (NaN / inf as null, tuples as lists, the nested results
 by their own ``to_json``), :meth:`JobResults.from_json` reads it back; ``from_json(x.to_json()) == x`` for results
-read from JSON. Open-ended parts (a config, a user's metrics, per-lookup records, int8 layers) stay dicts.
+read from JSON. Open-ended parts (a config, a user's metrics, per-lookup records, int8 layers) stay dicts. The
+objects also read like the JSON dict (``results["phases"]["baseline"]["qps"]``, ``.get(key, default)``, ``key in``),
+so the table code (:mod:`jobs.report`) and scripts read a results dict and the typed results alike.
 
 Source: the results.json written by :func:`jobs.report.write` (the schema was prose in :mod:`jobs.report`).
 """
@@ -116,7 +118,7 @@ class _Result:
 @dataclass(frozen=True)
 class PhaseResult(_Result):
     """One phase (``baseline`` / ``optimized``) of ``results.json["phases"]``: :func:`jobs.stats.phase_summary`
-    plus what the trainers add after evaluation (:func:`jobs.worker` ``_finish_phases``)."""
+    plus what the trainers add after evaluation (``jobs.worker._finish_phases``)."""
 
     qps: float | None
     """Job-wide training throughput, samples/s: all trainers' samples / the slowest trainer's phase wall time."""

@@ -35,8 +35,8 @@ from typing import Any
 from jobs.config import ConfigError, JobConfig, parse_config, to_dict
 from jobs.results import JobResults, ResultsError, strict_json
 
-__all__ = ["RESULTS", "RESUMABLE_KEYS", "choose", "read", "read_results", "write", "load_config", "check_resume_changes",
-           "holds_run", "status_of"]
+__all__ = ["RESULTS", "RESUMABLE_KEYS", "choose", "read", "read_results", "write", "load_config",
+           "check_resume_changes", "holds_run", "status_of"]
 
 RESULTS = "results.json"
 RESUMABLE_KEYS = frozenset({
