@@ -112,3 +112,16 @@ def test_a_real_short_runs_results_round_trip_and_print_the_same_table():
     typed = JobResults.from_json(data)
     assert typed.to_json() == data and JobResults.from_json(typed.to_json()) == typed
     assert table(typed) + "\n" == (DATA / "results_short_run.table.txt").read_text()
+
+
+def test_a_resumed_runs_results_are_read_typed_and_a_foreign_key_is_a_config_error(tmp_path):
+    from jobs import runs
+    from jobs.config import ConfigError
+
+    runs.write(tmp_path, {**_results(), "phases": {"baseline": PhaseResult.from_json(_phase(1.0))}})
+    typed = runs.read_results(tmp_path)
+    assert typed.phases["baseline"] == PhaseResult.from_json(_phase(1.0)) and typed.status == "completed"
+    runs.write(tmp_path, {**_results(), "fetch_p50": 1.0})
+    with pytest.raises(ConfigError, match=r"results.json: results: unknown key 'fetch_p50'"):
+        runs.read_results(tmp_path)
+    assert runs.read_results(tmp_path / "absent") is None
