@@ -23,7 +23,7 @@ path (``over_arch.model.0._mlp.0._linear``) in ``layers`` (``name`` and ``target
 name), ``note`` and ``selection``.
 
 Never fails after training: :func:`compare` turns any exception (the model does not trace, FakeTensor or
-FBGEMM refuses an op, the eval batches do not fit ``forward``) into ``{"skipped": reason}`` with the
+FBGEMM refuses an op, the eval batches do not fit ``forward``) into ``InferenceResult(skipped=reason)`` with the
 exception's type and message, which the results table prints and ``results.json`` keeps.
 
 Source: torch.fx paper §6.2.1 (quantization as a graph pass); FBGEMM; DLRM inference.
@@ -32,6 +32,7 @@ Source: torch.fx paper §6.2.1 (quantization as a graph pass); FBGEMM; DLRM infe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import time
@@ -46,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from jobs import entry
 from jobs.config import JobConfig
+from jobs.results import InferenceResult
 
 __all__ = ["rebuild_model", "quantize", "compare", "max_abs_diff", "NothingToQuantize"]
 
@@ -199,7 +201,7 @@ def _best_qps(models: dict[str, nn.Module], inputs: list[tuple[Any, ...]], rows:
 
 
 def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | None = None, *,
-            timer: Any = None) -> dict[str, Any]:
+            timer: Any = None) -> InferenceResult:
     """fp32 vs int8 inference QPS and quality of the trained model on the held-out batches
     (:func:`jobs.workload.inference_batches`: the Criteo held-out rows, or your "eval" split).
 
@@ -209,12 +211,12 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
         timer: passed to :func:`quantize` (tests inject one); None: measured on this CPU.
 
     Returns:
-        :func:`quantize`'s info plus ``rows``, ``batch_size``, ``threads``, ``fp32`` and ``int8`` (``qps`` in
+        An :class:`jobs.results.InferenceResult` (units: its fields): :func:`quantize`'s info plus ``rows``, ``batch_size``, ``threads``, ``fp32`` and ``int8`` (``qps`` in
         rows/s and the quality metrics; ``int8`` is the model chosen: a copy of ``fp32`` when ``kept_fp32``) and
         ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is kept, else > 1), ``output_max_abs_diff``
         (:func:`max_abs_diff` of the int8 and fp32 outputs: 0.0 when fp32 is kept at selection), ``device``
         (``"cpu"``: FBGEMM's int8 kernels are CPU kernels, so the comparison runs on the launcher's CPU even when
-        the trainers used GPUs; ``device_note`` says so then); or ``{"skipped": reason}`` when there is no
+        the trainers used GPUs; ``device_note`` says so then); or ``skipped`` (the reason) alone when there is no
         held-out batch, no layer to quantize, quantization cannot run on the model (the reason names the
         exception's type and message), or anything else in this stage raised (then reason starts with "failed:").
 
@@ -226,12 +228,12 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
     try:
         held_out, calibration = inference_batches(config, data_path)
         if not held_out:
-            return {"skipped": "no held-out batch (the eval split is empty)"}
+            return InferenceResult(skipped="no held-out batch (the eval split is empty)")
         torch.set_num_threads(1)
         with torch.no_grad():
             return _compare(config, rebuild_model(config, state), held_out, calibration, timer)
     except Exception as e:  # noqa: BLE001 - recorded as the stage's skip reason, never the job's failure
-        return {"skipped": f"failed: {_describe(e)}"}
+        return InferenceResult(skipped=f"failed: {_describe(e)}")
     finally:
         torch.set_num_threads(threads)
 
@@ -243,9 +245,9 @@ def _describe(e: BaseException) -> str:
 
 
 def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibration: list[Any],
-             timer: Any) -> dict[str, Any]:
+             timer: Any) -> InferenceResult:
     if not any(isinstance(m, QUANTIZABLE) for m in model.modules()):
-        return {"skipped": f"{type(model).__name__} has no nn.Linear or nn.Conv layer to quantize"}
+        return InferenceResult(skipped=f"{type(model).__name__} has no nn.Linear or nn.Conv layer to quantize")
     batches = [entry.split_batch(b, forward=model.forward) for b in held_out]
     inputs, labels = [_positional(model, b) for b in batches], [b[2] for b in batches]
     rows = sum(y.shape[0] for y in labels)
@@ -256,9 +258,9 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
                                                 for b in calibration],
                                         timer=timer)
     except NothingToQuantize as e:
-        return {"skipped": str(e)}
+        return InferenceResult(skipped=str(e))
     except Exception as e:  # noqa: BLE001 - tracing, the cost model, FakeTensor or FBGEMM refused the model
-        return {"skipped": f"quantization cannot run on {type(model).__name__}: {_describe(e)}"}
+        return InferenceResult(skipped=f"quantization cannot run on {type(model).__name__}: {_describe(e)}")
     models = {"fp32": model} if info["kept_fp32"] else {"fp32": model, "int8": int8_model}
     qps = _best_qps(models, inputs, rows)
     fp32_out = _run(model, inputs)
@@ -275,9 +277,9 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
                         layers=[{**x, "chosen": False} for x in info["layers"]],
                         note=f"kept fp32: the selected int8 model ran at {measured['qps'] / fp32['qps']:.2f}x "
                              "fp32 end to end (embedding lookups included)")
-    out = {**info, "rows": rows, "batch_size": labels[0].shape[0], "threads": 1, "fp32": fp32, "int8": int8,
-           "speedup": int8["qps"] / fp32["qps"], "device": "cpu"}
+    out = InferenceResult(**info, rows=rows, batch_size=labels[0].shape[0], threads=1, fp32=fp32, int8=int8,
+                          speedup=int8["qps"] / fp32["qps"], device="cpu")
     if config.cluster.use_gpu:  # FBGEMM's int8 kernels are CPU kernels: the comparison stays on the CPU
-        out["device_note"] = ("a CPU inference measurement (FBGEMM int8 kernels), on the launcher's CPU; the "
-                              "trainers trained on GPUs")
+        out = dataclasses.replace(out, device_note="a CPU inference measurement (FBGEMM int8 kernels), on the "
+                                                   "launcher's CPU; the trainers trained on GPUs")
     return out

@@ -33,6 +33,7 @@ Source: Ray Train (TorchTrainer, ScalingConfig, RunConfig, FailureConfig, Checkp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -48,6 +49,7 @@ from jobs import runs, table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.plan import JobPlan, TrainerSpec, make_plan, with_data
 from jobs.prometheus import retarget, write_prometheus_files
+from jobs.results import InferenceResult, JobResults, PhaseResult
 from jobs.state import JobState, seed_snapshot, with_snapshot
 from jobs.stats import peak_rss_bytes
 from recsys.criteo_format import DataError
@@ -111,8 +113,8 @@ class Watch:
     """What the launcher keeps about a running job, between its steps (:func:`launch`, :func:`_train`,
     :func:`_follow`)."""
 
-    previous: dict[str, Any] | None = None
-    """The resumed run's results.json (``--resume``), else None."""
+    previous: JobResults | None = None
+    """The resumed run's results (``--resume``), else None."""
     snap: dict[str, Any] = field(default_factory=dict)
     """The last JobState snapshot (:meth:`jobs.state.JobState.snapshot`): what an interrupted launch reports."""
     on_change: Callable[[dict[str, Any]], None] = lambda snap: None
@@ -197,7 +199,7 @@ def _trainer(config: JobConfig, spec: TrainerSpec, run_dir: Path):
 
 
 def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool = False,
-           resume: bool = False) -> dict[str, Any]:
+           resume: bool = False) -> JobResults:
     """Run the job described by ``config`` and return its results (also written to ``results.json``).
 
     Every check that needs no Ray runs first (:func:`jobs.plan.make_plan`: :func:`jobs.preflight.check`, the
@@ -213,7 +215,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             should be :func:`jobs.runs.load_config` of it).
 
     Returns:
-        The results dict (see :mod:`jobs.report` for its keys), with ``"status": "completed"``.
+        The :class:`jobs.results.JobResults` written to results.json, with ``status`` ``"completed"``.
 
     Raises:
         ConfigError: a bad config, a taken port, not enough memory, a run folder that holds a run (or
@@ -226,13 +228,13 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     """
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[fxdist] {msg}", flush=True))
     plan = make_plan(config, run_dir, resume=resume, local=not _expect_cluster(config), log=log)
-    run_dir, previous = plan.run_dir, runs.read(plan.run_dir) if resume else None
+    run_dir, previous = plan.run_dir, runs.read_results(plan.run_dir) if resume else None
     started_ray, on_cluster = _join_ray(plan.config, log=log)
     watch = Watch(previous=previous)
     results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
                                "config_source": config.source, "run_dir": str(run_dir),
                                "launcher": {"pid": os.getpid(), "host": socket.gethostname()},
-                               "resumes": (previous or {}).get("resumes", 0) + (1 if resume else 0)}
+                               "resumes": ((previous.resumes or 0) if previous else 0) + (1 if resume else 0)}
     try:
         try:
             check_gpus(plan.config)
@@ -258,25 +260,25 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         if run_dir.is_dir():
             _record_end(run_dir, results, watch, e)
         raise
-    _report(config, results, run_dir, quiet, log)
-    return results
+    return _report(config, results, run_dir, quiet, log)
 
 
-def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bool, log: Any) -> None:
-    """Write results.json and the plot, print the table; raise :class:`ParityError` (``[phases] parity =
-    "error"``) when the optimized phase did not train like the baseline."""
+def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bool, log: Any) -> JobResults:
+    """Write results.json and the plot, print the table and return the results written; raise
+    :class:`ParityError` (``[phases] parity = "error"``) when the optimized phase did not train like the baseline."""
     from jobs import report
 
     results.pop("launcher", None)
-    report.write(results, run_dir)
+    typed = report.write(results, run_dir)
     if not quiet:
-        print(report.table(results), flush=True)
+        print(report.table(typed), flush=True)
         log(f"results: {run_dir / 'results.json'}, plot: {run_dir / 'qps.png'}")
-    parity = results.get("parity")
+    parity = typed.parity or None
     if parity is not None and not parity["ok"] and config.phases.parity == "error":
         raise ParityError(f"parity check failed: the optimized phase (passes {list(config.phases.passes)}) "
                           f"{report.parity_problem(parity)}; results kept in {run_dir / 'results.json'} "
                           '(set [phases] parity = "warn" to accept a difference)')
+    return typed
 
 
 def _record_data(plan: JobPlan, results: dict[str, Any]) -> None:
@@ -295,7 +297,7 @@ class ParityError(RuntimeError):
     """The optimized phase's model differs from the baseline's by more than the baseline's own spread."""
 
 
-def compare_phases(config: JobConfig, phases: dict[str, Any]) -> dict[str, Any]:
+def compare_phases(config: JobConfig, phases: dict[str, PhaseResult]) -> dict[str, Any]:
     """``{"gain": ..., "parity": ...}`` of the optimized phase against the baseline (empty without both):
     the interleaved-block QPS gain (:func:`jobs.stats.interleaved_gain`) and the parity check
     (:func:`jobs.stats.parity_check`, with ``mode`` = ``[phases] parity`` and the passes checked)."""
@@ -345,7 +347,7 @@ def _record_end(run_dir: Path, results: dict[str, Any], watch: Watch, error: Bas
     error.add_note(f"run folder: {run_dir} ({out['status']}); continue it with `{out['resume']}`")
 
 
-def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: Any) -> dict[str, Any]:
+def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: Any) -> InferenceResult:
     """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.inference`)."""
     from jobs import inference
 
@@ -356,9 +358,8 @@ def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: An
     model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
         "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
     out = inference.compare(config, model_state, data_path)
-    out["model_step"] = evaluated.get("step", final.get("step"))
-    out["seconds"] = time.perf_counter() - t_quant
-    return out
+    return dataclasses.replace(out, model_step=evaluated.get("step", final.get("step")),
+                               seconds=time.perf_counter() - t_quant)
 
 
 def _recorded_error(error: dict[str, Any]) -> Exception:

@@ -1,25 +1,13 @@
 """A job's results: the printed table, ``results.json`` and ``qps.png``.
 
-``results`` (as returned by :func:`jobs.launch.launch`) has the keys ``job``, ``config``, ``data``
-(``path``, ``note``, ``parse``: valid / malformed line counts), ``phases`` (``baseline`` and
-``optimized``: ``qps`` samples/s, ``step_p50_ms``, ``step_p99_ms``, ``fetch_p50_ms``, ``fetch_p99_ms``,
-``loss``, ``quality`` {``auc``, ``log_loss``, ``rows``, ``positives``} of the model after ``quality_step``
-(``quality_epochs`` passes over a trainer's shard), ``quality_end`` (the same at the phase end), ``qps_series`` [(seconds, samples/s)], ``optimize``
-{passes run; ``prefetch``: per lookup ``prefetched``, ``reason``, ``where``: :func:`jobs.lookups.optimize_record`}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
-``gain_percent`` (its median), ``parity`` (:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``),
-``restarts``, ``faults_fired``, ``placement`` (``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``,
-``hostname``, ``pid``, ``metrics`` [address, port]: :func:`jobs.cluster.where`), ``processes`` (``trainer<r>`` /
-``ps<i>`` / ``launcher`` -> ``pid``, ``peak_rss_bytes``: :func:`jobs.stats.peak_rss_bytes` at the process's end;
-a server's also ``rows`` and ``bytes`` held: ``PSServer.memory()``, stored rows + optimizer state), ``inference`` (``fp32`` / ``int8``:
-``qps``, ``auc``, ``log_loss``; ``speedup``; ``model_step``: the step of the model quantized; ``isa``; ``layers``:
-the per-layer int8 choice of ``quant.select_int8``, named by module path; ``kept_fp32``: no layer paid, the int8 row
-is the fp32 model; ``output_max_abs_diff``: int8 vs fp32 over every output leaf; or ``skipped``: why there is no
-comparison, an error of that stage included: :func:`jobs.inference.compare`) and
-``run_dir``.
+The results are a :class:`jobs.results.JobResults` (as returned by :func:`jobs.launch.launch`): its fields, with
+their units, are the keys of ``results.json`` (:mod:`jobs.results`). The functions here read them with
+``results.get(key)`` / ``results[key]``, so a results dict of the same keys (a test's fixture) reads the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -27,6 +15,7 @@ from typing import Any
 
 from jobs.cluster import placement_lines
 from jobs.lookups import prefetch_lines
+from jobs.results import InferenceResult, JobResults, strict_json
 from jobs.stats import gain_percent
 
 __all__ = ["table", "write", "plot", "to_json", "parity_problem", "counted"]
@@ -43,7 +32,7 @@ def _fmt(value: Any, spec: str = ".1f") -> str:
     return format(value, spec)
 
 
-def _gain(results: dict[str, Any]) -> float:
+def _gain(results: JobResults) -> float:
     """The reported QPS gain, percent: the median of the interleaved block pairs (``results["gain"]``), else
     the ratio of the two phases' QPS."""
     gain = results.get("gain") or {}
@@ -55,7 +44,7 @@ def _gain(results: dict[str, Any]) -> float:
     return gain_percent(phases["baseline"]["qps"], phases["optimized"]["qps"])
 
 
-def _gain_lines(results: dict[str, Any]) -> list[str]:
+def _gain_lines(results: JobResults) -> list[str]:
     gain = results.get("gain") or {}
     line = f"QPS gain, optimized vs baseline: {_fmt(_gain(results), '+.1f')} %"
     if gain.get("blocks"):
@@ -76,7 +65,7 @@ def parity_problem(parity: dict[str, Any]) -> str:
     return "differs from the baseline: " + "; ".join(bad) if bad else "matches the baseline"
 
 
-def _parity_lines(results: dict[str, Any]) -> list[str]:
+def _parity_lines(results: JobResults) -> list[str]:
     parity = results.get("parity")
     if not parity:
         return []
@@ -100,7 +89,7 @@ def _metrics(parity: dict[str, Any]) -> list[str]:
     return list(parity.get("metrics") or ["auc"])
 
 
-def _columns(results: dict[str, Any]) -> tuple[str, ...]:
+def _columns(results: JobResults) -> tuple[str, ...]:
     """The quality columns of the table: AUC and log loss, RMSE and MAE, or the held-out loss (and the AUC and
     log loss of a binary-label model with its own loss, :func:`jobs.entry.binary_score`)."""
     for p in results.get("phases", {}).values():
@@ -113,8 +102,9 @@ def _columns(results: dict[str, Any]) -> tuple[str, ...]:
     return _COLUMNS["auc"]
 
 
-def table(results: dict[str, Any]) -> str:
-    """The human-readable summary printed at the end of a job."""
+def table(results: JobResults) -> str:
+    """The human-readable summary printed at the end of a job (``results``: a :class:`JobResults`, or a dict of its
+    keys)."""
     cfg = results.get("config", {})
     c, j = cfg.get("cluster", {}), cfg.get("job", {})
     cols = _columns(results)
@@ -169,7 +159,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _reader_lines(results: dict[str, Any]) -> list[str]:
+def _reader_lines(results: JobResults) -> list[str]:
     """Parse throughput of the first pass and of the trainers' readers, next to the training QPS."""
     out = []
     scan = (results.get("data") or {}).get("scan") or {}
@@ -186,7 +176,7 @@ def _reader_lines(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[str]:
+def _inference_lines(inf: InferenceResult | None, cols: tuple[str, ...]) -> list[str]:
     """The fp32-vs-int8 comparison (or why there is none)."""
     if not inf:
         return []
@@ -212,7 +202,7 @@ def _inference_lines(inf: dict[str, Any] | None, cols: tuple[str, ...]) -> list[
     return lines
 
 
-def _quality_notes(results: dict[str, Any], steps: Any, cols: tuple[str, ...] = _COLUMNS["auc"]) -> list[str]:
+def _quality_notes(results: JobResults, steps: Any, cols: tuple[str, ...] = _COLUMNS["auc"]) -> list[str]:
     """What the quality columns (AUC / logloss, or RMSE / MAE...) refer to, and the end-of-phase values when
     those differ."""
     phases = results.get("phases", {})
@@ -238,18 +228,11 @@ def _quality_notes(results: dict[str, Any], steps: Any, cols: tuple[str, ...] = 
     return lines
 
 
-def to_json(value: Any) -> Any:
-    """``value`` with NaN/inf floats as None and tuples as lists (strict JSON)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v) for v in value]
-    return value
+to_json = strict_json
+"""``value`` with NaN/inf floats as None and tuples as lists (strict JSON): :func:`jobs.results.strict_json`."""
 
 
-def plot(results: dict[str, Any], path: Path) -> Path:
+def plot(results: JobResults, path: Path) -> Path:
     """PNG of job QPS over time (seconds since each phase started), one line per phase, and the loss."""
     import matplotlib
 
@@ -276,9 +259,18 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def write(results: dict[str, Any], run_dir: Path) -> None:
-    """Add ``gain_percent`` to ``results`` and write ``results.json`` and ``qps.png`` into ``run_dir``."""
-    results["gain_percent"] = _gain(results)
+def write(results: JobResults | dict[str, Any], run_dir: Path) -> JobResults:
+    """Write ``results.json`` and ``qps.png`` into ``run_dir``: ``results`` (a dict is read by
+    :meth:`JobResults.from_json`) with ``gain_percent`` (%, :func:`_gain`) set.
+
+    Returns:
+        The results written.
+
+    Raises:
+        jobs.results.ResultsError: a results dict with a key the schema does not know, or without a required one.
+    """
+    typed = dataclasses.replace(JobResults.from_json(results), gain_percent=_gain(results))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "results.json").write_text(json.dumps(to_json(results), indent=2) + "\n")
-    plot(results, run_dir / "qps.png")
+    (run_dir / "results.json").write_text(json.dumps(typed.to_json(), indent=2) + "\n")
+    plot(typed, run_dir / "qps.png")
+    return typed

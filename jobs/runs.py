@@ -6,7 +6,7 @@ A run folder holds a run once it has ``results.json`` or Ray Train's storage ``r
 - ``"running"``: written when training starts (with the config and the launcher's pid and host), and
   again each time a phase finishes or a checkpoint is written, so a launcher killed outright still leaves
   its finished phases;
-- ``"completed"``: the job finished (the full results, see :mod:`jobs.report`);
+- ``"completed"``: the job finished (the full results, :class:`jobs.results.JobResults`);
 - ``"interrupted"``: Ctrl-C / SIGINT (exit status 130): the phases finished so far, the progress of the
   one running, and its checkpoints;
 - ``"failed"``: the job failed (exit status 1 or 2), with ``"error"`` and the phases finished so far.
@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from jobs.config import ConfigError, JobConfig, parse_config, to_dict
+from jobs.results import JobResults, ResultsError, strict_json
 
-__all__ = ["RESULTS", "RESUMABLE_KEYS", "choose", "read", "write", "load_config", "check_resume_changes",
-           "holds_run", "status_of"]
+__all__ = ["RESULTS", "RESUMABLE_KEYS", "choose", "read", "read_results", "write", "load_config",
+           "check_resume_changes", "holds_run", "status_of"]
 
 RESULTS = "results.json"
 RESUMABLE_KEYS = frozenset({
@@ -55,7 +56,8 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def read(run_dir: Path) -> dict[str, Any] | None:
-    """The run's results.json, or None when absent.
+    """The run's results.json as a plain dict (any results.json: its status, launcher and config), or None when
+    absent (:func:`read_results` reads it as :class:`jobs.results.JobResults`).
 
     Raises:
         ConfigError: it exists but is not a JSON object.
@@ -72,19 +74,33 @@ def read(run_dir: Path) -> dict[str, Any] | None:
     return data
 
 
-def status_of(results: dict[str, Any] | None) -> str:
+def read_results(run_dir: Path) -> JobResults | None:
+    """The run's results.json as :class:`jobs.results.JobResults` (a resumed run's record), or None when absent.
+
+    Raises:
+        ConfigError: it is not a JSON object, or not the results schema (the message names the key).
+    """
+    data = read(run_dir)
+    try:
+        return None if data is None else JobResults.from_json(data)
+    except ResultsError as e:
+        raise ConfigError(f"{run_dir / RESULTS}: {e}") from None
+
+
+def status_of(results: JobResults | dict[str, Any] | None) -> str:
     """The run's status ("completed" for a results.json written before statuses existed)."""
     if results is None:
         return "unknown (no results.json)"
     return str(results.get("status", "completed"))
 
 
-def write(run_dir: Path, results: dict[str, Any]) -> Path:
-    """Write ``results.json`` atomically (a temporary file, then a rename); values JSON cannot hold are
-    written as text."""
+def write(run_dir: Path, results: JobResults | dict[str, Any]) -> Path:
+    """Write ``results.json`` atomically (a temporary file, then a rename): strict JSON
+    (:func:`jobs.results.strict_json`: typed results by their ``to_json``, NaN as null); other values JSON cannot
+    hold are written as text."""
     path = run_dir / RESULTS
     tmp = path.with_name(f".{RESULTS}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    tmp.write_text(json.dumps(strict_json(results), indent=2, default=str) + "\n")
     os.replace(tmp, path)
     return path
 

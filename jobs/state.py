@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from jobs.results import JobResults, PhaseResult
+
 __all__ = ["JobState", "seed_snapshot", "with_snapshot", "restart_count"]
 
 
@@ -16,29 +18,33 @@ class JobState:
     """Driver-owned actor: progress, phase results, fault markers and a deterministic error, shared by all
     trainer restarts.
 
-    ``previous``: the results.json of an interrupted or failed run being resumed; its finished phases,
-    checkpoints, fired faults and timeline carry over (not its error).
+    ``previous``: the results of an interrupted or failed run being resumed (:func:`jobs.runs.read_results`; a
+    dict of the same keys is read by :meth:`JobResults.from_json`); its finished phases, checkpoints, fired faults
+    and timeline carry over (not its error).
+
+    Raises:
+        jobs.results.ResultsError: a ``previous`` dict that does not fit the results schema.
     """
 
-    def __init__(self, previous: dict[str, Any] | None = None) -> None:
-        prev = previous or {}
+    def __init__(self, previous: JobResults | dict[str, Any] | None = None) -> None:
+        prev = JobResults.from_json(previous) if previous is not None else _EMPTY
         self.progress_steps: dict[str, int] = {}
         self.totals: dict[str, int] = {}
-        self.starts: list[tuple[str, int]] = [tuple(x) for x in prev.get("starts", [])]
-        self.results: dict[str, Any] = dict(prev.get("phases", {}))
-        self.fired: set[str] = set(prev.get("faults_fired", []))
-        self.parse: dict[str, Any] | None = (prev.get("data") or {}).get("parse")
+        self.starts: list[tuple[str, int]] = [tuple(x) for x in (prev.starts or [])]
+        self.results: dict[str, PhaseResult] = dict(prev.phases)
+        self.fired: set[str] = set(prev.faults_fired or [])
+        self.parse: dict[str, Any] | None = (prev.data or {}).get("parse")
         self.t0 = time.time()
-        self.events: list[tuple[float, str]] = [tuple(x) for x in prev.get("timeline", [])]
-        self.checkpoints: list[dict[str, Any]] = list(prev.get("checkpoints", []))
-        self.restores: list[dict[str, Any]] = list(prev.get("restores", []))
-        self.server_joins: list[list[dict[str, int]]] = list(prev.get("server_joins", []))
+        self.events: list[tuple[float, str]] = [tuple(x) for x in (prev.timeline or [])]
+        self.checkpoints: list[dict[str, Any]] = list(prev.checkpoints or [])
+        self.restores: list[dict[str, Any]] = list(prev.restores or [])
+        self.server_joins: list[list[dict[str, int]]] = list(prev.server_joins or [])
         self.placement: dict[str, dict[str, Any]] = {}
-        self.nodes_lost: list[dict[str, Any]] = list(prev.get("nodes_lost", []))
-        self.processes: dict[str, dict[str, Any]] = dict(prev.get("processes", {}))
+        self.nodes_lost: list[dict[str, Any]] = list(prev.nodes_lost or [])
+        self.processes: dict[str, dict[str, Any]] = dict(prev.processes or {})
         self.error: dict[str, Any] | None = None
         if previous is not None:
-            self.event(f"launcher: resuming a run that was {prev.get('status', 'unknown')}")
+            self.event(f"launcher: resuming a run that was {prev.status or 'unknown'}")
 
     def fail(self, kind: str, error_type: str, message: str, rank: int) -> None:
         """A trainer hit a deterministic error (``kind``: "config", "data" or "job"); the first one is kept
@@ -107,18 +113,18 @@ class JobState:
     def progress(self, phase: str, step: int) -> None:
         self.progress_steps[phase] = step
 
-    def phase_done(self, phase: str, summary: dict[str, Any]) -> None:
+    def phase_done(self, phase: str, summary: PhaseResult) -> None:
         """Keep the phase's summary; one that covers more of the phase (an earlier ``resumed_from_step``)
         is kept instead: a restart after ``phase_done`` but before the phase's final checkpoint was
         registered re-runs only the phase's last steps."""
         kept = self.results.get(phase)
-        if kept is not None and kept.get("resumed_from_step", 0) < summary.get("resumed_from_step", 0):
-            self.event(f"{phase} phase done again (from step {summary.get('resumed_from_step')}); "
-                       f"kept the result from step {kept.get('resumed_from_step', 0)}")
+        if kept is not None and (kept.resumed_from_step or 0) < (summary.resumed_from_step or 0):
+            self.event(f"{phase} phase done again (from step {summary.resumed_from_step}); "
+                       f"kept the result from step {kept.resumed_from_step or 0}")
         else:
             self.results[phase] = summary
             self.event(f"{phase} phase done")
-        self.progress_steps[phase] = self.totals.get(phase, summary.get("steps", 0))
+        self.progress_steps[phase] = self.totals.get(phase, summary.steps or 0)
 
     def snapshot(self) -> dict[str, Any]:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
@@ -128,14 +134,17 @@ class JobState:
                 "nodes_lost": list(self.nodes_lost), "processes": dict(self.processes), "error": self.error}
 
 
-def seed_snapshot(previous: dict[str, Any] | None) -> dict[str, Any]:
-    """A :meth:`JobState.snapshot` as the results.json ``previous`` of a resumed run left it."""
-    prev = previous or {}
-    return {"results": prev.get("phases", {}), "parse": (prev.get("data") or {}).get("parse"),
-            "fired": prev.get("faults_fired", []), "checkpoints": prev.get("checkpoints", []),
-            "restores": prev.get("restores", []), "events": prev.get("timeline", []),
-            "starts": prev.get("starts", []), "server_joins": prev.get("server_joins", []),
-            "nodes_lost": prev.get("nodes_lost", []), "processes": prev.get("processes", {})}
+def seed_snapshot(previous: JobResults | None) -> dict[str, Any]:
+    """A :meth:`JobState.snapshot` as the results ``previous`` of a resumed run left it."""
+    prev = previous or _EMPTY
+    return {"results": dict(prev.phases), "parse": (prev.data or {}).get("parse"),
+            "fired": prev.faults_fired or [], "checkpoints": prev.checkpoints or [], "restores": prev.restores or [],
+            "events": prev.timeline or [], "starts": prev.starts or [], "server_joins": prev.server_joins or [],
+            "nodes_lost": prev.nodes_lost or [], "processes": prev.processes or {}}
+
+
+_EMPTY = JobResults(job=None, config={}, phases={})
+"""No previous run."""
 
 
 def with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, Any]:

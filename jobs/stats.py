@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from jobs.results import PhaseResult
+
 __all__ = ["auc", "auc_standard_error", "log_loss", "binary_metrics", "regression_metrics", "percentile", "phase_summary", "qps_series",
            "gain_percent", "median_interval", "interleaved_gain", "parity_check", "peak_rss_bytes"]
 
@@ -102,8 +104,10 @@ def qps_series(times: Sequence[float], samples_per_step: int, *, window: int = 1
     return series
 
 
-def phase_summary(runs: Sequence[Any], batch_size: int) -> dict[str, Any]:
-    """Combine the :class:`jobs.worker.PhaseRun` of every trainer into the phase's numbers.
+def phase_summary(runs: Sequence[Any], batch_size: int, **after: Any) -> PhaseResult:
+    """Combine the :class:`jobs.worker.PhaseRun` of every trainer into the phase's numbers (units: the fields of
+    :class:`jobs.results.PhaseResult`); ``after``: its other fields (``quality``, ``optimize``...), set by the
+    trainers after evaluation.
 
     QPS is job-wide: all samples of all trainers divided by the slowest trainer's wall time of the
     phase (data batches come from memory, so this is training throughput). Latency percentiles pool
@@ -111,6 +115,9 @@ def phase_summary(runs: Sequence[Any], batch_size: int) -> dict[str, Any]:
     ``metrics_percent``: the largest share (in %) of a trainer's phase time spent updating its
     Prometheus metrics (``PhaseRun.metrics_seconds``). ``prefetched_lookups``: lookups of all trainers
     answered by a prefetch.
+
+    Raises:
+        TypeError: a key of ``after`` that is not a field of :class:`jobs.results.PhaseResult`.
     """
     samples = sum(r.samples for r in runs)
     wall = max(r.wall_seconds for r in runs)
@@ -119,24 +126,25 @@ def phase_summary(runs: Sequence[Any], batch_size: int) -> dict[str, Any]:
     tail = max(1, len(runs[0].losses) // 10)
     losses = [sum(r.losses[-tail:]) / len(r.losses[-tail:]) for r in runs if r.losses]
     world = len(runs)
-    return {
-        "trainers": world,
-        "steps": runs[0].steps,
-        "samples": samples,
-        "wall_seconds": wall,
-        "qps": samples / wall if wall > 0 else float("nan"),
-        "step_p50_ms": percentile(steps, 50) * 1e3,
-        "step_p99_ms": percentile(steps, 99) * 1e3,
-        "fetch_p50_ms": percentile(fetch, 50) * 1e3 if fetch else None,
-        "fetch_p99_ms": percentile(fetch, 99) * 1e3 if fetch else None,
-        "loss": sum(losses) / len(losses) if losses else float("nan"),
-        "prefetched_lookups": sum(getattr(r, "prefetched_lookups", 0) for r in runs),
+    return PhaseResult(
+        trainers=world,
+        steps=runs[0].steps,
+        samples=samples,
+        wall_seconds=wall,
+        qps=samples / wall if wall > 0 else float("nan"),
+        step_p50_ms=percentile(steps, 50) * 1e3,
+        step_p99_ms=percentile(steps, 99) * 1e3,
+        fetch_p50_ms=percentile(fetch, 50) * 1e3 if fetch else None,
+        fetch_p99_ms=percentile(fetch, 99) * 1e3 if fetch else None,
+        loss=sum(losses) / len(losses) if losses else float("nan"),
+        prefetched_lookups=sum(getattr(r, "prefetched_lookups", 0) for r in runs),
         # the trainer that spent the largest share of its phase time updating metrics
-        "metrics_percent": max(100 * getattr(r, "metrics_seconds", 0.0) / r.wall_seconds if r.wall_seconds > 0
-                               else 0.0 for r in runs),
-        "qps_series": [(t, q * world) for t, q in qps_series(runs[0].times, batch_size)],
-        "loss_series": list(runs[0].losses),
-    }
+        metrics_percent=max(100 * getattr(r, "metrics_seconds", 0.0) / r.wall_seconds if r.wall_seconds > 0
+                            else 0.0 for r in runs),
+        qps_series=[(t, q * world) for t, q in qps_series(runs[0].times, batch_size)],
+        loss_series=list(runs[0].losses),
+        **after,
+    )
 
 
 def peak_rss_bytes() -> int:
@@ -210,7 +218,7 @@ def interleaved_gain(blocks: Sequence[dict[str, Sequence[float]]], baseline: str
             "confidence": summary["confidence"], "blocks": summary["n"], "warmup_blocks": skip}
 
 
-def parity_check(baseline: dict[str, Any], optimized: dict[str, Any], *, sigmas: float = 2.0) -> dict[str, Any]:
+def parity_check(baseline: PhaseResult, optimized: PhaseResult, *, sigmas: float = 2.0) -> dict[str, Any]:
     """Compare the optimized phase's model with the baseline's: its held-out quality metric and training loss.
 
     Tolerances come from the baseline's own spread: for the AUC, ``sigmas`` standard errors of the

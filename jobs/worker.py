@@ -587,12 +587,11 @@ def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: i
         runs = _gather(t.run)  # also a barrier: every rank's updates are on the servers before evaluation
         end = evaluate(t.evaluated, workload, t.tables) if workload.has_eval else {}
         if rank == 0:
-            summary = phase_summary(runs, config.job.batch_size)
             quality_step = early[phase].get("step", steps)
-            summary.update(quality=early[phase].get("quality", end), quality_step=quality_step,
-                           quality_epochs=quality_step * config.job.batch_size / shard_rows,
-                           quality_end=end, optimize=t.info, resumed_from_step=t.run.start_step,
-                           epochs=steps * config.job.batch_size / shard_rows,
-                           block_seconds=[r.blocks for r in runs], reader=reader)
+            summary = phase_summary(runs, config.job.batch_size, quality=early[phase].get("quality", end),
+                                    quality_step=quality_step, quality_epochs=quality_step * config.job.batch_size
+                                    / shard_rows, quality_end=end, optimize=t.info, resumed_from_step=t.run.start_step,
+                                    epochs=steps * config.job.batch_size / shard_rows,
+                                    block_seconds=[r.blocks for r in runs], reader=reader)
             __import__("ray").get(state.phase_done.remote(phase, summary))
     _save_checkpoint(steps, trainers, early, rank, final=True, state=state)

@@ -3,6 +3,7 @@ for a model of your own; fp32 is kept (speed-up 1.00x) whenever int8 does not pa
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -71,7 +72,7 @@ def test_compare_keeps_fp32_when_no_layer_is_faster_in_int8(data_path):
     assert r["rows"] == 40 and r["batch_size"] == 40 and r["all_int8_speedup"] == pytest.approx(0.5)
     results = {"job": "demo", "config": {"cluster": {"trainers": 1, "parameter_servers": 0},
                                          "job": {"steps": 2, "batch_size": 8}},
-               "phases": {}, "inference": {**r, "model_step": 2}}
+               "phases": {}, "inference": dataclasses.replace(r, model_step=2)}
     text = table(results)
     assert f"int8 speed-up: 1.00x (kept fp32: no layer is faster in int8 on this CPU ({cpu_isa()}))" in text
     assert "dense_arch.model._mlp.0._linear 1000.0 / 2000.0 -> fp32" in text and "select_int8" in text
@@ -143,7 +144,7 @@ def test_a_model_without_linear_layers_is_skipped():
     from jobs.inference import _compare
 
     out = _compare(CONFIG, nn.Sequential(nn.EmbeddingBag(5, 2)), [], [], None)
-    assert out == {"skipped": "Sequential has no nn.Linear or nn.Conv layer to quantize"}
+    assert out.to_json() == {"skipped": "Sequential has no nn.Linear or nn.Conv layer to quantize"}
 
 
 def test_the_tables_are_not_copied_for_the_comparison(data_path):

@@ -265,12 +265,17 @@ def test_job_state_keeps_the_fuller_phase_result():
     """A restart between a phase's end and its final checkpoint re-runs the phase's last steps: the
     result that covers the whole phase is kept; seeds from a resumed run carry over, errors do not."""
     from jobs.launch import JobState
+    from jobs.results import JobResults, PhaseResult
 
-    state = JobState({"status": "interrupted", "phases": {"baseline": {"steps": 10, "resumed_from_step": 0}},
-                      "faults_fired": ["trainer"], "starts": [["baseline", 0]], "error": "old"})
-    state.phase_done("baseline", {"steps": 2, "resumed_from_step": 8})
-    assert state.results["baseline"]["steps"] == 10 and "done again (from step 8)" in state.events[-1][1]
-    state.phase_done("optimized", {"steps": 10, "resumed_from_step": 0})
+    def phase(steps: int, start: int) -> PhaseResult:
+        return PhaseResult(qps=1.0, step_p50_ms=1.0, step_p99_ms=1.0, fetch_p50_ms=None, fetch_p99_ms=None, loss=0.5,
+                           steps=steps, resumed_from_step=start)
+
+    state = JobState(JobResults(job="x", config={}, phases={"baseline": phase(10, 0)}, status="interrupted",
+                                faults_fired=["trainer"], starts=[["baseline", 0]], error="old"))
+    state.phase_done("baseline", phase(2, 8))
+    assert state.results["baseline"].steps == 10 and "done again (from step 8)" in state.events[-1][1]
+    state.phase_done("optimized", phase(10, 0))
     assert not state.fire("trainer") and state.fire("server") and state.failure() is None
     state.fail("data", "DataError", "empty shard", 1)
     state.fail("job", "TraceError", "later", 0)

@@ -92,14 +92,13 @@ def test_report_table_json_and_plot(tmp_path):
                                          "job": {"steps": 2, "batch_size": 8}},
                "phases": {"baseline": phase, "optimized": {**phase, "qps": 1250.0}},
                "data": {"parse": {"valid": 10, "malformed": {"field_count": 2}}}}
-    write(results, tmp_path)
-    assert results["gain_percent"] == pytest.approx(25.0)
+    assert write(results, tmp_path).gain_percent == pytest.approx(25.0)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["phases"]["baseline"]["quality"]["log_loss"] is None  # NaN -> null (strict JSON)
     assert (tmp_path / "qps.png").read_bytes()[:4] == b"\x89PNG"
     text = table(results)
     assert "QPS gain, optimized vs baseline: +25.0 %" in text
-    assert "passes run: async_rpc (2+/1-)" in text
+    assert "passes run: async_rpc (2 graph nodes added, 1 removed)" in text
     assert "10 valid lines, 2 malformed skipped (field_count: 2)" in text
     assert "AUC, logloss" not in text  # no evaluation step recorded: no note
     for name in ("baseline", "optimized"):
