@@ -26,13 +26,12 @@ Source: prometheus client_python (registries, ``start_http_server``); Prometheus
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from scheduling.ps.launch import free_port  # one free_port for the project (re-exported here)
+from scheduling.ps.ports import free_port, free_port_block  # one free_port for the project (re-exported here)
 
 __all__ = ["LABELS", "STEP_BUCKETS", "FETCH_BUCKETS", "Exporter", "free_port", "free_port_block"]
 
@@ -162,23 +161,3 @@ class Exporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-def free_port_block(count: int, host: str = "127.0.0.1", *, start: int = 20000, stop: int = 60000) -> int:
-    """The first port ``p`` in ``[start, stop)`` such that ``p .. p + count - 1`` are all free on ``host``.
-
-    Raises:
-        OSError: no such block.
-    """
-    port = start
-    while port + count <= stop:
-        for offset in range(count):
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port + offset))
-                except OSError:
-                    port += offset + 1
-                    break
-        else:
-            return port
-    raise OSError(f"no block of {count} free ports in [{start}, {stop}) on {host}")

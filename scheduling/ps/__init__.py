@@ -63,7 +63,7 @@ _EXPORTS = {
     "RowWiseSGD": "optimizer", "RowWiseAdagrad": "optimizer", "make_optimizer": "optimizer",
     "PSServer": "server", "start_server": "server", "stop_server": "server",
     "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
-    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "lifecycle",
+    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "ports", "free_port_block": "ports",
     "group_servers": "launch", "NoGroupError": "launch",
     "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",

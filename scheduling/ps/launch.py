@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from .endpoints import DEFAULT_WORKER_THREADS
-from .lifecycle import free_port, server_group
+from .lifecycle import server_group
+from .ports import free_port
 
-__all__ = ["LocalCluster", "free_port", "group_servers", "NoGroupError"]
+__all__ = ["LocalCluster", "group_servers", "NoGroupError"]
 
 _ACTIVE: list["LocalCluster"] = []  # started and not closed, in this process
 
@@ -99,9 +100,10 @@ class LocalCluster:
         """Start the servers and join the group as the trainer.
 
         Raises:
-            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
+            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s`` seconds.
         """
-        self.servers.start(self._kwargs, port=self.port, trainer_name=self.trainer_name, ctx=self._ctx)
+        port = self.servers.start(self._kwargs, port=self.port, trainer_name=self.trainer_name, ctx=self._ctx)
+        self.port = port if port is not None else self.port  # a new one when the first was taken (issue 32)
         self._rpc_up = True
         _ACTIVE.append(self)
         return self

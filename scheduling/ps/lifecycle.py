@@ -10,22 +10,15 @@ Source: torch.distributed.rpc (``init_rpc``, ``shutdown``: one static group, no 
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .client import init_trainer
+from .ports import BIND_ATTEMPTS, free_port, is_bind_failure
 from .transport import TorchRPCTransport, _load
 
-__all__ = ["TorchRPCServers", "SERVER_GROUPS", "server_group", "free_port"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+__all__ = ["TorchRPCServers", "SERVER_GROUPS", "server_group"]
 
 
 def _server_main(name: str, rank: int, world_size: int, port: int, kwargs: dict[str, Any]) -> None:
@@ -57,24 +50,37 @@ class TorchRPCServers:
         self.actors: list[Any] = []
 
     # ---- on one machine (LocalCluster) ----
-    def start(self, kwargs: Sequence[dict[str, Any]], *, port: int, trainer_name: str, ctx: Any) -> None:
+    def start(self, kwargs: Sequence[dict[str, Any]], *, port: int, trainer_name: str, ctx: Any) -> int:
         """Start one server process per name (``kwargs[i]`` to its ``start_server``; rank ``i + 1``) and join
-        their group as rank 0, ``trainer_name``, hosting the rendezvous on loopback ``port``.
+        their group as rank 0, ``trainer_name``, hosting the rendezvous on loopback ``port``. When that port was
+        taken before the rendezvous bound it (:func:`scheduling.ps.ports.is_bind_failure`), the servers are
+        killed and the group starts again on a new free port, up to ``BIND_ATTEMPTS`` ports in all. Returns the
+        port the group met on.
 
         Raises:
-            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
+            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s`` seconds, or no
+                port could be bound in ``BIND_ATTEMPTS`` tries.
         """
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                self._start(kwargs, port, trainer_name, ctx)
+                return port
+            except BaseException as e:
+                self.kill_all()
+                self.processes = []
+                if attempt + 1 == BIND_ATTEMPTS or not is_bind_failure(e):
+                    raise
+                port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, kwargs: Sequence[dict[str, Any]], port: int, trainer_name: str, ctx: Any) -> None:
         world = len(self.names) + 1
         for i, name in enumerate(self.names):
             proc = ctx.Process(target=_server_main, args=(name, i + 1, world, port, kwargs[i]), daemon=True,
                                name=f"fxdist-{name}")
             proc.start()
             self.processes.append(proc)
-        try:
-            init_trainer(trainer_name, 0, world, master_port=port, timeout_s=self.timeout_s)
-        except BaseException:
-            self.kill_all()
-            raise
+        init_trainer(trainer_name, 0, world, master_port=port, timeout_s=self.timeout_s)
 
     def kill(self, index: int) -> None:
         """Kill server ``index``'s process with SIGKILL (a crash: no goodbye to the group)."""

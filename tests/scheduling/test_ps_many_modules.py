@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from scheduling.ps import ordering
-from scheduling.ps.launch import free_port
+from scheduling.ps.ports import free_port
 
 from tests.scheduling._group import spawn_and_collect
 
