@@ -228,7 +228,7 @@ def _server_rows(config: JobConfig) -> list[int]:
     built-in DLRM's tables ``t_C1 .. t_C26`` (:func:`scheduling.placement_plan.plan_tables`, with ``[model] plan``'s
     overrides): table-wise, a large table row-wise when the servers would otherwise be unbalanced."""
     from scheduling.placement_plan import TableInfo, plan_tables, shards_of
-    from scheduling.ps.config import TableSpec
+    from scheduling.ps.shard_plan import TableSpec
 
     m, n = config.model, config.cluster.parameter_servers
     module = "sparse_arch.embedding_bag_collection"  # where jobs.criteo.dlrm keeps them

@@ -89,7 +89,7 @@ from .placement_find import Candidate, NotMoved, call_arguments, find_embeddings
 from .placement_group import group_candidates, group_label, rewrite_group
 from .placement_plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
 from .ps import ops
-from .ps.config import TableSpec, table_specs
+from .ps.shard_plan import TableSpec, table_specs
 from .rpc_kinds import trace_meta
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
@@ -436,7 +436,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     found, plan, local = _keep_local(gm, found, kept, plan, local_below_rows)
     if not found:
         return _nothing_to_move(gm, kept, local, verbose, file)
-    from .ps.launch import group_servers
+    from .ps.local_cluster import group_servers
     names = list(servers) if servers else group_servers("parameter_servers")
     kwargs = {"lr": lr, **(optimizer_kwargs or {})}
     _check_optimizer(names, optimizer, kwargs)

@@ -179,7 +179,6 @@ TESTED_ELSEWHERE = {
     "scheduling.ps.client": "tests/scheduling/test_ps.py",
     "scheduling.ps.ebc": "tests/scheduling/test_ps.py",
     "scheduling.ps.endpoints": "tests/scheduling/test_ps_coalesce.py",
-    "scheduling.ps.launch": "tests/scheduling/test_local_cluster.py",
     "scheduling.ps.lifecycle": "tests/scheduling/test_local_cluster.py",
     "scheduling.ps.ops": "tests/scheduling/test_ps.py",
     "scheduling.ps.optimizer": "tests/scheduling/test_sgd_exactness.py",

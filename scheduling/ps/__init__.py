@@ -59,12 +59,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "TableSpec": "config", "ShardSpec": "config", "table_specs": "config", "plan_shards": "config",
+    "TableSpec": "shard_plan", "ShardSpec": "shard_plan", "table_specs": "shard_plan", "plan_shards": "shard_plan",
     "RowWiseSGD": "optimizer", "RowWiseAdagrad": "optimizer", "make_optimizer": "optimizer",
     "PSServer": "server", "start_server": "server", "stop_server": "server",
     "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
-    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "ports", "free_port_block": "ports",
-    "group_servers": "launch", "NoGroupError": "launch",
+    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "local_cluster", "free_port": "ports", "free_port_block": "ports",
+    "group_servers": "local_cluster", "NoGroupError": "local_cluster",
     "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
     "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle",

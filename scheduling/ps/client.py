@@ -24,7 +24,7 @@ from recsys.quiet import rpc_init_warnings_filtered
 
 from . import server as _srv
 from .device import Lookup, to_host
-from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
+from .shard_plan import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
 from .storage import STORAGES
 from .transport import make_transport
 

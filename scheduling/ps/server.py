@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from .config import ShardSpec
+from .shard_plan import ShardSpec
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer

@@ -10,7 +10,7 @@ from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
 
 from scheduling.ps import PSClient, ops
-from scheduling.ps.config import TableSpec
+from scheduling.ps.shard_plan import TableSpec
 
 
 def offline_client(name: str, num_servers: int = 2, sharding: str = "table_wise") -> PSClient:

@@ -60,7 +60,7 @@ def _train(name: str, rank: int, world: int, schedule: str, sync: bool, jitter_s
     import fxdist
     from scheduling import lookahead
     from scheduling.ps import PSClient
-    from scheduling.ps.config import TableSpec
+    from scheduling.ps.shard_plan import TableSpec
 
     specs = [TableSpec(n, rows, dim, feats) for n, rows, dim, feats in TABLES]
     client = PSClient(specs, servers, sharding="row_wise", name=name, seed=7, configure=(rank == 0),

@@ -28,7 +28,7 @@ from scheduling.placement import PlacementWarning
 from recsys.criteo import criteo_dlrm
 from scheduling.placement_plan import TableInfo, plan_tables, server_bytes
 from scheduling.ps import LocalCluster, NoGroupError, get_client, ops
-from scheduling.ps.config import TableSpec
+from scheduling.ps.shard_plan import TableSpec
 
 LR_TABLES = 0.05
 

@@ -23,7 +23,7 @@ import scheduling
 from scheduling import placement
 from scheduling.placement_plan import TableInfo, split_local
 from scheduling.ps import LocalCluster
-from scheduling.ps.config import TableSpec
+from scheduling.ps.shard_plan import TableSpec
 from scheduling.ps.ports import free_port
 from tests.scheduling._group import spawn_and_collect
 
