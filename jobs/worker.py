@@ -7,7 +7,7 @@ and its ``Tables``). Each trainer:
 1. reads its shard of the data (:mod:`jobs.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
-   (``jobs.ps.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
+   (``jobs.servers.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
    of each phase's model, the built-in torchrec DLRM or yours, there);
 3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module (on servers:
    after only the ``parameter_servers`` pass, so its lookups block), ``optimized`` trains
@@ -119,7 +119,7 @@ class PhaseTrainer:
 
     Args:
         tables: The phase's tables (:class:`jobs.seams.Tables`: :class:`jobs.workload.LocalTables` or a
-            :class:`jobs.ps.ServerTables` view): ``fetch_seconds()``, ``after_backward()`` and, on servers, the
+            :class:`jobs.servers.ServerTables` view): ``fetch_seconds()``, ``after_backward()`` and, on servers, the
             ``parameter_servers`` pass.
         workload: The model and its data (:class:`jobs.seams.Workload`, e.g. ``CriteoWorkload(config, shard)``).
         start_step: The first step (a resumed trainer continues the batch sequence there).

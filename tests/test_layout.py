@@ -198,7 +198,7 @@ TESTED_ELSEWHERE = {
     "jobs.optimizers": "tests/jobs/test_user_outputs.py",
     "jobs.plan": "tests/jobs/test_seams.py",
     "jobs.preflight": "tests/jobs/test_memory_plan.py",
-    "jobs.ps": "tests/jobs/test_job.py",
+    "jobs.servers": "tests/jobs/test_job.py",
     "jobs.report": "tests/jobs/test_user_outputs.py",
     "jobs.runs": "tests/jobs/test_validation.py",
     "jobs.state": "tests/jobs/test_cluster_helpers.py",

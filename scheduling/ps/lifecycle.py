@@ -2,7 +2,7 @@
 
 One lifecycle class per transport, named in :data:`SERVER_GROUPS`: :class:`TorchRPCServers` here,
 :class:`scheduling.ps.ray_transport.RayServers` for Ray actors. :class:`scheduling.ps.LocalCluster` and a
-job's worker group (``jobs.ps.ServerGroup``) hold one and call the same methods, so neither branches on the
+job's worker group (``jobs.servers.ServerGroup``) hold one and call the same methods, so neither branches on the
 transport. How a client sends its requests is :mod:`scheduling.ps.transport`'s part.
 
 Source: torch.distributed.rpc (``init_rpc``, ``shutdown``: one static group, no re-admission); Ray actors.
@@ -32,7 +32,7 @@ def _server_main(name: str, rank: int, world_size: int, port: int, kwargs: dict[
 
 class TorchRPCServers:
     """The lifecycle of a group of ``torch_rpc`` parameter servers (the ``transport`` object of
-    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.ps.ServerGroup``).
+    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.servers.ServerGroup``).
 
     One static ``torch.distributed.rpc`` group holds the trainers and the servers. Locally (:meth:`start`) the
     servers are child processes; in a job they are the launcher's server actors, which :meth:`join` has join a
@@ -123,7 +123,7 @@ class TorchRPCServers:
         process: a client using one of the names)."""
         return client.transport.name == self.name and bool(set(client.servers) & set(self.names))
 
-    # ---- in a job: the launcher's server actors (jobs.ps) ----
+    # ---- in a job: the launcher's server actors (jobs.servers) ----
     def rendezvous(self, host: str, actors: Sequence[Any]) -> tuple[str, int]:
         """Rank 0 of a new trainer group: where the new RPC group meets, ``(host, a free port of host)``."""
         return (host, free_port(host))

@@ -16,7 +16,7 @@ on ``num_worker_threads`` threads of the actor's process. ``max_concurrency`` (:
 bounds how many requests one server actor holds at once, waiting ones included.
 
 The same :class:`PSActor` serves a job's ``torch_rpc`` group too: :meth:`PSActor.join` has it join each new
-RPC group of the trainers; a job adds its metrics through the actor's ``host`` (``jobs.ps.ServerHost``).
+RPC group of the trainers; a job adds its metrics through the actor's ``hooks`` (``jobs.servers.ServerHooks``).
 :class:`RayServers` is this transport's server lifecycle (:func:`scheduling.ps.lifecycle.server_group`).
 
 Clients name servers by a string: a name registered here (:func:`register_servers`, done by
@@ -62,7 +62,7 @@ _TRANSPORT_ERRORS = (rex.GetTimeoutError, rex.RayActorError, rex.ActorUnavailabl
 
 class PSActor(AsyncEndpoints):
     """A parameter server as a Ray actor class: ``ray.remote(**ACTOR_OPTIONS)(PSActor).remote("ps0")``; the one
-    server actor of both transports (a ``LocalCluster``'s and a job's, ``jobs.ps.start_servers``).
+    server actor of both transports (a ``LocalCluster``'s and a job's, ``jobs.servers.start_servers``).
 
     ``ray`` transport: the actor itself serves the requests (its
     :class:`~scheduling.ps.endpoints.AsyncEndpoints` methods, ``handle.lookup.remote(...)``), from
@@ -81,24 +81,24 @@ class PSActor(AsyncEndpoints):
         serve_at_start: False: no server until :meth:`join` / :meth:`reset` (requests fail until then, also
             after Ray restarted the actor); True: serve ``checkpoint``'s tables (or none) at once, unless Ray
             restarted the actor (it lost its tables: refused until :meth:`reset`).
-        host: an object adding what the actor's owner needs (a job: its metrics exporter), called as
-            ``host.start()`` here, ``host.before_join(addr)``, ``host.serving(server)`` for each new server,
-            ``host.where()`` (:meth:`where`), ``host.stats()`` (merged into :meth:`stats`) and
-            ``host.close()``; None: nothing added.
+        hooks: an object adding what the actor's owner needs (a job: its metrics exporter), called as
+            ``hooks.start()`` here, ``hooks.before_join(addr)``, ``hooks.serving(server)`` for each new server,
+            ``hooks.where()`` (:meth:`where`), ``hooks.stats()`` (merged into :meth:`stats`) and
+            ``hooks.close()``; None: nothing added.
     """
 
     def __init__(self, name: str, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
                  checkpoint: str | None = None, num_threads: int | None = 1,
                  num_worker_threads: int = DEFAULT_WORKER_THREADS, *, timeout_s: float = 20.0,
-                 serve_at_start: bool = True, host: Any = None) -> None:
+                 serve_at_start: bool = True, hooks: Any = None) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.name, self.delays, self.timeout_s = name, (fetch_delay_s, push_delay_s), timeout_s
         super().__init__(num_worker_threads=num_worker_threads)
-        self.joined, self.groups, self.host = False, 0, host
+        self.joined, self.groups, self.hooks = False, 0, hooks
         self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
-        if host is not None:
-            host.start()
+        if hooks is not None:
+            hooks.start()
         if not serve_at_start:
             self.why_none = f"server {name} has not been reset since its actor (re)started"
         elif restarted_actor():  # the tables died with the old process: refuse requests until reset()
@@ -125,8 +125,8 @@ class PSActor(AsyncEndpoints):
         from .server import start_server
 
         self.leave()
-        if self.host is not None:
-            self.host.before_join(addr)
+        if self.hooks is not None:
+            self.hooks.before_join(addr)
         server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
                               fetch_delay_s=self.delays[0], push_delay_s=self.delays[1], timeout_s=self.timeout_s,
                               block=False, num_worker_threads=self.num_worker_threads)
@@ -136,8 +136,8 @@ class PSActor(AsyncEndpoints):
     def _serve(self, server: PSServer) -> dict[str, int]:
         self.server = server
         self.groups += 1
-        if self.host is not None:
-            self.host.serving(server)
+        if self.hooks is not None:
+            self.hooks.serving(server)
         return {"pid": os.getpid(), "group": self.groups}
 
     def leave(self) -> None:
@@ -150,26 +150,26 @@ class PSActor(AsyncEndpoints):
             stop_server()
 
     def where(self) -> dict[str, Any]:
-        """Where this server runs: ``host.where()``, else ``{"pid", "node_id"}``."""
-        if self.host is not None:
-            return self.host.where()
+        """Where this server runs: ``hooks.where()``, else ``{"pid", "node_id"}``."""
+        if self.hooks is not None:
+            return self.hooks.where()
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def stats(self) -> dict[str, int]:
-        """Without a ``host``: lookups and pushes served, process id, rows and bytes held
+        """Without ``hooks``: lookups and pushes served, process id, rows and bytes held
         (:meth:`ServerEndpoints.stats`). With one: ``{"pid", "rows", "bytes"}`` its server held in the group
-        it was in last (or is in now; ``PSServer.memory()``) and ``host.stats()``."""
-        if self.host is None:
+        it was in last (or is in now; ``PSServer.memory()``) and ``hooks.stats()``."""
+        if self.hooks is None:
             return super().stats()
         held = self.server.memory() if self.joined else self.held
-        return {"pid": os.getpid(), **self.host.stats(), **held}
+        return {"pid": os.getpid(), **self.hooks.stats(), **held}
 
     def close(self) -> None:
-        """Leave the group, drop the server and close the ``host`` (the owner then kills the actor)."""
+        """Leave the group, drop the server and close the ``hooks`` (the owner then kills the actor)."""
         self.leave()
         self.server = None
-        if self.host is not None:
-            self.host.close()
+        if self.hooks is not None:
+            self.hooks.close()
 
 
 def restarted_actor() -> bool:
@@ -308,7 +308,7 @@ def wait_all(refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
 
 class RayServers:
     """The lifecycle of a group of ``ray`` parameter servers (the ``transport`` object of
-    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.ps.ServerGroup``): Ray actors
+    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.servers.ServerGroup``): Ray actors
     called directly, no RPC group. Same methods as :class:`scheduling.ps.lifecycle.TorchRPCServers`.
 
     Args:
@@ -350,7 +350,7 @@ class RayServers:
         mine = {a._actor_id for a in self.actors}
         return any(getattr(h, "_actor_id", None) in mine for h in getattr(client.transport, "handles", ()))
 
-    # ---- in a job: the launcher's server actors (jobs.ps) ----
+    # ---- in a job: the launcher's server actors (jobs.servers) ----
     def rendezvous(self, host: str, actors: Sequence[Any]) -> None:
         """Rank 0 of a new trainer group: empty every server actor (``reset()``) before the other trainers hear
         of the group; there is nothing to meet at (None)."""

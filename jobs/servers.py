@@ -1,6 +1,6 @@
 """Embedding tables on parameter servers: Ray actors running ``scheduling.ps`` servers, and the trainer side.
 
-The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHost`, no CPU
+The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHooks`, no CPU
 reserved) that the launcher creates before the trainers start and kills when the job ends (:func:`start_servers`, :func:`stop_servers`); they do
 not share the fate of the trainers' worker group. Each worker group forms one static
 ``torch.distributed.rpc`` group of the ``T`` trainers (ranks ``0..T-1``, named ``trainer<r>``; rank 0
@@ -44,14 +44,14 @@ import torch.distributed as dist
 
 from scheduling.ps.endpoints import DEFAULT_WORKER_THREADS
 
-__all__ = ["ServerHost", "server_actor_class", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
+__all__ = ["ServerHooks", "server_actor_class", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
 
 
-class ServerHost:
-    """What a job's server actor (``scheduling.ps.ray_transport.PSActor``, its ``host``) adds: its metrics
+class ServerHooks:
+    """What a job's server actor (``scheduling.ps.ray_transport.PSActor``, its ``hooks``) adds: its metrics
     exporter, timing every lookup and the memory held, where it runs, its peak RSS, and this node's network
     interface before joining a non-loopback RPC group.
 
@@ -133,9 +133,9 @@ def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | No
                  timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> Any:
     """Start one server actor of ``cls`` (:func:`server_actor_class`, with its ``.options``) for a job: no
     server until a worker group's rank 0 has it :meth:`~scheduling.ps.ray_transport.PSActor.join` (``torch_rpc``)
-    or :meth:`~scheduling.ps.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHost` says."""
+    or :meth:`~scheduling.ps.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says."""
     return cls.remote(name, fetch_delay_s=fetch_delay_s, num_threads=None, num_worker_threads=num_worker_threads,
-                      timeout_s=timeout_s, serve_at_start=False, host=ServerHost(job, name, metrics))
+                      timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics))
 
 
 def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
