@@ -67,7 +67,9 @@ _EXPORTS = {
     "group_servers": "local_cluster", "NoGroupError": "local_cluster",
     "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
-    "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle",
+    "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle", "DEFAULT_WORKER_THREADS": "endpoints",
+    "ProcessHost": "hosts", "ActorHost": "ray_transport", "server_actor_class": "ray_transport", "PSActor": "ray_transport",
+    "wait_all": "ray_transport", "is_bind_failure": "ports",
 }
 __all__ = sorted(_EXPORTS)
 

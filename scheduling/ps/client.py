@@ -78,6 +78,7 @@ def init_trainer(name: str, rank: int, world_size: int, *, master_addr: str = "1
         with rpc_init_warnings_filtered():
             rpc.init_rpc(name, rank=rank, world_size=world_size,
                          rpc_backend_options=_srv.rpc_backend_options(init_method, timeout_s))
+        _srv._WORLD_SIZE[0] = world_size
     except RuntimeError as e:
         raise PSUnavailableError(f"trainer {name!r}: the RPC group at {init_method} (world_size={world_size}) "
                                  f"did not assemble within {timeout_s} s; are the servers running? ({e})") from e

@@ -10,11 +10,11 @@ Source: torch.distributed.rpc (``init_rpc``, ``shutdown``: one static group, no 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .client import init_trainer
+from .hosts import ProcessHost
 from .ports import BIND_ATTEMPTS, free_port, is_bind_failure
 from .transport import TorchRPCTransport, _load
 
@@ -46,8 +46,19 @@ class TorchRPCServers:
 
     def __init__(self, names: Sequence[str], timeout_s: float) -> None:
         self.names, self.timeout_s = list(names), timeout_s
-        self.processes: list[Any] = []
-        self.actors: list[Any] = []
+        self.host: Any = ProcessHost()
+        """Where the servers run (:mod:`scheduling.ps.hosts`): child processes (:meth:`start`), or the job's
+        actors (from :meth:`join` on)."""
+
+    @property
+    def processes(self) -> list[Any]:
+        """The server processes (:meth:`start`; none in a job)."""
+        return self.host.processes if isinstance(self.host, ProcessHost) else []
+
+    @property
+    def actors(self) -> list[Any]:
+        """The server actors (a job's, from :meth:`join` on; none on one machine)."""
+        return [] if isinstance(self.host, ProcessHost) else self.host.actors
 
     # ---- on one machine (LocalCluster) ----
     def start(self, kwargs: Sequence[dict[str, Any]], *, port: int, trainer_name: str, ctx: Any) -> int:
@@ -67,7 +78,7 @@ class TorchRPCServers:
                 return port
             except BaseException as e:
                 self.kill_all()
-                self.processes = []
+                self.host = ProcessHost()
                 if attempt + 1 == BIND_ATTEMPTS or not is_bind_failure(e):
                     raise
                 port = free_port()
@@ -75,26 +86,18 @@ class TorchRPCServers:
 
     def _start(self, kwargs: Sequence[dict[str, Any]], port: int, trainer_name: str, ctx: Any) -> None:
         world = len(self.names) + 1
-        for i, name in enumerate(self.names):
-            proc = ctx.Process(target=_server_main, args=(name, i + 1, world, port, kwargs[i]), daemon=True,
-                               name=f"fxdist-{name}")
-            proc.start()
-            self.processes.append(proc)
+        self.host.start(ctx, _server_main, [(name, i + 1, world, port, kwargs[i]) for i, name in enumerate(self.names)],
+                        self.names)
         init_trainer(trainer_name, 0, world, master_port=port, timeout_s=self.timeout_s)
 
     def kill(self, index: int) -> None:
-        """Kill server ``index``'s process with SIGKILL (a crash: no goodbye to the group)."""
-        proc = self.processes[index]
-        proc.kill()
-        proc.join(timeout=10)
+        """Kill server ``index`` (a crash: no goodbye to the group): its process with SIGKILL, or in a job its
+        actor, which Ray restarts while it has restarts left (:meth:`scheduling.ps.ray_transport.ActorHost.kill`)."""
+        self.host.kill(index)
 
     def kill_all(self) -> None:
-        """Kill every server process still alive."""
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.processes:
-            proc.join(timeout=10)
+        """Kill every server for good (:meth:`ProcessHost.kill_all`, ``ray_transport.ActorHost.kill_all``)."""
+        self.host.kill_all()
 
     def stop(self, joined: bool) -> None:
         """Ask the live servers to stop (:meth:`TorchRPCTransport.stop`), leave the group (if ``joined``) and
@@ -112,9 +115,8 @@ class TorchRPCServers:
                 live = [n for n, p in zip(self.names, self.processes) if p.is_alive()]
                 TorchRPCTransport(self.names).stop(2.0, live)
                 rpc.shutdown(graceful=False)
-            deadline = time.monotonic() + 10
-            for proc in self.processes:
-                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if isinstance(self.host, ProcessHost):
+                self.host.wait(10.0)
         finally:
             self.kill_all()
 
@@ -138,8 +140,9 @@ class TorchRPCServers:
         Raises:
             scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
         """
-        from .ray_transport import wait_all
+        from .ray_transport import ActorHost, wait_all
 
+        self.host = ActorHost(actors)
         host, port = rendezvous
         total = world + len(self.names)
         if before_join is not None:

@@ -158,13 +158,16 @@ def group_servers(what: str = "parameter servers") -> list[str]:
         return list(_ACTIVE[-1].server_names)
     from torch.distributed import rpc
 
-    if not rpc.is_available() or not rpc.api._is_current_rpc_agent_set():
-        raise NoGroupError(f"{what}: no parameter-server group is running in this process. {_HOW_TO_START}.")
-    from .server import _rpc_stats
+    from .server import _rpc_stats, group_world_size
 
-    me = rpc.get_worker_info().name
-    others = sorted((w for w in rpc.api._get_current_rpc_agent().get_worker_infos() if w.name != me),
-                    key=lambda w: w.id)
+    try:
+        me_info = rpc.get_worker_info() if rpc.is_available() else None
+    except RuntimeError:  # RPC not initialized in this process
+        me_info = None
+    if me_info is None or group_world_size() == 0:
+        raise NoGroupError(f"{what}: no parameter-server group is running in this process. {_HOW_TO_START}.")
+    me = me_info.name
+    others = [rpc.get_worker_info(r) for r in range(group_world_size()) if r != me_info.id]
     futs = [(w.name, rpc.rpc_async(w.name, _rpc_stats, (), timeout=10.0)) for w in others]
     servers = []
     for name, fut in futs:

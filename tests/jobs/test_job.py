@@ -278,7 +278,8 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
 def test_rank0_waits_for_a_server_actor_ray_is_restarting(ray_session):
     """After a server's process (or node) died, the next worker group's rank 0 gets where the restarted
     actor runs before asking it to join (jobs.servers.wait_for_servers); an actor with no restarts left raises."""
-    from jobs.servers import server_actor, server_actor_class, wait_for_servers
+    from jobs.servers import server_actor, wait_for_servers
+    from scheduling.ps import server_actor_class
 
     actor = server_actor(server_actor_class(1), "ps0", job="fxdist-wait", metrics=None, fetch_delay_s=0.0,
                          timeout_s=5.0)

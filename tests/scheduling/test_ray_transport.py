@@ -85,9 +85,9 @@ def test_async_rpc_and_prefetch_train_exactly_the_blocking_baseline(ray_cluster,
 
 
 def test_dead_actor_is_unavailable_and_a_restarted_one_reloads_the_checkpoint(ray_cluster, tmp_path):
-    from scheduling.ps.ray_transport import ACTOR_OPTIONS, PSActor, register_servers, unregister_servers
+    from scheduling.ps.ray_transport import register_servers, server_actor_class, unregister_servers
 
-    actor = ray.remote(max_restarts=1, **ACTOR_OPTIONS)(PSActor).remote("psr")
+    actor = server_actor_class(max_restarts=1).remote("psr")
     register_servers({"psr": actor})
     client = PSClient(_tables(), ["psr"], name="ray_restart", seed=5, timeout_s=60)
     try:
@@ -177,3 +177,21 @@ def test_the_passes_do_not_import_ray():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_ray_servers_kill_all_really_kills(ray_cluster):
+    """RayServers.kill_all ends every actor for good (it used to do nothing)."""
+    from scheduling.ps.ray_transport import RayServers, start_actors, unregister_servers
+
+    servers = RayServers(["pskill0", "pskill1"], timeout_s=20)
+    servers.host.actors = start_actors(["pskill0", "pskill1"])
+    try:
+        servers.kill_all()
+        for actor in servers.actors:  # the kill lands asynchronously: until then the old process may answer
+            deadline = time.monotonic() + 30
+            with pytest.raises(ray.exceptions.RayActorError):
+                while time.monotonic() < deadline:
+                    ray.get(actor.stats.remote(), timeout=30)
+                    time.sleep(0.2)
+    finally:
+        unregister_servers(["pskill0", "pskill1"])
