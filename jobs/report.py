@@ -2,7 +2,7 @@
 
 ``results`` (as returned by :func:`jobs.launch.launch`) has the keys ``job``, ``config``, ``data``
 (``path``, ``note``, ``parse``: valid / malformed line counts), ``phases`` (``baseline`` and
-``optimized``: ``qps`` samples/s, ``step_p50_ms``, ``step_p99_ms``, ``fetch_p50_ms``, ``fetch_p99_ms``,
+``optimized``: ``qps`` samples/s, ``step_p50_ms``, ``step_p99_ms``, ``lookup_p50_ms``, ``lookup_p99_ms``,
 ``loss``, ``quality`` {``auc``, ``log_loss``, ``rows``, ``positives``} of the model after ``quality_step``
 (``quality_epochs`` passes over a trainer's shard), ``quality_end`` (the same at the phase end), ``qps_series`` [(seconds, samples/s)], ``optimize``
 {passes run; ``prefetch``: per lookup ``prefetched``, ``reason``, ``where``: :func:`jobs.lookups.optimize_record`}, ``block_seconds`` per trainer per block), ``gain`` (:func:`jobs.stats.interleaved_gain`),
@@ -134,8 +134,8 @@ def table(results: dict[str, Any]) -> str:
         q = p.get("quality", {})
         lines.append(
             f"{name:<10} {_fmt(p.get('qps')):>10} {_fmt(p.get('step_p50_ms'), '.2f'):>9} "
-            f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('fetch_p50_ms'), '.3f'):>10} "
-            f"{_fmt(p.get('fetch_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7}"
+            f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('lookup_p50_ms'), '.3f'):>10} "
+            f"{_fmt(p.get('lookup_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7}"
             + "".join(f" {_fmt(q.get(k), '.4f'):>8}" for k in cols)
         )
     lines += _quality_notes(results, j.get("steps"), cols)

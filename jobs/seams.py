@@ -74,7 +74,7 @@ class Tables(Protocol):
     def sync(self) -> None:
         """Wait for the updates in flight (pushes to the servers); a no-op when local."""
 
-    def fetch_seconds(self) -> float | None:
+    def lookup_seconds(self) -> float | None:
         """Seconds this trainer was blocked on lookups since the last call, or None when nothing was fetched
         (always None when local)."""
 

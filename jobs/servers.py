@@ -26,7 +26,7 @@ Trainer side: :class:`ServerTables` is the tables backend of a job with servers 
 phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling.parameter_servers`` pass
 (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers (stored as
 ``[model] server_storage`` says, trained there with row-wise Adagrad) and turns each lookup into blocking
-``ps_fetch`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
+``ps_lookup`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
 backward.
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
@@ -106,7 +106,7 @@ class ServerHooks:
             try:
                 return lookup(namespace, *args, **kwargs)
             finally:  # the phase label is the client's suffix: fxdist-job-<phase>[:<module path>]
-                exporter.observe_fetch(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
+                exporter.observe_lookup(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
                 if t0 - last[0] > 1.0:  # rows and bytes held, at most once a second
                     last[0] = t0
                     exporter.observe_memory(**server.memory())
@@ -314,14 +314,14 @@ class ServerTables:
         self.servers.leave(graceful)
 
 
-class _FetchTimer:
-    """Seconds blocked in ``finish_fetch`` of some PSClients since the last :meth:`fetch_seconds`."""
+class _LookupTimer:
+    """Seconds blocked in ``finish_lookup`` of some PSClients since the last :meth:`lookup_seconds`."""
 
     def __init__(self) -> None:
         self._fetch, self._fetched = 0.0, False
 
     def wrap(self, client: Any) -> None:
-        finish = client.finish_fetch
+        finish = client.finish_lookup
 
         def timed_finish(fut: Any, server: int) -> torch.Tensor:
             t0 = time.perf_counter()
@@ -331,15 +331,15 @@ class _FetchTimer:
                 self._fetch += time.perf_counter() - t0
                 self._fetched = True
 
-        client.finish_fetch = timed_finish
+        client.finish_lookup = timed_finish
 
-    def fetch_seconds(self) -> float | None:
+    def lookup_seconds(self) -> float | None:
         value, fetched = self._fetch, self._fetched
         self._fetch, self._fetched = 0.0, False
         return value if fetched else None
 
 
-class _PhaseTables(_FetchTimer):
+class _PhaseTables(_LookupTimer):
     """One phase's tables (a :class:`jobs.seams.Tables`): set up by the ``parameter_servers`` pass, then read
     through the module it produced."""
 

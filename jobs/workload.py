@@ -25,7 +25,7 @@ A *tables backend* (:func:`make_tables`, the :class:`jobs.seams.TableBackend` pr
 tables stay in the model: DDP parameters) or :class:`jobs.servers.ServerTables` (the ``parameter_servers`` pass moves
 them to the job's servers), with ``view(phase)`` (each phase's own tables, :class:`jobs.seams.Tables`: ``local``,
 ``placement_pass()`` (None when local) and ``attach(gm)``, ``after_backward()``, ``sync()`` (wait for updates in
-flight), ``fetch_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
+flight), ``lookup_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
 ``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
 live on the servers), ``can_kill_server`` / ``kill_server(i)``) and ``close(graceful)``.
 
@@ -316,7 +316,7 @@ class LocalTables:
         """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.sparse_grads`) and the
         optimizer applies them."""
 
-    def fetch_seconds(self) -> float | None:
+    def lookup_seconds(self) -> float | None:
         return None
 
     def prefetch_hits(self) -> int:

@@ -9,8 +9,8 @@ can then schedule::
 
     %kt = call_module[sparse_arch.embedding_bag_collection](%sparse_features)
         ->
-    %ps_fetch = ps_fetch("ps:sparse_arch.embedding_bag_collection", 0, %sparse_features)
-    %ps_push_in_backward = ps_push_in_backward("ps:...", 0, %sparse_features, %ps_fetch)
+    %ps_lookup = ps_lookup("ps:sparse_arch.embedding_bag_collection", 0, %sparse_features)
+    %ps_push_in_backward = ps_push_in_backward("ps:...", 0, %sparse_features, %ps_lookup)
     ... one fetch + hook per server holding a shard ...
     %kt = ps_pool("ps:...", %sparse_features, %ps_push_in_backward, %ps_push_in_backward_1)
 
@@ -260,7 +260,7 @@ def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> Non
             ids = client.servers_for()
             # every fetch before the first hook: async_rpc does not hoist a fetch above an impure node
             # (the hook) that reads the same batch, so interleaving them would serialise the lookups
-            parts = [graph.call_function(ops.ps_fetch, (client.name, s, kjt)) for s in ids]
+            parts = [graph.call_function(ops.ps_lookup, (client.name, s, kjt)) for s in ids]
             if trainable:
                 parts = [graph.call_function(ops.ps_push_in_backward, (client.name, s, kjt, p))
                          for s, p in zip(ids, parts)]

@@ -20,12 +20,12 @@ the rendezvous TCP store, so make a trainer rank 0 (the store must outlive serve
                       optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.05}, name="ps", timeout_s=30)
     ebc = PSEmbeddingBagCollection("ps")            # drop-in for torchrec's EmbeddingBagCollection
     kt = ebc(kjt)                                   # KeyedTensor (B, sum D); fetch = blocking rpc_sync
-    parts = ebc.fetch(kjt); kt = ebc.pool(kjt, parts)   # training: keep the parts, then after
+    parts = ebc.lookup(kjt); kt = ebc.pool(kjt, parts)   # training: keep the parts, then after
     loss.backward(); ebc.push(kjt, parts)               # backward push each part's gradient once
     # (or PSEmbeddingBagCollection("ps", push_in_backward=True); for your own model, the
     # scheduling.parameter_servers pass does all this in its graph)
     client.push_async(s, kjt, part, next_kjt=next_batch_kjt)  # the push also asks for the next lookup,
-                                                    # which the next client.fetch(s, next_batch_kjt) takes
+                                                    # which the next client.lookup(s, next_batch_kjt) takes
     client.checkpoint("/ckpt")                      # each server writes /ckpt/<name>.pt
     client.close(stop_servers=True, shutdown_rpc=True)  # last trainer: servers' start_server returns
 
@@ -65,7 +65,7 @@ _EXPORTS = {
     "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
     "PSEmbeddingBagCollection": "ebc", "LocalCluster": "local_cluster", "free_port": "ports", "free_port_block": "ports",
     "group_servers": "local_cluster", "NoGroupError": "local_cluster",
-    "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
+    "ps_lookup": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
     "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle", "DEFAULT_WORKER_THREADS": "endpoints",
     "ProcessHost": "hosts", "ActorHost": "ray_transport", "server_actor_class": "ray_transport", "PSActor": "ray_transport",

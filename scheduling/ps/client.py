@@ -2,7 +2,7 @@
 
 A client knows the table layout (which shard lives on which server), sends lookups and gradient pushes,
 and turns the per-server answers back into torchrec's ``KeyedTensor``. Its blocking :meth:`PSClient.fetch`
-is the ``rpc_sync`` baseline that :func:`scheduling.async_rpc` rewrites into :meth:`fetch_async` + wait.
+is the ``rpc_sync`` baseline that :func:`scheduling.async_rpc` rewrites into :meth:`lookup_async` + wait.
 
 Clients are registered by name (:func:`get_client`), so graph nodes refer to them by a string constant.
 
@@ -300,8 +300,8 @@ class PSClient:
         return batch[:3] + (None,) if self.weighted is False else batch
 
     # ---- fetch / push -----------------------------------------------------------------------------------
-    def fetch_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
-        """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_fetch`).
+    def lookup_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
+        """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_lookup`).
 
         If :meth:`prefetch` already started the lookup of this very ``kjt`` object on ``server``, that
         lookup's Future is returned (a prefetch of another batch is waited and dropped).
@@ -334,7 +334,7 @@ class PSClient:
             self._wait(early[1], server, "prefetch")
 
     def prefetch(self, server: int, kjt: Any, max_staleness: int | None = None) -> None:
-        """Start the lookup of a *later* batch ``kjt`` now; the next :meth:`fetch_async` of the same object
+        """Start the lookup of a *later* batch ``kjt`` now; the next :meth:`lookup_async` of the same object
         on ``server`` picks it up instead of sending a new request.
 
         The server answers it with the rows as they are when it arrives: after every push this client
@@ -350,9 +350,9 @@ class PSClient:
             raise RuntimeError(f"PSClient {self.name!r}: an exact prefetch needs ordered=True (the servers "
                                "must apply this step's push before the next step's lookup); create the "
                                "client with ordered=True or allow max_staleness >= 1")
-        self._prefetched[server] = (kjt, self.fetch_async(server, kjt, max_staleness))
+        self._prefetched[server] = (kjt, self.lookup_async(server, kjt, max_staleness))
 
-    def finish_fetch(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
+    def finish_lookup(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
         """Wait for a lookup; returns ``(B, D_s)`` float32 on :meth:`rows_device`, a leaf that requires grad
         when grad is enabled (its gradient is what :meth:`push_async` sends)."""
         out = self._wait(fut, server, "fetch")
@@ -360,9 +360,9 @@ class PSClient:
             out.requires_grad_(True)
         return out
 
-    def fetch(self, server: int, kjt: Any) -> torch.Tensor:
+    def lookup(self, server: int, kjt: Any) -> torch.Tensor:
         """Blocking lookup on one server: pooled sums ``(B, D_s)`` of its shards (the ``rpc_sync`` baseline)."""
-        return self.finish_fetch(self.fetch_async(server, kjt), server)
+        return self.finish_lookup(self.lookup_async(server, kjt), server)
 
     def push_async(self, server: int, kjt: Any, fetched: torch.Tensor, next_kjt: Any = None,
                    ) -> torch.futures.Future:
@@ -372,7 +372,7 @@ class PSClient:
 
         With ``next_kjt`` the same request also asks for the lookup of that later batch, which the server
         answers right after applying the push (an exact prefetch in one round trip instead of two); the
-        next :meth:`fetch_async` of that object on ``server`` picks it up. The returned handle then
+        next :meth:`lookup_async` of that object on ``server`` picks it up. The returned handle then
         completes with the lookup, not before.
 
         Raises:
@@ -422,7 +422,7 @@ class PSClient:
         return self.finish_push(fut, server)
 
     def defer_push(self, server: int, fut: torch.futures.Future) -> None:
-        """Keep an in-flight push; the next :meth:`fetch_async` to ``server`` (or :meth:`flush`) waits it."""
+        """Keep an in-flight push; the next :meth:`lookup_async` to ``server`` (or :meth:`flush`) waits it."""
         self._pending[server].append(fut)
 
     def drain(self, server: int, keep: int = 0) -> None:

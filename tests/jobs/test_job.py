@@ -132,7 +132,7 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
     # across the trainer and server restarts
     assert r["parity"]["ok"] and r["parity"]["identical_losses"], r["parity"]
     assert base["loss_series"] == opt["loss_series"] and base["quality"]["auc"] == opt["quality"]["auc"]
-    assert base["fetch_p50_ms"] is not None  # a parameter server served the embeddings
+    assert base["lookup_p50_ms"] is not None  # a parameter server served the embeddings
     # torchrec's DLRM, its 26 tables moved by the parameter_servers pass in both phases
     assert [p["name"] for p in base["optimize"]["passes"]] == ["parameter_servers"]
     assert opt["optimize"]["placement"].startswith("parameter_servers plan: 26 tables on 1 server,")

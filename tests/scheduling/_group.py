@@ -30,7 +30,7 @@ class TinyModel(nn.Module):
     def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
         from scheduling.ps import ops
 
-        parts = self.ebc.fetch(kjt)
+        parts = self.ebc.lookup(kjt)
         parts = [ops.ps_push_in_backward(self.client, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
         kt = self.ebc.pool(kjt, parts)
         return self.linear(torch.cat([dense, kt.values()], dim=1)).squeeze(1)
