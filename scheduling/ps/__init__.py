@@ -1,7 +1,7 @@
 """Parameter-server runtime over ``torch.distributed.rpc`` (TensorPipe, TCP transport) or Ray actors.
 
 Embedding tables (torchrec ``EmbeddingBagConfig``) are sharded table-wise or row-wise over N server
-processes; trainers fetch pooled embeddings for a ``KeyedJaggedTensor`` and push sparse gradients, which the
+processes; trainers look up pooled embeddings for a ``KeyedJaggedTensor`` and push sparse gradients, which the
 servers apply with a row-wise optimizer (row-wise Adagrad or SGD).
 
 API for launchers (e.g. jobs/ with Ray). One static RPC group holds T trainers and N servers; rank 0 hosts
@@ -19,7 +19,7 @@ the rendezvous TCP store, so make a trainer rank 0 (the store must outlive serve
     client = PSClient(tables, servers=[f"ps{j}" for j in range(N)], sharding="row_wise",
                       optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.05}, name="ps", timeout_s=30)
     ebc = PSEmbeddingBagCollection("ps")            # drop-in for torchrec's EmbeddingBagCollection
-    kt = ebc(kjt)                                   # KeyedTensor (B, sum D); fetch = blocking rpc_sync
+    kt = ebc(kjt)                                   # KeyedTensor (B, sum D); lookup = blocking rpc_sync
     parts = ebc.lookup(kjt); kt = ebc.pool(kjt, parts)   # training: keep the parts, then after
     loss.backward(); ebc.push(kjt, parts)               # backward push each part's gradient once
     # (or PSEmbeddingBagCollection("ps", push_in_backward=True); for your own model, the
@@ -32,7 +32,7 @@ the rendezvous TCP store, so make a trainer rank 0 (the store must outlive serve
 Rank 0 hosts the rendezvous store. Shutdown is never graceful (torch's graceful shutdown is a group barrier
 that hangs after a crash). On one machine :class:`LocalCluster` starts N server processes and joins as
 the trainer. When traced
-(``fxdist.symbolic_trace``), fetches and pushes are single impure ``call_function`` nodes
+(``fxdist.symbolic_trace``), lookups and pushes are single impure ``call_function`` nodes
 (:mod:`scheduling.ps.ops`), which :func:`scheduling.async_rpc` splits into start/wait pairs.
 
 Transports (:mod:`scheduling.ps.transport`): the above is ``torch_rpc``. With ``ray`` the servers are Ray
@@ -62,7 +62,7 @@ _EXPORTS = {
     "TableSpec": "shard_plan", "ShardSpec": "shard_plan", "table_specs": "shard_plan", "plan_shards": "shard_plan",
     "RowWiseSGD": "optimizer", "RowWiseAdagrad": "optimizer", "make_optimizer": "optimizer",
     "PSServer": "server", "start_server": "server", "stop_server": "server",
-    "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
+    "PSClient": "client", "ClientOptions": "client_options", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
     "PSEmbeddingBagCollection": "ebc", "LocalCluster": "local_cluster", "free_port": "ports", "free_port_block": "ports",
     "group_servers": "local_cluster", "NoGroupError": "local_cluster",
     "ps_lookup": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",

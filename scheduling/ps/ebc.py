@@ -20,8 +20,8 @@ __all__ = ["PSEmbeddingBagCollection"]
 class PSEmbeddingBagCollection(nn.Module):
     """Pooled embedding lookups served by a :class:`PSClient`'s servers.
 
-    ``forward`` = :meth:`fetch` (one blocking ``ps_lookup`` leaf per server holding a shard) + :meth:`pool`.
-    For training, call :meth:`push` after backward with the fetched parts, or build
+    ``forward`` = :meth:`lookup` (one blocking ``ps_lookup`` leaf per server holding a shard) + :meth:`pool`.
+    For training, call :meth:`push` after backward with the looked-up parts, or build
     it with ``push_in_backward=True`` to push each gradient from an autograd hook during backward (eager
     mode only).
 
@@ -68,7 +68,7 @@ class PSEmbeddingBagCollection(nn.Module):
 
 
 class _PushHook:
-    """Autograd hook: push the gradient of one fetched part during backward."""
+    """Autograd hook: push the gradient of one looked-up part during backward."""
 
     def __init__(self, client: str, server: int, kjt: Any) -> None:
         self.client, self.server, self.kjt = client, server, kjt

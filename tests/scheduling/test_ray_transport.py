@@ -108,7 +108,7 @@ def test_dead_actor_is_unavailable_and_a_restarted_one_reloads_the_checkpoint(ra
             else:
                 assert not messages, f"a fetch succeeded after the server had failed: {messages}"
             time.sleep(0.2)
-        assert messages and all("'psr' (server 0 of 1, client 'ray_restart') failed during fetch" in m for m in messages)
+        assert messages and all("'psr' (server 0 of 1, client 'ray_restart') failed during lookup" in m for m in messages)
         assert "server psr is a restarted Ray actor that lost its tables; reset() it" in messages[-1]
         client.close(flush=False)
         # the same handle reaches the new process; it reloads its tables without any group re-forming
