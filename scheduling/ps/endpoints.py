@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -181,31 +182,37 @@ class AsyncEndpoints(ServerEndpoints):
         self.num_worker_threads = num_worker_threads
         self._pool: Any = None
 
-    async def _await(self, method: str, args: tuple, count: bool = True) -> Any:
-        import asyncio
+    def _submit(self, method: str, args: tuple, done: Done) -> None:
+        """As :meth:`ServerEndpoints._submit`, but the work runs on this actor's ``num_worker_threads`` threads,
+        never on the event loop (a request waiting for its turn holds none of them)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        self.requests += count
-
         order, what, name, push, lookup = self._ordered(method, args)  # raises here when no server runs
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_worker_threads, thread_name_prefix=f"ps-{name}")
+        self._pool.submit(submit, order, what, name, done, push=push, lookup=lookup)
+
+    async def _answer(self, start: Callable[[Done], None]) -> Any:
+        """Await the answer that ``start(done)`` reports through its callback (from any thread)."""
+        import asyncio
+
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
 
         def done(value: Any, error: BaseException | None) -> None:
             loop.call_soon_threadsafe(_settle, answer, value, error)
 
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_worker_threads, thread_name_prefix=f"ps-{name}")
-        self._pool.submit(submit, order, what, name, done, push=push, lookup=lookup)
+        start(done)
         return await answer
 
-    async def batch(self, calls: list[tuple[str, tuple]]) -> list[tuple[Any, BaseException | None]]:
-        """As :meth:`ServerEndpoints.submit_batch`, awaited: ``[(answer, error), ...]``, one pair per call."""
-        import asyncio
-
+    async def _await(self, method: str, args: tuple) -> Any:
         self.requests += 1
-        results = await asyncio.gather(*(self._await(m, a, count=False) for m, a in calls), return_exceptions=True)
-        return [(None, r) if isinstance(r, BaseException) else (r, None) for r in results]
+        return await self._answer(functools.partial(self._submit, method, args))
+
+    async def batch(self, calls: list[tuple[str, tuple]]) -> list[tuple[Any, BaseException | None]]:
+        """:meth:`ServerEndpoints.submit_batch` (the same callback as the ``torch_rpc`` transport's), awaited:
+        ``[(answer, error), ...]``, one pair per call."""
+        return await self._answer(functools.partial(self.submit_batch, calls))
 
     async def lookup(self, namespace: str, batch: Any, compress: str | None = None,  # type: ignore[override]
                      order: Order | None = None) -> torch.Tensor:
