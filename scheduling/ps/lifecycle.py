@@ -1,9 +1,15 @@
 """Running a group of parameter servers: start, kill, stop, and a job's rendezvous, join and leave.
 
-One lifecycle class per transport, named in :data:`SERVER_GROUPS`: :class:`TorchRPCServers` here,
-:class:`scheduling.ps.ray_transport.RayServers` for Ray actors. :class:`scheduling.ps.LocalCluster` and a
-job's worker group (``jobs.servers.ServerGroup``) hold one and call the same methods, so neither branches on the
-transport. How a client sends its requests is :mod:`scheduling.ps.transport`'s part.
+A server group is cut along two axes. The *transport* axis is this module: one lifecycle class per transport,
+named in :data:`SERVER_GROUPS` (:class:`TorchRPCServers` here, :class:`scheduling.ps.ray_transport.RayServers`),
+for how the group meets, joins and leaves; how a client sends its requests is :mod:`scheduling.ps.transport`'s
+part. The *host* axis is where the servers run, the lifecycle's ``host``: child processes
+(:class:`scheduling.ps.hosts.ProcessHost`) or Ray actors (:class:`scheduling.ps.ray_transport.ActorHost`);
+every kill goes through it (``kill(index)``, restarted where the host restarts; ``kill_all()``, for good).
+:class:`scheduling.ps.LocalCluster` and a job's worker group (``jobs.servers.ServerGroup``) hold one lifecycle
+object and call the same methods, so neither branches on the transport.
+
+Raises (from the methods): ``scheduling.ps.PSUnavailableError`` when a group does not assemble in time.
 
 Source: torch.distributed.rpc (``init_rpc``, ``shutdown``: one static group, no re-admission); Ray actors.
 """
