@@ -21,7 +21,7 @@ from typing import Any
 
 from .client import init_trainer
 from .hosts import ProcessHost
-from .ports import BIND_ATTEMPTS, free_port, is_bind_failure
+from .ports import BIND_ATTEMPTS, free_port, is_bind_failure, reserve_port
 from .transport import TorchRPCTransport, _load
 
 __all__ = ["TorchRPCServers", "SERVER_GROUPS", "server_group"]
@@ -52,6 +52,7 @@ class TorchRPCServers:
 
     def __init__(self, names: Sequence[str], timeout_s: float) -> None:
         self.names, self.timeout_s = list(names), timeout_s
+        self._reservation: Any = None  # the socket holding the rendezvous port until rank 0 binds it
         self.host: Any = ProcessHost()
         """Where the servers run (:mod:`scheduling.ps.hosts`): child processes (:meth:`start`), or the job's
         actors (from :meth:`join` on)."""
@@ -133,8 +134,15 @@ class TorchRPCServers:
 
     # ---- in a job: the launcher's server actors (jobs.servers) ----
     def rendezvous(self, host: str, actors: Sequence[Any]) -> tuple[str, int]:
-        """Rank 0 of a new trainer group: where the new RPC group meets, ``(host, a free port of host)``."""
-        return (host, free_port(host))
+        """Rank 0 of a new trainer group: where the new RPC group meets, ``(host, a free port of host)``. The
+        port stays reserved (:func:`scheduling.ps.ports.reserve_port`) until rank 0's :meth:`join` has bound it,
+        so no other process is handed it in between (issue 32).
+
+        Raises:
+            OSError: ``host`` is not an address of this machine.
+        """
+        port, self._reservation = reserve_port(host)
+        return (host, port)
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: tuple[str, int],
              before_join: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
@@ -154,7 +162,12 @@ class TorchRPCServers:
         if before_join is not None:
             before_join(host)
         joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(actors)] if rank == 0 else []
-        init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=self.timeout_s)
+        try:
+            init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=self.timeout_s)
+        finally:  # rank 0's store has bound the port (or failed): the reservation has done its part
+            if self._reservation is not None:
+                self._reservation.close()
+                self._reservation = None
         return wait_all(joins, None) if joins else []
 
     def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:

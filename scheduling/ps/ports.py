@@ -3,7 +3,9 @@
 A port found free here may be taken by another process before the group binds it (issue 32: the
 rendezvous then failed with "The server socket has failed to listen on any local network address").
 Callers that choose a port with :func:`free_port` retry with a new one when :func:`is_bind_failure` says the
-bind failed (:meth:`scheduling.ps.lifecycle.TorchRPCServers.start` does, up to :data:`BIND_ATTEMPTS` times).
+bind failed (:meth:`scheduling.ps.lifecycle.TorchRPCServers.start` does, up to :data:`BIND_ATTEMPTS` times). A
+job's rendezvous, which cannot simply retry (the other trainers and the servers already head for the port),
+holds the port with :func:`reserve_port` until its store has bound it.
 
 Source: POSIX ``bind(2)`` (port 0: the OS picks a free port; ``EADDRINUSE``); torch ``TCPStore`` error text.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port", "free_port_block", "is_bind_failure", "BIND_ATTEMPTS"]
+__all__ = ["free_port", "free_port_block", "reserve_port", "is_bind_failure", "BIND_ATTEMPTS"]
 
 BIND_ATTEMPTS = 5
 """How many ports a rendezvous tries before giving up on a bind failure."""
@@ -51,6 +53,25 @@ def free_port_block(count: int, host: str = "127.0.0.1", *, start: int = 20000, 
         else:
             return port
     raise OSError(f"no block of {count} free ports in [{start}, {stop}) on {host}")
+
+
+def reserve_port(host: str = "127.0.0.1") -> tuple[int, socket.socket]:
+    """A free TCP port of ``host`` and the socket holding it: bound with ``SO_REUSEADDR``, never listening, so
+    a rendezvous store (torch's ``TCPStore`` binds with ``SO_REUSEADDR``) can still bind and listen on it, while
+    no other process is handed it (the OS skips bound ports for port 0) or can bind it without
+    ``SO_REUSEADDR``. Close the socket once the store listens.
+
+    Raises:
+        OSError: ``host`` is not an address of this machine.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock.getsockname()[1], sock
 
 
 def is_bind_failure(error: BaseException) -> bool:

@@ -50,3 +50,22 @@ def test_group_assembles_when_its_port_is_taken_before_the_bind():
             assert cluster.processes[0].is_alive()
     finally:
         squatter.close()
+
+
+def test_a_reserved_port_is_refused_to_others_but_the_rendezvous_store_binds_it():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from scheduling.ps.ports import reserve_port
+
+    port, held = reserve_port()
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # another process choosing it explicitly is refused
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))  # what init_rpc builds
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        del store
+    finally:
+        held.close()
