@@ -24,7 +24,7 @@ from recsys.quiet import rpc_init_warnings_filtered
 
 from . import server as _srv
 from .device import Lookup, to_host
-from .shard_plan import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
+from .shard_plan import ShardSpec, TableSpec, plan_shards, table_specs
 from . import pooling as _pooling
 from .client_options import GRAD_REDUCTIONS, ClientOptions  # noqa: F401  (GRAD_REDUCTIONS: re-exported)
 from .transport import make_transport
