@@ -75,7 +75,7 @@ def initial_table(i: int, rows: int, dim: int) -> torch.Tensor:
     """Table ``i`` (0-based, feature ``C<i+1>``) ``(rows, dim)`` as fxdist's servers create it from
     :data:`TABLE_SEED` (uniform in ``±1/sqrt(rows)``, torchrec's default), with the servers' own function (one
     shard of all its rows, under :data:`PLAN`; the rows depend on the seed, the table's name and the first row)."""
-    from scheduling.ps.config import ShardSpec, TableSpec
+    from scheduling.ps.shard_plan import ShardSpec, TableSpec
     from scheduling.ps.server import PSServer
 
     spec = TableSpec(f"t_C{i + 1}", rows, dim, (f"C{i + 1}",))

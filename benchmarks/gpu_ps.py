@@ -14,7 +14,7 @@ rounds for 1 and 2 servers and an added server latency of 0 and 1 ms per lookup:
   host-to-device copy is issued on a side CUDA stream as soon as they arrive (:mod:`scheduling.ps.device`).
 
 Prints per setting: QPS (samples/s), the ratio to ``local`` and to ``blocking``, and ``wait %``: the share of
-the step the trainer's host thread spent blocked in ``PSClient.finish_fetch`` (waiting for a lookup's answer).
+the step the trainer's host thread spent blocked in ``PSClient.finish_lookup`` (waiting for a lookup's answer).
 The spread is min..max over rounds.
 
 Run: ``python benchmarks/gpu_ps.py [--rows 100000 --dim 64 --batch 2048 --steps 20 --rounds 3]``; without CUDA
@@ -49,16 +49,16 @@ WAITED = {"s": 0.0}
 
 def _timed_finish_fetch(original):
     @functools.wraps(original)
-    def finish_fetch(self, fut, server):
+    def finish_lookup(self, fut, server):
         t0 = time.perf_counter()
         try:
             return original(self, fut, server)
         finally:
             WAITED["s"] += time.perf_counter() - t0
-    return finish_fetch
+    return finish_lookup
 
 
-PSClient.finish_fetch = _timed_finish_fetch(PSClient.finish_fetch)
+PSClient.finish_lookup = _timed_finish_fetch(PSClient.finish_lookup)
 
 
 def batches(args, device: torch.device, count: int) -> list[tuple]:

@@ -86,7 +86,7 @@ def cpu_isa() -> str:
 
 def run_once(setting: systems.Setting, timeout_s: float) -> tuple[dict[int, dict], float]:
     """One (size, system) run in fresh processes: ``({rank: result}, wall seconds)``."""
-    from scheduling.ps.lifecycle import free_port
+    from scheduling.ps.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -8,12 +8,12 @@ the same ranges), one trainer process trains, in the same run and on the same ba
    torchrec's EmbeddingBagCollection and a default ``nn.Embedding`` give dense table gradients, so for
    large tables the local step pays a full-table update);
 2. ``ps blocking``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),))``: every lookup is a blocking
-   ``ps_fetch`` to the servers of a :class:`scheduling.ps.LocalCluster` (2 servers, loopback, with an
+   ``ps_lookup`` to the servers of a :class:`scheduling.ps.LocalCluster` (2 servers, loopback, with an
    emulated network latency of ``--latency-ms`` per lookup);
 3. ``ps + prefetch``: the same plus ``async_rpc_prefetch`` (each step's push carries the next batch's lookup).
 
 It prints QPS (samples/s) of each, the ratios prefetch/blocking and blocking/local, and the share of each
-step the trainer spends waiting on fetches (time in ``PSClient.finish_fetch``).
+step the trainer spends waiting on fetches (time in ``PSClient.finish_lookup``).
 
 Usage::
 
@@ -119,7 +119,7 @@ def _train(module: Any, batches: list, loss_fn: Callable, tables_sgd: bool, pref
     waited = [0.0]
     for name in _client_names(module):
         client = get_client(name)
-        finish = client.finish_fetch
+        finish = client.finish_lookup
 
         def timed(fut, server, finish=finish):
             t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def _train(module: Any, batches: list, loss_fn: Callable, tables_sgd: bool, pref
             finally:
                 waited[0] += time.perf_counter() - t0
 
-        client.finish_fetch = timed
+        client.finish_lookup = timed
     t_start, wait_start = None, 0.0
     for i, ((inputs, labels), nxt) in enumerate(zip(batches, batches[1:] + [None])):
         if i == 1:

@@ -72,7 +72,7 @@ class MemoryClient(PSClient):
         self.shards, self.layouts, self.widths, self._slots = like.shards, like.layouts, like.widths, like._slots
         self.answers = answers
 
-    def fetch(self, server, kjt):
+    def lookup(self, server, kjt):
         return self.answers[server].clone().requires_grad_(torch.is_grad_enabled())
 
     def push_grad_async(self, server, kjt, grad, next_kjt=None):
@@ -131,14 +131,14 @@ def rpc_chain(client: PSClient, kjt) -> float:
     """F_chain: seconds from sending each server this step's push (carrying the next lookup, as
     ``prefetch=True`` does) to holding both lookups; the lookups that provide the gradients are not timed."""
     servers = range(len(client.servers))
-    parts = [client.fetch(s, kjt) for s in servers]
+    parts = [client.lookup(s, kjt) for s in servers]
     for part in parts:
         part.grad = torch.zeros_like(part)
     t0 = time.perf_counter()
     for s, part in zip(servers, parts):
         client.settle_push(client.push_async(s, kjt, part, next_kjt=kjt), s)
     for s in servers:
-        client.finish_fetch(client.fetch_async(s, kjt), s)
+        client.finish_lookup(client.lookup_async(s, kjt), s)
     elapsed = time.perf_counter() - t0
     client.flush()
     return elapsed
@@ -159,10 +159,10 @@ def rpc_step(client: PSClient, kjt, parallel: bool) -> None:
     (``parallel``) the fetches in flight together, then the pushes."""
     servers = range(len(client.servers))
     if parallel:
-        futs = [client.fetch_async(s, kjt) for s in servers]
-        parts = [client.finish_fetch(f, s) for s, f in zip(servers, futs)]
+        futs = [client.lookup_async(s, kjt) for s in servers]
+        parts = [client.finish_lookup(f, s) for s, f in zip(servers, futs)]
     else:
-        parts = [client.fetch(s, kjt) for s in servers]
+        parts = [client.lookup(s, kjt) for s in servers]
     for part in parts:
         part.grad = torch.zeros_like(part)
     if parallel:
@@ -290,7 +290,7 @@ def main() -> None:
         steps = {key: Step(*build(key, args, dims, opts), prefetch=bool(opts and opts.get("prefetch")),
                            wait=key in ("base", "async", "memory")) for key, opts in options.items()}
         base_client = get_client(steps["base"].client)
-        answers = {s: base_client.fetch(s, batches[0][1]).detach() for s in range(2)}
+        answers = {s: base_client.lookup(s, batches[0][1]).detach() for s in range(2)}
         MemoryClient(get_client(steps["memory"].client), answers)
         for key, step in steps.items():  # warm-up
             time_block(step, [batches[0]] * 3 if key == "memory" else batches[:3])

@@ -57,7 +57,7 @@ def _round_trips(cluster: Any, budget_s: float) -> dict[str, float]:
     small = PSClient([TableSpec("t", 1000, 16, ("f0",))], cluster.server_names[:1], name="rt_small", optimizer="sgd")
     try:
         kjt = _kjt(8, 1000)
-        out["lookup latency (ms)"] = _bench.median_ms(lambda k: small.fetch(0, k), kjt, budget_s)
+        out["lookup latency (ms)"] = _bench.median_ms(lambda k: small.lookup(0, k), kjt, budget_s)
         grad = torch.ones(8, 16)
         out["push latency (ms)"] = _bench.median_ms(
             lambda k: small.finish_push(small.push_grad_async(0, k, grad), 0), kjt, budget_s)
@@ -67,7 +67,7 @@ def _round_trips(cluster: Any, budget_s: float) -> dict[str, float]:
     try:
         for mib in (1, 16):
             kjt = _kjt(mib * MIB // (64 * 4), 100_000, seed=mib)
-            ms = _bench.median_ms(lambda k: big.fetch(0, k), kjt, budget_s)
+            ms = _bench.median_ms(lambda k: big.lookup(0, k), kjt, budget_s)
             out[f"{mib} MiB answer (MB/s)"] = mib * MIB / 1e6 / (ms / 1e3)
     finally:
         big.close()

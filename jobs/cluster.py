@@ -3,7 +3,7 @@
 Every address a job uses comes from where a process actually runs, never from the launcher's host name:
 
 - the ``torch.distributed.rpc`` rendezvous is hosted by trainer rank 0 on its node's Ray address
-  (``ray.util.get_node_ip_address()``), on a port picked there (:class:`jobs.ps.ServerTables`);
+  (``ray.util.get_node_ip_address()``), on a port picked there (:class:`jobs.servers.ServerTables`);
 - each metrics exporter binds on its own node (:func:`serve_exporter`): on ``127.0.0.1`` by default, or on
   the node's Ray address with ``[metrics] host = "node"``; it reports the (address, port) it really bound to
   (:func:`where`), and the launcher rewrites Prometheus' file-SD ``targets.json`` with them;
@@ -33,7 +33,7 @@ Node failure: when a node dies (its raylet is gone; ``ray.nodes()`` says ``Alive
 processes die with it. Ray Train sees the worker group fail and restarts it from the last checkpoint
 (``[job] max_failures``) on the nodes that remain, which must have room for every trainer; Ray restarts
 each lost server actor (``max_restarts``) on another node through the fallback, and the new group's rank 0
-waits for it before the group forms (:class:`jobs.ps.ServerGroup`). The checkpoints must therefore be on
+waits for it before the group forms (:class:`jobs.servers.ServerGroup`). The checkpoints must therefore be on
 storage every node reads (``[job] run_dir`` on a shared file system). The launcher's own actors (the
 :class:`jobs.launch.JobState` and Ray Train's controller) are pinned to the launcher's node
 (:func:`here_options`), so only the launcher's node must stay up. The launcher notes each node that ran a

@@ -13,8 +13,8 @@
    ``prometheus/prometheus.yml`` (from ``dashboards/``) into the run folder;
 4. runs the trainers with Ray Train's ``TorchTrainer`` (DDP over gloo on CPU, nccl on GPU;
    ``FailureConfig(max_failures)`` restarts the worker group from the last checkpoint), after starting
-   the parameter servers as Ray actors (:func:`jobs.ps.start_servers`; each worker group's rank 0 has
-   them join its ``torch.distributed.rpc`` group, see :mod:`jobs.ps`; they are killed when the job ends,
+   the parameter servers as Ray actors (:func:`jobs.servers.start_servers`; each worker group's rank 0 has
+   them join its ``torch.distributed.rpc`` group, see :mod:`jobs.servers`; they are killed when the job ends,
    also on errors and Ctrl-C); each trainer gets a :class:`jobs.plan.TrainerSpec` (the plan and those
    handles); the trainers report to a :class:`JobState` actor, which the launcher polls for its progress display;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
@@ -404,7 +404,7 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
         if on_cluster:
             watch.nodes = NodeWatch()
         if config.cluster.parameter_servers:
-            from jobs.ps import start_servers
+            from jobs.servers import start_servers
 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
         spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1")
@@ -438,13 +438,13 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
         raise
     finally:
         if servers:
-            from jobs.ps import stop_servers
+            from jobs.servers import stop_servers
 
             stop_servers(servers)
 
 
 def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:
-    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.ps.ServerHost`) into the JobState (``ps<i>``); skipped when a server
+    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.servers.ServerHooks`) into the JobState (``ps<i>``); skipped when a server
     does not answer (a dead one has nothing to report)."""
     import ray
 

@@ -9,8 +9,10 @@ Metrics (labels ``job``, ``phase`` = baseline | optimized, ``rank``; servers use
 =============================  =========  ===========================================================
 ``fxdist_samples_total``       counter    training samples processed
 ``fxdist_step_seconds``        histogram  wall time of one training step (forward, backward, update)
-``fxdist_rpc_fetch_seconds``   histogram  trainer: time blocked on embedding fetches in a step;
+``fxdist_ps_lookup_seconds``   histogram  trainer: time blocked on embedding lookups in a step;
                                           server: time to serve one lookup request
+``fxdist_rpc_fetch_seconds``   histogram  the same observations under the old name, an alias kept for one
+                                          release (:data:`DEPRECATED_ALIASES`); dashboards use the new name
 ``fxdist_loss``                gauge      training loss of the last step (binary cross-entropy)
 ``fxdist_ps_rows``             gauge      parameter server: embedding rows it holds (all table sets)
 ``fxdist_ps_bytes``            gauge      parameter server: bytes of its stored rows and optimizer state
@@ -26,20 +28,21 @@ Source: prometheus client_python (registries, ``start_http_server``); Prometheus
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from scheduling.ps.launch import free_port  # one free_port for the project (re-exported here)
+from scheduling.ps.ports import free_port, free_port_block  # one free_port for the project (re-exported here)
 
-__all__ = ["LABELS", "STEP_BUCKETS", "FETCH_BUCKETS", "Exporter", "free_port", "free_port_block"]
+__all__ = ["LABELS", "DEPRECATED_ALIASES", "STEP_BUCKETS", "LOOKUP_BUCKETS", "Exporter", "free_port", "free_port_block"]
 
 LABELS = ("job", "phase", "rank")
+DEPRECATED_ALIASES = {"fxdist_rpc_fetch_seconds": "fxdist_ps_lookup_seconds"}
+"""Old metric name -> its new name; the old one is still exported, with the same observations, for one release."""
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Step latency buckets, seconds."""
-FETCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.5)
+LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.5)
 """Embedding fetch latency buckets, seconds."""
 
 
@@ -53,7 +56,7 @@ class Exporter:
 
     Example:
         >>> e = Exporter("demo", "0")
-        >>> e.observe_step("baseline", samples=128, step_seconds=0.01, fetch_seconds=0.002, loss=0.5)
+        >>> e.observe_step("baseline", samples=128, step_seconds=0.01, lookup_seconds=0.002, loss=0.5)
         >>> e.registry.get_sample_value("fxdist_samples_total", {"job": "demo", "phase": "baseline", "rank": "0"})
         128.0
     """
@@ -67,9 +70,13 @@ class Exporter:
             "fxdist_step_seconds", "Wall time of one training step.", LABELS, registry=self.registry,
             buckets=STEP_BUCKETS,
         )
-        self.fetch_seconds = Histogram(
-            "fxdist_rpc_fetch_seconds", "Time spent on embedding fetches over RPC.", LABELS,
-            registry=self.registry, buckets=FETCH_BUCKETS,
+        self.lookup_seconds = Histogram(
+            "fxdist_ps_lookup_seconds", "Time spent on embedding lookups on the parameter servers.", LABELS,
+            registry=self.registry, buckets=LOOKUP_BUCKETS,
+        )
+        self.lookup_seconds_alias = Histogram(
+            "fxdist_rpc_fetch_seconds", "Deprecated alias of fxdist_ps_lookup_seconds (removed next release).",
+            LABELS, registry=self.registry, buckets=LOOKUP_BUCKETS,
         )
         self.loss = Gauge("fxdist_loss", "Training loss of the last step.", LABELS, registry=self.registry)
         self.ps_rows = Gauge("fxdist_ps_rows", "Embedding rows held by this parameter server.", ("job", "rank"),
@@ -96,27 +103,30 @@ class Exporter:
             labels = self.labels(phase)
             self.samples.labels(**labels)
             self.step_seconds.labels(**labels)
-            self.fetch_seconds.labels(**labels)
+            self.lookup_seconds.labels(**labels)
+            self.lookup_seconds_alias.labels(**labels)
 
     def _children(self, phase: str) -> tuple[Any, Any, Any, Any]:
-        """The labelled series of ``phase`` (samples, step, fetch, loss), looked up once per phase: a
+        """The labelled series of ``phase`` (samples, step, lookup (with its alias), loss), looked up once per phase: a
         ``labels()`` lookup costs more than the update itself (prometheus client_python's advice)."""
         children = self._cache.get(phase)
         if children is None:
             labels = self.labels(phase)
             children = self._cache[phase] = (self.samples.labels(**labels), self.step_seconds.labels(**labels),
-                                             self.fetch_seconds.labels(**labels), self.loss.labels(**labels))
+                                             _Both(self.lookup_seconds.labels(**labels),
+                                                   self.lookup_seconds_alias.labels(**labels)),
+                                             self.loss.labels(**labels))
         return children
 
     def observe_step(
-        self, phase: str, *, samples: int, step_seconds: float, fetch_seconds: float | None, loss: float
+        self, phase: str, *, samples: int, step_seconds: float, lookup_seconds: float | None, loss: float
     ) -> None:
-        """Record one training step (``fetch_seconds=None``: no RPC fetch in this step)."""
-        samples_total, step, fetch, last_loss = self._children(phase)
+        """Record one training step (seconds; ``lookup_seconds=None``: no parameter-server lookup in this step)."""
+        samples_total, step, lookup, last_loss = self._children(phase)
         samples_total.inc(samples)
         step.observe(step_seconds)
-        if fetch_seconds is not None:
-            fetch.observe(fetch_seconds)
+        if lookup_seconds is not None:
+            lookup.observe(lookup_seconds)
         last_loss.set(loss)
 
     def observe_memory(self, rows: int, bytes: int) -> None:  # noqa: A002 - the field's name
@@ -136,8 +146,8 @@ class Exporter:
             if value is not None and value == value:
                 self.gain.labels(job=self.job, stat=stat).set(value / 100.0)
 
-    def observe_fetch(self, phase: str, seconds: float) -> None:
-        """Record one served (server) or issued (trainer) embedding fetch."""
+    def observe_lookup(self, phase: str, seconds: float) -> None:
+        """Record one served (server) or issued (trainer) embedding lookup, ``seconds`` long."""
         self._children(phase)[2].observe(seconds)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -164,21 +174,12 @@ class Exporter:
             self._server = None
 
 
-def free_port_block(count: int, host: str = "127.0.0.1", *, start: int = 20000, stop: int = 60000) -> int:
-    """The first port ``p`` in ``[start, stop)`` such that ``p .. p + count - 1`` are all free on ``host``.
+class _Both:
+    """Two labelled histograms observed together (a metric and its deprecated alias)."""
 
-    Raises:
-        OSError: no such block.
-    """
-    port = start
-    while port + count <= stop:
-        for offset in range(count):
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port + offset))
-                except OSError:
-                    port += offset + 1
-                    break
-        else:
-            return port
-    raise OSError(f"no block of {count} free ports in [{start}, {stop}) on {host}")
+    def __init__(self, new: Any, old: Any) -> None:
+        self.new, self.old = new, old
+
+    def observe(self, value: float) -> None:
+        self.new.observe(value)
+        self.old.observe(value)

@@ -124,7 +124,7 @@ class TrainerSpec:
 
     ``state``: the launcher's :class:`jobs.state.JobState` actor (progress, results, deterministic errors);
     ``servers``: the parameter-server actor handles (``[cluster] parameter_servers`` of them,
-    :func:`jobs.ps.start_servers`; empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
+    :func:`jobs.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
     ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC group's rendezvous binds to,
     None to use the node's Ray address (on a cluster).
     """

@@ -43,7 +43,7 @@ def server_table_copies(phases: int) -> int:
     besides the servers' own (one per phase, counted in ``MemoryEstimate.server_bytes``, in their storage
     form), for ``phases`` phases trained side by side (each its own table set): the copy a server answers
     ``state_dict`` with (1), the checkpoint trainer rank 0 gathers (one per phase) and the evaluated-model
-    snapshot (1) (see jobs/ps.py ``ServerTables`` and jobs/worker.py ``_save_checkpoint`` /
+    snapshot (1) (see jobs/servers.py ``ServerTables`` and jobs/worker.py ``_save_checkpoint`` /
     ``_evaluate_mid_phase``)."""
     return phases + 2
 
@@ -228,7 +228,7 @@ def _server_rows(config: JobConfig) -> list[int]:
     built-in DLRM's tables ``t_C1 .. t_C26`` (:func:`scheduling.placement.plan.plan_tables`, with ``[model] plan``'s
     overrides): table-wise, a large table row-wise when the servers would otherwise be unbalanced."""
     from scheduling.placement.plan import TableInfo, plan_tables, shards_of
-    from scheduling.ps.config import TableSpec
+    from scheduling.ps.shard_plan import TableSpec
 
     m, n = config.model, config.cluster.parameter_servers
     module = "sparse_arch.embedding_bag_collection"  # where jobs.criteo.dlrm keeps them

@@ -124,8 +124,8 @@ def table(results: JobResults) -> str:
         q = p.get("quality", {})
         lines.append(
             f"{name:<10} {_fmt(p.get('qps')):>10} {_fmt(p.get('step_p50_ms'), '.2f'):>9} "
-            f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('fetch_p50_ms'), '.3f'):>10} "
-            f"{_fmt(p.get('fetch_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7}"
+            f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('lookup_p50_ms'), '.3f'):>10} "
+            f"{_fmt(p.get('lookup_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7}"
             + "".join(f" {_fmt(q.get(k), '.4f'):>8}" for k in cols)
         )
     lines += _quality_notes(results, j.get("steps"), cols)

@@ -126,9 +126,9 @@ class PhaseResult(_Result):
     """Median training step time, ms, pooled over every step of every trainer."""
     step_p99_ms: float | None
     """99th percentile of the step time, ms."""
-    fetch_p50_ms: float | None
+    lookup_p50_ms: float | None
     """Median parameter-server lookup time, ms; None without lookups (no servers)."""
-    fetch_p99_ms: float | None
+    lookup_p99_ms: float | None
     """99th percentile of the lookup time, ms; None without lookups."""
     loss: float | None
     """Training loss: the mean over trainers of each one's mean over its last 10 % of steps."""

@@ -7,7 +7,7 @@ The trainer asks for nothing else: every member below exists on every implementa
 - :class:`Workload`: :class:`jobs.workload.UserWorkload` (your ``[model] factory`` on your ``[data] batches``) and
   :class:`jobs.workload.CriteoWorkload` (the built-in torchrec DLRM on Criteo rows);
 - :class:`TableBackend` (:func:`jobs.workload.make_tables`): :class:`jobs.workload.LocalTables` (the tables stay
-  in the model: DDP parameters) or :class:`jobs.ps.ServerTables` (the ``parameter_servers`` pass moves them to
+  in the model: DDP parameters) or :class:`jobs.servers.ServerTables` (the ``parameter_servers`` pass moves them to
   the job's servers); its :meth:`TableBackend.view` of a phase is that phase's :class:`Tables`
   (:class:`~jobs.workload.LocalTables` itself, or a server view).
 
@@ -74,7 +74,7 @@ class Tables(Protocol):
     def sync(self) -> None:
         """Wait for the updates in flight (pushes to the servers); a no-op when local."""
 
-    def fetch_seconds(self) -> float | None:
+    def lookup_seconds(self) -> float | None:
         """Seconds this trainer was blocked on lookups since the last call, or None when nothing was fetched
         (always None when local)."""
 

@@ -122,7 +122,7 @@ def phase_summary(runs: Sequence[Any], batch_size: int, **after: Any) -> PhaseRe
     samples = sum(r.samples for r in runs)
     wall = max(r.wall_seconds for r in runs)
     steps = [s for r in runs for s in r.step_seconds]
-    fetch = [s for r in runs for s in r.fetch_seconds]
+    fetch = [s for r in runs for s in r.lookup_seconds]
     tail = max(1, len(runs[0].losses) // 10)
     losses = [sum(r.losses[-tail:]) / len(r.losses[-tail:]) for r in runs if r.losses]
     world = len(runs)
@@ -134,8 +134,8 @@ def phase_summary(runs: Sequence[Any], batch_size: int, **after: Any) -> PhaseRe
         qps=samples / wall if wall > 0 else float("nan"),
         step_p50_ms=percentile(steps, 50) * 1e3,
         step_p99_ms=percentile(steps, 99) * 1e3,
-        fetch_p50_ms=percentile(fetch, 50) * 1e3 if fetch else None,
-        fetch_p99_ms=percentile(fetch, 99) * 1e3 if fetch else None,
+        lookup_p50_ms=percentile(fetch, 50) * 1e3 if fetch else None,
+        lookup_p99_ms=percentile(fetch, 99) * 1e3 if fetch else None,
         loss=sum(losses) / len(losses) if losses else float("nan"),
         prefetched_lookups=sum(getattr(r, "prefetched_lookups", 0) for r in runs),
         # the trainer that spent the largest share of its phase time updating metrics

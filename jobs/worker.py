@@ -7,7 +7,7 @@ and its ``Tables``). Each trainer:
 1. reads its shard of the data (:mod:`jobs.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
-   (``jobs.ps.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
+   (``jobs.servers.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
    of each phase's model, the built-in torchrec DLRM or yours, there);
 3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module (on servers:
    after only the ``parameter_servers`` pass, so its lookups block), ``optimized`` trains
@@ -71,7 +71,7 @@ class PhaseRun:
     samples: int = 0
     wall_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
-    fetch_seconds: list[float] = field(default_factory=list)
+    lookup_seconds: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     """Training seconds since the phase started (callbacks excluded), at the end of each step."""
@@ -119,7 +119,7 @@ class PhaseTrainer:
 
     Args:
         tables: The phase's tables (:class:`jobs.seams.Tables`: :class:`jobs.workload.LocalTables` or a
-            :class:`jobs.ps.ServerTables` view): ``fetch_seconds()``, ``after_backward()`` and, on servers, the
+            :class:`jobs.servers.ServerTables` view): ``lookup_seconds()``, ``after_backward()`` and, on servers, the
             ``parameter_servers`` pass.
         workload: The model and its data (:class:`jobs.seams.Workload`, e.g. ``CriteoWorkload(config, shard)``).
         start_step: The first step (a resumed trainer continues the batch sequence there).
@@ -203,18 +203,18 @@ class PhaseTrainer:
         return block
 
     def _record(self, samples: int, step_seconds: float, loss: float, since_start: float) -> None:
-        run, fetch = self.run, self.tables.fetch_seconds()
+        run, fetch = self.run, self.tables.lookup_seconds()
         run.steps += 1
         run.samples += samples
         run.step_seconds.append(step_seconds)
         run.losses.append(loss)
         run.times.append(since_start)
         if fetch is not None:
-            run.fetch_seconds.append(fetch)
+            run.lookup_seconds.append(fetch)
         if self.exporter is not None:
             t_metrics = time.perf_counter()
             self.exporter.observe_step(self.phase, samples=samples, step_seconds=step_seconds,
-                                       fetch_seconds=fetch, loss=loss)
+                                       lookup_seconds=fetch, loss=loss)
             run.metrics_seconds += time.perf_counter() - t_metrics
 
 

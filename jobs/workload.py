@@ -19,13 +19,13 @@ that depends on the model and the data:
 :class:`UserWorkload` is your model (``[model] factory``, ``[data] batches``); :class:`CriteoWorkload` is the same
 machinery with the built-in model (:func:`jobs.criteo.dlrm`) and the Criteo reader. Both train through the same
 path: with parameter servers, each phase's module first gets the ``parameter_servers`` pass
-(:class:`jobs.ps.ServerTables`).
+(:class:`jobs.servers.ServerTables`).
 
 A *tables backend* (:func:`make_tables`, the :class:`jobs.seams.TableBackend` protocol): :class:`LocalTables` (the
-tables stay in the model: DDP parameters) or :class:`jobs.ps.ServerTables` (the ``parameter_servers`` pass moves
+tables stay in the model: DDP parameters) or :class:`jobs.servers.ServerTables` (the ``parameter_servers`` pass moves
 them to the job's servers), with ``view(phase)`` (each phase's own tables, :class:`jobs.seams.Tables`: ``local``,
 ``placement_pass()`` (None when local) and ``attach(gm)``, ``after_backward()``, ``sync()`` (wait for updates in
-flight), ``fetch_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
+flight), ``lookup_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
 ``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
 live on the servers), ``can_kill_server`` / ``kill_server(i)``) and ``close(graceful)``.
 
@@ -316,7 +316,7 @@ class LocalTables:
         """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.sparse_grads`) and the
         optimizer applies them."""
 
-    def fetch_seconds(self) -> float | None:
+    def lookup_seconds(self) -> float | None:
         return None
 
     def prefetch_hits(self) -> int:
@@ -346,7 +346,7 @@ def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
 
 def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: Any) -> TableBackend:
     """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``, else
-    :class:`jobs.ps.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.plan.TrainerSpec`
+    :class:`jobs.servers.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.plan.TrainerSpec`
     ``spec``, one table set per phase).
 
     Raises:
@@ -354,7 +354,7 @@ def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: A
     """
     if config.cluster.parameter_servers == 0:
         return LocalTables()
-    from jobs.ps import ServerTables
+    from jobs.servers import ServerTables
 
     phases = ("baseline", "optimized") if config.phases.baseline else ("optimized",)
     return ServerTables(config, rank, world, spec, exporter, phases)

@@ -3,7 +3,7 @@
 One :class:`AsyncPair` per blocking target (a table, one entry a line)::
 
     torch.distributed.rpc.rpc_sync(to, f, args)  -> fut = rpc_async(to, f, args); rpc_wait(fut)     read
-    ps_fetch(client, server, kjt)                -> h = ps_fetch_start(...); ps_fetch_wait(h)        read
+    ps_lookup(client, server, kjt)                -> h = ps_lookup_start(...); ps_lookup_wait(h)        read
     ps_push(client, server, kjt, t, after)       -> h = ps_push_start(...); ps_push_wait(h) / defer  write
     ray_call(handle, "m", *args)                 -> ref = ray_remote(handle, "m", *args); ray.get(ref)  read
       (scheduling.ray_calls; a traced ray.get(handle.m.remote(x)) is already such a start + wait pair)
@@ -123,7 +123,7 @@ def destination(node: Node, pair: AsyncPair) -> Hashable | None:
 
 
 register_async_pair(AsyncPair(rpc.rpc_sync, rpc.rpc_async, ops.rpc_wait, "read", ((0, "to"),)))
-register_async_pair(AsyncPair(ops.ps_fetch, ops.ps_fetch_start, ops.ps_fetch_wait, "read",
+register_async_pair(AsyncPair(ops.ps_lookup, ops.ps_lookup_start, ops.ps_lookup_wait, "read",
                               ((0, "client"), (1, "server")), family="ps"))
 register_async_pair(AsyncPair(ops.ps_push, ops.ps_push_start, ops.ps_push_wait, "write",
                               ((0, "client"), (1, "server")), family="ps", defer=ops.ps_push_defer))

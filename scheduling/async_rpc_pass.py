@@ -3,17 +3,17 @@
 Source: torch.fx paper §6.2.3 (program scheduling: "replace each blocking call by a non-blocking start and a
 separate wait, and move the start as early as possible").
 
-Before (``ps_fetch`` blocks for a round trip each)::
+Before (``ps_lookup`` blocks for a round trip each)::
 
     %kjt = placeholder; %dense = placeholder
-    %ps_fetch = ps_fetch(ps, 0, %kjt); %ps_fetch_1 = ps_fetch(ps, 1, %kjt)
+    %ps_lookup = ps_lookup(ps, 0, %kjt); %ps_lookup_1 = ps_lookup(ps, 1, %kjt)
     %bottom = call_module[bottom](%dense) ...
 
 After (both lookups in flight while the bottom MLP runs)::
 
-    %ps_fetch_start = ps_fetch_start(ps, 0, %kjt); %ps_fetch_start_1 = ps_fetch_start(ps, 1, %kjt)
+    %ps_lookup_start = ps_lookup_start(ps, 0, %kjt); %ps_lookup_start_1 = ps_lookup_start(ps, 1, %kjt)
     %bottom = call_module[bottom](%dense)
-    %ps_fetch_wait = ps_fetch_wait(%ps_fetch_start); %ps_fetch_wait_1 = ps_fetch_wait(%ps_fetch_start_1)
+    %ps_lookup_wait = ps_lookup_wait(%ps_lookup_start); %ps_lookup_wait_1 = ps_lookup_wait(%ps_lookup_start_1)
 
 Steps (one function each):
   1. :func:`split_rpcs`: each blocking RPC node (see :mod:`scheduling.async_pairs`) becomes a start node and
@@ -190,7 +190,7 @@ def async_rpc(gm: GraphModule, *, max_staleness: int | None = None, prefetch: bo
 
     Args:
         gm: a GraphModule (e.g. from ``fxdist.symbolic_trace``) calling ``torch.distributed.rpc.rpc_sync``,
-            the parameter-server leaves ``ps_fetch``/``ps_push`` (either transport), or Ray actors
+            the parameter-server leaves ``ps_lookup``/``ps_push`` (either transport), or Ray actors
             (``ray.get(handle.m.remote(x))`` traced with :class:`scheduling.ray_calls.RayTracer`).
         max_staleness: None (default) keeps training exact; an int ``k >= 0`` lets pushes stay in flight
             across steps, fetches waiting until at most ``k`` are pending for their server.
@@ -233,7 +233,7 @@ def async_rpc_prefetch(gm: GraphModule) -> GraphModule:
     return async_rpc(gm, prefetch=True)
 
 
-NO_RPC = ("no blocking RPC found (torch.distributed.rpc.rpc_sync, or parameter-server ps_fetch/ps_push leaves; "
+NO_RPC = ("no blocking RPC found (torch.distributed.rpc.rpc_sync, or parameter-server ps_lookup/ps_push leaves; "
           "run the parameter_servers pass first to move embedding tables to servers)")
 """Why ``async_rpc`` changes nothing on a graph without blocking RPCs (``fxdist.optimize``'s NoOpPassWarning)."""
 async_rpc.fxdist_no_op_reason = NO_RPC  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Lookups whose ids are computed from the graph's inputs: which ones :mod:`scheduling.prefetch` can start a
 step early, why the others cannot, and the module that replays the computation on the next batch's inputs.
 
-A lookup's batch (the ``KeyedJaggedTensor`` a ``ps_fetch`` reads) is often computed in ``forward``: one
+A lookup's batch (the ``KeyedJaggedTensor`` a ``ps_lookup`` reads) is often computed in ``forward``: one
 ``(B, F)`` id tensor sliced per feature (``ids[:, j]``), cast (``.long()``), reshaped (``.view(-1)``), or a
 ``KeyedJaggedTensor.from_lengths_sync(...)`` built from it. When every node from the graph's inputs
 (placeholders) to that batch is side-effect free, the batch is a function of the inputs alone, and the
@@ -13,7 +13,7 @@ next step's batch is the same function of the next step's inputs::
 
 The submodule (:class:`BatchReplay`) holds that function as a GraphModule (the nodes copied from the graph)
 and returns the same object for the same input objects (not modified in place since, same ``_version``): the
-client matches a prefetched lookup with the next step's by identity (``PSClient.fetch_async``), so the batch
+client matches a prefetched lookup with the next step's by identity (``PSClient.lookup_async``), so the batch
 this step builds from ``next_ids`` must be the very object the next step's lookup reads.
 
 Not a function of the inputs alone (see :func:`input_reason`): a batch depending on a parameter (``get_attr``),

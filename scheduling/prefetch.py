@@ -6,13 +6,13 @@ MLP's forward). The next step's lookup, though, depends only on the next batch's
 loader already has. The pass adds one input per looked-up batch, ``next_<name>`` (default None), and has
 this step's push to each server ask for the next batch's lookup in the same request::
 
-    %ps_push_start = ps_push_start(ps, 0, %kjt, %ps_fetch_wait, %ps_backward, next_kjt=%next_kjt)
+    %ps_push_start = ps_push_start(ps, 0, %kjt, %ps_lookup_wait, %ps_backward, next_kjt=%next_kjt)
     ...bottom MLP backward, optimizer step...
     %ps_push_settle = ps_push_settle(%ps_push_start)  # left in flight when it carries the lookup
 
 The server applies the push, then looks up the next batch and answers both: the lookup of step ``t + 1``
 overlaps the rest of step ``t`` and the start of step ``t + 1``, costs no extra round trip, and is exact
-(it follows the push). Step ``t + 1``'s ``ps_fetch_start`` takes the prefetched answer (and the push
+(it follows the push). Step ``t + 1``'s ``ps_lookup_start`` takes the prefetched answer (and the push
 with it). Call ``PSClient.flush()`` when training stops, to wait for the last of them. "Exact" is about
 this trainer's own pushes; with several trainers, the prefetched lookup sees the others' pushes as of when
 it was served, a fraction of a step earlier than without prefetch (their interleaving is not deterministic anyway). With ``max_staleness >= 1`` a separate

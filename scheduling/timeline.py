@@ -4,11 +4,11 @@ One row per node, one column per RPC (in order of first appearance)::
 
     node                   | 0 1
     kjt                    |
-    ps_fetch_start         | S
-    ps_fetch_start_1       | | S
+    ps_lookup_start         | S
+    ps_lookup_start_1       | | S
     bottom_0               | | |
-    ps_fetch_wait          | W |
-    ps_fetch_wait_1        |   W
+    ps_lookup_wait          | W |
+    ps_lookup_wait_1        |   W
 
 ``B`` marks a blocking RPC (start and wait in one node), ``S`` a start, ``|`` in flight, ``W`` its wait (or
 defer), ``P`` the prefetch of the next step's lookup (in flight past the output). The footer counts the non-RPC nodes each RPC overlaps.

@@ -9,8 +9,8 @@ can then schedule::
 
     %kt = call_module[sparse_arch.embedding_bag_collection](%sparse_features)
         ->
-    %ps_fetch = ps_fetch("ps:sparse_arch.embedding_bag_collection", 0, %sparse_features)
-    %ps_push_in_backward = ps_push_in_backward("ps:...", 0, %sparse_features, %ps_fetch)
+    %ps_lookup = ps_lookup("ps:sparse_arch.embedding_bag_collection", 0, %sparse_features)
+    %ps_push_in_backward = ps_push_in_backward("ps:...", 0, %sparse_features, %ps_lookup)
     ... one fetch + hook per server holding a shard ...
     %kt = ps_pool("ps:...", %sparse_features, %ps_push_in_backward, %ps_push_in_backward_1)
 
@@ -89,7 +89,7 @@ from .find import Candidate, NotMoved, call_arguments, find_embeddings
 from .table_groups import group_candidates, group_label, rewrite_group
 from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
 from ..ps import ops
-from ..ps.config import TableSpec, table_specs
+from ..ps.shard_plan import TableSpec, table_specs
 from ..async_pairs import trace_meta
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
@@ -260,7 +260,7 @@ def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> Non
             ids = client.servers_for()
             # every fetch before the first hook: async_rpc does not hoist a fetch above an impure node
             # (the hook) that reads the same batch, so interleaving them would serialise the lookups
-            parts = [graph.call_function(ops.ps_fetch, (client.name, s, kjt)) for s in ids]
+            parts = [graph.call_function(ops.ps_lookup, (client.name, s, kjt)) for s in ids]
             if trainable:
                 parts = [graph.call_function(ops.ps_push_in_backward, (client.name, s, kjt, p))
                          for s, p in zip(ids, parts)]
@@ -436,7 +436,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     found, plan, local = _keep_local(gm, found, kept, plan, local_below_rows)
     if not found:
         return _nothing_to_move(gm, kept, local, verbose, file)
-    from ..ps.launch import group_servers
+    from ..ps.local_cluster import group_servers
     names = list(servers) if servers else group_servers("parameter_servers")
     kwargs = {"lr": lr, **(optimizer_kwargs or {})}
     _check_optimizer(names, optimizer, kwargs)

@@ -146,7 +146,7 @@ def _tables(kind: str, m: nn.Module) -> str | None:
         if w.dtype != torch.float32:
             return f"its weights are of dtype {w.dtype}; the servers hold float32 tables initialised from them"
     if kind in ("ebc", "ec"):
-        from ..ps.config import table_specs
+        from ..ps.shard_plan import table_specs
 
         try:
             table_specs(m.embedding_bag_configs() if kind == "ebc" else m.embedding_configs())

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..ps.config import ShardSpec, TableSpec, plan_shards
+from ..ps.shard_plan import ShardSpec, TableSpec, plan_shards
 
 __all__ = ["TableInfo", "TablePlacement", "plan_tables", "split_local", "shards_of", "format_plan", "FLOAT32_BYTES",
            "LOCAL"]

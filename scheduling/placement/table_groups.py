@@ -8,7 +8,7 @@ request per server, as torchrec groups the features of an ``EmbeddingBagCollecti
 ``KeyedJaggedTensor``::
 
     %a = call_module[emb.a](%ids_a)         %kjt = group_to_kjt(("emb.a", "emb.b"), (...), %ids_a, ..., %ids_b, ...)
-    ...                             ->      %ps_fetch = ps_fetch("ps:emb.a+1", 0, %kjt) ... %ps_pool = ps_pool(...)
+    ...                             ->      %ps_lookup = ps_lookup("ps:emb.a+1", 0, %kjt) ... %ps_pool = ps_pool(...)
     %b = call_module[emb.b](%ids_b)         %a = group_output(%ps_pool, 0, 16, %ids_a)
                                             ...
                                             %b = group_output(%ps_pool, 16, 32, %ids_b)
@@ -157,7 +157,7 @@ def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, traina
     anchor = first.prev
     with graph.inserting_before(first):
         ids = client.servers_for()
-        parts = [graph.call_function(ops.ps_fetch, (client.name, s, kjt)) for s in ids]
+        parts = [graph.call_function(ops.ps_lookup, (client.name, s, kjt)) for s in ids]
         if trainable:
             parts = [graph.call_function(ops.ps_push_in_backward, (client.name, s, kjt, p)) for s, p in zip(ids, parts)]
         pooled = graph.call_function(ops.ps_pool, (client.name, kjt, *parts))

@@ -1,7 +1,7 @@
 """Parameter-server runtime over ``torch.distributed.rpc`` (TensorPipe, TCP transport) or Ray actors.
 
 Embedding tables (torchrec ``EmbeddingBagConfig``) are sharded table-wise or row-wise over N server
-processes; trainers fetch pooled embeddings for a ``KeyedJaggedTensor`` and push sparse gradients, which the
+processes; trainers look up pooled embeddings for a ``KeyedJaggedTensor`` and push sparse gradients, which the
 servers apply with a row-wise optimizer (row-wise Adagrad or SGD).
 
 API for launchers (e.g. jobs/ with Ray). One static RPC group holds T trainers and N servers; rank 0 hosts
@@ -19,20 +19,20 @@ the rendezvous TCP store, so make a trainer rank 0 (the store must outlive serve
     client = PSClient(tables, servers=[f"ps{j}" for j in range(N)], sharding="row_wise",
                       optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.05}, name="ps", timeout_s=30)
     ebc = PSEmbeddingBagCollection("ps")            # drop-in for torchrec's EmbeddingBagCollection
-    kt = ebc(kjt)                                   # KeyedTensor (B, sum D); fetch = blocking rpc_sync
-    parts = ebc.fetch(kjt); kt = ebc.pool(kjt, parts)   # training: keep the parts, then after
+    kt = ebc(kjt)                                   # KeyedTensor (B, sum D); lookup = blocking rpc_sync
+    parts = ebc.lookup(kjt); kt = ebc.pool(kjt, parts)   # training: keep the parts, then after
     loss.backward(); ebc.push(kjt, parts)               # backward push each part's gradient once
     # (or PSEmbeddingBagCollection("ps", push_in_backward=True); for your own model, the
     # scheduling.parameter_servers pass does all this in its graph)
     client.push_async(s, kjt, part, next_kjt=next_batch_kjt)  # the push also asks for the next lookup,
-                                                    # which the next client.fetch(s, next_batch_kjt) takes
+                                                    # which the next client.lookup(s, next_batch_kjt) takes
     client.checkpoint("/ckpt")                      # each server writes /ckpt/<name>.pt
     client.close(stop_servers=True, shutdown_rpc=True)  # last trainer: servers' start_server returns
 
 Rank 0 hosts the rendezvous store. Shutdown is never graceful (torch's graceful shutdown is a group barrier
 that hangs after a crash). On one machine :class:`LocalCluster` starts N server processes and joins as
 the trainer. When traced
-(``fxdist.symbolic_trace``), fetches and pushes are single impure ``call_function`` nodes
+(``fxdist.symbolic_trace``), lookups and pushes are single impure ``call_function`` nodes
 (:mod:`scheduling.ps.ops`), which :func:`scheduling.async_rpc` splits into start/wait pairs.
 
 Transports (:mod:`scheduling.ps.transport`): the above is ``torch_rpc``. With ``ray`` the servers are Ray
@@ -59,15 +59,17 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "TableSpec": "config", "ShardSpec": "config", "table_specs": "config", "plan_shards": "config",
+    "TableSpec": "shard_plan", "ShardSpec": "shard_plan", "table_specs": "shard_plan", "plan_shards": "shard_plan",
     "RowWiseSGD": "optimizer", "RowWiseAdagrad": "optimizer", "make_optimizer": "optimizer",
     "PSServer": "server", "start_server": "server", "stop_server": "server",
-    "PSClient": "client", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
-    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "launch", "free_port": "lifecycle",
-    "group_servers": "launch", "NoGroupError": "launch",
-    "ps_fetch": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
+    "PSClient": "client", "ClientOptions": "client_options", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
+    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "local_cluster", "free_port": "ports", "free_port_block": "ports",
+    "group_servers": "local_cluster", "NoGroupError": "local_cluster",
+    "ps_lookup": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
-    "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle",
+    "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle", "DEFAULT_WORKER_THREADS": "endpoints",
+    "ProcessHost": "hosts", "ActorHost": "ray_transport", "server_actor_class": "ray_transport", "PSActor": "ray_transport",
+    "wait_all": "ray_transport", "is_bind_failure": "ports",
 }
 __all__ = sorted(_EXPORTS)
 

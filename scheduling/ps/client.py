@@ -1,12 +1,12 @@
 """The trainer side of the parameter server: :class:`PSClient`.
 
 A client knows the table layout (which shard lives on which server), sends lookups and gradient pushes,
-and turns the per-server answers back into torchrec's ``KeyedTensor``. Its blocking :meth:`PSClient.fetch`
-is the ``rpc_sync`` baseline that :func:`scheduling.async_rpc` rewrites into :meth:`fetch_async` + wait.
+and turns the per-server answers back into torchrec's ``KeyedTensor``. Its blocking :meth:`PSClient.lookup`
+is the ``rpc_sync`` baseline that :func:`scheduling.async_rpc` rewrites into :meth:`lookup_async` + wait.
 
 Clients are registered by name (:func:`get_client`), so graph nodes refer to them by a string constant.
 
-Source: torch.fx paper §6.2.3 (blocking parameter-server fetches in training models).
+Source: torch.fx paper §6.2.3 (blocking parameter-server lookups in training models).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from recsys.quiet import rpc_init_warnings_filtered
 
 from . import server as _srv
 from .device import Lookup, to_host
-from .config import ShardSpec, Sharding, TableSpec, plan_shards, table_specs
-from .storage import STORAGES
+from .shard_plan import ShardSpec, TableSpec, plan_shards, table_specs
+from . import pooling as _pooling
+from .client_options import GRAD_REDUCTIONS, ClientOptions  # noqa: F401  (GRAD_REDUCTIONS: re-exported)
 from .transport import make_transport
 
 __all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer", "live_clients"]
 
-GRAD_REDUCTIONS = ("mean", "sum")
 _CLIENTS: dict[str, "PSClient"] = {}
 _CLIENTS_LOCK = threading.Lock()
 
@@ -78,6 +78,7 @@ def init_trainer(name: str, rank: int, world_size: int, *, master_addr: str = "1
         with rpc_init_warnings_filtered():
             rpc.init_rpc(name, rank=rank, world_size=world_size,
                          rpc_backend_options=_srv.rpc_backend_options(init_method, timeout_s))
+        _srv._WORLD_SIZE[0] = world_size
     except RuntimeError as e:
         raise PSUnavailableError(f"trainer {name!r}: the RPC group at {init_method} (world_size={world_size}) "
                                  f"did not assemble within {timeout_s} s; are the servers running? ({e})") from e
@@ -117,6 +118,8 @@ class PSClient:
         tables: torchrec ``EmbeddingBagConfig``s (or :class:`TableSpec`s).
         servers: the servers, e.g. ``["ps0", "ps1"]``: RPC worker names (``torch_rpc``: RPC must be
             initialized, see :func:`init_trainer`), or Ray actor handles / registered names (``ray``).
+        options: a :class:`~scheduling.ps.client_options.ClientOptions` (None: the defaults); any of its fields
+            given as a keyword (``name="ps"``, ``timeout_s=30`` ...) replaces that field. The fields:
         transport: ``"torch_rpc"`` or ``"ray"`` (:mod:`scheduling.ps.transport`); None picks ``"ray"`` for
             actor handles and names of Ray servers started here (``LocalCluster(transport="ray")``), else
             the default.
@@ -129,8 +132,8 @@ class PSClient:
         compress: ``"fused8bit"`` to receive lookups quantized with FBGEMM's fused 8-bit row-wise format.
         storage: how the servers store the rows: ``"fp32"``, ``"fp16"`` or ``"fused8bit"`` (2x and about 4x
             less memory; :mod:`scheduling.ps.storage`); lookups answer float32 either way.
-        seed: seed of the initial weights; ``init_weights`` ``{table: (N, D)}`` overrides them.
-        configure: create the shards on the servers now (shards restored from a checkpoint are kept).
+        seed: seed of the initial weights; ``init_weights`` ``{table: (N, D)}`` (not an option) overrides them.
+        configure: (not an option) create the shards on the servers now (shards restored from a checkpoint are kept).
         ordered: each server applies this client's lookups and pushes in the order they were issued
             (sequence numbers), so a lookup sent while a push is in flight still sees that push.
         rank, world_size, group: this trainer's rank among the ``world_size`` trainers that share these
@@ -155,27 +158,18 @@ class PSClient:
         PSUnavailableError: a server does not answer the configuration call.
     """
 
-    def __init__(self, tables: Sequence[Any], servers: Sequence[str], *,
-                 sharding: Sharding | Mapping[str, Sharding] = "table_wise",
-                 optimizer: str = "rowwise_adagrad", optimizer_kwargs: Mapping[str, float] | None = None,
-                 name: str = "ps", timeout_s: float = 30.0, compress: str | None = None, seed: int = 0,
+    def __init__(self, tables: Sequence[Any], servers: Sequence[str], options: ClientOptions | None = None, *,
                  init_weights: Mapping[str, torch.Tensor] | None = None, configure: bool = True,
-                 ordered: bool = True, rank: int = 0, world_size: int = 1, group: str | None = None,
-                 storage: str = "fp32", transport: str | None = None, grad_reduction: str = "mean",
-                 device: str | torch.device | None = None) -> None:
+                 **option_fields: Any) -> None:
         if not servers:
             raise ValueError("PSClient: give at least one server name")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"PSClient: rank {rank} is not in [0, world_size={world_size})")
-        if world_size > 1 and (not group or not ordered):
-            raise ValueError(f"PSClient {name!r}: world_size={world_size} needs ordered=True and a group key "
-                             "shared by the trainers (group=...)")
-        if grad_reduction not in GRAD_REDUCTIONS:
-            raise ValueError(f"PSClient: unknown grad_reduction={grad_reduction!r} (use 'mean' or 'sum')")
-        if storage not in STORAGES:
-            raise ValueError(f"PSClient: unknown storage={storage!r} (use one of {', '.join(STORAGES)})")
-        if compress not in (None, "fused8bit"):
-            raise ValueError(f"PSClient: unknown compress={compress!r} (use None or 'fused8bit')")
+        opts = (options or ClientOptions()).replace(**option_fields) if option_fields else (options or ClientOptions())
+        self.options = opts
+        """This client's :class:`~scheduling.ps.client_options.ClientOptions` (frozen)."""
+        (sharding, optimizer, optimizer_kwargs, name, timeout_s, compress, seed, ordered, rank, world_size, group,
+         storage, transport, device) = (opts.sharding, opts.optimizer, opts.optimizer_kwargs, opts.name,
+                                        opts.timeout_s, opts.compress, opts.seed, opts.ordered, opts.rank,
+                                        opts.world_size, opts.group, opts.storage, opts.transport, opts.device)
         self.device = _check_device(device)
         self.tables: list[TableSpec] = table_specs(tables)
         self.servers = list(servers)
@@ -188,7 +182,7 @@ class PSClient:
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.seed = seed
         self.storage = storage
-        self.grad_divisor = world_size if grad_reduction == "mean" else 1
+        self.grad_divisor = opts.grad_divisor
         """What each pushed gradient is divided by (``world_size`` for ``grad_reduction="mean"``, as DDP)."""
         self.layouts = [_srv.server_layout(self.shards, s) for s in range(len(self.servers))]
         self.widths = [sum(sp.table.embedding_dim for sp, _ in lay) for lay in self.layouts]
@@ -196,7 +190,7 @@ class PSClient:
         self._pending: dict[int, collections.deque[torch.futures.Future]] = collections.defaultdict(
             collections.deque)
         self._prefetched: dict[int, tuple[Any, torch.futures.Future]] = {}
-        self._gather: Any = None  # see _column_gather
+        self._gather: Any = None  # see scheduling.ps.pooling.column_gather
         self.batcher: Any = None
         """A :class:`scheduling.ps.coalesce.PushBatcher` shared with other clients: pushes are queued there and sent
         one message per server (the ``parameter_servers`` pass sets one for all the clients of a model)."""
@@ -298,9 +292,9 @@ class PSClient:
         batch = _batch(kjt)
         return batch[:3] + (None,) if self.weighted is False else batch
 
-    # ---- fetch / push -----------------------------------------------------------------------------------
-    def fetch_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
-        """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_fetch`).
+    # ---- lookup / push ----------------------------------------------------------------------------------
+    def lookup_async(self, server: int, kjt: Any, max_staleness: int | None = None) -> torch.futures.Future:
+        """Start a lookup on ``server``; the Future's value is the raw answer (see :meth:`finish_lookup`).
 
         If :meth:`prefetch` already started the lookup of this very ``kjt`` object on ``server``, that
         lookup's Future is returned (a prefetch of another batch is waited and dropped).
@@ -324,7 +318,7 @@ class PSClient:
         self._drop_prefetch(server)
         self.drain(server, 0 if max_staleness is None else max_staleness)
         return self._lookup(self._call_async(server, "lookup", (self.name, self._wire(kjt), self.compress),
-                                             "fetch", ordered=True), kjt)
+                                             "lookup", ordered=True), kjt)
 
     def _drop_prefetch(self, server: int) -> None:
         """Wait and drop an unused prefetched lookup (of another batch), so its errors surface."""
@@ -333,7 +327,7 @@ class PSClient:
             self._wait(early[1], server, "prefetch")
 
     def prefetch(self, server: int, kjt: Any, max_staleness: int | None = None) -> None:
-        """Start the lookup of a *later* batch ``kjt`` now; the next :meth:`fetch_async` of the same object
+        """Start the lookup of a *later* batch ``kjt`` now; the next :meth:`lookup_async` of the same object
         on ``server`` picks it up instead of sending a new request.
 
         The server answers it with the rows as they are when it arrives: after every push this client
@@ -349,36 +343,36 @@ class PSClient:
             raise RuntimeError(f"PSClient {self.name!r}: an exact prefetch needs ordered=True (the servers "
                                "must apply this step's push before the next step's lookup); create the "
                                "client with ordered=True or allow max_staleness >= 1")
-        self._prefetched[server] = (kjt, self.fetch_async(server, kjt, max_staleness))
+        self._prefetched[server] = (kjt, self.lookup_async(server, kjt, max_staleness))
 
-    def finish_fetch(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
+    def finish_lookup(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
         """Wait for a lookup; returns ``(B, D_s)`` float32 on :meth:`rows_device`, a leaf that requires grad
         when grad is enabled (its gradient is what :meth:`push_async` sends)."""
-        out = self._wait(fut, server, "fetch")
+        out = self._wait(fut, server, "lookup")
         if torch.is_grad_enabled():
             out.requires_grad_(True)
         return out
 
-    def fetch(self, server: int, kjt: Any) -> torch.Tensor:
+    def lookup(self, server: int, kjt: Any) -> torch.Tensor:
         """Blocking lookup on one server: pooled sums ``(B, D_s)`` of its shards (the ``rpc_sync`` baseline)."""
-        return self.finish_fetch(self.fetch_async(server, kjt), server)
+        return self.finish_lookup(self.lookup_async(server, kjt), server)
 
     def push_async(self, server: int, kjt: Any, fetched: torch.Tensor, next_kjt: Any = None,
                    ) -> torch.futures.Future:
-        """Start sending ``fetched.grad`` (the gradient of a :meth:`fetch` output) to ``server``.
+        """Start sending ``fetched.grad`` (the gradient of a :meth:`lookup` output) to ``server``.
 
         Each fetched tensor's gradient is sent exactly once: a second push of it raises.
 
         With ``next_kjt`` the same request also asks for the lookup of that later batch, which the server
         answers right after applying the push (an exact prefetch in one round trip instead of two); the
-        next :meth:`fetch_async` of that object on ``server`` picks it up. The returned handle then
+        next :meth:`lookup_async` of that object on ``server`` picks it up. The returned handle then
         completes with the lookup, not before.
 
         Raises:
             RuntimeError: ``fetched`` has no gradient (backward did not run) or was already pushed.
         """
         if getattr(fetched, "_fxdist_ps_pushed", False):
-            raise RuntimeError(f"PSClient {self.name!r}: this fetch's gradient was already pushed to server "
+            raise RuntimeError(f"PSClient {self.name!r}: this lookup's gradient was already pushed to server "
                                f"{server}; gradients reach the server exactly once per step")
         if fetched.grad is None:
             raise RuntimeError(f"PSClient {self.name!r}: the fetched tensor of server {server} has no .grad; "
@@ -421,7 +415,7 @@ class PSClient:
         return self.finish_push(fut, server)
 
     def defer_push(self, server: int, fut: torch.futures.Future) -> None:
-        """Keep an in-flight push; the next :meth:`fetch_async` to ``server`` (or :meth:`flush`) waits it."""
+        """Keep an in-flight push; the next :meth:`lookup_async` to ``server`` (or :meth:`flush`) waits it."""
         self._pending[server].append(fut)
 
     def drain(self, server: int, keep: int = 0) -> None:
@@ -437,69 +431,17 @@ class PSClient:
         for server in list(self._prefetched):
             self._drop_prefetch(server)
 
-    # ---- pooling ----------------------------------------------------------------------------------------
+    # ---- pooling (scheduling.ps.pooling) -------------------------------------------------------------------
     def pool(self, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
-        """Assemble per-server answers into torchrec's ``KeyedTensor`` ``(B, sum D)`` keyed by feature.
+        """Assemble per-server answers into torchrec's ``KeyedTensor`` ``(B, sum D)`` keyed by feature
+        (:func:`scheduling.ps.pooling.pool`).
 
         ``parts`` are the answers of the servers :meth:`servers_for` lists, in that order.
 
-        Row-wise partial sums are added; mean-pooled features are divided by their bag lengths (empty bags
-        give zeros). Differentiable in ``parts``.
+        Raises:
+            ValueError: another number of answers than servers.
         """
-        from torchrec.sparse.jagged_tensor import KeyedTensor
-
-        ids = self.servers_for()
-        if len(parts) != len(ids):
-            raise ValueError(f"PSClient.pool: expected {len(ids)} server answers (servers {ids}), got {len(parts)}")
-        if self._gather is None:
-            self._gather = self._column_gather(ids)
-        if self._gather is not False:
-            return self._pool_gather(kjt, parts)
-        parts = dict(zip(ids, parts))
-        pooling = {f: t.pooling for t in self.tables for f in t.feature_names}
-        outs, dims = [], []
-        for feat in self.feature_names:
-            slots = self._slots[feat]
-            value = parts[slots[0][0]][:, slots[0][1]:slots[0][1] + slots[0][2]]
-            for s, col, dim in slots[1:]:
-                value = value + parts[s][:, col:col + dim]
-            if pooling[feat] == "mean":
-                bag_len = kjt[feat].lengths().clamp(min=1).to(value.device, value.dtype).unsqueeze(1)
-                value = value / bag_len
-            outs.append(value)
-            dims.append(slots[0][2])
-        return KeyedTensor(keys=self.feature_names, length_per_key=dims, values=torch.cat(outs, dim=1))
-
-    def _column_gather(self, ids: list[int]) -> Any:
-        """When every feature comes whole from one server: the output's columns as indices into the
-        concatenated answers, a ``(F,)`` mask of mean-pooled features (None when all sum), the widths as a list
-        and as a tensor; False otherwise (row-wise)."""
-        if any(len(self._slots[f]) != 1 for f in self.feature_names):
-            return False
-        start = dict(zip(ids, [0, *torch.tensor([self.widths[s] for s in ids]).cumsum(0).tolist()[:-1]]))
-        cols = [start[s] + col + j for f in self.feature_names for s, col, dim in self._slots[f] for j in range(dim)]
-        mean = torch.tensor([t.pooling == "mean" for t in self.tables for _ in t.feature_names])
-        dims = [self._slots[f][0][2] for f in self.feature_names]
-        return torch.tensor(cols), (mean if bool(mean.any()) else None), dims, torch.tensor(dims)
-
-    def _pool_gather(self, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
-        """:meth:`pool` in one ``index_select`` (one ``index_add`` backward) instead of a slice per feature."""
-        from torchrec.sparse.jagged_tensor import KeyedTensor
-
-        values = torch.cat(list(parts), dim=1) if len(parts) > 1 else parts[0]
-        if self._gather[0].device != values.device:  # rows on an accelerator: the index tensors follow once
-            self._gather = tuple(t.to(values.device) if isinstance(t, torch.Tensor) else t for t in self._gather)
-        cols, mean, dims, repeats = self._gather
-        values = values.index_select(1, cols)
-        if mean is not None:
-            keys = kjt.keys()
-            pos = {k: i for i, k in enumerate(keys)}
-            lengths = kjt.lengths().to(values.device)
-            lens = lengths.view(len(keys), -1).index_select(
-                0, torch.tensor([pos[f] for f in self.feature_names], device=values.device))
-            divisor = torch.where(mean.unsqueeze(1), lens.clamp(min=1), 1).to(values.dtype)   # (F, B)
-            values = values / divisor.t().repeat_interleave(repeats, dim=1)
-        return KeyedTensor(keys=self.feature_names, length_per_key=dims, values=values)
+        return _pooling.pool(self, kjt, parts)
 
     # ---- configuration and checkpoints ------------------------------------------------------------------
     def configure(self, init_weights: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -20,8 +20,8 @@ __all__ = ["PSEmbeddingBagCollection"]
 class PSEmbeddingBagCollection(nn.Module):
     """Pooled embedding lookups served by a :class:`PSClient`'s servers.
 
-    ``forward`` = :meth:`fetch` (one blocking ``ps_fetch`` leaf per server holding a shard) + :meth:`pool`.
-    For training, call :meth:`push` after backward with the fetched parts, or build
+    ``forward`` = :meth:`lookup` (one blocking ``ps_lookup`` leaf per server holding a shard) + :meth:`pool`.
+    For training, call :meth:`push` after backward with the looked-up parts, or build
     it with ``push_in_backward=True`` to push each gradient from an autograd hook during backward (eager
     mode only).
 
@@ -42,9 +42,9 @@ class PSEmbeddingBagCollection(nn.Module):
         """The live client."""
         return get_client(self.client_name)
 
-    def fetch(self, kjt: Any) -> list[torch.Tensor]:
+    def lookup(self, kjt: Any) -> list[torch.Tensor]:
         """One lookup per server: ``[(B, D_s)]`` in :attr:`server_ids` order."""
-        parts = [_ops.ps_fetch(self.client_name, s, kjt) for s in self.server_ids]
+        parts = [_ops.ps_lookup(self.client_name, s, kjt) for s in self.server_ids]
         if self.push_in_backward and self._eager(parts):
             for s, part in zip(self.server_ids, parts):
                 part.register_hook(_PushHook(self.client_name, s, kjt))
@@ -60,7 +60,7 @@ class PSEmbeddingBagCollection(nn.Module):
 
     def forward(self, kjt: Any) -> Any:
         """Pooled embeddings of ``kjt`` as a ``KeyedTensor``."""
-        return self.pool(kjt, self.fetch(kjt))
+        return self.pool(kjt, self.lookup(kjt))
 
     def push(self, kjt: Any, parts: list[Any], after: Any = None) -> list[Any]:
         """Blocking push of each part's ``.grad`` to its server (``after`` orders the nodes after backward)."""
@@ -68,7 +68,7 @@ class PSEmbeddingBagCollection(nn.Module):
 
 
 class _PushHook:
-    """Autograd hook: push the gradient of one fetched part during backward."""
+    """Autograd hook: push the gradient of one looked-up part during backward."""
 
     def __init__(self, client: str, server: int, kjt: Any) -> None:
         self.client, self.server, self.kjt = client, server, kjt

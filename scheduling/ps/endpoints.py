@@ -24,13 +24,14 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .ordering import Done, Order, in_order, submit
 
-__all__ = ["ServerEndpoints", "AsyncEndpoints", "METHODS", "DEFAULT_WORKER_THREADS"]
+__all__ = ["Endpoints", "ServerEndpoints", "AsyncEndpoints", "METHODS", "DEFAULT_WORKER_THREADS"]
 
 DEFAULT_WORKER_THREADS = 16
 """Threads that serve one server's requests unless told otherwise (``num_worker_threads``)."""
@@ -40,8 +41,11 @@ METHODS = ("configure", "lookup", "push", "push_lookup", "batch", "state_dict", 
 """The requests every transport carries (``PSClient`` calls only these)."""
 
 
-class ServerEndpoints:
-    """The request handlers of one parameter server (``server``: a ``PSServer``, or None before one runs).
+class Endpoints:
+    """The request handlers of one parameter server that both transports share (``server``: a ``PSServer``,
+    or None before one runs): ordered requests start through one callback (:meth:`submit`,
+    :meth:`submit_batch`); :class:`ServerEndpoints` answers them blocking (``torch_rpc``),
+    :class:`AsyncEndpoints` awaited (a Ray asyncio actor).
 
     Raises (every method): RuntimeError when no server runs here yet.
     """
@@ -121,25 +125,6 @@ class ServerEndpoints:
             except Exception as e:  # noqa: BLE001  (answered as that call's error, the others go on)
                 one(i, None, e)
 
-    def lookup(self, namespace: str, batch: Any, compress: str | None = None, order: Order | None = None,
-               ) -> torch.Tensor:
-        """Pooled sums ``(B, D_s)`` of the batch, in the request order ``order`` asks for (blocking)."""
-        return self._blocking("lookup", (namespace, batch, compress, order))
-
-    def push(self, namespace: str, batch: Any, grad: torch.Tensor, order: Order | None = None) -> int:
-        """Apply ``grad`` ``(B, D_s)``; returns the rows updated (blocking)."""
-        return self._blocking("push", (namespace, batch, grad, order))
-
-    def push_lookup(self, namespace: str, batch: Any, grad: torch.Tensor, next_batch: Any,
-                    compress: str | None = None, order: Order | None = None) -> tuple[int, torch.Tensor]:
-        """A push, then the lookup of the next batch, in one request: ``(rows updated, lookup answer)``
-        (blocking)."""
-        return self._blocking("push_lookup", (namespace, batch, grad, next_batch, compress, order))
-
-    def _blocking(self, method: str, args: tuple) -> Any:
-        order, what, name, push, lookup = self._ordered(method, args)
-        return in_order(order, what, name, push=push, lookup=lookup)
-
     def state_dict(self, namespace: str | None = None) -> dict[str, Any]:
         """``PSServer.state_dict`` (copies of the shards)."""
         return self._server().state_dict(namespace)
@@ -164,8 +149,34 @@ class ServerEndpoints:
                 "pid": os.getpid(), **server.memory()}
 
 
-class AsyncEndpoints(ServerEndpoints):
-    """:class:`ServerEndpoints` for an asyncio actor (a Ray actor with ``async`` methods): an ordered request
+class ServerEndpoints(Endpoints):
+    """:class:`Endpoints` answering the ordered requests blocking (the ``torch_rpc`` server's handlers).
+
+    Raises (every method): RuntimeError when no server runs here yet.
+    """
+
+    def lookup(self, namespace: str, batch: Any, compress: str | None = None, order: Order | None = None,
+               ) -> torch.Tensor:
+        """Pooled sums ``(B, D_s)`` of the batch, in the request order ``order`` asks for (blocking)."""
+        return self._blocking("lookup", (namespace, batch, compress, order))
+
+    def push(self, namespace: str, batch: Any, grad: torch.Tensor, order: Order | None = None) -> int:
+        """Apply ``grad`` ``(B, D_s)``; returns the rows updated (blocking)."""
+        return self._blocking("push", (namespace, batch, grad, order))
+
+    def push_lookup(self, namespace: str, batch: Any, grad: torch.Tensor, next_batch: Any,
+                    compress: str | None = None, order: Order | None = None) -> tuple[int, torch.Tensor]:
+        """A push, then the lookup of the next batch, in one request: ``(rows updated, lookup answer)``
+        (blocking)."""
+        return self._blocking("push_lookup", (namespace, batch, grad, next_batch, compress, order))
+
+    def _blocking(self, method: str, args: tuple) -> Any:
+        order, what, name, push, lookup = self._ordered(method, args)
+        return in_order(order, what, name, push=push, lookup=lookup)
+
+
+class AsyncEndpoints(Endpoints):
+    """:class:`Endpoints` for an asyncio actor (a Ray actor with ``async`` methods): an ordered request
     is a coroutine that awaits its result, so a request waiting for its turn holds no thread and takes no
     slot of a thread pool; the work itself (tables, optimizer) runs on ``num_worker_threads`` threads of this
     process, never on the event loop. The other requests (``configure``, ``state_dict``...) are plain methods.
@@ -181,43 +192,49 @@ class AsyncEndpoints(ServerEndpoints):
         self.num_worker_threads = num_worker_threads
         self._pool: Any = None
 
-    async def _await(self, method: str, args: tuple, count: bool = True) -> Any:
-        import asyncio
+    def _submit(self, method: str, args: tuple, done: Done) -> None:
+        """As :meth:`ServerEndpoints._submit`, but the work runs on this actor's ``num_worker_threads`` threads,
+        never on the event loop (a request waiting for its turn holds none of them)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        self.requests += count
-
         order, what, name, push, lookup = self._ordered(method, args)  # raises here when no server runs
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_worker_threads, thread_name_prefix=f"ps-{name}")
+        self._pool.submit(submit, order, what, name, done, push=push, lookup=lookup)
+
+    async def _answer(self, start: Callable[[Done], None]) -> Any:
+        """Await the answer that ``start(done)`` reports through its callback (from any thread)."""
+        import asyncio
+
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
 
         def done(value: Any, error: BaseException | None) -> None:
             loop.call_soon_threadsafe(_settle, answer, value, error)
 
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_worker_threads, thread_name_prefix=f"ps-{name}")
-        self._pool.submit(submit, order, what, name, done, push=push, lookup=lookup)
+        start(done)
         return await answer
 
-    async def batch(self, calls: list[tuple[str, tuple]]) -> list[tuple[Any, BaseException | None]]:
-        """As :meth:`ServerEndpoints.submit_batch`, awaited: ``[(answer, error), ...]``, one pair per call."""
-        import asyncio
-
+    async def _await(self, method: str, args: tuple) -> Any:
         self.requests += 1
-        results = await asyncio.gather(*(self._await(m, a, count=False) for m, a in calls), return_exceptions=True)
-        return [(None, r) if isinstance(r, BaseException) else (r, None) for r in results]
+        return await self._answer(functools.partial(self._submit, method, args))
 
-    async def lookup(self, namespace: str, batch: Any, compress: str | None = None,  # type: ignore[override]
+    async def batch(self, calls: list[tuple[str, tuple]]) -> list[tuple[Any, BaseException | None]]:
+        """:meth:`ServerEndpoints.submit_batch` (the same callback as the ``torch_rpc`` transport's), awaited:
+        ``[(answer, error), ...]``, one pair per call."""
+        return await self._answer(functools.partial(self.submit_batch, calls))
+
+    async def lookup(self, namespace: str, batch: Any, compress: str | None = None,
                      order: Order | None = None) -> torch.Tensor:
         """As :meth:`ServerEndpoints.lookup`, awaited."""
         return await self._await("lookup", (namespace, batch, compress, order))
 
-    async def push(self, namespace: str, batch: Any, grad: torch.Tensor,  # type: ignore[override]
+    async def push(self, namespace: str, batch: Any, grad: torch.Tensor,
                    order: Order | None = None) -> int:
         """As :meth:`ServerEndpoints.push`, awaited."""
         return await self._await("push", (namespace, batch, grad, order))
 
-    async def push_lookup(self, namespace: str, batch: Any, grad: torch.Tensor,  # type: ignore[override]
+    async def push_lookup(self, namespace: str, batch: Any, grad: torch.Tensor,
                           next_batch: Any, compress: str | None = None,
                           order: Order | None = None) -> tuple[int, torch.Tensor]:
         """As :meth:`ServerEndpoints.push_lookup`, awaited."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .config import ShardSpec
+from .shard_plan import ShardSpec
 from .storage import RowStore
 
 __all__ = ["FusedTables", "FusedIndex"]

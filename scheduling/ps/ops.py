@@ -1,13 +1,13 @@
 """Leaf functions through which models talk to the parameter servers.
 
 Each is registered with :func:`fxdist.wrap` (one ``call_function`` node when traced; call them as
-``ops.ps_fetch(...)`` so the tracer's patch of this module's globals applies) and, except the pure
+``ops.ps_lookup(...)`` so the tracer's patch of this module's globals applies) and, except the pure
 :func:`ps_pool`, with :func:`fxdist.node.has_side_effect` (dead-code elimination keeps them).
 Clients are named by a string (:func:`scheduling.ps.get_client`), so the nodes hold only constants and
 tensors.
 
 Blocking baseline          -> what :func:`scheduling.async_rpc` makes of it
-``ps_fetch(c, s, kjt)``    -> ``h = ps_fetch_start(c, s, kjt)`` ... ``ps_fetch_wait(h)``
+``ps_lookup(c, s, kjt)``    -> ``h = ps_lookup_start(c, s, kjt)`` ... ``ps_lookup_wait(h)``
 ``ps_push(c, s, kjt, t, after)`` -> ``h = ps_push_start(c, s, kjt, t, after)`` ... ``ps_push_wait(h)``
 (``async_rpc(prefetch=True)``)   -> ``ps_push_start(..., next_kjt=n)`` asks for the next step's lookup too,
                                  ``ps_push_settle(h)`` leaves it in flight until that lookup is fetched
@@ -28,7 +28,7 @@ from fxdist.node import has_side_effect
 
 from .client import get_client
 
-__all__ = ["PendingRPC", "ps_fetch", "ps_fetch_start", "ps_fetch_wait", "ps_push", "ps_push_start",
+__all__ = ["PendingRPC", "ps_lookup", "ps_lookup_start", "ps_lookup_wait", "ps_push", "ps_push_start",
            "ps_push_wait", "ps_push_settle", "ps_push_defer", "ps_push_in_backward", "ps_prefetch", "ps_pool", "ps_backward", "rpc_wait"]
 
 
@@ -45,24 +45,24 @@ class PendingRPC:
 
 
 @has_side_effect
-def ps_fetch(client: str, server: int, kjt: Any) -> torch.Tensor:
+def ps_lookup(client: str, server: int, kjt: Any) -> torch.Tensor:
     """Blocking lookup (``rpc_sync``): pooled sums ``(B, D_s)`` of server ``server``'s shards for ``kjt``."""
-    return get_client(client).fetch(server, kjt)
+    return get_client(client).lookup(server, kjt)
 
 
 @has_side_effect
-def ps_fetch_start(client: str, server: int, kjt: Any, max_staleness: int | None = None) -> PendingRPC:
-    """Start a lookup (``rpc_async``); finish it with :func:`ps_fetch_wait`.
+def ps_lookup_start(client: str, server: int, kjt: Any, max_staleness: int | None = None) -> PendingRPC:
+    """Start a lookup (``rpc_async``); finish it with :func:`ps_lookup_wait`.
 
     Deferred pushes to the server are waited first, leaving at most ``max_staleness`` in flight.
     """
-    return PendingRPC(get_client(client).fetch_async(server, kjt, max_staleness), client, server)
+    return PendingRPC(get_client(client).lookup_async(server, kjt, max_staleness), client, server)
 
 
 @has_side_effect
-def ps_fetch_wait(pending: PendingRPC) -> torch.Tensor:
-    """Wait for a lookup; same value as :func:`ps_fetch`."""
-    return get_client(pending.client).finish_fetch(pending.future, pending.server)
+def ps_lookup_wait(pending: PendingRPC) -> torch.Tensor:
+    """Wait for a lookup; same value as :func:`ps_lookup`."""
+    return get_client(pending.client).finish_lookup(pending.future, pending.server)
 
 
 @has_side_effect
@@ -133,7 +133,7 @@ def ps_push_in_backward(client: str, server: int, kjt: Any, part: torch.Tensor, 
 def ps_prefetch(client: str, server: int, next_kjt: Any, max_staleness: int | None = None,
                 after: Any = None) -> None:
     """Start the lookup of the next step's batch ``next_kjt`` (nothing when None); that step's
-    :func:`ps_fetch_start` of the same object picks it up (see ``PSClient.prefetch``). ``after``: the
+    :func:`ps_lookup_start` of the same object picks it up (see ``PSClient.prefetch``). ``after``: the
     handle of this step's push to the server, only ordering the node after it."""
     if next_kjt is not None:
         get_client(client).prefetch(server, next_kjt, max_staleness)
@@ -157,9 +157,9 @@ def rpc_wait(future: torch.futures.Future) -> Any:
     return future.wait()
 
 
-fxdist.wrap("ps_fetch")
-fxdist.wrap("ps_fetch_start")
-fxdist.wrap("ps_fetch_wait")
+fxdist.wrap("ps_lookup")
+fxdist.wrap("ps_lookup_start")
+fxdist.wrap("ps_lookup_wait")
 fxdist.wrap("ps_push")
 fxdist.wrap("ps_push_start")
 fxdist.wrap("ps_push_wait")

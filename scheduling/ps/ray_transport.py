@@ -16,7 +16,7 @@ on ``num_worker_threads`` threads of the actor's process. ``max_concurrency`` (:
 bounds how many requests one server actor holds at once, waiting ones included.
 
 The same :class:`PSActor` serves a job's ``torch_rpc`` group too: :meth:`PSActor.join` has it join each new
-RPC group of the trainers; a job adds its metrics through the actor's ``host`` (``jobs.ps.ServerHost``).
+RPC group of the trainers; a job adds its metrics through the actor's ``hooks`` (``jobs.servers.ServerHooks``).
 :class:`RayServers` is this transport's server lifecycle (:func:`scheduling.ps.lifecycle.server_group`).
 
 Clients name servers by a string: a name registered here (:func:`register_servers`, done by
@@ -44,14 +44,22 @@ from ray.actor import ActorHandle
 from .endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
 from .server import PSServer
 
-__all__ = ["PSActor", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "MAX_REQUESTS", "start_actors", "register_servers",
+__all__ = ["PSActor", "ActorHost", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "MAX_REQUESTS", "server_actor_class", "start_actors", "register_servers",
            "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors", "RayServers", "wait_all"]
 
 MAX_REQUESTS = 100_000
 """Requests one server actor holds at once (Ray's ``max_concurrency`` of an asyncio actor), waiting ones
 included; each waiting request is a parked coroutine, not a thread."""
-ACTOR_OPTIONS = {"num_cpus": 0, "max_concurrency": MAX_REQUESTS}
-"""``ray.remote`` options of a server actor: no CPU reserved, up to :data:`MAX_REQUESTS` requests in flight."""
+ACTOR_OPTIONS = {"num_cpus": 0, "max_concurrency": MAX_REQUESTS, "max_restarts": 0}
+"""``ray.remote`` options of a server actor (the one place they are set; :func:`server_actor_class`): no CPU
+reserved, up to :data:`MAX_REQUESTS` requests in flight, not restarted by Ray unless ``max_restarts`` says."""
+
+
+def server_actor_class(max_restarts: int = 0) -> Any:
+    """:class:`PSActor` as a Ray actor class with :data:`ACTOR_OPTIONS`, restarted by Ray up to ``max_restarts``
+    times after its process dies (0: never; a negative number counts as 0). Add per-actor options (a name,
+    a node) with its ``.options(...)``."""
+    return ray.remote(**{**ACTOR_OPTIONS, "max_restarts": max(0, max_restarts)})(PSActor)
 
 _HANDLES: dict[str, ActorHandle] = {}
 
@@ -62,7 +70,7 @@ _TRANSPORT_ERRORS = (rex.GetTimeoutError, rex.RayActorError, rex.ActorUnavailabl
 
 class PSActor(AsyncEndpoints):
     """A parameter server as a Ray actor class: ``ray.remote(**ACTOR_OPTIONS)(PSActor).remote("ps0")``; the one
-    server actor of both transports (a ``LocalCluster``'s and a job's, ``jobs.ps.start_servers``).
+    server actor of both transports (a ``LocalCluster``'s and a job's, ``jobs.servers.start_servers``).
 
     ``ray`` transport: the actor itself serves the requests (its
     :class:`~scheduling.ps.endpoints.AsyncEndpoints` methods, ``handle.lookup.remote(...)``), from
@@ -81,24 +89,24 @@ class PSActor(AsyncEndpoints):
         serve_at_start: False: no server until :meth:`join` / :meth:`reset` (requests fail until then, also
             after Ray restarted the actor); True: serve ``checkpoint``'s tables (or none) at once, unless Ray
             restarted the actor (it lost its tables: refused until :meth:`reset`).
-        host: an object adding what the actor's owner needs (a job: its metrics exporter), called as
-            ``host.start()`` here, ``host.before_join(addr)``, ``host.serving(server)`` for each new server,
-            ``host.where()`` (:meth:`where`), ``host.stats()`` (merged into :meth:`stats`) and
-            ``host.close()``; None: nothing added.
+        hooks: an object adding what the actor's owner needs (a job: its metrics exporter), called as
+            ``hooks.start()`` here, ``hooks.before_join(addr)``, ``hooks.serving(server)`` for each new server,
+            ``hooks.where()`` (:meth:`where`), ``hooks.stats()`` (merged into :meth:`stats`) and
+            ``hooks.close()``; None: nothing added.
     """
 
     def __init__(self, name: str, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
                  checkpoint: str | None = None, num_threads: int | None = 1,
                  num_worker_threads: int = DEFAULT_WORKER_THREADS, *, timeout_s: float = 20.0,
-                 serve_at_start: bool = True, host: Any = None) -> None:
+                 serve_at_start: bool = True, hooks: Any = None) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.name, self.delays, self.timeout_s = name, (fetch_delay_s, push_delay_s), timeout_s
         super().__init__(num_worker_threads=num_worker_threads)
-        self.joined, self.groups, self.host = False, 0, host
+        self.joined, self.groups, self.hooks = False, 0, hooks
         self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
-        if host is not None:
-            host.start()
+        if hooks is not None:
+            hooks.start()
         if not serve_at_start:
             self.why_none = f"server {name} has not been reset since its actor (re)started"
         elif restarted_actor():  # the tables died with the old process: refuse requests until reset()
@@ -125,8 +133,8 @@ class PSActor(AsyncEndpoints):
         from .server import start_server
 
         self.leave()
-        if self.host is not None:
-            self.host.before_join(addr)
+        if self.hooks is not None:
+            self.hooks.before_join(addr)
         server = start_server(self.name, rank, world, master_addr=addr, master_port=port,
                               fetch_delay_s=self.delays[0], push_delay_s=self.delays[1], timeout_s=self.timeout_s,
                               block=False, num_worker_threads=self.num_worker_threads)
@@ -136,8 +144,8 @@ class PSActor(AsyncEndpoints):
     def _serve(self, server: PSServer) -> dict[str, int]:
         self.server = server
         self.groups += 1
-        if self.host is not None:
-            self.host.serving(server)
+        if self.hooks is not None:
+            self.hooks.serving(server)
         return {"pid": os.getpid(), "group": self.groups}
 
     def leave(self) -> None:
@@ -150,26 +158,56 @@ class PSActor(AsyncEndpoints):
             stop_server()
 
     def where(self) -> dict[str, Any]:
-        """Where this server runs: ``host.where()``, else ``{"pid", "node_id"}``."""
-        if self.host is not None:
-            return self.host.where()
+        """Where this server runs: ``hooks.where()``, else ``{"pid", "node_id"}``."""
+        if self.hooks is not None:
+            return self.hooks.where()
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def stats(self) -> dict[str, int]:
-        """Without a ``host``: lookups and pushes served, process id, rows and bytes held
+        """Without ``hooks``: lookups and pushes served, process id, rows and bytes held
         (:meth:`ServerEndpoints.stats`). With one: ``{"pid", "rows", "bytes"}`` its server held in the group
-        it was in last (or is in now; ``PSServer.memory()``) and ``host.stats()``."""
-        if self.host is None:
+        it was in last (or is in now; ``PSServer.memory()``) and ``hooks.stats()``."""
+        if self.hooks is None:
             return super().stats()
         held = self.server.memory() if self.joined else self.held
-        return {"pid": os.getpid(), **self.host.stats(), **held}
+        return {"pid": os.getpid(), **self.hooks.stats(), **held}
 
     def close(self) -> None:
-        """Leave the group, drop the server and close the ``host`` (the owner then kills the actor)."""
+        """Leave the group, drop the server and close the ``hooks`` (the owner then kills the actor)."""
         self.leave()
         self.server = None
-        if self.host is not None:
-            self.host.close()
+        if self.hooks is not None:
+            self.hooks.close()
+
+
+def _actor_key(handle: ActorHandle) -> str:
+    """An actor's id as hex text, from the handle's public text form ``Actor(<class>, <hex id>)``."""
+    return str(handle).rpartition(",")[2].strip(" )")
+
+
+class ActorHost:
+    """Servers as Ray actors (``scheduling.ps.ray_transport.PSActor``); Ray restarts a killed one while its
+    ``max_restarts`` (:data:`ACTOR_OPTIONS`) allow. The host axis's Ray half (:mod:`scheduling.ps.hosts`).
+
+    Attributes: ``actors``, the actor handles, in server order (set by whoever created or was given them).
+    """
+
+    kind = "actor"
+
+    def __init__(self, actors: Sequence[Any] = ()) -> None:
+        self.actors: list[Any] = list(actors)
+
+    def kill(self, index: int) -> None:
+        """Kill server ``index``'s actor process (a crash); Ray restarts it if it has restarts left."""
+        ray.kill(self.actors[index], no_restart=False)
+
+    def kill_all(self) -> None:
+        """Kill every actor for good (no restart); never raises (an actor already gone is skipped)."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001  already gone
+                pass
 
 
 def restarted_actor() -> bool:
@@ -185,7 +223,7 @@ def start_actors(names: Sequence[str], checkpoints: Sequence[str | None] | None 
     Raises:
         ray.exceptions.RayActorError: an actor failed to start.
     """
-    cls = ray.remote(**ACTOR_OPTIONS)(PSActor)
+    cls = server_actor_class()
     checkpoints = list(checkpoints or [None] * len(names))
     handles = [cls.remote(name, checkpoint=ckpt, **kwargs) for name, ckpt in zip(names, checkpoints)]
     ray.get([h.stats.remote() for h in handles])
@@ -255,7 +293,7 @@ class RayTransport:
         for s in servers:
             if isinstance(s, ActorHandle):
                 self.handles.append(s)
-                self.names.append(f"actor {s._actor_id.hex()[:12]}")
+                self.names.append(f"actor {_actor_key(s)[:12]}")
                 continue
             handle = _HANDLES.get(s)
             if handle is None:
@@ -290,13 +328,10 @@ def start_local(names: Sequence[str], checkpoints: Sequence[str | None] | None =
 
 
 def kill_actors(handles: Sequence[ActorHandle], names: Sequence[str], shutdown: bool = False) -> None:
-    """Kill the actors without restart, forget their names, and with ``shutdown`` stop Ray; never raises."""
+    """Kill the actors for good (:meth:`scheduling.ps.hosts.ActorHost.kill_all`), forget their names, and with
+    ``shutdown`` stop Ray; never raises."""
     unregister_servers(names)
-    for handle in handles:
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception:  # already gone
-            pass
+    ActorHost(handles).kill_all()
     if shutdown:
         ray.shutdown()
 
@@ -308,7 +343,7 @@ def wait_all(refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
 
 class RayServers:
     """The lifecycle of a group of ``ray`` parameter servers (the ``transport`` object of
-    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.ps.ServerGroup``): Ray actors
+    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.servers.ServerGroup``): Ray actors
     called directly, no RPC group. Same methods as :class:`scheduling.ps.lifecycle.TorchRPCServers`.
 
     Args:
@@ -319,47 +354,66 @@ class RayServers:
 
     def __init__(self, names: Sequence[str], timeout_s: float) -> None:
         self.names, self.timeout_s = list(names), timeout_s
+        self.host = ActorHost()
+        """Where the servers run: Ray actors (:class:`scheduling.ps.hosts.ActorHost`)."""
         self.processes: list[Any] = []  # none: the servers are actors
-        self.actors: list[ActorHandle] = []
         self._started_ray = False
         self._answers: list[dict[str, Any]] = []
+
+    @property
+    def actors(self) -> list[ActorHandle]:
+        """The server actors (started here, or the job's from :meth:`rendezvous` / :meth:`join` on)."""
+        return self.host.actors
 
     # ---- on one machine (LocalCluster) ----
     def start(self, kwargs: Sequence[dict[str, Any]], *, port: int, trainer_name: str, ctx: Any) -> None:
         """One :class:`PSActor` per name on this process's Ray session (a local one is started if none runs),
-        registered under its name; ``kwargs[i]``: its ``checkpoint``, delays and worker threads."""
+        registered under its name; ``kwargs[i]``: its ``checkpoint``, delays and worker threads. Returns None
+        (no port: nothing binds one).
+
+        Raises:
+            ray.exceptions.RayActorError: an actor failed to start.
+        """
         kw = kwargs[0]
-        self.actors, self._started_ray = start_local(
+        actors, self._started_ray = start_local(
             self.names, checkpoints=[k["checkpoint"] for k in kwargs], fetch_delay_s=kw["fetch_delay_s"],
             push_delay_s=kw["push_delay_s"], num_worker_threads=kw["num_worker_threads"])
+        self.host = ActorHost(actors)
 
     def kill(self, index: int) -> None:
-        """``ray.kill`` server ``index``'s actor (no restart)."""
-        kill_actors([self.actors[index]], ())
+        """Kill server ``index``'s actor (a crash); Ray restarts it while it has restarts left (a
+        ``LocalCluster``'s have none: :data:`ACTOR_OPTIONS`)."""
+        self.host.kill(index)
 
     def kill_all(self) -> None:
-        """Nothing: the actors are ended by :meth:`stop`."""
+        """Kill every server actor for good (no restart)."""
+        self.host.kill_all()
 
     def stop(self, joined: bool) -> None:
         """Kill the actors, forget their names, and stop Ray if :meth:`start` started it."""
-        kill_actors(self.actors, self.names, shutdown=self._started_ray)
-        self.actors = []
+        self.host.kill_all()
+        unregister_servers(self.names)
+        self.host = ActorHost()
+        if self._started_ray:
+            ray.shutdown()
 
     def reaches(self, client: Any) -> bool:
         """Whether ``client`` (a PSClient of this process) holds one of these actors."""
-        mine = {a._actor_id for a in self.actors}
-        return any(getattr(h, "_actor_id", None) in mine for h in getattr(client.transport, "handles", ()))
+        mine = {_actor_key(a) for a in self.actors}
+        return any(_actor_key(h) in mine for h in getattr(client.transport, "handles", ()))
 
-    # ---- in a job: the launcher's server actors (jobs.ps) ----
+    # ---- in a job: the launcher's server actors (jobs.servers) ----
     def rendezvous(self, host: str, actors: Sequence[Any]) -> None:
         """Rank 0 of a new trainer group: empty every server actor (``reset()``) before the other trainers hear
         of the group; there is nothing to meet at (None)."""
+        self.host = ActorHost(actors)
         self._answers = ray.get([a.reset.remote() for a in actors], timeout=self.timeout_s)
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: None,
              before_join: Any = None) -> list[dict[str, Any]]:
         """Register the server ``actors`` under :attr:`names` for this process's clients; returns the servers'
         answers to :meth:`rendezvous` (rank 0; ``[]`` elsewhere)."""
+        self.host = ActorHost(actors)
         register_servers(dict(zip(self.names, actors)))
         return self._answers if rank == 0 else []
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from .config import ShardSpec
+from .shard_plan import ShardSpec
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
@@ -95,6 +95,15 @@ def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: 
     return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s,
                                            num_worker_threads=num_worker_threads, _transports=["uv"],
                                            _channels=["basic"])
+
+
+_WORLD_SIZE = [0]  # members of the torch.distributed.rpc group this process joined last (0: none yet)
+
+
+def group_world_size() -> int:
+    """Members of the ``torch.distributed.rpc`` group this process joined last (:func:`start_server`,
+    ``init_trainer``), 0 before any; tracked here instead of reading torch's private RPC agent."""
+    return _WORLD_SIZE[0]
 
 
 def reset_rpc_process_state() -> None:
@@ -542,6 +551,7 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
     with rpc_init_warnings_filtered():
         rpc.init_rpc(name, rank=rank, world_size=world_size,
                      rpc_backend_options=rpc_backend_options(init_method, timeout_s, num_worker_threads))
+    _WORLD_SIZE[0] = world_size
     if block:
         _STOP.wait()
         time.sleep(0.2)  # let the reply to the stop request leave

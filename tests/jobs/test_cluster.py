@@ -327,7 +327,7 @@ def test_spread_job_runs_across_hosts_and_reports_placement(cluster_job):
     proc, r = cluster_job["proc"], cluster_job["results"]
     assert proc["returncode"] == 0, proc["stderr"][-4000:]
     assert r["status"] == "completed" and r["restarts"] == 0 and r["nodes_lost"] == []
-    assert r["phases"]["baseline"]["qps"] > 0 and r["phases"]["optimized"]["fetch_p50_ms"] is not None
+    assert r["phases"]["baseline"]["qps"] > 0 and r["phases"]["optimized"]["lookup_p50_ms"] is not None
     placed = r["placement"]
     assert set(placed) == {"trainer0", "trainer1", "ps0", "ps1"}
     # spread: one trainer per worker host; the servers round-robin, first on the head, which has no CPU

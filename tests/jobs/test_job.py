@@ -132,7 +132,7 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
     # across the trainer and server restarts
     assert r["parity"]["ok"] and r["parity"]["identical_losses"], r["parity"]
     assert base["loss_series"] == opt["loss_series"] and base["quality"]["auc"] == opt["quality"]["auc"]
-    assert base["fetch_p50_ms"] is not None  # a parameter server served the embeddings
+    assert base["lookup_p50_ms"] is not None  # a parameter server served the embeddings
     # torchrec's DLRM, its 26 tables moved by the parameter_servers pass in both phases
     assert [p["name"] for p in base["optimize"]["passes"]] == ["parameter_servers"]
     assert opt["optimize"]["placement"].startswith("parameter_servers plan: 26 tables on 1 server,")
@@ -238,7 +238,7 @@ def test_launcher_owns_the_server_actors(scraped_job, ray_session):
 
 def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeypatch):
     """A trainer dies with no restarts left: launch() raises, and the server actor it started is gone."""
-    import jobs.ps
+    import jobs.servers
     from jobs.launch import launch
 
     started = []
@@ -247,8 +247,8 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
         started.extend(start_servers(*args, **kwargs))
         return started
 
-    start_servers = jobs.ps.start_servers
-    monkeypatch.setattr(jobs.ps, "start_servers", recording)
+    start_servers = jobs.servers.start_servers
+    monkeypatch.setattr(jobs.servers, "start_servers", recording)
     config = load_config().replace(
         job={"steps": 4, "batch_size": 32, "checkpoint_every": 0, "max_failures": 0, "progress": False,
              "name": "fxdist-fail"},
@@ -277,8 +277,9 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
 
 def test_rank0_waits_for_a_server_actor_ray_is_restarting(ray_session):
     """After a server's process (or node) died, the next worker group's rank 0 gets where the restarted
-    actor runs before asking it to join (jobs.ps.wait_for_servers); an actor with no restarts left raises."""
-    from jobs.ps import server_actor, server_actor_class, wait_for_servers
+    actor runs before asking it to join (jobs.servers.wait_for_servers); an actor with no restarts left raises."""
+    from jobs.servers import server_actor, wait_for_servers
+    from scheduling.ps import server_actor_class
 
     actor = server_actor(server_actor_class(1), "ps0", job="fxdist-wait", metrics=None, fetch_delay_s=0.0,
                          timeout_s=5.0)

@@ -16,23 +16,25 @@ def test_exporter_uses_a_private_registry():
     from prometheus_client import REGISTRY
 
     a, b = Exporter("job", 0), Exporter("job", 1)
-    a.observe_step("baseline", samples=128, step_seconds=0.01, fetch_seconds=0.002, loss=0.7)
-    a.observe_step("baseline", samples=128, step_seconds=0.03, fetch_seconds=None, loss=0.6)
+    a.observe_step("baseline", samples=128, step_seconds=0.01, lookup_seconds=0.002, loss=0.7)
+    a.observe_step("baseline", samples=128, step_seconds=0.03, lookup_seconds=None, loss=0.6)
     labels = {"job": "job", "phase": "baseline", "rank": "0"}
     get = a.registry.get_sample_value
     assert get("fxdist_samples_total", labels) == 256
     assert get("fxdist_step_seconds_count", labels) == 2
     assert get("fxdist_step_seconds_sum", labels) == pytest.approx(0.04)
-    assert get("fxdist_rpc_fetch_seconds_count", labels) == 1
+    assert get("fxdist_ps_lookup_seconds_count", labels) == 1
     assert get("fxdist_loss", labels) == 0.6
     assert b.registry.get_sample_value("fxdist_samples_total", {**labels, "rank": "1"}) is None
     assert REGISTRY.get_sample_value("fxdist_samples_total", labels) is None
     # each phase has its own series (the labelled children are cached per phase)
-    a.observe_step("optimized", samples=64, step_seconds=0.02, fetch_seconds=0.001, loss=0.5)
-    a.observe_fetch("optimized", 0.004)
+    a.observe_step("optimized", samples=64, step_seconds=0.02, lookup_seconds=0.001, loss=0.5)
+    a.observe_lookup("optimized", 0.004)
     opt = {**labels, "phase": "optimized"}
     assert get("fxdist_samples_total", opt) == 64 and get("fxdist_samples_total", labels) == 256
-    assert get("fxdist_rpc_fetch_seconds_count", opt) == 2 and get("fxdist_loss", labels) == 0.6
+    assert get("fxdist_ps_lookup_seconds_count", opt) == 2 and get("fxdist_loss", labels) == 0.6
+    # the old name stays exported, with the same observations, for one release (README, DEPRECATED_ALIASES)
+    assert get("fxdist_rpc_fetch_seconds_count", opt) == 2 and get("fxdist_rpc_fetch_seconds_count", labels) == 1
 
 
 def test_touch_creates_zero_series_and_http_serves_them():

@@ -16,7 +16,7 @@ from jobs.results import ABSENT, InferenceResult, JobResults, PhaseResult, Resul
 
 def _phase(qps: float) -> dict:
     return {"trainers": 2, "steps": 12, "samples": 768, "wall_seconds": 0.8, "qps": qps, "step_p50_ms": 5.0,
-            "step_p99_ms": 9.0, "fetch_p50_ms": 0.4, "fetch_p99_ms": 1.2, "loss": 0.45, "prefetched_lookups": 260,
+            "step_p99_ms": 9.0, "lookup_p50_ms": 0.4, "lookup_p99_ms": 1.2, "loss": 0.45, "prefetched_lookups": 260,
             "metrics_percent": 0.02, "qps_series": [[0.5, 900.0], [1.0, 1100.0]], "loss_series": [0.7, 0.5],
             "quality": {"auc": 0.7, "log_loss": None, "rows": 500, "positives": 120}, "quality_step": 6,
             "quality_epochs": 0.4, "quality_end": {"auc": 0.72, "log_loss": 0.5, "rows": 500, "positives": 120},
@@ -69,10 +69,10 @@ def test_results_json_round_trips_with_the_same_keys_and_values(tmp_path):
 def test_absent_keys_stay_absent_and_nan_is_written_as_null():
     skipped = InferenceResult.from_json({"skipped": "no held-out batch", "model_step": None})
     assert skipped.to_json() == {"skipped": "no held-out batch", "model_step": None} and skipped.rows is ABSENT
-    phase = PhaseResult(qps=float("nan"), step_p50_ms=1.0, step_p99_ms=2.0, fetch_p50_ms=None, fetch_p99_ms=None,
+    phase = PhaseResult(qps=float("nan"), step_p50_ms=1.0, step_p99_ms=2.0, lookup_p50_ms=None, lookup_p99_ms=None,
                         loss=math.inf, qps_series=[(0.5, 1.0)])
-    assert phase.to_json() == {"qps": None, "step_p50_ms": 1.0, "step_p99_ms": 2.0, "fetch_p50_ms": None,
-                               "fetch_p99_ms": None, "loss": None, "qps_series": [[0.5, 1.0]]}
+    assert phase.to_json() == {"qps": None, "step_p50_ms": 1.0, "step_p99_ms": 2.0, "lookup_p50_ms": None,
+                               "lookup_p99_ms": None, "loss": None, "qps_series": [[0.5, 1.0]]}
     assert phase["qps_series"] == [(0.5, 1.0)] and "trainers" not in phase and phase.get("trainers", 3) == 3
 
 

@@ -28,7 +28,7 @@ def test_every_implementation_has_every_member_of_its_protocol(cls, protocol):
 
 
 def test_the_server_backend_and_its_views_have_every_member():
-    from jobs.ps import ServerTables, _PhaseTables
+    from jobs.servers import ServerTables, _PhaseTables
 
     # ``moved`` is set per instance (the tables the pass moved), the rest are class members
     assert sorted(n for n in _members(Tables) if not hasattr(_PhaseTables, n)) == ["moved"]

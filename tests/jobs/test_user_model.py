@@ -168,7 +168,7 @@ def test_user_model_trains_on_parameter_servers_with_parity(user_job):
     assert [p["name"] for p in opt["optimize"]["passes"]] == ["parameter_servers", "async_rpc_prefetch"]
     # both tables are looked up on the server; prefetch (next_features, next_tags, added to train_step's call of
     # the model) answers lookups
-    assert base["fetch_p50_ms"] is not None and base["prefetched_lookups"] == 0 and opt["prefetched_lookups"] > 0
+    assert base["lookup_p50_ms"] is not None and base["prefetched_lookups"] == 0 and opt["prefetched_lookups"] > 0
     # step-ordered servers: the two phases train bit-identically, also across the restart
     assert r["parity"]["ok"] and r["parity"]["identical_losses"] and r["parity"]["metrics"] == ["auc"]
     assert base["loss_series"] == opt["loss_series"] and base["quality"]["auc"] == opt["quality"]["auc"]

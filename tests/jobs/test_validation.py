@@ -268,7 +268,7 @@ def test_job_state_keeps_the_fuller_phase_result():
     from jobs.results import JobResults, PhaseResult
 
     def phase(steps: int, start: int) -> PhaseResult:
-        return PhaseResult(qps=1.0, step_p50_ms=1.0, step_p99_ms=1.0, fetch_p50_ms=None, fetch_p99_ms=None, loss=0.5,
+        return PhaseResult(qps=1.0, step_p50_ms=1.0, step_p99_ms=1.0, lookup_p50_ms=None, lookup_p99_ms=None, loss=0.5,
                            steps=steps, resumed_from_step=start)
 
     state = JobState(JobResults(job="x", config={}, phases={"baseline": phase(10, 0)}, status="interrupted",

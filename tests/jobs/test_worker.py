@@ -46,7 +46,7 @@ def test_baseline_and_optimized_phases_train_the_same_model_on_the_same_batches(
     assert runs["baseline"][1]["passes"] == [] and [p["name"] for p in runs["optimized"][1]["passes"]] == ["dce"]
     summary = phase_summary([base], 32)
     assert summary["samples"] == 384 and summary["qps"] > 0 and summary["step_p50_ms"] > 0
-    assert summary["fetch_p50_ms"] is None  # local tables: no fetches
+    assert summary["lookup_p50_ms"] is None  # local tables: no fetches
 
 
 def test_resume_mid_phase_continues_the_batch_sequence(workload):
@@ -84,7 +84,7 @@ def test_untraceable_model_fails_unless_eager_fallback_is_allowed(workload):
 
 
 def test_report_table_json_and_plot(tmp_path):
-    phase = {"qps": 1000.0, "step_p50_ms": 5.0, "step_p99_ms": 9.0, "fetch_p50_ms": None, "fetch_p99_ms": None,
+    phase = {"qps": 1000.0, "step_p50_ms": 5.0, "step_p99_ms": 9.0, "lookup_p50_ms": None, "lookup_p99_ms": None,
              "loss": 0.45, "quality": {"auc": 0.7, "log_loss": float("nan")}, "qps_series": [(0.5, 900.0), (1.0, 1100.0)],
              "loss_series": [0.7, 0.5], "optimize": {"passes": [{"name": "async_rpc", "nodes_added": 2,
                                                                   "nodes_erased": 1}], "fallback": None}}

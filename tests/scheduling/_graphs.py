@@ -10,7 +10,7 @@ from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
 
 from scheduling.ps import PSClient, ops
-from scheduling.ps.config import TableSpec
+from scheduling.ps.shard_plan import TableSpec
 
 
 def offline_client(name: str, num_servers: int = 2, sharding: str = "table_wise") -> PSClient:
@@ -40,12 +40,12 @@ def push_fetch_graph() -> Graph:
     """A step of client ``graph_ps``: a lookup on server 0, its push, a second lookup on 0 and one on 1."""
     g = Graph()
     kjt, x = g.placeholder("kjt"), g.placeholder("x")
-    f0 = g.call_function(ops.ps_fetch, ("graph_ps", 0, kjt))
+    f0 = g.call_function(ops.ps_lookup, ("graph_ps", 0, kjt))
     loss = g.call_function(torch.sum, (g.call_function(operator.mul, (f0, x)),))
     done = g.call_function(ops.ps_backward, (loss,))
     g.call_function(ops.ps_push, ("graph_ps", 0, kjt, f0, done))
     g.call_function(torch.relu, (x,), name="dense_work")
-    again = g.call_function(ops.ps_fetch, ("graph_ps", 0, kjt))     # same server: must see the push
-    other = g.call_function(ops.ps_fetch, ("graph_ps", 1, kjt))     # other server: independent
+    again = g.call_function(ops.ps_lookup, ("graph_ps", 0, kjt))     # same server: must see the push
+    other = g.call_function(ops.ps_lookup, ("graph_ps", 1, kjt))     # other server: independent
     g.output((again, other, done))
     return g

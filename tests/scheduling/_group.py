@@ -30,7 +30,7 @@ class TinyModel(nn.Module):
     def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
         from scheduling.ps import ops
 
-        parts = self.ebc.fetch(kjt)
+        parts = self.ebc.lookup(kjt)
         parts = [ops.ps_push_in_backward(self.client, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
         kt = self.ebc.pool(kjt, parts)
         return self.linear(torch.cat([dense, kt.values()], dim=1)).squeeze(1)
@@ -60,7 +60,7 @@ def _train(name: str, rank: int, world: int, schedule: str, sync: bool, jitter_s
     import fxdist
     from scheduling import lookahead
     from scheduling.ps import PSClient
-    from scheduling.ps.config import TableSpec
+    from scheduling.ps.shard_plan import TableSpec
 
     specs = [TableSpec(n, rows, dim, feats) for n, rows, dim, feats in TABLES]
     client = PSClient(specs, servers, sharding="row_wise", name=name, seed=7, configure=(rank == 0),

@@ -24,19 +24,19 @@ from tests.scheduling._graphs import push_fetch_graph as _push_fetch_graph
 def test_two_fetches_start_at_top_and_wait_before_first_user(client):
     g = Graph()
     kjt, x = g.placeholder("kjt"), g.placeholder("x")
-    f0 = g.call_function(ops.ps_fetch, ("graph_ps", 0, kjt))
-    f1 = g.call_function(ops.ps_fetch, ("graph_ps", 1, kjt))
+    f0 = g.call_function(ops.ps_lookup, ("graph_ps", 0, kjt))
+    f1 = g.call_function(ops.ps_lookup, ("graph_ps", 1, kjt))
     h = g.call_function(torch.relu, (x,))
     h = g.call_function(torch.tanh, (h,))
     a = g.call_function(operator.add, (f0, h))
     g.output(g.call_function(operator.add, (a, f1)))
     gm = scheduling.async_rpc(_gm(g))
-    assert order(gm.graph) == ["kjt", "x", "ps_fetch_start", "ps_fetch_start_1", "relu", "tanh",
-                               "ps_fetch_wait", "add", "ps_fetch_wait_1", "add_1", "output"]
-    assert gm.graph.find_nodes(op="call_function", target=ops.ps_fetch) == []
-    wait = next(n for n in gm.graph.nodes if n.name == "ps_fetch_wait")
-    assert wait.target is ops.ps_fetch_wait and wait.args[0].target is ops.ps_fetch_start
-    assert "ps_fetch_start('graph_ps', 0, kjt)" in gm.code.replace("scheduling_ps_ops_", "")
+    assert order(gm.graph) == ["kjt", "x", "ps_lookup_start", "ps_lookup_start_1", "relu", "tanh",
+                               "ps_lookup_wait", "add", "ps_lookup_wait_1", "add_1", "output"]
+    assert gm.graph.find_nodes(op="call_function", target=ops.ps_lookup) == []
+    wait = next(n for n in gm.graph.nodes if n.name == "ps_lookup_wait")
+    assert wait.target is ops.ps_lookup_wait and wait.args[0].target is ops.ps_lookup_start
+    assert "ps_lookup_start('graph_ps', 0, kjt)" in gm.code.replace("scheduling_ps_ops_", "")
 
 
 def test_fetch_whose_input_depends_on_dense_compute(client):
@@ -46,13 +46,13 @@ def test_fetch_whose_input_depends_on_dense_compute(client):
     key = g.call_function(operator.add, (ids, 1))           # the request is computed
     h2 = g.call_function(torch.tanh, (h,))
     h3 = g.call_function(torch.sigmoid, (h2,))
-    f = g.call_function(ops.ps_fetch, ("graph_ps", 0, key))
+    f = g.call_function(ops.ps_lookup, ("graph_ps", 0, key))
     g.output(g.call_function(operator.mul, (f, h3)))
     gm = scheduling.async_rpc(_gm(g))
     names = order(gm.graph)
-    assert names.index("ps_fetch_start") == names.index("add") + 1   # right after its input
-    assert names.index("ps_fetch_wait") == names.index("mul") - 1    # right before its user
-    assert before(gm.graph, "ps_fetch_start", "tanh") and before(gm.graph, "sigmoid", "ps_fetch_wait")
+    assert names.index("ps_lookup_start") == names.index("add") + 1   # right after its input
+    assert names.index("ps_lookup_wait") == names.index("mul") - 1    # right before its user
+    assert before(gm.graph, "ps_lookup_start", "tanh") and before(gm.graph, "sigmoid", "ps_lookup_wait")
 
 
 def test_push_is_waited_before_a_conflicting_fetch(client):
@@ -61,17 +61,17 @@ def test_push_is_waited_before_a_conflicting_fetch(client):
     assert before(g, "ps_backward", "ps_push_start")
     assert order(g).index("ps_push_start") == order(g).index("ps_backward") + 1
     # the conflicting fetch starts as soon as the push is done, and overlaps the dense work
-    assert order(g).index("ps_fetch_start_1") == order(g).index("ps_push_wait") + 1
-    assert before(g, "ps_fetch_start_1", "dense_work") and before(g, "dense_work", "ps_fetch_wait_1")
+    assert order(g).index("ps_lookup_start_1") == order(g).index("ps_push_wait") + 1
+    assert before(g, "ps_lookup_start_1", "dense_work") and before(g, "dense_work", "ps_lookup_wait_1")
     # the fetch from the other server is independent of the push: hoisted to the top
-    assert order(g).index("ps_fetch_start_2") == order(g).index("ps_fetch_start") + 1
+    assert order(g).index("ps_lookup_start_2") == order(g).index("ps_lookup_start") + 1
 
 
 def test_max_staleness_defers_pushes_and_bounds_fetches(client):
     gm = scheduling.async_rpc(_gm(_push_fetch_graph()), max_staleness=1)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert ops.ps_push_defer in targets and ops.ps_push_wait not in targets
-    starts = gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)
+    starts = gm.graph.find_nodes(op="call_function", target=ops.ps_lookup_start)
     assert [n.kwargs["max_staleness"] for n in starts] == [1, 1, 1]
     with pytest.raises(ValueError, match="max_staleness"):
         scheduling.async_rpc(_gm(_push_fetch_graph()), max_staleness=-1)
@@ -95,7 +95,7 @@ def test_waits_and_pushes_survive_dead_code_elimination(client):
     gm.graph.eliminate_dead_code()
     targets = [n.target for n in gm.graph.nodes]
     assert targets.count(ops.ps_push_start) == 1 and targets.count(ops.ps_push_wait) == 1
-    assert targets.count(ops.ps_fetch_start) == 3
+    assert targets.count(ops.ps_lookup_start) == 3
 
 
 def test_verbose_prints_tables_and_timelines(client):
@@ -122,5 +122,5 @@ def test_leaves_trace_as_single_impure_nodes(client):
 
     gm = fxdist.symbolic_trace(PSEmbeddingBagCollection("graph_ps"))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    assert [n.target for n in calls] == [ops.ps_fetch, ops.ps_fetch, ops.ps_pool]
+    assert [n.target for n in calls] == [ops.ps_lookup, ops.ps_lookup, ops.ps_pool]
     assert calls[0].is_impure() and not calls[2].is_impure()

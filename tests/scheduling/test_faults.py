@@ -9,7 +9,7 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, PSUnavailableError, init_trainer
-from scheduling.ps.launch import free_port
+from scheduling.ps.ports import free_port
 
 
 def test_unreachable_servers_fail_within_the_timeout():
@@ -30,7 +30,7 @@ def _kjt(shift: int) -> KeyedJaggedTensor:
 
 
 def _step(ebc: PSEmbeddingBagCollection, shift: int) -> None:
-    parts = ebc.fetch(_kjt(shift))
+    parts = ebc.lookup(_kjt(shift))
     ebc.pool(_kjt(shift), parts).values().pow(2).sum().backward()
     ebc.push(_kjt(shift), parts)
 
@@ -74,13 +74,13 @@ def test_a_crash_under_a_carried_lookup_is_a_clear_error():
     try:
         client = PSClient(_tables(), cluster.server_names, name="faulty_pf", timeout_s=3.0, seed=2)
         kjt, nxt = _kjt(0), _kjt(1)
-        part = client.fetch(1, kjt)
+        part = client.lookup(1, kjt)
         part.sum().backward()
         cluster.kill(1)
         start = time.monotonic()
         with pytest.raises(PSUnavailableError, match=r"'ps1' \(server 1 of 2, client 'faulty_pf'\)"):
             client.settle_push(client.push_async(1, kjt, part, next_kjt=nxt), 1)  # the push carries the lookup
-            client.finish_fetch(client.fetch_async(1, nxt), 1)
+            client.finish_lookup(client.lookup_async(1, nxt), 1)
         assert time.monotonic() - start < 30
         client.close(flush=False)
     finally:

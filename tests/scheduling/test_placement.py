@@ -28,7 +28,7 @@ from scheduling.placement import PlacementWarning
 from recsys.criteo import criteo_dlrm
 from scheduling.placement.plan import TableInfo, plan_tables, server_bytes
 from scheduling.ps import LocalCluster, NoGroupError, get_client, ops
-from scheduling.ps.config import TableSpec
+from scheduling.ps.shard_plan import TableSpec
 
 LR_TABLES = 0.05
 
@@ -206,7 +206,7 @@ def test_torchrec_dlrm_trains_as_with_local_tables(cluster, make, plan):
         torch.testing.assert_close(tables[key], local_tables[key], rtol=1e-5, atol=1e-6)
         assert not torch.equal(tables[key], model.get_parameter(key))       # the tables did train
     assert "next_sparse_features" in [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    assert hits == 3 * len(gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start))  # all but step 1
+    assert hits == 3 * len(gm.graph.find_nodes(op="call_function", target=ops.ps_lookup_start))  # all but step 1
     assert not any("embedding" in n for n, _ in gm.named_parameters())
     sharding = {t["table"]: t["sharding"] for t in gm.meta["fxdist"]["placement"]["tables"]}
     assert sharding == {"t0": "table_wise", "t1": "row_wise" if plan else "table_wise"}
@@ -377,7 +377,7 @@ def test_optimize_accepts_a_partial_and_names_it(cluster):
         meta = gm.meta["fxdist"]["placement"]
         assert meta["optimizer"] == {"name": "sgd", "lr": 0.05} and meta["servers"] == ["ps1"]
         assert {s for t in meta["tables"] for s in t["servers"]} == {"ps1"}
-        clients = {c.args[0] for c in gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)}
+        clients = {c.args[0] for c in gm.graph.find_nodes(op="call_function", target=ops.ps_lookup_start)}
         assert clients == set(meta["clients"].values())       # unique in the process: "ps:sparse.user#2" ...
         # sparse.user and sparse.item share one client (one request per server); history, called twice, has its own
         assert {c.split("#")[0] for c in clients} == {"ps:sparse.user+1", "ps:history"}

@@ -112,9 +112,9 @@ def test_wide_deep_trains_as_local_with_one_lookup_per_server(cluster, prefetch,
     want_losses, want_tables = _local(model, batches)
     gm = _optimize(model, prefetch)
     calls: list[str] = []
-    fetch_async = PSClient.fetch_async
-    monkeypatch.setattr(PSClient, "fetch_async", lambda self, server, kjt, *a, **k: (
-        calls.append(f"{self.name}/{server}"), fetch_async(self, server, kjt, *a, **k))[1])
+    lookup_async = PSClient.lookup_async
+    monkeypatch.setattr(PSClient, "lookup_async", lambda self, server, kjt, *a, **k: (
+        calls.append(f"{self.name}/{server}"), lookup_async(self, server, kjt, *a, **k))[1])
     try:
         clients = placement.client_names(gm)
         assert [c.split("#")[0] for c in clients] == [f"ps:bags.0+{F_BAGS - 1}", f"ps:embs.0+{F_EMBS - 1}"]
@@ -234,7 +234,7 @@ def test_a_group_refuses_what_its_first_bad_module_refuses():
 def test_the_group_is_one_fetch_per_server_in_the_graph(cluster):
     gm = _optimize(WideDeep(), prefetch=False)
     try:
-        fetches = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.ps_fetch_start]
+        fetches = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.ps_lookup_start]
         expected = sum(len(get_client(c).servers_for()) for c in placement.client_names(gm))
         assert len(fetches) == expected <= 4
         assert not [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith(("bags", "embs"))]

@@ -35,13 +35,13 @@ def test_no_exact_prefetch_without_the_push_or_with_two_lookups_per_server(clien
     stale = scheduling.async_rpc(_gm(_push_fetch_graph()), prefetch=True, max_staleness=1).graph
     prefetches = stale.find_nodes(op="call_function", target=ops.ps_prefetch)
     assert [p.args[:2] for p in prefetches] == [("graph_ps", 1)]
-    assert prefetches[0].prev.name == "ps_fetch_start_2" and prefetches[0].kwargs["after"].name == "ps_fetch_start_2"
+    assert prefetches[0].prev.name == "ps_lookup_start_2" and prefetches[0].kwargs["after"].name == "ps_lookup_start_2"
 
 
 def _train_step_graph(client_name: str) -> Graph:
     g = Graph()
     kjt, x = g.placeholder("kjt"), g.placeholder("x")
-    parts = [g.call_function(ops.ps_fetch, (client_name, s, kjt)) for s in (0, 1)]
+    parts = [g.call_function(ops.ps_lookup, (client_name, s, kjt)) for s in (0, 1)]
     loss = g.call_function(torch.sum, (g.call_function(operator.mul, (parts[0], parts[1])),))
     done = g.call_function(ops.ps_backward, (loss,))
     for s in (0, 1):
@@ -65,7 +65,7 @@ def test_exact_prefetch_rides_on_the_push_and_stale_prefetch_follows_the_lookup(
     assert before(g, "ps_push_start_1", "bottom_backward")
     stale = scheduling.async_rpc(_gm(_train_step_graph("graph_ps")), prefetch=True, max_staleness=1).graph
     pf = stale.find_nodes(op="call_function", target=ops.ps_prefetch)
-    assert [p.prev.target for p in pf] == [ops.ps_fetch_start, ops.ps_fetch_start]
+    assert [p.prev.target for p in pf] == [ops.ps_lookup_start, ops.ps_lookup_start]
     assert all(p.kwargs["max_staleness"] == 1 for p in pf)
     assert all("next_kjt" not in p.kwargs for p in stale.find_nodes(op="call_function", target=ops.ps_push_start))
     assert "P" in scheduling.format_timeline(stale).split("ps_prefetch ")[1].splitlines()[0]
@@ -75,7 +75,7 @@ def test_prefetch_without_a_push_is_warned_and_varargs_refused(client):
     g = Graph()
     x, ids = g.placeholder("x"), g.placeholder("ids")
     key = g.call_function(operator.add, (ids, 1))   # computed from an input: prefetchable, but nothing pushes
-    g.output(g.call_function(operator.mul, (g.call_function(ops.ps_fetch, ("graph_ps", 0, key)), x)))
+    g.output(g.call_function(operator.mul, (g.call_function(ops.ps_lookup, ("graph_ps", 0, key)), x)))
     with pytest.warns(PrefetchWarning, match=r"the lookup of client 'graph_ps' \(batch %add\) is not prefetched: "
                       r"the graph pushes no gradient to its server .*\(server 0\)"):
         gm = scheduling.async_rpc(_gm(g), prefetch=True)
@@ -83,6 +83,6 @@ def test_prefetch_without_a_push_is_warned_and_varargs_refused(client):
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "ids"]
     v = Graph()
     kjt, rest = v.placeholder("kjt"), v.placeholder("*rest")
-    v.output((v.call_function(ops.ps_fetch, ("graph_ps", 0, kjt)), rest))
+    v.output((v.call_function(ops.ps_lookup, ("graph_ps", 0, kjt)), rest))
     with pytest.raises(ValueError, match=r"\*args/\*\*kwargs input"):
         scheduling.async_rpc(_gm(v), prefetch=True)

@@ -224,7 +224,7 @@ def test_computed_ids_are_prefetched_and_train_as_blocking(cluster, case):
     placeholders = [n.target for n in graph.nodes if n.op == "placeholder"]
     assert placeholders[-len(expected_nexts):] == expected_nexts  # the graph inputs themselves, after the others
     assert blocking[3] == 0
-    starts = graph.find_nodes(op="call_function", target=ops.ps_fetch_start)
+    starts = graph.find_nodes(op="call_function", target=ops.ps_lookup_start)
     assert starts and hits == (STEPS - 1) * len(starts)          # after step 1 no lookup blocks on the servers
     # each lookup's push carries the next one, computed at the top of the step from the next_ inputs
     nexts = [n for n in graph.nodes if n.op == "call_module" and n.kwargs.get("next_batch")]
@@ -233,7 +233,7 @@ def test_computed_ids_are_prefetched_and_train_as_blocking(cluster, case):
     assert all(isinstance(gm.get_submodule(n.target), BatchReplay) for n in nexts)
     assert {s.args[2].target for s in starts} == {n.target for n in nexts}  # this step's batch: the same function
     # both steps' batches and this step's lookups come first, before any of the step's compute
-    head = list(itertools.takewhile(lambda n: n.op == "placeholder" or n.target is ops.ps_fetch_start or (
+    head = list(itertools.takewhile(lambda n: n.op == "placeholder" or n.target is ops.ps_lookup_start or (
         n.op == "call_module" and isinstance(gm.get_submodule(n.target), BatchReplay)), graph.nodes))
     assert set(nexts) | set(starts) <= set(head)
 
@@ -282,7 +282,7 @@ def test_position_ids_from_constants_are_prefetched_and_train_exactly(cluster, g
     assert {k: (v["prefetched"], v["reason"], v["where"]) for k, v in lookups.items()} == {
         name: (True, None, f"{HERE}:{line}") for name in ("item", "pos", "slot")}
     assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["ids", "next_ids"]  # no next_ for constants
-    starts = gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)
+    starts = gm.graph.find_nodes(op="call_function", target=ops.ps_lookup_start)
     assert len(starts) == (2 if group_tables else 3)              # a lookup per (client, server)
     assert hits == (STEPS - 1) * len(starts)                     # every lookup after step 1 answered by a prefetch
 
@@ -293,7 +293,7 @@ def test_a_constant_batch_is_computed_once_and_again_when_its_values_change(clie
     g = Graph()
     g.placeholder("x")
     kjt = g.call_function(operator.add, (g.get_attr("positions"), 1))
-    part = g.call_function(ops.ps_fetch, ("replay_ps", 0, kjt))
+    part = g.call_function(ops.ps_lookup, ("replay_ps", 0, kjt))
     done = g.call_function(ops.ps_backward, (g.call_function(torch.sum, (part,)),))
     g.call_function(ops.ps_push, ("replay_ps", 0, kjt, part, done))
     g.output(done)
@@ -326,7 +326,7 @@ def _step(make_batch) -> GraphModule:
     g = Graph()
     ids, x = g.placeholder("ids"), g.placeholder("x")
     kjt = make_batch(g, ids)
-    part = g.call_function(ops.ps_fetch, ("replay_ps", 0, kjt))
+    part = g.call_function(ops.ps_lookup, ("replay_ps", 0, kjt))
     done = g.call_function(ops.ps_backward, (g.call_function(torch.sum, (g.call_function(operator.mul, (part, x)),)),))
     g.call_function(ops.ps_push, ("replay_ps", 0, kjt, part, done))
     g.output(done)
@@ -361,7 +361,7 @@ def _after(_first, then):
 ], ids=["parameter", "updated_buffer", "random", "in_place", "mutated_input"])
 def test_lookups_that_are_not_a_function_of_the_inputs_are_warned(client, make_batch, reason):
     gm, warned = _prefetch(_step(make_batch))
-    batch = gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start)[0].args[2]
+    batch = gm.graph.find_nodes(op="call_function", target=ops.ps_lookup_start)[0].args[2]
     assert warned == [f"async_rpc_prefetch: the lookup of client 'replay_ps' (batch %{batch.name}) is not "
                       f"prefetched: {reason} (server 0); it keeps the in-step schedule"]
     assert _placeholders(gm) == ["ids", "x"]
@@ -400,7 +400,7 @@ def test_with_max_staleness_the_replayed_batch_is_prefetched_after_the_lookup(cl
     assert [w for w in record if w.category is PrefetchWarning] == []
     nodes = list(gm.graph.nodes)
     names = [n.name for n in nodes]
-    assert names[:6] == ["ids", "x", "next_ids", "prefetch_view", "prefetch_view_1", "ps_fetch_start"]
+    assert names[:6] == ["ids", "x", "next_ids", "prefetch_view", "prefetch_view_1", "ps_lookup_start"]
     prefetch = nodes[6]
     assert prefetch.target is ops.ps_prefetch and prefetch.args == ("replay_ps", 0, nodes[4])
     assert nodes[4].kwargs == {"next_batch": True} and nodes[5].args[2] is nodes[3]

@@ -93,7 +93,7 @@ def test_push_applies_the_optimizer_on_touched_rows(cluster, optimizer):
         kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 1, 7, 3]), lengths=torch.tensor([3, 1]))
         w0 = client.state_dict()["t.weight"]
         ebc = PSEmbeddingBagCollection(client)
-        parts = ebc.fetch(kjt)
+        parts = ebc.lookup(kjt)
         grad_out = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.25, 0.0, -1.0, 2.0]])
         (ebc.pool(kjt, parts).values() * grad_out).sum().backward()
         assert ebc.push(kjt, parts) == [2, 1]                     # rows {1, 3} on ps0, {7} on ps1
@@ -109,7 +109,7 @@ def test_push_applies_the_optimizer_on_touched_rows(cluster, optimizer):
         torch.testing.assert_close(w1, expected)
         with pytest.raises(RuntimeError, match="already pushed"):
             ebc.push(kjt, parts)
-        fresh = ebc.fetch(kjt)
+        fresh = ebc.lookup(kjt)
         with pytest.raises(RuntimeError, match="backward"):
             ebc.push(kjt, fresh)
     finally:
@@ -124,7 +124,7 @@ def test_push_in_backward_hook_equals_explicit_push(cluster):
         initial = a.state_dict()["t0.weight"]
         PSEmbeddingBagCollection(a, push_in_backward=True)(kjt).values().pow(2).sum().backward()
         ebc = PSEmbeddingBagCollection(b)
-        parts = ebc.fetch(kjt)
+        parts = ebc.lookup(kjt)
         ebc.pool(kjt, parts).values().pow(2).sum().backward()
         ebc.push(kjt, parts)
         sa, sb = a.state_dict(), b.state_dict()
@@ -219,14 +219,14 @@ def test_torchrec_dlrm_lookups_overlap_the_dense_arch(cluster):
                                       plan={t.name: "row_wise" for t in criteo_tables(50, 4, 6)})
     try:
         g = gm.graph
-        assert len(g.find_nodes(op="call_function", target=ops.ps_fetch)) == 2          # one per server
+        assert len(g.find_nodes(op="call_function", target=ops.ps_lookup)) == 2          # one per server
         assert len(g.find_nodes(op="call_function", target=ops.ps_push_in_backward)) == 2
         scheduling.async_rpc(gm)
         names = order(g)
-        assert names[:4] == ["dense_features", "sparse_features", "ps_fetch_start", "ps_fetch_start_1"]
-        assert before(g, "relu_1", "ps_fetch_wait")                   # the dense arch overlaps the lookups
+        assert names[:4] == ["dense_features", "sparse_features", "ps_lookup_start", "ps_lookup_start_1"]
+        assert before(g, "relu_1", "ps_lookup_wait")                   # the dense arch overlaps the lookups
         assert names.index("ps_pool") == names.index("ps_push_in_backward_1") + 1
-        assert g.find_nodes(op="call_function", target=ops.ps_fetch) == []
+        assert g.find_nodes(op="call_function", target=ops.ps_lookup) == []
         g.lint()
     finally:
         placement.close(gm)
@@ -277,7 +277,7 @@ def test_push_carrying_the_next_lookup(cluster):
     try:
         kjt, nxt = _kjt(), _kjt(weighted=False)
         for c, carry in ((client, True), (ref, False)):
-            part = c.fetch(0, kjt)
+            part = c.lookup(0, kjt)
             part.sum().backward()
             fut = c.push_async(0, kjt, part, next_kjt=nxt if carry else None)
             if carry:
@@ -285,17 +285,17 @@ def test_push_carrying_the_next_lookup(cluster):
             else:
                 assert c.settle_push(fut, 0) > 0
         lookups = sum(s["lookups"] for s in client.stats())
-        after_push = client.finish_fetch(client.fetch_async(0, nxt), 0)   # the carried answer
+        after_push = client.finish_lookup(client.lookup_async(0, nxt), 0)   # the carried answer
         assert sum(s["lookups"] for s in client.stats()) == lookups      # no new request
-        assert torch.equal(after_push, ref.fetch(0, nxt))               # and it saw the push
+        assert torch.equal(after_push, ref.lookup(0, nxt))               # and it saw the push
         # a bad id in the carried lookup surfaces as the server's ValueError when that lookup is fetched
         bad = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([11, 0, 0]),
                                 lengths=torch.tensor([1, 1, 1]))
-        part = client.fetch(0, kjt)
+        part = client.lookup(0, kjt)
         part.sum().backward()
         client.settle_push(client.push_async(0, kjt, part, next_kjt=bad), 0)
         with pytest.raises(ValueError, match="id 11 outside table 't0'"):
-            client.finish_fetch(client.fetch_async(0, bad), 0)
+            client.finish_lookup(client.lookup_async(0, bad), 0)
     finally:
         client.close(flush=False)
         ref.close()
@@ -311,7 +311,7 @@ class _PushInBackwardModel(torch.nn.Module):
         self.linear = torch.nn.Linear(10, 1)
 
     def forward(self, kjt):
-        parts = self.ebc.fetch(kjt)
+        parts = self.ebc.lookup(kjt)
         parts = [ops.ps_push_in_backward(self.name, s, kjt, p) for s, p in zip(self.ebc.server_ids, parts)]
         return self.linear(self.ebc.pool(kjt, parts).values()).squeeze(-1)
 

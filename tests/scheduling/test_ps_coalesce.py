@@ -20,7 +20,7 @@ import fxdist
 import scheduling
 from scheduling import placement
 from scheduling.ps import LocalCluster, get_client
-from scheduling.ps.config import TableSpec, plan_shards
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.endpoints import ServerEndpoints
 from scheduling.ps.server import PSServer
 

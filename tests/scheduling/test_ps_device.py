@@ -266,7 +266,7 @@ def test_rows_follow_accelerator_ids_else_the_clients_device():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_a_cuda_client_without_cuda_is_refused():
-    from scheduling.ps.config import TableSpec
+    from scheduling.ps.shard_plan import TableSpec
     from scheduling.ps.client import PSClient
 
     with pytest.raises(ValueError, match=r"device='cuda:0', but CUDA is not available"):

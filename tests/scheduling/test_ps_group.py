@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from scheduling.ps.launch import free_port
+from scheduling.ps.ports import free_port
 from scheduling.ps.ordering import StepBarrier
 from tests.scheduling import _group
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from scheduling.ps import ordering
-from scheduling.ps.launch import free_port
+from scheduling.ps.ports import free_port
 
 from tests.scheduling._group import spawn_and_collect
 
@@ -292,7 +292,7 @@ def test_a_server_with_two_threads_serves_forty_waiting_requests(transport):
     from torchrec import KeyedJaggedTensor
 
     from scheduling.ps import LocalCluster, PSClient
-    from scheduling.ps.config import TableSpec
+    from scheduling.ps.shard_plan import TableSpec
 
     groups, timeout_s = 20, 20.0
     with LocalCluster(1, timeout_s=30, transport=transport, num_worker_threads=2) as cluster:

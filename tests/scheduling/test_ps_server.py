@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from scheduling.ps import server as srv
-from scheduling.ps.config import TableSpec, plan_shards
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 
 
 def test_row_wise_shards_sum_to_the_full_lookup_and_push_touches_only_their_rows():

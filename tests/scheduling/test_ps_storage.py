@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduling.ps.config import TableSpec, plan_shards
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.server import PSServer
 from scheduling.ps.storage import make_store
 

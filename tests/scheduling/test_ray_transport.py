@@ -52,7 +52,7 @@ def test_clients_pick_the_ray_transport_and_answer_like_torchrec(ray_cluster):
         assert len({s["pid"] for s in client.stats()}) == 2                  # two actor processes
         with pytest.raises(ValueError, match=r"server ps\d: feature 'f0' has id 99 outside table 't0'"):
             bad = type(_kjt())(keys=["f0", "f1", "f2"], values=torch.tensor([99]), lengths=torch.tensor([1, 0, 0]))
-            client.fetch(0, bad)
+            client.lookup(0, bad)
     finally:
         client.close()
 
@@ -70,7 +70,7 @@ def test_torchrec_dlrm_on_ray_servers_trains_as_with_local_tables(ray_cluster):
         assert not torch.equal(tables[key], model.get_parameter(key))       # the tables did train
     from scheduling.ps import ops
     # prefetch rode on the pushes: every lookup of steps 2..4 (of 4) was answered by a prefetch
-    assert hits == 3 * len(gm.graph.find_nodes(op="call_function", target=ops.ps_fetch_start))
+    assert hits == 3 * len(gm.graph.find_nodes(op="call_function", target=ops.ps_lookup_start))
 
 
 def test_async_rpc_and_prefetch_train_exactly_the_blocking_baseline(ray_cluster, criteo_path):
@@ -85,13 +85,13 @@ def test_async_rpc_and_prefetch_train_exactly_the_blocking_baseline(ray_cluster,
 
 
 def test_dead_actor_is_unavailable_and_a_restarted_one_reloads_the_checkpoint(ray_cluster, tmp_path):
-    from scheduling.ps.ray_transport import ACTOR_OPTIONS, PSActor, register_servers, unregister_servers
+    from scheduling.ps.ray_transport import register_servers, server_actor_class, unregister_servers
 
-    actor = ray.remote(max_restarts=1, **ACTOR_OPTIONS)(PSActor).remote("psr")
+    actor = server_actor_class(max_restarts=1).remote("psr")
     register_servers({"psr": actor})
     client = PSClient(_tables(), ["psr"], name="ray_restart", seed=5, timeout_s=60)
     try:
-        parts = PSEmbeddingBagCollection(client).fetch(_kjt())
+        parts = PSEmbeddingBagCollection(client).lookup(_kjt())
         saved = client.state_dict()
         client.checkpoint(tmp_path)
         pid = client.stats()[0]["pid"]
@@ -102,13 +102,13 @@ def test_dead_actor_is_unavailable_and_a_restarted_one_reloads_the_checkpoint(ra
         deadline, messages = time.monotonic() + 60, []
         while not any("lost its tables" in m for m in messages) and time.monotonic() < deadline:
             try:
-                client.fetch(0, _kjt())
+                client.lookup(0, _kjt())
             except PSUnavailableError as e:
                 messages.append(str(e))
             else:
                 assert not messages, f"a fetch succeeded after the server had failed: {messages}"
             time.sleep(0.2)
-        assert messages and all("'psr' (server 0 of 1, client 'ray_restart') failed during fetch" in m for m in messages)
+        assert messages and all("'psr' (server 0 of 1, client 'ray_restart') failed during lookup" in m for m in messages)
         assert "server psr is a restarted Ray actor that lost its tables; reset() it" in messages[-1]
         client.close(flush=False)
         # the same handle reaches the new process; it reloads its tables without any group re-forming
@@ -116,7 +116,7 @@ def test_dead_actor_is_unavailable_and_a_restarted_one_reloads_the_checkpoint(ra
         client = PSClient(_tables(), ["psr"], name="ray_restart", seed=99, timeout_s=60)  # keeps loaded shards
         assert client.stats()[0]["pid"] != pid
         assert all(torch.equal(v, saved[k]) for k, v in client.state_dict().items())
-        torch.testing.assert_close(PSEmbeddingBagCollection(client).fetch(_kjt())[0], parts[0].detach())
+        torch.testing.assert_close(PSEmbeddingBagCollection(client).lookup(_kjt())[0], parts[0].detach())
     finally:
         client.close(flush=False)
         unregister_servers(["psr"])
@@ -177,3 +177,21 @@ def test_the_passes_do_not_import_ray():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_ray_servers_kill_all_really_kills(ray_cluster):
+    """RayServers.kill_all ends every actor for good (it used to do nothing)."""
+    from scheduling.ps.ray_transport import RayServers, start_actors, unregister_servers
+
+    servers = RayServers(["pskill0", "pskill1"], timeout_s=20)
+    servers.host.actors = start_actors(["pskill0", "pskill1"])
+    try:
+        servers.kill_all()
+        for actor in servers.actors:  # the kill lands asynchronously: until then the old process may answer
+            deadline = time.monotonic() + 30
+            with pytest.raises(ray.exceptions.RayActorError):
+                while time.monotonic() < deadline:
+                    ray.get(actor.stats.remote(), timeout=30)
+                    time.sleep(0.2)
+    finally:
+        unregister_servers(["pskill0", "pskill1"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from scheduling.ps.launch import free_port
+from scheduling.ps.ports import free_port
 
 from tests.scheduling._group import spawn_and_collect
 

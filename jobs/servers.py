@@ -1,6 +1,6 @@
 """Embedding tables on parameter servers: Ray actors running ``scheduling.ps`` servers, and the trainer side.
 
-The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHost`, no CPU
+The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHooks`, no CPU
 reserved) that the launcher creates before the trainers start and kills when the job ends (:func:`start_servers`, :func:`stop_servers`); they do
 not share the fate of the trainers' worker group. Each worker group forms one static
 ``torch.distributed.rpc`` group of the ``T`` trainers (ranks ``0..T-1``, named ``trainer<r>``; rank 0
@@ -26,7 +26,7 @@ Trainer side: :class:`ServerTables` is the tables backend of a job with servers 
 phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling.parameter_servers`` pass
 (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers (stored as
 ``[model] server_storage`` says, trained there with row-wise Adagrad) and turns each lookup into blocking
-``ps_fetch`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
+``ps_lookup`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
 backward.
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
@@ -42,16 +42,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scheduling.ps.endpoints import DEFAULT_WORKER_THREADS
+from scheduling.ps import DEFAULT_WORKER_THREADS
 
-__all__ = ["ServerHost", "server_actor_class", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
+__all__ = ["ServerHooks", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
 
 
-class ServerHost:
-    """What a job's server actor (``scheduling.ps.ray_transport.PSActor``, its ``host``) adds: its metrics
+class ServerHooks:
+    """What a job's server actor (``scheduling.ps.ray_transport.PSActor``, its ``hooks``) adds: its metrics
     exporter, timing every lookup and the memory held, where it runs, its peak RSS, and this node's network
     interface before joining a non-loopback RPC group.
 
@@ -106,7 +106,7 @@ class ServerHost:
             try:
                 return lookup(namespace, *args, **kwargs)
             finally:  # the phase label is the client's suffix: fxdist-job-<phase>[:<module path>]
-                exporter.observe_fetch(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
+                exporter.observe_lookup(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
                 if t0 - last[0] > 1.0:  # rows and bytes held, at most once a second
                     last[0] = t0
                     exporter.observe_memory(**server.memory())
@@ -119,23 +119,13 @@ class ServerHost:
             self.exporter.close()
 
 
-def server_actor_class(max_restarts: int) -> Any:
-    """The job's server actor class: ``scheduling.ps.ray_transport.PSActor`` as a Ray actor reserving no CPU,
-    restarted by Ray up to ``max_restarts`` times, an asyncio actor holding up to ``MAX_REQUESTS`` requests (with
-    the ``ray`` transport it serves them itself, a waiting one as a parked coroutine)."""
-    import ray
-    from scheduling.ps.ray_transport import MAX_REQUESTS, PSActor
-
-    return ray.remote(num_cpus=0, max_restarts=max(0, max_restarts), max_concurrency=MAX_REQUESTS)(PSActor)
-
-
 def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
                  timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> Any:
-    """Start one server actor of ``cls`` (:func:`server_actor_class`, with its ``.options``) for a job: no
+    """Start one server actor of ``cls`` (:func:`scheduling.ps.server_actor_class`, with its ``.options``) for a job: no
     server until a worker group's rank 0 has it :meth:`~scheduling.ps.ray_transport.PSActor.join` (``torch_rpc``)
-    or :meth:`~scheduling.ps.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHost` says."""
+    or :meth:`~scheduling.ps.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says."""
     return cls.remote(name, fetch_delay_s=fetch_delay_s, num_threads=None, num_worker_threads=num_worker_threads,
-                      timeout_s=timeout_s, serve_at_start=False, host=ServerHost(job, name, metrics))
+                      timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics))
 
 
 def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
@@ -148,6 +138,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
     Returns the handles (for the trainers' :class:`jobs.plan.TrainerSpec`).
     """
     from jobs.cluster import server_options
+    from scheduling.ps import server_actor_class
 
     c = config.cluster
     cls = server_actor_class(config.job.max_failures)
@@ -163,13 +154,13 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
 def stop_servers(actors: list[Any], timeout_s: float = 5.0) -> None:
     """Ask the server actors to close, then kill them (no restart); never raises."""
     import ray
-    from scheduling.ps.ray_transport import kill_actors
+    from scheduling.ps import ActorHost
 
     try:
         ray.wait([a.close.remote() for a in actors], num_returns=len(actors), timeout=timeout_s)
     except Exception:  # a dead or restarting actor: killing it below is all that is left to do
         pass
-    kill_actors(actors, ())
+    ActorHost(actors).kill_all()
 
 
 def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -> list[dict[str, Any]]:
@@ -221,7 +212,7 @@ class ServerGroup:
         self.transport = c.transport
         self.num_servers = c.parameter_servers
         self.servers = [f"ps{i}" for i in range(self.num_servers)]
-        from scheduling.ps.lifecycle import server_group
+        from scheduling.ps import server_group
 
         self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
         """The transport's lifecycle object: how this group's servers are readied, joined and left."""
@@ -250,30 +241,64 @@ class ServerGroup:
             if not is_loopback(host):
                 set_socket_ifnames()
 
-        box: list[Any] = [None]
+        rendezvous_and_key: list[Any] = [None]  # rank 0's (rendezvous, group key), broadcast to the others
         if self.rank == 0:
-            box = [(self.lifecycle.rendezvous(_rpc_host(spec), self.actors), uuid.uuid4().hex)]
+            rendezvous_and_key = [(self.lifecycle.rendezvous(_rpc_host(spec), self.actors), uuid.uuid4().hex)]
         if dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
-        rendezvous, self.group = box[0]
+            dist.broadcast_object_list(rendezvous_and_key, src=0)
+        rendezvous, self.group = rendezvous_and_key[0]
         return self.lifecycle.join(self.actors, self.rank, self.world, rendezvous, before_join)
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
+        """Wait for every trainer of the worker group (a ``torch.distributed`` barrier; nothing alone)."""
         if dist.is_initialized() and self.world > 1:
             dist.barrier()
+
+    def kill_server(self, index: int) -> None:
+        """Kill server ``index``'s process (fault injection) through the lifecycle's host
+        (:meth:`scheduling.ps.ActorHost.kill`); Ray restarts the actor (``[job] max_failures``)."""
+        self.lifecycle.kill(index)
+
+    def leave(self, graceful: bool = True) -> None:
+        """Leave the RPC group; the server actors stay (the launcher owns them). ``graceful`` on rank 0: the
+        servers leave it too; after a failure, leave at once (the next worker group's ``PSActor.join()`` makes
+        the servers leave the broken group)."""
+        self.lifecycle.leave(self.actors, self.rank, graceful)
+
+
+class ServerTables:
+    """Tables backend (:class:`jobs.seams.TableBackend`) of a trainer with parameter servers: it *has* this
+    worker group's :class:`ServerGroup` (:attr:`servers`). Each phase's module (the built-in DLRM or yours) gets
+    the ``scheduling.parameter_servers`` pass first (:meth:`_PhaseTables.placement_pass`), which moves its
+    embedding tables to the group's servers under the clients ``fxdist-job-<phase>:<module path>``, shared by
+    the trainers in step order (``rank`` / ``world_size`` / ``group`` of the pass).
+
+    Each phase has its own tables on the servers (:meth:`view`), set from the same initial weights, so the phases
+    can train side by side; with step order (:mod:`scheduling.ps.ordering`) every trainer's step-``k`` lookup
+    sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever the schedule, so the baseline and the
+    optimized phase train identically.
+
+    Raises:
+        RuntimeError: ``spec`` has another number of server actors than ``[cluster] parameter_servers``.
+    """
+
+    def __init__(self, config: Any, rank: int, world: int, spec: Any, exporter: Any,
+                 phases: Sequence[str] = ("baseline", "optimized")) -> None:
+        self.servers = ServerGroup(config, rank, world, spec)
+        """This worker group's servers and RPC group."""
+        self.views = {phase: _PhaseTables(self.servers, phase) for phase in phases}
+        self.servers.barrier()
 
     def view(self, phase: str) -> Any:
         """The tables of ``phase`` (its own clients and tables on the servers, a :class:`jobs.seams.Tables`)."""
         return self.views[phase]
 
     def kill_server(self, index: int) -> None:
-        """Kill server ``index``'s process (fault injection); Ray restarts the actor."""
-        import ray
-
-        ray.kill(self.actors[index], no_restart=False)
+        """Kill server ``index``'s process (fault injection): :meth:`ServerGroup.kill_server`."""
+        self.servers.kill_server(index)
 
     def close(self, graceful: bool = True) -> None:
-        """Leave the RPC group; the server actors stay (the launcher owns them).
+        """Close every phase's clients and leave the RPC group; the server actors stay (the launcher owns them).
 
         ``graceful``: first wait for this trainer's pushes and for every trainer to get here (a
         ``torch.distributed`` barrier), so no update is lost, then rank 0 asks the servers to leave
@@ -283,39 +308,20 @@ class ServerGroup:
         if graceful:
             for v in self.views.values():
                 v.sync()
-            self._barrier()
+            self.servers.barrier()
         for v in self.views.values():
             v.close()
-        self.lifecycle.leave(self.actors, self.rank, graceful)
+        self.servers.leave(graceful)
 
 
-class ServerTables(ServerGroup):
-    """Tables backend (:class:`jobs.seams.TableBackend`) of a trainer with parameter servers: each phase's module
-    (the built-in DLRM or yours) gets the ``scheduling.parameter_servers`` pass first
-    (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers under the
-    clients ``fxdist-job-<phase>:<module path>``, shared by the trainers in step order (``rank`` / ``world_size`` /
-    ``group`` of the pass).
-
-    Each phase has its own tables on the servers (:meth:`view`), set from the same initial weights, so the phases
-    can train side by side; with step order (:mod:`scheduling.ps.ordering`) every trainer's step-``k`` lookup
-    sees exactly the pushes of steps ``0 .. k-1`` of all trainers, whatever the schedule, so the baseline and the
-    optimized phase train identically."""
-
-    def __init__(self, config: Any, rank: int, world: int, spec: Any, exporter: Any,
-                 phases: Sequence[str] = ("baseline", "optimized")) -> None:
-        super().__init__(config, rank, world, spec)
-        self.views = {phase: _PhaseTables(self, phase) for phase in phases}
-        self._barrier()
-
-
-class _FetchTimer:
-    """Seconds blocked in ``finish_fetch`` of some PSClients since the last :meth:`fetch_seconds`."""
+class _LookupTimer:
+    """Seconds blocked in ``finish_lookup`` of some PSClients since the last :meth:`lookup_seconds`."""
 
     def __init__(self) -> None:
         self._fetch, self._fetched = 0.0, False
 
     def wrap(self, client: Any) -> None:
-        finish = client.finish_fetch
+        finish = client.finish_lookup
 
         def timed_finish(fut: Any, server: int) -> torch.Tensor:
             t0 = time.perf_counter()
@@ -325,15 +331,15 @@ class _FetchTimer:
                 self._fetch += time.perf_counter() - t0
                 self._fetched = True
 
-        client.finish_fetch = timed_finish
+        client.finish_lookup = timed_finish
 
-    def fetch_seconds(self) -> float | None:
+    def lookup_seconds(self) -> float | None:
         value, fetched = self._fetch, self._fetched
         self._fetch, self._fetched = 0.0, False
         return value if fetched else None
 
 
-class _PhaseTables(_FetchTimer):
+class _PhaseTables(_LookupTimer):
     """One phase's tables (a :class:`jobs.seams.Tables`): set up by the ``parameter_servers`` pass, then read
     through the module it produced."""
 
@@ -373,7 +379,7 @@ class _PhaseTables(_FetchTimer):
         self.moved = frozenset(f"{t['path']}.weight" for t in tables)
         for name in client_names(gm):
             self.wrap(get_client(name))
-        self.owner._barrier()
+        self.owner.barrier()
 
     def _clients(self) -> list[Any]:
         from scheduling.placement import client_names
@@ -401,10 +407,10 @@ class _PhaseTables(_FetchTimer):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from scheduling.placement import load_table_state_dict
 
-        self.owner._barrier()
+        self.owner.barrier()
         if self.rank == 0 and state:
             load_table_state_dict(self.gm, state)
-        self.owner._barrier()
+        self.owner.barrier()
 
     def kill_server(self, index: int) -> None:
         self.owner.kill_server(index)

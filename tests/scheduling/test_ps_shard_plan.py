@@ -1,10 +1,10 @@
-"""Table declarations and shard planning (:mod:`scheduling.ps.config`), in process."""
+"""Table declarations and shard planning (:mod:`scheduling.ps.shard_plan`), in process."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduling.ps.config import TableSpec, plan_shards, table_specs
+from scheduling.ps.shard_plan import TableSpec, plan_shards, table_specs
 
 
 def _specs():

@@ -16,16 +16,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from .endpoints import DEFAULT_WORKER_THREADS
-from .lifecycle import free_port, server_group
+from .lifecycle import server_group
+from .ports import free_port
 
-__all__ = ["LocalCluster", "free_port", "group_servers", "NoGroupError"]
+__all__ = ["LocalCluster", "group_servers", "NoGroupError"]
 
 _ACTIVE: list["LocalCluster"] = []  # started and not closed, in this process
 
 _HOW_TO_START = (
     "Start one first: on one machine `with scheduling.ps.LocalCluster(num_servers=2): ...` (servers in child "
     "processes, this process joins as the trainer); in a job, start each server with "
-    "scheduling.ps.start_server(...) and join as a trainer with scheduling.ps.init_trainer(...) (jobs/ps.py "
+    "scheduling.ps.start_server(...) and join as a trainer with scheduling.ps.init_trainer(...) (jobs/servers.py "
     "does both)"
 )
 
@@ -99,9 +100,10 @@ class LocalCluster:
         """Start the servers and join the group as the trainer.
 
         Raises:
-            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
+            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s`` seconds.
         """
-        self.servers.start(self._kwargs, port=self.port, trainer_name=self.trainer_name, ctx=self._ctx)
+        port = self.servers.start(self._kwargs, port=self.port, trainer_name=self.trainer_name, ctx=self._ctx)
+        self.port = port if port is not None else self.port  # a new one when the first was taken (issue 32)
         self._rpc_up = True
         _ACTIVE.append(self)
         return self
@@ -156,13 +158,16 @@ def group_servers(what: str = "parameter servers") -> list[str]:
         return list(_ACTIVE[-1].server_names)
     from torch.distributed import rpc
 
-    if not rpc.is_available() or not rpc.api._is_current_rpc_agent_set():
-        raise NoGroupError(f"{what}: no parameter-server group is running in this process. {_HOW_TO_START}.")
-    from .server import _rpc_stats
+    from .server import _rpc_stats, group_world_size
 
-    me = rpc.get_worker_info().name
-    others = sorted((w for w in rpc.api._get_current_rpc_agent().get_worker_infos() if w.name != me),
-                    key=lambda w: w.id)
+    try:
+        me_info = rpc.get_worker_info() if rpc.is_available() else None
+    except RuntimeError:  # RPC not initialized in this process
+        me_info = None
+    if me_info is None or group_world_size() == 0:
+        raise NoGroupError(f"{what}: no parameter-server group is running in this process. {_HOW_TO_START}.")
+    me = me_info.name
+    others = [rpc.get_worker_info(r) for r in range(group_world_size()) if r != me_info.id]
     futs = [(w.name, rpc.rpc_async(w.name, _rpc_stats, (), timeout=10.0)) for w in others]
     servers = []
     for name, fut in futs:

@@ -1,0 +1,84 @@
+"""Turning a ``PSClient``'s per-server lookup answers into torchrec's ``KeyedTensor`` (pooling).
+
+Each server answers ``(B, D_s)``: the pooled sums of the features it holds, in its layout. When every feature
+comes whole from one server the output is one ``index_select`` of the concatenated answers (one ``index_add``
+in backward); row-wise shards add their partial sums. The client's layout (``client._slots``, feature ->
+``[(server, first column, dim)]``) and the cached gather (``client._gather``) stay on the client.
+
+Source: torchrec ``KeyedTensor`` (``keys``, ``length_per_key``, ``values``); EmbeddingBag sum/mean pooling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["pool", "column_gather", "pool_gather"]
+
+
+def pool(client: Any, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
+    """Assemble per-server answers into torchrec's ``KeyedTensor`` ``(B, sum D)`` keyed by feature.
+
+    ``parts`` are the answers of the servers :meth:`PSClient.servers_for` lists, in that order.
+
+    Row-wise partial sums are added; mean-pooled features are divided by their bag lengths (empty bags
+    give zeros). Differentiable in ``parts``.
+    """
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    ids = client.servers_for()
+    if len(parts) != len(ids):
+        raise ValueError(f"PSClient.pool: expected {len(ids)} server answers (servers {ids}), got {len(parts)}")
+    if client._gather is None:
+        client._gather = column_gather(client, ids)
+    if client._gather is not False:
+        return pool_gather(client, kjt, parts)
+    parts = dict(zip(ids, parts))
+    pooling = {f: t.pooling for t in client.tables for f in t.feature_names}
+    outs, dims = [], []
+    for feat in client.feature_names:
+        slots = client._slots[feat]
+        value = parts[slots[0][0]][:, slots[0][1]:slots[0][1] + slots[0][2]]
+        for s, col, dim in slots[1:]:
+            value = value + parts[s][:, col:col + dim]
+        if pooling[feat] == "mean":
+            bag_len = kjt[feat].lengths().clamp(min=1).to(value.device, value.dtype).unsqueeze(1)
+            value = value / bag_len
+        outs.append(value)
+        dims.append(slots[0][2])
+    return KeyedTensor(keys=client.feature_names, length_per_key=dims, values=torch.cat(outs, dim=1))
+
+
+def column_gather(client: Any, ids: list[int]) -> Any:
+    """When every feature comes whole from one server: the output's columns as indices into the
+    concatenated answers, a ``(F,)`` mask of mean-pooled features (None when all sum), the widths as a list
+    and as a tensor; False otherwise (row-wise)."""
+    if any(len(client._slots[f]) != 1 for f in client.feature_names):
+        return False
+    start = dict(zip(ids, [0, *torch.tensor([client.widths[s] for s in ids]).cumsum(0).tolist()[:-1]]))
+    cols = [start[s] + col + j for f in client.feature_names for s, col, dim in client._slots[f] for j in range(dim)]
+    mean = torch.tensor([t.pooling == "mean" for t in client.tables for _ in t.feature_names])
+    dims = [client._slots[f][0][2] for f in client.feature_names]
+    return torch.tensor(cols), (mean if bool(mean.any()) else None), dims, torch.tensor(dims)
+
+
+def pool_gather(client: Any, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
+    """:func:`pool` in one ``index_select`` (one ``index_add`` backward) instead of a slice per feature."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    values = torch.cat(list(parts), dim=1) if len(parts) > 1 else parts[0]
+    if client._gather[0].device != values.device:  # rows on an accelerator: the index tensors follow once
+        client._gather = tuple(t.to(values.device) if isinstance(t, torch.Tensor) else t for t in client._gather)
+    cols, mean, dims, repeats = client._gather
+    values = values.index_select(1, cols)
+    if mean is not None:
+        keys = kjt.keys()
+        pos = {k: i for i, k in enumerate(keys)}
+        lengths = kjt.lengths().to(values.device)
+        lens = lengths.view(len(keys), -1).index_select(
+            0, torch.tensor([pos[f] for f in client.feature_names], device=values.device))
+        divisor = torch.where(mean.unsqueeze(1), lens.clamp(min=1), 1).to(values.dtype)   # (F, B)
+        values = values / divisor.t().repeat_interleave(repeats, dim=1)
+    return KeyedTensor(keys=client.feature_names, length_per_key=dims, values=values)
