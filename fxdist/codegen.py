@@ -56,9 +56,13 @@ from torch.utils._dtype_abbrs import dtype_abbrs
 
 from fxdist._body_lines import transformed_lines
 from fxdist._namespace import RESERVED_NAMES, Namespace, sanitize
+
+# ruff's isort would put one name a line here: over the 600-line module limit
+# isort: off
 from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, INPLACE_OPERATORS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
                               TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, safe_attr, snake_case,
                               stack_summary, torch_path, torch_path_of_singleton)
+# isort: on
 from fxdist.node import Node
 
 __all__ = ["CodeGen", "PythonCode"]

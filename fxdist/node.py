@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
-from fxdist._impure import _side_effectful_functions, has_side_effect, is_random_op, target_is_impure
-from fxdist.immutable_collections import ImmutableMutationError, immutable_dict, immutable_list
+from fxdist._impure import has_side_effect, is_random_op, target_is_impure
+from fxdist.immutable_collections import immutable_dict, immutable_list
 
 if TYPE_CHECKING:
     from fxdist.graph import Graph

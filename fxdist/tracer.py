@@ -39,14 +39,21 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxdist._patching import (
+    ProxyableClassMeta,
+    _autowrap_check,
+    _patch_recorded_leaves,
+    _patch_wrapped_functions,
+    _Patcher,
+    _proxyable_classes,
+    _TraceState,
+    wrap,
+)
 from fxdist._pytree_codegen import PyTreeCodeGen
-from fxdist._patching import (ProxyableClassMeta, _autowrap_check, _patch_recorded_leaves,
-                              _patch_wrapped_functions, _Patcher, _proxyable_classes, _TraceState, wrap)
 from fxdist._stack_trace import register_stack_trace_root
-from fxdist.proxy import BASE_TYPES, ParameterProxy, Proxy, Scope, ScopeContextManager, TracerBase
-
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
+from fxdist.proxy import BASE_TYPES, ParameterProxy, Proxy, Scope, ScopeContextManager, TracerBase
 
 __all__ = ["Tracer", "symbolic_trace", "wrap", "PH", "PHBase", "PHWithMeta", "is_fx_tracing",
            "ProxyableClassMeta"]
@@ -454,7 +461,8 @@ class Tracer(TracerBase):
             elif x is None:
                 self.create_proxy("call_function", _assert_is_none, (out, message), {})
             else:
-                warnings.warn(f"Was not able to add assertion to guarantee correct input {name} to "
+                # noqa below: torch.fx warns with the default stacklevel too
+                warnings.warn(f"Was not able to add assertion to guarantee correct input {name} to "  # noqa: B028
                               "specialized function. It is up to the user to make sure that your "
                               "inputs match the inputs you specialized the function with.")
             return x

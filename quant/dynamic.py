@@ -26,7 +26,11 @@ from typing import Any, ClassVar
 import torch.ao.nn.quantized as nnq
 import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
-from torch.ao.quantization import default_dynamic_qconfig, float_qparams_weight_only_qconfig, per_channel_dynamic_qconfig
+from torch.ao.quantization import (
+    default_dynamic_qconfig,
+    float_qparams_weight_only_qconfig,
+    per_channel_dynamic_qconfig,
+)
 
 import fxdist as fx
 from fxdist.passes.pass_base import PassBase, PassManager, PassResult

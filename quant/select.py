@@ -331,7 +331,8 @@ class SelectInt8(PassBase):
                 continue
             module = self._convert(gm, _exclusions(prepared, set(names)))[1]
             variant = "int8:" + "+".join(names)
-            times = _interleaved(timer, MODULE, {variant: lambda: module(*inputs), "fp32": fp32_run}, self.rounds)
+            runs = {variant: lambda module=module: module(*inputs), "fp32": fp32_run}
+            times = _interleaved(timer, MODULE, runs, self.rounds)
             fp32_s = min(fp32_s, times["fp32"])  # the best fp32 seen: any doubt favours fp32
             tries.append((names, times[variant]))
             if tries[-1][1] < fp32_s:

@@ -565,8 +565,8 @@ def _rewire_later_uses(node: Node, olds: list[Node], self_arg: Node, state: _Ali
             user_idx = user.meta.get("node_idx")
             if user_idx is None or user_idx <= idx:
                 continue
-            user.args = map_arg(user.args, lambda a: new if a is old else a)
-            user.kwargs = map_arg(user.kwargs, lambda a: new if a is old else a)
+            user.args = map_arg(user.args, lambda a, old=old, new=new: new if a is old else a)
+            user.kwargs = map_arg(user.kwargs, lambda a, old=old, new=new: new if a is old else a)
             if _storage(user) is not None and _storage(user) == _storage(old):
                 state.fuse(new, user)
 
