@@ -149,9 +149,9 @@ def read_rows(files: Sequence[Path], sizes: Sequence[int], stats: ParseStats, *,
     total = 0
     name_files = len(files) > 1
     for f, path in own_files(files, rank, world_size, split):
-        for buf, first in iter_chunks(path, chunk_bytes):
-            owner_of = lambda idx, f=f, first=first: line_owner(f, len(files), world_size, every, first + idx)  # noqa: E731
-            parsed = parse_chunk(buf, None if count_all else (lambda idx, owner_of=owner_of: owner_of(idx) == want))
+        for buf, first in iter_chunks(path, chunk_bytes):  # B023: each lambda is used in its own iteration only
+            owner_of = lambda idx: line_owner(f, len(files), world_size, every, first + idx)  # noqa: E731, B023
+            parsed = parse_chunk(buf, None if count_all else (lambda idx: owner_of(idx) == want))  # noqa: B023
             count_chunk(stats, parsed, buf, first, path.name if name_files else "")
             take = owner_of(parsed.lines) == want
             if max_rows is not None:
