@@ -37,7 +37,7 @@ from fxdist.passes.pass_base import PassBase, PassManager, PassResult
 
 __all__ = ["QuantizeDynamic", "quantize_dynamic", "DYNAMIC_MODULES"]
 
-DYNAMIC_MODULES: dict[type, tuple[type, Any]] = {
+DYNAMIC_MODULES: dict[type[nn.Module], tuple[Any, Any]] = {  # (quantized class with .from_float, qconfig)
     nn.Linear: (nnqd.Linear, per_channel_dynamic_qconfig),
     nn.LSTM: (nnqd.LSTM, default_dynamic_qconfig),
     nn.GRU: (nnqd.GRU, default_dynamic_qconfig),
