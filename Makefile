@@ -1,7 +1,9 @@
 # The two set-up commands of the README. Each installs what it needs (scripts/bootstrap.sh is idempotent).
 .PHONY: job test setup lint ruff mypy
-# The packages that ruff and mypy check: the one list to extend (scheduling and jobs join later).
+# ruff and mypy check PACKAGES and ruff their tests; the packages of LATER_PACKAGES (being restructured) and
+# their tests/ folders are not checked yet: move a name from LATER_PACKAGES to PACKAGES to check it.
 PACKAGES = fxdist recsys quant
+LATER_PACKAGES = scheduling jobs
 
 setup:
 	bash scripts/bootstrap.sh
@@ -10,7 +12,7 @@ job: setup
 	.venv/bin/fxdist launch
 
 ruff: setup
-	.venv/bin/ruff check $(PACKAGES)
+	.venv/bin/ruff check $(PACKAGES) tests $(addprefix --extend-exclude tests/,$(LATER_PACKAGES))
 
 mypy: setup
 	.venv/bin/mypy $(PACKAGES)
