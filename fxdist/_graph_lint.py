@@ -9,7 +9,7 @@ graph with the offending node marked ``>>>``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -121,14 +121,15 @@ def _collect_nodes(a: Any, found: dict[Node, None]) -> None:
         for x in a.values():
             _collect_nodes(x, found)
     elif isinstance(a, slice):
-        _collect_nodes(a.start, found), _collect_nodes(a.stop, found), _collect_nodes(a.step, found)
+        for x in (a.start, a.stop, a.step):
+            _collect_nodes(x, found)
 
 
 def _check_targets_exist(graph: Graph, root: Any) -> None:
     for node in graph.nodes:
         if node.op not in ("get_attr", "call_module"):
             continue
-        atoms = node.target.split(".")
+        atoms = cast(str, node.target).split(".")
         obj = root
         for i, atom in enumerate(atoms):
             nxt = getattr(obj, atom, None)

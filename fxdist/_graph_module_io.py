@@ -23,8 +23,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from fxdist._namespace import sanitize
-from fxdist._pysource import (FIXED_GLOBALS, importable_path, is_plain_ident, resolve_torch_path, torch_path,
-                              torch_path_of_singleton)
+from fxdist._pysource import (
+    FIXED_GLOBALS,
+    importable_path,
+    is_plain_ident,
+    resolve_torch_path,
+    torch_path,
+    torch_path_of_singleton,
+)
 from fxdist.node import Node
 
 if TYPE_CHECKING:

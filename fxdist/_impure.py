@@ -228,7 +228,8 @@ def target_is_impure(op: str, target: Any, args: tuple[Any, ...], kwargs: dict[s
         return True
     if _in_place_name(getattr(target, "__name__", None)) or _is_distributed_call(target):
         return True
-    if getattr(target, "__name__", None) in _TORCH_REGISTERED_FUNCTIONS.get(getattr(target, "__module__", None), ()):
+    module = getattr(target, "__module__", None) or ""
+    if getattr(target, "__name__", None) in _TORCH_REGISTERED_FUNCTIONS.get(module, ()):
         return True
     schema = getattr(target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)

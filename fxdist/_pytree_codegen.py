@@ -52,7 +52,8 @@ class PyTreeCodeGen(CodeGen):
         self.out_spec = out_spec
         self.args_kwargs = args_kwargs
 
-    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:
+    # override: torch.fx's PyTreeCodeGen signatures; CodeGen passes an override only the keywords it takes
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str) -> str:  # type: ignore[override]
         leaves = [v.split(":")[0].split("=")[0].strip() for v in free_vars]
         if self.orig_args and self.orig_args[0] == "self":
             leaves.insert(0, "self")
@@ -70,7 +71,9 @@ class PyTreeCodeGen(CodeGen):
                                                                      self.orig_args[count:]))
         return f"([{', '.join(self.orig_args[:count])}], {{{keywords}}})"
 
-    def generate_output(self, output_args: Any, *, repr_fn: Callable[[Any], str] = repr) -> str:
+    def generate_output(  # type: ignore[override]
+        self, output_args: Any, *, repr_fn: Callable[[Any], str] = repr
+    ) -> str:
         if self.out_spec is None:
             return super().generate_output(output_args, repr_fn=repr_fn)
         return f"return pytree.tree_unflatten({repr_fn(output_args)}, self._out_spec)"

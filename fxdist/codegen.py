@@ -49,16 +49,20 @@ import operator
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
 from fxdist._body_lines import transformed_lines
 from fxdist._namespace import RESERVED_NAMES, Namespace, sanitize
+
+# ruff's isort would put one name a line here: over the 600-line module limit
+# isort: off
 from fxdist._pysource import (DIGITS_OR_WORD, FIXED_GLOBALS, INPLACE_OPERATORS, OPERATOR_TEMPLATES, ORIGIN_TYPING, TIGHT_LEFT,
                               TORCH_SINGLETONS, is_plain_ident, one_line_comment, qualified_hint, safe_attr, snake_case,
                               stack_summary, torch_path, torch_path_of_singleton)
+# isort: on
 from fxdist.node import Node
 
 __all__ = ["CodeGen", "PythonCode"]
@@ -125,7 +129,7 @@ class _Emitter:
         """The parameter name of a placeholder (target without ``*``/``**``), validated."""
         target = node.target
         raw = target.lstrip("*") if isinstance(target, str) else None
-        if raw is None or not is_plain_ident(raw) or len(target) - len(raw) > 2:
+        if raw is None or not is_plain_ident(raw) or len(cast(str, target)) - len(raw) > 2:
             raise ValueError(f"placeholder {node.name!r} has target {target!r}; a placeholder target must be "
                              "a parameter name (an identifier, optionally prefixed with * or **)")
         if raw == "self":
@@ -214,7 +218,7 @@ class _Emitter:
 
     def _type_head(self, tp: Any) -> str:
         if isinstance(tp, type):
-            if tp.__module__ == "builtins" and getattr(builtins, tp.__qualname__, None) is tp:
+            if tp.__module__ == "builtins" and cast(object, getattr(builtins, tp.__qualname__, None)) is tp:
                 return self.bare(tp.__qualname__)
             if tp is type(None):
                 return self.bare("NoneType")
@@ -275,7 +279,7 @@ class _Emitter:
         elif type(a) is torch.device:
             index = "" if a.index is None else f", index={a.index!r}"
             return f"{self.bare('device')}(type={a.type!r}{index})"
-        elif isinstance(a, enum.Enum) and is_plain_ident(a.name) and getattr(type(a), a.name, None) is a:
+        elif isinstance(a, enum.Enum) and is_plain_ident(a.name) and cast(object, getattr(type(a), a.name, None)) is a:
             return f"{self.callable_ref(type(a))}.{a.name}"
         return self.add_global(f"_{snake_case(sanitize(type(a).__name__))}_constant", a)
 
@@ -426,7 +430,7 @@ class CodeGen:
         if clash:
             raise ValueError(f"placeholder parameter name(s) {sorted(clash)} would shadow names the generated "
                              "code needs; rename the placeholder target(s)")
-        lines, line_nodes = em.lines or ["pass"], em.line_nodes if em.lines else [None]
+        lines, line_nodes = em.lines or ["pass"], em.line_nodes if em.lines else cast(list[int | None], [None])
         if self._body_transformer is not None:  # keeps the line map as torch.fx does (see _body_lines)
             lines, line_nodes = transformed_lines(lines, line_nodes, self._body_transformer(lines))
         prologue = self.gen_fn_def(em.free_vars, em.return_annotation)
@@ -445,7 +449,7 @@ class CodeGen:
     def _emit_placeholder(em: _Emitter, node: Node, annotation: str) -> str | None:
         default = f" = {em.arg(node.args[0])}" if node.args else ""
         em.free_vars.append(f"{node.target}{annotation}{default}")
-        raw = node.target.lstrip("*")
+        raw = cast(str, node.target).lstrip("*")
         name = em.names[node]
         return None if raw == name else f"{name} = {raw}"
 

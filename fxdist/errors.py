@@ -75,7 +75,7 @@ def user_frame(frame: FrameType | None = None) -> FrameType | None:
     """
     start = frame if frame is not None else sys._getframe(1)
     fallback = None
-    f = start
+    f: FrameType | None = start
     while f is not None:
         filename = f.f_code.co_filename
         if not filename.startswith(_FXDIST_DIR):

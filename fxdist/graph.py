@@ -40,7 +40,15 @@ from fxdist._graph_lint import lint_graph
 from fxdist._graph_state import graph_getstate, graph_setstate
 from fxdist._namespace import Namespace
 from fxdist.node import (
-    Argument, Node, Target, _CompatRuntimeError, _CompatTypeError, _CompatValueError, _legal_ops, map_arg)
+    Argument,
+    Node,
+    Target,
+    _CompatRuntimeError,
+    _CompatTypeError,
+    _CompatValueError,
+    _legal_ops,
+    map_arg,
+)
 
 if TYPE_CHECKING:
     from fxdist.codegen import CodeGen, PythonCode

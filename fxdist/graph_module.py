@@ -50,7 +50,7 @@ import sys
 import traceback
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, cast
 
 import torch
 from torch import nn
@@ -122,7 +122,7 @@ def _make_call(impl: type) -> Callable[..., Any]:
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                return super(impl, self).__call__(*args, **kwargs)
+                return super(impl, self).__call__(*args, **kwargs)  # type: ignore[arg-type]  # mypy: class names only
             except Exception as e:
                 _report_generated_frame(e)
                 raise
@@ -216,15 +216,15 @@ def _compat_python_code(graph: Graph) -> PythonCode:
     return compat.gen_python_code(graph.nodes, "self")
 
 
-def _base_class(cls: type) -> type:
+def _base_class(cls: type) -> type[GraphModule]:
     """The user-visible class behind a per-instance GraphModule class."""
     for t in cls.__mro__:
         if "_fxdist_per_instance" not in t.__dict__:
-            return t
+            return cast("type[GraphModule]", t)
     raise AssertionError(cls)
 
 
-def _new_instance(base: type, class_name: str) -> GraphModule:
+def _new_instance(base: type[GraphModule], class_name: str) -> GraphModule:
     gm = base.__new__(base)
     type(gm).__name__ = type(gm).__qualname__ = class_name
     return gm
@@ -272,11 +272,12 @@ class GraphModule(nn.Module):
 
     # TorchScript must not compile this property (torch.fx lists the same one).
     __jit_unused_properties__ = ["graph"]
+    _fxdist_source: ClassVar[dict[str, Any]]  # set on each per-instance class by _install_code
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphModule:
         base = _base_class(cls)
         impl = type(base.__name__, (base,), {"_fxdist_per_instance": True, "__module__": base.__module__})
-        impl.__call__ = _make_call(impl)
+        setattr(impl, "__call__", _make_call(impl))  # noqa: B010 (mypy: no assigning to a method)
         return super().__new__(impl)
 
     def __init__(self, root: nn.Module | dict[str, Any], graph: Graph, class_name: str = "GraphModule") -> None:
@@ -286,7 +287,7 @@ class GraphModule(nn.Module):
 
             graph = as_fxdist(graph)
         type(self).__name__ = type(self).__qualname__ = class_name
-        targets = [n.target for n in graph.nodes if n.op in ("get_attr", "call_module")]
+        targets = [cast(str, n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")]  # checked below
         for t in targets:
             if not isinstance(t, str):
                 raise TypeError(f"GraphModule: get_attr/call_module target must be a str, got {t!r}")
@@ -364,7 +365,7 @@ class GraphModule(nn.Module):
             return False
         for node in self._graph.find_nodes(op="call_module", sort=False):
             mod: Any = self
-            for part in node.target.split("."):
+            for part in cast(str, node.target).split("."):
                 mod = mod._modules.get(part) if isinstance(mod, nn.Module) else None
                 if mod is None:
                     return False
@@ -412,7 +413,7 @@ class GraphModule(nn.Module):
         for key in ("_modules", "_parameters", "_buffers"):  # torch.jit replaces prepared children in them
             clone.__dict__[key] = dict(self.__dict__[key])
         clone._install_code(_compat_python_code(self._graph))
-        type(clone).__call__ = _call_restoring_fast_code
+        setattr(type(clone), "__call__", _call_restoring_fast_code)  # noqa: B010 (mypy: no assigning to a method)
         return clone
 
     def print_readable(self, print_output: bool = True, include_stride: bool = False,

@@ -48,7 +48,7 @@ class immutable_dict(dict):  # noqa: N801 - torch.fx name
     """A ``dict`` that refuses mutation (``d[k] = v``, ``update``, ...) with ImmutableMutationError."""
 
     __delitem__ = __ior__ = __setitem__ = _no_mutation
-    clear = pop = popitem = setdefault = update = _no_mutation  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _no_mutation
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(frozenset(self.items()))

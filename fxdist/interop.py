@@ -277,7 +277,7 @@ def run_with_unbacked_bindings(shape_env: Any, node: Node, run: Callable[[], Any
     with enable_python_dispatcher():
         result = run()
         if shape_env is not None:
-            rebind_unbacked(shape_env, node, result)
+            rebind_unbacked(shape_env, node, result)  # type: ignore[arg-type]  # reads fields fxdist's Node has too
     if shape_env is not None and (bindings := compute_unbacked_bindings(shape_env, result)):
         node.meta["unbacked_bindings"] = bindings
     return result

@@ -14,13 +14,13 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union, cast
 
 import torch
 from torch.utils._dtype_abbrs import dtype_abbrs
 
-from fxdist._impure import _side_effectful_functions, has_side_effect, is_random_op, target_is_impure
-from fxdist.immutable_collections import ImmutableMutationError, immutable_dict, immutable_list
+from fxdist._impure import has_side_effect, is_random_op, target_is_impure
+from fxdist.immutable_collections import immutable_dict, immutable_list
 
 if TYPE_CHECKING:
     from fxdist.graph import Graph
@@ -285,10 +285,10 @@ class Node:
     def _set_keyed(self, field: str, value: Any) -> None:
         table = getattr(self.graph, "_find_nodes_lookup_table", None)
         listed = table is not None and not self._erased and self in table
-        if listed:
+        if listed and table is not None:
             table.remove(self)
         setattr(self, field, value)
-        if listed:
+        if listed and table is not None:
             table.insert(self)
 
     # -- linked list --------------------------------------------------------------------------------
@@ -538,7 +538,7 @@ class Node:
         users = f"[num_users={len(self.users)}]"
         typename = f"{_type_repr(self.type)} " if self.type is not None else ""
         if self.op == "placeholder":
-            arg_str = self.target
+            arg_str = cast(str, self.target)
             arg_str += arg_str + f": {_type_repr(self.type)}" if self.type else ""  # torch.fx prints this
             if placeholder_names:
                 placeholder_names.append(arg_str)

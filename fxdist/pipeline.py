@@ -46,10 +46,13 @@ import functools
 import importlib
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fxdist.tracer import Tracer
 
 __all__ = ["optimize", "register_pass", "resolve_pass", "known_passes", "PASSES", "NO_OP_REASONS",
            "NoOpPassWarning", "DDPRanksMissingError", "DDP_TIMEOUT_ENV"]
@@ -208,7 +211,7 @@ def _leaf_predicates(named: list[tuple[str, Callable]]) -> list[Callable[[nn.Mod
     return preds
 
 
-def _tracer_with_leaves(tracer_class: type | None, preds: list[Callable[[nn.Module], bool]]) -> type:
+def _tracer_with_leaves(tracer_class: type[Tracer] | None, preds: list[Callable[[nn.Module], bool]]) -> type:
     """``tracer_class`` (default ``fxdist.Tracer``) that also keeps modules matching ``preds`` as leaves."""
     import fxdist
 
@@ -228,7 +231,7 @@ def _warn_unchanged(gm: Any, records: list[dict[str, Any]]) -> None:
                           stacklevel=3)
 
 
-def _trace(module: nn.Module, tracer_class: type | None, concrete_args: dict | None) -> Any:
+def _trace(module: nn.Module, tracer_class: type[Tracer] | None, concrete_args: dict | None) -> Any:
     import fxdist
 
     try:
@@ -397,7 +400,7 @@ def optimize(
     example_inputs: Sequence[Any] | None = None,
     *,
     concrete_args: dict[str, Any] | None = None,
-    tracer_class: type | None = None,
+    tracer_class: type[Tracer] | None = None,
     ddp_timeout_s: float | None = None,
 ) -> Any:
     """Trace ``module`` with fxdist, apply ``passes`` in order, and keep its Parameter objects.

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields, is_dataclass
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.overrides import is_tensor_method_or_property
@@ -344,7 +344,7 @@ class Proxy:
         caller = sys._getframe(1)
         insts, idx = _instruction_at(caller)
         if idx < len(insts) and insts[idx].opname == "UNPACK_SEQUENCE":
-            return (self[i] for i in range(insts[idx].argval))
+            return (cast(Any, self)[i] for i in range(insts[idx].argval))  # __getitem__: a magic method set below
         try:
             return self.tracer.iter(self)
         except TraceError as e:

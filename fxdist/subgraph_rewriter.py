@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -355,7 +355,7 @@ def _insert_point(graph: Graph, returning: list[Node]) -> Node:
 
 def _copy_replacement(
     graph: Graph, match: InternalMatch, replacement_graph: Graph, changed: dict[Node, Node]
-) -> tuple[tuple[Any, ...], list[Node]]:
+) -> tuple[tuple[Any, ...] | list[Any], list[Node]]:
     """Step 2: copy ``replacement_graph`` before the insert point; return (copied outputs, new nodes).
 
     ``changed`` maps graph nodes replaced by earlier matches to their replacements; inputs bound to
@@ -410,9 +410,10 @@ def _copy_attributes(gm: GraphModule, replacement: torch.nn.Module) -> None:
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "get_attr"):
             continue
-        if _lookup(gm, node.target) is not None:
+        target = cast(str, node.target)  # get_attr and call_module targets are names
+        if _lookup(gm, target) is not None:
             continue
-        value = _lookup(replacement, node.target)
+        value = _lookup(replacement, target)
         if value is None:
             raise RuntimeError(
                 f"replace_pattern: {node.format_node()} refers to {node.target!r}, "
@@ -420,9 +421,9 @@ def _copy_attributes(gm: GraphModule, replacement: torch.nn.Module) -> None:
             )
         value = copy.deepcopy(value)
         if isinstance(value, torch.nn.Module):
-            gm.add_submodule(node.target, value)
+            gm.add_submodule(target, value)
         else:
-            owner_path, _, attr = node.target.rpartition(".")
+            owner_path, _, attr = target.rpartition(".")
             setattr(gm.get_submodule(owner_path) if owner_path else gm, attr, value)
     gm.graph.lint()
 
@@ -509,7 +510,7 @@ def _replace_pattern(
         converted = as_fxdist(gm)
         replaced = _replace_pattern(converted, pattern, replacement, match_filters, ignore_literals,
                                     replacement_callback)
-        write_back(gm, converted)
+        write_back(cast(Any, gm), converted)  # a torch.fx GraphModule: only interop names torch.fx
         if isinstance(replacement, torch.nn.Module):
             gm.delete_all_unused_submodules()  # as _copy_attributes did on the copy (torch.fx does too)
         return replaced
@@ -528,7 +529,7 @@ def _replace_pattern(
     replaced = []
     for match in matches:
         replacement_graph = (_as_graph(replacement_callback(match, graph, pattern_graph), "replacement")
-                             if replacement_callback else common)
+                             if replacement_callback else cast(Graph, common))  # one is given: checked above
         if replacement_callback is not None:
             _check_arity(pattern_graph, replacement_graph)
         copied, new_nodes = _copy_replacement(graph, match, replacement_graph, changed)

@@ -34,19 +34,26 @@ import warnings
 from collections.abc import Callable
 from itertools import chain
 from types import FunctionType, ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
 
+from fxdist._patching import (
+    ProxyableClassMeta,
+    _autowrap_check,
+    _patch_recorded_leaves,
+    _patch_wrapped_functions,
+    _Patcher,
+    _proxyable_classes,
+    _TraceState,
+    wrap,
+)
 from fxdist._pytree_codegen import PyTreeCodeGen
-from fxdist._patching import (ProxyableClassMeta, _autowrap_check, _patch_recorded_leaves,
-                              _patch_wrapped_functions, _Patcher, _proxyable_classes, _TraceState, wrap)
 from fxdist._stack_trace import register_stack_trace_root
-from fxdist.proxy import BASE_TYPES, ParameterProxy, Proxy, Scope, ScopeContextManager, TracerBase
-
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
+from fxdist.proxy import BASE_TYPES, ParameterProxy, Proxy, Scope, ScopeContextManager, TracerBase
 
 __all__ = ["Tracer", "symbolic_trace", "wrap", "PH", "PHBase", "PHWithMeta", "is_fx_tracing",
            "ProxyableClassMeta"]
@@ -118,7 +125,8 @@ def _patch_function(fn: FunctionType, nargs: int) -> FunctionType:
     return FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-_NO_TORCH_FX = collections.namedtuple("_NoTorchFx", "functions methods proxyable_classes")([], [], {})
+_NoTorchFx = collections.namedtuple("_NoTorchFx", "functions methods proxyable_classes")
+_NO_TORCH_FX = _NoTorchFx([], [], {})
 
 
 def _enter_torch_fx_trace(patcher: _Patcher) -> Any:
@@ -393,7 +401,7 @@ class Tracer(TracerBase):
                 args.append(self._proxy_placeholder("*" + next(names_iter), concrete_args, sig, fn))
             if co.co_flags & inspect.CO_VARKEYWORDS:
                 args.append(self._proxy_placeholder("**" + next(names_iter), concrete_args, sig, fn))
-            root_fn = _patch_function(root_fn, len(args))
+            root_fn = _patch_function(cast(FunctionType, root_fn), len(args))
         flat_args, in_spec = pytree.tree_flatten(tuple(args))
         if all(child.is_leaf() for child in in_spec.children()):
             return root_fn, args
@@ -408,7 +416,7 @@ class Tracer(TracerBase):
         codegen = PyTreeCodeGen(orig_args, in_spec)
         self.graph._codegen = codegen
 
-        def flatten_fn(*flat):  # type: ignore[no-untyped-def]  # unannotated: would become forward's
+        def flatten_fn(*flat):  # unannotated: would become forward's
             out_leaves, codegen.out_spec = pytree.tree_flatten(root_fn(*pytree.tree_unflatten(list(flat), in_spec)))
             return out_leaves
 
@@ -454,9 +462,9 @@ class Tracer(TracerBase):
             elif x is None:
                 self.create_proxy("call_function", _assert_is_none, (out, message), {})
             else:
-                warnings.warn(f"Was not able to add assertion to guarantee correct input {name} to "
-                              "specialized function. It is up to the user to make sure that your "
-                              "inputs match the inputs you specialized the function with.")
+                warnings.warn("Was not able to add assertion to guarantee "  # noqa: B028 (torch.fx's stacklevel)
+                              f"correct input {name} to specialized function. It is up to the user to make "
+                              "sure that your inputs match the inputs you specialized the function with.")
             return x
 
         return pytree.tree_map(replace, value)

@@ -26,14 +26,18 @@ from typing import Any, ClassVar
 import torch.ao.nn.quantized as nnq
 import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
-from torch.ao.quantization import default_dynamic_qconfig, float_qparams_weight_only_qconfig, per_channel_dynamic_qconfig
+from torch.ao.quantization import (
+    default_dynamic_qconfig,
+    float_qparams_weight_only_qconfig,
+    per_channel_dynamic_qconfig,
+)
 
 import fxdist as fx
 from fxdist.passes.pass_base import PassBase, PassManager, PassResult
 
 __all__ = ["QuantizeDynamic", "quantize_dynamic", "DYNAMIC_MODULES"]
 
-DYNAMIC_MODULES: dict[type, tuple[type, Any]] = {
+DYNAMIC_MODULES: dict[type[nn.Module], tuple[Any, Any]] = {  # (quantized class with .from_float, qconfig)
     nn.Linear: (nnqd.Linear, per_channel_dynamic_qconfig),
     nn.LSTM: (nnqd.LSTM, default_dynamic_qconfig),
     nn.GRU: (nnqd.GRU, default_dynamic_qconfig),

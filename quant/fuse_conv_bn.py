@@ -21,7 +21,7 @@ import copy
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -87,9 +87,10 @@ def fold_bn_into(module: nn.Module, bn: BnStats) -> nn.Module:
     fused = copy.deepcopy(module, memo)
     transpose = isinstance(module, nn.modules.conv._ConvTransposeNd)
     groups = getattr(module, "groups", 1)
-    w, b = fold_bn_weights(module.weight.detach(), _detach(module.bias), bn, transpose=transpose, groups=groups)
-    fused.weight = nn.Parameter(w, module.weight.requires_grad)
-    fused.bias = nn.Parameter(b, module.weight.requires_grad)
+    weight, bias = cast(torch.Tensor, module.weight), cast("torch.Tensor | None", module.bias)
+    w, b = fold_bn_weights(weight.detach(), _detach(bias), bn, transpose=transpose, groups=groups)
+    fused.weight = nn.Parameter(w, weight.requires_grad)
+    fused.bias = nn.Parameter(b, weight.requires_grad)
     return fused
 
 
@@ -98,7 +99,7 @@ def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _out_channels(module: nn.Module) -> int:
-    return module.out_features if isinstance(module, nn.Linear) else module.out_channels
+    return module.out_features if isinstance(module, nn.Linear) else cast(int, module.out_channels)
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ def _fetch(gm: nn.Module, value: Any) -> Any:
 
 def _bn_stats(gm: nn.Module, node: Any, modules: dict[str, nn.Module]) -> BnStats | None:
     """Matcher: the BatchNorm statistics of ``node``, or None if it is no BatchNorm we can read."""
-    if node.op == "call_module" and isinstance(modules.get(node.target), _BN_MODULES):
-        m = modules[node.target]
+    m = modules.get(node.target) if node.op == "call_module" else None
+    if isinstance(m, _BN_MODULES):
         return BnStats(m.running_mean, m.running_var, m.weight, m.bias, m.eps, m.training, m)
     if node.op == "call_function" and node.target is F.batch_norm:
         try:

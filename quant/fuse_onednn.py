@@ -22,7 +22,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -141,7 +141,7 @@ class FuseConvPointwise(PassBase):
     def _fuse_at(self, gm: Any, conv: Any, modules: dict[str, nn.Module]) -> bool:
         if not _fusable_conv(conv, modules):
             return False
-        graph, mod = gm.graph, modules[conv.target]
+        graph, mod = gm.graph, cast(nn.Conv2d, modules[conv.target])  # _fusable_conv checked
         user = next(iter(conv.users))
         if is_relu(user, modules):  # relu(conv(x)) -> conv[relu](x)
             _replace(gm, conv, OneDNNConv2d(mod, unary="relu"), modules)
@@ -158,7 +158,7 @@ class FuseConvPointwise(PassBase):
                 _replace(gm, conv, OneDNNConv2d(mod, unary="relu" if fuse_relu else "none", binary="add"), modules)
                 conv.args = (conv.args[0], other)
                 user.prepend(conv)  # now reads `other`, which may come later in the graph: move it down
-                last = relu if fuse_relu else user
+                last = relu if fuse_relu and relu is not None else user
                 last.replace_all_uses_with(conv)
                 if fuse_relu:
                     graph.erase_node(relu)

@@ -50,7 +50,7 @@ def is_relu(node: Any, modules: dict[str, nn.Module]) -> bool:
 
 def _single_input(node: Any) -> Any | None:
     arg = node.args[0] if node.args else None
-    return arg if hasattr(arg, "op") and len(arg.users) == 1 else None
+    return arg if arg is not None and hasattr(arg, "op") and len(arg.users) == 1 else None
 
 
 def fuse_module_relu(gm: Any, relu: Any, modules: dict[str, nn.Module]) -> bool:
@@ -60,7 +60,7 @@ def fuse_module_relu(gm: Any, relu: Any, modules: dict[str, nn.Module]) -> bool:
         return False
     mod = modules.get(producer.target)
     fused_type = RELU_MODULE_FUSIONS.get(type(mod))
-    if fused_type is None or mod.training:
+    if mod is None or fused_type is None or mod.training:
         return False
     if sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == producer.target) != 1:
         return False  # the module is called elsewhere without the ReLU

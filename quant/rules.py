@@ -38,7 +38,8 @@ __all__ = [
     "WEIGHT_ONLY_MODULES", "RULES", "Rule", "classify", "is_quantize", "is_dequantize", "qparams_of",
 ]
 
-QUANTIZED_MODULES: dict[type, type] = {
+# values: quantized module classes, built with .from_float (torch's stubs give them no common base)
+QUANTIZED_MODULES: dict[type[nn.Module], Any] = {
     nn.Linear: nnq.Linear,
     nn.Conv1d: nnq.Conv1d,
     nn.Conv2d: nnq.Conv2d,
@@ -78,7 +79,7 @@ SAME_SCALE_METHODS: frozenset[str] = frozenset({
     "relu", "flatten", "view", "reshape", "transpose", "permute", "squeeze", "unsqueeze", "contiguous",
 })
 
-WEIGHT_ONLY_MODULES: dict[type, type] = {nn.EmbeddingBag: nnq.EmbeddingBag, nn.Embedding: nnq.Embedding}
+WEIGHT_ONLY_MODULES: dict[type[nn.Module], Any] = {nn.EmbeddingBag: nnq.EmbeddingBag, nn.Embedding: nnq.Embedding}
 """Float module -> 8-bit row-wise quantized module (``float_qparams_weight_only_qconfig``; FBGEMM kernels)."""
 
 
@@ -153,7 +154,8 @@ def qparams_of(gm: nn.Module, node: Any) -> tuple[float, int, torch.dtype] | Non
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         if isinstance(mod, tuple(QUANTIZED_MODULES.values())):
-            return float(mod.scale), int(mod.zero_point), torch.quint8
+            qmod: Any = mod  # one of QUANTIZED_MODULES' values
+            return float(qmod.scale), int(qmod.zero_point), torch.quint8
     if node.op == "call_function" and node.target in set(QUANTIZED_FUNCTIONS.values()):
         return float(node.args[-2]), int(node.args[-1]), torch.quint8
     if _kind(node) == "same_scale" and node.args and hasattr(node.args[0], "op"):

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch.ao.quantization.observer import ObserverBase
@@ -235,7 +235,7 @@ class _CaptureInputs(Interpreter):
 
     def __init__(self, module: Any, names: set[str]) -> None:
         super().__init__(module)
-        self.names, self.inputs = names, {}
+        self.names, self.inputs = names, dict[str, Any]()
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(self.module.get_submodule(target), ObserverBase):
@@ -331,7 +331,8 @@ class SelectInt8(PassBase):
                 continue
             module = self._convert(gm, _exclusions(prepared, set(names)))[1]
             variant = "int8:" + "+".join(names)
-            times = _interleaved(timer, MODULE, {variant: lambda: module(*inputs), "fp32": fp32_run}, self.rounds)
+            runs = {variant: lambda: module(*inputs), "fp32": fp32_run}  # noqa: B023 (timed in this iteration only)
+            times = _interleaved(timer, MODULE, runs, self.rounds)
             fp32_s = min(fp32_s, times["fp32"])  # the best fp32 seen: any doubt favours fp32
             tries.append((names, times[variant]))
             if tries[-1][1] < fp32_s:
@@ -357,7 +358,7 @@ class SelectInt8(PassBase):
         for node in prepared.graph.nodes:
             if node.op != "call_module" or node.meta.get("quant", {}).get("kind") != "compute":
                 continue
-            source = node.args[0] if node.args else None
+            source: Any = node.args[0] if node.args else None
             observer = prepared.get_submodule(source.target) if getattr(source, "op", "") == "call_module" else None
             int8_module = full.get_submodule(node.target)
             if isinstance(observer, ObserverBase) and isinstance(int8_module, lowered):
@@ -437,7 +438,7 @@ def _measure_layer(timer: Timer, c: _Candidate, rounds: int) -> None:
     """Step 3: fp32, int8 (kernel on an int8 input) and boundary times of one candidate, in seconds."""
     scale, zero_point = c.observer.calculate_qparams()
     scale, zero_point, dtype = float(scale), int(zero_point), c.observer.dtype
-    x = c.x
+    x = cast(torch.Tensor, c.x)  # captured in step 2
     xq = torch.quantize_per_tensor(x, scale, zero_point, dtype)
     yq = c.int8_module(xq)
     c.times = _interleaved(timer, c.node.name, {
@@ -457,7 +458,8 @@ def _choice(c: _Candidate, measured: bool, chosen: bool, min_share: float) -> La
         reason = "slower in int8"
     else:
         reason = "faster alone, but the module with it in int8 is not faster"
-    return LayerChoice(c.node.name, str(c.node.target), type(c.float_module).__name__, tuple(c.x.shape),
+    shape = tuple(cast(torch.Tensor, c.x).shape)  # captured in step 2
+    return LayerChoice(c.node.name, str(c.node.target), type(c.float_module).__name__, shape,
                        c.predicted_s * 1e6, t.get("fp32"), t.get("int8"), t.get("q/dq"), chosen, reason)
 
 

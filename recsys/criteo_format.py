@@ -52,10 +52,10 @@ import lzma
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -253,8 +253,9 @@ def parse_line(line: str, table_size: int | Sequence[int]) -> tuple[list[float],
     return dense, sparse, label
 
 
-_MAGIC = [(b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bz2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open),
-          (b"PK\x03\x04", "zip", None), (b"\x28\xb5\x2f\xfd", "zstd", None)]
+_MAGIC: list[tuple[bytes, str, Callable[..., Any] | None]] = [  # opener(path, "rb") -> IO[bytes]
+    (b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bz2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open),
+    (b"PK\x03\x04", "zip", None), (b"\x28\xb5\x2f\xfd", "zstd", None)]
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError)
 """What a truncated or corrupt compressed file raises while it is read (gzip.BadGzipFile is an OSError)."""
 
@@ -285,7 +286,9 @@ def open_data(path: str | Path) -> IO[bytes]:
     return path.open("rb")
 
 
-def _records(path: Path, table_size: int) -> Iterator[tuple[int, tuple[list[float], list[int], float] | MalformedLine]]:
+def _records(
+    path: Path, table_size: int | Sequence[int]
+) -> Iterator[tuple[int, tuple[list[float], list[int], float] | MalformedLine]]:
     """``(line number, parsed line or MalformedLine)`` for every non-blank line of ``path``.
 
     Raises:

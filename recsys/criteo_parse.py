@@ -177,7 +177,8 @@ def parse_chunk(buf: bytes, select: Callable[[np.ndarray], np.ndarray] | None = 
     if clean is not None:
         count = len(clean[3])
         rows = np.arange(count) if select is None else np.flatnonzero(np.asarray(select(np.arange(count)), bool))
-        return ParsedChunk(*(x[rows] for x in clean), rows, count)
+        dense, values, present, labels = clean
+        return ParsedChunk(dense[rows], values[rows], present[rows], labels[rows], rows, count)
     return _parse_strict(buf, select, examples)
 
 

@@ -35,8 +35,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from recsys.criteo_format import (NUM_DENSE, NUM_SPARSE, READ_ERRORS, Batch, DataError, MalformedLine, ParseStats,
-                                  data_files, hash_ids, open_data, parse_fields, table_size_list)
+from recsys.criteo_format import (
+    NUM_DENSE,
+    NUM_SPARSE,
+    READ_ERRORS,
+    Batch,
+    DataError,
+    MalformedLine,
+    ParseStats,
+    data_files,
+    hash_ids,
+    open_data,
+    parse_fields,
+    table_size_list,
+)
 from recsys.criteo_parse import ParsedChunk, parse_chunk
 
 __all__ = ["CHUNK_BYTES", "iter_chunks", "line_owner", "own_files", "line_error", "count_chunk", "read_rows",
@@ -137,9 +149,9 @@ def read_rows(files: Sequence[Path], sizes: Sequence[int], stats: ParseStats, *,
     total = 0
     name_files = len(files) > 1
     for f, path in own_files(files, rank, world_size, split):
-        for buf, first in iter_chunks(path, chunk_bytes):
-            owner_of = lambda idx: line_owner(f, len(files), world_size, every, first + idx)  # noqa: E731
-            parsed = parse_chunk(buf, None if count_all else (lambda idx: owner_of(idx) == want))
+        for buf, first in iter_chunks(path, chunk_bytes):  # B023: each lambda is used in its own iteration only
+            owner_of = lambda idx: line_owner(f, len(files), world_size, every, first + idx)  # noqa: E731, B023
+            parsed = parse_chunk(buf, None if count_all else (lambda idx: owner_of(idx) == want))  # noqa: B023
             count_chunk(stats, parsed, buf, first, path.name if name_files else "")
             take = owner_of(parsed.lines) == want
             if max_rows is not None:

@@ -119,7 +119,7 @@ class CriteoStream:
                  chunk_bytes: int = CHUNK_BYTES, on_chunk: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.dataset = _TrainChunks(files, sizes, rank, world_size, every, chunk_bytes)
         self.workers, self.rows_per_epoch, self.on_chunk = workers, rows_per_epoch, on_chunk
-        self.lines, self.rows, self.parse_seconds, self.malformed = 0, 0, 0.0, Counter()
+        self.lines, self.rows, self.parse_seconds, self.malformed = 0, 0, 0.0, Counter[str]()
         self._loaders: list[Any] = []
         self._started = time.perf_counter()
 

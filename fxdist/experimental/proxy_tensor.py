@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -118,7 +118,7 @@ class _DispatchTracer(TorchDispatchMode):
         name = f"{prefix}{self._constant_count[prefix]}"
         self._constant_count[prefix] += 1
         if is_param:
-            self.root.register_parameter(name, t)
+            self.root.register_parameter(name, cast(torch.nn.Parameter, t))
         else:
             self.root.register_buffer(name, t)
         node = self.graph.get_attr(name)

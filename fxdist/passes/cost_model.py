@@ -27,7 +27,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -235,22 +235,21 @@ def node_flops(node: Node, modules: dict[str, torch.nn.Module]) -> int:
     if node.op in ("placeholder", "get_attr", "output"):
         return 0
     if node.op == "call_module":
-        flops = _module_flops(modules[node.target], node)
+        flops = _module_flops(modules[cast(str, node.target)], node)
         if flops is not None:
             return flops
     name = _target_name(node)
-    shapes = [_shape(a) for a in node.args[:2]]
-    if (node.target in _MATMULS or name in ("matmul", "mm", "bmm")) and None not in shapes and len(shapes) == 2:
+    shapes = [s for s in (_shape(a) for a in node.args[:2]) if s is not None]  # 2: both args' shapes known
+    if (node.target in _MATMULS or name in ("matmul", "mm", "bmm")) and len(shapes) == 2:
         return _matmul_flops(shapes[0], shapes[1])
-    if name in ("linear",) and None not in shapes and len(shapes) == 2:
+    if name in ("linear",) and len(shapes) == 2:
         return 2 * math.prod(shapes[0][:-1]) * shapes[1][0] * shapes[1][1]
     if name in ("addmm", "baddbmm") and len(node.args) >= 3:
         a, b = _shape(node.args[1]), _shape(node.args[2])
         return _matmul_flops(a, b) if a and b else 0
-    if name.startswith("conv") and len(node.args) >= 2 and _shape(node.args[1]) and _shape(node.args[0]):
+    if name.startswith("conv") and len(node.args) >= 2 and (w := _shape(node.args[1])) and (x := _shape(node.args[0])):
         out = _metas(node.meta.get("tensor_meta"))
-        return _conv_flops(tuple(out[0].shape), _shape(node.args[1]), "transpose" in name,
-                           _shape(node.args[0])) if out else 0
+        return _conv_flops(tuple(out[0].shape), w, "transpose" in name, x) if out else 0
     per_element = _ELEMENTWISE_FLOPS.get(name.rstrip("_") if name not in _ELEMENTWISE_FLOPS else name, 0)
     return per_element * _numel(node.meta.get("tensor_meta"))
 
@@ -269,7 +268,7 @@ def _node_cost(node: Node, modules: dict[str, torch.nn.Module], profile: Hardwar
     flops = node_flops(node, modules)
     param_bytes = 0
     if node.op == "call_module":
-        module = modules[node.target]
+        module = modules[cast(str, node.target)]
         param_bytes = sum(t.numel() * t.element_size()
                           for t in list(module.parameters()) + list(module.buffers()))
     reads = sum(_bytes(n) for n in node.all_input_nodes) + param_bytes

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pydot
 import torch
@@ -111,7 +111,7 @@ class FxGraphDrawer:
         for node in graph_module.graph.nodes:
             if node.op != "call_module":
                 continue
-            submodule = graph_module.get_submodule(node.target)
+            submodule = graph_module.get_submodule(cast(str, node.target))
             if isinstance(submodule, GraphModule):
                 self._dot_graphs[f"{name}_{node.target}"] = self._to_dot(submodule, f"{name}_{node.target}")
 
@@ -156,7 +156,7 @@ class FxGraphDrawer:
                 f"cannot render {path.name} as {fmt}: Graphviz's `dot` binary is not on PATH. "
                 "Install it (Debian: `apt-get install graphviz`), or write the dot source with format='dot'."
             )
-        path.write_bytes(dot.create(format=fmt))
+        path.write_bytes(dot.create(format=fmt))  # type: ignore[arg-type]  # pydot says str; it returns bytes
         return path
 
     # -- building -----------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class FxGraphDrawer:
     def _label(self, graph_module: GraphModule, node: Node) -> str:
         rows = [f"name=%{node.name}", f"op_code={node.op}"]
         if node.op == "call_module":
-            rows.append(f"target={_typename(graph_module.get_submodule(node.target))}")
+            rows.append(f"target={_typename(graph_module.get_submodule(cast(str, node.target)))}")
         else:
             rows.append(f"target={_typename(node.target)}")
         if node.args:
@@ -206,7 +206,8 @@ class FxGraphDrawer:
 
     def _format_args(self, value: Any) -> str:
         if isinstance(value, Node):
-            return f"%{value.name}" if self._skip_node_names else value.format_node()
+            # format_node() returns None only when given placeholder_names
+            return f"%{value.name}" if self._skip_node_names else cast(str, value.format_node())
         if isinstance(value, dict):
             return "{" + ", ".join(f"{k}: {self._format_args(v)}" for k, v in value.items()) + "}"
         if isinstance(value, (list, tuple)):
@@ -215,7 +216,7 @@ class FxGraphDrawer:
         return repr(value)
 
     def _add_module_state(self, dot: pydot.Dot, graph_module: GraphModule, node: Node) -> None:
-        module = graph_module.get_submodule(node.target)
+        module = graph_module.get_submodule(cast(str, node.target))
         tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
         for pname, tensor in tensors:
             kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "buffer"

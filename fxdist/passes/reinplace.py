@@ -69,9 +69,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -163,7 +163,7 @@ def reinplace(gm: GraphModule, *sample_args: Any, reuse_overwritten_inputs: bool
         from fxdist.interop import as_fxdist, write_back
 
         result = reinplace(as_fxdist(gm), *sample_args, reuse_overwritten_inputs=reuse_overwritten_inputs)
-        write_back(gm, result)
+        write_back(cast(Any, gm), result)  # a torch.fx GraphModule: only interop names torch.fx
         return result
     state = _propagate_fake_metadata(gm, sample_args)
     state.reuse_overwritten_inputs = reuse_overwritten_inputs
@@ -219,22 +219,22 @@ def _view_kind(target: Any) -> str | None:
     return "multi" if "*" in alias.after_set else "single"
 
 
-def _run_node(gm: GraphModule, node: Node, env: dict[Node, Any], inputs: Iterable[Any], mode: FakeTensorMode) -> Any:
+def _run_node(gm: GraphModule, node: Node, env: dict[Node, Any], inputs: Iterator[Any], mode: FakeTensorMode) -> Any:
     args = map_arg(node.args, env.__getitem__)
     kwargs = map_arg(node.kwargs, env.__getitem__)
     if node.op == "placeholder":
         return next(inputs)
     if node.op == "get_attr":
         value = gm
-        for part in node.target.split("."):
+        for part in cast(str, node.target).split("."):
             value = getattr(value, part)
         return mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
     if node.op == "call_function":
-        return node.target(*args, **kwargs)
+        return cast(Callable[..., Any], node.target)(*args, **kwargs)
     if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return getattr(args[0], cast(str, node.target))(*args[1:], **kwargs)
     if node.op == "call_module":
-        return gm.get_submodule(node.target)(*args, **kwargs)
+        return gm.get_submodule(cast(str, node.target))(*args, **kwargs)
     return None
 
 
@@ -262,9 +262,9 @@ def _propagate_fake_metadata(gm: GraphModule, sample_args: tuple[Any, ...]) -> _
             if kind == "single":
                 node.meta["view_of"] = node.args[0]
             elif kind == "multi":
-                multi_views[node] = node.args[0]
+                multi_views[node] = cast(Node, node.args[0])
             elif node.target is operator.getitem and node.args[0] in multi_views:
-                node.meta["view_of"] = multi_views[node.args[0]]
+                node.meta["view_of"] = multi_views[cast(Node, node.args[0])]
     for node in gm.graph.nodes:
         for leaf in pytree.tree_leaves(node.meta.get("fake_result")):
             if isinstance(leaf, torch.Tensor):
@@ -280,7 +280,7 @@ def _reinplace_node(gm: GraphModule, node: Node, state: _AliasState, redundant: 
     """Try steps 1-4 on ``node``; record scatters made redundant in ``redundant``. True if rewritten."""
     if not _is_candidate(node):
         return False
-    self_arg = node.args[0]
+    self_arg = cast(Node, node.args[0])  # _is_candidate checked it
     ok, to_copy = _check_self_metadata(node, self_arg)  # (1a)
     if not ok or _aliases_other_argument(node, self_arg, state):  # (1c)
         return False
@@ -333,13 +333,15 @@ def _check_self_metadata(node: Node, self_arg: Node) -> tuple[bool, Node | None]
 
 def _comparison_cast_back(node: Node, self_val: torch.Tensor) -> Node | None:
     """Match ``a_1 = ge(a, b); a_2 = _to_copy(a_1, dtype=a.dtype)`` (a_1 used only there)."""
-    if node.target.overloadpacket not in _COMPARISONS or len(node.users) != 1:
+    if cast(_OpOverload, node.target).overloadpacket not in _COMPARISONS or len(node.users) != 1:
         return None
     (user,) = node.users
     if user.target is not _aten._to_copy.default or user.args != (node,):
         return None
     val = user.meta.get("fake_result")
-    ok = isinstance(val, torch.Tensor) and val.dtype == self_val.dtype and val.shape == self_val.shape
+    if not isinstance(val, torch.Tensor):
+        return None
+    ok = val.dtype == self_val.dtype and val.shape == self_val.shape
     ok = ok and val.device == self_val.device and set(user.kwargs) <= {"dtype", "layout", "device"}
     return user if ok and user.kwargs.get("layout", torch.strided) == torch.strided else None
 
@@ -354,7 +356,7 @@ def _reuse_overwritten_input(node: Node, x: Node, state: _AliasState, redundant:
     """Step 1b's future optimization: ``b = foo(x); ...; copy_(x, b)`` -> ``foo_(x); ...`` (x an input)."""
     copy = _later_overwrite_with(node, x, state)
     inplace = _inplace_variant(node.target) if copy is not None else None
-    if inplace is None:
+    if copy is None or inplace is None:
         return False
     node.target = inplace
     _rewire_later_uses(node, [node], x, state)  # copy_(x, b) is now copy_(x, x): a no-op
@@ -378,7 +380,7 @@ def _later_overwrite_with(node: Node, x: Node, state: _AliasState) -> Node | Non
     return writes[0] if not (_later_uses(aliases, idx) - set(writes)) else None
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
+def _extent(t: torch.Tensor) -> tuple[int | torch.SymInt, int | torch.SymInt]:
     """Half-open element range ``[lo, hi)`` of the storage that ``t`` may touch."""
     lo = t.storage_offset()
     if t.numel() == 0:
@@ -392,7 +394,7 @@ def _element_offsets(t: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros((), dtype=torch.long)
     for size, stride in zip(t.shape, t.stride()):
         offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
-    return offsets.reshape(-1) + t.storage_offset()
+    return cast(torch.Tensor, offsets.reshape(-1) + t.storage_offset())
 
 
 def _memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -427,7 +429,7 @@ def _overlap_is_elementwise_safe(node: Node, self_val: torch.Tensor, other_val: 
     """A pointwise op (or copy) may write ``a`` in place while reading ``other`` if every shared element
     sits at the same index in both: each output element then reads only itself. ``y[:, 0] += 1``
     functionalizes to ``copy(select(s, 1, 0), select(s, 1, 0))``, the simplest such case."""
-    pointwise = node.target is _aten.copy.default or torch.Tag.pointwise in node.target.tags
+    pointwise = node.target is _aten.copy.default or torch.Tag.pointwise in cast(_OpOverload, node.target).tags
     if not pointwise or self_val.shape != other_val.shape:
         return False
     if _same_layout(self_val, other_val):
@@ -496,7 +498,7 @@ def _view_inverse_uses(later: set[Node], aliases: set[Node], node: Node, self_ar
             continue
         if any(isinstance(a, Node) and a in aliases for a in pytree.tree_leaves((user.args[1:], user.kwargs))):
             continue
-        base_val = user.args[0].meta.get("fake_result")
+        base_val = cast(Node, user.args[0]).meta.get("fake_result")
         for alias in [self_arg] if user.args[1] is node else aliases:
             origin = alias.meta.get("view_of")
             if origin is None or not isinstance(base_val, torch.Tensor):
@@ -516,6 +518,7 @@ def _view_inverse_uses(later: set[Node], aliases: set[Node], node: Node, self_ar
 def _scatter_to_view_copy(gm: GraphModule, node: Node, state: _AliasState) -> Node:
     """Step 3a: insert ``v = {view}(a, args...); copy_(v, src)`` before the scatter node."""
     base, src, *rest = node.args
+    base = cast(Node, base)
     view_op = _VIEW_INVERSE[node.target]
     with gm.graph.inserting_before(node):
         view = gm.graph.create_node("call_function", view_op, (base, *rest), dict(node.kwargs))
@@ -559,16 +562,21 @@ def _rewire_later_uses(node: Node, olds: list[Node], self_arg: Node, state: _Ali
     idx = node.meta["node_idx"]
     state.fuse(self_arg, node)
     for old in olds:
-        new = self_arg if old.target is _aten._to_copy.default else old.args[0]
+        new = self_arg if old.target is _aten._to_copy.default else cast(Node, old.args[0])
         state.fuse(new, old)
+        swap = _swap(old, new)
         for user in list(old.users):
             user_idx = user.meta.get("node_idx")
             if user_idx is None or user_idx <= idx:
                 continue
-            user.args = map_arg(user.args, lambda a: new if a is old else a)
-            user.kwargs = map_arg(user.kwargs, lambda a: new if a is old else a)
+            user.args = map_arg(user.args, swap)
+            user.kwargs = map_arg(user.kwargs, swap)
             if _storage(user) is not None and _storage(user) == _storage(old):
                 state.fuse(new, user)
+
+
+def _swap(old: Node, new: Node) -> Callable[[Node], Node]:
+    return lambda a: new if a is old else a
 
 
 # ---- step 5 ------------------------------------------------------------------------------------
@@ -576,6 +584,6 @@ def _erase_redundant(gm: GraphModule, redundant: dict[Node, bool], state: _Alias
     """Step 5: erase the redundant scatters (and cast-backs), keeping any write not done in place."""
     for node, check_write in sorted(redundant.items(), key=lambda item: item[0].meta["node_idx"]):
         src = node.args[1] if check_write else None
-        if isinstance(src, Node) and src not in state.aliases(node.args[0]):
+        if isinstance(src, Node) and src not in state.aliases(cast(Node, node.args[0])):
             _scatter_to_view_copy(gm, node, state)  # the source was not written in place: keep the write
         gm.graph.erase_node(node)

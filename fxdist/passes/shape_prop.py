@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -170,7 +170,7 @@ class ShapeProp(Interpreter):
         else:
             from fxdist.interop import run_with_unbacked_bindings
 
-            self.module = self.fake_module
+            self.module = cast(GraphModule, self.fake_module)  # set with fake_mode
             try:
                 run = super().run_node
                 with self.fake_mode:

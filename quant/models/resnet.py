@@ -42,6 +42,7 @@ def resnet50(**config: Any) -> ResNetLogits:
     model = ResNetForImageClassification(ResNetConfig(**config))
     for m in model.modules():  # non-trivial BatchNorm statistics, so folding is really tested
         if isinstance(m, nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None  # track_running_stats=True
             m.running_mean.uniform_(-0.1, 0.1)
             m.running_var.uniform_(0.5, 1.5)
             m.weight.data.uniform_(0.5, 1.5)
@@ -53,7 +54,7 @@ def _leaf_tracer(base: type) -> type:
     """A subclass of ``base`` (an FX ``Tracer`` class) that keeps ``ResNetEmbeddings`` as a leaf."""
     from transformers.models.resnet.modeling_resnet import ResNetEmbeddings
 
-    class ResNetTracer(base):  # type: ignore[misc, valid-type]
+    class ResNetTracer(base):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
             return isinstance(m, ResNetEmbeddings) or super().is_leaf_module(m, qualname)
 
@@ -74,7 +75,7 @@ def trace_resnet(model: nn.Module, *, fx: Any = None) -> Any:
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def fold_leaf_stem(gm: nn.Module) -> int:
+def fold_leaf_stem(gm: Any) -> int:
     """Fold the conv + BN inside every leaf ``ResNetConvLayer``-style module (``.convolution`` + ``.normalization``)
     that the graph cannot see into (the embeddings' stem). Returns how many were folded.
 

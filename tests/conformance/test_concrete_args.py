@@ -15,9 +15,9 @@ from torch.fx._symbolic_trace import PH as TORCH_PH
 from torch.fx._symbolic_trace import PHWithMeta as TorchPHWithMeta
 
 import fxdist as fx
+from fxdist.node import Node
 from fxdist.tracer import PH, PHBase, PHWithMeta
 from tests._differential import _structure, assert_outputs_close, compare_graphs
-from fxdist.node import Node
 
 
 def weighted(x, d):

@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx
 import torch.fx._symbolic_trace as fx_symbolic_trace
-import pytest
 from torch import nn
 
 import fxdist as fx

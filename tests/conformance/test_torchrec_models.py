@@ -22,14 +22,17 @@ from tests._differential import assert_outputs_close, assert_same_as_torch_fx, c
 torchrec = pytest.importorskip("torchrec")
 
 from torchrec.datasets.utils import Batch  # noqa: E402
-from torchrec.models.deepfm import SimpleDeepFMNN  # noqa: E402
 from torchrec.distributed.test_utils.test_model import ModelInput  # noqa: E402
-from torchrec.models.deepfm import SimpleDeepFMNNWrapper  # noqa: E402
+from torchrec.models.deepfm import SimpleDeepFMNN, SimpleDeepFMNNWrapper  # noqa: E402
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain, DLRMWrapper  # noqa: E402
 from torchrec.models.experimental.transformerdlrm import DLRM_Transformer  # noqa: E402
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig  # noqa: E402
 from torchrec.modules.embedding_modules import (  # noqa: E402
-    EmbeddingBagCollection, EmbeddingCollection, process_pooled_embeddings, reorder_inverse_indices)
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    process_pooled_embeddings,
+    reorder_inverse_indices,
+)
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor  # noqa: E402
 
 FEATURES = ["f0", "f1", "f2"]

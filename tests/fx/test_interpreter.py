@@ -273,7 +273,7 @@ def test_random_programs_interpret_like_generated_code():
 
 def test_star_args_placeholder_takes_the_remaining_inputs():
     graph = fx.Graph()
-    first, rest = graph.placeholder("x"), graph.placeholder("*args")
+    _first, rest = graph.placeholder("x"), graph.placeholder("*args")
     graph.output(graph.call_function(torch.stack, (rest,)))
     assert rest.target == "*args"
     out = fx.Interpreter(torch.nn.Module(), graph=graph).run(torch.zeros(2), torch.ones(2), torch.ones(2) * 2)

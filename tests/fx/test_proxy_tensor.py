@@ -7,8 +7,8 @@ import operator
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
 from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
 from torch.utils import _pytree as pytree
 
 import fxdist

@@ -359,7 +359,8 @@ def test_replacement_callback_builds_the_replacement_per_match():
 
 
 def test_matcher_importable_where_torch_fx_has_it():
-    from fxdist.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher as Matcher
+    from fxdist.passes.utils.matcher_utils import InternalMatch
+    from fxdist.passes.utils.matcher_utils import SubgraphMatcher as Matcher
 
     matches = Matcher(fx.symbolic_trace(add).graph).match(fx.symbolic_trace(lambda x: (x + 1) * (x + 1)).graph)
     assert len(matches) == 2 and all(isinstance(m, InternalMatch) for m in matches)

@@ -139,7 +139,7 @@ def test_attribute_is_lazy_and_method_calls_skip_getattr():
     assert isinstance(attr, Attribute) and len(graph.nodes) == 1  # nothing recorded yet
     attr(1)
     assert [(n.op, n.target) for n in graph.nodes] == [("placeholder", "x"), ("call_method", "foo")]
-    x.shape.node  # forcing the node records getattr
+    _ = x.shape.node  # forcing the node records getattr
     assert [n.target for n in graph.nodes][-1] is getattr
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
 from torch.fx.passes.reinplace import reinplace as torch_reinplace
-from torch.func import functionalize
 from torch.utils import _pytree as pytree
 
 from fxdist.experimental.proxy_tensor import make_fx

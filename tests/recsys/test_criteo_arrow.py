@@ -12,11 +12,12 @@ import pytest
 
 pytest.importorskip("pyarrow.csv")
 
-from recsys.criteo_parse import parse_chunk  # noqa: E402
 from recsys.criteo_arrow import parse_clean_chunk  # noqa: E402
+from recsys.criteo_parse import parse_chunk  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 def _line(rng: random.Random, *, hex_len: tuple[int, int] = (8, 8)) -> str:

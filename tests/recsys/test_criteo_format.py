@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +22,6 @@ from recsys.criteo_format import (
     parse_line,
 )
 from recsys.criteo_shard import CriteoShard
-
 from tests.recsys._lines import SIZES
 from tests.recsys._lines import criteo_line as _line
 
