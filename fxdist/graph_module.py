@@ -322,6 +322,12 @@ class GraphModule(nn.Module):
 
     @graph.setter
     def graph(self, g: Graph) -> None:
+        """Set the graph (its ``owning_module`` becomes this module) and recompile ``forward``.
+
+        Raises:
+            TypeError: ``g`` is not an fxdist ``Graph`` (a torch.fx graph is converted with
+                ``fxdist.from_torch_fx``).
+        """
         if not isinstance(g, Graph):
             raise TypeError(f"GraphModule.graph must be an fxdist Graph, got {type(g).__name__} "
                             "(convert a torch.fx graph with fxdist.from_torch_fx)")
@@ -331,7 +337,11 @@ class GraphModule(nn.Module):
 
     @property
     def code(self) -> str:
-        """The Python source of the generated ``forward``."""
+        """The Python source of the generated ``forward``.
+
+        Raises:
+            RuntimeError: no code has been generated yet (no graph assigned, ``recompile`` not called).
+        """
         if not hasattr(self, "_code"):
             raise RuntimeError("GraphModule.code: no code has been generated yet; assign .graph or call recompile()")
         return self._code

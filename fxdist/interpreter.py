@@ -86,6 +86,9 @@ class Interpreter:
     Attributes:
         env: Node -> value computed so far in the current ``run``.
 
+    Raises:
+        TypeError: ``module`` has no ``.graph`` and no ``graph`` is given.
+
     Source: torch/fx/interpreter.py.
     """
 

@@ -162,6 +162,9 @@ class TracerBase:
         """Lower ``args``/``kwargs`` with :meth:`create_arg`, create the node, and wrap it.
 
         For ``placeholder`` nodes ``args`` holds the default value, if any.
+
+        Raises:
+            TypeError: an overridden :meth:`create_arg` did not map ``args`` to a tuple and ``kwargs`` to a dict.
         """
         args_ = self.create_arg(args)
         kwargs_ = self.create_arg(kwargs)
@@ -483,6 +486,9 @@ class ParameterProxy(Proxy):
     """A parameter's Proxy whose shape queries (``shape``, ``size()``, ``dim()``, ``ndim``,
     ``numel()``, ``nelement()``) answer from the real parameter, so shape checks on parameters
     don't count as dynamic control flow (``Tracer(param_shapes_constant=True)``).
+
+    Raises:
+        TypeError: ``param`` is not a ``torch.nn.Parameter``.
 
     Source: torch/fx/proxy.py ``ParameterProxy``.
     """

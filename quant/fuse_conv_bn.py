@@ -219,6 +219,11 @@ class FuseConvBn(PassBase):
     """Raise on a pair that cannot be folded (else skip it with a warning)."""
 
     def call(self, gm: Any) -> PassResult:
+        """Fold every foldable conv/linear + BatchNorm pair of ``gm`` in place (see the class docstring).
+
+        Raises:
+            FusionError: (``strict=True``) a pair cannot be folded; nothing was changed.
+        """
         modules = dict(gm.named_modules())
         matches = [m for n in list(gm.graph.nodes) if (m := match_conv_bn(gm, n, modules)) is not None]
         refusals = {id(m): why for m in matches if (why := _refusal(m, modules)) is not None}

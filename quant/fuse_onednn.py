@@ -116,6 +116,11 @@ class FuseConvPointwise(PassBase):
     """Positional inputs for shape recording (required)."""
 
     def call(self, gm: Any) -> PassResult:
+        """Rewrite the Conv2d (+ add) (+ ReLU) chains of ``gm`` in place (see the class docstring).
+
+        Raises:
+            ValueError: no ``example_inputs`` were given (the residual shapes cannot be checked).
+        """
         if not self.example_inputs:
             raise ValueError("fuse-conv-pointwise needs example_inputs to check residual shapes")
         from fxdist.passes.shape_prop import ShapeProp

@@ -51,7 +51,11 @@ class LayerError:
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB; ``inf`` when the tensors are equal. Shapes must match."""
+    """Signal-to-quantization-noise ratio in dB; ``inf`` when the tensors are equal. Shapes must match.
+
+    Raises:
+        ValueError: the shapes of ``reference`` and ``approx`` differ.
+    """
     if reference.shape != approx.shape:
         raise ValueError(f"sqnr: shapes differ, {tuple(reference.shape)} vs {tuple(approx.shape)}")
     ref = reference.detach().double()

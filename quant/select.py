@@ -76,6 +76,9 @@ def best_time(repeats: int = 5, min_block_seconds: float = 0.002, min_seconds: f
     The minimum, not the mean: other processes only ever add time (Python's ``timeit`` documentation), and
     the 2-core CI box is shared, so more blocks give more chances of an undisturbed one. One call runs first
     as a warm-up (weight packing, allocator).
+
+    Raises:
+        ValueError: ``repeats`` < 1, or a negative ``min_block_seconds`` / ``min_seconds``.
     """
     if repeats < 1 or min_block_seconds < 0 or min_seconds < 0:
         raise ValueError(f"best_time: repeats must be >= 1, min_block_seconds and min_seconds >= 0, got {repeats}, "

@@ -129,6 +129,11 @@ class FxGraphDrawer:
         return self._dot_graphs[self._name]
 
     def get_submod_dot_graph(self, submod_name: str) -> pydot.Dot:
+        """The drawing of the GraphModule submodule ``submod_name`` (drawn in its own cluster).
+
+        Raises:
+            KeyError: no GraphModule submodule of that name was drawn; the message lists those drawn.
+        """
         key = f"{self._name}_{submod_name}"
         if key not in self._dot_graphs:
             raise KeyError(f"no GraphModule submodule {submod_name!r}; drawn: {sorted(self._dot_graphs)}")

@@ -165,7 +165,10 @@ class PassManager:
     Note: output verification calls the module, so a module whose forward mutates state (BatchNorm in
     training mode) should be verified with ``verify_outputs=False`` or put in eval mode first.
 
-    Source: torch/fx/passes/infra/pass_manager.py; STYLE.md (PassManager duties).
+    Raises:
+        TypeError: an entry of ``passes`` is neither a ``PassBase`` nor a callable.
+
+    Source: torch/fx/passes/infra/pass_manager.py (PassManager).
     """
 
     def __init__(

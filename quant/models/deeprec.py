@@ -29,6 +29,9 @@ class DeepRecommender(nn.Module):
         n_items: width of the rating vector.
         hidden: encoder widths; the decoder mirrors them.
         dropout: dropout probability on the code layer (identity in eval mode).
+
+    Raises:
+        ValueError: ``n_items`` is not positive or ``hidden`` is empty.
     """
 
     def __init__(self, n_items: int, hidden: Sequence[int] = (512, 512, 1024), dropout: float = 0.8) -> None:
