@@ -35,7 +35,10 @@ def test_synthetic_200k_lines_with_8bit_server_rows(ray_session, tmp_path, capsy
     for phase in ("baseline", "optimized"):
         quality = results["phases"][phase]["quality"]
         assert quality["rows"] == 10_000 and quality["auc"] > 0.6, quality  # measured 0.736 (seed 3)
-        assert results["phases"][phase]["reader"]["lines_per_s"] > 0
+        reader = results["phases"][phase]["reader"]  # each trainer's capacity is its workers times their mean rate
+        assert reader["capacity_lines_per_s"] == pytest.approx(reader["lines_per_s"] * reader["workers"] * 2)
+        # the readers parsed at least the rows both trainers trained (120 steps of 256), from at least as many lines
+        assert reader["lines"] >= reader["rows"] >= 2 * 120 * 256, reader
     assert results["parity"]["ok"] and results["parity"]["identical_losses"]
     processes = results["processes"]  # peak RSS of every process, and what the server holds
     assert sorted(processes) == ["launcher", "ps0", "trainer0", "trainer1"]
