@@ -47,8 +47,8 @@ from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
 
-from .prefetch import add_prefetch
 from .async_pairs import AsyncPair, destination, pair_for, presplit_pair_for, trace_meta
+from .prefetch import add_prefetch
 from .timeline import format_timeline
 
 __all__ = ["async_rpc", "async_rpc_prefetch", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]

@@ -66,9 +66,9 @@ from fxdist.errors import location_of_stack_trace
 from fxdist.graph import Graph
 from fxdist.node import Node
 
+from .async_pairs import node_arg, trace_meta
 from .batch_replay import input_reason, replay_module
 from .ps import ops
-from .async_pairs import node_arg, trace_meta
 
 __all__ = ["add_prefetch", "lookahead", "PrefetchWarning"]
 
@@ -156,9 +156,9 @@ class _NextBatches:
         their ``ps_prefetch``: their only input is that batch (lookups that must follow a write keep their place)."""
         for site in sites:
             if node_arg(site.start, 2, "kjt") in self.replayed and not site.after:
-                self._add(lambda: site.start)
+                self._add(lambda: site.start)  # noqa: B023  (_add calls it at once, inside this iteration)
                 for user in [u for u in site.start.users if u.target is ops.ps_prefetch]:  # max_staleness: with it
-                    self._add(lambda: user)  # noqa: B023
+                    self._add(lambda: user)  # noqa: B023  (_add calls it at once, inside this iteration)
 
 
 def _erase_unused(graph: Graph, node: Node) -> None:

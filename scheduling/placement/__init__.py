@@ -81,16 +81,15 @@ from torch import nn
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
-
 from recsys.embedding import EmbeddingLeafTracer, is_embedding_module
 
-from . import conversions
-from .find import Candidate, NotMoved, call_arguments, find_embeddings
-from .table_groups import group_candidates, group_label, rewrite_group
-from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
+from ..async_pairs import trace_meta
 from ..ps import ops
 from ..ps.shard_plan import TableSpec, table_specs
-from ..async_pairs import trace_meta
+from . import conversions
+from .find import Candidate, NotMoved, call_arguments, find_embeddings
+from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
+from .table_groups import group_candidates, group_label, rewrite_group
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
            "table_state_dict", "load_table_state_dict", "client_names"]
@@ -179,7 +178,6 @@ def _make_clients(groups: list[list[Candidate]], tables: dict[str, list[tuple[Ta
 
     from ..ps.checks import check_kjt
     from ..ps.client import PSClient
-
     from ..ps.coalesce import PushBatcher
 
     rank, world_size, key = group

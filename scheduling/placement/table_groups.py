@@ -37,13 +37,12 @@ from typing import Any
 
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
-
-from . import conversions
 from recsys.embedding import embedding_kind
 
-from .find import Candidate, call_arguments, is_inplace
-from ..ps import ops
 from ..async_pairs import trace_meta
+from ..ps import ops
+from . import conversions
+from .find import Candidate, call_arguments, is_inplace
 
 __all__ = ["GROUPABLE", "group_candidates", "group_label", "rewrite_group"]
 

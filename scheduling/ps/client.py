@@ -22,11 +22,11 @@ import torch
 
 from recsys.quiet import rpc_init_warnings_filtered
 
+from . import pooling as _pooling
 from . import server as _srv
+from .client_options import GRAD_REDUCTIONS, ClientOptions  # noqa: F401  (GRAD_REDUCTIONS: re-exported)
 from .device import Lookup, to_host
 from .shard_plan import ShardSpec, TableSpec, plan_shards, table_specs
-from . import pooling as _pooling
-from .client_options import GRAD_REDUCTIONS, ClientOptions  # noqa: F401  (GRAD_REDUCTIONS: re-exported)
 from .transport import make_transport
 
 __all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer", "live_clients"]

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from .shard_plan import ShardSpec
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
+from .shard_plan import ShardSpec
 from .storage import RowStore, make_store
 
 __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch",

@@ -65,7 +65,9 @@ class TBEKernel:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
 
         adagrad = optimizer.name == "rowwise_adagrad"
         kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD if adagrad else EmbOptimType.EXACT_SGD
