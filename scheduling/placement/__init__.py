@@ -71,9 +71,9 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, TextIO
+from typing import Any, ClassVar, Literal, TextIO
 
 import torch
 from torch import nn
@@ -122,7 +122,8 @@ def _tables_of(c: Candidate) -> list[tuple[TableInfo, torch.Tensor]]:
     if c.kind == "ec":  # one-id bags, pooled by sum: the rows themselves
         return [(TableInfo(spec, c.qualname, f"{c.qualname}.embeddings.{spec.name}"), m.embeddings[spec.name].weight)
                 for spec in table_specs(m.embedding_configs())]
-    pooling = m.mode if c.kind == "bag" else "sum"
+    # a bag's mode is "sum" or "mean": mode="max" bags stay local (find._module_options)
+    pooling: Literal["sum", "mean"] = m.mode if c.kind == "bag" else "sum"
     spec = TableSpec(c.qualname, m.num_embeddings, m.embedding_dim, (c.qualname,), pooling)
     return [(TableInfo(spec, c.qualname, c.qualname), m.weight)]
 
@@ -221,6 +222,7 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     m = c.module
     if c.kind == "ebc":
         return args[0], lambda kt: kt
+    fn: Callable[..., Any]
     if c.kind == "ec":
         features = tuple(f for cfg in m.embedding_configs() for f in cfg.feature_names)
         names = tuple(n for names in m.embedding_names_by_table() for n in names)
