@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TextIO
+from typing import Any, ClassVar, TextIO, cast
 
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
@@ -87,7 +87,7 @@ def split_rpcs(graph: Graph, max_staleness: int | None = None) -> list[RPCSite]:
         if pair is None:
             pair = presplit_pair_for(node)
             if pair is not None:
-                start = node.args[0]
+                start = cast(Node, node.args[0])  # presplit_pair_for checked it is a Node
                 start.meta["async_rpc"] = node.meta["async_rpc"] = node.name
                 sites.append(RPCSite(len(sites), pair, start, node, destination(start, pair)))
             continue
