@@ -40,15 +40,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TextIO
+from typing import Any, ClassVar, TextIO, cast
 
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
 
-from .prefetch import add_prefetch
 from .async_pairs import AsyncPair, destination, pair_for, presplit_pair_for, trace_meta
+from .prefetch import add_prefetch
 from .timeline import format_timeline
 
 __all__ = ["async_rpc", "async_rpc_prefetch", "AsyncRPC", "RPCSite", "split_rpcs", "order_constraints", "hoist_starts", "sink_waits"]
@@ -87,7 +87,7 @@ def split_rpcs(graph: Graph, max_staleness: int | None = None) -> list[RPCSite]:
         if pair is None:
             pair = presplit_pair_for(node)
             if pair is not None:
-                start = node.args[0]
+                start = cast(Node, node.args[0])  # presplit_pair_for checked it is a Node
                 start.meta["async_rpc"] = node.meta["async_rpc"] = node.name
                 sites.append(RPCSite(len(sites), pair, start, node, destination(start, pair)))
             continue

@@ -60,15 +60,16 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fxdist.errors import location_of_stack_trace
 from fxdist.graph import Graph
+from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 
+from .async_pairs import node_arg, trace_meta
 from .batch_replay import input_reason, replay_module
 from .ps import ops
-from .async_pairs import node_arg, trace_meta
 
 __all__ = ["add_prefetch", "lookahead", "PrefetchWarning"]
 
@@ -134,7 +135,7 @@ class _NextBatches:
         return node
 
     def _replay(self, batch: Node, lookup: str) -> Node:
-        graph, root = self.graph, self.graph.owning_module
+        graph, root = self.graph, cast(GraphModule, self.graph.owning_module)  # the pass runs on a GraphModule
         module, inputs = replay_module(batch, lookup)
         name, count = f"prefetch_{batch.name}", 1
         while hasattr(root, name):
@@ -156,9 +157,9 @@ class _NextBatches:
         their ``ps_prefetch``: their only input is that batch (lookups that must follow a write keep their place)."""
         for site in sites:
             if node_arg(site.start, 2, "kjt") in self.replayed and not site.after:
-                self._add(lambda: site.start)
+                self._add(lambda: site.start)  # noqa: B023  (_add calls it at once, inside this iteration)
                 for user in [u for u in site.start.users if u.target is ops.ps_prefetch]:  # max_staleness: with it
-                    self._add(lambda: user)  # noqa: B023
+                    self._add(lambda: user)  # noqa: B023  (_add calls it at once, inside this iteration)
 
 
 def _erase_unused(graph: Graph, node: Node) -> None:
@@ -217,7 +218,7 @@ def _warn(graph: Graph, skipped: dict[tuple[str, str], dict[str, list[int]]], na
         what = names.get(client, f"client '{client}'")
         why = "; ".join(f"{r} (server{'s' * (len(s) > 1)} {', '.join(map(str, s))})" for r, s in reasons.items())
         whys[client] = f"{whys[client]}; {why}" if client in whys else why
-        where = _source(graph, (served.get(client) or [None])[0], lookups[client][0])
+        where = _source(graph, next(iter(served.get(client) or []), None), lookups[client][0])
         messages.append(f"async_rpc_prefetch: the lookup of {what} ({f'at {where}' if where else f'batch %{batch}'}) "
                         f"is not prefetched: {why}; it keeps the in-step schedule")
         warnings.warn(messages[-1], PrefetchWarning, stacklevel=4)

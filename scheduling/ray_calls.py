@@ -115,7 +115,8 @@ class RayTracer(Tracer):
             # the global is fxdist.wrap's recording stand-in while tracing: one node targeting ray_remote
             return ray_remote(method._actor, method._method_name, *args, **kwargs)
 
-        ActorMethod.remote = remote  # type: ignore[method-assign]
+        # patched for the trace (restored below); ray types remote's first parameter as self, a plain function here
+        ActorMethod.remote = remote  # type: ignore[method-assign, assignment]
         try:
             return super().trace(root, concrete_args)
         finally:

@@ -71,9 +71,9 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, TextIO
+from typing import Any, ClassVar, Literal, TextIO
 
 import torch
 from torch import nn
@@ -81,16 +81,15 @@ from torch import nn
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 from fxdist.passes.pass_base import PassBase, PassResult
-
 from recsys.embedding import EmbeddingLeafTracer, is_embedding_module
 
-from . import conversions
-from .find import Candidate, NotMoved, call_arguments, find_embeddings
-from .table_groups import group_candidates, group_label, rewrite_group
-from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
+from ..async_pairs import trace_meta
 from ..ps import ops
 from ..ps.shard_plan import TableSpec, table_specs
-from ..async_pairs import trace_meta
+from . import conversions
+from .find import Candidate, NotMoved, call_arguments, find_embeddings
+from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
+from .table_groups import group_candidates, group_label, rewrite_group
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
            "table_state_dict", "load_table_state_dict", "client_names"]
@@ -123,7 +122,8 @@ def _tables_of(c: Candidate) -> list[tuple[TableInfo, torch.Tensor]]:
     if c.kind == "ec":  # one-id bags, pooled by sum: the rows themselves
         return [(TableInfo(spec, c.qualname, f"{c.qualname}.embeddings.{spec.name}"), m.embeddings[spec.name].weight)
                 for spec in table_specs(m.embedding_configs())]
-    pooling = m.mode if c.kind == "bag" else "sum"
+    # a bag's mode is "sum" or "mean": mode="max" bags stay local (find._module_options)
+    pooling: Literal["sum", "mean"] = m.mode if c.kind == "bag" else "sum"
     spec = TableSpec(c.qualname, m.num_embeddings, m.embedding_dim, (c.qualname,), pooling)
     return [(TableInfo(spec, c.qualname, c.qualname), m.weight)]
 
@@ -179,7 +179,6 @@ def _make_clients(groups: list[list[Candidate]], tables: dict[str, list[tuple[Ta
 
     from ..ps.checks import check_kjt
     from ..ps.client import PSClient
-
     from ..ps.coalesce import PushBatcher
 
     rank, world_size, key = group
@@ -223,6 +222,7 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     m = c.module
     if c.kind == "ebc":
         return args[0], lambda kt: kt
+    fn: Callable[..., Any]
     if c.kind == "ec":
         features = tuple(f for cfg in m.embedding_configs() for f in cfg.feature_names)
         names = tuple(n for names in m.embedding_names_by_table() for n in names)

@@ -25,7 +25,7 @@ Source: ``torch.nn.functional.embedding_bag`` (input/offsets conventions, ``padd
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -286,7 +286,8 @@ def group_to_kjt(features: tuple[str, ...], members: tuple, *tensors: Any) -> An
         kjts = [_drop_padding(v.long(), n, w, m[-1]) for (v, n, w), m in zip(parts, members)]
         width = max(n.numel() for _, n, _ in kjts)
         lengths = torch.cat([torch.nn.functional.pad(n, (0, width - n.numel())) for _, n, _ in kjts])
-        weights = torch.cat([w for _, _, w in kjts]) if weighted else None
+        # weighted: every part has weights (ones filled in above)
+        weights = torch.cat([cast(torch.Tensor, w) for _, _, w in kjts]) if weighted else None
         return KeyedJaggedTensor(keys=list(features), values=torch.cat([v for v, _, _ in kjts]),
                                  lengths=lengths.int(), weights=weights)
 

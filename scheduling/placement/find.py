@@ -34,8 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxdist.graph_module import GraphModule
 from fxdist.node import Node
 from recsys.embedding import embedding_kind
+
+EmbeddingModule = Any
+"""An embedding module: torchrec's ``EmbeddingBagCollection`` / ``EmbeddingCollection`` (untyped) or
+``nn.EmbeddingBag`` / ``nn.Embedding``; which attributes it has depends on its kind (``Candidate.kind``)."""
 
 __all__ = ["Candidate", "NotMoved", "find_embeddings", "inplace_user", "is_inplace", "call_arguments"]
 
@@ -46,7 +51,7 @@ class Candidate:
 
     qualname: str
     """Its path in the traced module."""
-    module: nn.Module
+    module: EmbeddingModule
     """The module."""
     kind: str
     """See :func:`recsys.embedding.embedding_kind`."""
@@ -117,7 +122,7 @@ def call_arguments(m: nn.Module, node: Node) -> list[Any]:
     return list(bound.arguments.values())
 
 
-def _weights(kind: str, m: nn.Module) -> list[torch.Tensor]:
+def _weights(kind: str, m: EmbeddingModule) -> list[torch.Tensor]:
     if kind == "ebc":
         return [m.embedding_bags[c.name].weight for c in m.embedding_bag_configs()]
     if kind == "ec":
@@ -125,7 +130,7 @@ def _weights(kind: str, m: nn.Module) -> list[torch.Tensor]:
     return [m.weight]
 
 
-def _module_options(kind: str, m: nn.Module) -> str | None:
+def _module_options(kind: str, m: EmbeddingModule) -> str | None:
     if kind == "bag" and m.mode == "max":
         return "mode='max' pooling: the parameter servers pool by sum or mean"
     if kind in ("bag", "embedding") and m.max_norm is not None:
@@ -140,7 +145,7 @@ def _module_options(kind: str, m: nn.Module) -> str | None:
     return None
 
 
-def _tables(kind: str, m: nn.Module) -> str | None:
+def _tables(kind: str, m: EmbeddingModule) -> str | None:
     weights = _weights(kind, m)
     for w in weights:  # meta weights are fine: the servers initialise those tables (parameter_servers' seed)
         if w.dtype != torch.float32:
@@ -157,7 +162,7 @@ def _tables(kind: str, m: nn.Module) -> str | None:
     return None
 
 
-def _shared(qualname: str, m: nn.Module, nodes: list[Node], gm: nn.Module) -> str | None:
+def _shared(qualname: str, m: nn.Module, nodes: list[Node], gm: GraphModule) -> str | None:
     mine = {id(p) for p in m.parameters()}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and str(node.target).startswith(qualname + "."):

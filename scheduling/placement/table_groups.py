@@ -33,17 +33,16 @@ one lookup); torch.fx paper §6.2.3 (move a start as early as its inputs allow).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from fxdist.graph_module import GraphModule
 from fxdist.node import Node
-
-from . import conversions
 from recsys.embedding import embedding_kind
 
-from .find import Candidate, call_arguments, is_inplace
-from ..ps import ops
 from ..async_pairs import trace_meta
+from ..ps import ops
+from . import conversions
+from .find import Candidate, call_arguments, is_inplace
 
 __all__ = ["GROUPABLE", "group_candidates", "group_label", "rewrite_group"]
 
@@ -119,7 +118,7 @@ def _move_chain(members: list[Candidate]) -> None:
     """Move the nodes every member's ids come from above the group's first call (graph order kept)."""
     first = members[0].nodes[0]
     graph = first.graph
-    modules = dict(graph.owning_module.named_modules())
+    modules = dict(cast(Any, graph.owning_module).named_modules())  # a traced GraphModule's graph: owned
     for c in members[1:]:
         pos = {n: i for i, n in enumerate(graph.nodes)}
         chain = _chain(first, c.nodes[0], pos, modules)
@@ -167,7 +166,7 @@ def rewrite_group(gm: GraphModule, members: list[Candidate], client: Any, traina
     start = 0
     for c, (_, args) in zip(members, described):
         node, dim = c.nodes[0], c.module.embedding_dim
-        extra = {"embedding": True} if c.kind == "embedding" else {
+        extra: dict[str, Any] = {"embedding": True} if c.kind == "embedding" else {
             "offsets": args[1], "include_last_offset": c.module.include_last_offset}
         with graph.inserting_before(node):
             out = graph.call_function(conversions.group_output, (pooled, start, start + dim, args[0]), extra)

@@ -22,11 +22,11 @@ import torch
 
 from recsys.quiet import rpc_init_warnings_filtered
 
+from . import pooling as _pooling
 from . import server as _srv
+from .client_options import GRAD_REDUCTIONS, ClientOptions  # noqa: F401  (GRAD_REDUCTIONS: re-exported)
 from .device import Lookup, to_host
 from .shard_plan import ShardSpec, TableSpec, plan_shards, table_specs
-from . import pooling as _pooling
-from .client_options import GRAD_REDUCTIONS, ClientOptions  # noqa: F401  (GRAD_REDUCTIONS: re-exported)
 from .transport import make_transport
 
 __all__ = ["PSClient", "PSUnavailableError", "get_client", "init_trainer", "live_clients"]
@@ -317,8 +317,9 @@ class PSClient:
             return early[1]
         self._drop_prefetch(server)
         self.drain(server, 0 if max_staleness is None else max_staleness)
+        # a Lookup is waited like a Future (scheduling.ps.device.Lookup)
         return self._lookup(self._call_async(server, "lookup", (self.name, self._wire(kjt), self.compress),
-                                             "lookup", ordered=True), kjt)
+                                             "lookup", ordered=True), kjt)  # type: ignore[return-value]
 
     def _drop_prefetch(self, server: int) -> None:
         """Wait and drop an unused prefetched lookup (of another batch), so its errors surface."""
@@ -395,7 +396,8 @@ class PSClient:
         both = self._call_async(server, "push_lookup",
                                 (self.name, self._wire(kjt), grad, self._wire(next_kjt), self.compress), "push", ordered=True,
                                 push=True)
-        self._prefetched[server] = (next_kjt, self._lookup(both, next_kjt, index=1))
+        # a Lookup is waited like a Future (scheduling.ps.device.Lookup)
+        self._prefetched[server] = (next_kjt, self._lookup(both, next_kjt, index=1))  # type: ignore[assignment]
         return _Part(both, 0)  # type: ignore[return-value]
 
     def finish_push(self, fut: torch.futures.Future, server: int) -> int:
@@ -410,7 +412,7 @@ class PSClient:
         """Wait for a push, unless it also carries the next step's lookup (``push_async(next_kjt=...)``):
         then leave it in flight (:meth:`defer_push`) until that lookup is fetched, and return None."""
         if isinstance(fut, _Part):
-            self.defer_push(server, fut)  # type: ignore[arg-type]
+            self.defer_push(server, fut)
             return None
         return self.finish_push(fut, server)
 

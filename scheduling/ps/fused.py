@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,8 @@ class FusedTables:
         self.base = torch.tensor([offset[spec.key] for spec, _ in self.layout])
         self.weight = torch.cat([weights[k] for k in self.shard_keys])
         has_state = all(states[k] is not None for k in self.shard_keys)
-        self.state = torch.cat([states[k] for k in self.shard_keys]) if has_state else None
+        # has_state: every shard has its state
+        self.state = torch.cat([cast(torch.Tensor, states[k]) for k in self.shard_keys]) if has_state else None
         self._offset = offset
         # per entry, and a last column for KJT keys this server does not pool: valid ids [low, high), this
         # shard's rows [start, end) (none for the last column), and the shard's first row in the stack
@@ -96,7 +97,7 @@ class FusedTables:
             return False
         kernel.weight.copy_(self.weight)
         if self.state is not None:
-            kernel.state.copy_(self.state)
+            cast(torch.Tensor, kernel.state).copy_(self.state)  # checked above: it has one when self has
         self.weight, self.state, self.kernel = kernel.weight, kernel.state, kernel
         return True
 

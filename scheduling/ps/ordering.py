@@ -43,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["Sequencer", "StepBarrier", "Order", "Sync", "Done", "in_order", "submit", "parked_requests"]
 
@@ -82,6 +82,11 @@ class _Request:
 
     def _after_turn(self) -> str:
         return "plain" if self.barrier is None else ("push" if self.push is not None else "lookup")
+
+    @property
+    def step_barrier(self) -> StepBarrier:
+        """The barrier of a ``push`` or ``lookup`` stage: only requests with one reach those (``_after_turn``)."""
+        return cast(StepBarrier, self.barrier)
 
     @property
     def lookup_count(self) -> int:
@@ -218,7 +223,7 @@ def _try(req: _Request, ready: list[_Request]) -> None:
             _arm(req)
             return
         req.stage, req.deadline = req._after_turn(), None
-    barrier = req.barrier
+    barrier = req.step_barrier  # used in the push and lookup stages only
     if req.stage == "push" and not req.arrived:
         req.arrived = True
         barrier.arrived.setdefault(req.count, set()).add(req.rank)
@@ -246,9 +251,11 @@ def _drain(ready: list[_Request]) -> None:
         try:
             if stage == "plain":
                 value = req.push() if req.push is not None else None
-                value = req.lookup() if req.push is None else (value if req.lookup is None else (value, req.lookup()))
+                lookup = cast(Callable[[], Any], req.lookup)  # without a push, a request has a lookup (submit)
+                value = lookup() if req.push is None else (value if req.lookup is None else (value, lookup()))
             else:
-                value = (req.push if stage == "push" else req.lookup)()
+                # the push stage has a push, the lookup stage a lookup (_after_turn, _after_work)
+                value = cast(Callable[[], Any], req.push if stage == "push" else req.lookup)()
         except BaseException as e:  # reported to the client, like a raise in a blocking handler
             error = e
         released: list[_Request] = []
@@ -263,7 +270,7 @@ def _after_work(req: _Request, stage: str, value: Any, error: BaseException | No
                 ready: list[_Request]) -> tuple[Any, BaseException | None] | None:
     """Under ``_LOCK``: record the work done; returns ``(value, error)`` when the request finished."""
     if stage == "push":
-        barrier, count = req.barrier, req.count
+        barrier, count = req.step_barrier, req.count
         barrier.applied[req.rank] = max(barrier.applied[req.rank], count + 1)
         if all(a > count for a in barrier.applied):
             barrier.arrived.pop(count, None)
@@ -335,7 +342,9 @@ def _watch() -> None:
         with _LOCK:
             while not _DEADLINES or _DEADLINES[0][0] > time.monotonic():
                 _WAKE.wait(None if not _DEADLINES else _DEADLINES[0][0] - time.monotonic())
-            now, failed, released = time.monotonic(), [], []
+            failed: list[tuple[_Request, BaseException]] = []
+            released: list[_Request] = []
+            now = time.monotonic()
             while _DEADLINES and _DEADLINES[0][0] <= now:
                 deadline, _, req = heapq.heappop(_DEADLINES)
                 if req.deadline == deadline and _unpark(req):
@@ -356,8 +365,8 @@ def _unpark(req: _Request) -> bool:
             del req.seqr.parked[req.seq]
             return True
         return False
-    if req.stage in ("push", "lookup") and req in req.barrier.parked:
-        req.barrier.parked.remove(req)
+    if req.stage in ("push", "lookup") and req in req.step_barrier.parked:
+        req.step_barrier.parked.remove(req)
         return True
     return False
 
@@ -365,9 +374,9 @@ def _unpark(req: _Request) -> bool:
 def _timeout_message(req: _Request) -> str:
     head, t = f"server {req.server}: ", req.timeout_s
     if req.stage == "turn":
-        return (f"{head}{req.what} #{req.seq} waited {t} s for the client's request #{req.seqr.next}, which never "
-                "arrived")
-    barrier = req.barrier
+        seqr = cast(Sequencer, req.seqr)  # only requests with a sequencer wait for their turn
+        return f"{head}{req.what} #{req.seq} waited {t} s for the client's request #{seqr.next}, which never arrived"
+    barrier = req.step_barrier
     if req.stage == "push":
         what, missing = f"{req.what} #{req.count} of trainer {req.rank}", barrier._missing_pushes(req.count, req.rank)
     else:

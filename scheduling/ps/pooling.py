@@ -35,14 +35,14 @@ def pool(client: Any, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
         client._gather = column_gather(client, ids)
     if client._gather is not False:
         return pool_gather(client, kjt, parts)
-    parts = dict(zip(ids, parts))
+    by_server = dict(zip(ids, parts))
     pooling = {f: t.pooling for t in client.tables for f in t.feature_names}
     outs, dims = [], []
     for feat in client.feature_names:
         slots = client._slots[feat]
-        value = parts[slots[0][0]][:, slots[0][1]:slots[0][1] + slots[0][2]]
+        value = by_server[slots[0][0]][:, slots[0][1]:slots[0][1] + slots[0][2]]
         for s, col, dim in slots[1:]:
-            value = value + parts[s][:, col:col + dim]
+            value = value + by_server[s][:, col:col + dim]
         if pooling[feat] == "mean":
             bag_len = kjt[feat].lengths().clamp(min=1).to(value.device, value.dtype).unsqueeze(1)
             value = value / bag_len

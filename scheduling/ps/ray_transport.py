@@ -59,7 +59,8 @@ def server_actor_class(max_restarts: int = 0) -> Any:
     """:class:`PSActor` as a Ray actor class with :data:`ACTOR_OPTIONS`, restarted by Ray up to ``max_restarts``
     times after its process dies (0: never; a negative number counts as 0). Add per-actor options (a name,
     a node) with its ``.options(...)``."""
-    return ray.remote(**{**ACTOR_OPTIONS, "max_restarts": max(0, max_restarts)})(PSActor)
+    options: dict[str, Any] = {**ACTOR_OPTIONS, "max_restarts": max(0, max_restarts)}
+    return ray.remote(**options)(PSActor)
 
 _HANDLES: dict[str, ActorHandle] = {}
 

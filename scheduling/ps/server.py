@@ -28,15 +28,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from .shard_plan import ShardSpec
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
+from .shard_plan import ShardSpec
 from .storage import RowStore, make_store
 
 __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch",
@@ -68,7 +68,8 @@ def _rendezvous_handler(url: str, **kwargs: Any) -> Any:
     query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
     rank, world_size = int(query["rank"]), int(query["world_size"])
     timeout = timedelta(seconds=float(query.get("timeout_s", 60)))
-    store = TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout, multi_tenant=True)
+    host, port = cast(str, parsed.hostname), cast(int, parsed.port)  # rpc_backend_options: from tcp://host:port
+    store = TCPStore(host, port, world_size, rank == 0, timeout, multi_tenant=True)
     yield store, rank, world_size
     raise RuntimeError(f"{_RDZV_SCHEME}:// cannot re-rendezvous")
 
@@ -249,7 +250,8 @@ class PSServer:
         wts = weights.split(per_key) if weights is not None else [None] * num_keys
         return {k: (vals[i], lens[i], wts[i]) for i, k in enumerate(keys)}, batch_size
 
-    def _bag(self, spec: ShardSpec, feat: str, feats: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    def _bag(self, spec: ShardSpec, feat: str, feats: dict[str, Any]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(local ids, bag index per id, per-id weight or None) of feature ``feat`` restricted to ``spec``."""
         if feat not in feats:
             raise ValueError(f"server {self.name}: the batch has no feature {feat!r} (table {spec.table.name!r})"

@@ -65,7 +65,9 @@ class TBEKernel:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
 
         adagrad = optimizer.name == "rowwise_adagrad"
         kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD if adagrad else EmbOptimType.EXACT_SGD
@@ -76,9 +78,11 @@ class TBEKernel:
             feature_table_map=list(feature_tables), optimizer=kind,
             learning_rate=optimizer.lr, pooling_mode=PoolingMode.SUM, **extra)
         self.weight = self.module.weights_host.detach().view(-1, dim)  # the kernel's storage, no autograd
-        self.state = self.module.momentum1_host.detach() if adagrad else None
+        self.state: torch.Tensor | None = None
         if adagrad:
-            self.state.fill_(float(optimizer.initial_accumulator_value))
+            state = self.module.momentum1_host.detach()
+            state.fill_(float(optimizer.initial_accumulator_value))
+            self.state = state
         self._features = len(feature_tables)
 
     def _inputs(self, local: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None,

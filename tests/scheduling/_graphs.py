@@ -8,7 +8,6 @@ import torch
 
 from fxdist.graph import Graph
 from fxdist.graph_module import GraphModule
-
 from scheduling.ps import PSClient, ops
 from scheduling.ps.shard_plan import TableSpec
 

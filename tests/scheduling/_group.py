@@ -108,6 +108,7 @@ def trainer_main(rank: int, world: int, rpc_port: int, pg_port: int, num_servers
     finally:
         if rank == 0:
             from torch.distributed import rpc
+
             from scheduling.ps import server as srv
 
             for s in servers:

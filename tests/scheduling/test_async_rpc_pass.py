@@ -11,9 +11,8 @@ import torch
 import torch.distributed.rpc as rpc
 
 import fxdist
-from fxdist.graph import Graph
-
 import scheduling
+from fxdist.graph import Graph
 from scheduling.async_rpc_pass import AsyncRPC
 from scheduling.ps import ops
 from tests.scheduling._graphs import before, order

@@ -23,9 +23,9 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 import fxdist
 import scheduling
 from fxdist.pipeline import NoOpPassWarning
+from recsys.criteo import criteo_dlrm
 from scheduling import placement
 from scheduling.placement import PlacementWarning
-from recsys.criteo import criteo_dlrm
 from scheduling.placement.plan import TableInfo, plan_tables, server_bytes
 from scheduling.ps import LocalCluster, NoGroupError, get_client, ops
 from scheduling.ps.shard_plan import TableSpec

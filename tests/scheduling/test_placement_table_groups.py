@@ -21,8 +21,8 @@ import fxdist
 import scheduling
 from scheduling import placement
 from scheduling.placement import conversions
-from scheduling.placement.table_groups import group_candidates, group_label
 from scheduling.placement.find import find_embeddings
+from scheduling.placement.table_groups import group_candidates, group_label
 from scheduling.ps import LocalCluster, get_client, ops
 from scheduling.ps.client import PSClient
 

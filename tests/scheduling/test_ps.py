@@ -14,8 +14,8 @@ from torchrec.modules.embedding_configs import PoolingType
 
 import fxdist
 import scheduling
-from scheduling import placement
 from recsys.criteo import criteo_batches, criteo_dlrm, criteo_tables
+from scheduling import placement
 from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, get_client, ops
 from tests.scheduling._graphs import before, order
 

@@ -20,9 +20,9 @@ import fxdist
 import scheduling
 from scheduling import placement
 from scheduling.ps import LocalCluster, get_client
-from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.endpoints import ServerEndpoints
 from scheduling.ps.server import PSServer
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 
 MODULES, B, STEPS = 12, 8, 5
 

@@ -266,8 +266,8 @@ def test_rows_follow_accelerator_ids_else_the_clients_device():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_a_cuda_client_without_cuda_is_refused():
-    from scheduling.ps.shard_plan import TableSpec
     from scheduling.ps.client import PSClient
+    from scheduling.ps.shard_plan import TableSpec
 
     with pytest.raises(ValueError, match=r"device='cuda:0', but CUDA is not available"):
         PSClient([TableSpec("t0", 20, 4, ("f0",))], ["ps0"], name="no-cuda", configure=False, device="cuda:0")

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.fused import FusedTables
 from scheduling.ps.server import PSServer, server_layout
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.tbe import KERNEL_ENV
 
 

@@ -14,10 +14,9 @@ import threading
 import time
 
 import pytest
-import torch
 
-from scheduling.ps.ports import free_port
 from scheduling.ps.ordering import StepBarrier
+from scheduling.ps.ports import free_port
 from tests.scheduling import _group
 
 
@@ -28,9 +27,9 @@ def test_step_barrier_applies_pushes_in_count_then_rank_order_and_lookups_after_
     def trainer(rank: int, delays: list[float]) -> None:
         for count in range(4):
             time.sleep(delays[count])
-            barrier.lookup(rank, count, 5.0, "lookup", lambda: log.append(("lookup", count, rank)), "ps0")
+            barrier.lookup(rank, count, 5.0, "lookup", lambda count=count: log.append(("lookup", count, rank)), "ps0")
             time.sleep(delays[-count - 1])
-            barrier.push(rank, count, 5.0, "push", lambda: log.append(("push", count, rank)), "ps0")
+            barrier.push(rank, count, 5.0, "push", lambda count=count: log.append(("push", count, rank)), "ps0")
 
     delays = {0: [0.01, 0.0, 0.02, 0.0], 1: [0.0, 0.015, 0.0, 0.01], 2: [0.005, 0.0, 0.0, 0.02]}
     threads = [threading.Thread(target=trainer, args=(r, d)) for r, d in delays.items()]
@@ -40,7 +39,7 @@ def test_step_barrier_applies_pushes_in_count_then_rank_order_and_lookups_after_
         t.join(10)
     pushes = [(c, r) for kind, c, r in log if kind == "push"]
     assert pushes == sorted(pushes) and len(pushes) == 12
-    for i, (kind, count, rank) in enumerate(log):
+    for i, (kind, count, _rank) in enumerate(log):
         before = {(c, r) for k, c, r in log[:i] if k == "push"}
         if kind == "lookup":  # exactly the pushes of earlier counts, of every trainer
             assert {c for c, _ in before} == set(range(count)) and len(before) == 3 * count

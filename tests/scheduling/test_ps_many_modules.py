@@ -25,7 +25,6 @@ from torch import nn
 
 from scheduling.ps import ordering
 from scheduling.ps.ports import free_port
-
 from tests.scheduling._group import spawn_and_collect
 
 NUM_MODULES, WORLD, STEPS, BATCH, BAG, LR = 60, 4, 3, 4, 3, 0.5
@@ -289,7 +288,6 @@ def test_a_server_with_two_threads_serves_forty_waiting_requests(transport):
     40 requests all wait for trainer 1, which comes later; every request is answered, in step order."""
     if transport == "ray":
         pytest.importorskip("ray")
-    from torchrec import KeyedJaggedTensor
 
     from scheduling.ps import LocalCluster, PSClient
     from scheduling.ps.shard_plan import TableSpec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.server import PSServer
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.storage import make_store
 
 TABLES = [TableSpec("a", 50, 16, ("fa",)), TableSpec("b", 30, 16, ("fb", "fc"))]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.server import PSServer
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.tbe import KERNEL_ENV
 
 pytest.importorskip("fbgemm_gpu")

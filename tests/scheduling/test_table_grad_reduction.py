@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from scheduling.ps.ports import free_port
-
 from tests.scheduling._group import spawn_and_collect
 
 WORLD, STEPS, BATCH, LR = 2, 4, 8, 0.5
