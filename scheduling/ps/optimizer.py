@@ -37,6 +37,9 @@ class RowWiseOptimizer:
         Shapes: weight ``(R, D)`` float32, or stored rows of ``store`` (:mod:`scheduling.ps.storage`:
         decoded, updated in float32, encoded back); rows ``(U,)`` unique local row ids (int64); grads
         ``(U, D)``.
+
+        Raises:
+            NotImplementedError: on the base class; each optimizer (``RowWiseSGD``, ...) implements it.
         """
         raise NotImplementedError
 

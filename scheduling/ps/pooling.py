@@ -25,6 +25,9 @@ def pool(client: Any, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
 
     Row-wise partial sums are added; mean-pooled features are divided by their bag lengths (empty bags
     give zeros). Differentiable in ``parts``.
+
+    Raises:
+        ValueError: ``parts`` does not hold one answer per server the client reads.
     """
     from torchrec.sparse.jagged_tensor import KeyedTensor
 

@@ -35,7 +35,11 @@ DEFAULT_TRANSPORT = "torch_rpc"
 
 class TorchRPCTransport:
     """Requests as ``torch.distributed.rpc.rpc_async`` calls of :mod:`scheduling.ps.server`'s ``_rpc_*``
-    functions; ``servers`` are the RPC worker names (this process must be in their group)."""
+    functions; ``servers`` are the RPC worker names (this process must be in their group).
+
+    Raises:
+        ValueError: a server is not an RPC worker name (e.g. a Ray actor handle: use ``transport="ray"``).
+    """
 
     name = "torch_rpc"
 
