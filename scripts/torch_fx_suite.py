@@ -15,6 +15,8 @@ Scheme (nothing is written to disk; all of it lives in this runner process only,
 - ``import torch`` in a test file binds a stand-in whose ``fx`` attribute is fxdist (same fallback) and whose
   other attributes are torch's, so ``torch.fx.Graph()`` and ``torch.fx.proxy.TracerBase`` in a test body are
   fxdist's too. ``sys.modules`` is untouched: torch's own internals (dynamo, export, jit, ao) keep torch.fx.
+- A partial copy of ``test/fx/`` runs too: an ``fx.<helper>`` module whose file is absent is a stand-in whose
+  classes (the names ``test_fx.py`` imports) report one skipped test each, naming the missing file.
 - ``--torch-fx`` resolves the same names to torch.fx itself: the reference run, to tell fxdist's failures
   from tests that fail on this torch version anyway.
 - ``SKIPS`` below lists tests of torch-only machinery fxdist deliberately does not reimplement, each with a
