@@ -30,6 +30,7 @@ test files. Prints pytest's summary line and the pass/fail/skip counts.
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -62,6 +63,10 @@ HELPER_MISSING = "helper file not in this copy of test/fx/ (its tests are not ru
 RENAMED = {"torch.nn.utils._stateless": "torch.nn.utils.stateless"}
 # Names an older copy of the tests imports from torch modules that dropped or renamed them.
 MISSING = {"torch.fx._compatibility": {"_MARKED_WITH_COMATIBLITY": "_MARKED_WITH_COMPATIBILITY"}}
+# Names a newer copy of the tests imports that this torch does not have yet: module -> name -> stand-in.
+# ``HardwareClassification`` (fx/test_source_matcher_utils.py) only labels the test class.
+NEWER = {"torch.testing._internal.common_utils": {"HardwareClassification": lambda: enum.Enum(
+    "HardwareClassification", ["GENERIC"])}}
 
 
 class _Alias:
@@ -288,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         for old, new in names.items():
             if not hasattr(module, old):
                 setattr(module, old, getattr(module, new, {}))
+    for module_name, stand_ins in NEWER.items():
+        module = importlib.import_module(module_name)
+        for name, make in stand_ins.items():
+            if not hasattr(module, name):
+                setattr(module, name, make())
     import pytest
 
     plugin = _Plugin(root, "torch.fx" if args.torch_fx else "fxdist")
