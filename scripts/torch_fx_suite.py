@@ -15,6 +15,8 @@ Scheme (nothing is written to disk; all of it lives in this runner process only,
 - ``import torch`` in a test file binds a stand-in whose ``fx`` attribute is fxdist (same fallback) and whose
   other attributes are torch's, so ``torch.fx.Graph()`` and ``torch.fx.proxy.TracerBase`` in a test body are
   fxdist's too. ``sys.modules`` is untouched: torch's own internals (dynamo, export, jit, ao) keep torch.fx.
+- A partial copy of ``test/fx/`` runs too: an ``fx.<helper>`` module whose file is absent is a stand-in whose
+  classes (the names ``test_fx.py`` imports) report one skipped test each, naming the missing file.
 - ``--torch-fx`` resolves the same names to torch.fx itself: the reference run, to tell fxdist's failures
   from tests that fail on this torch version anyway.
 - ``SKIPS`` below lists tests of torch-only machinery fxdist deliberately does not reimplement, each with a
@@ -28,6 +30,7 @@ test files. Prints pytest's summary line and the pass/fail/skip counts.
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -51,10 +54,19 @@ SKIPS: dict[str, str] = {
 }
 
 
+# ``fx/`` helper files ``test_fx.py`` imports test classes from, when the checkout lacks them (a partial copy of
+# the tests): each such ``fx.<name>`` module is a stand-in whose classes report one skipped test with this reason.
+HELPER_MISSING = "helper file not in this copy of test/fx/ (its tests are not run)"
+
+
 # Modules an older copy of the tests imports that torch 2.13 renamed: old name -> current name.
 RENAMED = {"torch.nn.utils._stateless": "torch.nn.utils.stateless"}
 # Names an older copy of the tests imports from torch modules that dropped or renamed them.
 MISSING = {"torch.fx._compatibility": {"_MARKED_WITH_COMATIBLITY": "_MARKED_WITH_COMPATIBILITY"}}
+# Names a newer copy of the tests imports that this torch does not have yet: module -> name -> stand-in.
+# ``HardwareClassification`` (fx/test_source_matcher_utils.py) only labels the test class.
+NEWER = {"torch.testing._internal.common_utils": {"HardwareClassification": lambda: enum.Enum(
+    "HardwareClassification", ["GENERIC"])}}
 
 
 class _Alias:
@@ -91,6 +103,39 @@ class _Alias:
             except AttributeError:
                 setattr(merged, child, importlib.import_module(f"torch.fx{sub}.{child}"))
         return merged
+
+
+class _HelperStandIn(types.ModuleType):
+    """``fx.<helper>`` for a helper file the copy lacks: each class name it is asked for is a skipped TestCase."""
+
+    def __getattr__(self, name: str):
+        import unittest
+
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls = type(name, (unittest.TestCase,), {"test_helper_missing": lambda self: None})
+        cls = unittest.skip(f"{self.__name__}: {HELPER_MISSING}")(cls)
+        setattr(self, name, cls)
+        return cls
+
+
+class _HelperFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Claim ``fx.<name>`` when ``<root>/fx/<name>.py`` is absent: load an ``_HelperStandIn``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def find_spec(self, name, path=None, target=None):
+        parts = name.split(".")
+        if len(parts) != 2 or parts[0] != "fx" or (self.root / "fx" / f"{parts[1]}.py").exists():
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        return _HelperStandIn(spec.name)
+
+    def exec_module(self, module) -> None:
+        return None
 
 
 class _TestLoader(importlib.machinery.SourceFileLoader):
@@ -132,9 +177,34 @@ class _FxStandIn(types.ModuleType):
 
     def __getattr__(self, name: str):
         try:
-            return getattr(self._fxdist, name)
+            value = getattr(self._fxdist, name)
         except AttributeError:
             return self._alias.resolve("torch.fx." + name)
+        return _SubStandIn(value, "torch.fx." + name) if isinstance(value, types.ModuleType) else value
+
+
+class _SubStandIn(types.ModuleType):
+    """A submodule seen through ``torch.fx.<sub>`` in a test body: its names, else torch.fx's (``experimental._config``)."""
+
+    def __init__(self, module: types.ModuleType, torch_name: str) -> None:
+        super().__init__(module.__name__)
+        self._module = module
+        self._torch_name = torch_name
+
+    def __getattr__(self, name: str):
+        try:
+            value = getattr(self._module, name)
+        except AttributeError:
+            try:
+                value = importlib.import_module(f"{self._module.__name__}.{name}")
+            except ModuleNotFoundError:
+                try:
+                    return getattr(importlib.import_module(self._torch_name), name)
+                except AttributeError:
+                    return importlib.import_module(f"{self._torch_name}.{name}")
+        if isinstance(value, types.ModuleType):
+            return _SubStandIn(value, f"{self._torch_name}.{name}")
+        return value
 
 
 class _TorchStandIn(types.ModuleType):
@@ -179,10 +249,12 @@ class _Plugin:
         alias = _Alias()
         alias.backend = backend
         self.finder = _TestFinder(root, _make_builtins(alias))
+        self.helpers = _HelperFinder(root)
         self.counts = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
 
     def pytest_sessionstart(self, session) -> None:
         sys.meta_path.insert(0, self.finder)
+        sys.meta_path.append(self.helpers)
 
     def pytest_collection_modifyitems(self, session, config, items) -> None:
         import pytest
@@ -221,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         for old, new in names.items():
             if not hasattr(module, old):
                 setattr(module, old, getattr(module, new, {}))
+    for module_name, stand_ins in NEWER.items():
+        module = importlib.import_module(module_name)
+        for name, make in stand_ins.items():
+            if not hasattr(module, name):
+                setattr(module, name, make())
     import pytest
 
     plugin = _Plugin(root, "torch.fx" if args.torch_fx else "fxdist")

@@ -1,0 +1,1 @@
+"""Dialect passes, mirroring ``torch.fx.passes.dialect`` (``common``: passes for any functional dialect)."""

@@ -1,0 +1,1 @@
+"""Passes for any functional dialect (``cse_pass``), mirroring ``torch.fx.passes.dialect.common``."""
