@@ -4,7 +4,7 @@
 the ``[model]`` keys: an ``EmbeddingBagCollection`` of 26 tables ``t_C1 .. t_C26`` (feature ``Cj`` looked up in
 ``t_Cj``, ``embedding_dim`` columns, rows from :func:`table_sizes`), a dense arch ``13 -> bottom_mlp ->
 embedding_dim`` and an over arch ``top_mlp -> 1``. It goes through the same path as your model
-(:mod:`jobs.workload`): with parameter servers, each phase's module gets the ``scheduling.parameter_servers``
+(:mod:`jobs.trainer.workload`): with parameter servers, each phase's module gets the ``scheduling.parameter_servers``
 pass, which moves the 26 tables to the servers, then the optimized phase's passes. With servers the tables are
 built on the ``meta`` device and the servers initialise them, so no trainer allocates them.
 

@@ -326,15 +326,15 @@ TESTED_ELSEWHERE = {
     # jobs: the launcher and its helpers run end to end (Ray) in the job tests
     "jobs.criteo": "tests/jobs/test_workload.py",
     "jobs.entry": "tests/jobs/test_user_outputs.py",
-    "jobs.launch": "tests/jobs/test_job.py",
+    "jobs.launcher.launch": "tests/jobs/test_job.py",
     "jobs.movielens": "tests/jobs/test_user_model.py",
     "jobs.optimizers": "tests/jobs/test_user_outputs.py",
-    "jobs.plan": "tests/jobs/test_seams.py",
-    "jobs.preflight": "tests/jobs/test_memory_plan.py",
-    "jobs.servers": "tests/jobs/test_job.py",
-    "jobs.report": "tests/jobs/test_user_outputs.py",
-    "jobs.runs": "tests/jobs/test_validation.py",
-    "jobs.state": "tests/jobs/test_cluster_helpers.py",
+    "jobs.launcher.plan": "tests/jobs/test_trainer_protocols.py",
+    "jobs.launcher.preflight": "tests/jobs/test_memory_plan.py",
+    "jobs.trainer.servers": "tests/jobs/test_job.py",
+    "jobs.launcher.report": "tests/jobs/test_user_outputs.py",
+    "jobs.launcher.runs": "tests/jobs/test_validation.py",
+    "jobs.launcher.state": "tests/jobs/test_cluster_helpers.py",
     "jobs.user_code": "tests/jobs/test_user_outputs.py",
 }
 """Modules whose behaviour is tested in a file not named after them: module -> the test file to read."""

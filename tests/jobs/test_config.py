@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.cli import apply_overrides, main
 from jobs.config import DEFAULT_CONFIG, ConfigError, JobConfig, load_config, parse_config, to_dict
+from jobs.launcher.cli import apply_overrides, main
 
 
 def test_bundled_default_matches_dataclass_defaults():
@@ -74,7 +74,7 @@ def test_cli_config_command_and_bad_config_exit_status(capsys, tmp_path):
 def test_taken_metrics_port_is_a_config_error():
     import socket
 
-    from jobs.preflight import check_ports
+    from jobs.launcher.preflight import check_ports
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

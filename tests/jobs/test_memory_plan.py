@@ -1,7 +1,7 @@
 """The job's memory plan places the tables where the ``parameter_servers`` pass places them.
 
 Differential: for a few table sets and server counts, the bytes the memory plan gives each server
-(:func:`jobs.preflight.server_table_bytes`, one table set) equal the bytes each real server holds
+(:func:`jobs.launcher.preflight.server_table_bytes`, one table set) equal the bytes each real server holds
 (``PSServer.memory()``) after the pass moved a model with those tables to it, and its rows likewise.
 """
 
@@ -16,8 +16,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 import fxdist
 import scheduling
-from jobs import preflight
 from jobs.config import JobConfig
+from jobs.launcher import preflight
 from jobs.optimizers import table_optimizer_args
 from scheduling.ps import LocalCluster
 

@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from jobs import criteo, preflight, table_sizes
-from jobs.cli import main
+from jobs import criteo, table_sizes
 from jobs.config import ConfigError, JobConfig
-from jobs.workload import build_model
+from jobs.launcher import preflight
+from jobs.launcher.cli import main
+from jobs.trainer.workload import build_model
 from recsys.criteo_shard import scan
 from recsys.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthSpec, write_synthetic
 
@@ -23,12 +24,12 @@ CRITEO_1TB_CARDINALITIES = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    import jobs.launch
+    import jobs.launcher.launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("the launcher reached Ray although the memory plan should have refused the job")
 
-    monkeypatch.setattr(jobs.launch, "_join_ray", refuse)
+    monkeypatch.setattr(jobs.launcher.launch, "_join_ray", refuse)
 
 
 def _sized(distinct, cap, **model) -> JobConfig:

@@ -1,6 +1,6 @@
 """``fxdist launch`` refuses what cannot succeed before Ray starts, and never leaves or loses a run folder.
 
-Every test here goes through the CLI (``jobs.cli.main``) and checks the exit status, the message, and
+Every test here goes through the CLI (``jobs.launcher.cli.main``) and checks the exit status, the message, and
 that nothing was started (``_join_ray`` fails the test if reached) or left behind (no run folder).
 The Ray-backed tests (a deterministic error stops on the first attempt; an interrupted run is marked and
 resumed) are at the end.
@@ -21,11 +21,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobs import preflight, runs
-from jobs.cli import main
 from jobs.config import ConfigError, JobConfig, to_dict
+from jobs.launcher import preflight, runs
+from jobs.launcher.cli import main
+from jobs.trainer.metrics import free_port_block
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
-from jobs.metrics import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,12 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def no_ray(monkeypatch):
     """Fail the test if the launcher gets as far as joining Ray."""
-    import jobs.launch
+    import jobs.launcher.launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("the launcher reached Ray although a cheap check should have failed")
 
-    monkeypatch.setattr(jobs.launch, "_join_ray", refuse)
+    monkeypatch.setattr(jobs.launcher.launch, "_join_ray", refuse)
 
 
 def _launch(tmp_path: Path, *sets: str, run_dir: Path | None = None) -> int:
@@ -264,7 +264,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:
 def test_job_state_keeps_the_fuller_phase_result():
     """A restart between a phase's end and its final checkpoint re-runs the phase's last steps: the
     result that covers the whole phase is kept; seeds from a resumed run carry over, errors do not."""
-    from jobs.launch import JobState
+    from jobs.launcher.launch import JobState
     from jobs.results import JobResults, PhaseResult
 
     def phase(steps: int, start: int) -> PhaseResult:
@@ -289,7 +289,7 @@ def test_interrupted_run_is_marked_and_resumed(tmp_path, capsys):
     pytest.importorskip("ray")
     run_dir = tmp_path / "run"
     base = free_port_block(3)
-    args = [sys.executable, "-m", "jobs.cli", "launch", "--run-dir", str(run_dir), *_sets(SMALL),
+    args = [sys.executable, "-m", "jobs.launcher.cli", "launch", "--run-dir", str(run_dir), *_sets(SMALL),
             *_sets([f"metrics.port={base}", "job.steps=600", "job.checkpoint_every=50", "quant.enabled=false"])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -347,7 +347,7 @@ class _FakeState:
     """The JobState actor's methods as ``.remote`` calls (``ray.get`` is patched to return its argument)."""
 
     def __init__(self, error=None):
-        from jobs.launch import JobState
+        from jobs.launcher.launch import JobState
 
         self.actor = JobState()
         self.actor.error = error
@@ -360,7 +360,7 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     import ray
     import ray.train
 
-    import jobs.worker
+    import jobs.trainer.worker
     from fxdist.errors import TraceError
     from recsys.criteo_format import DataError
 
@@ -382,25 +382,25 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     def loop_config(state, error):  # train_loop reads only the spec's JobState actor (and config) itself
         return {"spec": SimpleNamespace(state=state, error=error, config=None)}
 
-    monkeypatch.setattr(jobs.worker, "_train_loop", failing)
+    monkeypatch.setattr(jobs.trainer.worker, "_train_loop", failing)
     state = _FakeState()
     error = DataError("x.tsv has no valid train line")
     if world == 1:  # one trainer: return normally, so fit() ends without a retry
-        jobs.worker.train_loop(loop_config(state, error))
+        jobs.trainer.worker.train_loop(loop_config(state, error))
     else:  # more: re-raise, so Ray Train tears down the ranks waiting in a collective
         with pytest.raises(DataError):
-            jobs.worker.train_loop(loop_config(state, error))
+            jobs.trainer.worker.train_loop(loop_config(state, error))
     assert state.actor.error == {"kind": "data", "type": "DataError", "message": str(error), "rank": world - 1}
     # the retried attempt returns at once, without running the loop
-    jobs.worker.train_loop(loop_config(state, AssertionError("not reached")))
+    jobs.trainer.worker.train_loop(loop_config(state, AssertionError("not reached")))
     assert len(calls) == 1
     # a trace error is recorded as a job error; a process-level failure is Ray Train's to retry
     state = _FakeState()
     with pytest.raises(ConnectionResetError, match="connection reset"):
-        jobs.worker.train_loop(loop_config(state, ConnectionResetError("connection reset")))
+        jobs.trainer.worker.train_loop(loop_config(state, ConnectionResetError("connection reset")))
     assert state.actor.error is None
     try:
-        jobs.worker.train_loop(loop_config(state, TraceError("control flow")))
+        jobs.trainer.worker.train_loop(loop_config(state, TraceError("control flow")))
     except TraceError:
         assert world > 1
     assert state.actor.error["kind"] == "job"
@@ -416,25 +416,25 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     ],
 )
 def test_recorded_errors_map_to_exit_codes(monkeypatch, capsys, error, code, message):
-    import jobs.launch
+    import jobs.launcher.launch
 
     def launch(*args, **kwargs):
-        raise jobs.launch._recorded_error(error)
+        raise jobs.launcher.launch._recorded_error(error)
 
-    monkeypatch.setattr(jobs.launch, "launch", launch)
+    monkeypatch.setattr(jobs.launcher.launch, "launch", launch)
     assert main(["launch", "--quiet"]) == code
     assert message in capsys.readouterr().err
 
 
 def test_interrupt_exit_code_and_notes(monkeypatch, capsys):
-    import jobs.launch
+    import jobs.launcher.launch
 
     def launch(*args, **kwargs):
         e = KeyboardInterrupt()
         e.add_note("run folder: /x (interrupted); continue it with `fxdist launch --resume /x`")
         raise e
 
-    monkeypatch.setattr(jobs.launch, "launch", launch)
+    monkeypatch.setattr(jobs.launcher.launch, "launch", launch)
     assert main(["launch", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert "fxdist: interrupted" in err and "fxdist launch --resume /x" in err

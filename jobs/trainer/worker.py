@@ -1,13 +1,13 @@
 """The per-trainer training loop that Ray Train runs: baseline phase, optimized phase, checkpoints.
 
 ``train_loop({"spec": spec})`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer`` (``spec``: a
-:class:`jobs.plan.TrainerSpec`). It meets the model only through the seams of :mod:`jobs.seams` (a ``Workload``
+:class:`jobs.launcher.plan.TrainerSpec`). It meets the model only through the seams of :mod:`jobs.trainer.protocols` (a ``Workload``
 and its ``Tables``). Each trainer:
 
-1. reads its shard of the data (:mod:`jobs.workload`: the Criteo reader, or your ``[data] batches``) and
+1. reads its shard of the data (:mod:`jobs.trainer.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
-   (``jobs.servers.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
+   (``jobs.trainer.servers.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
    of each phase's model, the built-in torchrec DLRM or yours, there);
 3. trains both phases over the same batches, interleaved: ``baseline`` trains the eager module (on servers:
    after only the ``parameter_servers`` pass, so its lookups block), ``optimized`` trains
@@ -45,15 +45,15 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from jobs.config import JobConfig
-from jobs.lookups import optimize_record
-from jobs.metrics import Exporter
+from jobs.launcher.plan import TrainerSpec
 from jobs.optimizers import dense_optimizer
-from jobs.sparse_grads import data_parallel
-from jobs.user_code import user_error_frame
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
-from jobs.plan import TrainerSpec
-from jobs.seams import StepBatch, Tables, Workload
-from jobs.workload import build_model, make_tables, make_workload, release_tables
+from jobs.trainer.lookups import optimize_record
+from jobs.trainer.metrics import Exporter
+from jobs.trainer.protocols import StepBatch, Tables, Workload
+from jobs.trainer.sparse_grads import data_parallel
+from jobs.trainer.workload import build_model, make_tables, make_workload, release_tables
+from jobs.user_code import user_error_frame
 
 __all__ = ["train_loop", "PhaseRun", "PhaseTrainer", "build_model", "run_phase", "eval_step", "block_ends"]
 
@@ -118,10 +118,10 @@ class PhaseTrainer:
     optimizer and batch stream, trained in blocks of steps so that phases can alternate (:meth:`train`).
 
     Args:
-        tables: The phase's tables (:class:`jobs.seams.Tables`: :class:`jobs.workload.LocalTables` or a
-            :class:`jobs.servers.ServerTables` view): ``lookup_seconds()``, ``after_backward()`` and, on servers, the
+        tables: The phase's tables (:class:`jobs.trainer.protocols.Tables`: :class:`jobs.trainer.workload.LocalTables` or a
+            :class:`jobs.trainer.servers.ServerTables` view): ``lookup_seconds()``, ``after_backward()`` and, on servers, the
             ``parameter_servers`` pass.
-        workload: The model and its data (:class:`jobs.seams.Workload`, e.g. ``CriteoWorkload(config, shard)``).
+        workload: The model and its data (:class:`jobs.trainer.protocols.Workload`, e.g. ``CriteoWorkload(config, shard)``).
         start_step: The first step (a resumed trainer continues the batch sequence there).
         optim_state: Optimizer state to resume from.
 
@@ -388,7 +388,7 @@ def train_loop(loop_config: dict[str, TrainerSpec]) -> None:
     """Ray Train entry point: run the job on this trainer, stopping for good on a deterministic error.
 
     ``loop_config``: ``{"spec": spec}`` (Ray Train's ``train_loop_config`` is a dict), ``spec`` the
-    :class:`jobs.plan.TrainerSpec` every trainer of the job gets.
+    :class:`jobs.launcher.plan.TrainerSpec` every trainer of the job gets.
 
     A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not trace, an
     exception raised in your own code or a loss of yours without gradient at ``loss.backward()``:

@@ -1,16 +1,16 @@
 """What a launch decided before any trainer starts (:class:`JobPlan`), and what each trainer gets
 (:class:`TrainerSpec`).
 
-:func:`make_plan` runs, before Ray starts, every check that needs no Ray (:func:`jobs.preflight.check`), the
-first pass over the Criteo data when there is a file (:func:`jobs.preflight.plan`: each trainer's rows and, with
+:func:`make_plan` runs, before Ray starts, every check that needs no Ray (:func:`jobs.launcher.preflight.check`), the
+first pass over the Criteo data when there is a file (:func:`jobs.launcher.preflight.plan`: each trainer's rows and, with
 ``[model] table_sizes = "data"``, the per-feature table sizes, :func:`jobs.table_sizes.resolve`), the memory
-estimate (:func:`jobs.preflight.estimate_memory`) and the run folder (:func:`jobs.runs.choose`, not created).
+estimate (:func:`jobs.launcher.preflight.estimate_memory`) and the run folder (:func:`jobs.launcher.runs.choose`, not created).
 When no Criteo file was found, the launcher generates synthetic data into the run folder once it exists and
 completes the plan with :func:`with_data` (that first pass runs then).
 
 The trainers get a :class:`TrainerSpec`: the plan and the runtime handles (the JobState actor, the server
 actors, the metrics base port, the RPC host), passed as Ray Train's ``train_loop_config={"spec": spec}`` (Ray
-requires a dict there) and read by :func:`jobs.worker.train_loop`. Both are frozen dataclasses of plain values,
+requires a dict there) and read by :func:`jobs.trainer.worker.train_loop`. Both are frozen dataclasses of plain values,
 the config's entry points being ``"package.module:function"`` strings, never callables: they pickle
 (cloudpickle, by reference to this module) and the config is not re-parsed on the trainer.
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from jobs import preflight, runs
 from jobs.config import JobConfig
+from jobs.launcher import preflight, runs
 
 if TYPE_CHECKING:
     from recsys.criteo_shard import DataPlan
@@ -43,7 +43,7 @@ class JobPlan:
     ``data_plan``: the first pass (:class:`recsys.criteo_shard.DataPlan`: lines, rows per trainer, held-out rows),
     None for your batches; ``tables``: the table-size record for ``cardinalities.json`` (distinct counts per
     feature, sizes) with ``table_sizes = "data"``, else None; :attr:`memory`: the built-in model's memory estimate in
-    bytes (:class:`jobs.preflight.MemoryEstimate`), None for your model (not estimated); ``resume``: the launch
+    bytes (:class:`jobs.launcher.preflight.MemoryEstimate`), None for your model (not estimated); ``resume``: the launch
     continues the run in ``run_dir``; ``local``: the job runs on this machine (no Ray cluster expected).
     """
 
@@ -58,7 +58,7 @@ class JobPlan:
 
     @property
     def memory(self) -> preflight.MemoryEstimate | None:
-        """The built-in model's memory estimate (:func:`jobs.preflight.estimate_memory`), derived from
+        """The built-in model's memory estimate (:func:`jobs.launcher.preflight.estimate_memory`), derived from
         :attr:`config` when asked; None for your model and while the table sizes are not resolved."""
         if self.config.user_model or self.config.model.table_sizes == "data":
             return None
@@ -76,7 +76,7 @@ def make_plan(config: JobConfig, run_dir: str | Path | None = None, *, resume: b
 
     Args:
         run_dir: The run folder asked for (``--run-dir``), or None for ``<[job] run_dir>/<name>-<UTC timestamp>``.
-        resume: Continue the interrupted or failed run in ``run_dir`` (:mod:`jobs.runs`).
+        resume: Continue the interrupted or failed run in ``run_dir`` (:mod:`jobs.launcher.runs`).
         local: The job runs on this machine: ports and memory are checked here too.
         log: ``log(message)`` for what was checked, or None.
 
@@ -108,7 +108,7 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
     if not plan.needs_data:
         log(plan.data_note)
         return plan
-    from jobs.data import resolve_data_path
+    from jobs.launcher.data import resolve_data_path
 
     config = plan.config
     data_path, note = resolve_data_path("", plan.run_dir, config.data.synthetic_rows, seed=config.job.seed)
@@ -119,12 +119,12 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """What every trainer of a job gets (:func:`jobs.worker.train_loop`): the :class:`JobPlan` and the runtime
+    """What every trainer of a job gets (:func:`jobs.trainer.worker.train_loop`): the :class:`JobPlan` and the runtime
     handles the launcher made once Ray started.
 
-    ``state``: the launcher's :class:`jobs.state.JobState` actor (progress, results, deterministic errors);
+    ``state``: the launcher's :class:`jobs.launcher.state.JobState` actor (progress, results, deterministic errors);
     ``servers``: the parameter-server actor handles (``[cluster] parameter_servers`` of them,
-    :func:`jobs.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
+    :func:`jobs.trainer.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
     ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC group's rendezvous binds to,
     None to use the node's Ray address (on a cluster).
     """

@@ -5,7 +5,7 @@
 1. the config's own ranges and cross-key constraints (already checked by :func:`jobs.config.parse_config`);
 2. the passes of ``[phases] passes`` resolve (their modules import; nothing is run);
 3. your model (``[model] factory``): every entry point imports, the factory returns an ``nn.Module`` and the
-   first train batch follows the batch contract (:func:`jobs.user_code.check`); else the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
+   first train batch follows the batch contract (:func:`jobs.user_code.check`); else the data file (:func:`jobs.launcher.data.locate_data`: missing, a directory, empty, unreadable, unsupported
    compression, no valid line near the start), or enough synthetic rows when none is found;
 4. on this machine only (no Ray cluster): the metrics ports are free (:func:`check_ports`), and the job's
    memory (:func:`estimate_memory`) fits in the memory available (:func:`available_memory_bytes`).
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.config import ConfigError, JobConfig
-from jobs.data import locate_data
+from jobs.launcher.data import locate_data
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
 
 __all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "server_table_bytes", "MemoryEstimate", "server_table_copies",
@@ -43,7 +43,7 @@ def server_table_copies(phases: int) -> int:
     besides the servers' own (one per phase, counted in ``MemoryEstimate.server_bytes``, in their storage
     form), for ``phases`` phases trained side by side (each its own table set): the copy a server answers
     ``state_dict`` with (1), the checkpoint trainer rank 0 gathers (one per phase) and the evaluated-model
-    snapshot (1) (see jobs/servers.py ``ServerTables`` and jobs/worker.py ``_save_checkpoint`` /
+    snapshot (1) (see jobs/trainer/servers.py ``ServerTables`` and jobs/trainer/worker.py ``_save_checkpoint`` /
     ``_evaluate_mid_phase``)."""
     return phases + 2
 

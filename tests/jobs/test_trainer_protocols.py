@@ -9,10 +9,10 @@ import cloudpickle
 import pytest
 
 from jobs.config import JobConfig
+from jobs.launcher.plan import JobPlan, TrainerSpec, make_plan, with_data
+from jobs.trainer.protocols import TableBackend, Tables, Workload
+from jobs.trainer.workload import CriteoWorkload, LocalTables, UserWorkload
 from recsys.criteo_synth import write_synthetic_criteo
-from jobs.plan import JobPlan, TrainerSpec, make_plan, with_data
-from jobs.seams import TableBackend, Tables, Workload
-from jobs.workload import CriteoWorkload, LocalTables, UserWorkload
 
 
 def _members(protocol: type) -> set[str]:
@@ -28,7 +28,7 @@ def test_every_implementation_has_every_member_of_its_protocol(cls, protocol):
 
 
 def test_the_server_backend_and_its_views_have_every_member():
-    from jobs.servers import ServerTables, _PhaseTables
+    from jobs.trainer.servers import ServerTables, _PhaseTables
 
     # ``moved`` is set per instance (the tables the pass moved), the rest are class members
     assert sorted(n for n in _members(Tables) if not hasattr(_PhaseTables, n)) == ["moved"]
@@ -61,7 +61,7 @@ def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tm
 
 
 def test_synthetic_data_is_planned_once_generated_into_the_run_folder(tmp_path, monkeypatch):
-    for where in ("jobs.data.locate_data", "jobs.preflight.locate_data"):  # no Criteo file anywhere
+    for where in ("jobs.launcher.data.locate_data", "jobs.launcher.preflight.locate_data"):  # no Criteo file anywhere
         monkeypatch.setattr(where, lambda path, table_size=0: None)
     config = JobConfig().replace(data={"synthetic_rows": 300}, metrics={"enabled": False})
     plan = make_plan(config, tmp_path / "run", local=False)

@@ -1,15 +1,15 @@
-"""The only seams between the training loop (:mod:`jobs.worker`) and a model: a :class:`Workload` and its
+"""The only seams between the training loop (:mod:`jobs.trainer.worker`) and a model: a :class:`Workload` and its
 :class:`Tables`.
 
 The trainer asks for nothing else: every member below exists on every implementation, so it never probes
 (``getattr`` / ``hasattr`` / ``isinstance``) what it was given.
 
-- :class:`Workload`: :class:`jobs.workload.UserWorkload` (your ``[model] factory`` on your ``[data] batches``) and
-  :class:`jobs.workload.CriteoWorkload` (the built-in torchrec DLRM on Criteo rows);
-- :class:`TableBackend` (:func:`jobs.workload.make_tables`): :class:`jobs.workload.LocalTables` (the tables stay
-  in the model: DDP parameters) or :class:`jobs.servers.ServerTables` (the ``parameter_servers`` pass moves them to
+- :class:`Workload`: :class:`jobs.trainer.workload.UserWorkload` (your ``[model] factory`` on your ``[data] batches``) and
+  :class:`jobs.trainer.workload.CriteoWorkload` (the built-in torchrec DLRM on Criteo rows);
+- :class:`TableBackend` (:func:`jobs.trainer.workload.make_tables`): :class:`jobs.trainer.workload.LocalTables` (the tables stay
+  in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the ``parameter_servers`` pass moves them to
   the job's servers); its :meth:`TableBackend.view` of a phase is that phase's :class:`Tables`
-  (:class:`~jobs.workload.LocalTables` itself, or a server view).
+  (:class:`~jobs.trainer.workload.LocalTables` itself, or a server view).
 
 Batches follow the contract of :mod:`jobs.entry`; a model's call is ``module(*args, **kwargs)`` with
 ``(args, kwargs, labels)`` from :meth:`Workload.inputs`, ``labels`` a tensor of shape ``(B,)`` or ``(B, ...)``
@@ -53,7 +53,7 @@ class Tables(Protocol):
     """One phase's embedding tables, seen from the trainer."""
 
     local: bool
-    """True: the tables are in the model (DDP parameters, :class:`jobs.workload.LocalTables`); False: on the
+    """True: the tables are in the model (DDP parameters, :class:`jobs.trainer.workload.LocalTables`); False: on the
     parameter servers (the model built for them holds ``meta`` tables, lookups are RPCs taking CPU tensors)."""
     moved: frozenset[str]
     """The model's state-dict keys (``"<path>.weight"``) of the tables that live on the servers (empty when local)."""
@@ -98,7 +98,7 @@ class Tables(Protocol):
 
 
 class TableBackend(Protocol):
-    """Where a trainer's tables live, for every phase (:func:`jobs.workload.make_tables`)."""
+    """Where a trainer's tables live, for every phase (:func:`jobs.trainer.workload.make_tables`)."""
 
     def view(self, phase: str) -> Tables:
         """The tables of ``phase`` ("baseline" or "optimized"): each phase trains its own set."""
