@@ -2,7 +2,7 @@
 
 :func:`launch` does, in order:
 
-1. plans the job (:func:`jobs.launcher.plan.make_plan`, a :class:`jobs.launcher.plan.JobPlan`): every check that needs no Ray
+1. plans the job (:func:`jobs.launcher.plan.make_plan`, a :class:`jobs.trainer.spec.JobPlan`): every check that needs no Ray
    (:mod:`jobs.launcher.preflight`: config ranges, passes, the data file, and on this machine free metrics ports and
    enough memory), the first pass over the data (table sizes), and the run folder, not created yet
    (:mod:`jobs.launcher.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
@@ -15,7 +15,7 @@
    ``FailureConfig(max_failures)`` restarts the worker group from the last checkpoint), after starting
    the parameter servers as Ray actors (:func:`jobs.trainer.servers.start_servers`; each worker group's rank 0 has
    them join its ``torch.distributed.rpc`` group, see :mod:`jobs.trainer.servers`; they are killed when the job ends,
-   also on errors and Ctrl-C); each trainer gets a :class:`jobs.launcher.plan.TrainerSpec` (the plan and those
+   also on errors and Ctrl-C); each trainer gets a :class:`jobs.trainer.spec.TrainerSpec` (the plan and those
    handles); the trainers report to a :class:`JobState` actor, which the launcher polls for its progress display;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
    see :func:`jobs.trainer.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`: ``quant.select_int8``
@@ -48,11 +48,12 @@ import torch
 from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.launcher import runs
-from jobs.launcher.plan import JobPlan, TrainerSpec, make_plan, with_data
+from jobs.launcher.plan import make_plan, with_data
 from jobs.launcher.prometheus import retarget, write_prometheus_files
 from jobs.launcher.state import JobState, seed_snapshot, with_snapshot
 from jobs.results import InferenceResult, JobResults, PhaseResult
 from jobs.stats import peak_rss_bytes
+from jobs.trainer.spec import JobPlan, TrainerSpec
 from recsys.criteo_format import DataError
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases"]

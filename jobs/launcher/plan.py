@@ -1,5 +1,4 @@
-"""What a launch decided before any trainer starts (:class:`JobPlan`), and what each trainer gets
-(:class:`TrainerSpec`).
+"""The plan of a launch: what it decides before any trainer starts (a :class:`jobs.trainer.spec.JobPlan`).
 
 :func:`make_plan` runs, before Ray starts, every check that needs no Ray (:func:`jobs.launcher.preflight.check`), the
 first pass over the Criteo data when there is a file (:func:`jobs.launcher.preflight.plan`: each trainer's rows and, with
@@ -8,66 +7,28 @@ estimate (:func:`jobs.launcher.preflight.estimate_memory`) and the run folder (:
 When no Criteo file was found, the launcher generates synthetic data into the run folder once it exists and
 completes the plan with :func:`with_data` (that first pass runs then).
 
-The trainers get a :class:`TrainerSpec`: the plan and the runtime handles (the JobState actor, the server
-actors, the metrics base port, the RPC host), passed as Ray Train's ``train_loop_config={"spec": spec}`` (Ray
-requires a dict there) and read by :func:`jobs.trainer.worker.train_loop`. Both are frozen dataclasses of plain values,
-the config's entry points being ``"package.module:function"`` strings, never callables: they pickle
-(cloudpickle, by reference to this module) and the config is not re-parsed on the trainer.
-
-Source: Ray Train ``TorchTrainer(train_loop_per_worker, train_loop_config)``.
+The trainers get a :class:`jobs.trainer.spec.TrainerSpec`: the plan and the runtime handles.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable
 
 from jobs.config import JobConfig
 from jobs.launcher import preflight, runs
+from jobs.trainer.spec import JobPlan
 
-if TYPE_CHECKING:
-    from recsys.criteo_shard import DataPlan
-
-__all__ = ["JobPlan", "TrainerSpec", "make_plan", "with_data"]
+__all__ = ["make_plan", "memory_estimate", "with_data"]
 
 
-@dataclass(frozen=True)
-class JobPlan:
-    """A launch's decisions, made before any trainer starts.
-
-    ``config``: the job config with ``[model] table_sizes`` resolved (a list of 26 sizes when it was "data");
-    ``run_dir``: the run folder (absolute; created by the launcher once Ray has started); ``data_path``: the
-    Criteo data (a file, directory or glob), or None for your ``[data] batches`` and, until :func:`with_data`,
-    for synthetic data not generated yet; ``data_note``: where the data came from (for the log and results.json);
-    ``data_plan``: the first pass (:class:`recsys.criteo_shard.DataPlan`: lines, rows per trainer, held-out rows),
-    None for your batches; ``tables``: the table-size record for ``cardinalities.json`` (distinct counts per
-    feature, sizes) with ``table_sizes = "data"``, else None; :attr:`memory`: the built-in model's memory estimate in
-    bytes (:class:`jobs.launcher.preflight.MemoryEstimate`), None for your model (not estimated); ``resume``: the launch
-    continues the run in ``run_dir``; ``local``: the job runs on this machine (no Ray cluster expected).
-    """
-
-    config: JobConfig
-    run_dir: Path
-    data_path: Path | None = None
-    data_note: str = ""
-    data_plan: DataPlan | None = None
-    tables: dict[str, Any] | None = None
-    resume: bool = False
-    local: bool = True
-
-    @property
-    def memory(self) -> preflight.MemoryEstimate | None:
-        """The built-in model's memory estimate (:func:`jobs.launcher.preflight.estimate_memory`), derived from
-        :attr:`config` when asked; None for your model and while the table sizes are not resolved."""
-        if self.config.user_model or self.config.model.table_sizes == "data":
-            return None
-        return preflight.estimate_memory(self.config)
-
-    @property
-    def needs_data(self) -> bool:
-        """The built-in model's Criteo data is still to be generated (:func:`with_data`)."""
-        return not self.config.user_model and self.data_path is None
+def memory_estimate(plan: JobPlan) -> preflight.MemoryEstimate | None:
+    """The built-in model's memory estimate in bytes (:func:`jobs.launcher.preflight.estimate_memory`), derived from
+    ``plan.config`` when asked; None for your model and while the table sizes are not resolved."""
+    if plan.config.user_model or plan.config.model.table_sizes == "data":
+        return None
+    return preflight.estimate_memory(plan.config)
 
 
 def make_plan(config: JobConfig, run_dir: str | Path | None = None, *, resume: bool = False, local: bool = True,
@@ -115,27 +76,3 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
     log(note)
     config, data_plan, record = preflight.plan(config, data_path, local=plan.local, log=log)
     return replace(plan, config=config, data_path=data_path, data_note=note, data_plan=data_plan, tables=record)
-
-
-@dataclass(frozen=True)
-class TrainerSpec:
-    """What every trainer of a job gets (:func:`jobs.trainer.worker.train_loop`): the :class:`JobPlan` and the runtime
-    handles the launcher made once Ray started.
-
-    ``state``: the launcher's :class:`jobs.launcher.state.JobState` actor (progress, results, deterministic errors);
-    ``servers``: the parameter-server actor handles (``[cluster] parameter_servers`` of them,
-    :func:`jobs.trainer.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
-    ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC group's rendezvous binds to,
-    None to use the node's Ray address (on a cluster).
-    """
-
-    plan: JobPlan
-    state: Any
-    servers: tuple[Any, ...] = field(default=())
-    metrics_port: int | None = None
-    rpc_host: str | None = None
-
-    @property
-    def config(self) -> JobConfig:
-        """The job config (table sizes resolved)."""
-        return self.plan.config

@@ -135,7 +135,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
     ``[job] max_failures`` times after its process dies; it exports metrics on
     ``metrics_port + trainers + i`` of its node (None: no exporter; another free port of its node when that
     one is taken there). ``[cluster] placement`` picks its node (:func:`jobs.cluster.server_options`).
-    Returns the handles (for the trainers' :class:`jobs.launcher.plan.TrainerSpec`).
+    Returns the handles (for the trainers' :class:`jobs.trainer.spec.TrainerSpec`).
     """
     from jobs.cluster import server_options
     from scheduling.ps import server_actor_class
@@ -200,7 +200,7 @@ def _rpc_host(spec: Any) -> str:
 
 class ServerGroup:
     """This worker group's ``torch.distributed.rpc`` group: the ``world`` trainers and the launcher's
-    server actors (``PSActor``) (``spec.servers`` of the trainers' :class:`jobs.launcher.plan.TrainerSpec` ``spec``), which
+    server actors (``PSActor``) (``spec.servers`` of the trainers' :class:`jobs.trainer.spec.TrainerSpec` ``spec``), which
     rank 0 asks to join (see the module docstring).
 
     Attributes: ``rank``, ``world``, ``config``, ``num_servers``, ``servers`` (RPC names ``ps<i>``), ``group``

@@ -1,7 +1,7 @@
 """The per-trainer training loop that Ray Train runs: baseline phase, optimized phase, checkpoints.
 
 ``train_loop({"spec": spec})`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer`` (``spec``: a
-:class:`jobs.launcher.plan.TrainerSpec`). It meets the model only through the seams of :mod:`jobs.trainer.protocols` (a ``Workload``
+:class:`jobs.trainer.spec.TrainerSpec`). It meets the model only through the seams of :mod:`jobs.trainer.protocols` (a ``Workload``
 and its ``Tables``). Each trainer:
 
 1. reads its shard of the data (:mod:`jobs.trainer.workload`: the Criteo reader, or your ``[data] batches``) and
@@ -45,13 +45,13 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from jobs.config import JobConfig
-from jobs.launcher.plan import TrainerSpec
 from jobs.optimizers import dense_optimizer
 from jobs.stats import interleaved_gain, peak_rss_bytes, phase_summary
 from jobs.trainer.lookups import optimize_record
 from jobs.trainer.metrics import Exporter
 from jobs.trainer.protocols import StepBatch, Tables, Workload
 from jobs.trainer.sparse_grads import data_parallel
+from jobs.trainer.spec import TrainerSpec
 from jobs.trainer.workload import build_model, make_tables, make_workload, release_tables
 from jobs.user_code import user_error_frame
 
@@ -388,7 +388,7 @@ def train_loop(loop_config: dict[str, TrainerSpec]) -> None:
     """Ray Train entry point: run the job on this trainer, stopping for good on a deterministic error.
 
     ``loop_config``: ``{"spec": spec}`` (Ray Train's ``train_loop_config`` is a dict), ``spec`` the
-    :class:`jobs.launcher.plan.TrainerSpec` every trainer of the job gets.
+    :class:`jobs.trainer.spec.TrainerSpec` every trainer of the job gets.
 
     A deterministic error (:func:`_deterministic_errors`: bad config or data, a model that does not trace, an
     exception raised in your own code or a loss of yours without gradient at ``loss.backward()``:

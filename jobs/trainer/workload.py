@@ -346,7 +346,7 @@ def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
 
 def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: Any) -> TableBackend:
     """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``, else
-    :class:`jobs.trainer.servers.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.launcher.plan.TrainerSpec`
+    :class:`jobs.trainer.servers.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.trainer.spec.TrainerSpec`
     ``spec``, one table set per phase).
 
     Raises:

@@ -9,8 +9,9 @@ import cloudpickle
 import pytest
 
 from jobs.config import JobConfig
-from jobs.launcher.plan import JobPlan, TrainerSpec, make_plan, with_data
+from jobs.launcher.plan import make_plan, memory_estimate, with_data
 from jobs.trainer.protocols import TableBackend, Tables, Workload
+from jobs.trainer.spec import JobPlan, TrainerSpec
 from jobs.trainer.workload import CriteoWorkload, LocalTables, UserWorkload
 from recsys.criteo_synth import write_synthetic_criteo
 
@@ -50,7 +51,7 @@ def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tm
     plan = make_plan(config, tmp_path / "run", local=False)
     assert plan.data_path == data and plan.run_dir == (tmp_path / "run").resolve() and not plan.run_dir.exists()
     assert isinstance(plan.config.model.table_sizes, list) and plan.tables["sizes"] == plan.config.table_sizes
-    assert plan.data_plan.rows and plan.memory.total_bytes > 0 and plan.data_note == f"Criteo data from {data}"
+    assert plan.data_plan.rows and memory_estimate(plan).total_bytes > 0 and plan.data_note == f"Criteo data from {data}"
     assert with_data(plan) is plan  # the data was found: nothing to generate
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.config = config  # type: ignore[misc]

@@ -148,7 +148,6 @@ def user_job(ray_session, tmp_path_factory):
     config.write_text(USER_JOB)
     run_dir = tmp / "run"
     out = tmp / "stdout.txt"
-    import contextlib
     import io
 
     buffer = io.StringIO()
