@@ -108,7 +108,7 @@ def _trial(with_exporter: bool, steps: int, shard, config) -> dict:
     import torch
 
     from jobs.trainer.metrics import Exporter
-    from jobs.trainer.worker import build_model, run_phase
+    from jobs.trainer.loop import build_model, run_phase
     from jobs.trainer.workload import CriteoWorkload, LocalTables
 
     exporter, scraper, meter, out = None, None, None, {}

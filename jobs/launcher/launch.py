@@ -18,12 +18,12 @@
    also on errors and Ctrl-C); each trainer gets a :class:`jobs.trainer.spec.TrainerSpec` (the plan and those
    handles); the trainers report to a :class:`JobState` actor, which the launcher polls for its progress display;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
-   see :func:`jobs.trainer.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`: ``quant.select_int8``
+   see :func:`jobs.trainer.loop.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`: ``quant.select_int8``
    for the built-in DLRM and for your model alike);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.launcher.report`).
 
 A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
-:class:`JobState` actor and ends the job on the first attempt (:func:`jobs.trainer.worker.train_loop`); the
+:class:`JobState` actor and ends the job on the first attempt (:func:`jobs.trainer.loop.train_loop`); the
 launcher raises it (exit status 2 for config and data, 1 otherwise). Ray Train's retries
 (``max_failures``) are for process and node failures. Whatever ends the job, ``results.json`` says how:
 ``"completed"``, ``"interrupted"`` or ``"failed"``, with the phases finished so far (:mod:`jobs.launcher.runs`).
@@ -182,7 +182,7 @@ def _trainer(config: JobConfig, spec: TrainerSpec, run_dir: Path):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from jobs.cluster import trainer_strategy
-    from jobs.trainer.worker import train_loop
+    from jobs.trainer.loop import train_loop
 
     c = config.cluster
     return TorchTrainer(

@@ -48,7 +48,7 @@ class JobState:
 
     def fail(self, kind: str, error_type: str, message: str, rank: int) -> None:
         """A trainer hit a deterministic error (``kind``: "config", "data" or "job"); the first one is kept
-        and every later attempt of the worker group stops at once (:func:`jobs.trainer.worker.train_loop`)."""
+        and every later attempt of the worker group stops at once (:func:`jobs.trainer.loop.train_loop`)."""
         if self.error is None:
             self.error = {"kind": kind, "type": error_type, "message": message, "rank": rank}
             self.event(f"rank {rank}: {error_type}: {message}")

@@ -1,4 +1,4 @@
-"""The only seams between the training loop (:mod:`jobs.trainer.worker`) and a model: a :class:`Workload` and its
+"""The only seams between the training loop (:mod:`jobs.trainer.loop`) and a model: a :class:`Workload` and its
 :class:`Tables`.
 
 The trainer asks for nothing else: every member below exists on every implementation, so it never probes

@@ -2,7 +2,7 @@
 
 The launcher makes the plan (:func:`jobs.launcher.plan.make_plan`) and, once Ray started, the spec: the plan and the
 runtime handles (the JobState actor, the server actors, the metrics base port, the RPC host), passed as Ray Train's
-``train_loop_config={"spec": spec}`` (Ray requires a dict there) and read by :func:`jobs.trainer.worker.train_loop`.
+``train_loop_config={"spec": spec}`` (Ray requires a dict there) and read by :func:`jobs.trainer.loop.train_loop`.
 Both are frozen dataclasses of plain values, the config's entry points being ``"package.module:function"`` strings,
 never callables: they pickle (cloudpickle, by reference to this module) and the config is not re-parsed on the
 trainer. They live on the trainer side, below the launcher, so that the trainers never import the launcher.
@@ -55,7 +55,7 @@ class JobPlan:
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """What every trainer of a job gets (:func:`jobs.trainer.worker.train_loop`): the :class:`JobPlan` and the runtime
+    """What every trainer of a job gets (:func:`jobs.trainer.loop.train_loop`): the :class:`JobPlan` and the runtime
     handles the launcher made once Ray started.
 
     ``state``: the launcher's :class:`jobs.launcher.state.JobState` actor (progress, results, deterministic errors);

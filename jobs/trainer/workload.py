@@ -1,7 +1,7 @@
 """What a trainer trains (the built-in torchrec DLRM on Criteo, or your model on your batches), and where its
 embedding tables live.
 
-A *workload* (the :class:`jobs.trainer.protocols.Workload` protocol) gives the training loop (:mod:`jobs.trainer.worker`) everything
+A *workload* (the :class:`jobs.trainer.protocols.Workload` protocol) gives the training loop (:mod:`jobs.trainer.loop`) everything
 that depends on the model and the data:
 
 - ``rows``: this trainer's training rows per epoch (for ``[job] eval_epochs``), ``parse``: the reader's

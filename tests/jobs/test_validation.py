@@ -360,7 +360,7 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     import ray
     import ray.train
 
-    import jobs.trainer.worker
+    import jobs.trainer.loop
     from fxdist.errors import TraceError
     from recsys.criteo_format import DataError
 
@@ -382,25 +382,25 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     def loop_config(state, error):  # train_loop reads only the spec's JobState actor (and config) itself
         return {"spec": SimpleNamespace(state=state, error=error, config=None)}
 
-    monkeypatch.setattr(jobs.trainer.worker, "_train_loop", failing)
+    monkeypatch.setattr(jobs.trainer.loop, "_train_loop", failing)
     state = _FakeState()
     error = DataError("x.tsv has no valid train line")
     if world == 1:  # one trainer: return normally, so fit() ends without a retry
-        jobs.trainer.worker.train_loop(loop_config(state, error))
+        jobs.trainer.loop.train_loop(loop_config(state, error))
     else:  # more: re-raise, so Ray Train tears down the ranks waiting in a collective
         with pytest.raises(DataError):
-            jobs.trainer.worker.train_loop(loop_config(state, error))
+            jobs.trainer.loop.train_loop(loop_config(state, error))
     assert state.actor.error == {"kind": "data", "type": "DataError", "message": str(error), "rank": world - 1}
     # the retried attempt returns at once, without running the loop
-    jobs.trainer.worker.train_loop(loop_config(state, AssertionError("not reached")))
+    jobs.trainer.loop.train_loop(loop_config(state, AssertionError("not reached")))
     assert len(calls) == 1
     # a trace error is recorded as a job error; a process-level failure is Ray Train's to retry
     state = _FakeState()
     with pytest.raises(ConnectionResetError, match="connection reset"):
-        jobs.trainer.worker.train_loop(loop_config(state, ConnectionResetError("connection reset")))
+        jobs.trainer.loop.train_loop(loop_config(state, ConnectionResetError("connection reset")))
     assert state.actor.error is None
     try:
-        jobs.trainer.worker.train_loop(loop_config(state, TraceError("control flow")))
+        jobs.trainer.loop.train_loop(loop_config(state, TraceError("control flow")))
     except TraceError:
         assert world > 1
     assert state.actor.error["kind"] == "job"

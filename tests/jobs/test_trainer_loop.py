@@ -14,7 +14,7 @@ from jobs.config import JobConfig
 from jobs.launcher.report import table, to_json, write
 from jobs.stats import phase_summary
 from jobs.trainer.metrics import Exporter
-from jobs.trainer.worker import build_model, eval_step, run_phase
+from jobs.trainer.loop import build_model, eval_step, run_phase
 from jobs.trainer.workload import CriteoWorkload, LocalTables
 from recsys.criteo_shard import CriteoShard
 from recsys.criteo_synth import write_synthetic_criteo
@@ -130,7 +130,7 @@ def test_metrics_updates_are_timed_in_the_training_loop(workload):
 
 
 def test_interleaved_blocks_train_each_phase_as_one_uninterrupted_run(workload):
-    from jobs.trainer.worker import PhaseTrainer, block_ends
+    from jobs.trainer.loop import PhaseTrainer, block_ends
 
     torch.set_num_threads(1)
     whole, _, _ = run_phase("optimized", build_model(CONFIG), LocalTables(), workload, CONFIG)
@@ -155,7 +155,7 @@ def _checkpoint_on_rank(rank: int, store: str, out: str) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from jobs.trainer import worker
+    from jobs.trainer import loop as worker
 
     def slow_report(metrics, checkpoint=None):
         if rank == 0:
