@@ -108,8 +108,8 @@ def _trial(with_exporter: bool, steps: int, shard, config) -> dict:
     import torch
 
     from jobs.trainer.metrics import Exporter
-    from jobs.trainer.loop import build_model, run_phase
-    from jobs.trainer.workload import CriteoWorkload, LocalTables
+    from jobs.trainer.pipeline import run_phase
+    from jobs.trainer.workload import CriteoWorkload, LocalTables, build_model
 
     exporter, scraper, meter, out = None, None, None, {}
     if with_exporter:

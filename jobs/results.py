@@ -118,7 +118,7 @@ class _Result:
 @dataclass(frozen=True)
 class PhaseResult(_Result):
     """One phase (``baseline`` / ``optimized``) of ``results.json["phases"]``: :func:`jobs.stats.phase_summary`
-    plus what the trainers add after evaluation (``jobs.trainer.loop._finish_phases``)."""
+    plus what the trainers add after evaluation (``jobs.trainer.phases._finish_phases``)."""
 
     qps: float | None
     """Job-wide training throughput, samples/s: all trainers' samples / the slowest trainer's phase wall time."""
@@ -167,7 +167,7 @@ class PhaseResult(_Result):
     block_seconds: list[list[float]] | Absent = ABSENT
     """Per trainer, the seconds of each interleaved block (:func:`jobs.stats.interleaved_gain`), seconds."""
     reader: dict[str, Any] | None | Absent = ABSENT
-    """The trainers' reader statistics (lines/s; :func:`jobs.trainer.loop.reader_summary`), None without a stream."""
+    """The trainers' reader statistics (lines/s; :func:`jobs.trainer.phases.reader_summary`), None without a stream."""
 
 
 @dataclass(frozen=True)

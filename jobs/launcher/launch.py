@@ -18,7 +18,7 @@
    also on errors and Ctrl-C); each trainer gets a :class:`jobs.trainer.spec.TrainerSpec` (the plan and those
    handles); the trainers report to a :class:`JobState` actor, which the launcher polls for its progress display;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
-   see :func:`jobs.trainer.loop.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`: ``quant.select_int8``
+   see :func:`jobs.trainer.evaluation.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`: ``quant.select_int8``
    for the built-in DLRM and for your model alike);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.launcher.report`).
 

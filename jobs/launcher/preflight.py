@@ -43,8 +43,8 @@ def server_table_copies(phases: int) -> int:
     besides the servers' own (one per phase, counted in ``MemoryEstimate.server_bytes``, in their storage
     form), for ``phases`` phases trained side by side (each its own table set): the copy a server answers
     ``state_dict`` with (1), the checkpoint trainer rank 0 gathers (one per phase) and the evaluated-model
-    snapshot (1) (see jobs/trainer/servers.py ``ServerTables`` and jobs/trainer/loop.py ``_save_checkpoint`` /
-    ``_evaluate_mid_phase``)."""
+    snapshot (1) (see jobs/trainer/servers.py ``ServerTables`` and jobs/trainer/checkpoints.py ``save_checkpoint`` /
+    jobs/trainer/evaluation.py ``evaluate_mid_phase``)."""
     return phases + 2
 
 

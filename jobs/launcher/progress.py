@@ -1,6 +1,6 @@
 """The launcher's one progress display of a job's phases (``[job] progress``), fed by JobState snapshots.
 
-The phases train block by block on the same trainers (:func:`jobs.trainer.loop.block_ends`), so one display counts the
+The phases train block by block on the same trainers (:func:`jobs.trainer.phases.block_ends`), so one display counts the
 steps of all of them: on a terminal, one tqdm bar over every phase's steps (each phase's count after it); otherwise
 (a pipe, a file, CI) plain lines, one every ``interval_s`` seconds and one when a phase finishes, without
 escape codes::

@@ -14,7 +14,7 @@ import fxdist
 from jobs.config import JobConfig
 from jobs.launcher.inference import compare, rebuild_model
 from jobs.launcher.report import table
-from jobs.trainer.loop import build_model
+from jobs.trainer.workload import build_model
 from quant import cpu_isa
 from recsys.criteo_synth import write_synthetic_criteo
 

@@ -88,7 +88,7 @@ def scraped_job(ray_session, tmp_path_factory):
     run_dir = tmp / "run"
     base = free_port_block(3)
     overrides = [*SHORT, f"metrics.port={base}", 'job.name="fxdist-test"', "job.max_failures=3",
-                 "faults.kill_trainer_at_step=15", "faults.kill_server_at_step=33"]
+                 "faults.kill_trainer_at_step=15", "faults.kill_server_at_step=33"]  # jobs.trainer.faults
     args = ["launch", "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
     # the same files `fxdist launch` writes, rendered with a 1 s scrape/evaluation interval
     config = load_config().replace(metrics={"port": base}, job={"name": "fxdist-test"})

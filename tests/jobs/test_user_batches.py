@@ -21,7 +21,9 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRM, DLRMTrain
 
+import jobs.trainer.evaluation
 import jobs.trainer.loop
+import jobs.trainer.pipeline
 from jobs import user_code
 from jobs.config import ConfigError, load_config
 from jobs.trainer.workload import LocalTables, UserWorkload
@@ -132,7 +134,7 @@ def _train(config, phase: str = "baseline"):
     model = workload.build(LocalTables())
     with warnings.catch_warnings():  # dce may find nothing to remove (NoOpPassWarning)
         warnings.simplefilter("ignore")
-        run, _, _ = jobs.trainer.loop.run_phase(phase, model, LocalTables(), workload, config)
+        run, _, _ = jobs.trainer.pipeline.run_phase(phase, model, LocalTables(), workload, config)
     return run, model, workload
 
 
@@ -184,7 +186,7 @@ def test_a_dataclass_batch_with_a_loss_trains_whole_or_by_fields():
     runs = {phase: _train(fields, phase) for phase in ("baseline", "optimized")}
     assert runs["baseline"][0].losses == pytest.approx(runs["optimized"][0].losses, rel=1e-6)
     run, model, workload = runs["baseline"]
-    quality = jobs.trainer.loop.evaluate(model, workload, LocalTables())
+    quality = jobs.trainer.evaluation.evaluate(model, workload, LocalTables())
     assert quality["rows"] == 3 * B
 
 

@@ -296,7 +296,8 @@ def test_bundled_config_is_found_from_anywhere(tmp_path, monkeypatch):
 def test_user_model_with_local_tables_trains_the_same_in_both_phases():
     """No parameter servers: the tables stay in the model; both phases train it over the same batches (no Ray)."""
     from jobs.config import load_config
-    from jobs.trainer.loop import evaluate, run_phase
+    from jobs.trainer.evaluation import evaluate
+    from jobs.trainer.pipeline import run_phase
     from jobs.trainer.workload import LocalTables, UserWorkload
 
     config = load_config().replace(
@@ -317,7 +318,7 @@ def test_user_model_with_local_tables_trains_the_same_in_both_phases():
 
 
 def _local_losses(config, phase: str = "optimized") -> list[float]:
-    from jobs.trainer.loop import run_phase
+    from jobs.trainer.pipeline import run_phase
     from jobs.trainer.workload import LocalTables, UserWorkload
 
     workload = UserWorkload(config, 0, 1)

@@ -108,7 +108,7 @@ def test_a_shape_error_in_forward_exits_2_with_your_file_and_line(tmp_path, caps
 
 
 def test_evaluation_keeps_any_output_structure():
-    from jobs.trainer.loop import evaluate
+    from jobs.trainer.evaluation import evaluate
 
     class Workload:
         def eval_batches(self):

@@ -13,7 +13,7 @@ from tests.recsys._lines import criteo_line as _line
 
 def test_report_shows_parse_throughput_next_to_qps():
     from jobs.launcher.report import table
-    from jobs.trainer.loop import reader_summary
+    from jobs.trainer.phases import reader_summary
 
     reader = reader_summary([{"lines_per_s": 90_000.0, "capacity_lines_per_s": 180_000.0, "workers": 2,
                               "lines": 10, "rows": 9}, None])
