@@ -83,7 +83,7 @@ def run_phases(config, rank, world, workload, tables, resume, state, exporter) -
             state.progress.remote(phase, step)
         if step == at and step < steps:
             early[phase].update(evaluate_mid_phase(trainers[phase], step, snapshot=phase == last))
-        maybe_inject_faults(config, phase, step, rank, world, state, trainers[phase].tables)
+        maybe_inject_faults(config, phase, step, rank, world, state, tables.servers)
 
     start = next(iter(trainers.values())).step
     for b, end in enumerate(block_ends(start, steps, config.phases.block_steps, every)):

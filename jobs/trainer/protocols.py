@@ -57,8 +57,6 @@ class Tables(Protocol):
     parameter servers (the model built for them holds ``meta`` tables, lookups are RPCs taking CPU tensors)."""
     moved: frozenset[str]
     """The model's state-dict keys (``"<path>.weight"``) of the tables that live on the servers (empty when local)."""
-    can_kill_server: bool
-    """:meth:`kill_server` works (a server view; fault injection, ``[faults] kill_server_at_step``)."""
 
     def placement_pass(self) -> Any:
         """The pass that moves the tables out of the module, run first in every phase (``fxdist.optimize`` pass,
@@ -89,16 +87,13 @@ class Tables(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load :meth:`state_dict`'s output (rank 0 writes it to the servers; every rank waits); a no-op when local."""
 
-    def kill_server(self, index: int) -> None:
-        """Kill server ``index``'s process (fault injection; Ray restarts it).
-
-        Raises:
-            RuntimeError: the tables are local (:attr:`can_kill_server` is False).
-        """
-
 
 class TableBackend(Protocol):
     """Where a trainer's tables live, for every phase (:func:`jobs.trainer.workload.make_tables`)."""
+
+    servers: Any
+    """This worker group's parameter servers (:class:`jobs.trainer.servers.ServerGroup`: its lifecycle, e.g. the
+    fault injection's ``kill(index)``), or None when the tables are local."""
 
     def view(self, phase: str) -> Tables:
         """The tables of ``phase`` ("baseline" or "optimized"): each phase trains its own set."""

@@ -255,7 +255,7 @@ class ServerGroup:
         if dist.is_initialized() and self.world > 1:
             dist.barrier()
 
-    def kill_server(self, index: int) -> None:
+    def kill(self, index: int) -> None:
         """Kill server ``index``'s process (fault injection) through the lifecycle's host
         (:meth:`scheduling.ps.ActorHost.kill`); Ray restarts the actor (``[job] max_failures``)."""
         self.lifecycle.kill(index)
@@ -293,10 +293,6 @@ class ServerTables:
     def view(self, phase: str) -> Any:
         """The tables of ``phase`` (its own clients and tables on the servers, a :class:`jobs.trainer.protocols.Tables`)."""
         return self.views[phase]
-
-    def kill_server(self, index: int) -> None:
-        """Kill server ``index``'s process (fault injection): :meth:`ServerGroup.kill_server`."""
-        self.servers.kill_server(index)
 
     def close(self, graceful: bool = True) -> None:
         """Close every phase's clients and leave the RPC group; the server actors stay (the launcher owns them).
@@ -345,7 +341,6 @@ class _PhaseTables(_LookupTimer):
     through the module it produced."""
 
     local = False
-    can_kill_server = True
 
     def __init__(self, owner: ServerGroup, phase: str) -> None:
         super().__init__()
@@ -412,9 +407,6 @@ class _PhaseTables(_LookupTimer):
         if self.rank == 0 and state:
             load_table_state_dict(self.gm, state)
         self.owner.barrier()
-
-    def kill_server(self, index: int) -> None:
-        self.owner.kill_server(index)
 
     def close(self) -> None:
         for client in self._clients():

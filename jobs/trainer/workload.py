@@ -27,7 +27,8 @@ them to the job's servers), with ``view(phase)`` (each phase's own tables, :clas
 ``placement_pass()`` (None when local) and ``attach(gm)``, ``after_backward()``, ``sync()`` (wait for updates in
 flight), ``lookup_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
 ``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
-live on the servers), ``can_kill_server`` / ``kill_server(i)``) and ``close(graceful)``.
+live on the servers), and ``close(graceful)``; the backend's ``servers``: the worker group's
+servers, None when local.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -290,7 +291,8 @@ class LocalTables:
 
     local = True
     moved: frozenset[str] = frozenset()
-    can_kill_server = False
+    servers = None
+    """No parameter servers: the tables are local."""
 
     def placement_pass(self) -> None:
         """None: the tables stay in the module."""
@@ -299,14 +301,6 @@ class LocalTables:
     def attach(self, gm: nn.Module) -> None:
         """Nothing to do: no pass moved the tables."""
 
-    def kill_server(self, index: int) -> None:
-        """No server to kill (:attr:`can_kill_server` is False).
-
-        Raises:
-            RuntimeError: always (``[cluster] parameter_servers = 0``).
-        """
-        raise RuntimeError(f"cannot kill parameter server {index}: the tables are local ([cluster] "
-                           "parameter_servers = 0)")
 
     def view(self, phase: str) -> "LocalTables":
         """Itself: each phase's tables are in its own model."""

@@ -31,17 +31,16 @@ def test_every_implementation_has_every_member_of_its_protocol(cls, protocol):
 def test_the_server_backend_and_its_views_have_every_member():
     from jobs.trainer.servers import ServerTables, _PhaseTables
 
-    # ``moved`` is set per instance (the tables the pass moved), the rest are class members
+    # ``moved`` and ``servers`` are set per instance (the tables the pass moved, the worker group's servers)
     assert sorted(n for n in _members(Tables) if not hasattr(_PhaseTables, n)) == ["moved"]
-    assert all(hasattr(ServerTables, n) for n in _members(TableBackend))
+    assert sorted(n for n in _members(TableBackend) if not hasattr(ServerTables, n)) == ["servers"]
 
 
 def test_local_tables_answer_what_the_trainer_asks():
     tables = LocalTables()
-    assert tables.placement_pass() is None and tables.local and not tables.can_kill_server
+    assert tables.placement_pass() is None and tables.local and tables.servers is None  # no server to kill
     assert tables.attach(object()) is None and tables.view("optimized") is tables
-    with pytest.raises(RuntimeError, match="parameter_servers = 0"):
-        tables.kill_server(0)
+    assert "kill_server" not in _members(Tables)  # faults go through the server group's lifecycle
 
 
 def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tmp_path):
