@@ -111,9 +111,10 @@ def _fit(trainer, box: dict[str, Any]) -> None:
 
 
 @dataclass
-class Watch:
-    """What the launcher keeps about a running job, between its steps (:func:`launch`, :func:`_train`,
-    :func:`_follow`)."""
+class JobStateWatch:
+    """The launcher's watch over a running job's JobState actor (:class:`jobs.launcher.state.JobState`): its last
+    snapshot, what to do when it changes, the nodes lost; kept between the launch's steps (:func:`launch`,
+    :func:`_train`, :func:`_follow`)."""
 
     previous: JobResults | None = None
     """The resumed run's results (``--resume``), else None."""
@@ -131,7 +132,7 @@ class Watch:
     """Exporters already reported as unreachable from here (warned once each)."""
 
 
-def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, watch: Watch) -> dict[str, Any]:
+def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, watch: JobStateWatch) -> dict[str, Any]:
     """Poll the JobState actor and update the progress display (:class:`jobs.launcher.progress.Progress`: one bar on a
     terminal, plain lines otherwise) until the fit thread ends.
 
@@ -232,7 +233,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     plan = make_plan(config, run_dir, resume=resume, local=not _expect_cluster(config), log=log)
     run_dir, previous = plan.run_dir, runs.read_results(plan.run_dir) if resume else None
     started_ray, on_cluster = _join_ray(plan.config, log=log)
-    watch = Watch(previous=previous)
+    watch = JobStateWatch(previous=previous)
     results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
                                "config_source": config.source, "run_dir": str(run_dir),
                                "launcher": {"pid": os.getpid(), "host": socket.gethostname()},
@@ -331,7 +332,7 @@ def _expect_cluster(config: JobConfig) -> bool:
     return bool(address)
 
 
-def _record_end(run_dir: Path, results: dict[str, Any], watch: Watch, error: BaseException) -> None:
+def _record_end(run_dir: Path, results: dict[str, Any], watch: JobStateWatch, error: BaseException) -> None:
     """Write results.json of a run that did not complete: "interrupted" (Ctrl-C) or "failed"."""
     snap = watch.snap or seed_snapshot(watch.previous)
     out = with_snapshot(results, snap)
@@ -375,7 +376,7 @@ def _recorded_error(error: dict[str, Any]) -> Exception:
 
 
 def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
-           watch: Watch) -> tuple[dict[str, Any], dict[str, Any], float]:
+           watch: JobStateWatch) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Start the server actors, run the TorchTrainer, kill the actors (also on errors and Ctrl-C).
 
     ``watch.snap`` keeps the last JobState snapshot, also when this raises.
