@@ -143,6 +143,7 @@ def export_overhead(steps: int, trials: int) -> tuple[list[dict], list[dict]]:
     """(without, with) trial results over ``trials`` alternating pairs (see :func:`_trial`)."""
     import torch
 
+    from jobs import table_sizes
     from jobs.config import load_config
     from jobs.launcher.data import resolve_data_path
     from recsys.criteo_shard import CriteoShard
@@ -150,7 +151,7 @@ def export_overhead(steps: int, trials: int) -> tuple[list[dict], list[dict]]:
     torch.set_num_threads(1)
     config = load_config()
     path, _ = resolve_data_path("", ROOT / "runs", config.data.synthetic_rows)
-    shard = CriteoShard(path, config.table_sizes)
+    shard = CriteoShard(path, table_sizes.sizes(config))
     _trial(False, 20, shard, config)  # warm-up
     without, with_ = [], []
     for i in range(trials):

@@ -291,7 +291,7 @@ def _record_data(plan: JobPlan, results: dict[str, Any]) -> None:
     if plan.data_plan is not None:
         results["data"]["scan"] = plan.data_plan.summary()
         results["config"] = to_dict(plan.config)
-        results["tables"] = {"sizes": plan.config.table_sizes, **(plan.tables or {})}
+        results["tables"] = {"sizes": table_sizes.sizes(plan.config), **(plan.tables or {})}
     if plan.tables is not None:
         table_sizes.write_record(plan.run_dir, plan.tables)
 

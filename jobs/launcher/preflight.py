@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig
 from jobs.launcher.data import locate_data
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
@@ -113,7 +114,6 @@ def plan(config: JobConfig, data: Path, *, local: bool, log: Any = None) -> tupl
     Raises:
         recsys.criteo_format.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
     """
-    from jobs import table_sizes
     from recsys.criteo_shard import scan
 
     per_feature = config.model.table_sizes == "data"
@@ -233,7 +233,7 @@ def _server_rows(config: JobConfig) -> list[int]:
     m, n = config.model, config.cluster.parameter_servers
     module = "sparse_arch.embedding_bag_collection"  # where jobs.criteo.dlrm keeps them
     tables = [TableInfo(TableSpec(f"t_C{j + 1}", size, m.embedding_dim, (f"C{j + 1}",)), module,
-                        f"{module}.embedding_bags.t_C{j + 1}") for j, size in enumerate(config.table_sizes)]
+                        f"{module}.embedding_bags.t_C{j + 1}") for j, size in enumerate(table_sizes.sizes(config))]
     rows = [0] * n
     for placement in plan_tables(tables, n, dict(m.plan) or None):
         for shard in shards_of(placement, n):
@@ -251,7 +251,7 @@ def server_table_bytes(config: JobConfig) -> list[int]:
 
 def estimate_memory(config: JobConfig) -> MemoryEstimate:
     """The job's peak memory on one machine, per process and in total (see :class:`MemoryEstimate`), from
-    the per-feature table sizes (:attr:`jobs.config.JobConfig.table_sizes`), the servers' storage form and
+    the per-feature table sizes (:func:`jobs.table_sizes.sizes`), the servers' storage form and
     the optimizer state.
 
     Raises:
@@ -259,7 +259,7 @@ def estimate_memory(config: JobConfig) -> MemoryEstimate:
     """
     m, c = config.model, config.cluster
     phases = 2 if config.phases.baseline else 1  # trained side by side, each with its own tables
-    rows, width = sum(config.table_sizes), m.embedding_dim * FLOAT_BYTES
+    rows, width = sum(table_sizes.sizes(config)), m.embedding_dim * FLOAT_BYTES
     per_trainer = dense_parameters(config) * FLOAT_BYTES * DENSE_COPIES * phases
     dense = per_trainer * c.trainers
     procs = {f"trainer{r}": per_trainer for r in range(c.trainers)}
@@ -325,7 +325,7 @@ def check_memory(config: JobConfig, available: int | None = None) -> MemoryEstim
 
 def _memory_message(config: JobConfig, estimate: MemoryEstimate, available: int) -> str:
     m, c = config.model, config.cluster
-    sizes = config.table_sizes
+    sizes = table_sizes.sizes(config)
     where = (f"on the {c.parameter_servers} parameter server(s) with row-wise Adagrad state"
              if c.parameter_servers else f"in each of the {c.trainers} trainers")
     what = (f"[model] table_size = {m.table_size}" if m.table_sizes == "uniform" else

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jobs import table_sizes
 from jobs.config import DEFAULT_CONFIG, ConfigError, JobConfig, load_config, parse_config, to_dict
 from jobs.launcher.cli import apply_overrides, main
 
@@ -131,12 +132,12 @@ OUT_OF_RANGE = [
 
 
 def test_table_sizes_are_uniform_data_or_26_sizes():
-    assert JobConfig().table_sizes == [20000] * 26
+    assert table_sizes.sizes(JobConfig()) == [20000] * 26
     sizes = list(range(2, 28))
-    assert JobConfig().replace(model={"table_sizes": sizes}).table_sizes == sizes
+    assert table_sizes.sizes(JobConfig().replace(model={"table_sizes": sizes})) == sizes
     unresolved = JobConfig().replace(model={"table_sizes": "data"})
     with pytest.raises(ConfigError, match=r'table_sizes = "data" has not been resolved'):
-        unresolved.table_sizes
+        table_sizes.sizes(unresolved)
     with pytest.raises(ConfigError, match=r'\[model\] table_sizes = \'all\': must be "uniform", "data" or a list'):
         JobConfig().replace(model={"table_sizes": "all"})
     with pytest.raises(ConfigError, match=r"\[model\] table_sizes: expected a list or str, got int \(7\)"):

@@ -38,10 +38,10 @@ def _sized(distinct, cap, **model) -> JobConfig:
 
 def test_criteo_kaggle_capped_at_10m_rows_fits_24_gb_with_8bit_rows():
     config = _sized(CRITEO_KAGGLE_CARDINALITIES, 10_000_000, server_storage="fused8bit")
-    assert max(config.table_sizes) == 10_000_000 and sum(config.table_sizes) > 33_000_000
+    assert max(table_sizes.sizes(config)) == 10_000_000 and sum(table_sizes.sizes(config)) > 33_000_000
     plan = preflight.check_memory(config, available=24 * GB)  # computed, not allocated
     assert plan.total_bytes < 24 * GB and sum(plan.processes.values()) == plan.total_bytes
-    rows = sum(config.table_sizes)
+    rows = sum(table_sizes.sizes(config))
     assert plan.server_bytes == 2 * rows * (16 + 8 + 4)  # two phases: D + 8 bytes a row + fp32 Adagrad state
     fp32 = preflight.estimate_memory(config.replace(model={"server_storage": "fp32"}))
     assert fp32.server_bytes == 2 * rows * (4 * 16 + 4) and fp32.total_bytes > plan.total_bytes
@@ -81,13 +81,13 @@ def test_sizes_from_the_data_are_resolved_and_recorded(data, tmp_path):
     resolved, plan, record = preflight.plan(config, data, local=True)
     assert plan.distinct is not None and plan.lines == 4000
     want = [min(d + 1, 300) for d in plan.distinct]
-    assert resolved.table_sizes == want == record["sizes"] and resolved.model.table_sizes == want
+    assert table_sizes.sizes(resolved) == want == record["sizes"] and resolved.model.table_sizes == want
     assert 300 in want and min(want) < 300  # capped features and small ones
     path = table_sizes.write_record(tmp_path, record)
     saved = json.loads(path.read_text())
     assert saved["distinct"] == plan.distinct and saved["features"][0] == "C1" and saved["max_table_size"] == 300
     uniform, _, none = preflight.plan(config.replace(model={"table_sizes": "uniform"}), data, local=False)
-    assert none is None and uniform.table_sizes == [20000] * 26
+    assert none is None and table_sizes.sizes(uniform) == [20000] * 26
 
 
 def test_a_data_sized_plan_that_does_not_fit_is_refused(data, monkeypatch):
@@ -101,11 +101,11 @@ def test_the_model_takes_per_table_sizes(data):
     plan = scan(data, 1, 0.0, distinct_cap=10**6)
     config = JobConfig().replace(model={"table_sizes": table_sizes.sizes_from_counts(plan.distinct, 500),
                                         "bottom_mlp": [8], "top_mlp": [8], "embedding_dim": 4})
-    assert len(set(config.table_sizes)) > 1  # the data gives different sizes per feature
+    assert len(set(table_sizes.sizes(config))) > 1  # the data gives different sizes per feature
     model = build_model(config)
     bags = model.sparse_arch.embedding_bag_collection.embedding_bags
-    assert [bags[f"t_{key}"].weight.shape[0] for key in criteo.FEATURES] == config.table_sizes
-    ids = torch.tensor([[s - 1 for s in config.table_sizes]] * 3)  # the last row of every table
+    assert [bags[f"t_{key}"].weight.shape[0] for key in criteo.FEATURES] == table_sizes.sizes(config)
+    ids = torch.tensor([[s - 1 for s in table_sizes.sizes(config)]] * 3)  # the last row of every table
     assert model(torch.zeros(3, 13), criteo.to_kjt(ids)).shape == (3, 1)
     with pytest.raises(RuntimeError, match="(?i)index"):  # one past the last row of each table (message varies)
         model(torch.zeros(3, 13), criteo.to_kjt(ids + 1))
@@ -114,5 +114,5 @@ def test_the_model_takes_per_table_sizes(data):
 def test_server_table_specs_use_the_per_table_sizes():
     config = _sized(CRITEO_KAGGLE_CARDINALITIES, 10_000_000).replace(cluster={"parameter_servers": 3})
     rows = preflight._server_rows(config)
-    assert sum(rows) == sum(config.table_sizes) and len(rows) == 3
-    assert max(rows) >= max(config.table_sizes)  # table-wise: the 10M-row table lies whole on one server
+    assert sum(rows) == sum(table_sizes.sizes(config)) and len(rows) == 3
+    assert max(rows) >= max(table_sizes.sizes(config))  # table-wise: the 10M-row table lies whole on one server

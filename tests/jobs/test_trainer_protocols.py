@@ -8,6 +8,7 @@ import dataclasses
 import cloudpickle
 import pytest
 
+from jobs import table_sizes
 from jobs.config import JobConfig
 from jobs.launcher.plan import make_plan, memory_estimate, with_data
 from jobs.trainer.protocols import TableBackend, Tables, Workload
@@ -49,7 +50,7 @@ def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tm
                                  job={"run_dir": str(tmp_path / "runs")}, metrics={"enabled": False})
     plan = make_plan(config, tmp_path / "run", local=False)
     assert plan.data_path == data and plan.run_dir == (tmp_path / "run").resolve() and not plan.run_dir.exists()
-    assert isinstance(plan.config.model.table_sizes, list) and plan.tables["sizes"] == plan.config.table_sizes
+    assert isinstance(plan.config.model.table_sizes, list) and plan.tables["sizes"] == table_sizes.sizes(plan.config)
     assert plan.data_plan.rows and memory_estimate(plan).total_bytes > 0 and plan.data_note == f"Criteo data from {data}"
     assert with_data(plan) is plan  # the data was found: nothing to generate
     with pytest.raises(dataclasses.FrozenInstanceError):
