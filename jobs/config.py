@@ -157,7 +157,7 @@ class ModelSection:
     """D: width of every embedding and of the bottom MLP's output."""
     table_size: int = _key(20000, 2, MAX_TABLE_SIZE)
     """Hash buckets per categorical feature (each of the 26 features has its own table) when ``table_sizes``
-    is "uniform". The launcher also checks that the tables fit in the machine's memory (:mod:`jobs.launcher.preflight`)."""
+    is "uniform". The launcher also checks that the tables fit in the machine's memory (:mod:`jobs.launcher.checks`)."""
     table_sizes: list[int] | str = _key("uniform", 2, MAX_TABLE_SIZE, length=(26, 26))
     """Rows of each of the 26 tables: "uniform" (``table_size`` each), "data" (from the data: a first pass
     counts the distinct values of each categorical feature, and table ``j`` gets ``min(distinct_j + 1,

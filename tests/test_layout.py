@@ -347,7 +347,7 @@ TESTED_ELSEWHERE = {
     "jobs.movielens": "tests/jobs/test_user_model.py",
     "jobs.optimizers": "tests/jobs/test_user_outputs.py",
     "jobs.launcher.plan": "tests/jobs/test_trainer_protocols.py",
-    "jobs.launcher.preflight": "tests/jobs/test_memory_plan.py",
+    "jobs.launcher.checks": "tests/jobs/test_memory_plan.py",
     "jobs.trainer.servers": "tests/jobs/test_job.py",
     "jobs.launcher.report": "tests/jobs/test_user_outputs.py",
     "jobs.launcher.runs": "tests/jobs/test_validation.py",

@@ -3,7 +3,7 @@
 :func:`launch` does, in order:
 
 1. plans the job (:func:`jobs.launcher.plan.make_plan`, a :class:`jobs.trainer.spec.JobPlan`): every check that needs no Ray
-   (:mod:`jobs.launcher.preflight`: config ranges, passes, the data file, and on this machine free metrics ports and
+   (:mod:`jobs.launcher.checks`: config ranges, passes, the data file, and on this machine free metrics ports and
    enough memory), the first pass over the data (table sizes), and the run folder, not created yet
    (:mod:`jobs.launcher.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
 2. joins Ray: an already initialised session, else ``[cluster] address``, else ``$RAY_ADDRESS``,
@@ -205,7 +205,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
            resume: bool = False) -> JobResults:
     """Run the job described by ``config`` and return its results (also written to ``results.json``).
 
-    Every check that needs no Ray runs first (:func:`jobs.launcher.plan.make_plan`: :func:`jobs.launcher.preflight.check`, the
+    Every check that needs no Ray runs first (:func:`jobs.launcher.plan.make_plan`: :func:`jobs.launcher.checks.check`, the
     first pass over the data, :func:`jobs.launcher.runs.choose`); the run folder is created only once they pass and Ray
     has started.
 

@@ -75,7 +75,7 @@ def test_cli_config_command_and_bad_config_exit_status(capsys, tmp_path):
 def test_taken_metrics_port_is_a_config_error():
     import socket
 
-    from jobs.launcher.preflight import check_ports
+    from jobs.launcher.checks import check_ports
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from jobs.config import ConfigError, JobConfig, to_dict
-from jobs.launcher import preflight, runs
+from jobs.launcher import checks, runs
 from jobs.launcher.cli import main
 from jobs.trainer.metrics import free_port_block
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
@@ -97,7 +97,7 @@ def test_gzip_data_passes_the_checks(tmp_path):
     with gzip.open(data, "wt") as f:
         f.write(_criteo_line() * 10)
     config = JobConfig().replace(data={"path": str(data)}, metrics={"enabled": False})
-    assert preflight.check(config, local=False) == data
+    assert checks.check(config, local=False) == data
 
 
 def test_taken_port_exits_2_and_leaves_no_folder(tmp_path, capsys, no_ray):
@@ -124,33 +124,33 @@ def test_tables_that_do_not_fit_in_memory_exit_2(tmp_path, capsys, no_ray, table
 
 def test_memory_estimate_counts_tables_optimizer_state_and_copies():
     config = JobConfig().replace(model={"table_size": 1000, "embedding_dim": 8})
-    est = preflight.estimate_memory(config)  # 1 parameter server: weights + row-wise Adagrad state
+    est = checks.estimate_memory(config)  # 1 parameter server: weights + row-wise Adagrad state
     # two phases side by side: a table set each on the servers and in each checkpoint, plus two transients
     assert est.tables_bytes == 26 * 1000 * (8 + 1) * 4 and est.table_copies == 2 + 2
     assert est.server_bytes == 2 * est.tables_bytes  # fp32 storage: the servers hold one copy per phase
-    one = preflight.estimate_memory(config.replace(phases={"baseline": False}))
+    one = checks.estimate_memory(config.replace(phases={"baseline": False}))
     assert one.table_copies == 1 + 2 and one.server_bytes == est.tables_bytes and one.dense_bytes * 2 == est.dense_bytes
-    small = preflight.estimate_memory(config.replace(model={"server_storage": "fused8bit"}))
+    small = checks.estimate_memory(config.replace(model={"server_storage": "fused8bit"}))
     assert small.server_bytes == 2 * 26 * 1000 * ((8 + 8) + 4)  # D + 8 bytes a row, plus the fp32 Adagrad state
     assert small.total_bytes < est.total_bytes
-    local = preflight.estimate_memory(config.replace(cluster={"parameter_servers": 0, "trainers": 3}))
+    local = checks.estimate_memory(config.replace(cluster={"parameter_servers": 0, "trainers": 3}))
     assert local.tables_bytes == 26 * 1000 * 8 * 4 and local.table_copies == 2 * 3 * 2 + 1
     # dense parameters: 13-512-256-8 bottom, (8 + 351)-512-256-1 top
     bottom = 13 * 512 + 512 + 512 * 256 + 256 + 256 * 8 + 8
     top = 359 * 512 + 512 + 512 * 256 + 256 + 256 + 1
-    assert preflight.dense_parameters(config) == bottom + top
-    fits = preflight.check_memory(config, available=est.total_bytes)
+    assert checks.dense_parameters(config) == bottom + top
+    fits = checks.check_memory(config, available=est.total_bytes)
     assert fits == est
     # 4 processes, and the int8 comparison's tables in the launcher: the checkpoint's pages and the rebuilt model
-    assert est.fixed_bytes == 4 * preflight.PROCESS_BASE_BYTES + 2 * 26 * 1000 * 8 * 4
-    no_int8 = preflight.estimate_memory(config.replace(quant={"enabled": False}))
-    assert no_int8.processes["launcher"] == preflight.PROCESS_BASE_BYTES
+    assert est.fixed_bytes == 4 * checks.PROCESS_BASE_BYTES + 2 * 26 * 1000 * 8 * 4
+    no_int8 = checks.estimate_memory(config.replace(quant={"enabled": False}))
+    assert no_int8.processes["launcher"] == checks.PROCESS_BASE_BYTES
     assert est.total_bytes == sum(est.processes.values()) and sorted(est.processes) == ["launcher", "ps0", "trainer0", "trainer1"]
     with pytest.raises(ConfigError, match=r"needs about 2\.0 GiB, more than the 2\.0 GiB this machine has available"):
-        preflight.check_memory(config, available=est.total_bytes - 1)
+        checks.check_memory(config, available=est.total_bytes - 1)
     with open("/proc/meminfo") as f:  # psutil's figure and the kernel's estimate agree within a moving margin
         kernel = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    assert abs(preflight.available_memory_bytes() - kernel) < 512 * 2**20
+    assert abs(checks.available_memory_bytes() - kernel) < 512 * 2**20
 
 
 def _fake_run(run_dir: Path, status: str | None, *, checkpoint: bool = True, **extra) -> None:
@@ -462,7 +462,7 @@ def test_synthetic_rows_check_matches_what_the_shards_need(tmp_path, trainers, e
         config = JobConfig().replace(cluster={"trainers": trainers},
                                      data={"eval_fraction": eval_fraction, "synthetic_rows": rows})
         try:
-            preflight.check_synthetic_rows(config)
+            checks.check_synthetic_rows(config)
         except ConfigError as e:
             assert "[data] synthetic_rows" in str(e)
             return False
