@@ -348,6 +348,7 @@ TESTED_ELSEWHERE = {
     "jobs.optimizers": "tests/jobs/test_user_outputs.py",
     "jobs.launcher.plan": "tests/jobs/test_trainer_protocols.py",
     "jobs.launcher.checks": "tests/jobs/test_memory_plan.py",
+    "jobs.launcher.first_pass": "tests/jobs/test_table_sizes.py",
     "jobs.trainer.servers": "tests/jobs/test_job.py",
     "jobs.launcher.report": "tests/jobs/test_user_outputs.py",
     "jobs.launcher.runs": "tests/jobs/test_validation.py",

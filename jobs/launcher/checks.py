@@ -28,7 +28,7 @@ from jobs.config import ConfigError, JobConfig
 from jobs.launcher.data import locate_data
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
 
-__all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "server_table_bytes", "MemoryEstimate", "server_table_copies",
+__all__ = ["check", "log_memory", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "server_table_bytes", "MemoryEstimate", "server_table_copies",
            "available_memory_bytes"]
 
 GIB = 1024**3
@@ -89,45 +89,18 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
     if local:
         if config.metrics.enabled:
             check_ports(config)
-        if config.model.table_sizes != "data":  # else plan() checks, once the sizes are known
-            _log_memory(check_memory(config), log)
+        if config.model.table_sizes != "data":  # else the first pass checks, once the sizes are known
+            log_memory(check_memory(config), log)
     return data
 
 
-def _log_memory(estimate: MemoryEstimate, log: Any) -> None:
+def log_memory(estimate: MemoryEstimate, log: Any) -> None:
+    """Log the memory ``estimate`` (bytes, shown in GiB) and what this machine has available; nothing without ``log``."""
     if log is not None:
         biggest = max(estimate.processes.items(), key=lambda kv: kv[1], default=("", 0))
         log(f"memory: the job needs about {estimate.total_bytes / GIB:.2f} GiB "
             f"(embedding tables {estimate.tables_bytes / GIB:.2f} GiB each copy; largest process {biggest[0]} "
             f"{biggest[1] / GIB:.2f} GiB), {available_memory_bytes() / GIB:.1f} GiB available")
-
-
-def plan(config: JobConfig, data: Path, *, local: bool, log: Any = None) -> tuple[JobConfig, Any, dict | None]:
-    """The first pass over the Criteo data (:func:`recsys.criteo_shard.scan`): lines, each trainer's rows,
-    and with ``[model] table_sizes = "data"`` the distinct values per feature, which resolve the table sizes
-    (:func:`jobs.table_sizes.resolve`); then, on this machine, the memory check with those sizes.
-
-    Returns:
-        (the config with the table sizes resolved, the :class:`recsys.criteo_shard.DataPlan`, the table-size
-        record for ``cardinalities.json`` or None).
-
-    Raises:
-        recsys.criteo_format.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
-    """
-    from recsys.criteo_shard import scan
-
-    per_feature = config.model.table_sizes == "data"
-    found = scan(data, config.cluster.trainers, config.data.eval_fraction,
-                 distinct_cap=config.model.max_table_size if per_feature else None)
-    if log is not None:
-        log(f"first pass over {len(found.files)} file(s): {found.lines} lines in {found.seconds:.1f} s "
-            f"({found.lines_per_s:,.0f} lines/s), rows per trainer {found.rows}, {found.eval_rows} held out")
-    config, record = table_sizes.resolve(config, found)
-    if record is not None and log is not None:
-        log(f"table sizes from the data (capped at {config.model.max_table_size}): {record['sizes']}")
-    if local and per_feature:
-        _log_memory(check_memory(config), log)
-    return config, found, record
 
 
 def check_synthetic_rows(config: JobConfig) -> None:

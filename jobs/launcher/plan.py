@@ -1,7 +1,7 @@
 """The plan of a launch: what it decides before any trainer starts (a :class:`jobs.trainer.spec.JobPlan`).
 
 :func:`make_plan` runs, before Ray starts, every check that needs no Ray (:func:`jobs.launcher.checks.check`), the
-first pass over the Criteo data when there is a file (:func:`jobs.launcher.checks.plan`: each trainer's rows and, with
+first pass over the Criteo data when there is a file (:func:`jobs.launcher.first_pass.first_pass`: each trainer's rows and, with
 ``[model] table_sizes = "data"``, the per-feature table sizes, :func:`jobs.table_sizes.resolve`), the memory
 estimate (:func:`jobs.launcher.checks.estimate_memory`) and the run folder (:func:`jobs.launcher.runs.choose`, not created).
 When no Criteo file was found, the launcher generates synthetic data into the run folder once it exists and
@@ -18,6 +18,7 @@ from typing import Callable
 
 from jobs.config import JobConfig
 from jobs.launcher import checks, runs
+from jobs.launcher.first_pass import first_pass
 from jobs.trainer.spec import JobPlan
 
 __all__ = ["make_plan", "memory_estimate", "with_data"]
@@ -48,7 +49,7 @@ def make_plan(config: JobConfig, run_dir: str | Path | None = None, *, resume: b
     data_path = checks.check(config, local=local, log=log)
     data_plan, record = None, None
     if data_path is not None and not config.user_model:  # the first pass: shares, per-feature table sizes
-        config, data_plan, record = checks.plan(config, data_path, local=local, log=log)
+        config, data_plan, record = first_pass(config, data_path, local=local, log=log)
     plan = JobPlan(config, runs.choose(config, run_dir, resume=resume), data_path, data_plan=data_plan,
                    tables=record, resume=resume, local=local)
     if config.user_model:
@@ -74,5 +75,5 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
     config = plan.config
     data_path, note = resolve_data_path("", plan.run_dir, config.data.synthetic_rows, seed=config.job.seed)
     log(note)
-    config, data_plan, record = checks.plan(config, data_path, local=plan.local, log=log)
+    config, data_plan, record = first_pass(config, data_path, local=plan.local, log=log)
     return replace(plan, config=config, data_path=data_path, data_note=note, data_plan=data_plan, tables=record)

@@ -12,6 +12,7 @@ from jobs import criteo, table_sizes
 from jobs.config import ConfigError, JobConfig
 from jobs.launcher import checks
 from jobs.launcher.cli import main
+from jobs.launcher.first_pass import first_pass
 from jobs.trainer.workload import build_model
 from recsys.criteo_shard import scan
 from recsys.criteo_synth import CRITEO_KAGGLE_CARDINALITIES, SynthSpec, write_synthetic
@@ -78,7 +79,7 @@ def data(tmp_path_factory):
 
 def test_sizes_from_the_data_are_resolved_and_recorded(data, tmp_path):
     config = JobConfig().replace(model={"table_sizes": "data", "max_table_size": 300}, data={"path": str(data)})
-    resolved, plan, record = checks.plan(config, data, local=True)
+    resolved, plan, record = first_pass(config, data, local=True)
     assert plan.distinct is not None and plan.lines == 4000
     want = [min(d + 1, 300) for d in plan.distinct]
     assert table_sizes.sizes(resolved) == want == record["sizes"] and resolved.model.table_sizes == want
@@ -86,7 +87,7 @@ def test_sizes_from_the_data_are_resolved_and_recorded(data, tmp_path):
     path = table_sizes.write_record(tmp_path, record)
     saved = json.loads(path.read_text())
     assert saved["distinct"] == plan.distinct and saved["features"][0] == "C1" and saved["max_table_size"] == 300
-    uniform, _, none = checks.plan(config.replace(model={"table_sizes": "uniform"}), data, local=False)
+    uniform, _, none = first_pass(config.replace(model={"table_sizes": "uniform"}), data, local=False)
     assert none is None and table_sizes.sizes(uniform) == [20000] * 26
 
 
@@ -94,7 +95,7 @@ def test_a_data_sized_plan_that_does_not_fit_is_refused(data, monkeypatch):
     monkeypatch.setattr(checks, "available_memory_bytes", lambda: 2**20)
     config = JobConfig().replace(model={"table_sizes": "data"})
     with pytest.raises(ConfigError, match=r"table_sizes = per feature .* the job needs about .* more than the 0\.0 GiB"):
-        checks.plan(config, data, local=True)
+        first_pass(config, data, local=True)
 
 
 def test_the_model_takes_per_table_sizes(data):
