@@ -14,7 +14,7 @@ from jobs.launcher.inference import compare
 from jobs.launcher.launch import check_gpus
 from jobs.launcher.report import table
 from recsys.criteo_synth import write_synthetic_criteo
-from tests.jobs.test_inference import CONFIG, _trained_state
+from tests.jobs.test_launcher_inference import CONFIG, _trained_state
 
 
 def _gpu_config(trainers: int) -> JobConfig:

@@ -19,7 +19,7 @@ from jobs.launcher.report import table, to_json
 from jobs.trainer.lookups import optimize_record, prefetch_lines
 from scheduling.ps import LocalCluster
 
-HERE = "tests/jobs/test_lookups.py"
+HERE = "tests/jobs/test_trainer_lookups.py"
 
 
 class ClusterAndPositions(nn.Module):

@@ -23,7 +23,7 @@ CONFIG = JobConfig().replace(model={"table_size": 300, "bottom_mlp": [32], "top_
 LAYERS = ["dense_arch.model._mlp.0._linear", "dense_arch.model._mlp.1._linear", "over_arch.model.0._mlp.0._linear",
           "over_arch.model.1"]
 """torchrec DLRM's Linear layers: dense arch 13->32->16 (Linear+ReLU each), over arch 367->32 (+ReLU), 32->1."""
-HERE = "tests.jobs.test_inference"
+HERE = "tests.jobs.test_launcher_inference"
 
 
 @pytest.fixture(scope="module")
