@@ -75,8 +75,8 @@ def initial_table(i: int, rows: int, dim: int) -> torch.Tensor:
     """Table ``i`` (0-based, feature ``C<i+1>``) ``(rows, dim)`` as fxdist's servers create it from
     :data:`TABLE_SEED` (uniform in ``±1/sqrt(rows)``, torchrec's default), with the servers' own function (one
     shard of all its rows, under :data:`PLAN`; the rows depend on the seed, the table's name and the first row)."""
-    from scheduling.ps.shard_plan import ShardSpec, TableSpec
     from scheduling.ps.server import PSServer
+    from scheduling.ps.shard_plan import ShardSpec, TableSpec
 
     spec = TableSpec(f"t_C{i + 1}", rows, dim, (f"C{i + 1}",))
     return PSServer._init_weight(ShardSpec(spec, i % SERVERS, 0, rows), TABLE_SEED, None)
@@ -213,8 +213,8 @@ def run_dmp(rank: int, s: Setting) -> dict:
 # ---- DDP with local tables ----------------------------------------------------------------------------------
 def run_ddp_local(rank: int, s: Setting) -> dict:
     """The plain DLRM, tables in every trainer with sparse gradients averaged after backward
-    (``jobs.sparse_grads``), the rest DDP; SGD on all."""
-    from jobs.sparse_grads import data_parallel
+    (``jobs.trainer.sparse_grads``), the rest DDP; SGD on all."""
+    from jobs.trainer.sparse_grads import data_parallel
 
     model = dlrm(s.rows, s.dim, sparse_grad=True)
     bags = model.sparse_arch.embedding_bag_collection.embedding_bags

@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO))
 
 import fxdist  # noqa: E402
 import scheduling  # noqa: E402
-from scheduling import placement  # noqa: E402
 from recsys.criteo import criteo_dlrm, criteo_kjt  # noqa: E402
+from scheduling import placement  # noqa: E402
 from scheduling.ps import LocalCluster, get_client  # noqa: E402
 from scheduling.ps.client import PSClient  # noqa: E402
 

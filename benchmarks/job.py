@@ -52,7 +52,7 @@ def load_batch_size() -> int:
 
 def run_job(steps: int) -> dict:
     from jobs.config import load_config
-    from jobs.launch import launch
+    from jobs.launcher.launch import launch
     from scheduling.ps.ports import free_port_block
 
     config = load_config().replace(job={"steps": steps, "progress": False, "checkpoint_every": 0,
@@ -75,7 +75,7 @@ print(json.dumps(times))
 
 
 class _ServerCPU:
-    """CPU seconds of an :class:`jobs.metrics.Exporter`'s HTTP server threads: each request's handler
+    """CPU seconds of an :class:`jobs.trainer.metrics.Exporter`'s HTTP server threads: each request's handler
     thread (``time.thread_time`` around ``handle()``) and the ``serve_forever`` loop (its thread CPU clock)."""
 
     def __init__(self, exporter) -> None:
@@ -107,9 +107,9 @@ def _trial(with_exporter: bool, steps: int, shard, config) -> dict:
 
     import torch
 
-    from jobs.metrics import Exporter
-    from jobs.workload import CriteoWorkload, LocalTables
-    from jobs.worker import build_model, run_phase
+    from jobs.trainer.metrics import Exporter
+    from jobs.trainer.pipeline import run_phase
+    from jobs.trainer.workload import CriteoWorkload, LocalTables, build_model
 
     exporter, scraper, meter, out = None, None, None, {}
     if with_exporter:
@@ -143,14 +143,15 @@ def export_overhead(steps: int, trials: int) -> tuple[list[dict], list[dict]]:
     """(without, with) trial results over ``trials`` alternating pairs (see :func:`_trial`)."""
     import torch
 
+    from jobs import table_sizes
     from jobs.config import load_config
-    from jobs.data import resolve_data_path
+    from jobs.launcher.data import resolve_data_path
     from recsys.criteo_shard import CriteoShard
 
     torch.set_num_threads(1)
     config = load_config()
     path, _ = resolve_data_path("", ROOT / "runs", config.data.synthetic_rows)
-    shard = CriteoShard(path, config.table_sizes)
+    shard = CriteoShard(path, table_sizes.sizes(config))
     _trial(False, 20, shard, config)  # warm-up
     without, with_ = [], []
     for i in range(trials):

@@ -12,7 +12,7 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``dmp_rw``: DMP row-wise, through a sharder subclass offering ``row_wise`` on the CPU (torchrec offers it for
   CUDA only);
 - ``ddp_local``: the plain DLRM in every trainer, dense part in ``DistributedDataParallel``, the tables' sparse
-  gradients averaged after backward (``jobs.sparse_grads``);
+  gradients averaged after backward (``jobs.trainer.sparse_grads``);
 - ``fx_blocking_{0,1}ms`` / ``fx_prefetch_{0,1}ms``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),
   "async_rpc" | "async_rpc_prefetch"))``: the tables on 2 parameter-server processes (torch_rpc, TCP/uv
   transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next

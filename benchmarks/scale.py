@@ -28,7 +28,7 @@ Kaggle's per-feature cardinalities, seed 0), written once to a temporary folder 
 3. Storage: fp32, fp16 and fused 8-bit server rows at 10^6 rows a table (``--quick``: 10^5), same data and
    seed: server bytes, the server's peak RSS, QPS and held-out AUC, with ratios against fp32.
 
-Before each run the job's memory estimate (``jobs.preflight.estimate_memory``, the same one ``fxdist
+Before each run the job's memory estimate (``jobs.launcher.checks.estimate_memory``, the same one ``fxdist
 launch`` checks) plus a 4 GiB margin is compared with the memory available now (``psutil``); a point that
 would not fit is skipped with the reason printed (the machine may be shared).
 
@@ -78,8 +78,8 @@ def _env() -> dict[str, str]:
 
 
 def fxdist(args: list[str], timeout_s: float = 900) -> subprocess.CompletedProcess:
-    """Run ``fxdist ARGS`` (``python -m jobs.cli``) from this checkout; returns the finished process."""
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True,
+    """Run ``fxdist ARGS`` (``python -m jobs.launcher.cli``) from this checkout; returns the finished process."""
+    return subprocess.run([sys.executable, "-m", "jobs.launcher.cli", *args], capture_output=True, text=True,
                           env=_env(), cwd=ROOT, timeout=timeout_s)
 
 
@@ -119,14 +119,14 @@ def _sets(sets: dict[str, str]) -> list[str]:
 
 
 def estimate_bytes(sets: dict[str, str]) -> int | None:
-    """The job's own peak-memory estimate for these overrides (``jobs.preflight.estimate_memory``), or
+    """The job's own peak-memory estimate for these overrides (``jobs.launcher.checks.estimate_memory``), or
     None when it cannot be computed here."""
     try:
-        from jobs import preflight
-        from jobs.cli import apply_overrides
         from jobs.config import load_config
+        from jobs.launcher import checks
+        from jobs.launcher.cli import apply_overrides
 
-        return int(preflight.estimate_memory(apply_overrides(load_config(), _sets(sets))).total_bytes)
+        return int(checks.estimate_memory(apply_overrides(load_config(), _sets(sets))).total_bytes)
     except Exception as e:  # noqa: BLE001 - the estimate only decides whether to skip
         print(f"  (no memory estimate: {type(e).__name__}: {e})")
         return None

@@ -55,8 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import scheduling  # noqa: E402
-from scheduling import placement  # noqa: E402
 from recsys.criteo import criteo_batches, criteo_dlrm, criteo_tables  # noqa: E402
+from scheduling import placement  # noqa: E402
 from scheduling.ps import LocalCluster, PSClient, get_client  # noqa: E402
 
 CRITEO = REPO.parent / "shared" / "data" / "criteo" / "train_examples.txt"

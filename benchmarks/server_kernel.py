@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduling.ps.shard_plan import TableSpec, plan_shards  # noqa: E402
 from scheduling.ps.server import PSServer  # noqa: E402
+from scheduling.ps.shard_plan import TableSpec, plan_shards  # noqa: E402
 from scheduling.ps.tbe import KERNEL_ENV  # noqa: E402
 
 KERNELS = ("fbgemm", "fxdist")

@@ -38,16 +38,17 @@ from tests._differential import make_tracers  # noqa: E402
 
 def _models() -> list[tuple[str, nn.Module, tuple[Any, ...], tuple[type, ...]]]:
     """(name, model, tiny inputs, leaf module types)."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from transformers import BertConfig, BertModel, ResNetConfig, ResNetModel
+
     from tests.fx.test_differential_models import (
-        BertIds,
         BertEmbeddings,
+        BertIds,
         BertSelfAttention,
         ResNetEmbeddings,
         ResNetNoHidden,
         small_dlrm,
     )
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from transformers import BertConfig, BertModel, ResNetConfig, ResNetModel
 
     torch.manual_seed(0)
     dlrm, dlrm_inputs = small_dlrm()

@@ -29,11 +29,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
+
 import fxdist  # noqa: E402
 import scheduling  # noqa: E402
 from scheduling import placement  # noqa: E402
 from scheduling.ps import LocalCluster  # noqa: E402
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
 
 R, B = 10000, 128
 

@@ -3,7 +3,7 @@
 Every address a job uses comes from where a process actually runs, never from the launcher's host name:
 
 - the ``torch.distributed.rpc`` rendezvous is hosted by trainer rank 0 on its node's Ray address
-  (``ray.util.get_node_ip_address()``), on a port picked there (:class:`jobs.servers.ServerTables`);
+  (``ray.util.get_node_ip_address()``), on a port picked there (:class:`jobs.trainer.servers.ServerTables`);
 - each metrics exporter binds on its own node (:func:`serve_exporter`): on ``127.0.0.1`` by default, or on
   the node's Ray address with ``[metrics] host = "node"``; it reports the (address, port) it really bound to
   (:func:`where`), and the launcher rewrites Prometheus' file-SD ``targets.json`` with them;
@@ -33,9 +33,9 @@ Node failure: when a node dies (its raylet is gone; ``ray.nodes()`` says ``Alive
 processes die with it. Ray Train sees the worker group fail and restarts it from the last checkpoint
 (``[job] max_failures``) on the nodes that remain, which must have room for every trainer; Ray restarts
 each lost server actor (``max_restarts``) on another node through the fallback, and the new group's rank 0
-waits for it before the group forms (:class:`jobs.servers.ServerGroup`). The checkpoints must therefore be on
+waits for it before the group forms (:class:`jobs.trainer.servers.ServerGroup`). The checkpoints must therefore be on
 storage every node reads (``[job] run_dir`` on a shared file system). The launcher's own actors (the
-:class:`jobs.launch.JobState` and Ray Train's controller) are pinned to the launcher's node
+:class:`jobs.launcher.launch.JobState` and Ray Train's controller) are pinned to the launcher's node
 (:func:`here_options`), so only the launcher's node must stay up. The launcher notes each node that ran a
 trainer or server and died (:class:`NodeWatch`) in ``results.json`` (``nodes_lost``) and the table.
 
@@ -95,8 +95,8 @@ def _psutil() -> Any:
     try:
         import psutil
     except ImportError:
-        import ray  # noqa: F401  (adds ray/thirdparty_files to sys.path)
         import psutil
+        import ray  # noqa: F401  (adds ray/thirdparty_files to sys.path)
     return psutil
 
 
@@ -130,7 +130,7 @@ def set_socket_ifnames(address: str | None = None) -> str | None:
 
 
 def serve_exporter(exporter: Any, host: str, port: int) -> tuple[str, int]:
-    """Serve ``exporter`` (:class:`jobs.metrics.Exporter`) on this node and return the (address, port) bound.
+    """Serve ``exporter`` (:class:`jobs.trainer.metrics.Exporter`) on this node and return the (address, port) bound.
 
     ``host``: ``[metrics] host``; ``"node"`` means this node's Ray address. ``port`` is tried first; when
     it is taken on this node (the launcher checked only its own), a free port of this node is used instead.

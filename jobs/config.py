@@ -157,13 +157,13 @@ class ModelSection:
     """D: width of every embedding and of the bottom MLP's output."""
     table_size: int = _key(20000, 2, MAX_TABLE_SIZE)
     """Hash buckets per categorical feature (each of the 26 features has its own table) when ``table_sizes``
-    is "uniform". The launcher also checks that the tables fit in the machine's memory (:mod:`jobs.preflight`)."""
+    is "uniform". The launcher also checks that the tables fit in the machine's memory (:mod:`jobs.launcher.checks`)."""
     table_sizes: list[int] | str = _key("uniform", 2, MAX_TABLE_SIZE, length=(26, 26))
     """Rows of each of the 26 tables: "uniform" (``table_size`` each), "data" (from the data: a first pass
     counts the distinct values of each categorical feature, and table ``j`` gets ``min(distinct_j + 1,
     max_table_size)`` rows, row 0 for missing values; the launcher records the counts in
     ``<run>/cardinalities.json`` and the resolved list in results.json's config), or a list of 26 sizes.
-    Read the resolved sizes with :attr:`JobConfig.table_sizes`."""
+    Read the resolved sizes with :func:`jobs.table_sizes.sizes`."""
     max_table_size: int = _key(10_000_000, 2, MAX_TABLE_SIZE)
     """Cap on each table's rows with ``table_sizes = "data"``: the values of a feature with more distinct values
     are hashed into this many rows."""
@@ -378,24 +378,6 @@ class JobConfig:
             errors.append(f"[phases] passes: unknown pass {unknown[0]!r}; known passes: {', '.join(_known_passes())}")
         return errors
 
-
-    @property
-    def table_sizes(self) -> list[int]:
-        """Rows of each of the 26 embedding tables of the built-in DLRM (``[model] table_sizes``, resolved):
-        what the model, the parameter servers and the memory plan use, e.g.
-        ``EmbeddingBagConfig(num_embeddings=config.table_sizes[j], ...)`` for feature ``C<j+1>``.
-
-        Raises:
-            ConfigError: ``table_sizes = "data"`` not resolved yet (the launcher resolves it from the data
-                before anything is built: :func:`jobs.table_sizes.resolve`).
-        """
-        sizes = self.model.table_sizes
-        if sizes == "uniform":
-            return [self.model.table_size] * 26
-        if sizes == "data":
-            raise ConfigError(f'{self.source}: [model] table_sizes = "data" has not been resolved from the data '
-                              "yet (jobs.table_sizes.resolve)")
-        return list(sizes)
 
     @property
     def user_model(self) -> bool:

@@ -4,7 +4,7 @@
 the ``[model]`` keys: an ``EmbeddingBagCollection`` of 26 tables ``t_C1 .. t_C26`` (feature ``Cj`` looked up in
 ``t_Cj``, ``embedding_dim`` columns, rows from :func:`table_sizes`), a dense arch ``13 -> bottom_mlp ->
 embedding_dim`` and an over arch ``top_mlp -> 1``. It goes through the same path as your model
-(:mod:`jobs.workload`): with parameter servers, each phase's module gets the ``scheduling.parameter_servers``
+(:mod:`jobs.trainer.workload`): with parameter servers, each phase's module gets the ``scheduling.parameter_servers``
 pass, which moves the 26 tables to the servers, then the optimized phase's passes. With servers the tables are
 built on the ``meta`` device and the servers initialise them, so no trainer allocates them.
 
@@ -27,19 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from jobs import table_sizes
 from recsys.criteo_format import NUM_SPARSE, Batch
 
-__all__ = ["FEATURES", "table_sizes", "dlrm", "to_kjt", "model_inputs"]
+__all__ = ["FEATURES", "dlrm", "to_kjt", "model_inputs"]
 
 FEATURES = tuple(f"C{j + 1}" for j in range(NUM_SPARSE))
 """The categorical features, in the Criteo column order: the ``KeyedJaggedTensor`` keys."""
-
-
-def table_sizes(config: Any) -> list[int]:
-    """Rows of each feature's table, in :data:`FEATURES` order: ``JobConfig.table_sizes`` (``[model] table_sizes``:
-    ``table_size`` for every feature, the data's distinct counts capped at ``max_table_size``, or a list), the
-    hash buckets the Criteo reader maps that feature's ids into."""
-    return list(config.table_sizes)
 
 
 def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool = True,
@@ -64,7 +58,7 @@ def dlrm(config: Any, sizes: Sequence[int] | None = None, *, sparse_grad: bool =
     from recsys.criteo import criteo_dlrm  # imports torchrec: only when the model is built
 
     m = config.model
-    sizes = table_sizes(config) if sizes is None else [int(n) for n in sizes]
+    sizes = table_sizes.sizes(config) if sizes is None else [int(n) for n in sizes]
     return criteo_dlrm(sizes, m.embedding_dim, NUM_SPARSE, dense_layers=[*m.bottom_mlp, m.embedding_dim],
                        over_layers=[*m.top_mlp, 1], sparse_grad=sparse_grad, tables_device=tables_device,
                        seed=config.job.seed)

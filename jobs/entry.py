@@ -37,7 +37,7 @@ dicts and dataclasses move, and an object with its own ``.to(device)`` (a ``Keye
 ``Batch`` or any ``Pipelineable``) is moved by it; with parameter servers the ``KeyedJaggedTensor`` s stay on the
 CPU (the servers' lookups take them there). With ``async_rpc_prefetch`` the optimized module takes
 ``next_<input>`` arguments: the job passes the next batch's input of the same name (see
-:func:`jobs.worker.PhaseTrainer`).
+:class:`jobs.trainer.pipeline.TrainPipeline`).
 
 ``train_step(model, batch) -> loss`` (optional) is your own forward and loss for one training batch: ``batch`` is
 the batch exactly as ``batches`` yielded it, of any type (not split, not checked against ``forward``; moved to the

@@ -8,9 +8,9 @@ field's name). A field left :data:`ABSENT` is not in the JSON (e.g. ``inference`
 by their own ``to_json``), :meth:`JobResults.from_json` reads it back; ``from_json(x.to_json()) == x`` for results
 read from JSON. Open-ended parts (a config, a user's metrics, per-lookup records, int8 layers) stay dicts. The
 objects also read like the JSON dict (``results["phases"]["baseline"]["qps"]``, ``.get(key, default)``, ``key in``),
-so the table code (:mod:`jobs.report`) and scripts read a results dict and the typed results alike.
+so the table code (:mod:`jobs.launcher.report`) and scripts read a results dict and the typed results alike.
 
-Source: the results.json written by :func:`jobs.report.write` (the schema was prose in :mod:`jobs.report`).
+Source: the results.json written by :func:`jobs.launcher.report.write` (the schema was prose in :mod:`jobs.launcher.report`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class _Result:
 @dataclass(frozen=True)
 class PhaseResult(_Result):
     """One phase (``baseline`` / ``optimized``) of ``results.json["phases"]``: :func:`jobs.stats.phase_summary`
-    plus what the trainers add after evaluation (``jobs.worker._finish_phases``)."""
+    plus what the trainers add after evaluation (``jobs.trainer.phases._finish_phases``)."""
 
     qps: float | None
     """Job-wide training throughput, samples/s: all trainers' samples / the slowest trainer's phase wall time."""
@@ -159,7 +159,7 @@ class PhaseResult(_Result):
     """The same metrics as ``quality`` for the model at the phase end."""
     optimize: dict[str, Any] | None | Absent = ABSENT
     """What ``fxdist.optimize`` did: ``passes`` run (name, nodes added / erased), ``fallback``, ``placement``;
-    ``prefetch``: per lookup ``prefetched``, ``reason``, ``where`` (:func:`jobs.lookups.optimize_record`)."""
+    ``prefetch``: per lookup ``prefetched``, ``reason``, ``where`` (:func:`jobs.trainer.lookups.optimize_record`)."""
     resumed_from_step: int | Absent = ABSENT
     """The step the phase's summarised run started at (0 unless restarted from a checkpoint), steps."""
     epochs: float | Absent = ABSENT
@@ -167,12 +167,12 @@ class PhaseResult(_Result):
     block_seconds: list[list[float]] | Absent = ABSENT
     """Per trainer, the seconds of each interleaved block (:func:`jobs.stats.interleaved_gain`), seconds."""
     reader: dict[str, Any] | None | Absent = ABSENT
-    """The trainers' reader statistics (lines/s; :func:`jobs.worker.reader_summary`), None without a stream."""
+    """The trainers' reader statistics (lines/s; :func:`jobs.trainer.phases.reader_summary`), None without a stream."""
 
 
 @dataclass(frozen=True)
 class InferenceResult(_Result):
-    """``results.json["inference"]``: fp32 vs int8 inference of the trained model (:func:`jobs.inference.compare`),
+    """``results.json["inference"]``: fp32 vs int8 inference of the trained model (:func:`jobs.launcher.inference.compare`),
     or ``skipped`` with the reason."""
 
     skipped: str | Absent = ABSENT
@@ -223,7 +223,7 @@ class InferenceResult(_Result):
 
 @dataclass(frozen=True)
 class JobResults(_Result):
-    """``results.json``: a job's results (:func:`jobs.launch.launch`; its ``status`` as :mod:`jobs.runs` says)."""
+    """``results.json``: a job's results (:func:`jobs.launcher.launch.launch`; its ``status`` as :mod:`jobs.launcher.runs` says)."""
 
     job: str | None
     """``[job] name``."""
@@ -246,7 +246,7 @@ class JobResults(_Result):
     tables: dict[str, Any] | Absent = ABSENT
     """Embedding table ``sizes`` (rows) and the cardinalities they came from."""
     restarts: int | Absent = ABSENT
-    """Worker-group restarts from a checkpoint (:func:`jobs.state.restart_count`)."""
+    """Worker-group restarts from a checkpoint (:func:`jobs.launcher.state.restart_count`)."""
     faults_fired: list[str] | Absent = ABSENT
     """Injected faults that fired (``[faults]``)."""
     checkpoints: list[dict[str, Any]] | Absent = ABSENT

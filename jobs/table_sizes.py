@@ -1,4 +1,6 @@
-"""Per-feature embedding table sizes from the data (``[model] table_sizes = "data"``).
+"""The embedding table sizes of the built-in DLRM, all in one place: the 26 sizes a config resolves to
+(:func:`sizes`: ``[model] table_sizes`` "uniform", a list, or "data" once resolved), and the per-feature sizes
+from the data (``[model] table_sizes = "data"``, :func:`resolve`, with the first pass's counts).
 
 The launcher's first pass over the data (:func:`recsys.criteo_shard.scan`) counts the distinct values of each
 categorical feature ``C1..C26``; table ``j`` then gets ``min(distinct_j + 1, [model] max_table_size)`` rows
@@ -17,11 +19,29 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jobs.config import JobConfig
+from jobs.config import ConfigError, JobConfig
 
-__all__ = ["CARDINALITIES", "sizes_from_counts", "resolve", "write_record"]
+__all__ = ["CARDINALITIES", "sizes", "sizes_from_counts", "resolve", "write_record"]
 
 CARDINALITIES = "cardinalities.json"
+
+
+def sizes(config: JobConfig) -> list[int]:
+    """Rows of each of the 26 embedding tables of the built-in DLRM (``[model] table_sizes``, resolved), in the
+    Criteo feature order ``C1..C26``: what the model, the reader's hash buckets, the parameter servers and the
+    memory plan use, e.g. ``EmbeddingBagConfig(num_embeddings=sizes(config)[j], ...)`` for feature ``C<j+1>``.
+
+    Raises:
+        ConfigError: ``table_sizes = "data"`` not resolved yet (the launcher resolves it from the data before
+            anything is built: :func:`resolve`).
+    """
+    given = config.model.table_sizes
+    if given == "uniform":
+        return [config.model.table_size] * 26
+    if given == "data":
+        raise ConfigError(f'{config.source}: [model] table_sizes = "data" has not been resolved from the data '
+                          "yet (jobs.table_sizes.resolve)")
+    return list(given)
 
 
 def sizes_from_counts(distinct: list[int], cap: int) -> list[int]:

@@ -18,7 +18,7 @@ Each filter names one message by a regular expression and applies where we call 
   life in it). C++ errors, tracebacks and every other line are written on at once.
 * :data:`RAY_TOKEN_AUTH_ENABLED`: Ray 2.60 warns ``Token authentication is enabled for this Ray cluster`` (logger
   ``ray._private.authentication.authentication_token_setup``) when ``ray.init()`` starts a local cluster;
-  ``jobs.launch`` drops it with :func:`drop_log_records` for the cluster it starts itself (authentication stays on).
+  ``jobs.launcher.launch`` drops it with :func:`drop_log_records` for the cluster it starts itself (authentication stays on).
 
 Source: Python ``logging.Filter``, ``warnings.catch_warnings``; POSIX ``dup2`` and ``pipe``.
 """

@@ -9,6 +9,8 @@ exercises it. Rules (docs/CONTRACTS.md, ../shared/STYLE.md):
 * ``fxdist/`` never imports ``recsys``, ``scheduling``, ``quant`` or ``jobs``; passes never import ``jobs`` or Ray
   (in ``scheduling`` only the Ray transport and Ray-call modules, ``RAY_MODULES``, do);
 * ``recsys/`` is a leaf below the passes: it imports none of ``scheduling``, ``quant``, ``jobs`` or Ray;
+* in ``jobs/`` the trainer side is below the launcher: ``jobs.trainer`` never imports ``jobs.launcher``, and the
+  modules both use (``jobs/*.py``: config, entry, results, table sizes...) import neither;
 * sibling packages do not import each other: ``scheduling`` never imports ``quant``, nor ``quant`` ``scheduling``
   (what both need goes to ``recsys``);
 * no module imports or reads a private name (``_x``, or a name in a ``_module``) of another of our top-level
@@ -77,6 +79,10 @@ def _forbidden_for(module: str) -> tuple[str, ...]:
         forbidden += ["quant"]
     if module.startswith("quant"):
         forbidden += ["scheduling"]
+    if module.startswith("jobs.trainer"):
+        forbidden += ["jobs.launcher"]
+    elif module.startswith("jobs.") and not module.startswith("jobs.launcher"):
+        forbidden += ["jobs.launcher", "jobs.trainer"]
     return tuple(forbidden)
 
 
@@ -111,6 +117,17 @@ def test_checker_sees_a_forbidden_edge(tmp_path: Path) -> None:
     rel.write_text("from .passes import shape_prop\nfrom . import tracer\n")
     assert _hits(_imports("fxdist.graph", rel), ("fxdist.passes", "fxdist.tracer")) == [
         "fxdist.passes", "fxdist.passes.shape_prop", "fxdist.tracer"]
+
+
+def test_the_jobs_layers_rule_can_fail(tmp_path: Path) -> None:
+    """A trainer module importing the launcher, or a common module importing either side, is a forbidden edge."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from jobs.launcher.plan import make_plan\nfrom jobs.trainer import worker\n")
+    names = _imports("jobs.trainer.bad", bad)
+    assert _hits(names, _forbidden_for("jobs.trainer.bad")) == ["jobs.launcher.plan", "jobs.launcher.plan.make_plan"]
+    assert _hits(names, _forbidden_for("jobs.bad")) == [
+        "jobs.launcher.plan", "jobs.launcher.plan.make_plan", "jobs.trainer", "jobs.trainer.worker"]
+    assert _hits(names, _forbidden_for("jobs.launcher.bad")) == []
 
 
 def test_no_file_cites_documents_the_repository_does_not_hold():
@@ -324,17 +341,24 @@ TESTED_ELSEWHERE = {
     "quant.models.digits_cnn": "tests/quant/test_fuse_conv_bn.py",
     "quant.models.resnet": "tests/quant/test_fuse_conv_bn.py",
     # jobs: the launcher and its helpers run end to end (Ray) in the job tests
-    "jobs.criteo": "tests/jobs/test_workload.py",
+    "jobs.criteo": "tests/jobs/test_trainer_workload.py",
     "jobs.entry": "tests/jobs/test_user_outputs.py",
-    "jobs.launch": "tests/jobs/test_job.py",
+    "jobs.launcher.launch": "tests/jobs/test_job.py",
     "jobs.movielens": "tests/jobs/test_user_model.py",
     "jobs.optimizers": "tests/jobs/test_user_outputs.py",
-    "jobs.plan": "tests/jobs/test_seams.py",
-    "jobs.preflight": "tests/jobs/test_memory_plan.py",
-    "jobs.servers": "tests/jobs/test_job.py",
-    "jobs.report": "tests/jobs/test_user_outputs.py",
-    "jobs.runs": "tests/jobs/test_validation.py",
-    "jobs.state": "tests/jobs/test_cluster_helpers.py",
+    "jobs.launcher.plan": "tests/jobs/test_trainer_protocols.py",
+    "jobs.launcher.checks": "tests/jobs/test_memory_plan.py",
+    "jobs.launcher.first_pass": "tests/jobs/test_table_sizes.py",
+    "jobs.trainer.servers": "tests/jobs/test_job.py",
+    "jobs.launcher.report": "tests/jobs/test_user_outputs.py",
+    "jobs.launcher.runs": "tests/jobs/test_validation.py",
+    "jobs.launcher.state": "tests/jobs/test_cluster_helpers.py",
+    "jobs.trainer.checkpoints": "tests/jobs/test_trainer_loop.py",
+    "jobs.trainer.evaluation": "tests/jobs/test_trainer_loop.py",
+    "jobs.trainer.faults": "tests/jobs/test_job.py",
+    "jobs.trainer.phases": "tests/jobs/test_trainer_loop.py",
+    "jobs.trainer.pipeline": "tests/jobs/test_trainer_loop.py",
+    "jobs.trainer.spec": "tests/jobs/test_trainer_protocols.py",
     "jobs.user_code": "tests/jobs/test_user_outputs.py",
 }
 """Modules whose behaviour is tested in a file not named after them: module -> the test file to read."""

@@ -6,7 +6,7 @@ for how the group meets, joins and leaves; how a client sends its requests is :m
 part. The *host* axis is where the servers run, the lifecycle's ``host``: child processes
 (:class:`scheduling.ps.hosts.ProcessHost`) or Ray actors (:class:`scheduling.ps.ray_transport.ActorHost`);
 every kill goes through it (``kill(index)``, restarted where the host restarts; ``kill_all()``, for good).
-:class:`scheduling.ps.LocalCluster` and a job's worker group (``jobs.servers.ServerGroup``) hold one lifecycle
+:class:`scheduling.ps.LocalCluster` and a job's worker group (``jobs.trainer.servers.ServerGroup``) hold one lifecycle
 object and call the same methods, so neither branches on the transport.
 
 Raises (from the methods): ``scheduling.ps.PSUnavailableError`` when a group does not assemble in time.
@@ -38,7 +38,7 @@ def _server_main(name: str, rank: int, world_size: int, port: int, kwargs: dict[
 
 class TorchRPCServers:
     """The lifecycle of a group of ``torch_rpc`` parameter servers (the ``transport`` object of
-    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.servers.ServerGroup``).
+    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.trainer.servers.ServerGroup``).
 
     One static ``torch.distributed.rpc`` group holds the trainers and the servers. Locally (:meth:`start`) the
     servers are child processes; in a job they are the launcher's server actors, which :meth:`join` has join a
@@ -132,7 +132,7 @@ class TorchRPCServers:
         process: a client using one of the names)."""
         return client.transport.name == self.name and bool(set(client.servers) & set(self.names))
 
-    # ---- in a job: the launcher's server actors (jobs.servers) ----
+    # ---- in a job: the launcher's server actors (jobs.trainer.servers) ----
     def rendezvous(self, host: str, actors: Sequence[Any]) -> tuple[str, int]:
         """Rank 0 of a new trainer group: where the new RPC group meets, ``(host, a free port of host)``. The
         port stays reserved (:func:`scheduling.ps.ports.reserve_port`) until rank 0's :meth:`join` has bound it,

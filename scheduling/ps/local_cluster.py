@@ -26,7 +26,7 @@ _ACTIVE: list["LocalCluster"] = []  # started and not closed, in this process
 _HOW_TO_START = (
     "Start one first: on one machine `with scheduling.ps.LocalCluster(num_servers=2): ...` (servers in child "
     "processes, this process joins as the trainer); in a job, start each server with "
-    "scheduling.ps.start_server(...) and join as a trainer with scheduling.ps.init_trainer(...) (jobs/servers.py "
+    "scheduling.ps.start_server(...) and join as a trainer with scheduling.ps.init_trainer(...) (jobs/trainer/servers.py "
     "does both)"
 )
 

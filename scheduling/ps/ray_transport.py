@@ -16,7 +16,7 @@ on ``num_worker_threads`` threads of the actor's process. ``max_concurrency`` (:
 bounds how many requests one server actor holds at once, waiting ones included.
 
 The same :class:`PSActor` serves a job's ``torch_rpc`` group too: :meth:`PSActor.join` has it join each new
-RPC group of the trainers; a job adds its metrics through the actor's ``hooks`` (``jobs.servers.ServerHooks``).
+RPC group of the trainers; a job adds its metrics through the actor's ``hooks`` (``jobs.trainer.servers.ServerHooks``).
 :class:`RayServers` is this transport's server lifecycle (:func:`scheduling.ps.lifecycle.server_group`).
 
 Clients name servers by a string: a name registered here (:func:`register_servers`, done by
@@ -71,7 +71,7 @@ _TRANSPORT_ERRORS = (rex.GetTimeoutError, rex.RayActorError, rex.ActorUnavailabl
 
 class PSActor(AsyncEndpoints):
     """A parameter server as a Ray actor class: ``ray.remote(**ACTOR_OPTIONS)(PSActor).remote("ps0")``; the one
-    server actor of both transports (a ``LocalCluster``'s and a job's, ``jobs.servers.start_servers``).
+    server actor of both transports (a ``LocalCluster``'s and a job's, ``jobs.trainer.servers.start_servers``).
 
     ``ray`` transport: the actor itself serves the requests (its
     :class:`~scheduling.ps.endpoints.AsyncEndpoints` methods, ``handle.lookup.remote(...)``), from
@@ -344,7 +344,7 @@ def wait_all(refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
 
 class RayServers:
     """The lifecycle of a group of ``ray`` parameter servers (the ``transport`` object of
-    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.servers.ServerGroup``): Ray actors
+    :class:`~scheduling.ps.LocalCluster` and of a job's worker group, ``jobs.trainer.servers.ServerGroup``): Ray actors
     called directly, no RPC group. Same methods as :class:`scheduling.ps.lifecycle.TorchRPCServers`.
 
     Args:
@@ -403,7 +403,7 @@ class RayServers:
         mine = {_actor_key(a) for a in self.actors}
         return any(_actor_key(h) in mine for h in getattr(client.transport, "handles", ()))
 
-    # ---- in a job: the launcher's server actors (jobs.servers) ----
+    # ---- in a job: the launcher's server actors (jobs.trainer.servers) ----
     def rendezvous(self, host: str, actors: Sequence[Any]) -> None:
         """Rank 0 of a new trainer group: empty every server actor (``reset()``) before the other trainers hear
         of the group; there is nothing to meet at (None)."""

@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 
 from jobs.config import load_config
-from jobs.prometheus import write_prometheus_files
+from jobs.launcher.prometheus import write_prometheus_files
 
 pytestmark = pytest.mark.timeout(900)  # per test, with its fixtures; a loaded 2-core machine needs 3-4 min a job
 
@@ -229,7 +229,7 @@ def _query(cluster: NetnsCluster, expr: str) -> list[dict]:
 
 def _launch(cluster: NetnsCluster, run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
     """``fxdist launch`` from the head namespace; stdout and stderr go to ``log``.{out,err}."""
-    args = ["-c", "import sys; from jobs.cli import main; sys.exit(main(sys.argv[1:]))", "launch",
+    args = ["-c", "import sys; from jobs.launcher.cli import main; sys.exit(main(sys.argv[1:]))", "launch",
             "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
     env = {**cluster.env, "RAY_ADDRESS": f"{_address(0)}:{RAY_PORT}"}
     return subprocess.Popen(["ip", "netns", "exec", cluster.hosts[0], sys.executable, *args], env=env, cwd=ROOT,
@@ -351,7 +351,7 @@ def test_spread_job_runs_across_hosts_and_reports_placement(cluster_job):
 
 
 def test_table_says_where_each_process_ran(cluster_job):
-    from jobs.report import table
+    from jobs.launcher.report import table
 
     r = cluster_job["results"]
     assert r is not None, cluster_job["proc"]["stderr"][-4000:]
@@ -397,7 +397,7 @@ def test_a_host_dies_mid_phase_and_its_trainer_and_server_restart_on_the_others(
     assert placed["ps0"] == job["before"]["ps0"]
     assert all(victim not in str(g["targets"]) for g in json.loads(
         (Path(r["run_dir"]) / "prometheus" / "targets.json").read_text()))
-    from jobs.report import table
+    from jobs.launcher.report import table
 
     text = table(r)
     assert f"restarts from checkpoint: {r['restarts']}" in text

@@ -14,8 +14,8 @@ import pytest
 
 import jobs.cluster as cluster
 from jobs.config import ConfigError, load_config, parse_config
-from jobs.launch import JobState
-from jobs.metrics import Exporter
+from jobs.launcher.launch import JobState
+from jobs.trainer.metrics import Exporter
 from tests.jobs._placement import where_info as _where
 
 Addr = namedtuple("Addr", "family address")

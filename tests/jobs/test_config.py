@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.cli import apply_overrides, main
+from jobs import table_sizes
 from jobs.config import DEFAULT_CONFIG, ConfigError, JobConfig, load_config, parse_config, to_dict
+from jobs.launcher.cli import apply_overrides, main
 
 
 def test_bundled_default_matches_dataclass_defaults():
@@ -74,7 +75,7 @@ def test_cli_config_command_and_bad_config_exit_status(capsys, tmp_path):
 def test_taken_metrics_port_is_a_config_error():
     import socket
 
-    from jobs.preflight import check_ports
+    from jobs.launcher.checks import check_ports
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,12 +132,12 @@ OUT_OF_RANGE = [
 
 
 def test_table_sizes_are_uniform_data_or_26_sizes():
-    assert JobConfig().table_sizes == [20000] * 26
+    assert table_sizes.sizes(JobConfig()) == [20000] * 26
     sizes = list(range(2, 28))
-    assert JobConfig().replace(model={"table_sizes": sizes}).table_sizes == sizes
+    assert table_sizes.sizes(JobConfig().replace(model={"table_sizes": sizes})) == sizes
     unresolved = JobConfig().replace(model={"table_sizes": "data"})
     with pytest.raises(ConfigError, match=r'table_sizes = "data" has not been resolved'):
-        unresolved.table_sizes
+        table_sizes.sizes(unresolved)
     with pytest.raises(ConfigError, match=r'\[model\] table_sizes = \'all\': must be "uniform", "data" or a list'):
         JobConfig().replace(model={"table_sizes": "all"})
     with pytest.raises(ConfigError, match=r"\[model\] table_sizes: expected a list or str, got int \(7\)"):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from jobs.config import ConfigError, JobConfig
+from jobs.launcher.inference import compare
+from jobs.launcher.launch import check_gpus
+from jobs.launcher.report import table
 from recsys.criteo_synth import write_synthetic_criteo
-from jobs.inference import compare
-from jobs.launch import check_gpus
-from jobs.report import table
-from tests.jobs.test_inference import CONFIG, _trained_state
+from tests.jobs.test_launcher_inference import CONFIG, _trained_state
 
 
 def _gpu_config(trainers: int) -> JobConfig:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli import main
 from jobs.config import load_config
-from jobs.prometheus import DASHBOARDS, write_prometheus_files
-from jobs.metrics import free_port, free_port_block
+from jobs.launcher.cli import main
+from jobs.launcher.prometheus import DASHBOARDS, write_prometheus_files
+from jobs.trainer.metrics import free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -88,7 +88,7 @@ def scraped_job(ray_session, tmp_path_factory):
     run_dir = tmp / "run"
     base = free_port_block(3)
     overrides = [*SHORT, f"metrics.port={base}", 'job.name="fxdist-test"', "job.max_failures=3",
-                 "faults.kill_trainer_at_step=15", "faults.kill_server_at_step=33"]
+                 "faults.kill_trainer_at_step=15", "faults.kill_server_at_step=33"]  # jobs.trainer.faults
     args = ["launch", "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
     # the same files `fxdist launch` writes, rendered with a 1 s scrape/evaluation interval
     config = load_config().replace(metrics={"port": base}, job={"name": "fxdist-test"})
@@ -168,7 +168,7 @@ def test_short_default_job_end_to_end(scraped_job, capsys):
 
 
 def test_printed_table(scraped_job, capfd):
-    from jobs.report import table
+    from jobs.launcher.report import table
 
     text = table(scraped_job["results"])
     assert re.search(r"QPS gain, optimized vs baseline: [+-]\d+\.\d % \(median of \d+ paired blocks", text)
@@ -238,8 +238,8 @@ def test_launcher_owns_the_server_actors(scraped_job, ray_session):
 
 def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeypatch):
     """A trainer dies with no restarts left: launch() raises, and the server actor it started is gone."""
-    import jobs.servers
-    from jobs.launch import launch
+    import jobs.trainer.servers
+    from jobs.launcher.launch import launch
 
     started = []
 
@@ -247,8 +247,8 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
         started.extend(start_servers(*args, **kwargs))
         return started
 
-    start_servers = jobs.servers.start_servers
-    monkeypatch.setattr(jobs.servers, "start_servers", recording)
+    start_servers = jobs.trainer.servers.start_servers
+    monkeypatch.setattr(jobs.trainer.servers, "start_servers", recording)
     config = load_config().replace(
         job={"steps": 4, "batch_size": 32, "checkpoint_every": 0, "max_failures": 0, "progress": False,
              "name": "fxdist-fail"},
@@ -277,8 +277,8 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
 
 def test_rank0_waits_for_a_server_actor_ray_is_restarting(ray_session):
     """After a server's process (or node) died, the next worker group's rank 0 gets where the restarted
-    actor runs before asking it to join (jobs.servers.wait_for_servers); an actor with no restarts left raises."""
-    from jobs.servers import server_actor, wait_for_servers
+    actor runs before asking it to join (jobs.trainer.servers.wait_for_servers); an actor with no restarts left raises."""
+    from jobs.trainer.servers import server_actor, wait_for_servers
     from scheduling.ps import server_actor_class
 
     actor = server_actor(server_actor_class(1), "ps0", job="fxdist-wait", metrics=None, fetch_delay_s=0.0,

@@ -16,8 +16,8 @@ from torch import nn
 
 from jobs import entry
 from jobs.config import JobConfig
-from jobs.inference import compare, max_abs_diff
-from jobs.report import table, write
+from jobs.launcher.inference import compare, max_abs_diff
+from jobs.launcher.report import table, write
 from jobs.stats import auc, log_loss
 
 HERE = "tests.jobs.test_later_stages"
@@ -138,7 +138,7 @@ def _expected_quality(model: nn.Module, config: JobConfig) -> dict[str, float]:
 
 
 def test_a_tuple_output_gets_the_int8_comparison_leaf_by_leaf(monkeypatch):
-    import jobs.inference as inference
+    import jobs.launcher.inference as inference
 
     config = _config("tuple_two_tower", "pairs")
     monkeypatch.setattr(inference, "_best_qps", lambda models, inputs, rows, **kw: {"fp32": 1000.0, "int8": 2000.0})
@@ -167,7 +167,7 @@ def test_torchrecs_dlrm_train_tuple_goes_through_quantize_and_the_comparison():
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from jobs.inference import _run, quantize
+    from jobs.launcher.inference import _run, quantize
 
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=20,
@@ -226,7 +226,7 @@ def test_layers_are_module_paths_in_the_note_and_the_selection():
 
 
 def test_a_transformer_encoder_returning_a_dict_gets_its_head_in_int8(monkeypatch):
-    import jobs.inference as inference
+    import jobs.launcher.inference as inference
 
     config = _config("encoder", "sentences")
     monkeypatch.setattr(inference, "_best_qps", lambda models, inputs, rows, **kw: {"fp32": 1000.0, "int8": 1500.0})

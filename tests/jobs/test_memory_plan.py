@@ -1,7 +1,7 @@
 """The job's memory plan places the tables where the ``parameter_servers`` pass places them.
 
 Differential: for a few table sets and server counts, the bytes the memory plan gives each server
-(:func:`jobs.preflight.server_table_bytes`, one table set) equal the bytes each real server holds
+(:func:`jobs.launcher.checks.server_table_bytes`, one table set) equal the bytes each real server holds
 (``PSServer.memory()``) after the pass moved a model with those tables to it, and its rows likewise.
 """
 
@@ -16,8 +16,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 import fxdist
 import scheduling
-from jobs import preflight
 from jobs.config import JobConfig
+from jobs.launcher import checks
 from jobs.optimizers import table_optimizer_args
 from scheduling.ps import LocalCluster
 
@@ -73,9 +73,9 @@ def test_memory_plan_bytes_equal_what_the_pass_places_on_each_server():
             after = _server_memory(names)
             placed_bytes = [a["bytes"] - b["bytes"] for a, b in zip(after, before)]
             placed_rows = [a["rows"] - b["rows"] for a, b in zip(after, before)]
-            assert preflight._server_rows(config) == placed_rows, (k, gm.meta["fxdist"]["placement"]["plan_text"])
-            assert preflight.server_table_bytes(config) == placed_bytes, k
-            estimate = preflight.estimate_memory(config)
+            assert checks._server_rows(config) == placed_rows, (k, gm.meta["fxdist"]["placement"]["plan_text"])
+            assert checks.server_table_bytes(config) == placed_bytes, k
+            estimate = checks.estimate_memory(config)
             for i, held in enumerate(placed_bytes):  # the per-process estimate holds one table set per phase
                 assert estimate.processes[f"ps{i}"] >= held
 
@@ -83,8 +83,8 @@ def test_memory_plan_bytes_equal_what_the_pass_places_on_each_server():
 def test_a_large_table_makes_the_memory_plan_row_wise_as_the_pass_does():
     sizes = [70_000] + [10] * (NUM_TABLES - 1)
     config = JobConfig().replace(model={"table_sizes": sizes, "embedding_dim": 4}, cluster={"parameter_servers": 2})
-    rows = preflight._server_rows(config)
+    rows = checks._server_rows(config)
     assert sum(rows) == sum(sizes)
     assert abs(rows[0] - rows[1]) < 70_000 // 2  # split by rows, not one server holding the large table whole
     with pytest.raises(ValueError, match="nope"):
-        preflight._server_rows(config.replace(model={"plan": {"nope": "row_wise"}}))
+        checks._server_rows(config.replace(model={"plan": {"nope": "row_wise"}}))

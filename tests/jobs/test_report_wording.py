@@ -1,9 +1,9 @@
-"""The wording of the results table (jobs.report.table) and of the placement plan: counts with the right plural, and
+"""The wording of the results table (jobs.launcher.report.table) and of the placement plan: counts with the right plural, and
 the pass records said in words."""
 
 from __future__ import annotations
 
-from jobs.report import counted, table
+from jobs.launcher.report import counted, table
 
 
 def _results(trainers: int, servers: int) -> dict:

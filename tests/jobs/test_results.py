@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.report import table, write
+from jobs.launcher.report import table, write
 from jobs.results import ABSENT, InferenceResult, JobResults, PhaseResult, ResultsError
 
 
@@ -31,7 +31,7 @@ _PARITY = {"metrics": ["auc"], "auc": _CHECK, "loss": _CHECK, "max_step_loss_dif
 
 
 def _results() -> dict:
-    """A completed run's results.json, every key a job writes (the shapes of jobs.launch / jobs.inference)."""
+    """A completed run's results.json, every key a job writes (the shapes of jobs.launcher.launch / jobs.launcher.inference)."""
     inference = {"method": "quant: fuse + select_int8", "fused_modules": 2, "quantized_modules": 1, "isa": "avx2",
                  "layers": [{"target": "over_arch.0", "fp32_us": 10.0, "int8_us": 5.0, "chosen": True}],
                  "kept_fp32": False, "note": None, "all_int8_speedup": 1.3, "selection": "...",
@@ -115,8 +115,8 @@ def test_a_real_short_runs_results_round_trip_and_print_the_same_table():
 
 
 def test_a_resumed_runs_results_are_read_typed_and_a_foreign_key_is_a_config_error(tmp_path):
-    from jobs import runs
     from jobs.config import ConfigError
+    from jobs.launcher import runs
 
     runs.write(tmp_path, {**_results(), "phases": {"baseline": PhaseResult.from_json(_phase(1.0))}})
     typed = runs.read_results(tmp_path)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from jobs.cli import main
-from jobs.metrics import free_port_block
+from jobs.launcher.cli import main
+from jobs.trainer.metrics import free_port_block
 from recsys.criteo_synth import SynthSpec, write_synthetic
 
 pytestmark = pytest.mark.timeout(420)

@@ -95,6 +95,6 @@ def test_parity_on_rmse_uses_the_baselines_standard_error():
     assert close["rmse"]["tolerance"] == pytest.approx(0.02) and close["rmse"]["ok"]
     worse = parity_check(phase(losses, 0.95), phase([x + 1e-4 for x in losses], 0.98))
     assert not worse["ok"] and not worse["rmse"]["ok"] and worse["loss"]["ok"]
-    from jobs.report import parity_problem
+    from jobs.launcher.report import parity_problem
 
     assert parity_problem(worse).startswith("differs from the baseline: rmse 0.9800 vs baseline 0.9500")

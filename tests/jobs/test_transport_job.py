@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(420)
 
 
 def test_ray_transport_job_recovers_a_killed_server(ray_session, tmp_path):
-    from jobs.launch import launch
+    from jobs.launcher.launch import launch
 
     config = load_config().replace(
         job={"steps": 20, "batch_size": 32, "checkpoint_every": 10, "max_failures": 2, "progress": False,

@@ -21,10 +21,12 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRM, DLRMTrain
 
-import jobs.worker
+import jobs.trainer.evaluation
+import jobs.trainer.loop
+import jobs.trainer.pipeline
 from jobs import user_code
 from jobs.config import ConfigError, load_config
-from jobs.workload import LocalTables, UserWorkload
+from jobs.trainer.workload import LocalTables, UserWorkload
 
 HERE = "tests.jobs.test_user_batches"
 B = 8
@@ -132,7 +134,7 @@ def _train(config, phase: str = "baseline"):
     model = workload.build(LocalTables())
     with warnings.catch_warnings():  # dce may find nothing to remove (NoOpPassWarning)
         warnings.simplefilter("ignore")
-        run, _, _ = jobs.worker.run_phase(phase, model, LocalTables(), workload, config)
+        run, _, _ = jobs.trainer.pipeline.run_phase(phase, model, LocalTables(), workload, config)
     return run, model, workload
 
 
@@ -184,7 +186,7 @@ def test_a_dataclass_batch_with_a_loss_trains_whole_or_by_fields():
     runs = {phase: _train(fields, phase) for phase in ("baseline", "optimized")}
     assert runs["baseline"][0].losses == pytest.approx(runs["optimized"][0].losses, rel=1e-6)
     run, model, workload = runs["baseline"]
-    quality = jobs.worker.evaluate(model, workload, LocalTables())
+    quality = jobs.trainer.evaluation.evaluate(model, workload, LocalTables())
     assert quality["rows"] == 3 * B
 
 
@@ -218,18 +220,18 @@ def one_trainer(monkeypatch):
 def test_an_error_of_the_criteo_reader_is_the_projects_and_is_retried(monkeypatch, one_trainer):
     """``recsys`` is this repository's code: an error raised there is re-raised for Ray Train to retry, and
     nothing is recorded as the user's."""
-    from recsys.criteo_stream import SharedBatches
     from jobs.user_code import user_error_frame
+    from recsys.criteo_stream import SharedBatches
 
     def reader_bug(spec):
         shared = SharedBatches(iter([]), readers=1)
         shared.reader()
         shared.reader()                            # one reader too many: recsys raises RuntimeError
 
-    monkeypatch.setattr(jobs.worker, "_train_loop", reader_bug)
+    monkeypatch.setattr(jobs.trainer.loop, "_train_loop", reader_bug)
     state = _State()
     with pytest.raises(RuntimeError, match="SharedBatches: only 1 readers were planned") as info:
-        jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=None)})
+        jobs.trainer.loop.train_loop({"spec": SimpleNamespace(state=state, config=None)})
     assert state.error is None
     assert user_error_frame(info.value) is None
 
@@ -287,7 +289,7 @@ def test_a_loss_without_gradient_exits_2_before_ray_naming_its_entry_point(tmp_p
     or a built-in loss of a detached forward) exits 2 naming the entry point and the line of its ``def``."""
     import ray
 
-    from jobs.cli import main
+    from jobs.launcher.cli import main
 
     args = ["launch", "--quiet", "--run-dir", str(tmp_path / "run"), "--set", "metrics.enabled=false",
             "--set", f'data.batches="{HERE}:torchrec_batches"']
@@ -333,14 +335,14 @@ def test_a_loss_without_gradient_in_a_trainer_is_your_error_recorded_once_and_no
         runs.append(spec)
         _train(spec.config)
 
-    monkeypatch.setattr(jobs.worker, "_train_loop", trainer_loop)
+    monkeypatch.setattr(jobs.trainer.loop, "_train_loop", trainer_loop)
     state = _State()
-    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=config)})
+    jobs.trainer.loop.train_loop({"spec": SimpleNamespace(state=state, config=config)})
     assert state.error == (
         "job", "RuntimeError", "element 0 of tensors does not require grad and does not have a grad_fn (raised by "
         f"your code at {_def_line(detached_loss)} ([train] loss = '{HERE}:detached_loss', whose loss has no "
         "gradient); not retried)", 0)
-    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=config)})
+    jobs.trainer.loop.train_loop({"spec": SimpleNamespace(state=state, config=config)})
     assert len(runs) == 1
     with pytest.raises(RuntimeError) as info:
         _train(config)

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from jobs.cli import main
-from jobs.metrics import free_port_block
+from jobs.launcher.cli import main
+from jobs.trainer.metrics import free_port_block
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -148,7 +148,6 @@ def user_job(ray_session, tmp_path_factory):
     config.write_text(USER_JOB)
     run_dir = tmp / "run"
     out = tmp / "stdout.txt"
-    import contextlib
     import io
 
     buffer = io.StringIO()
@@ -297,8 +296,9 @@ def test_bundled_config_is_found_from_anywhere(tmp_path, monkeypatch):
 def test_user_model_with_local_tables_trains_the_same_in_both_phases():
     """No parameter servers: the tables stay in the model; both phases train it over the same batches (no Ray)."""
     from jobs.config import load_config
-    from jobs.workload import LocalTables, UserWorkload
-    from jobs.worker import evaluate, run_phase
+    from jobs.trainer.evaluation import evaluate
+    from jobs.trainer.pipeline import run_phase
+    from jobs.trainer.workload import LocalTables, UserWorkload
 
     config = load_config().replace(
         job={"steps": 6, "batch_size": 16}, model={"factory": f"{HERE}:make_model", "embedding_dim": 4},
@@ -318,8 +318,8 @@ def test_user_model_with_local_tables_trains_the_same_in_both_phases():
 
 
 def _local_losses(config, phase: str = "optimized") -> list[float]:
-    from jobs.workload import LocalTables, UserWorkload
-    from jobs.worker import run_phase
+    from jobs.trainer.pipeline import run_phase
+    from jobs.trainer.workload import LocalTables, UserWorkload
 
     workload = UserWorkload(config, 0, 1)
     with warnings.catch_warnings():  # dce may find nothing to remove (NoOpPassWarning)

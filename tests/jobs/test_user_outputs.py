@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from jobs import user_code
-from jobs.cli import main
 from jobs.config import ConfigError, parse_config
+from jobs.launcher.cli import main
 
 HERE = "tests.jobs.test_user_outputs"
 
@@ -108,7 +108,7 @@ def test_a_shape_error_in_forward_exits_2_with_your_file_and_line(tmp_path, caps
 
 
 def test_evaluation_keeps_any_output_structure():
-    from jobs.worker import evaluate
+    from jobs.trainer.evaluation import evaluate
 
     class Workload:
         def eval_batches(self):
@@ -190,7 +190,7 @@ def broken_metric(outputs, labels):
 
 def test_your_metric_is_reported_beside_the_builtin_quality():
     from jobs import entry
-    from jobs.report import _quality_notes
+    from jobs.launcher.report import _quality_notes
 
     config = _config(loss=f"{HERE}:two_head_loss", metric=f"{HERE}:recall_at_2")
     user_code.check(config)                                  # resolves and runs it on the first batch
@@ -224,7 +224,7 @@ def test_an_error_of_your_code_in_a_trainer_is_recorded_once_and_not_retried(mon
     """``train_loop`` records an exception raised in your file (type, message, file:line) on the job state, so
     the launcher reports it and Ray Train's later attempts return at once; a connection error is re-raised for
     Ray Train to retry."""
-    import jobs.worker
+    import jobs.trainer.loop
     from jobs.user_code import user_error_frame
 
     class State:
@@ -236,9 +236,9 @@ def test_an_error_of_your_code_in_a_trainer_is_recorded_once_and_not_retried(mon
     monkeypatch.setattr("ray.get", lambda value: value)
     monkeypatch.setattr("ray.train.get_context",
                         lambda: type("C", (), {"get_world_rank": lambda _: 0, "get_world_size": lambda _: 1})())
-    monkeypatch.setattr(jobs.worker, "_train_loop", lambda config: _user_bug({}))
+    monkeypatch.setattr(jobs.trainer.loop, "_train_loop", lambda config: _user_bug({}))
     state = State()
-    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=None)})
+    jobs.trainer.loop.train_loop({"spec": SimpleNamespace(state=state, config=None)})
     line = next(i for i, text in enumerate(open(__file__), 1) if "# USER-BUG-LINE" in text)
     kind, name, message, rank = state.error
     assert (kind, name, rank) == ("job", "KeyError", 0)
@@ -248,9 +248,9 @@ def test_an_error_of_your_code_in_a_trainer_is_recorded_once_and_not_retried(mon
     def torch_error(config):
         torch.zeros(2) @ torch.zeros(3)             # raised inside torch, called from this file: still yours
 
-    monkeypatch.setattr(jobs.worker, "_train_loop", torch_error)
+    monkeypatch.setattr(jobs.trainer.loop, "_train_loop", torch_error)
     state = State()
-    jobs.worker.train_loop({"spec": SimpleNamespace(state=state, config=None)})
+    jobs.trainer.loop.train_loop({"spec": SimpleNamespace(state=state, config=None)})
     assert state.error[1] == "RuntimeError" and "in torch_error; not retried" in state.error[2]
 
 

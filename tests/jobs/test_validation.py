@@ -1,6 +1,6 @@
 """``fxdist launch`` refuses what cannot succeed before Ray starts, and never leaves or loses a run folder.
 
-Every test here goes through the CLI (``jobs.cli.main``) and checks the exit status, the message, and
+Every test here goes through the CLI (``jobs.launcher.cli.main``) and checks the exit status, the message, and
 that nothing was started (``_join_ray`` fails the test if reached) or left behind (no run folder).
 The Ray-backed tests (a deterministic error stops on the first attempt; an interrupted run is marked and
 resumed) are at the end.
@@ -21,11 +21,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobs import preflight, runs
-from jobs.cli import main
 from jobs.config import ConfigError, JobConfig, to_dict
+from jobs.launcher import checks, runs
+from jobs.launcher.cli import main
+from jobs.trainer.metrics import free_port_block
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
-from jobs.metrics import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,12 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def no_ray(monkeypatch):
     """Fail the test if the launcher gets as far as joining Ray."""
-    import jobs.launch
+    import jobs.launcher.launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("the launcher reached Ray although a cheap check should have failed")
 
-    monkeypatch.setattr(jobs.launch, "_join_ray", refuse)
+    monkeypatch.setattr(jobs.launcher.launch, "_join_ray", refuse)
 
 
 def _launch(tmp_path: Path, *sets: str, run_dir: Path | None = None) -> int:
@@ -97,7 +97,7 @@ def test_gzip_data_passes_the_checks(tmp_path):
     with gzip.open(data, "wt") as f:
         f.write(_criteo_line() * 10)
     config = JobConfig().replace(data={"path": str(data)}, metrics={"enabled": False})
-    assert preflight.check(config, local=False) == data
+    assert checks.check(config, local=False) == data
 
 
 def test_taken_port_exits_2_and_leaves_no_folder(tmp_path, capsys, no_ray):
@@ -124,33 +124,33 @@ def test_tables_that_do_not_fit_in_memory_exit_2(tmp_path, capsys, no_ray, table
 
 def test_memory_estimate_counts_tables_optimizer_state_and_copies():
     config = JobConfig().replace(model={"table_size": 1000, "embedding_dim": 8})
-    est = preflight.estimate_memory(config)  # 1 parameter server: weights + row-wise Adagrad state
+    est = checks.estimate_memory(config)  # 1 parameter server: weights + row-wise Adagrad state
     # two phases side by side: a table set each on the servers and in each checkpoint, plus two transients
     assert est.tables_bytes == 26 * 1000 * (8 + 1) * 4 and est.table_copies == 2 + 2
     assert est.server_bytes == 2 * est.tables_bytes  # fp32 storage: the servers hold one copy per phase
-    one = preflight.estimate_memory(config.replace(phases={"baseline": False}))
+    one = checks.estimate_memory(config.replace(phases={"baseline": False}))
     assert one.table_copies == 1 + 2 and one.server_bytes == est.tables_bytes and one.dense_bytes * 2 == est.dense_bytes
-    small = preflight.estimate_memory(config.replace(model={"server_storage": "fused8bit"}))
+    small = checks.estimate_memory(config.replace(model={"server_storage": "fused8bit"}))
     assert small.server_bytes == 2 * 26 * 1000 * ((8 + 8) + 4)  # D + 8 bytes a row, plus the fp32 Adagrad state
     assert small.total_bytes < est.total_bytes
-    local = preflight.estimate_memory(config.replace(cluster={"parameter_servers": 0, "trainers": 3}))
+    local = checks.estimate_memory(config.replace(cluster={"parameter_servers": 0, "trainers": 3}))
     assert local.tables_bytes == 26 * 1000 * 8 * 4 and local.table_copies == 2 * 3 * 2 + 1
     # dense parameters: 13-512-256-8 bottom, (8 + 351)-512-256-1 top
     bottom = 13 * 512 + 512 + 512 * 256 + 256 + 256 * 8 + 8
     top = 359 * 512 + 512 + 512 * 256 + 256 + 256 + 1
-    assert preflight.dense_parameters(config) == bottom + top
-    fits = preflight.check_memory(config, available=est.total_bytes)
+    assert checks.dense_parameters(config) == bottom + top
+    fits = checks.check_memory(config, available=est.total_bytes)
     assert fits == est
     # 4 processes, and the int8 comparison's tables in the launcher: the checkpoint's pages and the rebuilt model
-    assert est.fixed_bytes == 4 * preflight.PROCESS_BASE_BYTES + 2 * 26 * 1000 * 8 * 4
-    no_int8 = preflight.estimate_memory(config.replace(quant={"enabled": False}))
-    assert no_int8.processes["launcher"] == preflight.PROCESS_BASE_BYTES
+    assert est.fixed_bytes == 4 * checks.PROCESS_BASE_BYTES + 2 * 26 * 1000 * 8 * 4
+    no_int8 = checks.estimate_memory(config.replace(quant={"enabled": False}))
+    assert no_int8.processes["launcher"] == checks.PROCESS_BASE_BYTES
     assert est.total_bytes == sum(est.processes.values()) and sorted(est.processes) == ["launcher", "ps0", "trainer0", "trainer1"]
     with pytest.raises(ConfigError, match=r"needs about 2\.0 GiB, more than the 2\.0 GiB this machine has available"):
-        preflight.check_memory(config, available=est.total_bytes - 1)
+        checks.check_memory(config, available=est.total_bytes - 1)
     with open("/proc/meminfo") as f:  # psutil's figure and the kernel's estimate agree within a moving margin
         kernel = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    assert abs(preflight.available_memory_bytes() - kernel) < 512 * 2**20
+    assert abs(checks.available_memory_bytes() - kernel) < 512 * 2**20
 
 
 def _fake_run(run_dir: Path, status: str | None, *, checkpoint: bool = True, **extra) -> None:
@@ -264,7 +264,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:
 def test_job_state_keeps_the_fuller_phase_result():
     """A restart between a phase's end and its final checkpoint re-runs the phase's last steps: the
     result that covers the whole phase is kept; seeds from a resumed run carry over, errors do not."""
-    from jobs.launch import JobState
+    from jobs.launcher.launch import JobState
     from jobs.results import JobResults, PhaseResult
 
     def phase(steps: int, start: int) -> PhaseResult:
@@ -289,7 +289,7 @@ def test_interrupted_run_is_marked_and_resumed(tmp_path, capsys):
     pytest.importorskip("ray")
     run_dir = tmp_path / "run"
     base = free_port_block(3)
-    args = [sys.executable, "-m", "jobs.cli", "launch", "--run-dir", str(run_dir), *_sets(SMALL),
+    args = [sys.executable, "-m", "jobs.launcher.cli", "launch", "--run-dir", str(run_dir), *_sets(SMALL),
             *_sets([f"metrics.port={base}", "job.steps=600", "job.checkpoint_every=50", "quant.enabled=false"])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -347,7 +347,7 @@ class _FakeState:
     """The JobState actor's methods as ``.remote`` calls (``ray.get`` is patched to return its argument)."""
 
     def __init__(self, error=None):
-        from jobs.launch import JobState
+        from jobs.launcher.launch import JobState
 
         self.actor = JobState()
         self.actor.error = error
@@ -360,7 +360,7 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     import ray
     import ray.train
 
-    import jobs.worker
+    import jobs.trainer.loop
     from fxdist.errors import TraceError
     from recsys.criteo_format import DataError
 
@@ -382,25 +382,25 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     def loop_config(state, error):  # train_loop reads only the spec's JobState actor (and config) itself
         return {"spec": SimpleNamespace(state=state, error=error, config=None)}
 
-    monkeypatch.setattr(jobs.worker, "_train_loop", failing)
+    monkeypatch.setattr(jobs.trainer.loop, "_train_loop", failing)
     state = _FakeState()
     error = DataError("x.tsv has no valid train line")
     if world == 1:  # one trainer: return normally, so fit() ends without a retry
-        jobs.worker.train_loop(loop_config(state, error))
+        jobs.trainer.loop.train_loop(loop_config(state, error))
     else:  # more: re-raise, so Ray Train tears down the ranks waiting in a collective
         with pytest.raises(DataError):
-            jobs.worker.train_loop(loop_config(state, error))
+            jobs.trainer.loop.train_loop(loop_config(state, error))
     assert state.actor.error == {"kind": "data", "type": "DataError", "message": str(error), "rank": world - 1}
     # the retried attempt returns at once, without running the loop
-    jobs.worker.train_loop(loop_config(state, AssertionError("not reached")))
+    jobs.trainer.loop.train_loop(loop_config(state, AssertionError("not reached")))
     assert len(calls) == 1
     # a trace error is recorded as a job error; a process-level failure is Ray Train's to retry
     state = _FakeState()
     with pytest.raises(ConnectionResetError, match="connection reset"):
-        jobs.worker.train_loop(loop_config(state, ConnectionResetError("connection reset")))
+        jobs.trainer.loop.train_loop(loop_config(state, ConnectionResetError("connection reset")))
     assert state.actor.error is None
     try:
-        jobs.worker.train_loop(loop_config(state, TraceError("control flow")))
+        jobs.trainer.loop.train_loop(loop_config(state, TraceError("control flow")))
     except TraceError:
         assert world > 1
     assert state.actor.error["kind"] == "job"
@@ -416,25 +416,25 @@ def test_train_loop_records_deterministic_errors_and_never_repeats_them(monkeypa
     ],
 )
 def test_recorded_errors_map_to_exit_codes(monkeypatch, capsys, error, code, message):
-    import jobs.launch
+    import jobs.launcher.launch
 
     def launch(*args, **kwargs):
-        raise jobs.launch._recorded_error(error)
+        raise jobs.launcher.launch._recorded_error(error)
 
-    monkeypatch.setattr(jobs.launch, "launch", launch)
+    monkeypatch.setattr(jobs.launcher.launch, "launch", launch)
     assert main(["launch", "--quiet"]) == code
     assert message in capsys.readouterr().err
 
 
 def test_interrupt_exit_code_and_notes(monkeypatch, capsys):
-    import jobs.launch
+    import jobs.launcher.launch
 
     def launch(*args, **kwargs):
         e = KeyboardInterrupt()
         e.add_note("run folder: /x (interrupted); continue it with `fxdist launch --resume /x`")
         raise e
 
-    monkeypatch.setattr(jobs.launch, "launch", launch)
+    monkeypatch.setattr(jobs.launcher.launch, "launch", launch)
     assert main(["launch", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert "fxdist: interrupted" in err and "fxdist launch --resume /x" in err
@@ -462,7 +462,7 @@ def test_synthetic_rows_check_matches_what_the_shards_need(tmp_path, trainers, e
         config = JobConfig().replace(cluster={"trainers": trainers},
                                      data={"eval_fraction": eval_fraction, "synthetic_rows": rows})
         try:
-            preflight.check_synthetic_rows(config)
+            checks.check_synthetic_rows(config)
         except ConfigError as e:
             assert "[data] synthetic_rows" in str(e)
             return False

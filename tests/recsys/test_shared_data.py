@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs import data as job_data
+from jobs.launcher import data as job_data
 from quant.models import dlrm as quant_dlrm
 from recsys.shared_data import SHARED_DATA, default_criteo_path, default_movielens_path, shared_data_path
 from tests.conftest import SHARED_DATA as TESTS_SHARED_DATA

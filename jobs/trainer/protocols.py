@@ -1,15 +1,15 @@
-"""The only seams between the training loop (:mod:`jobs.worker`) and a model: a :class:`Workload` and its
+"""The only seams between the training loop (:mod:`jobs.trainer.loop`) and a model: a :class:`Workload` and its
 :class:`Tables`.
 
 The trainer asks for nothing else: every member below exists on every implementation, so it never probes
 (``getattr`` / ``hasattr`` / ``isinstance``) what it was given.
 
-- :class:`Workload`: :class:`jobs.workload.UserWorkload` (your ``[model] factory`` on your ``[data] batches``) and
-  :class:`jobs.workload.CriteoWorkload` (the built-in torchrec DLRM on Criteo rows);
-- :class:`TableBackend` (:func:`jobs.workload.make_tables`): :class:`jobs.workload.LocalTables` (the tables stay
-  in the model: DDP parameters) or :class:`jobs.servers.ServerTables` (the ``parameter_servers`` pass moves them to
+- :class:`Workload`: :class:`jobs.trainer.workload.UserWorkload` (your ``[model] factory`` on your ``[data] batches``) and
+  :class:`jobs.trainer.workload.CriteoWorkload` (the built-in torchrec DLRM on Criteo rows);
+- :class:`TableBackend` (:func:`jobs.trainer.workload.make_tables`): :class:`jobs.trainer.workload.LocalTables` (the tables stay
+  in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the ``parameter_servers`` pass moves them to
   the job's servers); its :meth:`TableBackend.view` of a phase is that phase's :class:`Tables`
-  (:class:`~jobs.workload.LocalTables` itself, or a server view).
+  (:class:`~jobs.trainer.workload.LocalTables` itself, or a server view).
 
 Batches follow the contract of :mod:`jobs.entry`; a model's call is ``module(*args, **kwargs)`` with
 ``(args, kwargs, labels)`` from :meth:`Workload.inputs`, ``labels`` a tensor of shape ``(B,)`` or ``(B, ...)``
@@ -53,12 +53,10 @@ class Tables(Protocol):
     """One phase's embedding tables, seen from the trainer."""
 
     local: bool
-    """True: the tables are in the model (DDP parameters, :class:`jobs.workload.LocalTables`); False: on the
+    """True: the tables are in the model (DDP parameters, :class:`jobs.trainer.workload.LocalTables`); False: on the
     parameter servers (the model built for them holds ``meta`` tables, lookups are RPCs taking CPU tensors)."""
     moved: frozenset[str]
     """The model's state-dict keys (``"<path>.weight"``) of the tables that live on the servers (empty when local)."""
-    can_kill_server: bool
-    """:meth:`kill_server` works (a server view; fault injection, ``[faults] kill_server_at_step``)."""
 
     def placement_pass(self) -> Any:
         """The pass that moves the tables out of the module, run first in every phase (``fxdist.optimize`` pass,
@@ -89,16 +87,13 @@ class Tables(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load :meth:`state_dict`'s output (rank 0 writes it to the servers; every rank waits); a no-op when local."""
 
-    def kill_server(self, index: int) -> None:
-        """Kill server ``index``'s process (fault injection; Ray restarts it).
-
-        Raises:
-            RuntimeError: the tables are local (:attr:`can_kill_server` is False).
-        """
-
 
 class TableBackend(Protocol):
-    """Where a trainer's tables live, for every phase (:func:`jobs.workload.make_tables`)."""
+    """Where a trainer's tables live, for every phase (:func:`jobs.trainer.workload.make_tables`)."""
+
+    servers: Any
+    """This worker group's parameter servers (:class:`jobs.trainer.servers.ServerGroup`: its lifecycle, e.g. the
+    fault injection's ``kill(index)``), or None when the tables are local."""
 
     def view(self, phase: str) -> Tables:
         """The tables of ``phase`` ("baseline" or "optimized"): each phase trains its own set."""

@@ -7,18 +7,18 @@ import math
 
 import pytest
 import torch
-
 from torch import nn
 
 import fxdist
 from jobs.config import JobConfig
+from jobs.launcher.report import table, to_json, write
+from jobs.stats import phase_summary
+from jobs.trainer.evaluation import eval_step
+from jobs.trainer.metrics import Exporter
+from jobs.trainer.pipeline import run_phase
+from jobs.trainer.workload import CriteoWorkload, LocalTables, build_model
 from recsys.criteo_shard import CriteoShard
 from recsys.criteo_synth import write_synthetic_criteo
-from jobs.report import table, to_json, write
-from jobs.stats import phase_summary
-from jobs.metrics import Exporter
-from jobs.worker import build_model, eval_step, run_phase
-from jobs.workload import CriteoWorkload, LocalTables
 
 CONFIG = JobConfig().replace(job={"steps": 12, "batch_size": 32}, model={"table_size": 300, "bottom_mlp": [16],
                                                                           "top_mlp": [16]}, phases={"passes": ["dce"]})
@@ -131,11 +131,12 @@ def test_metrics_updates_are_timed_in_the_training_loop(workload):
 
 
 def test_interleaved_blocks_train_each_phase_as_one_uninterrupted_run(workload):
-    from jobs.worker import PhaseTrainer, block_ends
+    from jobs.trainer.phases import block_ends
+    from jobs.trainer.pipeline import TrainPipeline
 
     torch.set_num_threads(1)
     whole, _, _ = run_phase("optimized", build_model(CONFIG), LocalTables(), workload, CONFIG)
-    trainers = {p: PhaseTrainer(p, build_model(CONFIG), LocalTables(), workload, CONFIG) for p in ("baseline", "optimized")}
+    trainers = {p: TrainPipeline(p, build_model(CONFIG), LocalTables(), workload, CONFIG) for p in ("baseline", "optimized")}
     ends = block_ends(0, 12, 5, 0)
     assert ends == [5, 10, 12]
     for b, end in enumerate(ends):
@@ -156,7 +157,7 @@ def _checkpoint_on_rank(rank: int, store: str, out: str) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from jobs import worker
+    from jobs.trainer import checkpoints
 
     def slow_report(metrics, checkpoint=None):
         if rank == 0:
@@ -166,7 +167,7 @@ def _checkpoint_on_rank(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         ray.train.report = slow_report
-        worker._save_checkpoint(10, {}, {}, rank, final=False)
+        checkpoints.save_checkpoint(10, {}, {}, rank, final=False)
         Path(out, f"returned{rank}").write_text(repr(time.time()))
     finally:
         dist.destroy_process_group()

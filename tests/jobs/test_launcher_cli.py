@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.cli import main
+from jobs.launcher.cli import main
 
 
 def test_cli_writes_and_refuses_bad_counts(tmp_path, capsys):

@@ -3,7 +3,7 @@
 
 :func:`optimize_record` reads the module's ``meta["fxdist"]`` (the passes' own records: ``passes`` from
 ``fxdist.optimize``, ``prefetch.lookups`` from :mod:`scheduling.prefetch`) into the phase's ``optimize`` entry of
-results.json; :func:`prefetch_lines` is that entry in the results table (:mod:`jobs.report`)::
+results.json; :func:`prefetch_lines` is that entry in the results table (:mod:`jobs.launcher.report`)::
 
     prefetch (async_rpc_prefetch): 1 of 2 lookups prefetched; 396 lookups answered by a prefetch
       item     prefetched      model.py:10

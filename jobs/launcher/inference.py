@@ -63,13 +63,13 @@ class NothingToQuantize(Exception):
 def rebuild_model(config: JobConfig, state: dict[str, Any]) -> nn.Module:
     """The trained model with local tables (eval mode): ``state["model"]`` (dense weights) then
     ``state["tables"]`` (``"<path>.weight"``; the servers' optimizer state dropped), loaded into a fresh model
-    (:func:`jobs.workload.build_model`).
+    (:func:`jobs.trainer.workload.build_model`).
 
     Raises:
         RuntimeError: a table weight that is not in the model's state dict.
     """
     from jobs import criteo
-    from jobs.workload import build_model
+    from jobs.trainer.workload import build_model
 
     # the built-in DLRM's server tables come from the checkpoint: built on meta, then the checkpoint's tensors
     # are assigned (no copy: with the launcher's mmap'ed checkpoint, pages are read as the lookups touch them)
@@ -203,7 +203,7 @@ def _best_qps(models: dict[str, nn.Module], inputs: list[tuple[Any, ...]], rows:
 def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | None = None, *,
             timer: Any = None) -> InferenceResult:
     """fp32 vs int8 inference QPS and quality of the trained model on the held-out batches
-    (:func:`jobs.workload.inference_batches`: the Criteo held-out rows, or your "eval" split).
+    (:func:`jobs.trainer.workload.inference_batches`: the Criteo held-out rows, or your "eval" split).
 
     Args:
         state: ``{"model": dense weights, "tables": the servers' tables (or {})}`` from a checkpoint.
@@ -222,7 +222,7 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
 
     Never raises an ``Exception``: the job trained, and this stage only adds to its results.
     """
-    from jobs.workload import inference_batches
+    from jobs.trainer.workload import inference_batches
 
     threads = torch.get_num_threads()
     try:

@@ -5,7 +5,7 @@
 1. the config's own ranges and cross-key constraints (already checked by :func:`jobs.config.parse_config`);
 2. the passes of ``[phases] passes`` resolve (their modules import; nothing is run);
 3. your model (``[model] factory``): every entry point imports, the factory returns an ``nn.Module`` and the
-   first train batch follows the batch contract (:func:`jobs.user_code.check`); else the data file (:func:`jobs.data.locate_data`: missing, a directory, empty, unreadable, unsupported
+   first train batch follows the batch contract (:func:`jobs.user_code.check`); else the data file (:func:`jobs.launcher.data.locate_data`: missing, a directory, empty, unreadable, unsupported
    compression, no valid line near the start), or enough synthetic rows when none is found;
 4. on this machine only (no Ray cluster): the metrics ports are free (:func:`check_ports`), and the job's
    memory (:func:`estimate_memory`) fits in the memory available (:func:`available_memory_bytes`).
@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig
-from jobs.data import locate_data
+from jobs.launcher.data import locate_data
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
 
-__all__ = ["check", "plan", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "server_table_bytes", "MemoryEstimate", "server_table_copies",
+__all__ = ["check", "log_memory", "check_synthetic_rows", "check_passes", "check_ports", "check_memory", "estimate_memory", "server_table_bytes", "MemoryEstimate", "server_table_copies",
            "available_memory_bytes"]
 
 GIB = 1024**3
@@ -43,8 +44,8 @@ def server_table_copies(phases: int) -> int:
     besides the servers' own (one per phase, counted in ``MemoryEstimate.server_bytes``, in their storage
     form), for ``phases`` phases trained side by side (each its own table set): the copy a server answers
     ``state_dict`` with (1), the checkpoint trainer rank 0 gathers (one per phase) and the evaluated-model
-    snapshot (1) (see jobs/servers.py ``ServerTables`` and jobs/worker.py ``_save_checkpoint`` /
-    ``_evaluate_mid_phase``)."""
+    snapshot (1) (see jobs/trainer/servers.py ``ServerTables`` and jobs/trainer/checkpoints.py ``save_checkpoint`` /
+    jobs/trainer/evaluation.py ``evaluate_mid_phase``)."""
     return phases + 2
 
 
@@ -88,46 +89,18 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
     if local:
         if config.metrics.enabled:
             check_ports(config)
-        if config.model.table_sizes != "data":  # else plan() checks, once the sizes are known
-            _log_memory(check_memory(config), log)
+        if config.model.table_sizes != "data":  # else the first pass checks, once the sizes are known
+            log_memory(check_memory(config), log)
     return data
 
 
-def _log_memory(estimate: MemoryEstimate, log: Any) -> None:
+def log_memory(estimate: MemoryEstimate, log: Any) -> None:
+    """Log the memory ``estimate`` (bytes, shown in GiB) and what this machine has available; nothing without ``log``."""
     if log is not None:
         biggest = max(estimate.processes.items(), key=lambda kv: kv[1], default=("", 0))
         log(f"memory: the job needs about {estimate.total_bytes / GIB:.2f} GiB "
             f"(embedding tables {estimate.tables_bytes / GIB:.2f} GiB each copy; largest process {biggest[0]} "
             f"{biggest[1] / GIB:.2f} GiB), {available_memory_bytes() / GIB:.1f} GiB available")
-
-
-def plan(config: JobConfig, data: Path, *, local: bool, log: Any = None) -> tuple[JobConfig, Any, dict | None]:
-    """The first pass over the Criteo data (:func:`recsys.criteo_shard.scan`): lines, each trainer's rows,
-    and with ``[model] table_sizes = "data"`` the distinct values per feature, which resolve the table sizes
-    (:func:`jobs.table_sizes.resolve`); then, on this machine, the memory check with those sizes.
-
-    Returns:
-        (the config with the table sizes resolved, the :class:`recsys.criteo_shard.DataPlan`, the table-size
-        record for ``cardinalities.json`` or None).
-
-    Raises:
-        recsys.criteo_format.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
-    """
-    from jobs import table_sizes
-    from recsys.criteo_shard import scan
-
-    per_feature = config.model.table_sizes == "data"
-    found = scan(data, config.cluster.trainers, config.data.eval_fraction,
-                 distinct_cap=config.model.max_table_size if per_feature else None)
-    if log is not None:
-        log(f"first pass over {len(found.files)} file(s): {found.lines} lines in {found.seconds:.1f} s "
-            f"({found.lines_per_s:,.0f} lines/s), rows per trainer {found.rows}, {found.eval_rows} held out")
-    config, record = table_sizes.resolve(config, found)
-    if record is not None and log is not None:
-        log(f"table sizes from the data (capped at {config.model.max_table_size}): {record['sizes']}")
-    if local and per_feature:
-        _log_memory(check_memory(config), log)
-    return config, found, record
 
 
 def check_synthetic_rows(config: JobConfig) -> None:
@@ -233,7 +206,7 @@ def _server_rows(config: JobConfig) -> list[int]:
     m, n = config.model, config.cluster.parameter_servers
     module = "sparse_arch.embedding_bag_collection"  # where jobs.criteo.dlrm keeps them
     tables = [TableInfo(TableSpec(f"t_C{j + 1}", size, m.embedding_dim, (f"C{j + 1}",)), module,
-                        f"{module}.embedding_bags.t_C{j + 1}") for j, size in enumerate(config.table_sizes)]
+                        f"{module}.embedding_bags.t_C{j + 1}") for j, size in enumerate(table_sizes.sizes(config))]
     rows = [0] * n
     for placement in plan_tables(tables, n, dict(m.plan) or None):
         for shard in shards_of(placement, n):
@@ -251,7 +224,7 @@ def server_table_bytes(config: JobConfig) -> list[int]:
 
 def estimate_memory(config: JobConfig) -> MemoryEstimate:
     """The job's peak memory on one machine, per process and in total (see :class:`MemoryEstimate`), from
-    the per-feature table sizes (:attr:`jobs.config.JobConfig.table_sizes`), the servers' storage form and
+    the per-feature table sizes (:func:`jobs.table_sizes.sizes`), the servers' storage form and
     the optimizer state.
 
     Raises:
@@ -259,7 +232,7 @@ def estimate_memory(config: JobConfig) -> MemoryEstimate:
     """
     m, c = config.model, config.cluster
     phases = 2 if config.phases.baseline else 1  # trained side by side, each with its own tables
-    rows, width = sum(config.table_sizes), m.embedding_dim * FLOAT_BYTES
+    rows, width = sum(table_sizes.sizes(config)), m.embedding_dim * FLOAT_BYTES
     per_trainer = dense_parameters(config) * FLOAT_BYTES * DENSE_COPIES * phases
     dense = per_trainer * c.trainers
     procs = {f"trainer{r}": per_trainer for r in range(c.trainers)}
@@ -325,7 +298,7 @@ def check_memory(config: JobConfig, available: int | None = None) -> MemoryEstim
 
 def _memory_message(config: JobConfig, estimate: MemoryEstimate, available: int) -> str:
     m, c = config.model, config.cluster
-    sizes = config.table_sizes
+    sizes = table_sizes.sizes(config)
     where = (f"on the {c.parameter_servers} parameter server(s) with row-wise Adagrad state"
              if c.parameter_servers else f"in each of the {c.trainers} trainers")
     what = (f"[model] table_size = {m.table_size}" if m.table_sizes == "uniform" else

@@ -18,7 +18,7 @@ class JobState:
     """Driver-owned actor: progress, phase results, fault markers and a deterministic error, shared by all
     trainer restarts.
 
-    ``previous``: the results of an interrupted or failed run being resumed (:func:`jobs.runs.read_results`; a
+    ``previous``: the results of an interrupted or failed run being resumed (:func:`jobs.launcher.runs.read_results`; a
     dict of the same keys is read by :meth:`JobResults.from_json`); its finished phases, checkpoints, fired faults
     and timeline carry over (not its error).
 
@@ -48,7 +48,7 @@ class JobState:
 
     def fail(self, kind: str, error_type: str, message: str, rank: int) -> None:
         """A trainer hit a deterministic error (``kind``: "config", "data" or "job"); the first one is kept
-        and every later attempt of the worker group stops at once (:func:`jobs.worker.train_loop`)."""
+        and every later attempt of the worker group stops at once (:func:`jobs.trainer.loop.train_loop`)."""
         if self.error is None:
             self.error = {"kind": kind, "type": error_type, "message": message, "rank": rank}
             self.event(f"rank {rank}: {error_type}: {message}")

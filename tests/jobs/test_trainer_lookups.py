@@ -1,4 +1,4 @@
-"""The job's per-lookup prefetch report (:mod:`jobs.lookups`): built from the optimized module of a model defined
+"""The job's per-lookup prefetch report (:mod:`jobs.trainer.lookups`): built from the optimized module of a model defined
 here, run through ``parameter_servers`` + ``async_rpc_prefetch`` against a real local server; then the results
 table's lines and results.json's entry."""
 
@@ -15,11 +15,11 @@ from torch import nn
 
 import fxdist
 import scheduling
-from jobs.lookups import optimize_record, prefetch_lines
-from jobs.report import table, to_json
+from jobs.launcher.report import table, to_json
+from jobs.trainer.lookups import optimize_record, prefetch_lines
 from scheduling.ps import LocalCluster
 
-HERE = "tests/jobs/test_lookups.py"
+HERE = "tests/jobs/test_trainer_lookups.py"
 
 
 class ClusterAndPositions(nn.Module):

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.data import resolve_data_path
+from jobs.launcher.data import resolve_data_path
 from recsys.criteo_format import DataError
 
 
 def test_resolve_data_path(tmp_path, monkeypatch):
-    import jobs.data
+    import jobs.launcher.data
 
-    monkeypatch.setattr(jobs.data, "default_criteo_path", lambda: tmp_path / "absent.txt")
+    monkeypatch.setattr(jobs.launcher.data, "default_criteo_path", lambda: tmp_path / "absent.txt")
     path, note = resolve_data_path("", tmp_path, 50)
     assert path == tmp_path / "synthetic_criteo.tsv" and path.is_file()
     assert "no Criteo data found" in note and "generated 50 rows" in note

@@ -1,6 +1,6 @@
 """A job's results: the printed table, ``results.json`` and ``qps.png``.
 
-The results are a :class:`jobs.results.JobResults` (as returned by :func:`jobs.launch.launch`): its fields, with
+The results are a :class:`jobs.results.JobResults` (as returned by :func:`jobs.launcher.launch.launch`): its fields, with
 their units, are the keys of ``results.json`` (:mod:`jobs.results`). The functions here read them with
 ``results.get(key)`` / ``results[key]``, so a results dict of the same keys (a test's fixture) reads the same.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from jobs.cluster import placement_lines
-from jobs.lookups import prefetch_lines
 from jobs.results import InferenceResult, JobResults, strict_json
 from jobs.stats import gain_percent
+from jobs.trainer.lookups import prefetch_lines
 
 __all__ = ["table", "write", "plot", "to_json", "parity_problem", "counted"]
 
@@ -142,7 +142,7 @@ def table(results: JobResults) -> str:
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
         if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
             lines += opt["placement"].splitlines()
-        lines += prefetch_lines(results["phases"]["optimized"])  # per lookup: prefetched, or why not (jobs.lookups)
+        lines += prefetch_lines(results["phases"]["optimized"])  # per lookup: prefetched, or why not (jobs.trainer.lookups)
     lines += _inference_lines(results.get("inference"), cols)
     parse = (results.get("data") or {}).get("parse") or {}
     if parse:
@@ -189,7 +189,7 @@ def _inference_lines(inf: InferenceResult | None, cols: tuple[str, ...]) -> list
     for name in ("fp32",) if inf.get("kept_fp32") else ("fp32", "int8"):
         r = inf[name]
         lines.append(f"{name:<10} {_fmt(r['qps']):>10}" + "".join(f" {_fmt(r.get(k), '.4f'):>8}" for k in cols))
-    if inf.get("layers") is not None:  # quant.select_int8 (main's jobs.inference): per-layer µs per call
+    if inf.get("layers") is not None:  # quant.select_int8 (main's jobs.launcher.inference): per-layer µs per call
         lines.append(f"int8 layer selection on this CPU ({inf.get('isa')}), µs per call fp32 / int8: " + "; ".join(
             f"{x['target']} {_fmt(x['fp32_us'])} / {_fmt(x['int8_us'])} -> {'int8' if x['chosen'] else 'fp32'}"
             for x in inf["layers"]))

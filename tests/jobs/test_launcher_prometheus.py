@@ -1,4 +1,4 @@
-"""jobs.prometheus: the job's Prometheus targets follow where the exporters really run."""
+"""jobs.launcher.prometheus: the job's Prometheus targets follow where the exporters really run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import jobs.cluster as cluster
 from jobs.config import load_config
-from jobs.prometheus import write_prometheus_files
+from jobs.launcher.prometheus import write_prometheus_files
 from tests.jobs._placement import where_info as _where
 
 

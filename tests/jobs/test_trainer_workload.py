@@ -7,14 +7,13 @@ import torch
 
 from recsys.criteo_format import DataError
 from recsys.criteo_shard import CriteoShard
-
 from tests.recsys._lines import SIZES
 from tests.recsys._lines import criteo_line as _line
 
 
 def test_report_shows_parse_throughput_next_to_qps():
-    from jobs.report import table
-    from jobs.worker import reader_summary
+    from jobs.launcher.report import table
+    from jobs.trainer.phases import reader_summary
 
     reader = reader_summary([{"lines_per_s": 90_000.0, "capacity_lines_per_s": 180_000.0, "workers": 2,
                               "lines": 10, "rows": 9}, None])
@@ -30,11 +29,11 @@ def test_report_shows_parse_throughput_next_to_qps():
 def test_the_job_workload_streams_shared_batches_and_bounds_the_held_out_rows(layouts, tmp_path):
     from jobs import criteo
     from jobs.config import JobConfig
-    from jobs.workload import make_workload
+    from jobs.trainer.workload import make_workload
 
     config = JobConfig().replace(job={"batch_size": 50}, data={"reader_workers": 0, "eval_max_rows": 120},
                                  model={"table_sizes": SIZES})
-    from jobs.metrics import Exporter
+    from jobs.trainer.metrics import Exporter
 
     exporter = Exporter("t", 0)  # its own registry
     work = make_workload(config, 0, 2, str(layouts["gz"]), exporter=exporter)

@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 import torch
 
-from jobs.metrics import Exporter, free_port_block
 from jobs.stats import auc, gain_percent, log_loss, percentile, qps_series
+from jobs.trainer.metrics import Exporter, free_port_block
 
 
 def test_exporter_uses_a_private_registry():

@@ -1,4 +1,4 @@
-"""jobs.inference: fp32 vs int8 of the trained model through quant.select_int8, for the built-in torchrec DLRM and
+"""jobs.launcher.inference: fp32 vs int8 of the trained model through quant.select_int8, for the built-in torchrec DLRM and
 for a model of your own; fp32 is kept (speed-up 1.00x) whenever int8 does not pay, and the table says so."""
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ from torch import nn
 
 import fxdist
 from jobs.config import JobConfig
-from recsys.criteo_synth import write_synthetic_criteo
-from jobs.inference import compare, rebuild_model
-from jobs.report import table
-from jobs.worker import build_model
+from jobs.launcher.inference import compare, rebuild_model
+from jobs.launcher.report import table
+from jobs.trainer.workload import build_model
 from quant import cpu_isa
+from recsys.criteo_synth import write_synthetic_criteo
 
 CONFIG = JobConfig().replace(model={"table_size": 300, "bottom_mlp": [32], "top_mlp": [32]},
                              quant={"calibration_batches": 2, "eval_batch_size": 64})
 LAYERS = ["dense_arch.model._mlp.0._linear", "dense_arch.model._mlp.1._linear", "over_arch.model.0._mlp.0._linear",
           "over_arch.model.1"]
 """torchrec DLRM's Linear layers: dense arch 13->32->16 (Linear+ReLU each), over arch 367->32 (+ReLU), 32->1."""
-HERE = "tests.jobs.test_inference"
+HERE = "tests.jobs.test_launcher_inference"
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def _int8_faster(subject, variant, run):
 
 
 def test_compare_keeps_fp32_when_the_selection_is_slower_end_to_end(data_path, monkeypatch):
-    import jobs.inference as inference
+    import jobs.launcher.inference as inference
 
     def qps(models, inputs, rows, **kwargs):  # the whole model (with its lookups) measured slower in int8
         assert set(models) == {"fp32", "int8"} and isinstance(models["int8"], fxdist.GraphModule)
@@ -126,7 +126,7 @@ def pairs(ctx) -> list[dict]:
 
 
 def test_your_model_gets_select_int8_and_the_int8_row_when_it_pays(monkeypatch):
-    import jobs.inference as inference
+    import jobs.launcher.inference as inference
 
     config = JobConfig().replace(model={"factory": f"{HERE}:two_tower"}, data={"batches": f"{HERE}:pairs"},
                                  quant={"calibration_batches": 2})
@@ -141,7 +141,7 @@ def test_your_model_gets_select_int8_and_the_int8_row_when_it_pays(monkeypatch):
 
 
 def test_a_model_without_linear_layers_is_skipped():
-    from jobs.inference import _compare
+    from jobs.launcher.inference import _compare
 
     out = _compare(CONFIG, nn.Sequential(nn.EmbeddingBag(5, 2)), [], [], None)
     assert out.to_json() == {"skipped": "Sequential has no nn.Linear or nn.Conv layer to quantize"}
@@ -151,8 +151,8 @@ def test_the_tables_are_not_copied_for_the_comparison(data_path):
     """The launcher holds the tables once: the rebuilt model takes the checkpoint's tensors, and the int8 model
     (quantization deep-copies the model several times) shares them with the fp32 one."""
     from jobs.entry import split_batch
-    from jobs.inference import _positional, quantize
-    from jobs.workload import inference_batches
+    from jobs.launcher.inference import _positional, quantize
+    from jobs.trainer.workload import inference_batches
 
     state = _trained_state(CONFIG)
     model = rebuild_model(CONFIG, state)

@@ -17,7 +17,7 @@ single keys, e.g. ``--set job.steps=20 --set cluster.parameter_servers=0``; valu
 
 ``--run-dir DIR`` must not hold a run yet: a run is never overwritten. ``--resume RUN_DIR`` continues an
 interrupted or failed run from its last checkpoint with the config it was started with (``--set`` may
-change only the keys of :data:`jobs.runs.RESUMABLE_KEYS`); a completed run is refused.
+change only the keys of :data:`jobs.launcher.runs.RESUMABLE_KEYS`); a completed run is refused.
 
 Exit status: 0 on success; 2 for a bad config, command line, data file or run folder (found before Ray
 starts, or a trainer's deterministic config/data error: the message names the key or file); 1 when the
@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import sys
 import tomllib
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from jobs.config import ConfigError, JobConfig, load_config, to_dict
@@ -94,10 +94,10 @@ def _config(args: argparse.Namespace) -> JobConfig:
     """The effective config: CONFIG (or the run's own with --resume) plus the --set overrides.
 
     Raises:
-        ConfigError, FileNotFoundError: see :func:`load_config`, :func:`jobs.runs.load_config`.
+        ConfigError, FileNotFoundError: see :func:`load_config`, :func:`jobs.launcher.runs.load_config`.
     """
     if getattr(args, "resume", None):
-        from jobs import runs
+        from jobs.launcher import runs
 
         if args.config:
             raise ConfigError(f"--resume uses the config the run was started with; drop {args.config!r} "
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{key} = {value!r}")
             print()
         return 0
-    from jobs.launch import ParityError, launch
+    from jobs.launcher.launch import ParityError, launch
 
     try:
         launch(config, run_dir=args.resume or args.run_dir, quiet=args.quiet, resume=bool(args.resume))

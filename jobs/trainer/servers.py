@@ -22,7 +22,7 @@ directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has t
 to an empty server instead of joining; the trainers then load the checkpoint's tables as above. A restarted
 server actor needs no re-admission: the same handles reach it.
 
-Trainer side: :class:`ServerTables` is the tables backend of a job with servers (:mod:`jobs.workload`): each
+Trainer side: :class:`ServerTables` is the tables backend of a job with servers (:mod:`jobs.trainer.workload`): each
 phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling.parameter_servers`` pass
 (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers (stored as
 ``[model] server_storage`` says, trained there with row-wise Adagrad) and turns each lookup into blocking
@@ -69,7 +69,7 @@ class ServerHooks:
         """Serve the exporter on ``metrics`` (another free port of this node when that one is taken)."""
         if self.address is not None:
             from jobs.cluster import serve_exporter
-            from jobs.metrics import Exporter
+            from jobs.trainer.metrics import Exporter
 
             self.exporter = Exporter(self.job, self.name)
             self.metrics = serve_exporter(self.exporter, self.address[0], self.address[1])
@@ -135,7 +135,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
     ``[job] max_failures`` times after its process dies; it exports metrics on
     ``metrics_port + trainers + i`` of its node (None: no exporter; another free port of its node when that
     one is taken there). ``[cluster] placement`` picks its node (:func:`jobs.cluster.server_options`).
-    Returns the handles (for the trainers' :class:`jobs.plan.TrainerSpec`).
+    Returns the handles (for the trainers' :class:`jobs.trainer.spec.TrainerSpec`).
     """
     from jobs.cluster import server_options
     from scheduling.ps import server_actor_class
@@ -154,6 +154,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
 def stop_servers(actors: list[Any], timeout_s: float = 5.0) -> None:
     """Ask the server actors to close, then kill them (no restart); never raises."""
     import ray
+
     from scheduling.ps import ActorHost
 
     try:
@@ -199,7 +200,7 @@ def _rpc_host(spec: Any) -> str:
 
 class ServerGroup:
     """This worker group's ``torch.distributed.rpc`` group: the ``world`` trainers and the launcher's
-    server actors (``PSActor``) (``spec.servers`` of the trainers' :class:`jobs.plan.TrainerSpec` ``spec``), which
+    server actors (``PSActor``) (``spec.servers`` of the trainers' :class:`jobs.trainer.spec.TrainerSpec` ``spec``), which
     rank 0 asks to join (see the module docstring).
 
     Attributes: ``rank``, ``world``, ``config``, ``num_servers``, ``servers`` (RPC names ``ps<i>``), ``group``
@@ -254,7 +255,7 @@ class ServerGroup:
         if dist.is_initialized() and self.world > 1:
             dist.barrier()
 
-    def kill_server(self, index: int) -> None:
+    def kill(self, index: int) -> None:
         """Kill server ``index``'s process (fault injection) through the lifecycle's host
         (:meth:`scheduling.ps.ActorHost.kill`); Ray restarts the actor (``[job] max_failures``)."""
         self.lifecycle.kill(index)
@@ -267,7 +268,7 @@ class ServerGroup:
 
 
 class ServerTables:
-    """Tables backend (:class:`jobs.seams.TableBackend`) of a trainer with parameter servers: it *has* this
+    """Tables backend (:class:`jobs.trainer.protocols.TableBackend`) of a trainer with parameter servers: it *has* this
     worker group's :class:`ServerGroup` (:attr:`servers`). Each phase's module (the built-in DLRM or yours) gets
     the ``scheduling.parameter_servers`` pass first (:meth:`_PhaseTables.placement_pass`), which moves its
     embedding tables to the group's servers under the clients ``fxdist-job-<phase>:<module path>``, shared by
@@ -290,12 +291,8 @@ class ServerTables:
         self.servers.barrier()
 
     def view(self, phase: str) -> Any:
-        """The tables of ``phase`` (its own clients and tables on the servers, a :class:`jobs.seams.Tables`)."""
+        """The tables of ``phase`` (its own clients and tables on the servers, a :class:`jobs.trainer.protocols.Tables`)."""
         return self.views[phase]
-
-    def kill_server(self, index: int) -> None:
-        """Kill server ``index``'s process (fault injection): :meth:`ServerGroup.kill_server`."""
-        self.servers.kill_server(index)
 
     def close(self, graceful: bool = True) -> None:
         """Close every phase's clients and leave the RPC group; the server actors stay (the launcher owns them).
@@ -340,11 +337,10 @@ class _LookupTimer:
 
 
 class _PhaseTables(_LookupTimer):
-    """One phase's tables (a :class:`jobs.seams.Tables`): set up by the ``parameter_servers`` pass, then read
+    """One phase's tables (a :class:`jobs.trainer.protocols.Tables`): set up by the ``parameter_servers`` pass, then read
     through the module it produced."""
 
     local = False
-    can_kill_server = True
 
     def __init__(self, owner: ServerGroup, phase: str) -> None:
         super().__init__()
@@ -411,9 +407,6 @@ class _PhaseTables(_LookupTimer):
         if self.rank == 0 and state:
             load_table_state_dict(self.gm, state)
         self.owner.barrier()
-
-    def kill_server(self, index: int) -> None:
-        self.owner.kill_server(index)
 
     def close(self) -> None:
         for client in self._clients():

@@ -1,4 +1,4 @@
-"""jobs.sparse_grads: the trainers average their sparse table gradients after backward instead of DDP's sparse
+"""jobs.trainer.sparse_grads: the trainers average their sparse table gradients after backward instead of DDP's sparse
 all-reduce (which corrupts the heap on CPU, see the module). Two gloo processes; differential against the mean
 of the dense gradients and against DDP training the same model with dense table gradients."""
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from jobs.sparse_grads import average_sparse_grads, data_parallel, sparse_parameters
-from jobs.metrics import free_port
+from jobs.trainer.metrics import free_port
+from jobs.trainer.sparse_grads import average_sparse_grads, data_parallel, sparse_parameters
 from tests.scheduling._group import spawn_and_collect
 
 WORLD, STEPS, B = 2, 6, 8

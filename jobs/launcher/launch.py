@@ -2,10 +2,10 @@
 
 :func:`launch` does, in order:
 
-1. plans the job (:func:`jobs.plan.make_plan`, a :class:`jobs.plan.JobPlan`): every check that needs no Ray
-   (:mod:`jobs.preflight`: config ranges, passes, the data file, and on this machine free metrics ports and
+1. plans the job (:func:`jobs.launcher.plan.make_plan`, a :class:`jobs.trainer.spec.JobPlan`): every check that needs no Ray
+   (:mod:`jobs.launcher.checks`: config ranges, passes, the data file, and on this machine free metrics ports and
    enough memory), the first pass over the data (table sizes), and the run folder, not created yet
-   (:mod:`jobs.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
+   (:mod:`jobs.launcher.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
 2. joins Ray: an already initialised session, else ``[cluster] address``, else ``$RAY_ADDRESS``,
    else a local ``ray.init()``; then creates the run folder ``<run_dir>/<name>-<UTC timestamp>/`` (with
    generated Criteo-format data when no file was found) and a ``results.json`` saying ``"running"``;
@@ -13,20 +13,20 @@
    ``prometheus/prometheus.yml`` (from ``dashboards/``) into the run folder;
 4. runs the trainers with Ray Train's ``TorchTrainer`` (DDP over gloo on CPU, nccl on GPU;
    ``FailureConfig(max_failures)`` restarts the worker group from the last checkpoint), after starting
-   the parameter servers as Ray actors (:func:`jobs.servers.start_servers`; each worker group's rank 0 has
-   them join its ``torch.distributed.rpc`` group, see :mod:`jobs.servers`; they are killed when the job ends,
-   also on errors and Ctrl-C); each trainer gets a :class:`jobs.plan.TrainerSpec` (the plan and those
+   the parameter servers as Ray actors (:func:`jobs.trainer.servers.start_servers`; each worker group's rank 0 has
+   them join its ``torch.distributed.rpc`` group, see :mod:`jobs.trainer.servers`; they are killed when the job ends,
+   also on errors and Ctrl-C); each trainer gets a :class:`jobs.trainer.spec.TrainerSpec` (the plan and those
    handles); the trainers report to a :class:`JobState` actor, which the launcher polls for its progress display;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
-   see :func:`jobs.worker.eval_step`) and compares fp32 with int8 (:mod:`jobs.inference`: ``quant.select_int8``
+   see :func:`jobs.trainer.evaluation.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`: ``quant.select_int8``
    for the built-in DLRM and for your model alike);
-6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.report`).
+6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.launcher.report`).
 
 A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
-:class:`JobState` actor and ends the job on the first attempt (:func:`jobs.worker.train_loop`); the
+:class:`JobState` actor and ends the job on the first attempt (:func:`jobs.trainer.loop.train_loop`); the
 launcher raises it (exit status 2 for config and data, 1 otherwise). Ray Train's retries
 (``max_failures``) are for process and node failures. Whatever ends the job, ``results.json`` says how:
-``"completed"``, ``"interrupted"`` or ``"failed"``, with the phases finished so far (:mod:`jobs.runs`).
+``"completed"``, ``"interrupted"`` or ``"failed"``, with the phases finished so far (:mod:`jobs.launcher.runs`).
 
 Source: Ray Train (TorchTrainer, ScalingConfig, RunConfig, FailureConfig, CheckpointConfig).
 """
@@ -45,13 +45,15 @@ from typing import Any, Callable
 
 import torch
 
-from jobs import runs, table_sizes
+from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
-from jobs.plan import JobPlan, TrainerSpec, make_plan, with_data
-from jobs.prometheus import retarget, write_prometheus_files
+from jobs.launcher import runs
+from jobs.launcher.plan import make_plan, with_data
+from jobs.launcher.prometheus import retarget, write_prometheus_files
+from jobs.launcher.state import JobState, seed_snapshot, with_snapshot
 from jobs.results import InferenceResult, JobResults, PhaseResult
-from jobs.state import JobState, seed_snapshot, with_snapshot
 from jobs.stats import peak_rss_bytes
+from jobs.trainer.spec import JobPlan, TrainerSpec
 from recsys.criteo_format import DataError
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases"]
@@ -109,14 +111,15 @@ def _fit(trainer, box: dict[str, Any]) -> None:
 
 
 @dataclass
-class Watch:
-    """What the launcher keeps about a running job, between its steps (:func:`launch`, :func:`_train`,
-    :func:`_follow`)."""
+class JobStateWatch:
+    """The launcher's watch over a running job's JobState actor (:class:`jobs.launcher.state.JobState`): its last
+    snapshot, what to do when it changes, the nodes lost; kept between the launch's steps (:func:`launch`,
+    :func:`_train`, :func:`_follow`)."""
 
     previous: JobResults | None = None
     """The resumed run's results (``--resume``), else None."""
     snap: dict[str, Any] = field(default_factory=dict)
-    """The last JobState snapshot (:meth:`jobs.state.JobState.snapshot`): what an interrupted launch reports."""
+    """The last JobState snapshot (:meth:`jobs.launcher.state.JobState.snapshot`): what an interrupted launch reports."""
     on_change: Callable[[dict[str, Any]], None] = lambda snap: None
     """Runs with the snapshot when a phase has finished, a checkpoint was written or an event recorded."""
     on_placement: Callable[[dict[str, Any]], None] = lambda snap: None
@@ -129,8 +132,8 @@ class Watch:
     """Exporters already reported as unreachable from here (warned once each)."""
 
 
-def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, watch: Watch) -> dict[str, Any]:
-    """Poll the JobState actor and update the progress display (:class:`jobs.progress.Progress`: one bar on a
+def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, watch: JobStateWatch) -> dict[str, Any]:
+    """Poll the JobState actor and update the progress display (:class:`jobs.launcher.progress.Progress`: one bar on a
     terminal, plain lines otherwise) until the fit thread ends.
 
     Each snapshot goes to ``watch.snap``; ``watch.on_change(snap)`` runs when a phase has finished, a checkpoint
@@ -139,7 +142,7 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, wa
     """
     import ray
 
-    from jobs.progress import Progress
+    from jobs.launcher.progress import Progress
 
     progress = Progress() if show else None
     snap: dict[str, Any] = watch.snap
@@ -180,7 +183,7 @@ def _trainer(config: JobConfig, spec: TrainerSpec, run_dir: Path):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from jobs.cluster import trainer_strategy
-    from jobs.worker import train_loop
+    from jobs.trainer.loop import train_loop
 
     c = config.cluster
     return TorchTrainer(
@@ -202,17 +205,17 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
            resume: bool = False) -> JobResults:
     """Run the job described by ``config`` and return its results (also written to ``results.json``).
 
-    Every check that needs no Ray runs first (:func:`jobs.plan.make_plan`: :func:`jobs.preflight.check`, the
-    first pass over the data, :func:`jobs.runs.choose`); the run folder is created only once they pass and Ray
+    Every check that needs no Ray runs first (:func:`jobs.launcher.plan.make_plan`: :func:`jobs.launcher.checks.check`, the
+    first pass over the data, :func:`jobs.launcher.runs.choose`); the run folder is created only once they pass and Ray
     has started.
 
     Args:
         config: The job config.
         run_dir: The run folder; default ``<[job] run_dir>/<name>-<UTC timestamp>``. It must not hold a
-            run yet, unless ``resume`` (see :mod:`jobs.runs`).
+            run yet, unless ``resume`` (see :mod:`jobs.launcher.runs`).
         quiet: No progress display or table (tests).
         resume: Continue the interrupted or failed run in ``run_dir`` from its last checkpoint (``config``
-            should be :func:`jobs.runs.load_config` of it).
+            should be :func:`jobs.launcher.runs.load_config` of it).
 
     Returns:
         The :class:`jobs.results.JobResults` written to results.json, with ``status`` ``"completed"``.
@@ -230,7 +233,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     plan = make_plan(config, run_dir, resume=resume, local=not _expect_cluster(config), log=log)
     run_dir, previous = plan.run_dir, runs.read_results(plan.run_dir) if resume else None
     started_ray, on_cluster = _join_ray(plan.config, log=log)
-    watch = Watch(previous=previous)
+    watch = JobStateWatch(previous=previous)
     results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
                                "config_source": config.source, "run_dir": str(run_dir),
                                "launcher": {"pid": os.getpid(), "host": socket.gethostname()},
@@ -266,7 +269,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
 def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bool, log: Any) -> JobResults:
     """Write results.json and the plot, print the table and return the results written; raise
     :class:`ParityError` (``[phases] parity = "error"``) when the optimized phase did not train like the baseline."""
-    from jobs import report
+    from jobs.launcher import report
 
     results.pop("launcher", None)
     typed = report.write(results, run_dir)
@@ -288,7 +291,7 @@ def _record_data(plan: JobPlan, results: dict[str, Any]) -> None:
     if plan.data_plan is not None:
         results["data"]["scan"] = plan.data_plan.summary()
         results["config"] = to_dict(plan.config)
-        results["tables"] = {"sizes": plan.config.table_sizes, **(plan.tables or {})}
+        results["tables"] = {"sizes": table_sizes.sizes(plan.config), **(plan.tables or {})}
     if plan.tables is not None:
         table_sizes.write_record(plan.run_dir, plan.tables)
 
@@ -329,7 +332,7 @@ def _expect_cluster(config: JobConfig) -> bool:
     return bool(address)
 
 
-def _record_end(run_dir: Path, results: dict[str, Any], watch: Watch, error: BaseException) -> None:
+def _record_end(run_dir: Path, results: dict[str, Any], watch: JobStateWatch, error: BaseException) -> None:
     """Write results.json of a run that did not complete: "interrupted" (Ctrl-C) or "failed"."""
     snap = watch.snap or seed_snapshot(watch.previous)
     out = with_snapshot(results, snap)
@@ -348,8 +351,8 @@ def _record_end(run_dir: Path, results: dict[str, Any], watch: Watch, error: Bas
 
 
 def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: Any) -> InferenceResult:
-    """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.inference`)."""
-    from jobs import inference
+    """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.launcher.inference`)."""
+    from jobs.launcher import inference
 
     log("post-training quantization of the dense layers: fp32 vs int8")
     t_quant = time.perf_counter()
@@ -373,7 +376,7 @@ def _recorded_error(error: dict[str, Any]) -> Exception:
 
 
 def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
-           watch: Watch) -> tuple[dict[str, Any], dict[str, Any], float]:
+           watch: JobStateWatch) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Start the server actors, run the TorchTrainer, kill the actors (also on errors and Ctrl-C).
 
     ``watch.snap`` keeps the last JobState snapshot, also when this raises.
@@ -404,12 +407,12 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
         if on_cluster:
             watch.nodes = NodeWatch()
         if config.cluster.parameter_servers:
-            from jobs.servers import start_servers
+            from jobs.trainer.servers import start_servers
 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
         spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1")
         trainer = _trainer(config, spec, run_dir)
-        from jobs.report import counted
+        from jobs.launcher.report import counted
 
         log(f"training: {counted(config.cluster.trainers, 'trainer')}, "
             f"{counted(config.cluster.parameter_servers, 'parameter server')} "
@@ -438,13 +441,13 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
         raise
     finally:
         if servers:
-            from jobs.servers import stop_servers
+            from jobs.trainer.servers import stop_servers
 
             stop_servers(servers)
 
 
 def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:
-    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.servers.ServerHooks`) into the JobState (``ps<i>``); skipped when a server
+    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.trainer.servers.ServerHooks`) into the JobState (``ps<i>``); skipped when a server
     does not answer (a dead one has nothing to report)."""
     import ray
 

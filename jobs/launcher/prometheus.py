@@ -20,7 +20,7 @@ from jobs.cluster import launcher_address, loopback_elsewhere
 
 __all__ = ["DASHBOARDS", "write_prometheus_files", "file_sd_groups", "retarget"]
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 """The repository's Prometheus and Grafana files."""
 
 

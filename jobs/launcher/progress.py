@@ -1,6 +1,6 @@
 """The launcher's one progress display of a job's phases (``[job] progress``), fed by JobState snapshots.
 
-The phases train block by block on the same trainers (:func:`jobs.worker.block_ends`), so one display counts the
+The phases train block by block on the same trainers (:func:`jobs.trainer.phases.block_ends`), so one display counts the
 steps of all of them: on a terminal, one tqdm bar over every phase's steps (each phase's count after it); otherwise
 (a pipe, a file, CI) plain lines, one every ``interval_s`` seconds and one when a phase finishes, without
 escape codes::
@@ -54,7 +54,7 @@ class Progress:
         self._last: tuple[Mapping[str, int], dict[str, int], float] | None = None
 
     def update(self, snap: Mapping[str, Any]) -> None:
-        """Show ``snap`` (:meth:`jobs.state.JobState.snapshot`: ``totals`` and ``progress`` per phase, phase name ->
+        """Show ``snap`` (:meth:`jobs.launcher.state.JobState.snapshot`: ``totals`` and ``progress`` per phase, phase name ->
         steps; ``results`` has the finished phases)."""
         totals: Mapping[str, int] = snap.get("totals", {})
         if not totals:

@@ -8,11 +8,13 @@ import dataclasses
 import cloudpickle
 import pytest
 
+from jobs import table_sizes
 from jobs.config import JobConfig
+from jobs.launcher.plan import make_plan, memory_estimate, with_data
+from jobs.trainer.protocols import TableBackend, Tables, Workload
+from jobs.trainer.spec import JobPlan, TrainerSpec
+from jobs.trainer.workload import CriteoWorkload, LocalTables, UserWorkload
 from recsys.criteo_synth import write_synthetic_criteo
-from jobs.plan import JobPlan, TrainerSpec, make_plan, with_data
-from jobs.seams import TableBackend, Tables, Workload
-from jobs.workload import CriteoWorkload, LocalTables, UserWorkload
 
 
 def _members(protocol: type) -> set[str]:
@@ -28,19 +30,18 @@ def test_every_implementation_has_every_member_of_its_protocol(cls, protocol):
 
 
 def test_the_server_backend_and_its_views_have_every_member():
-    from jobs.servers import ServerTables, _PhaseTables
+    from jobs.trainer.servers import ServerTables, _PhaseTables
 
-    # ``moved`` is set per instance (the tables the pass moved), the rest are class members
+    # ``moved`` and ``servers`` are set per instance (the tables the pass moved, the worker group's servers)
     assert sorted(n for n in _members(Tables) if not hasattr(_PhaseTables, n)) == ["moved"]
-    assert all(hasattr(ServerTables, n) for n in _members(TableBackend))
+    assert sorted(n for n in _members(TableBackend) if not hasattr(ServerTables, n)) == ["servers"]
 
 
 def test_local_tables_answer_what_the_trainer_asks():
     tables = LocalTables()
-    assert tables.placement_pass() is None and tables.local and not tables.can_kill_server
+    assert tables.placement_pass() is None and tables.local and tables.servers is None  # no server to kill
     assert tables.attach(object()) is None and tables.view("optimized") is tables
-    with pytest.raises(RuntimeError, match="parameter_servers = 0"):
-        tables.kill_server(0)
+    assert "kill_server" not in _members(Tables)  # faults go through the server group's lifecycle
 
 
 def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tmp_path):
@@ -49,8 +50,8 @@ def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tm
                                  job={"run_dir": str(tmp_path / "runs")}, metrics={"enabled": False})
     plan = make_plan(config, tmp_path / "run", local=False)
     assert plan.data_path == data and plan.run_dir == (tmp_path / "run").resolve() and not plan.run_dir.exists()
-    assert isinstance(plan.config.model.table_sizes, list) and plan.tables["sizes"] == plan.config.table_sizes
-    assert plan.data_plan.rows and plan.memory.total_bytes > 0 and plan.data_note == f"Criteo data from {data}"
+    assert isinstance(plan.config.model.table_sizes, list) and plan.tables["sizes"] == table_sizes.sizes(plan.config)
+    assert plan.data_plan.rows and memory_estimate(plan).total_bytes > 0 and plan.data_note == f"Criteo data from {data}"
     assert with_data(plan) is plan  # the data was found: nothing to generate
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.config = config  # type: ignore[misc]
@@ -61,7 +62,7 @@ def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tm
 
 
 def test_synthetic_data_is_planned_once_generated_into_the_run_folder(tmp_path, monkeypatch):
-    for where in ("jobs.data.locate_data", "jobs.preflight.locate_data"):  # no Criteo file anywhere
+    for where in ("jobs.launcher.data.locate_data", "jobs.launcher.checks.locate_data"):  # no Criteo file anywhere
         monkeypatch.setattr(where, lambda path, table_size=0: None)
     config = JobConfig().replace(data={"synthetic_rows": 300}, metrics={"enabled": False})
     plan = make_plan(config, tmp_path / "run", local=False)

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
 from scheduling.ps.ports import free_port, free_port_block  # one free_port for the project (re-exported here)
 
 __all__ = ["LABELS", "DEPRECATED_ALIASES", "STEP_BUCKETS", "LOOKUP_BUCKETS", "Exporter", "free_port", "free_port_block"]

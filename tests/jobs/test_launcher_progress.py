@@ -1,11 +1,11 @@
-"""jobs.progress: one display of all phases' steps; plain lines without escape codes when not on a terminal."""
+"""jobs.launcher.progress: one display of all phases' steps; plain lines without escape codes when not on a terminal."""
 
 from __future__ import annotations
 
 import io
 import re
 
-from jobs.progress import Progress
+from jobs.launcher.progress import Progress
 
 
 class Clock:

@@ -1,7 +1,7 @@
 """What a trainer trains (the built-in torchrec DLRM on Criteo, or your model on your batches), and where its
 embedding tables live.
 
-A *workload* (the :class:`jobs.seams.Workload` protocol) gives the training loop (:mod:`jobs.worker`) everything
+A *workload* (the :class:`jobs.trainer.protocols.Workload` protocol) gives the training loop (:mod:`jobs.trainer.loop`) everything
 that depends on the model and the data:
 
 - ``rows``: this trainer's training rows per epoch (for ``[job] eval_epochs``), ``parse``: the reader's
@@ -11,7 +11,7 @@ that depends on the model and the data:
 - ``train_batches(start)``: endless batches from batch ``start`` on; ``eval_batches()``: the held-out ones
   (rank 0; None elsewhere); every batch follows the contract of :mod:`jobs.entry`;
 - ``inputs(batch, tables, device)``: ``(args, kwargs, labels)`` of the model's call; ``step_batch(batch, tables,
-  device)``: a training batch on the device with those parts (:class:`jobs.seams.StepBatch`);
+  device)``: a training batch on the device with those parts (:class:`jobs.trainer.protocols.StepBatch`);
 - ``step_loss(module, step, ahead)``: one training step's loss (``[train] loss`` of the module's output,
   or your ``[train] train_step``); ``loss(output, labels)`` and ``quality(outputs, labels)``: the loss and the
   held-out metrics.
@@ -19,15 +19,16 @@ that depends on the model and the data:
 :class:`UserWorkload` is your model (``[model] factory``, ``[data] batches``); :class:`CriteoWorkload` is the same
 machinery with the built-in model (:func:`jobs.criteo.dlrm`) and the Criteo reader. Both train through the same
 path: with parameter servers, each phase's module first gets the ``parameter_servers`` pass
-(:class:`jobs.servers.ServerTables`).
+(:class:`jobs.trainer.servers.ServerTables`).
 
-A *tables backend* (:func:`make_tables`, the :class:`jobs.seams.TableBackend` protocol): :class:`LocalTables` (the
-tables stay in the model: DDP parameters) or :class:`jobs.servers.ServerTables` (the ``parameter_servers`` pass moves
-them to the job's servers), with ``view(phase)`` (each phase's own tables, :class:`jobs.seams.Tables`: ``local``,
+A *tables backend* (:func:`make_tables`, the :class:`jobs.trainer.protocols.TableBackend` protocol): :class:`LocalTables` (the
+tables stay in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the ``parameter_servers`` pass moves
+them to the job's servers), with ``view(phase)`` (each phase's own tables, :class:`jobs.trainer.protocols.Tables`: ``local``,
 ``placement_pass()`` (None when local) and ``attach(gm)``, ``after_backward()``, ``sync()`` (wait for updates in
 flight), ``lookup_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
 ``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
-live on the servers), ``can_kill_server`` / ``kill_server(i)``) and ``close(graceful)``.
+live on the servers), and ``close(graceful)``; the backend's ``servers``: the worker group's
+servers, None when local.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -42,9 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs import criteo, entry
+from jobs import criteo, entry, table_sizes
 from jobs.config import JobConfig
-from jobs.seams import StepBatch, TableBackend, Tables
+from jobs.trainer.protocols import StepBatch, TableBackend, Tables
 from recsys.criteo_format import DataError
 from recsys.criteo_shard import CriteoShard, DataPlan, scan
 from recsys.criteo_stream import CriteoStream, SharedBatches
@@ -63,7 +64,7 @@ def criteo_shard(config: JobConfig, data_path: str | Path, **kwargs: Any) -> Cri
     """A :class:`~recsys.criteo_shard.CriteoShard` of ``data_path`` hashed for the built-in model's tables (``kwargs``:
     ``rank``, ``world_size``, ``split``); ``eval_fraction`` defaults to ``[data] eval_fraction``."""
     kwargs.setdefault("eval_fraction", config.data.eval_fraction)
-    return CriteoShard(data_path, config.table_sizes, **kwargs)
+    return CriteoShard(data_path, table_sizes.sizes(config), **kwargs)
 
 
 class UserWorkload:
@@ -240,7 +241,7 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
 
     Args:
         plan: The launcher's first pass (:func:`recsys.criteo_shard.scan`); None: this trainer scans the data.
-        exporter: The trainer's :class:`jobs.metrics.Exporter` (its reader gauge), or None.
+        exporter: The trainer's :class:`jobs.trainer.metrics.Exporter` (its reader gauge), or None.
 
     Raises:
         recsys.criteo_format.DataError: the Criteo data cannot be used, or this trainer's share has no valid line;
@@ -256,7 +257,7 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
         raise DataError(f"CriteoShard: {data_path} has no valid train line for rank {rank} of {world} "
                         f"({stats['valid']} valid, {sum(stats['malformed'].values())} malformed)")
     on_chunk = None if exporter is None else (lambda s: exporter.observe_reader(s["lines_per_s"]))
-    stream = CriteoStream(plan.files, config.table_sizes, rank=rank, world_size=world, every=plan.every,
+    stream = CriteoStream(plan.files, table_sizes.sizes(config), rank=rank, world_size=world, every=plan.every,
                           workers=d.reader_workers, rows_per_epoch=plan.rows[rank], on_chunk=on_chunk)
     eval_shard = None
     if rank == 0 and d.eval_fraction > 0:
@@ -266,7 +267,7 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
 
 
 def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[list[Any], list[Any]]:
-    """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison (:mod:`jobs.inference`):
+    """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison (:mod:`jobs.launcher.inference`):
     the Criteo held-out rows in batches of ``[quant] eval_batch_size`` and the first ``[quant]
     calibration_batches`` training batches; for your model, the "eval" split of ``[data] batches`` and the first
     train batches of rank 0 of 1."""
@@ -286,11 +287,12 @@ def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[
 
 class LocalTables:
     """Embedding tables inside the model (DDP parameters; the built-in DLRM's give sparse gradients): the
-    :class:`jobs.seams.TableBackend` and every phase's :class:`jobs.seams.Tables` (:meth:`view` is itself)."""
+    :class:`jobs.trainer.protocols.TableBackend` and every phase's :class:`jobs.trainer.protocols.Tables` (:meth:`view` is itself)."""
 
     local = True
     moved: frozenset[str] = frozenset()
-    can_kill_server = False
+    servers = None
+    """No parameter servers: the tables are local."""
 
     def placement_pass(self) -> None:
         """None: the tables stay in the module."""
@@ -299,21 +301,13 @@ class LocalTables:
     def attach(self, gm: nn.Module) -> None:
         """Nothing to do: no pass moved the tables."""
 
-    def kill_server(self, index: int) -> None:
-        """No server to kill (:attr:`can_kill_server` is False).
-
-        Raises:
-            RuntimeError: always (``[cluster] parameter_servers = 0``).
-        """
-        raise RuntimeError(f"cannot kill parameter server {index}: the tables are local ([cluster] "
-                           "parameter_servers = 0)")
 
     def view(self, phase: str) -> "LocalTables":
         """Itself: each phase's tables are in its own model."""
         return self
 
     def after_backward(self) -> None:
-        """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.sparse_grads`) and the
+        """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.trainer.sparse_grads`) and the
         optimizer applies them."""
 
     def lookup_seconds(self) -> float | None:
@@ -346,7 +340,7 @@ def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
 
 def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: Any) -> TableBackend:
     """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``, else
-    :class:`jobs.servers.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.plan.TrainerSpec`
+    :class:`jobs.trainer.servers.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.trainer.spec.TrainerSpec`
     ``spec``, one table set per phase).
 
     Raises:
@@ -354,7 +348,7 @@ def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: A
     """
     if config.cluster.parameter_servers == 0:
         return LocalTables()
-    from jobs.servers import ServerTables
+    from jobs.trainer.servers import ServerTables
 
     phases = ("baseline", "optimized") if config.phases.baseline else ("optimized",)
     return ServerTables(config, rank, world, spec, exporter, phases)

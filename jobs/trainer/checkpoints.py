@@ -1,0 +1,73 @@
+"""Ray Train checkpoints of every phase at one step (:func:`save_checkpoint`, :func:`load_checkpoint`): dense
+weights, server tables and optimizer state per phase, so a restarted worker group resumes both phases at the same
+step; :func:`digest` checks that a restore is exact.
+
+Source: Ray Train user guide (``ray.train.report(metrics, checkpoint=...)``, ``ray.train.get_checkpoint()``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from jobs.trainer.pipeline import TrainPipeline
+
+
+def digest(state: dict[str, Any]) -> str:
+    """SHA-1 of a state dict's tensors (names, shapes, bytes), to check that a restore is exact."""
+    h = hashlib.sha1()
+    for key in sorted(state):
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            h.update(f"{key}:{tuple(value.shape)}:{value.dtype}".encode())
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(step: int, trainers: dict[str, TrainPipeline], early: dict[str, dict[str, Any]], rank: int,
+                     final: bool, state: Any = None) -> None:
+    """Report a Ray Train checkpoint of every phase at ``step`` (rank 0 writes it; every rank reports).
+
+    Per phase: dense weights, server tables, optimizer state, and ``early``: the phase's mid-phase
+    evaluation so far (``step``, ``quality``, and in the last phase the evaluated model's ``model`` /
+    ``tables``), so it survives a restart.
+    """
+    import ray.train
+
+    for t in trainers.values():
+        t.tables.sync()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank has pushed its updates for `step` to the servers
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if rank == 0:
+            saved: dict[str, Any] = {"step": step, "final": final, "models": {}, "tables": {}, "optim": {},
+                                     "eval": {p: dict(e) for p, e in early.items()}}
+            for phase, t in trainers.items():
+                dense, tables = t.dense_state(), t.tables.state_dict()
+                saved["models"][phase], saved["tables"][phase] = dense, tables
+                saved["optim"][phase] = t.optimizer.state_dict()
+                if state is not None:
+                    state.checkpointed.remote(phase, step, digest(dense), digest(tables))
+            torch.save(saved, os.path.join(tmp, "state.pt"))
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report({"step": step, "final": final}, checkpoint=checkpoint)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # the other ranks wait here, not in their next block (its time would include rank 0's save)
+
+
+def load_checkpoint() -> dict | None:
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
+

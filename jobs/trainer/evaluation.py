@@ -1,0 +1,73 @@
+"""Held-out evaluation of a phase's model: when (:func:`eval_step`: after ``[job] eval_epochs`` passes over the
+shard), on which batches (the workload's eval batches), and mid-phase between two barriers
+(:func:`evaluate_mid_phase`, with a snapshot of the model the job quantizes).
+
+Source: DLRM training recipe (AUC peaks after one epoch on Criteo).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from jobs.config import JobConfig
+from jobs.trainer.protocols import Tables, Workload
+
+if TYPE_CHECKING:
+    from jobs.trainer.pipeline import TrainPipeline
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, workload: Workload, tables: Tables) -> dict[str, float]:
+    """The held-out quality of ``model`` on the workload's eval batches (:meth:`quality`: AUC and log loss
+    for the DLRM); ``{}`` when this rank has none."""
+    batches = workload.eval_batches()
+    if batches is None:
+        return {}
+    model.eval()
+    device = next(model.parameters()).device
+    outputs, labels = [], []
+    for batch in batches:
+        args, kwargs, y = workload.inputs(batch, tables, device)
+        outputs.append(tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), model(*args, **kwargs)))
+        labels.append(y.cpu())
+    model.train()
+    return workload.quality(outputs, labels)
+
+
+def eval_step(config: JobConfig, shard_rows: int) -> int:
+    """The step after which a phase's held-out AUC / log loss are measured.
+
+    ``ceil([job] eval_epochs * shard_rows / batch_size)``: the model after that many passes over a
+    trainer's shard (``shard_rows``: the largest shard), capped at ``[job] steps``; ``eval_epochs = 0``
+    means the end of the phase.
+    """
+    epochs, steps = config.job.eval_epochs, config.job.steps
+    if epochs <= 0:
+        return steps
+    return max(1, min(steps, math.ceil(epochs * shard_rows / config.job.batch_size)))
+
+
+def evaluate_mid_phase(t: TrainPipeline, step: int, snapshot: bool) -> dict[str, Any]:
+    """All ranks: held-out quality of ``model`` now (rank 0), and with ``snapshot`` a copy of its dense
+    weights and tables (the model the job quantizes). Between two barriers, so no trainer's timed step
+    waits for rank 0's evaluation."""
+    tables = t.tables
+    tables.sync()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank's updates for `step` are on the servers
+    out: dict[str, Any] = {}
+    if t.workload.has_eval:
+        out = {"step": step, "quality": evaluate(t.evaluated, t.workload, tables)}
+        if snapshot:
+            out["model"] = {k: v.detach().clone() for k, v in t.dense_state().items()}
+            out["tables"] = tables.state_dict()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return out
+
