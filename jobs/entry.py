@@ -324,7 +324,12 @@ def train_step_fn(config: JobConfig) -> Callable[[Any, Any], torch.Tensor] | Non
 
 
 def loss_fn(config: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``loss(output, labels)`` of ``[train] loss``; built-ins flatten ``(B, 1)`` outputs to ``(B,)``."""
+    """``loss(output, labels)`` of ``[train] loss``; built-ins flatten ``(B, 1)`` outputs to ``(B,)``.
+
+    Raises:
+        ConfigError: neither a built-in name nor ``'package.module:function'``, an entry point that cannot be
+            imported, or one that does not take ``(output, labels)``.
+    """
     name = config.train.loss
     if name == "bce_with_logits":
         return lambda out, y: nn.functional.binary_cross_entropy_with_logits(out.reshape(y.shape), y.float())

@@ -205,6 +205,9 @@ class ServerGroup:
 
     Attributes: ``rank``, ``world``, ``config``, ``num_servers``, ``servers`` (RPC names ``ps<i>``), ``group``
     (a key rank 0 drew and broadcast: the trainers share tables in step order under it), ``joined``.
+
+    Raises:
+        RuntimeError: the launcher passed another number of server actors than ``[cluster] parameter_servers``.
     """
 
     def __init__(self, config: Any, rank: int, world: int, spec: Any) -> None:
