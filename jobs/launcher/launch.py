@@ -34,6 +34,7 @@ Source: Ray Train (TorchTrainer, ScalingConfig, RunConfig, FailureConfig, Checkp
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -78,7 +79,7 @@ def _join_ray(config: JobConfig, *, log: Any) -> tuple[bool, bool]:
     from recsys.quiet import RAY_TOKEN_AUTH_ENABLED, RAY_TOKEN_AUTH_LOGGER, drop_log_records
 
     drop_log_records(RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_ENABLED)  # our own local cluster (token auth stays on)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)  # no "Started a local Ray"
     return True, False
 
 

@@ -67,8 +67,8 @@ class Progress:
         self._last = (totals, done, now)
         if self.tty:
             self._draw(totals, done, steps, now)
-        elif (finished - self._finished or self._last_line is None
-              or now - self._last_line >= self.interval_s):
+        elif self._counts(totals, done) != self._shown and (finished - self._finished or self._last_line is None
+                                                            or now - self._last_line >= self.interval_s):
             self._line(totals, done, now)
         self._finished |= finished
 

@@ -116,16 +116,16 @@ def table(results: JobResults) -> str:
         + (f", emulated server latency {c.get('server_fetch_delay_ms')} ms per lookup"
            if c.get("parameter_servers") and c.get("server_fetch_delay_ms") else ""),
         "",
-        f"{'phase':<10} {'QPS':>10} {'step p50':>9} {'step p99':>9} {'fetch p50':>10} {'fetch p99':>10} "
+        f"{'phase':<10} {'QPS':>10} {'step p50':>9} {'step p99':>9} {'lookup p50':>11} {'lookup p99':>11} "
         f"{'loss':>7}{heads}",
-        f"{'':<10} {'samples/s':>10} {'ms':>9} {'ms':>9} {'ms':>10} {'ms':>10}",
+        f"{'':<10} {'samples/s':>10} {'ms':>9} {'ms':>9} {'ms':>11} {'ms':>11}",
     ]
     for name, p in results.get("phases", {}).items():
         q = p.get("quality", {})
         lines.append(
             f"{name:<10} {_fmt(p.get('qps')):>10} {_fmt(p.get('step_p50_ms'), '.2f'):>9} "
-            f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('lookup_p50_ms'), '.3f'):>10} "
-            f"{_fmt(p.get('lookup_p99_ms'), '.3f'):>10} {_fmt(p.get('loss'), '.4f'):>7}"
+            f"{_fmt(p.get('step_p99_ms'), '.2f'):>9} {_fmt(p.get('lookup_p50_ms'), '.3f'):>11} "
+            f"{_fmt(p.get('lookup_p99_ms'), '.3f'):>11} {_fmt(p.get('loss'), '.4f'):>7}"
             + "".join(f" {_fmt(q.get(k), '.4f'):>8}" for k in cols)
         )
     lines += _quality_notes(results, j.get("steps"), cols)

@@ -82,3 +82,20 @@ def test_one_bar_on_a_terminal_with_a_sane_rate():
     assert all("training:" in f for f in frames)  # one bar, no per-phase bars
     assert "200/400" in frames[-1] and "baseline 100/200, optimized 100/200" in frames[-1]
     assert re.findall(r"([\d.]+) ?steps?/s", text) == ["20.0"]  # 200 steps in 10 s
+
+
+def test_the_same_counts_are_not_printed_twice_when_the_last_phase_reports_late():
+    """The job's two phases end together; their results reach the state actor one after the other, and the
+    second report used to print the 100 % line again."""
+    out, clock = io.StringIO(), Clock()
+    progress = Progress(out, interval_s=60.0, clock=clock)
+    progress.update(_snap(0, 0))
+    clock.now += 10.0
+    progress.update(_snap(200, 200, finished=("baseline",)))
+    clock.now += 0.5
+    progress.update(_snap(200, 200, finished=("baseline", "optimized")))
+    progress.close()
+    assert out.getvalue().splitlines() == [
+        "[fxdist] progress: baseline 0/200, optimized 0/200 steps (0 %), elapsed 0:00",
+        "[fxdist] progress: baseline 200/200, optimized 200/200 steps (100 %), 40.0 steps/s, elapsed 0:10",
+    ]
