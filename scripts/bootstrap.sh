@@ -34,5 +34,6 @@ pip install -q torch==2.13.0
 pip install -q -r requirements.txt
 # torchrec 1.8.0 names the CUDA fbgemm-gpu; we use fbgemm-gpu-cpu instead.
 pip install -q --no-deps torchrec==1.8.0
-pip install -q --no-deps -e .
+# setuptools warns that an editable install is one (BuildBackendWarning, a UserWarning): expected here
+PYTHONWARNINGS=ignore::UserWarning pip install -q --no-deps -e .
 echo "$want" > "$STAMP"
