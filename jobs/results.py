@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 __all__ = ["ABSENT", "Absent", "ResultsError", "PhaseResult", "InferenceResult", "JobResults", "strict_json"]
 
@@ -33,7 +34,7 @@ class Absent:
             cls._one = super().__new__(cls)
         return cls._one
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> Literal[False]:  # Literal: mypy drops Absent from ``x or default``
         return False
 
     def __repr__(self) -> str:
@@ -77,7 +78,7 @@ class _Result:
                 if getattr(self, f.name) is not ABSENT}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str = "results") -> Any:
+    def from_json(cls, data: dict[str, Any] | _Result, where: str = "results") -> Any:
         """Read the dict ``data`` (``where`` names it in errors, e.g. ``results.phases.baseline``).
 
         Raises:
@@ -144,7 +145,7 @@ class PhaseResult(_Result):
     """Lookups of all trainers answered by a prefetch (``async_rpc_prefetch``), lookups."""
     metrics_percent: float | None | Absent = ABSENT
     """Largest trainer share of the phase time spent updating Prometheus metrics, %."""
-    qps_series: list[list[float]] | Absent = ABSENT
+    qps_series: list[Sequence[float]] | Absent = ABSENT  # (seconds, QPS) pairs: tuples, lists when read from JSON
     """[(seconds since the phase started, samples/s of the job)] over sliding windows of rank 0's steps."""
     loss_series: list[float] | Absent = ABSENT
     """Rank 0's training loss per step."""

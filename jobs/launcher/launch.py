@@ -120,7 +120,7 @@ class JobStateWatch:
     """The resumed run's results (``--resume``), else None."""
     snap: dict[str, Any] = field(default_factory=dict)
     """The last JobState snapshot (:meth:`jobs.launcher.state.JobState.snapshot`): what an interrupted launch reports."""
-    on_change: Callable[[dict[str, Any]], None] = lambda snap: None
+    on_change: Callable[[dict[str, Any]], object] = lambda snap: None
     """Runs with the snapshot when a phase has finished, a checkpoint was written or an event recorded."""
     on_placement: Callable[[dict[str, Any]], None] = lambda snap: None
     """Runs with the snapshot when the exporters' placement changed (rewrites targets.json)."""
@@ -350,7 +350,7 @@ def _record_end(run_dir: Path, results: dict[str, Any], watch: JobStateWatch, er
     error.add_note(f"run folder: {run_dir} ({out['status']}); continue it with `{out['resume']}`")
 
 
-def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: Any) -> InferenceResult:
+def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path | None, log: Any) -> InferenceResult:
     """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.launcher.inference`)."""
     from jobs.launcher import inference
 
@@ -391,7 +391,7 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
 
     config, run_dir = plan.config, plan.run_dir
     servers: list[Any] = []
-    state = None
+    state: Any = None  # the JobState actor's handle
     try:
         metrics_port = None
         if config.metrics.enabled:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.cluster import placement_lines
-from jobs.results import InferenceResult, JobResults, strict_json
+from jobs.results import InferenceResult, JobResults, PhaseResult, strict_json
 from jobs.stats import gain_percent
 from jobs.trainer.lookups import prefetch_lines
 
@@ -206,7 +206,7 @@ def _quality_notes(results: JobResults, steps: Any, cols: tuple[str, ...] = _COL
     """What the quality columns (AUC / logloss, or RMSE / MAE...) refer to, and the end-of-phase values when
     those differ."""
     phases = results.get("phases", {})
-    first = next(iter(phases.values()), {})
+    first: PhaseResult | dict[str, Any] = next(iter(phases.values()), {})
     if "quality_step" not in first:
         return []
     rows = (first.get("quality") or {}).get("rows")
@@ -269,7 +269,8 @@ def write(results: JobResults | dict[str, Any], run_dir: Path) -> JobResults:
     Raises:
         jobs.results.ResultsError: a results dict with a key the schema does not know, or without a required one.
     """
-    typed = dataclasses.replace(JobResults.from_json(results), gain_percent=_gain(results))
+    read = JobResults.from_json(results)
+    typed = dataclasses.replace(read, gain_percent=_gain(read))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "results.json").write_text(json.dumps(typed.to_json(), indent=2) + "\n")
     plot(typed, run_dir / "qps.png")
