@@ -559,8 +559,9 @@ def load_config(path: str | Path | None = None) -> JobConfig:
         ConfigError: the TOML is invalid (with line and column), or a table/key/value is wrong.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    if not path.is_file() and bundled_config(path) is not None:
-        path = bundled_config(path)
+    bundled = bundled_config(path) if not path.is_file() else None
+    if bundled is not None:
+        path = bundled
     if not path.is_file():
         raise FileNotFoundError(f"job config not found: {path}")
     try:

@@ -379,8 +379,8 @@ def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.T
     name = config.train.loss
     y = torch.cat([t.reshape(-1).float() for t in labels])
     if name in BUILTIN_LOSSES:
-        out = torch.cat([o.detach().reshape(-1).float().cpu() for o in outputs])
-        return binary_metrics(torch.sigmoid(out), y) if name == "bce_with_logits" else regression_metrics(out, y)
+        pred = torch.cat([o.detach().reshape(-1).float().cpu() for o in outputs])
+        return binary_metrics(torch.sigmoid(pred), y) if name == "bce_with_logits" else regression_metrics(pred, y)
     fn = loss_fn(config)
     values = torch.tensor([float(fn(o, t)) for o, t in zip(outputs, labels)], dtype=torch.float64)
     sizes = torch.tensor([t.shape[0] for t in labels], dtype=torch.float64)
@@ -415,7 +415,7 @@ def binary_score(outputs: list[Any], labels: list[torch.Tensor]) -> tuple[torch.
 
     found: int | None = None
     flat = [tree_flatten(o)[0] for o in outputs]
-    for k, leaf in enumerate(flat[0] if flat else []):
+    for k in range(len(flat[0]) if flat else 0):
         if all(k < len(leaves) and isinstance(leaves[k], torch.Tensor) and leaves[k].is_floating_point()
                and leaves[k].numel() == t.numel() for leaves, t in zip(flat, labels)):
             found = k

@@ -91,7 +91,8 @@ def _shared_in_copies(modules: list[nn.Module]) -> Iterator[None]:
     """Deep copies made inside share ``modules`` instead of copying them: quantization copies the model several
     times (prepare, convert, each layer subset), and the embedding tables it keeps fp32 are most of its bytes."""
     for m in modules:
-        m.__deepcopy__ = lambda memo, m=m: m  # copy.deepcopy looks the hook up on the instance
+        # the ignore: torch's stub types Module.__setattr__'s value as Tensor | Module; it stores any object
+        m.__deepcopy__ = lambda memo, m=m: m  # type: ignore[assignment]  # deepcopy looks it up on the instance
     try:
         yield
     finally:

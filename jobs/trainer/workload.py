@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -156,7 +156,8 @@ class UserWorkload:
             ConfigError: ``train_step`` returned something other than a scalar tensor.
         """
         if self._train_step is None:
-            return self._loss(module(*step.args, **step.kwargs, **ahead), step.labels)
+            labels = cast(torch.Tensor, step.labels)  # set without train_step
+            return self._loss(module(*step.args, **step.kwargs, **ahead), labels)
         loss = self._train_step(_Lookahead(module, ahead) if ahead else module, step.batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise entry.ConfigError(f"{self.config.source}: [train] train_step = {self.config.train.train_step!r} "
@@ -277,12 +278,13 @@ def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[
         train = entry.endless(config, entry.data_context(config, "train"))
         return held_out, [next(train) for _ in range(q.calibration_batches)]
     fraction = config.data.eval_fraction or 0.1
-    held_out = criteo_shard(config, data_path, split="eval", eval_fraction=fraction,
-                            max_rows=config.data.eval_max_rows, count_all=False)
-    train = criteo_shard(config, data_path, eval_fraction=fraction, count_all=False,
-                         max_rows=q.eval_batch_size * q.calibration_batches).batches(q.eval_batch_size)
-    return ([criteo.model_inputs(b) for b in held_out.all_batches(q.eval_batch_size)],
-            [criteo.model_inputs(next(train)) for _ in range(q.calibration_batches)])
+    path = cast("str | Path", data_path)  # the built-in model reads its Criteo file
+    eval_shard = criteo_shard(config, path, split="eval", eval_fraction=fraction,
+                              max_rows=config.data.eval_max_rows, count_all=False)
+    calibration = criteo_shard(config, path, eval_fraction=fraction, count_all=False,
+                               max_rows=q.eval_batch_size * q.calibration_batches).batches(q.eval_batch_size)
+    return ([criteo.model_inputs(b) for b in eval_shard.all_batches(q.eval_batch_size)],
+            [criteo.model_inputs(next(calibration)) for _ in range(q.calibration_batches)])
 
 
 class LocalTables:
@@ -335,7 +337,8 @@ def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
     refers to them; each weight becomes a ``(0, D)`` tensor)."""
     for key in moved:
         module = model.get_submodule(key.removesuffix(".weight"))
-        module.weight = nn.Parameter(module.weight.new_empty(0, module.weight.shape[-1]), requires_grad=False)
+        weight = cast(torch.Tensor, module.weight)  # a table's weight
+        module.weight = nn.Parameter(weight.new_empty(0, weight.shape[-1]), requires_grad=False)
 
 
 def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: Any) -> TableBackend:
