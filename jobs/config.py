@@ -175,7 +175,8 @@ class ModelSection:
     """Placement overrides of the ``parameter_servers`` pass: ``{table name, weight path or module = "table_wise" |
     "row_wise" | server index | "local"}``, e.g. ``{t_C1 = "row_wise", pos = "local"}`` ("local": on the trainers)."""
     local_below_rows: int = _key(32, 0, MAX_TABLE_SIZE)
-    """Your modules whose tables all have fewer rows stay on the trainers (DDP) unless ``plan`` places them; 0 = none."""
+    """Your modules whose tables all have fewer rows stay on the trainers (DDP) unless ``plan`` places them;
+    0 = none."""
     server_storage: str = "fp32"
     """How the parameter servers store the rows: "fp32", "fp16" (half the memory) or "fused8bit" (FBGEMM's
     fused 8-bit row-wise form, about a quarter; see scheduling.ps.storage). Lookups answer float32."""

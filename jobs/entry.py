@@ -47,8 +47,8 @@ scalar tensor; the job then runs ``loss.backward()`` and the optimizer step. ``[
 held-out quality metric (:func:`quality`). A batch's sample count (the QPS) is its labels' length when it
 splits, else the first dimension of the first tensor in it (:func:`batch_rows`).
 
-Every entry point is imported and checked before Ray starts (:func:`jobs.user_code.check`): the factory is called once and
-must return an ``nn.Module``, the first train batch must follow the contract, and its loss must have a gradient
+Every entry point is imported and checked before Ray starts (:func:`jobs.user_code.check`): the factory is called once
+and must return an ``nn.Module``, the first train batch must follow the contract, and its loss must have a gradient
 (preflight runs forward, the loss and ``loss.backward()`` on it); a problem is a :class:`jobs.config.ConfigError`
 naming the key and your file and line (``fxdist launch`` exits with status 2).
 

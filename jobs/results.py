@@ -10,7 +10,8 @@ read from JSON. Open-ended parts (a config, a user's metrics, per-lookup records
 objects also read like the JSON dict (``results["phases"]["baseline"]["qps"]``, ``.get(key, default)``, ``key in``),
 so the table code (:mod:`jobs.launcher.report`) and scripts read a results dict and the typed results alike.
 
-Source: the results.json written by :func:`jobs.launcher.report.write` (the schema was prose in :mod:`jobs.launcher.report`).
+Source: the results.json written by :func:`jobs.launcher.report.write` (the schema was prose in
+:mod:`jobs.launcher.report`).
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ class PhaseResult(_Result):
 
 @dataclass(frozen=True)
 class InferenceResult(_Result):
-    """``results.json["inference"]``: fp32 vs int8 inference of the trained model (:func:`jobs.launcher.inference.compare`),
-    or ``skipped`` with the reason."""
+    """``results.json["inference"]``: fp32 vs int8 inference of the trained model
+    (:func:`jobs.launcher.inference.compare`), or ``skipped`` with the reason."""
 
     skipped: str | Absent = ABSENT
     """Why there is no comparison (an error of the stage included); then the fields below are mostly absent."""
@@ -224,7 +225,8 @@ class InferenceResult(_Result):
 
 @dataclass(frozen=True)
 class JobResults(_Result):
-    """``results.json``: a job's results (:func:`jobs.launcher.launch.launch`; its ``status`` as :mod:`jobs.launcher.runs` says)."""
+    """``results.json``: a job's results (:func:`jobs.launcher.launch.launch`; its ``status`` as
+    :mod:`jobs.launcher.runs` says)."""
 
     job: str | None
     """``[job] name``."""

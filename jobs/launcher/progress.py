@@ -54,8 +54,8 @@ class Progress:
         self._last: tuple[Mapping[str, int], dict[str, int], float] | None = None
 
     def update(self, snap: Mapping[str, Any]) -> None:
-        """Show ``snap`` (:meth:`jobs.launcher.state.JobState.snapshot`: ``totals`` and ``progress`` per phase, phase name ->
-        steps; ``results`` has the finished phases)."""
+        """Show ``snap`` (:meth:`jobs.launcher.state.JobState.snapshot`: ``totals`` and ``progress`` per phase, phase
+        name -> steps; ``results`` has the finished phases)."""
         totals: Mapping[str, int] = snap.get("totals", {})
         if not totals:
             return

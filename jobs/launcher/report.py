@@ -1,7 +1,7 @@
 """A job's results: the printed table, ``results.json`` and ``qps.png``.
 
-The results are a :class:`jobs.results.JobResults` (as returned by :func:`jobs.launcher.launch.launch`): its fields, with
-their units, are the keys of ``results.json`` (:mod:`jobs.results`). The functions here read them with
+The results are a :class:`jobs.results.JobResults` (as returned by :func:`jobs.launcher.launch.launch`): its fields,
+with their units, are the keys of ``results.json`` (:mod:`jobs.results`). The functions here read them with
 ``results.get(key)`` / ``results[key]``, so a results dict of the same keys (a test's fixture) reads the same.
 """
 
@@ -142,7 +142,8 @@ def table(results: JobResults) -> str:
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
         if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
             lines += opt["placement"].splitlines()
-        lines += prefetch_lines(results["phases"]["optimized"])  # per lookup: prefetched, or why not (jobs.trainer.lookups)
+        # per lookup: prefetched, or why not (jobs.trainer.lookups)
+        lines += prefetch_lines(results["phases"]["optimized"])
     lines += _inference_lines(results.get("inference"), cols)
     parse = (results.get("data") or {}).get("parse") or {}
     if parse:

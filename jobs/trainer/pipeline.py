@@ -86,10 +86,11 @@ class TrainPipeline:
     optimizer and batch stream, trained in blocks of steps so that phases can alternate (:meth:`train`).
 
     Args:
-        tables: The phase's tables (:class:`jobs.trainer.protocols.Tables`: :class:`jobs.trainer.workload.LocalTables` or a
-            :class:`jobs.trainer.servers.ServerTables` view): ``lookup_seconds()``, ``after_backward()`` and, on servers, the
-            ``parameter_servers`` pass.
-        workload: The model and its data (:class:`jobs.trainer.protocols.Workload`, e.g. ``CriteoWorkload(config, shard)``).
+        tables: The phase's tables (:class:`jobs.trainer.protocols.Tables`:
+            :class:`jobs.trainer.workload.LocalTables` or a :class:`jobs.trainer.servers.ServerTables` view):
+            ``lookup_seconds()``, ``after_backward()`` and, on servers, the ``parameter_servers`` pass.
+        workload: The model and its data (:class:`jobs.trainer.protocols.Workload`, e.g.
+            ``CriteoWorkload(config, shard)``).
         start_step: The first step (a resumed trainer continues the batch sequence there).
         optim_state: Optimizer state to resume from.
 

@@ -1,8 +1,8 @@
 """What a trainer trains (the built-in torchrec DLRM on Criteo, or your model on your batches), and where its
 embedding tables live.
 
-A *workload* (the :class:`jobs.trainer.protocols.Workload` protocol) gives the training loop (:mod:`jobs.trainer.loop`) everything
-that depends on the model and the data:
+A *workload* (the :class:`jobs.trainer.protocols.Workload` protocol) gives the training loop (:mod:`jobs.trainer.loop`)
+everything that depends on the model and the data:
 
 - ``rows``: this trainer's training rows per epoch (for ``[job] eval_epochs``), ``parse``: the reader's
   statistics or None, ``has_eval``: this rank evaluates (rank 0, with held-out data);
@@ -21,14 +21,14 @@ machinery with the built-in model (:func:`jobs.criteo.dlrm`) and the Criteo read
 path: with parameter servers, each phase's module first gets the ``parameter_servers`` pass
 (:class:`jobs.trainer.servers.ServerTables`).
 
-A *tables backend* (:func:`make_tables`, the :class:`jobs.trainer.protocols.TableBackend` protocol): :class:`LocalTables` (the
-tables stay in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the ``parameter_servers`` pass moves
-them to the job's servers), with ``view(phase)`` (each phase's own tables, :class:`jobs.trainer.protocols.Tables`: ``local``,
-``placement_pass()`` (None when local) and ``attach(gm)``, ``after_backward()``, ``sync()`` (wait for updates in
-flight), ``lookup_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
-``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
-live on the servers), and ``close(graceful)``; the backend's ``servers``: the worker group's
-servers, None when local.
+A *tables backend* (:func:`make_tables`, the :class:`jobs.trainer.protocols.TableBackend` protocol):
+:class:`LocalTables` (the tables stay in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the
+``parameter_servers`` pass moves them to the job's servers), with ``view(phase)`` (each phase's own tables,
+:class:`jobs.trainer.protocols.Tables`: ``local``, ``placement_pass()`` (None when local) and ``attach(gm)``,
+``after_backward()``, ``sync()`` (wait for updates in flight), ``lookup_seconds()`` (seconds blocked on lookups since
+the last call, or None), ``prefetch_hits()``, ``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0),
+``moved`` (the model's state-dict keys that live on the servers), and ``close(graceful)``; the backend's ``servers``:
+the worker group's servers, None when local.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -268,10 +268,10 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
 
 
 def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[list[Any], list[Any]]:
-    """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison (:mod:`jobs.launcher.inference`):
-    the Criteo held-out rows in batches of ``[quant] eval_batch_size`` and the first ``[quant]
-    calibration_batches`` training batches; for your model, the "eval" split of ``[data] batches`` and the first
-    train batches of rank 0 of 1."""
+    """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison
+    (:mod:`jobs.launcher.inference`): the Criteo held-out rows in batches of ``[quant] eval_batch_size`` and the first
+    ``[quant] calibration_batches`` training batches; for your model, the "eval" split of ``[data] batches`` and the
+    first train batches of rank 0 of 1."""
     q = config.quant
     if config.user_model:
         held_out = entry.epoch_batches(config, entry.data_context(config, "eval"))
@@ -289,7 +289,8 @@ def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[
 
 class LocalTables:
     """Embedding tables inside the model (DDP parameters; the built-in DLRM's give sparse gradients): the
-    :class:`jobs.trainer.protocols.TableBackend` and every phase's :class:`jobs.trainer.protocols.Tables` (:meth:`view` is itself)."""
+    :class:`jobs.trainer.protocols.TableBackend` and every phase's :class:`jobs.trainer.protocols.Tables` (:meth:`view`
+    is itself)."""
 
     local = True
     moved: frozenset[str] = frozenset()
@@ -309,8 +310,8 @@ class LocalTables:
         return self
 
     def after_backward(self) -> None:
-        """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.trainer.sparse_grads`) and the
-        optimizer applies them."""
+        """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.trainer.sparse_grads`) and
+        the optimizer applies them."""
 
     def lookup_seconds(self) -> float | None:
         return None
@@ -343,8 +344,8 @@ def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
 
 def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: Any) -> TableBackend:
     """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``, else
-    :class:`jobs.trainer.servers.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.trainer.spec.TrainerSpec`
-    ``spec``, one table set per phase).
+    :class:`jobs.trainer.servers.ServerTables` (the job's servers, ``spec.servers`` of the
+    :class:`jobs.trainer.spec.TrainerSpec` ``spec``, one table set per phase).
 
     Raises:
         RuntimeError: ``spec`` has another number of server actors than ``[cluster] parameter_servers``.
