@@ -50,7 +50,11 @@ import ipaddress
 import os
 import socket
 import time
-from typing import Any
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobs.results import JobResults
 
 __all__ = ["PLACEMENTS", "SETUP_HOOK", "NODE_ID_LABEL", "interface_of", "is_loopback", "node_address",
            "set_socket_ifnames", "serve_exporter", "where", "server_nodes", "server_options", "here_options",
@@ -209,7 +213,7 @@ def here_options() -> dict[str, Any]:
 
 
 def lost_nodes(seen: list[tuple[str, dict[str, Any]]], nodes: list[dict[str, Any]],
-               known: set[str] = frozenset()) -> list[dict[str, Any]]:
+               known: AbstractSet[str] = frozenset()) -> list[dict[str, Any]]:
     """The nodes that ran a process of the job and are now dead, leaving out node ids in ``known``.
 
     Args:
@@ -256,7 +260,7 @@ class NodeWatch:
         return lost
 
 
-def placement_lines(results: dict[str, Any]) -> list[str]:
+def placement_lines(results: JobResults | dict[str, Any]) -> list[str]:
     """The results table's lines on where each trainer and server ran last (``results["placement"]``), and
     on each node lost during the job (``results["nodes_lost"]``)."""
     placed = results.get("placement") or {}

@@ -175,7 +175,8 @@ class ModelSection:
     """Placement overrides of the ``parameter_servers`` pass: ``{table name, weight path or module = "table_wise" |
     "row_wise" | server index | "local"}``, e.g. ``{t_C1 = "row_wise", pos = "local"}`` ("local": on the trainers)."""
     local_below_rows: int = _key(32, 0, MAX_TABLE_SIZE)
-    """Your modules whose tables all have fewer rows stay on the trainers (DDP) unless ``plan`` places them; 0 = none."""
+    """Your modules whose tables all have fewer rows stay on the trainers (DDP) unless ``plan`` places them;
+    0 = none."""
     server_storage: str = "fp32"
     """How the parameter servers store the rows: "fp32", "fp16" (half the memory) or "fused8bit" (FBGEMM's
     fused 8-bit row-wise form, about a quarter; see scheduling.ps.storage). Lookups answer float32."""
@@ -559,8 +560,9 @@ def load_config(path: str | Path | None = None) -> JobConfig:
         ConfigError: the TOML is invalid (with line and column), or a table/key/value is wrong.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    if not path.is_file() and bundled_config(path) is not None:
-        path = bundled_config(path)
+    bundled = bundled_config(path) if not path.is_file() else None
+    if bundled is not None:
+        path = bundled
     if not path.is_file():
         raise FileNotFoundError(f"job config not found: {path}")
     try:

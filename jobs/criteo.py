@@ -8,8 +8,8 @@ embedding_dim`` and an over arch ``top_mlp -> 1``. It goes through the same path
 pass, which moves the 26 tables to the servers, then the optimized phase's passes. With servers the tables are
 built on the ``meta`` device and the servers initialise them, so no trainer allocates them.
 
-A Criteo :class:`~recsys.criteo_format.Batch` becomes the model's inputs with :func:`model_inputs`: the ``(B, 26)`` hashed
-ids become a ``KeyedJaggedTensor`` with one id per bag (:func:`to_kjt`).
+A Criteo :class:`~recsys.criteo_format.Batch` becomes the model's inputs with :func:`model_inputs`: the ``(B, 26)``
+hashed ids become a ``KeyedJaggedTensor`` with one id per bag (:func:`to_kjt`).
 
 Shapes: ``dense (B, 13) float32``, ``sparse`` a ``KeyedJaggedTensor`` (keys ``C1..C26``, ``B`` bags each) ->
 logits ``(B, 1)``. With ``F = 27`` features (the dense arch's output and 26 pooled embeddings) the interaction

@@ -47,8 +47,8 @@ scalar tensor; the job then runs ``loss.backward()`` and the optimizer step. ``[
 held-out quality metric (:func:`quality`). A batch's sample count (the QPS) is its labels' length when it
 splits, else the first dimension of the first tensor in it (:func:`batch_rows`).
 
-Every entry point is imported and checked before Ray starts (:func:`jobs.user_code.check`): the factory is called once and
-must return an ``nn.Module``, the first train batch must follow the contract, and its loss must have a gradient
+Every entry point is imported and checked before Ray starts (:func:`jobs.user_code.check`): the factory is called once
+and must return an ``nn.Module``, the first train batch must follow the contract, and its loss must have a gradient
 (preflight runs forward, the loss and ``loss.backward()`` on it); a problem is a :class:`jobs.config.ConfigError`
 naming the key and your file and line (``fxdist launch`` exits with status 2).
 
@@ -379,8 +379,8 @@ def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.T
     name = config.train.loss
     y = torch.cat([t.reshape(-1).float() for t in labels])
     if name in BUILTIN_LOSSES:
-        out = torch.cat([o.detach().reshape(-1).float().cpu() for o in outputs])
-        return binary_metrics(torch.sigmoid(out), y) if name == "bce_with_logits" else regression_metrics(out, y)
+        pred = torch.cat([o.detach().reshape(-1).float().cpu() for o in outputs])
+        return binary_metrics(torch.sigmoid(pred), y) if name == "bce_with_logits" else regression_metrics(pred, y)
     fn = loss_fn(config)
     values = torch.tensor([float(fn(o, t)) for o, t in zip(outputs, labels)], dtype=torch.float64)
     sizes = torch.tensor([t.shape[0] for t in labels], dtype=torch.float64)
@@ -415,7 +415,7 @@ def binary_score(outputs: list[Any], labels: list[torch.Tensor]) -> tuple[torch.
 
     found: int | None = None
     flat = [tree_flatten(o)[0] for o in outputs]
-    for k, leaf in enumerate(flat[0] if flat else []):
+    for k in range(len(flat[0]) if flat else 0):
         if all(k < len(leaves) and isinstance(leaves[k], torch.Tensor) and leaves[k].is_floating_point()
                and leaves[k].numel() == t.numel() for leaves, t in zip(flat, labels)):
             found = k

@@ -10,15 +10,17 @@ read from JSON. Open-ended parts (a config, a user's metrics, per-lookup records
 objects also read like the JSON dict (``results["phases"]["baseline"]["qps"]``, ``.get(key, default)``, ``key in``),
 so the table code (:mod:`jobs.launcher.report`) and scripts read a results dict and the typed results alike.
 
-Source: the results.json written by :func:`jobs.launcher.report.write` (the schema was prose in :mod:`jobs.launcher.report`).
+Source: the results.json written by :func:`jobs.launcher.report.write` (the schema was prose in
+:mod:`jobs.launcher.report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 __all__ = ["ABSENT", "Absent", "ResultsError", "PhaseResult", "InferenceResult", "JobResults", "strict_json"]
 
@@ -33,7 +35,7 @@ class Absent:
             cls._one = super().__new__(cls)
         return cls._one
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> Literal[False]:  # Literal: mypy drops Absent from ``x or default``
         return False
 
     def __repr__(self) -> str:
@@ -77,7 +79,7 @@ class _Result:
                 if getattr(self, f.name) is not ABSENT}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str = "results") -> Any:
+    def from_json(cls, data: dict[str, Any] | _Result, where: str = "results") -> Any:
         """Read the dict ``data`` (``where`` names it in errors, e.g. ``results.phases.baseline``).
 
         Raises:
@@ -144,7 +146,7 @@ class PhaseResult(_Result):
     """Lookups of all trainers answered by a prefetch (``async_rpc_prefetch``), lookups."""
     metrics_percent: float | None | Absent = ABSENT
     """Largest trainer share of the phase time spent updating Prometheus metrics, %."""
-    qps_series: list[list[float]] | Absent = ABSENT
+    qps_series: list[Sequence[float]] | Absent = ABSENT  # (seconds, QPS) pairs: tuples, lists when read from JSON
     """[(seconds since the phase started, samples/s of the job)] over sliding windows of rank 0's steps."""
     loss_series: list[float] | Absent = ABSENT
     """Rank 0's training loss per step."""
@@ -172,8 +174,8 @@ class PhaseResult(_Result):
 
 @dataclass(frozen=True)
 class InferenceResult(_Result):
-    """``results.json["inference"]``: fp32 vs int8 inference of the trained model (:func:`jobs.launcher.inference.compare`),
-    or ``skipped`` with the reason."""
+    """``results.json["inference"]``: fp32 vs int8 inference of the trained model
+    (:func:`jobs.launcher.inference.compare`), or ``skipped`` with the reason."""
 
     skipped: str | Absent = ABSENT
     """Why there is no comparison (an error of the stage included); then the fields below are mostly absent."""
@@ -223,7 +225,8 @@ class InferenceResult(_Result):
 
 @dataclass(frozen=True)
 class JobResults(_Result):
-    """``results.json``: a job's results (:func:`jobs.launcher.launch.launch`; its ``status`` as :mod:`jobs.launcher.runs` says)."""
+    """``results.json``: a job's results (:func:`jobs.launcher.launch.launch`; its ``status`` as
+    :mod:`jobs.launcher.runs` says)."""
 
     job: str | None
     """``[job] name``."""

@@ -105,8 +105,8 @@ def qps_series(times: Sequence[float], samples_per_step: int, *, window: int = 1
 
 
 def phase_summary(runs: Sequence[Any], batch_size: int, **after: Any) -> PhaseResult:
-    """Combine the :class:`jobs.trainer.pipeline.PhaseRun` of every trainer into the phase's numbers (units: the fields of
-    :class:`jobs.results.PhaseResult`); ``after``: its other fields (``quality``, ``optimize``...), set by the
+    """Combine the :class:`jobs.trainer.pipeline.PhaseRun` of every trainer into the phase's numbers (units: the fields
+    of :class:`jobs.results.PhaseResult`); ``after``: its other fields (``quality``, ``optimize``...), set by the
     trainers after evaluation.
 
     QPS is job-wide: all samples of all trainers divided by the slowest trainer's wall time of the

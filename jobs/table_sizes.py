@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from jobs.config import ConfigError, JobConfig
 
@@ -41,7 +41,7 @@ def sizes(config: JobConfig) -> list[int]:
     if given == "data":
         raise ConfigError(f'{config.source}: [model] table_sizes = "data" has not been resolved from the data '
                           "yet (jobs.table_sizes.resolve)")
-    return list(given)
+    return list(cast(list[int], given))  # the config check admits no other string
 
 
 def sizes_from_counts(distinct: list[int], cap: int) -> list[int]:

@@ -20,7 +20,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -124,7 +124,7 @@ def source_place(fn: Any) -> str | None:
     None when it has no Python source."""
     target = inspect.unwrap(fn)
     if not (inspect.isfunction(target) or inspect.ismethod(target)):
-        target = getattr(type(target), "__call__", target)
+        target = getattr(type(target), "__call__", target)  # noqa: B004 - its class's __call__, for the source
     try:
         file, line = inspect.getsourcefile(target), inspect.getsourcelines(target)[1]
     except (TypeError, OSError):
@@ -203,9 +203,10 @@ def first_step(config: Any, model: torch.nn.Module, batch: Any,
     if out is not None and config.train.metric:
         from torch.utils._pytree import tree_map_only
 
+        _, _, labels = cast("tuple[tuple, dict[str, Any], torch.Tensor]", parts)  # given when there is an output
         with torch.no_grad():
             _run_user(config, "metric", lambda: user_metric(
-                config, [tree_map_only(torch.Tensor, torch.Tensor.detach, out)], [parts[2]]))
+                config, [tree_map_only(torch.Tensor, torch.Tensor.detach, out)], [labels]))
     return out
 
 
@@ -224,6 +225,7 @@ def _forward_and_loss(config: Any, model: torch.nn.Module, batch: Any,
         raise ConfigError(f"{config.source}: {what}: the first batch fails: {describe(e)}") from e
     if step:
         return None, out
+    labels = cast(torch.Tensor, labels)  # parts is given without train_step
     name = config.train.loss
     if name in BUILTIN_LOSSES and not (isinstance(out, torch.Tensor) and out.numel() == labels.numel()):
         got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__

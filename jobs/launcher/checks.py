@@ -5,8 +5,9 @@
 1. the config's own ranges and cross-key constraints (already checked by :func:`jobs.config.parse_config`);
 2. the passes of ``[phases] passes`` resolve (their modules import; nothing is run);
 3. your model (``[model] factory``): every entry point imports, the factory returns an ``nn.Module`` and the
-   first train batch follows the batch contract (:func:`jobs.user_code.check`); else the data file (:func:`jobs.launcher.data.locate_data`: missing, a directory, empty, unreadable, unsupported
-   compression, no valid line near the start), or enough synthetic rows when none is found;
+   first train batch follows the batch contract (:func:`jobs.user_code.check`); else the data file
+   (:func:`jobs.launcher.data.locate_data`: missing, a directory, empty, unreadable, unsupported compression, no valid
+   line near the start), or enough synthetic rows when none is found;
 4. on this machine only (no Ray cluster): the metrics ports are free (:func:`check_ports`), and the job's
    memory (:func:`estimate_memory`) fits in the memory available (:func:`available_memory_bytes`).
 
@@ -95,7 +96,8 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
 
 
 def log_memory(estimate: MemoryEstimate, log: Any) -> None:
-    """Log the memory ``estimate`` (bytes, shown in GiB) and what this machine has available; nothing without ``log``."""
+    """Log the memory ``estimate`` (bytes, shown in GiB) and what this machine has available; nothing without
+    ``log``."""
     if log is not None:
         biggest = max(estimate.processes.items(), key=lambda kv: kv[1], default=("", 0))
         log(f"memory: the job needs about {estimate.total_bytes / GIB:.2f} GiB "

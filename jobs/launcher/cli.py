@@ -11,8 +11,8 @@ Without ``CONFIG`` the bundled ``jobs/default.toml`` runs: DLRM on the Criteo sa
 (../shared/data/criteo/train_examples.txt, or generated Criteo-format data when absent), 2 trainers,
 1 parameter server, a baseline and an optimized phase, then fp32-vs-int8 inference. ``fxdist launch
 jobs/movielens.toml`` runs the second bundled job (matrix factorization of MovieLens-100K, found from any
-folder); a config with ``[model] factory`` / ``[data] batches`` trains your own model (:mod:`jobs.entry`). ``--set`` overrides
-single keys, e.g. ``--set job.steps=20 --set cluster.parameter_servers=0``; values are parsed as TOML
+folder); a config with ``[model] factory`` / ``[data] batches`` trains your own model (:mod:`jobs.entry`). ``--set``
+overrides single keys, e.g. ``--set job.steps=20 --set cluster.parameter_servers=0``; values are parsed as TOML
 (``20``, ``true``, ``"text"``, ``["fuse"]``), or taken as a string when they do not parse.
 
 ``--run-dir DIR`` must not hold a run yet: a run is never overwritten. ``--resume RUN_DIR`` continues an

@@ -19,8 +19,8 @@ __all__ = ["locate_data", "default_criteo_path", "resolve_data_path"]
 
 
 def locate_data(configured: str, table_size: int | Sequence[int] = 20000) -> Path | None:
-    """The job's data, checked (:func:`recsys.criteo_format.check_data_file`, on each file of a directory or glob): the configured
-    path, else the shared Criteo sample when present; None when synthetic data has to be generated.
+    """The job's data, checked (:func:`recsys.criteo_format.check_data_file`, on each file of a directory or glob): the
+    configured path, else the shared Criteo sample when present; None when synthetic data has to be generated.
 
     Raises:
         DataError: the configured data (or the shared sample) cannot be used; the message names the key.

@@ -91,7 +91,8 @@ def _shared_in_copies(modules: list[nn.Module]) -> Iterator[None]:
     """Deep copies made inside share ``modules`` instead of copying them: quantization copies the model several
     times (prepare, convert, each layer subset), and the embedding tables it keeps fp32 are most of its bytes."""
     for m in modules:
-        m.__deepcopy__ = lambda memo, m=m: m  # copy.deepcopy looks the hook up on the instance
+        # the ignore: torch's stub types Module.__setattr__'s value as Tensor | Module; it stores any object
+        m.__deepcopy__ = lambda memo, m=m: m  # type: ignore[assignment]  # deepcopy looks it up on the instance
     try:
         yield
     finally:
@@ -211,14 +212,15 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
         timer: passed to :func:`quantize` (tests inject one); None: measured on this CPU.
 
     Returns:
-        An :class:`jobs.results.InferenceResult` (units: its fields): :func:`quantize`'s info plus ``rows``, ``batch_size``, ``threads``, ``fp32`` and ``int8`` (``qps`` in
-        rows/s and the quality metrics; ``int8`` is the model chosen: a copy of ``fp32`` when ``kept_fp32``) and
-        ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is kept, else > 1), ``output_max_abs_diff``
-        (:func:`max_abs_diff` of the int8 and fp32 outputs: 0.0 when fp32 is kept at selection), ``device``
-        (``"cpu"``: FBGEMM's int8 kernels are CPU kernels, so the comparison runs on the launcher's CPU even when
-        the trainers used GPUs; ``device_note`` says so then); or ``skipped`` (the reason) alone when there is no
-        held-out batch, no layer to quantize, quantization cannot run on the model (the reason names the
-        exception's type and message), or anything else in this stage raised (then reason starts with "failed:").
+        An :class:`jobs.results.InferenceResult` (units: its fields): :func:`quantize`'s info plus ``rows``,
+        ``batch_size``, ``threads``, ``fp32`` and ``int8`` (``qps`` in rows/s and the quality metrics; ``int8`` is the
+        model chosen: a copy of ``fp32`` when ``kept_fp32``) and ``speedup`` (int8 / fp32 QPS: exactly 1.0 when fp32 is
+        kept, else > 1), ``output_max_abs_diff`` (:func:`max_abs_diff` of the int8 and fp32 outputs: 0.0 when fp32 is
+        kept at selection), ``device`` (``"cpu"``: FBGEMM's int8 kernels are CPU kernels, so the comparison runs on the
+        launcher's CPU even when the trainers used GPUs; ``device_note`` says so then); or ``skipped`` (the reason)
+        alone when there is no held-out batch, no layer to quantize, quantization cannot run on the model (the reason
+        names the exception's type and message), or anything else in this stage raised (then reason starts with
+        "failed:").
 
     Never raises an ``Exception``: the job trained, and this stage only adds to its results.
     """

@@ -2,8 +2,8 @@
 
 :func:`launch` does, in order:
 
-1. plans the job (:func:`jobs.launcher.plan.make_plan`, a :class:`jobs.trainer.spec.JobPlan`): every check that needs no Ray
-   (:mod:`jobs.launcher.checks`: config ranges, passes, the data file, and on this machine free metrics ports and
+1. plans the job (:func:`jobs.launcher.plan.make_plan`, a :class:`jobs.trainer.spec.JobPlan`): every check that needs no
+   Ray (:mod:`jobs.launcher.checks`: config ranges, passes, the data file, and on this machine free metrics ports and
    enough memory), the first pass over the data (table sizes), and the run folder, not created yet
    (:mod:`jobs.launcher.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
 2. joins Ray: an already initialised session, else ``[cluster] address``, else ``$RAY_ADDRESS``,
@@ -18,8 +18,8 @@
    also on errors and Ctrl-C); each trainer gets a :class:`jobs.trainer.spec.TrainerSpec` (the plan and those
    handles); the trainers report to a :class:`JobState` actor, which the launcher polls for its progress display;
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
-   see :func:`jobs.trainer.evaluation.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`: ``quant.select_int8``
-   for the built-in DLRM and for your model alike);
+   see :func:`jobs.trainer.evaluation.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`:
+   ``quant.select_int8`` for the built-in DLRM and for your model alike);
 6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.launcher.report`).
 
 A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
@@ -120,8 +120,9 @@ class JobStateWatch:
     previous: JobResults | None = None
     """The resumed run's results (``--resume``), else None."""
     snap: dict[str, Any] = field(default_factory=dict)
-    """The last JobState snapshot (:meth:`jobs.launcher.state.JobState.snapshot`): what an interrupted launch reports."""
-    on_change: Callable[[dict[str, Any]], None] = lambda snap: None
+    """The last JobState snapshot (:meth:`jobs.launcher.state.JobState.snapshot`): what an interrupted launch
+    reports."""
+    on_change: Callable[[dict[str, Any]], object] = lambda snap: None
     """Runs with the snapshot when a phase has finished, a checkpoint was written or an event recorded."""
     on_placement: Callable[[dict[str, Any]], None] = lambda snap: None
     """Runs with the snapshot when the exporters' placement changed (rewrites targets.json)."""
@@ -206,9 +207,9 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
            resume: bool = False) -> JobResults:
     """Run the job described by ``config`` and return its results (also written to ``results.json``).
 
-    Every check that needs no Ray runs first (:func:`jobs.launcher.plan.make_plan`: :func:`jobs.launcher.checks.check`, the
-    first pass over the data, :func:`jobs.launcher.runs.choose`); the run folder is created only once they pass and Ray
-    has started.
+    Every check that needs no Ray runs first (:func:`jobs.launcher.plan.make_plan`: :func:`jobs.launcher.checks.check`,
+    the first pass over the data, :func:`jobs.launcher.runs.choose`); the run folder is created only once they pass and
+    Ray has started.
 
     Args:
         config: The job config.
@@ -351,7 +352,7 @@ def _record_end(run_dir: Path, results: dict[str, Any], watch: JobStateWatch, er
     error.add_note(f"run folder: {run_dir} ({out['status']}); continue it with `{out['resume']}`")
 
 
-def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path, log: Any) -> InferenceResult:
+def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path | None, log: Any) -> InferenceResult:
     """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.launcher.inference`)."""
     from jobs.launcher import inference
 
@@ -392,7 +393,7 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
 
     config, run_dir = plan.config, plan.run_dir
     servers: list[Any] = []
-    state = None
+    state: Any = None  # the JobState actor's handle
     try:
         metrics_port = None
         if config.metrics.enabled:
@@ -448,8 +449,8 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
 
 
 def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:
-    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.trainer.servers.ServerHooks`) into the JobState (``ps<i>``); skipped when a server
-    does not answer (a dead one has nothing to report)."""
+    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.trainer.servers.ServerHooks`)
+    into the JobState (``ps<i>``); skipped when a server does not answer (a dead one has nothing to report)."""
     import ray
 
     for i, actor in enumerate(servers):

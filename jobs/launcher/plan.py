@@ -1,10 +1,10 @@
 """The plan of a launch: what it decides before any trainer starts (a :class:`jobs.trainer.spec.JobPlan`).
 
 :func:`make_plan` runs, before Ray starts, every check that needs no Ray (:func:`jobs.launcher.checks.check`), the
-first pass over the Criteo data when there is a file (:func:`jobs.launcher.first_pass.first_pass`: each trainer's rows and, with
-``[model] table_sizes = "data"``, the per-feature table sizes, :func:`jobs.table_sizes.resolve`), the memory
-estimate (:func:`jobs.launcher.checks.estimate_memory`) and the run folder (:func:`jobs.launcher.runs.choose`, not created).
-When no Criteo file was found, the launcher generates synthetic data into the run folder once it exists and
+first pass over the Criteo data when there is a file (:func:`jobs.launcher.first_pass.first_pass`: each trainer's rows
+and, with ``[model] table_sizes = "data"``, the per-feature table sizes, :func:`jobs.table_sizes.resolve`), the memory
+estimate (:func:`jobs.launcher.checks.estimate_memory`) and the run folder (:func:`jobs.launcher.runs.choose`, not
+created). When no Criteo file was found, the launcher generates synthetic data into the run folder once it exists and
 completes the plan with :func:`with_data` (that first pass runs then).
 
 The trainers get a :class:`jobs.trainer.spec.TrainerSpec`: the plan and the runtime handles.

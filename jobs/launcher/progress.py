@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 __all__ = ["Progress"]
 
@@ -54,8 +54,8 @@ class Progress:
         self._last: tuple[Mapping[str, int], dict[str, int], float] | None = None
 
     def update(self, snap: Mapping[str, Any]) -> None:
-        """Show ``snap`` (:meth:`jobs.launcher.state.JobState.snapshot`: ``totals`` and ``progress`` per phase, phase name ->
-        steps; ``results`` has the finished phases)."""
+        """Show ``snap`` (:meth:`jobs.launcher.state.JobState.snapshot`: ``totals`` and ``progress`` per phase, phase
+        name -> steps; ``results`` has the finished phases)."""
         totals: Mapping[str, int] = snap.get("totals", {})
         if not totals:
             return
@@ -93,9 +93,10 @@ class Progress:
         steps, total = sum(done.values()), sum(totals.values())
         rate = self.rate(steps, now)
         counts = self._counts(totals, done)
+        start = cast("tuple[float, int]", self._start)  # set by the update that came first
         text = (f"{counts} steps ({100 * steps / max(total, 1):.0f} %)"
                 + (f", {rate:.1f} steps/s" if rate is not None else "")
-                + f", elapsed {_clock_text(now - self._start[0])}")
+                + f", elapsed {_clock_text(now - start[0])}")
         self._last_line, self._shown = now, counts
         print(f"[fxdist] progress: {text}", file=self.stream, flush=True)
 

@@ -1,7 +1,7 @@
 """A job's results: the printed table, ``results.json`` and ``qps.png``.
 
-The results are a :class:`jobs.results.JobResults` (as returned by :func:`jobs.launcher.launch.launch`): its fields, with
-their units, are the keys of ``results.json`` (:mod:`jobs.results`). The functions here read them with
+The results are a :class:`jobs.results.JobResults` (as returned by :func:`jobs.launcher.launch.launch`): its fields,
+with their units, are the keys of ``results.json`` (:mod:`jobs.results`). The functions here read them with
 ``results.get(key)`` / ``results[key]``, so a results dict of the same keys (a test's fixture) reads the same.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.cluster import placement_lines
-from jobs.results import InferenceResult, JobResults, strict_json
+from jobs.results import InferenceResult, JobResults, PhaseResult, strict_json
 from jobs.stats import gain_percent
 from jobs.trainer.lookups import prefetch_lines
 
@@ -142,7 +142,8 @@ def table(results: JobResults) -> str:
         lines.append(f"passes run: {ran}" + (f"; FELL BACK TO EAGER: {opt['fallback']}" if opt.get("fallback") else ""))
         if opt.get("placement"):  # your model's tables, moved by the parameter_servers pass
             lines += opt["placement"].splitlines()
-        lines += prefetch_lines(results["phases"]["optimized"])  # per lookup: prefetched, or why not (jobs.trainer.lookups)
+        # per lookup: prefetched, or why not (jobs.trainer.lookups)
+        lines += prefetch_lines(results["phases"]["optimized"])
     lines += _inference_lines(results.get("inference"), cols)
     parse = (results.get("data") or {}).get("parse") or {}
     if parse:
@@ -206,7 +207,7 @@ def _quality_notes(results: JobResults, steps: Any, cols: tuple[str, ...] = _COL
     """What the quality columns (AUC / logloss, or RMSE / MAE...) refer to, and the end-of-phase values when
     those differ."""
     phases = results.get("phases", {})
-    first = next(iter(phases.values()), {})
+    first: PhaseResult | dict[str, Any] = next(iter(phases.values()), {})
     if "quality_step" not in first:
         return []
     rows = (first.get("quality") or {}).get("rows")
@@ -269,7 +270,8 @@ def write(results: JobResults | dict[str, Any], run_dir: Path) -> JobResults:
     Raises:
         jobs.results.ResultsError: a results dict with a key the schema does not know, or without a required one.
     """
-    typed = dataclasses.replace(JobResults.from_json(results), gain_percent=_gain(results))
+    read = JobResults.from_json(results)
+    typed = dataclasses.replace(read, gain_percent=_gain(read))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "results.json").write_text(json.dumps(typed.to_json(), indent=2) + "\n")
     plot(typed, run_dir / "qps.png")

@@ -1,14 +1,14 @@
 """The per-trainer training loop that Ray Train runs: baseline phase, optimized phase, checkpoints.
 
 ``train_loop({"spec": spec})`` is the ``train_loop_per_worker`` of the job's ``TorchTrainer`` (``spec``: a
-:class:`jobs.trainer.spec.TrainerSpec`). It meets the model only through the seams of :mod:`jobs.trainer.protocols` (a ``Workload``
-and its ``Tables``). Each trainer:
+:class:`jobs.trainer.spec.TrainerSpec`). It meets the model only through the seams of :mod:`jobs.trainer.protocols` (a
+``Workload`` and its ``Tables``). Each trainer:
 
 1. reads its shard of the data (:mod:`jobs.trainer.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
-   (``jobs.trainer.servers.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the tables
-   of each phase's model, the built-in torchrec DLRM or yours, there);
+   (``jobs.trainer.servers.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the
+   tables of each phase's model, the built-in torchrec DLRM or yours, there);
 3. trains both phases over the same batches, interleaved (:mod:`jobs.trainer.phases`; each phase's step loop is a
    :class:`jobs.trainer.pipeline.TrainPipeline`): ``baseline`` trains the eager module (on servers:
    after only the ``parameter_servers`` pass, so its lookups block), ``optimized`` trains
@@ -17,8 +17,8 @@ and its ``Tables``). Each trainer:
    ``[phases] block_steps`` steps (the order flips every block), so both see the same machine load
    and the QPS gain is the median of paired block ratios (:func:`jobs.stats.interleaved_gain`);
 4. checkpoints every ``checkpoint_every`` steps (both phases' dense weights, optimizer states and
-   server tables in one Ray Train checkpoint, :mod:`jobs.trainer.checkpoints`) and at the end, so a restarted worker group resumes both
-   phases at the same step;
+   server tables in one Ray Train checkpoint, :mod:`jobs.trainer.checkpoints`) and at the end, so a restarted worker
+   group resumes both phases at the same step;
 5. measures the held-out AUC / log loss of each phase's model after ``[job] eval_epochs`` passes over
    its shard (:func:`jobs.trainer.evaluation.eval_step`; one epoch by default, where DLRM on Criteo is known to peak and
    longer training over-fits) and again at the end; for the last phase it keeps a copy of the

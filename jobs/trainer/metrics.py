@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -91,7 +92,7 @@ class Exporter:
                                  "second of parse time, per worker process (recsys.criteo_stream).", ("job", "rank"),
                                  registry=self.registry)
         self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
-        self._server = None
+        self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 

@@ -107,13 +107,13 @@ def reader_summary(stats: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     {'lines_per_s': 200.0, 'capacity_lines_per_s': 800.0, 'workers': 2, 'lines': 10, 'rows': 9,
      'per_trainer': [100.0, 300.0]}
     """
-    stats = [s for s in stats if s]
-    if not stats:
+    given = [s for s in stats if s]
+    if not given:
         return None
-    return {"lines_per_s": sum(s["lines_per_s"] for s in stats) / len(stats),
-            "capacity_lines_per_s": sum(s["capacity_lines_per_s"] for s in stats), "workers": stats[0]["workers"],
-            "lines": sum(s["lines"] for s in stats), "rows": sum(s["rows"] for s in stats),
-            "per_trainer": [s["lines_per_s"] for s in stats]}
+    return {"lines_per_s": sum(s["lines_per_s"] for s in given) / len(given),
+            "capacity_lines_per_s": sum(s["capacity_lines_per_s"] for s in given), "workers": given[0]["workers"],
+            "lines": sum(s["lines"] for s in given), "rows": sum(s["rows"] for s in given),
+            "per_trainer": [s["lines_per_s"] for s in given]}
 
 
 def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: int) -> None:

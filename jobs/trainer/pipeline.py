@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -86,10 +86,11 @@ class TrainPipeline:
     optimizer and batch stream, trained in blocks of steps so that phases can alternate (:meth:`train`).
 
     Args:
-        tables: The phase's tables (:class:`jobs.trainer.protocols.Tables`: :class:`jobs.trainer.workload.LocalTables` or a
-            :class:`jobs.trainer.servers.ServerTables` view): ``lookup_seconds()``, ``after_backward()`` and, on servers, the
-            ``parameter_servers`` pass.
-        workload: The model and its data (:class:`jobs.trainer.protocols.Workload`, e.g. ``CriteoWorkload(config, shard)``).
+        tables: The phase's tables (:class:`jobs.trainer.protocols.Tables`:
+            :class:`jobs.trainer.workload.LocalTables` or a :class:`jobs.trainer.servers.ServerTables` view):
+            ``lookup_seconds()``, ``after_backward()`` and, on servers, the ``parameter_servers`` pass.
+        workload: The model and its data (:class:`jobs.trainer.protocols.Workload`, e.g.
+            ``CriteoWorkload(config, shard)``).
         start_step: The first step (a resumed trainer continues the batch sequence there).
         optim_state: Optimizer state to resume from.
 
@@ -108,7 +109,12 @@ class TrainPipeline:
         # a model on servers is evaluated through its module (its own tables left the trainer)
         self.evaluated = model if tables.local else self.module
         self.trained, sync_sparse = data_parallel(self.module, self.device)  # DDP; sparse tables averaged apart
-        self._after_backward = lambda: (sync_sparse(), tables.after_backward())
+
+        def after_backward() -> None:
+            sync_sparse()
+            tables.after_backward()
+
+        self._after_backward = after_backward
         self.optimizer = dense_optimizer(config, (p for p in self.trained.parameters() if p.requires_grad))
         if optim_state is not None:
             self.optimizer.load_state_dict(optim_state)
@@ -146,7 +152,7 @@ class TrainPipeline:
         block_start, callbacks = time.perf_counter(), 0.0
         before = run.wall_seconds
         while self.step < min(until, steps):
-            step = self._upcoming
+            step = cast(StepBatch, self._upcoming)  # None only once self.step reaches steps
             self._upcoming = self._next() if self.step + 1 < steps else None
             # a module from async_rpc(prefetch=True) takes the next batch's inputs, to look them up in this step
             ahead = self._lookahead()

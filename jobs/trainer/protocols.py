@@ -4,11 +4,11 @@
 The trainer asks for nothing else: every member below exists on every implementation, so it never probes
 (``getattr`` / ``hasattr`` / ``isinstance``) what it was given.
 
-- :class:`Workload`: :class:`jobs.trainer.workload.UserWorkload` (your ``[model] factory`` on your ``[data] batches``) and
-  :class:`jobs.trainer.workload.CriteoWorkload` (the built-in torchrec DLRM on Criteo rows);
-- :class:`TableBackend` (:func:`jobs.trainer.workload.make_tables`): :class:`jobs.trainer.workload.LocalTables` (the tables stay
-  in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the ``parameter_servers`` pass moves them to
-  the job's servers); its :meth:`TableBackend.view` of a phase is that phase's :class:`Tables`
+- :class:`Workload`: :class:`jobs.trainer.workload.UserWorkload` (your ``[model] factory`` on your ``[data] batches``)
+  and :class:`jobs.trainer.workload.CriteoWorkload` (the built-in torchrec DLRM on Criteo rows);
+- :class:`TableBackend` (:func:`jobs.trainer.workload.make_tables`): :class:`jobs.trainer.workload.LocalTables` (the
+  tables stay in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the ``parameter_servers``
+  pass moves them to the job's servers); its :meth:`TableBackend.view` of a phase is that phase's :class:`Tables`
   (:class:`~jobs.trainer.workload.LocalTables` itself, or a server view).
 
 Batches follow the contract of :mod:`jobs.entry`; a model's call is ``module(*args, **kwargs)`` with

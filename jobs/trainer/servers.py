@@ -1,8 +1,8 @@
 """Embedding tables on parameter servers: Ray actors running ``scheduling.ps`` servers, and the trainer side.
 
 The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHooks`, no CPU
-reserved) that the launcher creates before the trainers start and kills when the job ends (:func:`start_servers`, :func:`stop_servers`); they do
-not share the fate of the trainers' worker group. Each worker group forms one static
+reserved) that the launcher creates before the trainers start and kills when the job ends (:func:`start_servers`,
+:func:`stop_servers`); they do not share the fate of the trainers' worker group. Each worker group forms one static
 ``torch.distributed.rpc`` group of the ``T`` trainers (ranks ``0..T-1``, named ``trainer<r>``; rank 0
 hosts the rendezvous store) and the ``N`` servers (ranks ``T..T+N-1``, named ``ps<i>``): rank 0 picks
 the rendezvous port and asks every server actor to ``PSActor.join()`` it. ``torch.distributed.rpc``
@@ -200,8 +200,8 @@ def _rpc_host(spec: Any) -> str:
 
 class ServerGroup:
     """This worker group's ``torch.distributed.rpc`` group: the ``world`` trainers and the launcher's
-    server actors (``PSActor``) (``spec.servers`` of the trainers' :class:`jobs.trainer.spec.TrainerSpec` ``spec``), which
-    rank 0 asks to join (see the module docstring).
+    server actors (``PSActor``) (``spec.servers`` of the trainers' :class:`jobs.trainer.spec.TrainerSpec` ``spec``),
+    which rank 0 asks to join (see the module docstring).
 
     Attributes: ``rank``, ``world``, ``config``, ``num_servers``, ``servers`` (RPC names ``ps<i>``), ``group``
     (a key rank 0 drew and broadcast: the trainers share tables in step order under it), ``joined``.
@@ -294,7 +294,8 @@ class ServerTables:
         self.servers.barrier()
 
     def view(self, phase: str) -> Any:
-        """The tables of ``phase`` (its own clients and tables on the servers, a :class:`jobs.trainer.protocols.Tables`)."""
+        """The tables of ``phase`` (its own clients and tables on the servers, a
+        :class:`jobs.trainer.protocols.Tables`)."""
         return self.views[phase]
 
     def close(self, graceful: bool = True) -> None:
@@ -340,8 +341,8 @@ class _LookupTimer:
 
 
 class _PhaseTables(_LookupTimer):
-    """One phase's tables (a :class:`jobs.trainer.protocols.Tables`): set up by the ``parameter_servers`` pass, then read
-    through the module it produced."""
+    """One phase's tables (a :class:`jobs.trainer.protocols.Tables`): set up by the ``parameter_servers`` pass, then
+    read through the module it produced."""
 
     local = False
 

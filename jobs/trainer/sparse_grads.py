@@ -19,6 +19,7 @@ their number, as a coalesced sparse gradient.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,10 @@ __all__ = ["sparse_parameters", "average_sparse_grads", "data_parallel"]
 
 def sparse_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """``{name: parameter}`` of the embedding modules that give sparse gradients (``sparse=True``)."""
-    found = {}
+    found: dict[str, nn.Parameter] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
-            found[f"{prefix}.weight" if prefix else "weight"] = module.weight
+            found[f"{prefix}.weight" if prefix else "weight"] = cast(nn.Parameter, module.weight)  # stubs: Tensor
     return found
 
 

@@ -30,11 +30,11 @@ class JobPlan:
 
     ``config``: the job config with ``[model] table_sizes`` resolved (a list of 26 sizes when it was "data");
     ``run_dir``: the run folder (absolute; created by the launcher once Ray has started); ``data_path``: the
-    Criteo data (a file, directory or glob), or None for your ``[data] batches`` and, until :func:`jobs.launcher.plan.with_data`,
-    for synthetic data not generated yet; ``data_note``: where the data came from (for the log and results.json);
-    ``data_plan``: the first pass (:class:`recsys.criteo_shard.DataPlan`: lines, rows per trainer, held-out rows),
-    None for your batches; ``tables``: the table-size record for ``cardinalities.json`` (distinct counts per
-    feature, sizes) with ``table_sizes = "data"``, else None; ``resume``: the launch
+    Criteo data (a file, directory or glob), or None for your ``[data] batches`` and, until
+    :func:`jobs.launcher.plan.with_data`, for synthetic data not generated yet; ``data_note``: where the data came from
+    (for the log and results.json); ``data_plan``: the first pass (:class:`recsys.criteo_shard.DataPlan`: lines, rows
+    per trainer, held-out rows), None for your batches; ``tables``: the table-size record for ``cardinalities.json``
+    (distinct counts per feature, sizes) with ``table_sizes = "data"``, else None; ``resume``: the launch
     continues the run in ``run_dir``; ``local``: the job runs on this machine (no Ray cluster expected).
     """
 
@@ -60,9 +60,9 @@ class TrainerSpec:
 
     ``state``: the launcher's :class:`jobs.launcher.state.JobState` actor (progress, results, deterministic errors);
     ``servers``: the parameter-server actor handles (``[cluster] parameter_servers`` of them,
-    :func:`jobs.trainer.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port (trainer rank ``r`` exports on
-    ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC group's rendezvous binds to,
-    None to use the node's Ray address (on a cluster).
+    :func:`jobs.trainer.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port
+    (trainer rank ``r`` exports on ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC
+    group's rendezvous binds to, None to use the node's Ray address (on a cluster).
     """
 
     plan: JobPlan

@@ -1,8 +1,8 @@
 """What a trainer trains (the built-in torchrec DLRM on Criteo, or your model on your batches), and where its
 embedding tables live.
 
-A *workload* (the :class:`jobs.trainer.protocols.Workload` protocol) gives the training loop (:mod:`jobs.trainer.loop`) everything
-that depends on the model and the data:
+A *workload* (the :class:`jobs.trainer.protocols.Workload` protocol) gives the training loop (:mod:`jobs.trainer.loop`)
+everything that depends on the model and the data:
 
 - ``rows``: this trainer's training rows per epoch (for ``[job] eval_epochs``), ``parse``: the reader's
   statistics or None, ``has_eval``: this rank evaluates (rank 0, with held-out data);
@@ -21,14 +21,14 @@ machinery with the built-in model (:func:`jobs.criteo.dlrm`) and the Criteo read
 path: with parameter servers, each phase's module first gets the ``parameter_servers`` pass
 (:class:`jobs.trainer.servers.ServerTables`).
 
-A *tables backend* (:func:`make_tables`, the :class:`jobs.trainer.protocols.TableBackend` protocol): :class:`LocalTables` (the
-tables stay in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the ``parameter_servers`` pass moves
-them to the job's servers), with ``view(phase)`` (each phase's own tables, :class:`jobs.trainer.protocols.Tables`: ``local``,
-``placement_pass()`` (None when local) and ``attach(gm)``, ``after_backward()``, ``sync()`` (wait for updates in
-flight), ``lookup_seconds()`` (seconds blocked on lookups since the last call, or None), ``prefetch_hits()``,
-``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0), ``moved`` (the model's state-dict keys that
-live on the servers), and ``close(graceful)``; the backend's ``servers``: the worker group's
-servers, None when local.
+A *tables backend* (:func:`make_tables`, the :class:`jobs.trainer.protocols.TableBackend` protocol):
+:class:`LocalTables` (the tables stay in the model: DDP parameters) or :class:`jobs.trainer.servers.ServerTables` (the
+``parameter_servers`` pass moves them to the job's servers), with ``view(phase)`` (each phase's own tables,
+:class:`jobs.trainer.protocols.Tables`: ``local``, ``placement_pass()`` (None when local) and ``attach(gm)``,
+``after_backward()``, ``sync()`` (wait for updates in flight), ``lookup_seconds()`` (seconds blocked on lookups since
+the last call, or None), ``prefetch_hits()``, ``state_dict()`` / ``load_state_dict(state)`` (checkpoints, rank 0),
+``moved`` (the model's state-dict keys that live on the servers), and ``close(graceful)``; the backend's ``servers``:
+the worker group's servers, None when local.
 
 Source: torchrec's train pipelines (a model, a batch iterator and a loss, kept apart from the loop).
 """
@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -156,7 +156,8 @@ class UserWorkload:
             ConfigError: ``train_step`` returned something other than a scalar tensor.
         """
         if self._train_step is None:
-            return self._loss(module(*step.args, **step.kwargs, **ahead), step.labels)
+            labels = cast(torch.Tensor, step.labels)  # set without train_step
+            return self._loss(module(*step.args, **step.kwargs, **ahead), labels)
         loss = self._train_step(_Lookahead(module, ahead) if ahead else module, step.batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise entry.ConfigError(f"{self.config.source}: [train] train_step = {self.config.train.train_step!r} "
@@ -267,27 +268,29 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
 
 
 def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[list[Any], list[Any]]:
-    """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison (:mod:`jobs.launcher.inference`):
-    the Criteo held-out rows in batches of ``[quant] eval_batch_size`` and the first ``[quant]
-    calibration_batches`` training batches; for your model, the "eval" split of ``[data] batches`` and the first
-    train batches of rank 0 of 1."""
+    """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison
+    (:mod:`jobs.launcher.inference`): the Criteo held-out rows in batches of ``[quant] eval_batch_size`` and the first
+    ``[quant] calibration_batches`` training batches; for your model, the "eval" split of ``[data] batches`` and the
+    first train batches of rank 0 of 1."""
     q = config.quant
     if config.user_model:
         held_out = entry.epoch_batches(config, entry.data_context(config, "eval"))
         train = entry.endless(config, entry.data_context(config, "train"))
         return held_out, [next(train) for _ in range(q.calibration_batches)]
     fraction = config.data.eval_fraction or 0.1
-    held_out = criteo_shard(config, data_path, split="eval", eval_fraction=fraction,
-                            max_rows=config.data.eval_max_rows, count_all=False)
-    train = criteo_shard(config, data_path, eval_fraction=fraction, count_all=False,
-                         max_rows=q.eval_batch_size * q.calibration_batches).batches(q.eval_batch_size)
-    return ([criteo.model_inputs(b) for b in held_out.all_batches(q.eval_batch_size)],
-            [criteo.model_inputs(next(train)) for _ in range(q.calibration_batches)])
+    path = cast("str | Path", data_path)  # the built-in model reads its Criteo file
+    eval_shard = criteo_shard(config, path, split="eval", eval_fraction=fraction,
+                              max_rows=config.data.eval_max_rows, count_all=False)
+    calibration = criteo_shard(config, path, eval_fraction=fraction, count_all=False,
+                               max_rows=q.eval_batch_size * q.calibration_batches).batches(q.eval_batch_size)
+    return ([criteo.model_inputs(b) for b in eval_shard.all_batches(q.eval_batch_size)],
+            [criteo.model_inputs(next(calibration)) for _ in range(q.calibration_batches)])
 
 
 class LocalTables:
     """Embedding tables inside the model (DDP parameters; the built-in DLRM's give sparse gradients): the
-    :class:`jobs.trainer.protocols.TableBackend` and every phase's :class:`jobs.trainer.protocols.Tables` (:meth:`view` is itself)."""
+    :class:`jobs.trainer.protocols.TableBackend` and every phase's :class:`jobs.trainer.protocols.Tables` (:meth:`view`
+    is itself)."""
 
     local = True
     moved: frozenset[str] = frozenset()
@@ -307,8 +310,8 @@ class LocalTables:
         return self
 
     def after_backward(self) -> None:
-        """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.trainer.sparse_grads`) and the
-        optimizer applies them."""
+        """Nothing to do: DDP all-reduces the gradients (the sparse tables' apart, :mod:`jobs.trainer.sparse_grads`) and
+        the optimizer applies them."""
 
     def lookup_seconds(self) -> float | None:
         return None
@@ -335,13 +338,14 @@ def release_tables(model: nn.Module, moved: frozenset[str]) -> None:
     refers to them; each weight becomes a ``(0, D)`` tensor)."""
     for key in moved:
         module = model.get_submodule(key.removesuffix(".weight"))
-        module.weight = nn.Parameter(module.weight.new_empty(0, module.weight.shape[-1]), requires_grad=False)
+        weight = cast(torch.Tensor, module.weight)  # a table's weight
+        module.weight = nn.Parameter(weight.new_empty(0, weight.shape[-1]), requires_grad=False)
 
 
 def make_tables(config: JobConfig, rank: int, world: int, spec: Any, exporter: Any) -> TableBackend:
     """The tables backend of this trainer: local when ``[cluster] parameter_servers = 0``, else
-    :class:`jobs.trainer.servers.ServerTables` (the job's servers, ``spec.servers`` of the :class:`jobs.trainer.spec.TrainerSpec`
-    ``spec``, one table set per phase).
+    :class:`jobs.trainer.servers.ServerTables` (the job's servers, ``spec.servers`` of the
+    :class:`jobs.trainer.spec.TrainerSpec` ``spec``, one table set per phase).
 
     Raises:
         RuntimeError: ``spec`` has another number of server actors than ``[cluster] parameter_servers``.
