@@ -294,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
             if not hasattr(module, old):
                 setattr(module, old, getattr(module, new, {}))
     for module_name, stand_ins in NEWER.items():
-        module = importlib.import_module(module_name)
+        try:  # torch.testing._internal needs expecttest; test files that import it then fail on their own
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            print(f"fxdist torch_fx_suite: {module_name} not importable ({e}); its stand-ins are not set")
+            continue
         for name, make in stand_ins.items():
             if not hasattr(module, name):
                 setattr(module, name, make())
