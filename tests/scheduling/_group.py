@@ -1,5 +1,7 @@
-"""Process bodies for tests/scheduling/test_ps_group.py: one parameter server and W trainers (DDP over gloo),
-spawned as separate processes (functions sent to spawned processes must be importable)."""
+"""Process bodies for the tests of a server group: one parameter server and W trainers (DDP over gloo), spawned
+as separate processes (functions sent to spawned processes must be importable): test_ps_group.py's
+``server_main``/``trainer_main``, and ``one_server_main``/``ddp_trainer_main`` (a model's tables moved by the
+``parameter_servers`` pass, the rest under DDP) for test_placement_local.py and test_table_grad_reduction.py."""
 
 from __future__ import annotations
 
@@ -135,3 +137,60 @@ def spawn_and_collect(ctx: Any, targets: Sequence[tuple[Callable, tuple]], queue
             p.join(20)
             if p.is_alive():
                 p.kill()
+
+
+def one_server_main(port: int, world: int) -> None:
+    """The server ``ps0`` of a group of ``world`` trainers (RPC rank ``world``)."""
+    from scheduling.ps import start_server
+
+    start_server("ps0", world, world + 1, master_port=port, timeout_s=60)
+
+
+def ddp_trainer_main(rank: int, world: int, port: int, ddp_port: int, queue: Any, make_pass: Callable[[int], Any],
+                     make_model: Callable[[], nn.Module], batches: Callable[[int], list[tuple]],
+                     loss: Callable[..., torch.Tensor], lr: float) -> None:
+    """Trainer ``rank`` of ``world`` against :func:`one_server_main`: the pass ``make_pass(rank)`` moves the
+    model's tables (rank 0 creates them first), the rest trains under DDP over gloo with SGD(``lr``) on
+    ``batches(rank)`` (``(*inputs, target)``, ``loss(out, target)``). Puts ``(rank, state)`` on ``queue``: the
+    dense state dict and the tables as lists, ``"local"`` the modules the pass kept on the trainer; or
+    ``(rank, {"error": ...})``."""
+    from torch.distributed import rpc
+
+    import fxdist
+    from scheduling import placement
+    from scheduling.ps import init_trainer
+    from scheduling.ps import server as srv
+
+    torch.set_num_threads(1)
+    init_trainer(f"trainer{rank}", rank, world + 1, master_port=port, timeout_s=60)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", rank=rank, world_size=world)
+    try:
+        if rank != 0:
+            dist.barrier()                       # rank 0 has created the tables
+        gm = fxdist.optimize(make_model(), passes=(make_pass(rank),))
+        if rank == 0:
+            dist.barrier()
+        ddp = nn.parallel.DistributedDataParallel(gm)
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+        for *inputs, target in batches(rank):
+            opt.zero_grad()
+            loss(ddp(*inputs), target).backward()
+            opt.step()
+        placement.flush(gm)
+        dist.barrier()                           # every trainer's last pushes are applied
+        state: dict[str, Any] = {k: v.clone().tolist() for k, v in gm.state_dict().items()}
+        state.update({k: v.tolist() for k, v in placement.table_state_dict(gm).items()})  # no shared memory
+        state["local"] = [x["module"] for x in gm.meta["fxdist"]["placement"].get("local", [])]
+        placement.close(gm)
+        queue.put((rank, state))
+    except BaseException as e:
+        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+        raise
+    finally:
+        dist.destroy_process_group()
+        if rank == 0:
+            try:
+                rpc.rpc_sync("ps0", srv._rpc_stop, (), timeout=5)
+            except RuntimeError:
+                pass
+        rpc.shutdown(graceful=False)

@@ -25,7 +25,7 @@ from scheduling.placement.plan import TableInfo, split_local
 from scheduling.ps import LocalCluster
 from scheduling.ps.ports import free_port
 from scheduling.ps.shard_plan import TableSpec
-from tests.scheduling._group import spawn_and_collect
+from tests.scheduling._group import ddp_trainer_main, one_server_main, spawn_and_collect
 
 LR, STEPS, BATCH, L, WORLD = 0.5, 4, 6, 5, 2
 
@@ -202,54 +202,9 @@ class _EBCModel(nn.Module):
 
 
 # ---- two trainers under DDP -------------------------------------------------------------------------------------
-def _trainer(rank: int, port: int, ddp_port: int, queue: Any) -> None:
-    import torch.distributed as dist
-    from torch.distributed import rpc
-
-    from scheduling.ps import init_trainer
-    from scheduling.ps import server as srv
-
-    torch.set_num_threads(1)
-    init_trainer(f"trainer{rank}", rank, WORLD + 1, master_port=port, timeout_s=60)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", rank=rank, world_size=WORLD)
-    try:
-        ps = _pass(servers=["ps0"], client="loc", rank=rank, world_size=WORLD, group="g-local", timeout_s=60.0,
-                   verbose=False, local_below_rows=32)
-        if rank != 0:
-            dist.barrier()                       # rank 0 has created the tables
-        gm = fxdist.optimize(_model(), passes=(ps,))
-        if rank == 0:
-            dist.barrier()
-        ddp = nn.parallel.DistributedDataParallel(gm)
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        for users, items, target in _batches(rank):
-            opt.zero_grad()
-            _loss(ddp(users, items), target).backward()
-            opt.step()
-        placement.flush(gm)
-        dist.barrier()                           # every trainer's last pushes are applied
-        state = {k: v.clone() for k, v in gm.state_dict().items()}
-        state.update(placement.table_state_dict(gm))
-        state["local"] = [x["module"] for x in gm.meta["fxdist"]["placement"]["local"]]
-        placement.close(gm)
-        queue.put((rank, {k: v if k == "local" else v.tolist() for k, v in state.items()}))
-    except BaseException as e:
-        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
-        raise
-    finally:
-        dist.destroy_process_group()
-        if rank == 0:
-            try:
-                rpc.rpc_sync("ps0", srv._rpc_stop, (), timeout=5)
-            except RuntimeError:
-                pass
-        rpc.shutdown(graceful=False)
-
-
-def _server(port: int) -> None:
-    from scheduling.ps import start_server
-
-    start_server("ps0", WORLD, WORLD + 1, master_port=port, timeout_s=60)
+def _ddp_pass(rank: int):
+    return _pass(servers=["ps0"], client="loc", rank=rank, world_size=WORLD, group="g-local", timeout_s=60.0,
+                 verbose=False, local_below_rows=32)
 
 
 @pytest.mark.timeout(300)
@@ -257,7 +212,9 @@ def test_a_local_table_trains_under_ddp_as_one_process_on_the_global_batch():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port, ddp_port = free_port(), free_port()
-    targets = [(_server, (port,))] + [(_trainer, (r, port, ddp_port, queue)) for r in range(WORLD)]
+    targets = [(one_server_main, (port, WORLD))] + [
+        (ddp_trainer_main, (r, WORLD, port, ddp_port, queue, _ddp_pass, _model, _batches, _loss, LR))
+        for r in range(WORLD)]
     results = spawn_and_collect(ctx, targets, queue, WORLD)
     assert not {r: res["error"] for r, res in results.items() if "error" in res}
     want = _reference([_batches(r) for r in range(WORLD)])

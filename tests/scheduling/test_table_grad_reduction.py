@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from scheduling.ps.ports import free_port
-from tests.scheduling._group import spawn_and_collect
+from tests.scheduling._group import ddp_trainer_main, one_server_main, spawn_and_collect
 
 WORLD, STEPS, BATCH, LR = 2, 4, 8, 0.5
 
@@ -66,68 +65,26 @@ def _reference(table_factor: float) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _trainer(rank: int, port: int, ddp_port: int, reduction: str, queue: Any) -> None:
-    import torch.distributed as dist
-    from torch.distributed import rpc
-
-    import fxdist
+def _ddp_pass(reduction: str, rank: int):
     import scheduling
-    from scheduling import placement
-    from scheduling.ps import init_trainer
-    from scheduling.ps import server as srv
 
-    torch.set_num_threads(1)
-    init_trainer(f"trainer{rank}", rank, WORLD + 1, master_port=port, timeout_s=60)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", rank=rank, world_size=WORLD)
-    try:
-        ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, servers=["ps0"],
-                               client="avg", rank=rank, world_size=WORLD, group=f"g-{reduction}",
-                               timeout_s=60.0, verbose=False, grad_reduction=reduction)
-        if rank != 0:
-            dist.barrier()                       # rank 0 has created the tables
-        gm = fxdist.optimize(_model(), passes=(ps,))
-        if rank == 0:
-            dist.barrier()
-        ddp = nn.parallel.DistributedDataParallel(gm)
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        for users, items, target in _batches(rank):
-            opt.zero_grad()
-            _loss(ddp(users, items), target).backward()
-            opt.step()
-        placement.flush(gm)
-        dist.barrier()                           # every trainer's last pushes are applied
-        state = {k: v.clone() for k, v in gm.state_dict().items()}
-        state.update(placement.table_state_dict(gm))
-        placement.close(gm)
-        queue.put((rank, {k: v.tolist() for k, v in state.items()}))   # no shared memory past exit
-    except BaseException as e:
-        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
-        raise
-    finally:
-        dist.destroy_process_group()
-        if rank == 0:
-            try:
-                rpc.rpc_sync("ps0", srv._rpc_stop, (), timeout=5)
-            except RuntimeError:
-                pass
-        rpc.shutdown(graceful=False)
-
-
-def _server(port: int) -> None:
-    from scheduling.ps import start_server
-
-    start_server("ps0", WORLD, WORLD + 1, master_port=port, timeout_s=60)
+    return functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, servers=["ps0"], client="avg",
+                             rank=rank, world_size=WORLD, group=f"g-{reduction}", timeout_s=60.0, verbose=False,
+                             grad_reduction=reduction)
 
 
 def _run(reduction: str) -> dict[int, dict[str, torch.Tensor]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port, ddp_port = free_port(), free_port()
-    targets = [(_server, (port,))] + [(_trainer, (r, port, ddp_port, reduction, queue)) for r in range(WORLD)]
+    make_pass = functools.partial(_ddp_pass, reduction)
+    targets = [(one_server_main, (port, WORLD))] + [
+        (ddp_trainer_main, (r, WORLD, port, ddp_port, queue, make_pass, _model, _batches, _loss, LR))
+        for r in range(WORLD)]
     results = spawn_and_collect(ctx, targets, queue, WORLD)
     errors = {r: res["error"] for r, res in results.items() if "error" in res}
     assert not errors, errors
-    return {r: {k: torch.tensor(v) for k, v in res.items()} for r, res in results.items()}
+    return {r: {k: torch.tensor(v) for k, v in res.items() if k != "local"} for r, res in results.items()}
 
 
 @pytest.mark.timeout(300)
