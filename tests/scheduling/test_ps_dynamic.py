@@ -1,0 +1,183 @@
+"""The dynamic (collisionless) row store: admission, LRU eviction, expiry, counters, checkpoints, and a few
+training steps exact against a small pure-Python reference with the same rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsys.criteo_format import mix64
+from scheduling.ps.dynamic import DynamicSpec, DynamicTable, initial_rows, mix64_torch
+from scheduling.ps.optimizer import make_optimizer
+
+
+def _table(capacity=4, min_count=1, expire_steps=None, optimizer="sgd", dim=3):
+    return DynamicTable(dim, DynamicSpec(capacity, min_count, expire_steps), make_optimizer(optimizer, lr=0.5),
+                        seed=7, salt=1)
+
+
+def _ids(*v):
+    return torch.tensor(v, dtype=torch.int64)
+
+
+class Reference:
+    """Same rules, one id at a time with dicts: the reference the vectorised table must match."""
+
+    def __init__(self, dim, capacity, min_count, expire_steps, lr):
+        self.dim, self.capacity, self.min_count, self.expire, self.lr = dim, capacity, min_count, expire_steps, lr
+        self.rows, self.slot, self.last, self.cand, self.step = {}, {}, {}, {}, 0
+        self.rejected = 0
+
+    def lookup(self, ids):
+        self.step += 1
+        if self.expire is not None:
+            for i in [i for i in self.rows if self.step - self.last[i] > self.expire]:
+                del self.rows[i], self.slot[i], self.last[i]
+            self.cand = {i: c for i, c in self.cand.items() if self.step - c[1] <= self.expire}
+        counts = {}
+        for i in ids.tolist():
+            counts[i] = counts.get(i, 0) + 1
+        for i in sorted(counts):
+            if i in self.rows:
+                self.last[i] = self.step
+            else:
+                self.cand[i] = (self.cand.get(i, (0, 0))[0] + counts[i], self.step)
+        for i in sorted(i for i in counts if i in self.cand and self.cand[i][0] >= self.min_count):
+            free = sorted(set(range(self.capacity)) - set(self.slot.values()))
+            if free:
+                slot = free[0]
+            else:
+                old = [j for j in self.rows if self.last[j] < self.step]
+                if not old:
+                    continue
+                victim = min(old, key=lambda j: (self.last[j], j))
+                slot = self.slot.pop(victim)
+                del self.rows[victim], self.last[victim]
+            del self.cand[i]
+            self.rows[i] = initial_rows(_ids(i), self.dim, self.capacity ** -0.5, 7, 1)[0]
+            self.slot[i], self.last[i] = slot, self.step
+        out = torch.stack([self.rows.get(i, torch.zeros(self.dim)) for i in ids.tolist()])
+        self.rejected += sum(i not in self.rows for i in ids.tolist())
+        return out
+
+    def push(self, ids, grads):
+        for i in sorted(set(ids.tolist())):
+            if i in self.rows:
+                self.rows[i] = self.rows[i] - self.lr * grads[ids == i].sum(0)
+        self.rejected += sum(i not in self.rows for i in ids.tolist())
+
+
+def test_mix_matches_recsys_and_rows_are_deterministic_per_id():
+    v = 123456789
+    z = torch.tensor([v + (0 + 1) * 0x9E3779B97F4A7C15 - (1 << 64)])
+    assert int(mix64_torch(z)[0]) % (1 << 64) == mix64(v, 0)
+    a = initial_rows(_ids(5, 9, 2**62), 8, 0.25, seed=3)
+    b = initial_rows(_ids(2**62, 5), 8, 0.25, seed=3)
+    assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0])
+    assert a.abs().max() <= 0.25 and not torch.equal(a[0], a[1])
+    assert not torch.equal(a, initial_rows(_ids(5, 9, 2**62), 8, 0.25, seed=4))
+
+
+def test_admission_after_min_count_lookups_zero_and_pushes_dropped_until_then():
+    t = _table(min_count=3)
+    rows, slots = t.lookup(_ids(10, 11))
+    assert torch.equal(rows, torch.zeros(2, 3)) and slots.tolist() == [-1, -1]
+    assert t.push(_ids(10), torch.ones(1, 3)) == 0
+    assert t.stats()["rejected"] == 3 and t.stats()["inserts"] == 2 and t.stats()["rows"] == 0
+    rows, slots = t.lookup(_ids(10, 10, 11))                  # 10 reaches 3 occurrences: admitted now
+    assert slots.tolist() == [0, 0, -1]
+    assert torch.equal(rows[0], initial_rows(_ids(10), 3, 0.5, 7, 1)[0]) and torch.equal(rows[2], torch.zeros(3))
+    assert t.push(_ids(10, 10), torch.ones(2, 3)) == 1
+    assert torch.allclose(t.lookup(_ids(10))[0][0], initial_rows(_ids(10), 3, 0.5, 7, 1)[0] - 1.0)
+    s = t.stats()
+    assert (s["rows"], s["admitted"], s["inserts"], s["candidates"], s["rejected"]) == (1, 1, 2, 1, 4)
+
+
+def test_lru_eviction_order_and_slot_reuse():
+    t = _table(capacity=3)
+    t.lookup(_ids(1, 2, 3))                                    # slots 0, 1, 2
+    t.lookup(_ids(1))
+    t.lookup(_ids(3))
+    _, slots = t.lookup(_ids(4, 5))                            # evicts 2 (oldest), then 1
+    assert slots.tolist() == [1, 0]
+    assert t.slots_of(_ids(1, 2, 3)).tolist() == [-1, -1, 2]
+    assert t.stats()["evictions"] == 2 and t.stats()["rows"] == 3
+    _, slots = t.lookup(_ids(6, 7, 8, 9))                      # all three rows evictable; 9 cannot get one
+    assert slots.tolist() == [2, 1, 0, -1]              # 3 (oldest), then 4 and 5 by id
+    assert t.stats()["rows"] == 3 and t.slots_of(_ids(9)).tolist() == [-1]
+
+
+def test_rows_seen_in_the_current_lookup_are_never_evicted():
+    t = _table(capacity=2)
+    t.lookup(_ids(1, 2))
+    _, slots = t.lookup(_ids(1, 2, 3))
+    assert slots.tolist() == [0, 1, -1] and t.stats()["evictions"] == 0
+
+
+def test_expiry_frees_rows_and_candidates_unseen_for_expire_steps():
+    t = _table(capacity=4, min_count=2, expire_steps=2)
+    t.lookup(_ids(1, 1, 2))                                    # 1 admitted, 2 candidate
+    t.lookup(_ids(3, 3))
+    t.lookup(_ids(3))
+    assert t.slots_of(_ids(1)).tolist() == [0] and t.stats()["candidates"] == 1
+    t.lookup(_ids(3))                                          # step 4: 1 (last 1) and candidate 2 expire
+    s = t.stats()
+    assert t.slots_of(_ids(1)).tolist() == [-1] and s["expired"] == 1 and s["candidates"] == 0
+    _, slots = t.lookup(_ids(5, 5))
+    assert slots.tolist() == [0, 0]                            # the expired slot is reused first
+
+
+def test_checkpoint_round_trip_keeps_map_rows_state_and_counters():
+    t = _table(capacity=3, min_count=2, optimizer="rowwise_adagrad")
+    for step in range(6):
+        ids = torch.randint(0, 6, (8,), generator=torch.Generator().manual_seed(step))
+        rows, _ = t.lookup(ids)
+        t.push(ids, torch.randn(8, 3, generator=torch.Generator().manual_seed(100 + step)))
+    copy = _table(capacity=3, min_count=2, optimizer="rowwise_adagrad")
+    copy.load_state_dict(t.state_dict())
+    assert copy.stats() == t.stats()
+    ids = _ids(0, 1, 2, 3, 4, 5, 9)
+    assert torch.equal(copy.lookup(ids)[0], t.lookup(ids)[0])
+    g = torch.ones(7, 3)
+    copy.push(ids, g), t.push(ids, g)
+    assert torch.equal(copy.state_dict()["weight"], t.state_dict()["weight"])
+    assert torch.equal(copy.state_dict()["state"], t.state_dict()["state"])
+    with pytest.raises(ValueError, match="capacity"):
+        _table(capacity=5).load_state_dict(t.state_dict())
+
+
+def test_spec_rejects_bad_values():
+    with pytest.raises(ValueError):
+        DynamicSpec(0)
+    with pytest.raises(ValueError):
+        DynamicSpec(4, min_count=0)
+
+
+@pytest.mark.parametrize("capacity, min_count, expire", [(64, 1, None), (12, 2, 3), (6, 1, 2)])
+def test_training_matches_the_reference_exactly(capacity, min_count, expire):
+    """A pooled-embedding linear model trained a few steps: same losses, same rows, same counters."""
+    dim, lr, batch, bag = 4, 0.5, 6, 3
+    table = DynamicTable(dim, DynamicSpec(capacity, min_count, expire), make_optimizer("sgd", lr=lr),
+                         seed=7, salt=1)
+    ref = Reference(dim, capacity, min_count, expire, lr)
+    w = torch.randn(dim, generator=torch.Generator().manual_seed(0))
+    for step in range(12):
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 40, (batch * bag,), generator=gen) * 1_000_000_007 + (1 << 40)   # raw, sparse
+        y = torch.randn(batch, generator=gen)
+        losses = []
+        for lookup in (lambda i: table.lookup(i)[0], ref.lookup):
+            rows = lookup(ids).requires_grad_()
+            loss = ((rows.view(batch, bag, dim).sum(1) @ w - y) ** 2).mean()
+            loss.backward()
+            losses.append((loss.detach(), rows.grad))
+        assert torch.equal(losses[0][0], losses[1][0]), step
+        table.push(ids, losses[0][1])
+        ref.push(ids, losses[1][1])
+        for i, row in ref.rows.items():
+            assert torch.equal(table.rows_of(_ids(i))[0], row), (step, i)
+        assert sorted(ref.rows) == sorted(table.map_ids.tolist())
+        assert table.stats()["rejected"] == ref.rejected
+    s = table.stats()
+    assert s["admitted"] > 0 and (capacity == 64 or s["evictions"] + s["expired"] > 0)
+    assert min_count == 1 or s["rejected"] > 0
