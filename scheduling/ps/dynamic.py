@@ -32,6 +32,9 @@ Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisi
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +43,7 @@ import torch
 from .optimizer import RowWiseOptimizer
 from .storage import RowStore
 
-__all__ = ["DynamicSpec", "DynamicTable", "initial_rows", "mix64_torch"]
+__all__ = ["DynamicSpec", "DynamicTable", "initial_rows", "mix64_torch", "table_salt", "lookup_tables"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -126,6 +129,8 @@ class DynamicTable:
         self.cand_counts = torch.empty(0, dtype=torch.int64)
         self.cand_seen = torch.empty(0, dtype=torch.int64)
         self.step = 0
+        self.lock = threading.Lock()
+        """Held by :func:`lookup_tables` and by the server around pushes and checkpoints."""
         self.counters = {"inserts": 0, "admitted": 0, "evictions": 0, "expired": 0, "rejected": 0}
 
     # ---- counters --------------------------------------------------------------------------------------
@@ -270,7 +275,7 @@ class DynamicTable:
                 "slot_id": self.slot_id.clone(), "last_seen": self.last_seen.clone(),
                 "cand_ids": self.cand_ids.clone(), "cand_counts": self.cand_counts.clone(),
                 "cand_seen": self.cand_seen.clone(), "step": self.step, "counters": dict(self.counters),
-                "capacity": self.spec.capacity, "dim": self.dim}
+                "capacity": self.spec.capacity, "dim": self.dim, "seed": self.seed, "salt": self.salt}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output.
@@ -288,3 +293,31 @@ class DynamicTable:
         self.cand_ids, self.cand_counts = state["cand_ids"].clone(), state["cand_counts"].clone()
         self.cand_seen, self.step = state["cand_seen"].clone(), int(state["step"])
         self.counters = dict(state["counters"])
+        self.seed, self.salt = int(state.get("seed", self.seed)), int(state.get("salt", self.salt))
+
+
+def table_salt(name: str) -> int:
+    """A stable 63-bit salt of a table name (blake2b), so two dynamic tables never share fresh rows."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def lookup_tables(requests: Sequence[tuple[DynamicTable | None, torch.Tensor]]) -> list[torch.Tensor | None]:
+    """Rows of each request's ids, one :meth:`DynamicTable.lookup` (one step) per table for all its
+    requests together (a table read by several features still advances one step per batch); None for
+    requests without a table.
+
+    Shapes: each ids ``(N_i,)`` int64 -> rows ``(N_i, dim)`` float32.
+    """
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    tables: dict[int, list[int]] = {}
+    for i, (table, _) in enumerate(requests):
+        if table is not None:
+            tables.setdefault(id(table), []).append(i)
+    for members in tables.values():
+        table = requests[members[0]][0]
+        assert table is not None
+        with table.lock:
+            rows, _ = table.lookup(torch.cat([requests[i][1] for i in members]))
+        for i, part in zip(members, rows.split([requests[i][1].numel() for i in members])):
+            out[i] = part
+    return out

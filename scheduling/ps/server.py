@@ -33,6 +33,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.rpc.functions import async_execution
 
+from .dynamic import DynamicTable, lookup_tables, table_salt
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
@@ -138,6 +139,8 @@ class _Shard:
     state: torch.Tensor | None
     lock: threading.Lock = field(default_factory=threading.Lock)
     store: RowStore = field(default_factory=RowStore)
+    dynamic: DynamicTable | None = None
+    """The table's dynamic row store (then ``weight``/``state`` are its slots), or None for a fixed table."""
 
 
 class PSServer:
@@ -194,6 +197,9 @@ class PSServer:
                                          f"({spec.num_rows}, {spec.table.embedding_dim})")
                     old.spec = spec
                     continue
+                if spec.table.dynamic is not None:
+                    self.shards[key] = self._dynamic_shard(spec, seed, store)
+                    continue
                 self.shards[key] = _Shard(spec, store.encode(self._init_weight(spec, seed, init_weights)),
                                           self.optimizer.init_state(spec.num_rows, spec.table.embedding_dim),
                                           store=store)
@@ -201,12 +207,22 @@ class PSServer:
             self._fuse(namespace)
             return {k: s.spec.num_rows for k, s in self.shards.items() if k.startswith(namespace + "/")}
 
+    def _dynamic_shard(self, spec: ShardSpec, seed: int, store: RowStore,
+                       state: dict[str, Any] | None = None) -> _Shard:
+        """A dynamic table's shard (:mod:`scheduling.ps.dynamic`), restored from ``state`` when given."""
+        assert self.optimizer is not None and spec.table.dynamic is not None
+        table = DynamicTable(spec.table.embedding_dim, spec.table.dynamic, self.optimizer, seed=seed,
+                             salt=table_salt(spec.table.name), store=store)
+        if state is not None:
+            table.load_state_dict(state)
+        return _Shard(spec, table.weight, table.state, lock=table.lock, store=store, dynamic=table)
+
     def _fuse(self, namespace: str) -> None:
         """Stack the namespace's shards into one :class:`FusedTables` (when possible); the shards then hold
         views of it and share its lock."""
         layout = self.layouts[namespace]
         keys = [f"{namespace}/{spec.key}" for spec, _ in layout]
-        if any(k not in self.shards for k in keys):
+        if any(k not in self.shards or self.shards[k].dynamic is not None for k in keys):
             self.fused[namespace] = None
             return
         shards = {spec.key: self.shards[k] for (spec, _), k in zip(layout, keys)}
@@ -257,7 +273,7 @@ class PSServer:
             raise ValueError(f"server {self.name}: the batch has no feature {feat!r} (table {spec.table.name!r})"
                              f"; got keys {sorted(feats)}")
         ids, lens, wts = feats[feat]
-        if ids.numel():
+        if ids.numel() and spec.table.dynamic is None:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= spec.table.num_embeddings:
                 bad = lo if lo < 0 else hi
@@ -293,10 +309,11 @@ class PSServer:
     def _lookup_per_shard(self, namespace: str, batch: Batch) -> torch.Tensor:
         feats, batch_size = self._features(batch)
         outs = []
-        for spec, feat in self._layout(namespace):
-            ids, bags, wts = self._bag(spec, feat, feats)
-            shard = self.shards[f"{namespace}/{spec.key}"]
-            rows = shard.store.gather(shard.weight, ids)
+        parts = [(spec, self.shards[f"{namespace}/{spec.key}"], *self._bag(spec, feat, feats))
+                 for spec, feat in self._layout(namespace)]
+        dynamic = lookup_tables([(shard.dynamic, ids) for _, shard, ids, _, _ in parts])
+        for (spec, shard, ids, bags, wts), known in zip(parts, dynamic):
+            rows = shard.store.gather(shard.weight, ids) if known is None else known
             if wts is not None:
                 rows = rows * wts.unsqueeze(1)
             pooled = torch.zeros(batch_size, spec.table.embedding_dim).index_add_(0, bags, rows)
@@ -347,12 +364,16 @@ class PSServer:
         assert self.optimizer is not None
         for key, parts in per_shard.items():
             ids = torch.cat([p[0] for p in parts])
+            shard = self.shards[key]
+            if shard.dynamic is not None:
+                with shard.lock:
+                    touched += shard.dynamic.push(ids, torch.cat([p[1] for p in parts]))
+                continue
             if ids.numel() == 0:
                 continue
             uniq, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(uniq.numel(), parts[0][1].shape[1]).index_add_(0, inverse,
                                                                                  torch.cat([p[1] for p in parts]))
-            shard = self.shards[key]
             with shard.lock:
                 self.optimizer.step(shard.weight, shard.state, uniq, summed, shard.store)
             touched += uniq.numel()
@@ -369,7 +390,8 @@ class PSServer:
             with shard.lock:
                 weight = shard.store.decode(shard.weight)  # fp32 rows are the stored tensor itself: copy them
                 out[key] = {"spec": shard.spec, "weight": weight.clone() if weight is shard.weight else weight,
-                            "state": None if shard.state is None else shard.state.clone()}
+                            "state": None if shard.state is None else shard.state.clone(),
+                            "dynamic": None if shard.dynamic is None else shard.dynamic.state_dict()}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -378,6 +400,10 @@ class PSServer:
         for key, entry in state.items():
             old = self.shards.get(key)
             store = old.store if old is not None else self.stores.get(key.rpartition("/")[0], RowStore())
+            if entry.get("dynamic") is not None:
+                self.shards[key] = self._dynamic_shard(entry["spec"], entry["dynamic"]["seed"], store,
+                                                       entry["dynamic"])
+                continue
             self.shards[key] = _Shard(entry["spec"], store.encode(entry["weight"].clone()),
                                       None if entry["state"] is None else entry["state"].clone(), store=store)
         for namespace in self.layouts:

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .dynamic import DynamicSpec
+
 __all__ = ["TableSpec", "ShardSpec", "table_specs", "plan_shards", "Sharding"]
 
 Sharding = Literal["table_wise", "row_wise"]
@@ -33,6 +35,9 @@ class TableSpec:
     """KeyedJaggedTensor keys looked up in this table (one pooled output ``(B, D)`` each)."""
     pooling: Literal["sum", "mean"] = "sum"
     """Pooling of a bag: weighted sum, or sum divided by the bag length (done on the client)."""
+    dynamic: DynamicSpec | None = None
+    """A dynamic (collisionless) table: raw 64-bit ids, rows made on admission, at most ``capacity`` of them
+    (:mod:`scheduling.ps.dynamic`; ``num_embeddings`` is then the capacity). None: a fixed table."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,8 @@ def plan_shards(tables: Sequence[TableSpec], num_servers: int,
         The shards, in table order then server order; every global row belongs to exactly one shard.
 
     Raises:
-        ValueError: ``num_servers < 1`` or an unknown sharding scheme.
+        ValueError: ``num_servers < 1``, an unknown sharding scheme, or a dynamic table sharded row-wise
+            (raw ids have no row ranges; dynamic tables are placed table-wise).
     """
     if num_servers < 1:
         raise ValueError(f"plan_shards: need at least one server, got num_servers={num_servers}")
@@ -124,6 +130,8 @@ def plan_shards(tables: Sequence[TableSpec], num_servers: int,
             server = min(range(num_servers), key=lambda s: (load[s], s))
             shards.append(ShardSpec(table, server, 0, table.num_embeddings))
             load[server] += table.num_embeddings * table.embedding_dim
+        elif scheme == "row_wise" and table.dynamic is not None:
+            raise ValueError(f"table {table.name!r} is dynamic: it can only be placed table-wise")
         elif scheme == "row_wise":
             block = -(-table.num_embeddings // num_servers)
             for server in range(num_servers):

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from recsys.criteo_format import mix64
-from scheduling.ps.dynamic import DynamicSpec, DynamicTable, initial_rows, mix64_torch
+from scheduling.ps.dynamic import DynamicSpec, DynamicTable, initial_rows, mix64_torch, table_salt
 from scheduling.ps.optimizer import make_optimizer
+from scheduling.ps.server import PSServer
+from scheduling.ps.shard_plan import TableSpec, plan_shards
 
 
 def _table(capacity=4, min_count=1, expire_steps=None, optimizer="sgd", dim=3):
@@ -181,3 +183,83 @@ def test_training_matches_the_reference_exactly(capacity, min_count, expire):
     s = table.stats()
     assert s["admitted"] > 0 and (capacity == 64 or s["evictions"] + s["expired"] > 0)
     assert min_count == 1 or s["rejected"] > 0
+
+
+# ---- on a server ---------------------------------------------------------------------------------------------
+
+DYN = DynamicSpec(capacity=10, min_count=2, expire_steps=4)
+SERVER_TABLES = [TableSpec("fixed", 20, 4, ("fa",)), TableSpec("dyn", 10, 4, ("fb", "fc"), dynamic=DYN)]
+
+
+def _server(storage="fp32"):
+    srv = PSServer("ps0")
+    srv.configure("ns", plan_shards(SERVER_TABLES, 1), 0, "rowwise_adagrad", {"lr": 0.5}, seed=3, storage=storage)
+    return srv
+
+
+def _server_batch(step, batch_size=4):
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 3, (3 * batch_size,), generator=gen)
+    n = lengths.view(3, batch_size).sum(1).tolist()
+    fixed = torch.randint(0, 20, (n[0],), generator=gen)
+    raw = torch.randint(0, 15, (n[1] + n[2],), generator=gen) * (1 << 40) + 12345     # raw 64-bit ids
+    return ("fa", "fb", "fc"), torch.cat([fixed, raw]), lengths.int(), None
+
+
+def test_server_routes_dynamic_tables_through_the_store_and_matches_a_local_table():
+    srv = _server()
+    assert srv.fused["ns"] is None                                     # dynamic tables take the per-shard path
+    local = DynamicTable(4, DYN, make_optimizer("rowwise_adagrad", lr=0.5), seed=3, salt=table_salt("dyn"))
+    for step in range(8):
+        keys, values, lengths, _ = batch = _server_batch(step)
+        out = srv.lookup("ns", batch)
+        n = lengths.view(3, -1).sum(1).tolist()
+        raw = values[n[0]:]
+        rows, _ = local.lookup(raw)
+        bags = torch.repeat_interleave(torch.arange(8), lengths.view(3, -1)[1:].reshape(-1).long())
+        pooled = torch.zeros(8, 4).index_add_(0, bags, rows)
+        assert torch.equal(out[:, 4:8], pooled[:4]) and torch.equal(out[:, 8:], pooled[4:]), step
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(50 + step))
+        srv.push("ns", batch, grad)
+        local.push(raw, torch.cat([grad[:, 4:8], grad[:, 8:]]).index_select(0, bags))
+    dyn = srv.shards["ns/dyn@0"].dynamic
+    assert dyn is not None and dyn.stats() == local.stats() and dyn.stats()["rejected"] > 0
+    assert torch.equal(dyn.state_dict()["weight"], local.state_dict()["weight"])
+
+
+@pytest.mark.parametrize("storage", ["fp32", "fp16"])
+def test_server_checkpoint_round_trip_of_a_dynamic_table(storage):
+    srv = _server(storage)
+    for step in range(5):
+        out = srv.lookup("ns", _server_batch(step))
+        srv.push("ns", _server_batch(step), torch.ones_like(out))
+    state = srv.state_dict("ns")
+    assert state["ns/dyn@0"]["dynamic"]["map_ids"].numel() > 0
+    copy = PSServer("ps1")
+    copy.configure("ns", plan_shards(SERVER_TABLES, 1), 0, "rowwise_adagrad", {"lr": 0.5}, seed=99,
+                   storage=storage)
+    copy.load_state_dict(state)
+    for step in range(5, 8):
+        batch = _server_batch(step)
+        out = srv.lookup("ns", batch)
+        assert torch.equal(copy.lookup("ns", batch), out)
+        srv.push("ns", batch, out)
+        copy.push("ns", batch, out)
+    assert copy.shards["ns/dyn@0"].dynamic.stats() == srv.shards["ns/dyn@0"].dynamic.stats()
+
+
+def test_dynamic_tables_are_placed_table_wise_only():
+    with pytest.raises(ValueError, match="table-wise"):
+        plan_shards(SERVER_TABLES, 2, "row_wise")
+
+
+def test_fused8bit_dynamic_rows_train_close_to_fp32():
+    exact, small = _server("fp32"), _server("fused8bit")
+    for step in range(6):
+        batch = _server_batch(step)
+        a, b = exact.lookup("ns", batch), small.lookup("ns", batch)
+        torch.testing.assert_close(b, a, atol=0.05, rtol=0)
+        exact.push("ns", batch, torch.ones_like(a))
+        small.push("ns", batch, torch.ones_like(a))
+    assert small.shards["ns/dyn@0"].dynamic.weight.dtype == torch.uint8
+    assert small.shards["ns/dyn@0"].dynamic.stats() == exact.shards["ns/dyn@0"].dynamic.stats()
