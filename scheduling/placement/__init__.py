@@ -88,7 +88,16 @@ from ..ps import ops
 from ..ps.shard_plan import TableSpec, table_specs
 from . import conversions
 from .find import Candidate, NotMoved, call_arguments, find_embeddings
-from .plan import TableInfo, TablePlacement, format_plan, plan_tables, server_bytes, shards_of, split_local
+from .plan import (
+    TableInfo,
+    TablePlacement,
+    format_plan,
+    plan_tables,
+    server_bytes,
+    shards_of,
+    split_local,
+    with_dynamic,
+)
 from .table_groups import group_candidates, group_label, rewrite_group
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
@@ -216,8 +225,9 @@ def _model_device(gm: nn.Module) -> torch.device | None:
 
 
 # ---- the graph rewrite ----------------------------------------------------------------------------------------
-def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
-    """(the KeyedJaggedTensor node, a function turning the pooled KeyedTensor node into the module's output)."""
+def _wire_input(graph: Any, c: Candidate, node: Node, dynamic: bool = False) -> tuple[Any, Any]:
+    """(the KeyedJaggedTensor node, a function turning the pooled KeyedTensor node into the module's output);
+    ids of ``dynamic`` tables are raw: no range check."""
     args = call_arguments(c.module, node)
     m = c.module
     if c.kind == "ebc":
@@ -244,7 +254,7 @@ def _wire_input(graph: Any, c: Candidate, node: Node) -> tuple[Any, Any]:
     pos = {n: i for i, n in enumerate(graph.nodes)}
     after = max(inputs + [n for n in graph.nodes if n.op == "placeholder"], key=pos.__getitem__)
     with graph.inserting_after(after):
-        kjt = graph.call_function(fn, fn_args, kwargs)
+        kjt = graph.call_function(fn, fn_args, {**kwargs, "num_embeddings": None} if dynamic else kwargs)
     kjt.meta.update(trace_meta(node))
     kjt.meta["parameter_servers"] = c.qualname
     return kjt, finish
@@ -256,7 +266,7 @@ def _rewrite(gm: GraphModule, c: Candidate, client: Any, trainable: bool) -> Non
     for node in c.nodes:
         anchor = node.prev
         with graph.inserting_before(node):
-            kjt, finish = _wire_input(graph, c, node)
+            kjt, finish = _wire_input(graph, c, node, any(t.dynamic is not None for t in client.tables))
             ids = client.servers_for()
             # every fetch before the first hook: async_rpc does not hoist a fetch above an impure node
             # (the hook) that reads the same batch, so interleaving them would serialise the lookups
@@ -381,7 +391,8 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
                       timeout_s: float = 30.0, verbose: bool = True, file: TextIO | None = None,
                       rank: int = 0, world_size: int = 1, group: str | None = None,
                       storage: str = "fp32", seed: int = 0, grad_reduction: str = "mean",
-                      group_tables: bool = True, local_below_rows: int = 0) -> GraphModule:
+                      group_tables: bool = True, local_below_rows: int = 0,
+                      dynamic: Mapping[str, Mapping[str, Any]] | None = None) -> GraphModule:
     """Move the embedding tables of ``gm`` to the parameter servers of the running group (in place).
 
     Args:
@@ -416,6 +427,8 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
         group_tables: group ``nn.EmbeddingBag`` / ``nn.Embedding`` modules called once into one client each
             group: one lookup and one push per server and step for a group instead of one per module (which
             modules can share one: :mod:`scheduling.placement.table_groups`). ``False``: one client per module.
+        dynamic: ``{table name | weight path | module: {"capacity", "min_count", "expire_steps"}}``: collisionless
+            tables on the servers (:mod:`scheduling.ps.dynamic`), ids passed raw (no range check), table-wise.
 
     Returns:
         ``gm``, rewritten and recompiled; ``gm.meta["fxdist"]["placement"]`` holds the plan (``tables``,
@@ -426,7 +439,7 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
         scheduling.ps.NoGroupError: there is something to move but no parameter-server group runs here.
         ValueError: a bad ``plan`` entry (``"local"`` for part of a module, or for meta weights), ``local_below_rows
             < 0``, unknown optimizer or ``storage``, servers used by a client with another optimizer, or
-            ``world_size > 1`` without a ``group`` key.
+            ``world_size > 1`` without a ``group`` key, or a bad ``dynamic`` entry.
         scheduling.ps.PSUnavailableError: a server did not answer the configuration.
     """
     _check_choices(storage, grad_reduction)
@@ -436,25 +449,41 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     found, plan, local = _keep_local(gm, found, kept, plan, local_below_rows)
     if not found:
         return _nothing_to_move(gm, kept, local, verbose, file)
-    from ..ps.local_cluster import group_servers
-    names = list(servers) if servers else group_servers("parameter_servers")
+    names = _server_names(servers)
     kwargs = {"lr": lr, **(optimizer_kwargs or {})}
     _check_optimizer(names, optimizer, kwargs)
-    tables = {c.qualname: _tables_of(c) for c in found}
+    tables = with_dynamic({c.qualname: _tables_of(c) for c in found}, dynamic)
     placements = plan_tables([t for pairs in tables.values() for t, _ in pairs], len(names), plan)
     placed = {p.table.path: p for p in placements}
     trainable = {q: any(w.requires_grad for _, w in pairs) for q, pairs in tables.items()}
-    groups = group_candidates(gm, found, trainable) if group_tables else [[c] for c in found]
+    groups = _groups(gm, found, trainable, tables, group_tables)
     clients = _make_clients(groups, tables, placed, names, client, optimizer, kwargs, timeout_s,
                             (rank, world_size, group), storage, seed, grad_reduction, _model_device(gm))
     _rewrite_groups(gm, groups, clients, trainable)
     gm.graph.lint()
     gm.recompile()
-    text = _record(gm, placements, names, clients, {"name": optimizer, **kwargs}, storage, local)
+    _announce(_record(gm, placements, names, clients, {"name": optimizer, **kwargs}, storage, local), verbose, file)
+    return gm
+
+
+def _server_names(servers: Sequence[str] | None) -> list[str]:
+    from ..ps.local_cluster import group_servers
+
+    return list(servers) if servers else group_servers("parameter_servers")
+
+
+def _groups(gm: GraphModule, found: list[Candidate], trainable: dict[str, bool],
+            tables: dict[str, list[tuple[TableInfo, torch.Tensor]]], group_tables: bool) -> list[list[Candidate]]:
+    """The clients' module groups; modules with a dynamic table stay alone (their ids are raw: no checks)."""
+    groups = group_candidates(gm, found, trainable) if group_tables else [[c] for c in found]
+    alone = {c.qualname for c in found if any(t.spec.dynamic is not None for t, _ in tables[c.qualname])}
+    return [g for grp in groups for g in ([[c] for c in grp] if any(c.qualname in alone for c in grp) else [grp])]
+
+
+def _announce(text: str, verbose: bool, file: TextIO | None) -> None:
     logger.info("%s", text)
     if verbose:
         print(text, file=file or sys.stdout)
-    return gm
 
 
 parameter_servers.fxdist_leaf_module = is_embedding_module  # type: ignore[attr-defined]  # see fxdist.optimize

@@ -23,9 +23,10 @@ plan printed as a table of shards, ranks and storage); Graham 1969 (LPT greedy b
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..ps.dynamic import DynamicSpec
 from ..ps.shard_plan import ShardSpec, TableSpec, plan_shards
 
 __all__ = ["TableInfo", "TablePlacement", "plan_tables", "split_local", "shards_of", "format_plan", "FLOAT32_BYTES",
@@ -167,7 +168,8 @@ def plan_tables(tables: Sequence[TableInfo], num_servers: int,
         if max(server_bytes(placements, num_servers)) <= fair * (1 + tolerance):
             return placements
         large = [i for i, p in enumerate(placements) if i not in forced and p.sharding == "table_wise"
-                 and tables[i].spec.num_embeddings >= num_servers and tables[i].nbytes >= row_wise_min_bytes]
+                 and tables[i].spec.num_embeddings >= num_servers and tables[i].nbytes >= row_wise_min_bytes
+                 and tables[i].spec.dynamic is None]
         if not large:
             return placements
         row_wise.add(max(large, key=lambda i: (tables[i].nbytes, -i)))
@@ -194,6 +196,35 @@ def _assign(tables: Sequence[TableInfo], num_servers: int, forced: Mapping[int, 
         load[server] += tables[i].nbytes
         placed[i] = TablePlacement(tables[i], "table_wise", (server,), "override" if i in forced else "balanced")
     return [placed[i] for i in range(len(tables))]
+
+
+def with_dynamic(tables: Mapping[str, list[tuple[TableInfo, Any]]], dynamic: Mapping[str, Mapping[str, Any]] | None
+                 ) -> dict[str, list[tuple[TableInfo, Any]]]:
+    """``tables`` (module -> (table, weight) pairs) with the tables ``dynamic`` names (``{table name | weight
+    path | module: {"capacity", "min_count", "expire_steps"}}``) made dynamic: raw ids, ``capacity`` rows
+    (:mod:`scheduling.ps.dynamic`); they are always placed table-wise.
+
+    Raises:
+        ValueError: a key names no table, or a bad or missing setting (``capacity`` is required).
+    """
+    dynamic = dict(dynamic or {})
+    used: set[str] = set()
+    out: dict[str, list[tuple[TableInfo, Any]]] = {}
+    for module, pairs in tables.items():
+        out[module] = []
+        for t, w in pairs:
+            key = next((k for k in dynamic if t.matches(k)), None)
+            if key is not None:
+                try:
+                    spec = DynamicSpec(**dynamic[key])
+                except TypeError as e:
+                    raise ValueError(f"parameter_servers: dynamic[{key!r}]: {e}") from None
+                used.add(key)
+                t = TableInfo(replace(t.spec, num_embeddings=spec.capacity, dynamic=spec), t.module, t.path)
+            out[module].append((t, w))
+    if set(dynamic) - used:
+        raise ValueError(f"parameter_servers: dynamic names no table: {sorted(set(dynamic) - used)}")
+    return out
 
 
 def shards_of(placement: TablePlacement, num_servers: int) -> list[ShardSpec]:

@@ -80,7 +80,7 @@ def check_kjt(kjt: Any, tables: Sequence[Any], weighted: bool | None) -> None:
         kjt.weights()  # torchrec's own AssertionError: "This (Keyed)JaggedTensor doesn't have weights."
         raise AssertionError("This (Keyed)JaggedTensor doesn't have weights.")
     values, keys = kjt.values(), kjt.keys()
-    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    rows = {f: t.num_embeddings for t in tables if getattr(t, "dynamic", None) is None for f in t.feature_names}
     suspect = bad_id_dtype(values)
     start = 0
     for key, n in zip(keys, kjt.length_per_key()):

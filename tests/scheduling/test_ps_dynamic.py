@@ -25,7 +25,8 @@ def _ids(*v):
 class Reference:
     """Same rules, one id at a time with dicts: the reference the vectorised table must match."""
 
-    def __init__(self, dim, capacity, min_count, expire_steps, lr):
+    def __init__(self, dim, capacity, min_count, expire_steps, lr, seed=7, salt=1):
+        self.seed, self.salt = seed, salt
         self.dim, self.capacity, self.min_count, self.expire, self.lr = dim, capacity, min_count, expire_steps, lr
         self.rows, self.slot, self.last, self.cand, self.step = {}, {}, {}, {}, 0
         self.rejected = 0
@@ -56,7 +57,7 @@ class Reference:
                 slot = self.slot.pop(victim)
                 del self.rows[victim], self.last[victim]
             del self.cand[i]
-            self.rows[i] = initial_rows(_ids(i), self.dim, self.capacity ** -0.5, 7, 1)[0]
+            self.rows[i] = initial_rows(_ids(i), self.dim, self.capacity ** -0.5, self.seed, self.salt)[0]
             self.slot[i], self.last[i] = slot, self.step
         out = torch.stack([self.rows.get(i, torch.zeros(self.dim)) for i in ids.tolist()])
         self.rejected += sum(i not in self.rows for i in ids.tolist())
@@ -263,3 +264,67 @@ def test_fused8bit_dynamic_rows_train_close_to_fp32():
         small.push("ns", batch, torch.ones_like(a))
     assert small.shards["ns/dyn@0"].dynamic.weight.dtype == torch.uint8
     assert small.shards["ns/dyn@0"].dynamic.stats() == exact.shards["ns/dyn@0"].dynamic.stats()
+
+
+# ---- through the pass --------------------------------------------------------------------------------------
+class RawIds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = torch.nn.Embedding(8, 4)                     # 8 rows locally; on the servers: dynamic, raw ids
+        self.register_buffer("proj", torch.linspace(-1, 1, 4).unsqueeze(1))
+
+    def forward(self, ids):
+        return (self.t(ids) @ self.proj).squeeze(1)
+
+
+def test_pass_with_a_dynamic_table_trains_exactly_as_the_reference():
+    import functools
+
+    import fxdist
+    import scheduling
+    from scheduling import placement
+    from scheduling.ps import LocalCluster
+
+    with LocalCluster(num_servers=1):
+        to_servers = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.5, verbose=False,
+                                       client="dyn", dynamic={"t": {"capacity": 6, "min_count": 2}})
+        gm = fxdist.optimize(RawIds(), passes=(to_servers,))
+        ref = Reference(4, 6, 2, None, 0.5, seed=0, salt=table_salt("t"))
+        proj = torch.linspace(-1, 1, 4).unsqueeze(1)
+        try:
+            for step in range(10):
+                gen = torch.Generator().manual_seed(step)
+                ids = torch.randint(0, 9, (8,), generator=gen) * (1 << 50) + 3        # far beyond 8 rows
+                target = torch.randn(8, generator=gen)
+                loss = ((gm(ids) - target) ** 2).mean()
+                loss.backward()
+                rows = ref.lookup(ids).requires_grad_()
+                ref_loss = (((rows @ proj).squeeze(1) - target) ** 2).mean()
+                ref_loss.backward()
+                ref.push(ids, rows.grad)
+                assert torch.equal(loss.detach(), ref_loss.detach()), step
+            placement.flush(gm)
+            from scheduling.ps.client import get_client
+
+            weight = get_client(placement.client_names(gm)[0]).state_dict()["t.weight"]      # (capacity, D) slots
+            assert weight.shape == (6, 4) and len(ref.rows) == 6
+            for i, row in ref.rows.items():
+                assert torch.equal(weight[ref.slot[i]], row), i
+        finally:
+            placement.close(gm)
+
+
+def test_with_dynamic_marks_tables_and_rejects_bad_entries():
+    from scheduling.placement.plan import TableInfo, plan_tables, with_dynamic
+
+    big = TableInfo(TableSpec("big", 1 << 20, 8, ("f",)), "m", "m")
+    small = TableInfo(TableSpec("small", 10, 8, ("g",)), "n", "n")
+    out = with_dynamic({"m": [(big, None)], "n": [(small, None)]}, {"big": {"capacity": 1 << 20, "min_count": 2}})
+    spec = out["m"][0][0].spec
+    assert spec.dynamic == DynamicSpec(1 << 20, 2) and out["n"][0][0].spec.dynamic is None
+    placements = plan_tables([out["m"][0][0], out["n"][0][0]], 2)
+    assert placements[0].sharding == "table_wise"                 # never made row-wise automatically
+    with pytest.raises(ValueError, match="names no table"):
+        with_dynamic({"m": [(big, None)]}, {"nope": {"capacity": 4}})
+    with pytest.raises(ValueError, match="capacity"):
+        with_dynamic({"m": [(big, None)]}, {"big": {"min_count": 2}})
