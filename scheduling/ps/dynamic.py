@@ -281,8 +281,12 @@ class DynamicTable:
         """Restore :meth:`state_dict`'s output.
 
         Raises:
-            ValueError: the checkpoint's capacity or width differs from this table's.
+            ValueError: the checkpoint's capacity or width differs from this table's, or it is no dynamic
+                table's state (e.g. rows without the id -> slot map, as a ``PSClient.state_dict`` has).
         """
+        if "map_ids" not in state:
+            raise ValueError("not a dynamic table's state (no id -> slot map): restore dynamic tables from the "
+                             "servers' checkpoints (PSServer.state_dict / save), not from a client's full tables")
         if (state["capacity"], state["dim"]) != (self.spec.capacity, self.dim):
             raise ValueError(f"dynamic table checkpoint has capacity {state['capacity']} and dim {state['dim']}, "
                              f"this table {self.spec.capacity} and {self.dim}")

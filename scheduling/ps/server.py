@@ -139,8 +139,7 @@ class _Shard:
     state: torch.Tensor | None
     lock: threading.Lock = field(default_factory=threading.Lock)
     store: RowStore = field(default_factory=RowStore)
-    dynamic: DynamicTable | None = None
-    """The table's dynamic row store (then ``weight``/``state`` are its slots), or None for a fixed table."""
+    dynamic: DynamicTable | None = None  # a dynamic table's row store; weight and state are then its slots
 
 
 class PSServer:
@@ -207,8 +206,7 @@ class PSServer:
             self._fuse(namespace)
             return {k: s.spec.num_rows for k, s in self.shards.items() if k.startswith(namespace + "/")}
 
-    def _dynamic_shard(self, spec: ShardSpec, seed: int, store: RowStore,
-                       state: dict[str, Any] | None = None) -> _Shard:
+    def _dynamic_shard(self, spec: ShardSpec, seed: int, store: RowStore, state: dict[str, Any] | None = None) -> _Shard:
         """A dynamic table's shard (:mod:`scheduling.ps.dynamic`), restored from ``state`` when given."""
         assert self.optimizer is not None and spec.table.dynamic is not None
         table = DynamicTable(spec.table.embedding_dim, spec.table.dynamic, self.optimizer, seed=seed,
@@ -396,13 +394,15 @@ class PSServer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the shards named in ``state`` (float32 weights; others are kept), stored as their
-        namespace's storage says."""
+        namespace's storage says.
+
+        Raises:
+            ValueError: a dynamic table's entry without its map (a client's full-table state dict)."""
         for key, entry in state.items():
             old = self.shards.get(key)
             store = old.store if old is not None else self.stores.get(key.rpartition("/")[0], RowStore())
-            if entry.get("dynamic") is not None:
-                self.shards[key] = self._dynamic_shard(entry["spec"], entry["dynamic"]["seed"], store,
-                                                       entry["dynamic"])
+            if entry.get("dynamic") is not None or (old is not None and old.dynamic is not None):  # seed: state's
+                self.shards[key] = self._dynamic_shard(entry["spec"], 0, store, entry.get("dynamic") or {})
                 continue
             self.shards[key] = _Shard(entry["spec"], store.encode(entry["weight"].clone()),
                                       None if entry["state"] is None else entry["state"].clone(), store=store)

@@ -249,6 +249,15 @@ def test_server_checkpoint_round_trip_of_a_dynamic_table(storage):
     assert copy.shards["ns/dyn@0"].dynamic.stats() == srv.shards["ns/dyn@0"].dynamic.stats()
 
 
+def test_server_refuses_a_dynamic_table_entry_without_its_map():
+    srv = _server()
+    srv.lookup("ns", _server_batch(0))
+    entry = dict(srv.state_dict("ns")["ns/dyn@0"])
+    del entry["dynamic"]                                  # what a client's full-table state dict carries back
+    with pytest.raises(ValueError, match="id -> slot map"):
+        srv.load_state_dict({"ns/dyn@0": entry})
+
+
 def test_dynamic_tables_are_placed_table_wise_only():
     with pytest.raises(ValueError, match="table-wise"):
         plan_shards(SERVER_TABLES, 2, "row_wise")
