@@ -337,3 +337,47 @@ def test_with_dynamic_marks_tables_and_rejects_bad_entries():
         with_dynamic({"m": [(big, None)]}, {"nope": {"capacity": 4}})
     with pytest.raises(ValueError, match="capacity"):
         with_dynamic({"m": [(big, None)]}, {"big": {"min_count": 2}})
+
+
+def _train_raw(prefetch: bool, batches):
+    import functools
+
+    import fxdist
+    import scheduling
+    from scheduling import placement
+    from scheduling.ps.client import get_client
+
+    torch.manual_seed(0)
+    ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.5, verbose=False,
+                           client=f"dynp{int(prefetch)}", dynamic={"t": {"capacity": 6, "min_count": 2}})
+    gm = fxdist.optimize(RawIds(), passes=(ps, "async_rpc_prefetch") if prefetch else (ps,))
+    try:
+        nexts = [n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith("next_")]
+        losses = []
+        for (ids, target), nxt in scheduling.lookahead(batches):
+            extra = {n: None if nxt is None else nxt[0] for n in nexts}
+            loss = ((gm(ids, **extra) - target) ** 2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+        placement.flush(gm)
+        client = get_client(placement.client_names(gm)[0])
+        return losses, client.state_dict()["t.weight"], client.prefetch_hits
+    finally:
+        placement.close(gm)
+
+
+def test_prefetch_trains_a_dynamic_table_as_blocking_lookups():
+    """The push of step t carries the lookup of step t + 1 (the ordering rules): the dynamic table sees the
+    same lookups and pushes in the same order, so prefetching changes nothing."""
+    from scheduling.ps import LocalCluster
+
+    batches = []
+    for step in range(8):
+        gen = torch.Generator().manual_seed(step)
+        batches.append((torch.randint(0, 9, (8,), generator=gen) * (1 << 50) + 3, torch.randn(8, generator=gen)))
+    with LocalCluster(num_servers=1):
+        blocking = _train_raw(False, batches)
+        prefetched = _train_raw(True, batches)
+    assert prefetched[2] > 0 and blocking[2] == 0
+    assert all(torch.equal(a, b) for a, b in zip(blocking[0], prefetched[0]))
+    assert torch.equal(blocking[1], prefetched[1])
