@@ -127,7 +127,8 @@ def summarize(results: dict[int, dict], steps: int) -> dict:
     return {"qps": systems.WORLD * systems.BATCH * steps / seconds,
             "first_loss": statistics.mean(r["first_loss"] for r in results.values()),
             "last_loss": statistics.mean(r["last_loss"] for r in results.values()),
-            "table_change": results[0].get("table_change"), "prefetch_hits": results[0].get("prefetch_hits")}
+            "table_change": results[0].get("table_change"), "prefetch_hits": results[0].get("prefetch_hits"),
+            "profile": results[0].get("profile")}
 
 
 def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -135,7 +136,9 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
     found: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(args.rounds):
         for name in names:
-            setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0)
+            profile = args.profile if rnd == 0 else 0   # the first round only
+            setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0, profile=profile,
+                                      profile_file=str(args.run_dir / f"profile_{rows}x{dim}_{name}.txt"))
             results, wall = run_once(setting, args.timeout)
             found[name].append({**summarize(results, args.steps), "wall": wall})
             r = found[name][-1]
@@ -163,7 +166,7 @@ def _row(name: str, runs: list[dict], base: list[dict]) -> str:
     if not ok:
         return f"{name:<16} FAILED: {runs[0]['error'][:300]}"
     qps = [r["qps"] for r in ok]
-    ratios = [r["qps"] / b["qps"] for r, b in zip(runs, base) if "error" not in r and "error" not in b]
+    ratios = _ratios(runs, base)
     ratio = (f"{min(ratios):>11.2f} {statistics.median(ratios):>5.2f} {max(ratios):>5.2f}" if ratios
              else f"{'-':>11} {'-':>5} {'-':>5}")
     errors = [r["error"] for r in runs if "error" in r]
@@ -172,6 +175,41 @@ def _row(name: str, runs: list[dict], base: list[dict]) -> str:
             f"{ok[-1]['last_loss']:>10.7f} {_fmt(_max_diff(runs, base, 'last_loss'), '.1e', 8)} "
             f"{_fmt(_max_diff(runs, base, 'first_loss'), '.1e', 8)} {_fmt(ok[-1].get('table_change'), '.3e', 9)} "
             f"{statistics.median(r['wall'] for r in runs):>6.0f}{failed}")
+
+
+def _ratios(runs: list[dict], base: list[dict]) -> list[float]:
+    """QPS ratios of ``runs`` to ``base`` round by round (rounds where both ran)."""
+    return [r["qps"] / b["qps"] for r, b in zip(runs, base) if "error" not in r and "error" not in b]
+
+
+def ceiling(found: dict[str, list[dict]]) -> None:
+    """Each fxdist system's QPS as a fraction of ``dense_only``'s (round by round: min / median / max)."""
+    top = found.get("dense_only")
+    if not top:
+        return
+    lines = []
+    for name, runs in found.items():
+        if name != "dense_only" and (name.startswith("fx_") or name.startswith("dmp_")):
+            f = _ratios(runs, top)
+            if f:
+                lines.append(f"  {name:<16} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
+    if lines:
+        print("fraction of the ceiling (QPS / dense_only's, min med max over rounds):\n" + "\n".join(lines))
+
+
+def profile_table(found: dict[str, list[dict]], run_dir: Path) -> None:
+    """Trainer 0's profiled steps, ms per step: the step, forward (lookup inside it), backward (push mostly
+    inside it), optimizer (dense SGD and zero_grad), other (step - forward - backward - optimizer)."""
+    rows = [(n, runs[0]["profile"]) for n, runs in found.items() if runs and runs[0].get("profile")]
+    if not rows:
+        return
+    print(f"\nprofile, trainer 0, ms per step (torch.profiler, CPU; top ops in {run_dir}/profile_*.txt)\n"
+          f"{'system':<16} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
+          f"{'optimizer':>9} {'other':>7}")
+    for name, p in rows:
+        other = p["step"] - p["forward"] - p["backward"] - p["optimizer"]
+        print(f"{name:<16} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
+              f"{p['push']:>7.2f} {p['optimizer']:>9.2f} {other:>7.2f}")
 
 
 def report(size: str, found: dict[str, list[dict]]) -> None:
@@ -197,7 +235,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 8 steps, 2 warm-up, first size only")
+    p.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="STEPS",
+                   help="after the timed steps of the first round, profile STEPS (default 5) more on trainer 0 "
+                        "(torch.profiler, CPU) and print where a step goes; off by default")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="where --profile writes its files (default runs/peer-<time>)")
     args = p.parse_args()
+    if args.run_dir is None:
+        args.run_dir = ROOT / "runs" / time.strftime("peer-%Y%m%d-%H%M%S")
     if args.quick:
         args.rounds, args.steps, args.warmup, args.sizes = 1, 8, 2, args.sizes[:1]
     _bench.reexec_with_fixed_allocator()
@@ -211,7 +256,10 @@ def main() -> None:
           "steps); progress on stderr")
     for size in args.sizes:
         rows, dim = (int(x) for x in size.lower().split("x"))
-        report(size, measure(rows, dim, args.systems, args))
+        found = measure(rows, dim, args.systems, args)
+        report(size, found)
+        ceiling(found)
+        profile_table(found, args.run_dir)
     print(f"\nload average at end {os.getloadavg()}")
 
 
