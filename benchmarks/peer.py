@@ -18,6 +18,10 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
   transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
   batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting buffers each step, as DMP
   wraps its dense part.
+- ``fx_stale1_0ms``: prefetch with ``max_staleness=1`` (``async_rpc(prefetch=True, max_staleness=1)``): a
+  step's pushes may stay in flight while the next step's lookups run;
+- ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
+  tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
 Every (size, system) run starts fresh processes (spawn); the systems take turns within a round, round after
 round. All start from the same weights (dense arches from one seed; each table the rows fxdist's servers make
@@ -35,6 +39,14 @@ for sizes of at most 128 MB of tables, since fxdist's trainer gathers them from 
 median wall time of a run (spawn to exit, seconds); then the largest differences of the fxdist systems'
 final loss and table change to ``dmp_tw``'s. One torch thread per process (trainers and servers share the
 machine's cores). CPU model and ISA (AVX-512 VNNI or not) and the load average are printed at start and end.
+
+After each size's table: each DMP and fxdist system's fraction of the ceiling (QPS / ``dense_only``'s, round by
+round); with ``--profile [STEPS]`` (off by default), ``STEPS`` (5) more steps after the first round's timed ones,
+trainer 0 under ``torch.profiler`` (CPU activities): the top 30 ops by self CPU time to
+``<--run-dir>/profile_<size>_<system>.txt`` (default run folder ``runs/peer-<time>``) and a table of ms per step:
+forward (fxdist's lookups, starts, waits and prefetches inside it as ``(lookup)``), backward (fxdist's pushes,
+started from its hooks, as ``(push)``; DMP's fused table SGD), optimizer (dense SGD and ``zero_grad``) and other.
+``dense_only``'s losses differ from the others' (no tables); its ``d loss`` columns are not a check.
 
 Loss agreement is a weak check here: the labels are random and SGD at lr 0.05 hardly moves the tables
 (``|W-W0|`` ~ 5e-5 after 10 steps of 1e3-row tables), so the loss mostly reflects the dense part and the start;
