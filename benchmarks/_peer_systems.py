@@ -15,9 +15,12 @@ the tables and on the dense part; table gradients averaged over the trainers in 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -38,8 +41,13 @@ tables); :func:`initial_table` relies on it."""
 CHECK_BYTES = 128 << 20
 """Sizes whose 26 tables hold at most this many bytes also get the table check (:func:`_table_change`): fxdist's
 trainer gathers every table from the servers for it."""
-SYSTEMS = ("dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
-           "fx_blocking_0ms", "fx_prefetch_0ms", "fx_blocking_1ms", "fx_prefetch_1ms")
+SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
+           "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms")
+"""``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_stale1_0ms``: prefetch
+with ``max_staleness=1`` (pushes stay in flight one step)."""
+PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
+"""The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
+waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,15 @@ class Setting:
     rpc_port: int = 0
     group: str = ""
     """fxdist: the key the trainers of this run share on the servers (``parameter_servers(group=...)``)."""
+    profile: int = 0
+    """Steps profiled (``torch.profiler``, trainer 0) after the timed ones; 0: none."""
+    profile_file: str = ""
+    """Where trainer 0 writes the profile's top ops (by self CPU time)."""
+
+    @property
+    def total(self) -> int:
+        """Batches a trainer needs: warm-up, timed and profiled steps."""
+        return self.warmup + self.steps + self.profile
 
 
 # ---- the common start ---------------------------------------------------------------------------------------
@@ -94,10 +111,55 @@ def _bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels)
 
 
+_PROFILING = False
+
+
+@contextlib.contextmanager
+def region(name: str) -> Iterator[None]:
+    """``torch.profiler.record_function("peer.<name>")`` while a profile is being taken; else nothing."""
+    if not _PROFILING:
+        yield
+        return
+    with torch.profiler.record_function(f"peer.{name}"):
+        yield
+
+
+def _profiled(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[], None]) -> dict[str, float]:
+    """Run the ``s.profile`` steps after the timed ones, trainer 0 under ``torch.profiler`` (CPU): write its
+    top ops by self CPU time to ``s.profile_file``; return ms per step of each :data:`PROFILE_REGIONS`
+    region (trainer 0; other ranks: {})."""
+    global _PROFILING
+    first = s.warmup + s.steps
+    if dist.get_rank() != 0:
+        for i in range(first, first + s.profile):
+            step(i)
+        finish()
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    _PROFILING = True
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(first, first + s.profile):
+                with region("step"):
+                    step(i)
+            finish()
+    finally:
+        _PROFILING = False
+    averages = prof.key_averages()
+    path = Path(s.profile_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{s.system} {s.rows}x{s.dim}: {s.profile} steps after {first}, trainer 0, torch.profiler "
+                    "(CPU); top 30 by self CPU time\n"
+                    + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    totals = {e.key: e.cpu_time_total for e in averages}   # microseconds, over the profiled steps
+    return {r: totals.get(f"peer.{r}", 0.0) / 1e3 / s.profile for r in PROFILE_REGIONS}
+
+
 def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[], None] = lambda: None,
            tables: Callable[[], dict[int, list]] | None = None) -> dict:
-    """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then,
-    for small sizes, :func:`_table_change` of ``tables()``."""
+    """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then
+    :func:`_profiled` steps when ``s.profile``; then, for small sizes, :func:`_table_change` of ``tables()``."""
     losses = [float(step(i)) for i in range(s.warmup)]
     dist.barrier()
     start = time.perf_counter()
@@ -105,7 +167,10 @@ def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[],
         losses.append(float(step(i)))
     finish()
     dist.barrier()
-    out = {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": losses[-1]}
+    out: dict[str, Any] = {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": losses[-1]}
+    if s.profile:
+        out["profile"] = _profiled(step, s, finish)
+        dist.barrier()
     if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:
         out["table_change"] = _table_change(tables(), s)
     return out
@@ -193,7 +258,7 @@ def run_dmp(rank: int, s: Setting) -> dict:
     from torchrec.datasets.utils import Batch
 
     model, opt = build_dmp(s, "row_wise" if s.system == "dmp_rw" else "table_wise")
-    data = [Batch(d, k, l) for d, k, l in batches(rank, s.warmup + s.steps, s.rows)]
+    data = [Batch(d, k, l) for d, k, l in batches(rank, s.total, s.rows)]
     if s.system == "dmp_tw_pipeline":
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -201,10 +266,14 @@ def run_dmp(rank: int, s: Setting) -> dict:
         return _timed(lambda i: pipe.progress(it)[0], s, tables=lambda: _local_shards(model))
 
     def step(i: int) -> torch.Tensor:
-        loss, _ = model(data[i])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        with region("forward"):
+            loss, _ = model(data[i])
+        with region("optimizer"):
+            opt.zero_grad()
+        with region("backward"):   # the tables' fused SGD included
+            loss.backward()
+        with region("optimizer"):
+            opt.step()
         return loss.detach()
 
     return _timed(step, s, tables=lambda: _local_shards(model))
@@ -223,15 +292,19 @@ def run_ddp_local(rank: int, s: Setting) -> dict:
             bags[f"t_C{i + 1}"].weight.copy_(initial_table(i, s.rows, s.dim))
     ddp, average = data_parallel(model, torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data = batches(rank, s.warmup + s.steps, s.rows)
+    data = batches(rank, s.total, s.rows)
 
     def step(i: int) -> torch.Tensor:
         dense, kjt, labels = data[i]
-        loss = _bce(ddp(dense, kjt), labels)
-        opt.zero_grad()
-        loss.backward()
-        average()
-        opt.step()
+        with region("forward"):
+            loss = _bce(ddp(dense, kjt), labels)
+        with region("optimizer"):
+            opt.zero_grad()
+        with region("backward"):
+            loss.backward()
+            average()
+        with region("optimizer"):
+            opt.step()
         return loss.detach()
 
     def tables() -> dict[int, list]:
@@ -240,10 +313,85 @@ def run_ddp_local(rank: int, s: Setting) -> dict:
     return _timed(step, s, tables=tables)
 
 
+# ---- the ceiling: no tables ---------------------------------------------------------------------------------
+class ConstantPooled(nn.Module):
+    """In place of DLRM's sparse arch: a constant ``(B, F, D)`` tensor (what the sparse arch returns), uniform in
+    ``±1/sqrt(rows)`` like the tables' rows; no lookups, no table gradients, nothing sent for tables."""
+
+    def __init__(self, batch: int, tables: int, rows: int, dim: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(TABLE_SEED)
+        bound = rows ** -0.5
+        self.register_buffer("value", (torch.rand(batch, tables, dim, generator=gen) * 2 - 1) * bound,
+                             persistent=False)
+
+    def forward(self, features: Any) -> torch.Tensor:
+        return self.value
+
+
+def dense_only_model(rows: int, dim: int, batch: int = BATCH) -> nn.Module:
+    """:func:`dlrm` (tables on ``meta``) with its sparse arch replaced by :class:`ConstantPooled`."""
+    model = dlrm(rows, dim, tables_device="meta")
+    model.sparse_arch = ConstantPooled(batch, TABLES, rows, dim)  # type: ignore[assignment]
+    return model
+
+
+def run_dense_only(rank: int, s: Setting) -> dict:
+    """``dense_only``: the DLRM without tables (:func:`dense_only_model`), in DDP as fxdist's dense part (no
+    buffer broadcast), SGD: the ceiling of a system that trains these tables."""
+    model = dense_only_model(s.rows, s.dim)
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    data = batches(rank, s.total, s.rows)
+
+    def step(i: int) -> torch.Tensor:
+        dense, kjt, labels = data[i]
+        with region("forward"):
+            loss = _bce(ddp(dense, kjt), labels)
+        with region("optimizer"):
+            opt.zero_grad()
+        with region("backward"):
+            loss.backward()
+        with region("optimizer"):
+            opt.step()
+        return loss.detach()
+
+    return _timed(step, s)
+
+
 # ---- fxdist parameter servers -------------------------------------------------------------------------------
+_LOOKUP_METHODS = ("lookup", "lookup_async", "finish_lookup", "prefetch")
+_PUSH_METHODS = ("push", "push_async", "push_grad_async", "finish_push", "settle_push", "defer_push", "flush")
+
+
+def _regions_on_client(client: Any) -> None:
+    """Wrap this process's client's lookup and push methods (on the instance) in :func:`region` ``lookup`` /
+    ``push``, so a profile shows where they go (a measuring aid; the client itself is unchanged)."""
+    active: set[str] = set()   # a method calling another of its kind counts once
+
+    def wrapped(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name in active:
+                return method(*args, **kwargs)
+            active.add(name)
+            try:
+                with region(name):
+                    return method(*args, **kwargs)
+            finally:
+                active.discard(name)
+        return call
+
+    for names, kind in ((_LOOKUP_METHODS, "lookup"), (_PUSH_METHODS, "push")):
+        for m in names:
+            if hasattr(client, m):
+                setattr(client, m, wrapped(kind, getattr(client, m)))
+
+
 def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
-    """The DLRM (tables on ``meta``) through ``parameter_servers`` (+ ``async_rpc`` or ``async_rpc_prefetch``);
-    rank 0 creates the tables on the servers, then the other trainer attaches."""
+    """The DLRM (tables on ``meta``) through ``parameter_servers`` (+ ``async_rpc``, ``async_rpc_prefetch``, or
+    for ``fx_stale<k>_*`` ``async_rpc(prefetch=True, max_staleness=k)``); rank 0 creates the tables on the
+    servers, then the other trainer attaches."""
     import fxdist
     import scheduling
 
@@ -252,8 +400,10 @@ def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
                            servers=[f"ps{i}" for i in range(SERVERS)], seed=TABLE_SEED, timeout_s=120.0)
     if rank != 0:
         dist.barrier()
-    gm = fxdist.optimize(dlrm(s.rows, s.dim, tables_device="meta"),
-                         passes=(ps, "async_rpc_prefetch" if prefetch else "async_rpc"))
+    kind = s.system.split("_")[1]   # blocking, prefetch, stale<k>
+    schedule: Any = (functools.partial(scheduling.async_rpc, prefetch=True, max_staleness=int(kind[5:]))
+                     if kind.startswith("stale") else "async_rpc_prefetch" if prefetch else "async_rpc")
+    gm = fxdist.optimize(dlrm(s.rows, s.dim, tables_device="meta"), passes=(ps, schedule))
     if rank == 0:
         dist.barrier()
     return gm
@@ -265,26 +415,33 @@ def run_fx(rank: int, s: Setting) -> dict:
     from scheduling import placement
     from scheduling.ps import get_client
 
-    prefetch = "prefetch" in s.system
+    prefetch = s.system.split("_")[1] != "blocking"
     gm = _fx_model(rank, s, prefetch)
     names = placement.client_names(gm)
     if rank == 0:
         get_client(names[0]).set_delays(fetch_delay_s=float(s.system.split("_")[-1][:-2]) / 1e3)
+    if s.profile and rank == 0:
+        for n in names:
+            _regions_on_client(get_client(n))
     dist.barrier()
     # as torchrec's DMP wraps its dense part (DefaultDataParallelWrapper): the traced module's buffers are the
     # trace's tensor constants (DLRM's interaction indices), the same on every trainer; nothing to broadcast
     ddp = nn.parallel.DistributedDataParallel(gm, broadcast_buffers=False)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    data = batches(rank, s.warmup + s.steps, s.rows)
+    data = batches(rank, s.total, s.rows)
     total = len(data)
 
     def step(i: int) -> torch.Tensor:
         dense, kjt, labels = data[i]
         extra = {"next_sparse_features": data[i + 1][1] if i + 1 < total else None} if prefetch else {}
-        loss = _bce(ddp(dense, kjt, **extra), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        with region("forward"):
+            loss = _bce(ddp(dense, kjt, **extra), labels)
+        with region("optimizer"):
+            opt.zero_grad()
+        with region("backward"):   # the pushes start from its hooks
+            loss.backward()
+        with region("optimizer"):
+            opt.step()
         return loss.detach()
 
     def tables() -> dict[int, list]:
@@ -334,7 +491,8 @@ def trainer_main(rank: int, s: Setting, queue: Any) -> None:
             from scheduling.ps import init_trainer
 
             init_trainer(f"trainer{rank}", rank, WORLD + SERVERS, master_port=s.rpc_port, timeout_s=120)
-        run = run_fx if fx else run_ddp_local if s.system == "ddp_local" else run_dmp
+        run = (run_fx if fx else run_ddp_local if s.system == "ddp_local" else
+               run_dense_only if s.system == "dense_only" else run_dmp)
         queue.put((rank, run(rank, s)))
     except BaseException as e:
         queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))

@@ -18,6 +18,10 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
   transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
   batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting buffers each step, as DMP
   wraps its dense part.
+- ``fx_stale1_0ms``: prefetch with ``max_staleness=1`` (``async_rpc(prefetch=True, max_staleness=1)``): a
+  step's pushes may stay in flight while the next step's lookups run;
+- ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
+  tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
 Every (size, system) run starts fresh processes (spawn); the systems take turns within a round, round after
 round. All start from the same weights (dense arches from one seed; each table the rows fxdist's servers make
@@ -35,6 +39,14 @@ for sizes of at most 128 MB of tables, since fxdist's trainer gathers them from 
 median wall time of a run (spawn to exit, seconds); then the largest differences of the fxdist systems'
 final loss and table change to ``dmp_tw``'s. One torch thread per process (trainers and servers share the
 machine's cores). CPU model and ISA (AVX-512 VNNI or not) and the load average are printed at start and end.
+
+After each size's table: each DMP and fxdist system's fraction of the ceiling (QPS / ``dense_only``'s, round by
+round); with ``--profile [STEPS]`` (off by default), ``STEPS`` (5) more steps after the first round's timed ones,
+trainer 0 under ``torch.profiler`` (CPU activities): the top 30 ops by self CPU time to
+``<--run-dir>/profile_<size>_<system>.txt`` (default run folder ``runs/peer-<time>``) and a table of ms per step:
+forward (fxdist's lookups, starts, waits and prefetches inside it as ``(lookup)``), backward (fxdist's pushes,
+started from its hooks, as ``(push)``; DMP's fused table SGD), optimizer (dense SGD and ``zero_grad``) and other.
+``dense_only``'s losses differ from the others' (no tables); its ``d loss`` columns are not a check.
 
 Loss agreement is a weak check here: the labels are random and SGD at lr 0.05 hardly moves the tables
 (``|W-W0|`` ~ 5e-5 after 10 steps of 1e3-row tables), so the loss mostly reflects the dense part and the start;
@@ -127,7 +139,8 @@ def summarize(results: dict[int, dict], steps: int) -> dict:
     return {"qps": systems.WORLD * systems.BATCH * steps / seconds,
             "first_loss": statistics.mean(r["first_loss"] for r in results.values()),
             "last_loss": statistics.mean(r["last_loss"] for r in results.values()),
-            "table_change": results[0].get("table_change"), "prefetch_hits": results[0].get("prefetch_hits")}
+            "table_change": results[0].get("table_change"), "prefetch_hits": results[0].get("prefetch_hits"),
+            "profile": results[0].get("profile")}
 
 
 def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -135,7 +148,9 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
     found: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(args.rounds):
         for name in names:
-            setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0)
+            profile = args.profile if rnd == 0 else 0   # the first round only
+            setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0, profile=profile,
+                                      profile_file=str(args.run_dir / f"profile_{rows}x{dim}_{name}.txt"))
             results, wall = run_once(setting, args.timeout)
             found[name].append({**summarize(results, args.steps), "wall": wall})
             r = found[name][-1]
@@ -163,7 +178,7 @@ def _row(name: str, runs: list[dict], base: list[dict]) -> str:
     if not ok:
         return f"{name:<16} FAILED: {runs[0]['error'][:300]}"
     qps = [r["qps"] for r in ok]
-    ratios = [r["qps"] / b["qps"] for r, b in zip(runs, base) if "error" not in r and "error" not in b]
+    ratios = _ratios(runs, base)
     ratio = (f"{min(ratios):>11.2f} {statistics.median(ratios):>5.2f} {max(ratios):>5.2f}" if ratios
              else f"{'-':>11} {'-':>5} {'-':>5}")
     errors = [r["error"] for r in runs if "error" in r]
@@ -172,6 +187,41 @@ def _row(name: str, runs: list[dict], base: list[dict]) -> str:
             f"{ok[-1]['last_loss']:>10.7f} {_fmt(_max_diff(runs, base, 'last_loss'), '.1e', 8)} "
             f"{_fmt(_max_diff(runs, base, 'first_loss'), '.1e', 8)} {_fmt(ok[-1].get('table_change'), '.3e', 9)} "
             f"{statistics.median(r['wall'] for r in runs):>6.0f}{failed}")
+
+
+def _ratios(runs: list[dict], base: list[dict]) -> list[float]:
+    """QPS ratios of ``runs`` to ``base`` round by round (rounds where both ran)."""
+    return [r["qps"] / b["qps"] for r, b in zip(runs, base) if "error" not in r and "error" not in b]
+
+
+def ceiling(found: dict[str, list[dict]]) -> None:
+    """Each fxdist system's QPS as a fraction of ``dense_only``'s (round by round: min / median / max)."""
+    top = found.get("dense_only")
+    if not top:
+        return
+    lines = []
+    for name, runs in found.items():
+        if name != "dense_only" and (name.startswith("fx_") or name.startswith("dmp_")):
+            f = _ratios(runs, top)
+            if f:
+                lines.append(f"  {name:<16} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
+    if lines:
+        print("fraction of the ceiling (QPS / dense_only's, min med max over rounds):\n" + "\n".join(lines))
+
+
+def profile_table(found: dict[str, list[dict]], run_dir: Path) -> None:
+    """Trainer 0's profiled steps, ms per step: the step, forward (lookup inside it), backward (push mostly
+    inside it), optimizer (dense SGD and zero_grad), other (step - forward - backward - optimizer)."""
+    rows = [(n, runs[0]["profile"]) for n, runs in found.items() if runs and runs[0].get("profile")]
+    if not rows:
+        return
+    print(f"\nprofile, trainer 0, ms per step (torch.profiler, CPU; top ops in {run_dir}/profile_*.txt)\n"
+          f"{'system':<16} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
+          f"{'optimizer':>9} {'other':>7}")
+    for name, p in rows:
+        other = p["step"] - p["forward"] - p["backward"] - p["optimizer"]
+        print(f"{name:<16} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
+              f"{p['push']:>7.2f} {p['optimizer']:>9.2f} {other:>7.2f}")
 
 
 def report(size: str, found: dict[str, list[dict]]) -> None:
@@ -197,7 +247,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 8 steps, 2 warm-up, first size only")
+    p.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="STEPS",
+                   help="after the timed steps of the first round, profile STEPS (default 5) more on trainer 0 "
+                        "(torch.profiler, CPU) and print where a step goes; off by default")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="where --profile writes its files (default runs/peer-<time>)")
     args = p.parse_args()
+    if args.run_dir is None:
+        args.run_dir = ROOT / "runs" / time.strftime("peer-%Y%m%d-%H%M%S")
     if args.quick:
         args.rounds, args.steps, args.warmup, args.sizes = 1, 8, 2, args.sizes[:1]
     _bench.reexec_with_fixed_allocator()
@@ -211,7 +268,10 @@ def main() -> None:
           "steps); progress on stderr")
     for size in args.sizes:
         rows, dim = (int(x) for x in size.lower().split("x"))
-        report(size, measure(rows, dim, args.systems, args))
+        found = measure(rows, dim, args.systems, args)
+        report(size, found)
+        ceiling(found)
+        profile_table(found, args.run_dir)
     print(f"\nload average at end {os.getloadavg()}")
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# benchmarks/peer.py on the GPU host's 16 CPU cores, in one command of at most 6 minutes (the GPU is not used):
+# the ceiling (dense_only), torchrec DMP table-wise and fxdist's servers with prefetch, exact and with
+# max_staleness=1, 3 interleaved rounds x 40 steps at 1e6 x 16, plus where a step goes (--profile).
+#
+#   bash scripts/peer_16core.sh [peer.py arguments, replacing the defaults below]
+#
+# As scripts/gpu_checks.sh: where the machine lacks torchrec (a CUDA image with only torch), put its wheels in
+# .whl/ first (torchrec 1.6.1, fbgemm-gpu-cpu 1.6.0, tensordict, iopath, pyvers for torch 2.11 / Python 3.12):
+# they are installed under /tmp/site. fxdist is installed editable without dependencies, so that its pass entry
+# points resolve. Output (the table, progress, the profiles) goes to $OUT (default /tmp/peer_16core).
+# PEER_TIMEOUT (seconds, default 320) bounds peer.py; each run is bounded by --timeout 120.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/peer_16core}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
+"$PY" -c "import torch, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)" \
+  | tee "$OUT/device.txt" || exit 1
+{ nproc | sed 's/^/cpu cores: /'; grep -m1 'model name' /proc/cpuinfo; uptime; } | tee -a "$OUT/device.txt"
+if [ $# -eq 0 ]; then
+  set -- --sizes 1000000x16 --rounds 3 --steps 40 --warmup 5 \
+    --systems dense_only dmp_tw fx_prefetch_0ms fx_stale1_0ms --profile 5
+fi
+timeout "${PEER_TIMEOUT:-320}" "$PY" benchmarks/peer.py --timeout 120 --run-dir "$OUT/peer" "$@" \
+  2>"$OUT/peer_progress.txt" | tee "$OUT/peer.txt"
+rc=${PIPESTATUS[0]}
+grep '^  round' "$OUT/peer_progress.txt" | tail -20
+[ "$rc" = 124 ] && echo "peer.py stopped after ${PEER_TIMEOUT:-320} s (PEER_TIMEOUT); the rounds finished are above"
+exit "$rc"

@@ -1,0 +1,53 @@
+"""``benchmarks/peer.py``'s ceiling (``dense_only``): the DLRM with its sparse arch a constant (no timing here).
+
+Its outputs have the real DLRM's shapes, and it holds no tables: no ``EmbeddingBagCollection``, no parameter
+of the sparse arch, nothing that a lookup or a push could send to a server.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _peer_systems as peer  # noqa: E402  (benchmarks/_peer_systems.py)
+
+ROWS, DIM, B = 100, 8, 4
+
+
+def _inputs():
+    from recsys.criteo import criteo_kjt
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.rand(B, 13, generator=gen), criteo_kjt(torch.randint(0, ROWS, (B, peer.TABLES), generator=gen))
+
+
+def test_dense_only_has_the_real_dlrms_output_shapes():
+    real, ceiling = peer.dlrm(ROWS, DIM), peer.dense_only_model(ROWS, DIM, batch=B)
+    dense, kjt = _inputs()
+    assert ceiling.sparse_arch(kjt).shape == real.sparse_arch(kjt).shape == (B, peer.TABLES, DIM)
+    assert ceiling(dense, kjt).shape == real(dense, kjt).shape == (B, 1)
+
+
+def test_dense_only_holds_no_tables_and_trains_only_the_dense_part():
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    real, ceiling = peer.dlrm(ROWS, DIM), peer.dense_only_model(ROWS, DIM, batch=B)
+    assert not any(isinstance(m, EmbeddingBagCollection) for m in ceiling.modules())
+    names = {n for n, _ in ceiling.named_parameters()}
+    assert names == {n for n, _ in real.named_parameters() if not n.startswith("sparse_arch.")}
+    assert all(p.device.type == "cpu" for p in ceiling.parameters())
+    dense, kjt = _inputs()
+    out = ceiling(dense, kjt)
+    assert not ceiling.sparse_arch(kjt).requires_grad
+    out.sum().backward()
+    assert all(p.grad is not None for p in ceiling.parameters())
+    assert ceiling.sparse_arch(kjt).abs().max() <= ROWS ** -0.5   # like the tables' rows
+
+
+def test_the_compared_systems_include_the_ceiling_and_staleness():
+    assert {"dense_only", "dmp_tw", "fx_prefetch_0ms", "fx_stale1_0ms"} <= set(peer.SYSTEMS)
