@@ -11,15 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
+source scripts/device_env.sh || exit 1  # $OUT, $PY, the carried wheels, fxdist editable
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 "$PY" -c "import torch, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__, 'cuda',
 torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')" | tee -a "$OUT/device.txt"

@@ -13,15 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/peer_16core}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
+source scripts/device_env.sh || exit 1  # $OUT, $PY, the carried wheels, fxdist editable
 "$PY" -c "import torch, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)" \
   | tee "$OUT/device.txt" || exit 1
 { nproc | sed 's/^/cpu cores: /'; grep -m1 'model name' /proc/cpuinfo; uptime; } | tee -a "$OUT/device.txt"
