@@ -156,6 +156,22 @@ def _profiled(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[
     return {r: totals.get(f"peer.{r}", 0.0) / 1e3 / s.profile for r in PROFILE_REGIONS}
 
 
+def _sgd_step(forward: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
+              after_backward: Callable[[], None] = lambda: None) -> torch.Tensor:
+    """One training step in the profiled regions: ``forward()`` -> the loss, ``zero_grad``, ``backward`` (then
+    ``after_backward()``, inside the backward region), ``opt.step()``; returns the detached loss."""
+    with region("forward"):
+        loss = forward()
+    with region("optimizer"):
+        opt.zero_grad()
+    with region("backward"):
+        loss.backward()
+        after_backward()
+    with region("optimizer"):
+        opt.step()
+    return loss.detach()
+
+
 def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[], None] = lambda: None,
            tables: Callable[[], dict[int, list]] | None = None) -> dict:
     """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then
@@ -265,16 +281,8 @@ def run_dmp(rank: int, s: Setting) -> dict:
         pipe, it = TrainPipelineSparseDist(model, opt, torch.device("cpu")), iter(data)
         return _timed(lambda i: pipe.progress(it)[0], s, tables=lambda: _local_shards(model))
 
-    def step(i: int) -> torch.Tensor:
-        with region("forward"):
-            loss, _ = model(data[i])
-        with region("optimizer"):
-            opt.zero_grad()
-        with region("backward"):   # the tables' fused SGD included
-            loss.backward()
-        with region("optimizer"):
-            opt.step()
-        return loss.detach()
+    def step(i: int) -> torch.Tensor:   # the tables' fused SGD runs in backward
+        return _sgd_step(lambda: model(data[i])[0], opt)
 
     return _timed(step, s, tables=lambda: _local_shards(model))
 
@@ -296,16 +304,7 @@ def run_ddp_local(rank: int, s: Setting) -> dict:
 
     def step(i: int) -> torch.Tensor:
         dense, kjt, labels = data[i]
-        with region("forward"):
-            loss = _bce(ddp(dense, kjt), labels)
-        with region("optimizer"):
-            opt.zero_grad()
-        with region("backward"):
-            loss.backward()
-            average()
-        with region("optimizer"):
-            opt.step()
-        return loss.detach()
+        return _sgd_step(lambda: _bce(ddp(dense, kjt), labels), opt, average)
 
     def tables() -> dict[int, list]:
         return {i: [(0, 0, bags[f"t_C{i + 1}"].weight.detach())] for i in range(TABLES)} if rank == 0 else {}
@@ -346,15 +345,7 @@ def run_dense_only(rank: int, s: Setting) -> dict:
 
     def step(i: int) -> torch.Tensor:
         dense, kjt, labels = data[i]
-        with region("forward"):
-            loss = _bce(ddp(dense, kjt), labels)
-        with region("optimizer"):
-            opt.zero_grad()
-        with region("backward"):
-            loss.backward()
-        with region("optimizer"):
-            opt.step()
-        return loss.detach()
+        return _sgd_step(lambda: _bce(ddp(dense, kjt), labels), opt)
 
     return _timed(step, s)
 
@@ -434,15 +425,7 @@ def run_fx(rank: int, s: Setting) -> dict:
     def step(i: int) -> torch.Tensor:
         dense, kjt, labels = data[i]
         extra = {"next_sparse_features": data[i + 1][1] if i + 1 < total else None} if prefetch else {}
-        with region("forward"):
-            loss = _bce(ddp(dense, kjt, **extra), labels)
-        with region("optimizer"):
-            opt.zero_grad()
-        with region("backward"):   # the pushes start from its hooks
-            loss.backward()
-        with region("optimizer"):
-            opt.step()
-        return loss.detach()
+        return _sgd_step(lambda: _bce(ddp(dense, kjt, **extra), labels), opt)   # pushes start in backward
 
     def tables() -> dict[int, list]:
         if rank != 0:
