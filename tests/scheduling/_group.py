@@ -154,12 +154,10 @@ def ddp_trainer_main(rank: int, world: int, port: int, ddp_port: int, queue: Any
     ``batches(rank)`` (``(*inputs, target)``, ``loss(out, target)``). Puts ``(rank, state)`` on ``queue``: the
     dense state dict and the tables as lists, ``"local"`` the modules the pass kept on the trainer; or
     ``(rank, {"error": ...})``."""
-    from torch.distributed import rpc
 
     import fxdist
     from scheduling import placement
     from scheduling.ps import init_trainer
-    from scheduling.ps import server as srv
 
     torch.set_num_threads(1)
     init_trainer(f"trainer{rank}", rank, world + 1, master_port=port, timeout_s=60)
@@ -188,9 +186,19 @@ def ddp_trainer_main(rank: int, world: int, port: int, ddp_port: int, queue: Any
         raise
     finally:
         dist.destroy_process_group()
-        if rank == 0:
-            try:
-                rpc.rpc_sync("ps0", srv._rpc_stop, (), timeout=5)
-            except RuntimeError:
-                pass
-        rpc.shutdown(graceful=False)
+        leave_one_server_group(rank)
+
+
+def leave_one_server_group(rank: int) -> None:
+    """A trainer's exit from a group with the server ``ps0``: rank 0 stops the server (5 s at most; a server
+    already gone is fine), then this process leaves RPC without waiting for the others."""
+    from torch.distributed import rpc
+
+    from scheduling.ps import server as srv
+
+    if rank == 0:
+        try:
+            rpc.rpc_sync("ps0", srv._rpc_stop, (), timeout=5)
+        except RuntimeError:
+            pass
+    rpc.shutdown(graceful=False)

@@ -25,7 +25,7 @@ from torch import nn
 
 from scheduling.ps import ordering
 from scheduling.ps.ports import free_port
-from tests.scheduling._group import spawn_and_collect
+from tests.scheduling._group import leave_one_server_group, spawn_and_collect
 
 NUM_MODULES, WORLD, STEPS, BATCH, BAG, LR = 60, 4, 3, 4, 3, 0.5
 
@@ -139,10 +139,7 @@ def _server_main(rank: int, world: int, port: int) -> None:
 
 
 def _rpc_trainer_main(rank: int, port: int, group: str, barrier: Any, queue: Any) -> None:
-    from torch.distributed import rpc
-
     from scheduling.ps import init_trainer
-    from scheduling.ps import server as srv
 
     init_trainer(f"trainer{rank}", rank, WORLD + 1, master_port=port, timeout_s=60)
     try:
@@ -151,12 +148,7 @@ def _rpc_trainer_main(rank: int, port: int, group: str, barrier: Any, queue: Any
         queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
         raise
     finally:
-        if rank == 0:
-            try:
-                rpc.rpc_sync("ps0", srv._rpc_stop, (), timeout=5)
-            except RuntimeError:
-                pass
-        rpc.shutdown(graceful=False)
+        leave_one_server_group(rank)
 
 
 @pytest.mark.timeout(400)
