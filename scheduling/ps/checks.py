@@ -69,7 +69,8 @@ def check_kjt(kjt: Any, tables: Sequence[Any], weighted: bool | None) -> None:
 
     Args:
         kjt: the ``KeyedJaggedTensor``.
-        tables: the collection's ``TableSpec``s (``num_embeddings``, ``feature_names``, ``pooling``).
+        tables: the collection's ``TableSpec``s (``num_embeddings``, ``feature_names``, ``pooling``, ``dynamic``:
+            a dynamic table's ids are raw, not checked against its rows).
         weighted: the collection's ``is_weighted()`` (None: not known, weights not checked).
 
     Raises:
@@ -80,7 +81,7 @@ def check_kjt(kjt: Any, tables: Sequence[Any], weighted: bool | None) -> None:
         kjt.weights()  # torchrec's own AssertionError: "This (Keyed)JaggedTensor doesn't have weights."
         raise AssertionError("This (Keyed)JaggedTensor doesn't have weights.")
     values, keys = kjt.values(), kjt.keys()
-    rows = {f: t.num_embeddings for t in tables if getattr(t, "dynamic", None) is None for f in t.feature_names}
+    rows = {f: t.num_embeddings for t in tables if t.dynamic is None for f in t.feature_names}
     suspect = bad_id_dtype(values)
     start = 0
     for key, n in zip(keys, kjt.length_per_key()):
