@@ -106,6 +106,20 @@ def _find(keys: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return pos.clamp_max(max(keys.numel() - 1, 0)), found
 
 
+def _merge(keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor,
+           new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted ``keys`` ``(K,)`` with sorted ``new_keys`` ``(n,)`` (none of them in ``keys``) merged, and their
+    ``values`` alongside, without a sort: each key's place is its rank among the other array's keys."""
+    pos = torch.searchsorted(keys, new_keys)
+    new_at = pos + torch.arange(new_keys.numel())
+    old_at = torch.arange(keys.numel()) + torch.bincount(pos, minlength=keys.numel() + 1).cumsum(0)[:keys.numel()]
+    out_keys, out_values = keys.new_empty(keys.numel() + new_keys.numel()), values.new_empty(
+        keys.numel() + new_keys.numel())
+    out_keys[old_at], out_keys[new_at] = keys, new_keys
+    out_values[old_at], out_values[new_at] = values, new_values
+    return out_keys, out_values
+
+
 class DynamicTable:
     """One dynamic embedding table of width ``dim`` (see the module docstring for the rules).
 
@@ -158,7 +172,9 @@ class DynamicTable:
         return rows
 
     def _drop_rows(self, slots: torch.Tensor) -> None:
-        keep = ~torch.isin(self.map_slots, slots)
+        gone = torch.zeros(self.spec.capacity, dtype=torch.bool)
+        gone[slots] = True
+        keep = ~gone[self.map_slots]
         self.map_ids, self.map_slots = self.map_ids[keep], self.map_slots[keep]
         self.slot_id[slots] = -1
 
@@ -174,45 +190,64 @@ class DynamicTable:
         self.cand_ids, self.cand_counts, self.cand_seen = \
             self.cand_ids[keep], self.cand_counts[keep], self.cand_seen[keep]
 
-    def _count_candidates(self, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Add occurrences of unique non-admitted ``ids``; their counts afterwards (same order)."""
-        _, found = _find(self.cand_ids, ids)
-        new = ~found
-        self.counters["inserts"] += int(new.sum())
-        all_ids = torch.cat([self.cand_ids, ids[new]])
-        all_counts = torch.cat([self.cand_counts, torch.zeros(int(new.sum()), dtype=torch.int64)])
-        all_seen = torch.cat([self.cand_seen, torch.zeros(int(new.sum()), dtype=torch.int64)])
-        order = torch.argsort(all_ids)
-        self.cand_ids, self.cand_counts, self.cand_seen = all_ids[order], all_counts[order], all_seen[order]
-        pos, _ = _find(self.cand_ids, ids)
-        self.cand_counts[pos] += counts
-        self.cand_seen[pos] = self.step
-        return self.cand_counts[pos]
+    def _count_candidates(self, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
+        """Occurrences of sorted unique non-admitted ``ids`` so far, this lookup's ``counts`` included, with
+        the candidates' positions and whether each is already one (the candidate arrays are not changed here:
+        :meth:`_settle_candidates` does that once admission is known)."""
+        if self.cand_ids.numel() == 0:
+            return counts, torch.zeros_like(ids), torch.zeros(ids.numel(), dtype=torch.bool)
+        pos, found = _find(self.cand_ids, ids)
+        return counts + torch.where(found, self.cand_counts[pos], 0), pos, found
+
+    def _settle_candidates(self, ids: torch.Tensor, total: torch.Tensor, pos: torch.Tensor, found: torch.Tensor,
+                           admitted: torch.Tensor) -> None:
+        """Candidates after a lookup: ``ids`` (sorted, unique, not admitted before it) with their ``total``
+        counts and last-seen step, except those ``admitted`` now (bool, same order), which leave."""
+        self.counters["inserts"] += int(ids.numel() - int(found.sum()))
+        stay = ~admitted
+        if bool(found.any()):
+            old = pos[found]
+            self.cand_counts[old], self.cand_seen[old] = total[found], self.step
+            gone = pos[found & admitted]
+            if gone.numel():
+                keep = torch.ones(self.cand_ids.numel(), dtype=torch.bool)
+                keep[gone] = False
+                self.cand_ids, self.cand_counts, self.cand_seen = \
+                    self.cand_ids[keep], self.cand_counts[keep], self.cand_seen[keep]
+        new = stay & ~found
+        if bool(new.any()):
+            n = int(new.sum())
+            all_ids = torch.cat([self.cand_ids, ids[new]])
+            order = torch.argsort(all_ids)
+            self.cand_ids = all_ids[order]
+            self.cand_counts = torch.cat([self.cand_counts, total[new]])[order]
+            self.cand_seen = torch.cat([self.cand_seen, torch.full((n,), self.step, dtype=torch.int64)])[order]
 
     def _free_slots(self, n: int) -> torch.Tensor:
         """Up to ``n`` slots for new rows: free slots (lowest first), then LRU evictions of rows not seen in
         this step (oldest last-seen first, ties: smallest id)."""
-        free = (self.slot_id < 0).nonzero().flatten()[:n]
+        free = (self.slot_id < 0).nonzero().flatten()[:n] if self.map_ids.numel() < self.spec.capacity \
+            else self.map_ids.new_empty(0)
         need = n - free.numel()
         if need <= 0:
             return free
-        used = self.map_slots[self.last_seen[self.map_slots] < self.step]
+        used = self.map_slots[self.last_seen[self.map_slots] < self.step]   # in id order (the map is sorted)
         if used.numel() == 0:
             return free
-        ids = self.slot_id[used]
-        by_id = torch.argsort(ids)
-        by_age = torch.argsort(self.last_seen[used][by_id], stable=True)
-        victims = used[by_id][by_age][:need]
+        # oldest first, ties by id: (last seen, position in id order) is a unique key
+        key = self.last_seen[used] * used.numel() + torch.arange(used.numel())
+        victims = used[torch.topk(key, min(need, used.numel()), largest=False, sorted=True).indices]
         self._drop_rows(victims)
         self.counters["evictions"] += int(victims.numel())
         return torch.cat([free, victims])
 
-    def _admit(self, ids: torch.Tensor) -> None:
-        """Give sorted unique ``ids`` rows, as many as slots allow (smallest ids first)."""
+    def _admit(self, ids: torch.Tensor) -> torch.Tensor:
+        """Give sorted unique ``ids`` rows, as many as slots allow (smallest ids first); their slots."""
         slots = self._free_slots(ids.numel())
         ids = ids[:slots.numel()]
         if ids.numel() == 0:
-            return
+            return slots
         self.weight.index_copy_(0, slots, self.store.encode(initial_rows(ids, self.dim, self.bound, self.seed,
                                                                           self.salt)))
         fresh = self.optimizer.init_state(ids.numel(), self.dim)
@@ -220,13 +255,9 @@ class DynamicTable:
             self.state.index_copy_(0, slots, fresh)
         self.slot_id[slots] = ids
         self.last_seen[slots] = self.step
-        keep = ~torch.isin(self.cand_ids, ids)
-        self.cand_ids, self.cand_counts, self.cand_seen = \
-            self.cand_ids[keep], self.cand_counts[keep], self.cand_seen[keep]
-        all_ids, all_slots = torch.cat([self.map_ids, ids]), torch.cat([self.map_slots, slots])
-        order = torch.argsort(all_ids)
-        self.map_ids, self.map_slots = all_ids[order], all_slots[order]
+        self.map_ids, self.map_slots = _merge(self.map_ids, self.map_slots, ids, slots)
         self.counters["admitted"] += int(ids.numel())
+        return slots
 
     # ---- lookup and push -------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,17 +268,29 @@ class DynamicTable:
         """
         self.step += 1
         self._expire()
-        uniq, counts = torch.unique(ids.long(), return_counts=True)
+        uniq, inverse, counts = torch.unique(ids.long(), return_inverse=True, return_counts=True)
         slots = self.slots_of(uniq)
         known = slots >= 0
         self.last_seen[slots[known]] = self.step
-        pending = uniq[~known]
-        if pending.numel():
-            reached = self._count_candidates(pending, counts[~known]) >= self.spec.min_count
-            self._admit(pending[reached])
-        slots = self.slots_of(ids.long())
-        self.counters["rejected"] += int((slots < 0).sum())
-        return self.rows_of(ids), slots
+        if not bool(known.all()):
+            where = (~known).nonzero().flatten()
+            pending = uniq[where]
+            total, pos, found = self._count_candidates(pending, counts[where])
+            reached = total >= self.spec.min_count
+            admitted = torch.zeros_like(reached)
+            if bool(reached.any()):
+                given = self._admit(pending[reached])
+                chosen = reached.nonzero().flatten()[:given.numel()]
+                admitted[chosen] = True
+                slots[where[chosen]] = given
+            self._settle_candidates(pending, total, pos, found, admitted)
+        slots = slots[inverse]
+        hit = slots >= 0
+        rows = self.store.gather(self.weight, slots.clamp_min(0))
+        if not bool(hit.all()):
+            self.counters["rejected"] += int((~hit).sum())
+            rows[~hit] = 0.0
+        return rows, slots
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Apply the optimizer to the rows of ``ids`` (gradients of repeated ids summed); ids not admitted
