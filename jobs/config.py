@@ -30,6 +30,7 @@ laptop (``jobs/default.toml`` spells them out). Example::
     passes = ["async_rpc_prefetch"]   # fxdist.optimize passes of the optimized phase
     block_steps = 10         # the phases alternate blocks of this many steps
     parity = "error"         # "warn": report a loss/AUC difference instead of failing the job
+    max_staleness = 0        # 1: the optimized phase's lookups one step stale; parity = AUC within tolerance
 
     [metrics]
     port = 9400              # trainer rank r exports on port + r, server i on port + trainers + i
@@ -59,6 +60,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from jobs.staleness import staleness_errors
 
 __all__ = ["ConfigError", "JobSection", "DataSection", "ModelSection", "ClusterSection", "PhasesSection",
            "MetricsSection", "QuantSection", "FaultSection", "TrainSection", "JobConfig", "DEFAULT_CONFIG",
@@ -222,8 +225,14 @@ class PhasesSection:
     """Steps per block: the phases alternate blocks of this many steps over the same batches (the order
     flips every block); the QPS gain is the median of the paired block ratios."""
     parity: str = "error"
-    """The optimized phase's loss and AUC must match the baseline's within the baseline's own spread:
-    "error" (exit 3 when they do not), "warn" (report only)."""
+    """The optimized phase's loss and AUC must match the baseline's within the baseline's own spread (with
+    ``max_staleness``: its AUC within ``staleness_tolerance``): "error" (exit 3 when not), "warn" (report only)."""
+    max_staleness: int = _key(0, 0, 64)
+    """0 = exact training. k >= 1: the optimized phase's ``async_rpc_prefetch`` runs as ``async_rpc(prefetch=True,
+    max_staleness=k)``, its lookups one step stale; needs parameter servers and that pass (:mod:`jobs.staleness`)."""
+    staleness_tolerance: float = _key(0.002, 0, 1)
+    """With ``max_staleness``: the largest |optimized - baseline| held-out AUC (RMSE or mean loss for a job
+    without AUC) that the parity check accepts."""
 
 
 @dataclass(frozen=True)
@@ -374,6 +383,7 @@ class JobConfig:
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         errors += self._entry_point_errors()
+        errors += staleness_errors(self)
         unknown = _unknown_passes(self.phases.passes)
         if unknown:
             errors.append(f"[phases] passes: unknown pass {unknown[0]!r}; known passes: {', '.join(_known_passes())}")

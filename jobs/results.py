@@ -275,7 +275,9 @@ class JobResults(_Result):
     gain: dict[str, Any] | Absent = ABSENT
     """The interleaved-block QPS gain, % (:func:`jobs.stats.interleaved_gain`)."""
     parity: dict[str, Any] | Absent = ABSENT
-    """:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``."""
+    """:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``; with ``[phases] max_staleness``,
+    :func:`jobs.staleness.staleness_parity` (``rule`` = "quality_tolerance", ``exact``, ``stale``, ``abs_diff``,
+    ``tolerance``, ``max_staleness``, ``ok``) plus the same two."""
     inference: InferenceResult | Absent = ABSENT
     """The fp32 vs int8 comparison (with ``[quant] enabled``)."""
     gain_percent: float | None | Absent = ABSENT

@@ -305,7 +305,9 @@ class ParityError(RuntimeError):
 def compare_phases(config: JobConfig, phases: dict[str, PhaseResult]) -> dict[str, Any]:
     """``{"gain": ..., "parity": ...}`` of the optimized phase against the baseline (empty without both):
     the interleaved-block QPS gain (:func:`jobs.stats.interleaved_gain`) and the parity check
-    (:func:`jobs.stats.parity_check`, with ``mode`` = ``[phases] parity`` and the passes checked)."""
+    (:func:`jobs.stats.parity_check`, or :func:`jobs.staleness.staleness_parity` with ``[phases] max_staleness``;
+    with ``mode`` = ``[phases] parity`` and the passes checked)."""
+    from jobs.staleness import staleness_parity
     from jobs.stats import interleaved_gain, parity_check
 
     base, opt = phases.get("baseline"), phases.get("optimized")
@@ -313,7 +315,11 @@ def compare_phases(config: JobConfig, phases: dict[str, PhaseResult]) -> dict[st
         return {}
     blocks = [{"baseline": b, "optimized": o} for b, o in zip(base.get("block_seconds") or [],
                                                                 opt.get("block_seconds") or [])]
-    parity = parity_check(base, opt)
+    if config.phases.max_staleness:  # stale lookups: the AUC within a tolerance, not identical training
+        parity = staleness_parity(base, opt, max_staleness=config.phases.max_staleness,
+                                  tolerance=config.phases.staleness_tolerance)
+    else:
+        parity = parity_check(base, opt)
     parity.update(mode=config.phases.parity, passes=list(config.phases.passes))
     return {"gain": interleaved_gain(blocks), "parity": parity}
 

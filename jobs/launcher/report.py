@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jobs import staleness
 from jobs.cluster import placement_lines
 from jobs.results import InferenceResult, JobResults, PhaseResult, strict_json
 from jobs.stats import gain_percent
@@ -59,6 +60,8 @@ def _gain_lines(results: JobResults) -> list[str]:
 
 def parity_problem(parity: dict[str, Any]) -> str:
     """What the parity check found wrong, in words (for the error message)."""
+    if parity.get("rule") == staleness.RULE:
+        return staleness.parity_problem(parity)
     bad = [f"{name} {parity[name]['optimized']:.4f} vs baseline {parity[name]['baseline']:.4f} (difference "
            f"{parity[name]['diff']:+.4f}, tolerance {_fmt(parity[name]['tolerance'], '.4f')})"
            for name in (*_metrics(parity), "loss") if not parity[name]["ok"]]
@@ -70,6 +73,8 @@ def _parity_lines(results: JobResults) -> list[str]:
     if not parity:
         return []
     verdict = "OK" if parity["ok"] else ("FAILED" if parity.get("mode") == "error" else "WARNING")
+    if parity.get("rule") == staleness.RULE:  # [phases] max_staleness: held-out quality within a tolerance
+        return [staleness.parity_line(parity, verdict)]
     same = ("per-step losses bit-identical" if parity["identical_losses"]
             else f"largest per-step loss difference {_fmt(parity['max_step_loss_diff'], '.2e')}")
     metric = _metrics(parity)[0]

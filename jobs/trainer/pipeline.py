@@ -19,6 +19,7 @@ from torch import nn
 
 from jobs.config import JobConfig
 from jobs.optimizers import dense_optimizer
+from jobs.staleness import optimized_passes
 from jobs.trainer.lookups import optimize_record
 from jobs.trainer.metrics import Exporter
 from jobs.trainer.protocols import StepBatch, Tables, Workload
@@ -62,7 +63,8 @@ def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables
     info: dict[str, Any] = {"passes": [], "fallback": None}
     first = tables.placement_pass()
     passes = [first] if first is not None else []
-    passes += list(config.phases.passes) if phase != "baseline" else []
+    # with [phases] max_staleness, async_rpc_prefetch runs with that staleness (jobs.staleness)
+    passes += optimized_passes(config.phases.passes, config.phases.max_staleness) if phase != "baseline" else []
     if not passes:
         return model, info
     import fxdist

@@ -121,6 +121,8 @@ OUT_OF_RANGE = [
     ("cluster", "server_fetch_delay_ms", -1.0, r"a finite number in \[0, 10000\]"),
     ("phases", "passes", ["dce"] * 33, r"a list of 0 to 32 items"),
     ("phases", "block_steps", 0, r"an integer in 1\.\.1_000_000_000"),
+    ("phases", "max_staleness", -1, r"an integer in 0\.\.64"),
+    ("phases", "staleness_tolerance", 1.5, r"a finite number in \[0, 1\]"),
     ("metrics", "port", 0, r"an integer in 1\.\.65_535"),
     ("quant", "calibration_batches", -1, r"an integer in 1\.\.10_000"),
     ("quant", "calibration_batches", 0, r"an integer in 1\.\.10_000"),
