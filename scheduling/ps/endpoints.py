@@ -15,6 +15,10 @@ for its turn, so that a waiting request holds none of the server's threads:
   whose ordered requests are coroutines; a client calls ``handle.lookup.remote(...)`` and waits with
   ``ray.get``.
 
+Both transports start the ordered requests here (``_ordered``, ``_submit``), which keep the server's own
+statistics (``PSServer.stats``, :mod:`scheduling.ps.server_stats`): each lookup and push is timed, and each
+request counts as pending until it is answered.
+
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors (a class whose methods are the calls;
 AsyncIO actors); ``torch.distributed.rpc.functions.async_execution``.
 """
