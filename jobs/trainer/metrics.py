@@ -9,18 +9,20 @@ Metrics (labels ``job``, ``phase`` = baseline | optimized, ``rank``; servers use
 =============================  =========  ===========================================================
 ``fxdist_samples_total``       counter    training samples processed
 ``fxdist_step_seconds``        histogram  wall time of one training step (forward, backward, update)
-``fxdist_ps_lookup_seconds``   histogram  trainer: time blocked on embedding lookups in a step;
-                                          server: time to serve one lookup request
+``fxdist_ps_lookup_seconds``   histogram  trainer: time blocked on embedding lookups in a step (the servers'
+                                          own serve time is ``fxdist_ps_server_lookup_seconds``)
 ``fxdist_rpc_fetch_seconds``   histogram  the same observations under the old name, an alias kept for one
                                           release (:data:`DEPRECATED_ALIASES`); dashboards use the new name
 ``fxdist_loss``                gauge      training loss of the last step (binary cross-entropy)
-``fxdist_ps_rows``             gauge      parameter server: embedding rows it holds (all table sets)
-``fxdist_ps_bytes``            gauge      parameter server: bytes of its stored rows and optimizer state
 ``fxdist_qps_gain_ratio``      gauge      trainer rank 0: QPS gain of the optimized phase over the baseline
                                           so far, as a fraction (0.12 = +12 %), from the interleaved
                                           blocks; label ``stat`` = median | min | max, and low | high (the
                                           95 % interval of the median, once enough blocks exist)
 =============================  =========  ===========================================================
+
+Parameter servers (:meth:`Exporter.watch_server`) export their own metrics, read at scrape time
+(:mod:`jobs.trainer.server_metrics`: lookup and push serve times, rows and bytes per table, dynamic-table inserts
+and evictions, pending requests); trainers add ``fxdist_ps_staleness_steps`` (:meth:`Exporter.watch_staleness`).
 
 Source: prometheus client_python (registries, ``start_http_server``); Prometheus naming conventions
 (``_total`` counters, ``_seconds`` units).
@@ -28,8 +30,9 @@ Source: prometheus client_python (registries, ``start_http_server``); Prometheus
 
 from __future__ import annotations
 
+import collections
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -81,10 +84,6 @@ class Exporter:
             LABELS, registry=self.registry, buckets=LOOKUP_BUCKETS,
         )
         self.loss = Gauge("fxdist_loss", "Training loss of the last step.", LABELS, registry=self.registry)
-        self.ps_rows = Gauge("fxdist_ps_rows", "Embedding rows held by this parameter server.", ("job", "rank"),
-                             registry=self.registry)
-        self.ps_bytes = Gauge("fxdist_ps_bytes", "Bytes of the rows and optimizer state this parameter server "
-                              "holds.", ("job", "rank"), registry=self.registry)
         self.gain = Gauge("fxdist_qps_gain_ratio", "QPS gain of the optimized phase over the baseline (fraction), "
                           "median of the interleaved block pairs and its interval.", ("job", "stat"),
                           registry=self.registry)
@@ -92,6 +91,8 @@ class Exporter:
                                  "second of parse time, per worker process (recsys.criteo_stream).", ("job", "rank"),
                                  registry=self.registry)
         self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._server_collector: Any = None
+        self._staleness: Any = None
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -131,10 +132,26 @@ class Exporter:
             lookup.observe(lookup_seconds)
         last_loss.set(loss)
 
-    def observe_memory(self, rows: int, bytes: int) -> None:  # noqa: A002 - the field's name
-        """A parameter server's rows and bytes held (``PSServer.memory()``)."""
-        self.ps_rows.labels(job=self.job, rank=self.rank).set(rows)
-        self.ps_bytes.labels(job=self.job, rank=self.rank).set(bytes)
+    def watch_server(self, server: Any) -> None:
+        """Export the metrics of parameter server ``server`` (a ``scheduling.ps.PSServer``) from now on, read from
+        it at each scrape (:class:`jobs.trainer.server_metrics.ServerCollector`); a later call (a new server of
+        the same process) replaces it."""
+        from jobs.trainer.server_metrics import ServerCollector
+
+        if self._server_collector is None:
+            self._server_collector = ServerCollector(self.job, self.rank)
+            self.registry.register(self._server_collector)
+        self._server_collector.watch(server)
+
+    def watch_staleness(self, source: Callable[[], Mapping[str, collections.Counter[int]]]) -> None:
+        """Export ``fxdist_ps_staleness_steps`` from ``source()`` = ``{phase: Counter(pushes in flight -> lookups)}``
+        at each scrape (:class:`jobs.trainer.server_metrics.StalenessCollector`); a later call replaces the source."""
+        from jobs.trainer.server_metrics import StalenessCollector
+
+        if self._staleness is None:
+            self._staleness = StalenessCollector(self.job, self.rank, source)
+            self.registry.register(self._staleness)
+        self._staleness.source = source
 
     def observe_reader(self, lines_per_s: float) -> None:
         """The trainer's parse throughput so far (:meth:`recsys.criteo_stream.CriteoStream.stats`), lines/s."""

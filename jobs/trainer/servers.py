@@ -34,6 +34,7 @@ Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.dis
 
 from __future__ import annotations
 
+import collections
 import time
 import uuid
 from collections.abc import Sequence
@@ -52,7 +53,7 @@ CLIENT = "fxdist-job"
 
 class ServerHooks:
     """What a job's server actor (``scheduling.ps.ray_transport.PSActor``, its ``hooks``) adds: its metrics
-    exporter, timing every lookup and the memory held, where it runs, its peak RSS, and this node's network
+    exporter (the server's own metrics, read at each scrape), where it runs, its peak RSS, and this node's network
     interface before joining a non-loopback RPC group.
 
     Args:
@@ -95,23 +96,10 @@ class ServerHooks:
         return {"peak_rss_bytes": peak_rss_bytes()}
 
     def serving(self, server: Any) -> None:
-        """Time ``server``'s lookups (and its memory, at most once a second) on the exporter, if any."""
-        if self.exporter is None:
-            return
-        lookup, exporter = server.lookup, self.exporter
-        last = [0.0]  # when the memory gauges were last set
-
-        def timed_lookup(namespace: str, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return lookup(namespace, *args, **kwargs)
-            finally:  # the phase label is the client's suffix: fxdist-job-<phase>[:<module path>]
-                exporter.observe_lookup(namespace.partition(":")[0].rpartition("-")[2], time.perf_counter() - t0)
-                if t0 - last[0] > 1.0:  # rows and bytes held, at most once a second
-                    last[0] = t0
-                    exporter.observe_memory(**server.memory())
-
-        server.lookup = timed_lookup
+        """Export ``server``'s own metrics (serve times, rows and bytes per table, dynamic-table counters, pending
+        requests; :mod:`jobs.trainer.server_metrics`), read at each scrape, on the exporter, if any."""
+        if self.exporter is not None:
+            self.exporter.watch_server(server)
 
     def close(self) -> None:
         """Stop the exporter."""
@@ -291,6 +279,8 @@ class ServerTables:
         self.servers = ServerGroup(config, rank, world, spec)
         """This worker group's servers and RPC group."""
         self.views = {phase: _PhaseTables(self.servers, phase) for phase in phases}
+        if exporter is not None:  # fxdist_ps_staleness_steps, read at each scrape
+            exporter.watch_staleness(lambda: {p: v.staleness() for p, v in self.views.items()})
         self.servers.barrier()
 
     def view(self, phase: str) -> Any:
@@ -393,6 +383,20 @@ class _PhaseTables(_LookupTimer):
     def sync(self) -> None:
         for client in self._clients():
             client.flush()
+
+    def staleness(self) -> collections.Counter[int]:
+        """This phase's clients' ``PSClient.staleness`` summed (pushes in flight -> lookups sent), for the exporter;
+        a client closed meanwhile is skipped."""
+        from scheduling.placement import client_names
+        from scheduling.ps import get_client
+
+        total: collections.Counter[int] = collections.Counter()
+        for name in client_names(self.gm) if self.gm is not None else ():
+            try:
+                total.update(dict(get_client(name).staleness))  # a copy: the trainer counts on
+            except KeyError:
+                continue
+        return total
 
     def prefetch_hits(self) -> int:
         return sum(client.prefetch_hits for client in self._clients())

@@ -200,6 +200,10 @@ class PSClient:
         self.weighted: bool | None = None
         """Whether the tables take the batches' weights: False drops them (an unweighted torchrec collection
         ignores weights); None sends them as given."""
+        self.staleness: collections.Counter[int] = collections.Counter()
+        """With ``max_staleness`` given: how many lookups were sent with ``n`` of this client's pushes to their server
+        still in flight (``n`` -> lookups), the steps the rows may lag (``ordered=False``; ordered servers apply them
+        first)."""
         self.prefetch_hits = 0
         """Lookups answered by an earlier prefetch (:meth:`prefetch`, ``push_async(next_kjt=...)``)."""
         self.ordered = ordered
@@ -317,6 +321,8 @@ class PSClient:
             return early[1]
         self._drop_prefetch(server)
         self.drain(server, 0 if max_staleness is None else max_staleness)
+        if max_staleness is not None:
+            self.staleness[len(self._pending.get(server, ()))] += 1
         # a Lookup is waited like a Future (scheduling.ps.device.Lookup)
         return self._lookup(self._call_async(server, "lookup", (self.name, self._wire(kjt), self.compress),
                                              "lookup", ordered=True), kjt)  # type: ignore[return-value]

@@ -15,6 +15,10 @@ for its turn, so that a waiting request holds none of the server's threads:
   whose ordered requests are coroutines; a client calls ``handle.lookup.remote(...)`` and waits with
   ``ray.get``.
 
+Both transports start the ordered requests here (``_ordered``, ``_submit``), which keep the server's own
+statistics (``PSServer.stats``, :mod:`scheduling.ps.server_stats`): each lookup and push is timed, and each
+request counts as pending until it is answered.
+
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors (a class whose methods are the calls;
 AsyncIO actors); ``torch.distributed.rpc.functions.async_execution``.
 """
@@ -72,16 +76,18 @@ class Endpoints:
     def _ordered(self, method: str, args: tuple) -> tuple[Order | None, str, str, Any, Any]:
         """``(order, what, server name, push, lookup)`` of one ordered request ``method(*args)``."""
         server = self._server()
+        timed = server.stats.timed  # the work's seconds, per request (scheduling.ps.server_stats)
         if method == "lookup":
             namespace, batch, compress, order = _pad(args, 4)
-            return order, "lookup", server.name, None, lambda: server.lookup(namespace, batch, compress)
+            return (order, "lookup", server.name, None,
+                    timed("lookup", namespace, lambda: server.lookup(namespace, batch, compress)))
         if method == "push":
             namespace, batch, grad, order = _pad(args, 4)
-            return order, "push", server.name, lambda: server.push(namespace, batch, grad), None
+            return order, "push", server.name, timed("push", namespace, lambda: server.push(namespace, batch, grad)), None
         if method == "push_lookup":
             namespace, batch, grad, next_batch, compress, order = _pad(args, 6)
-            return (order, "push+lookup", server.name, lambda: server.push(namespace, batch, grad),
-                    lambda: server.lookup(namespace, next_batch, compress))
+            return (order, "push+lookup", server.name, timed("push", namespace, lambda: server.push(namespace, batch, grad)),
+                    timed("lookup", namespace, lambda: server.lookup(namespace, next_batch, compress)))
         raise ValueError(f"ServerEndpoints: {method!r} is not an ordered request (one of {self.ORDERED})")
 
     def submit(self, method: str, args: tuple, done: Done) -> None:
@@ -97,7 +103,7 @@ class Endpoints:
 
     def _submit(self, method: str, args: tuple, done: Done) -> None:
         order, what, name, push, lookup = self._ordered(method, args)
-        submit(order, what, name, done, push=push, lookup=lookup)
+        submit(order, what, name, self.server.stats.track(done), push=push, lookup=lookup)  # pending until done
 
     def submit_batch(self, calls: list[tuple[str, tuple]], done: Done) -> None:
         """Start every ordered request ``(method, args)`` of ``calls``, in order (each in its own client's
@@ -200,7 +206,7 @@ class AsyncEndpoints(Endpoints):
         order, what, name, push, lookup = self._ordered(method, args)  # raises here when no server runs
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.num_worker_threads, thread_name_prefix=f"ps-{name}")
-        self._pool.submit(submit, order, what, name, done, push=push, lookup=lookup)
+        self._pool.submit(submit, order, what, name, self.server.stats.track(done), push=push, lookup=lookup)
 
     async def _answer(self, start: Callable[[Done], None]) -> Any:
         """Await the answer that ``start(done)`` reports through its callback (from any thread)."""

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.rpc.functions import async_execution
@@ -37,6 +37,8 @@ from .dynamic import DynamicTable, lookup_tables, table_salt
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
+from .rendezvous import rpc_backend_options
+from .server_stats import ServerStats
 from .shard_plan import ShardSpec
 from .storage import RowStore, make_store
 
@@ -44,59 +46,6 @@ __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_back
            "reset_rpc_process_state"]
 
 Batch = tuple[tuple[str, ...], torch.Tensor, torch.Tensor, "torch.Tensor | None"]
-
-
-_RDZV_SCHEME = "fxdisttcp"
-
-
-def _rendezvous_handler(url: str, **kwargs: Any) -> Any:
-    """``fxdisttcp://host:port?rank=R&world_size=W&timeout_s=T``: torch's tcp:// store with a timeout.
-
-    torch's ``tcp://`` handler waits up to 30 minutes for missing members; this one gives up after
-    ``timeout_s`` seconds, so an absent server fails fast.
-
-    Security: the store is torch's ``TCPStore``, which rank 0 hosts and which listens on every interface
-    whatever ``host`` says (torch binds its server socket that way), without authentication; anyone who can
-    reach the port can read and write the group's rendezvous keys. ``torch.distributed.rpc`` keeps it for the
-    group's lifetime (its shutdown uses it). Run the group on a trusted network, or firewall the port.
-    """
-    from datetime import timedelta
-    from urllib.parse import parse_qs, urlparse
-
-    from torch.distributed import TCPStore
-
-    parsed = urlparse(url)
-    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-    rank, world_size = int(query["rank"]), int(query["world_size"])
-    timeout = timedelta(seconds=float(query.get("timeout_s", 60)))
-    host, port = cast(str, parsed.hostname), cast(int, parsed.port)  # rpc_backend_options: from tcp://host:port
-    store = TCPStore(host, port, world_size, rank == 0, timeout, multi_tenant=True)
-    yield store, rank, world_size
-    raise RuntimeError(f"{_RDZV_SCHEME}:// cannot re-rendezvous")
-
-
-def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> Any:
-    """TensorPipe options used by every member of a PS group: TCP ("uv") transport only.
-
-    The shared-memory transport starves a 2-core machine (requests reach the server only after the
-    trainer's compute ends; see FACTS.md), so it is disabled. A ``tcp://host:port`` rendezvous is
-    routed through a handler that waits at most ``timeout_s`` for the other members.
-    """
-    import importlib
-
-    from torch.distributed import rpc
-
-    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
-
-    try:
-        rdzv.register_rendezvous_handler(_RDZV_SCHEME, _rendezvous_handler)
-    except RuntimeError:  # already registered in this process
-        pass
-    if init_method.startswith("tcp://"):
-        init_method = f"{_RDZV_SCHEME}://{init_method[len('tcp://'):]}?timeout_s={timeout_s}"
-    return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout_s,
-                                           num_worker_threads=num_worker_threads, _transports=["uv"],
-                                           _channels=["basic"])
 
 
 _WORLD_SIZE = [0]  # members of the torch.distributed.rpc group this process joined last (0: none yet)
@@ -163,6 +112,8 @@ class PSServer:
         self._lock = threading.Lock()
         self.num_lookups = 0
         self.num_pushes = 0
+        self.stats = ServerStats()
+        """Request timings and pending requests (:mod:`scheduling.ps.server_stats`), kept by the request handlers."""
 
     # ---- set-up -----------------------------------------------------------------------------------------
     def configure(self, namespace: str, shards: Sequence[ShardSpec], server: int, optimizer: str,

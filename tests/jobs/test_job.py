@@ -180,14 +180,19 @@ def test_printed_table(scraped_job, capfd):
     assert "at the phase end (step 40," in text and "metrics updates in the training loop" in text
 
 
+NOT_IN_THE_DEFAULT_JOB = ("inserts", "evictions", "staleness")
+"""Metrics the default job has no data for: dynamic tables' counters, and the staleness of lookups with
+``max_staleness`` (its async_rpc_prefetch phase waits every push)."""
+
+
 def _dashboard_expressions(job: str) -> list[str]:
     import yaml
 
     rules = yaml.safe_load((DASHBOARDS / "rules.yml").read_text())
     exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
     dashboard = json.loads((DASHBOARDS / "grafana-fxdist.json").read_text())
-    exprs += [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    return [e.replace("$job", job) for e in exprs]
+    exprs += [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]  # rows have none
+    return [e.replace("$job", job) for e in exprs if not any(word in e for word in NOT_IN_THE_DEFAULT_JOB)]
 
 
 def test_every_dashboard_and_rule_expression_returns_data(scraped_job):

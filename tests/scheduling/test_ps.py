@@ -164,6 +164,23 @@ def test_out_of_range_id_is_a_clear_error(cluster):
         client.close()
 
 
+def test_lookups_with_max_staleness_count_the_pushes_left_in_flight(cluster):
+    """``PSClient.staleness``: the deferred pushes to the server when a lookup is sent (what the trainers export as
+    ``fxdist_ps_staleness_steps``); lookups without ``max_staleness`` are not counted."""
+    client = PSClient(_tables(), cluster.server_names, name="staleness", seed=3)
+    try:
+        server = client.servers_for(["t0"])[0]
+        out = client.finish_lookup(client.lookup_async(server, _kjt()), server)
+        out.sum().backward()
+        client.defer_push(server, client.push_async(server, _kjt(), out))
+        client.finish_lookup(client.lookup_async(server, _kjt(), max_staleness=1), server)  # the push stays deferred
+        client.finish_lookup(client.lookup_async(server, _kjt(), max_staleness=0), server)  # waited first
+        client.finish_lookup(client.lookup_async(server, _kjt()), server)
+        assert client.staleness == {1: 1, 0: 1}
+    finally:
+        client.close()
+
+
 def _train(cluster, criteo_path, name: str, mode: str | None, steps: int = 4):
     """torchrec's DLRM with its 6 tables row-wise on the 2 servers (the ``parameter_servers`` pass, row-wise
     Adagrad), scheduled by ``async_rpc`` in ``mode``, trained as users write it (Adagrad on the dense part)."""
