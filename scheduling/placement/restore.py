@@ -10,19 +10,20 @@ on any number of servers: the pass placed every table by its rule for *those* se
 optimizer state and dynamic map go to the shards it chose (:func:`scheduling.ps.reshard.scatter_tables`). Restore
 on ``M`` servers what ``N`` servers saved, and training continues exactly as it would have on the ``N``.
 
-:func:`table_layout` says which server holds each table (for printing a plan's before and after).
+:func:`table_layout` says which server holds each table, and :func:`replan` where the pass's rule puts the same
+tables on other servers (a plan's before and after).
 
 Source: torchrec ``DistributedModelParallel`` (a whole-table state dict restored under another sharding plan).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..ps.reshard import gather_tables, scatter_tables
 
-__all__ = ["table_checkpoint", "load_table_checkpoint", "table_layout"]
+__all__ = ["table_checkpoint", "load_table_checkpoint", "table_layout", "replan"]
 
 
 def _meta(gm: Any) -> dict[str, Any]:
@@ -99,10 +100,37 @@ def load_table_checkpoint(gm: Any, state: Mapping[str, Any]) -> None:
         client.load_server_states(scatter_tables({name: tables}, {name: client.shards}, len(client.servers)))
 
 
-def table_layout(gm: Any) -> dict[str, list[str]]:
-    """``{"<path>": [server names]}``: where the pass put each moved table of ``gm``.
+def table_layout(gm: Any) -> dict[str, dict[str, Any]]:
+    """Where the pass put each moved table of ``gm``, in the pass's (graph) order: ``{"<path>": {"servers": [names],
+    "table", "module", "rows", "dim", "dynamic": bool}}`` (``rows``: a dynamic table's capacity): what
+    :func:`replan` needs to place the same tables on other servers.
 
     Raises:
         ValueError: ``gm`` has no tables on parameter servers.
     """
-    return {t["path"]: list(t["servers"]) for t in _meta(gm)["tables"]}
+    from ..ps.client import get_client
+
+    meta = _meta(gm)
+    dynamic = {(t["module"], sp.table.name) for t in meta["tables"]
+               for sp in get_client(meta["clients"][t["module"]]).shards if sp.table.dynamic is not None}
+    return {t["path"]: {"servers": list(t["servers"]), "table": t["table"], "module": t["module"], "rows": t["rows"],
+                        "dim": t["dim"], "dynamic": (t["module"], t["table"]) in dynamic} for t in meta["tables"]}
+
+
+def replan(layout: Mapping[str, Mapping[str, Any]], server_names: Sequence[str]) -> dict[str, list[str]]:
+    """``{"<path>": [server names]}``: where the pass's rule (:func:`scheduling.placement.plan.plan_tables`, no
+    overrides) puts the tables of a :func:`table_layout` (in its order) on ``server_names``: the layout a model
+    gets on those servers, e.g. after a restore on another number of servers.
+
+    Raises:
+        ValueError: no servers.
+    """
+    from ..ps.dynamic import DynamicSpec
+    from ..ps.shard_plan import TableSpec
+    from .plan import TableInfo, plan_tables
+
+    tables = [TableInfo(TableSpec(t["table"], int(t["rows"]), int(t["dim"]), (),
+                                  dynamic=DynamicSpec(int(t["rows"])) if t.get("dynamic") else None),
+                        t["module"], path) for path, t in layout.items()]
+    placements = plan_tables(tables, len(server_names))
+    return {p.table.path: [server_names[s] for s in p.servers] for p in placements}
