@@ -191,7 +191,8 @@ def load_config(run_dir: str | Path) -> JobConfig:
 
 
 def check_resume_changes(saved: JobConfig, config: JobConfig) -> None:
-    """Refuse ``--set`` changes that ``--resume`` cannot honour (keys outside RESUMABLE_KEYS).
+    """Refuse ``--set`` changes that ``--resume`` cannot honour (keys outside RESUMABLE_KEYS, ``[cluster]
+    parameter_servers`` to or from 0, fewer ``[job] steps``).
 
     Raises:
         ConfigError: naming the first such key, its saved and its new value.
