@@ -265,6 +265,12 @@ class JobResults(_Result):
     placement: dict[str, Any] | Absent = ABSENT
     """``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``, ``hostname``, ``pid``, ``metrics``
     (:func:`jobs.cluster.where`)."""
+    table_layout: dict[str, Any] | Absent = ABSENT
+    """Phase -> ``"<path>"`` -> where its parameter-server table is: ``servers``, ``table``, ``module``, ``rows``,
+    ``dim``, ``dynamic`` (:func:`scheduling.placement.restore.table_layout`)."""
+    reshards: list[dict[str, Any]] | Absent = ABSENT
+    """Per ``--resume`` that changed ``[cluster] parameter_servers``: ``from_servers``, ``to_servers`` and, per phase,
+    each table's servers ``before`` and ``after`` (:func:`jobs.launcher.plan.reshard_plan`)."""
     nodes_lost: list[dict[str, Any]] | Absent = ABSENT
     """Nodes that died during the job: ``node_id``, ``address``, ``ran``."""
     processes: dict[str, Any] | Absent = ABSENT

@@ -17,7 +17,9 @@ overrides single keys, e.g. ``--set job.steps=20 --set cluster.parameter_servers
 
 ``--run-dir DIR`` must not hold a run yet: a run is never overwritten. ``--resume RUN_DIR`` continues an
 interrupted or failed run from its last checkpoint with the config it was started with (``--set`` may
-change only the keys of :data:`jobs.launcher.runs.RESUMABLE_KEYS`); a completed run is refused.
+change only the keys of :data:`jobs.launcher.runs.RESUMABLE_KEYS`); a completed run continues only for more
+steps (``--set job.steps=N``). ``--set cluster.parameter_servers=M`` resumes on ``M`` servers, fewer or more:
+every table, with its optimizer state (and a dynamic table's id map), is resharded onto them.
 
 Exit status: 0 on success; 2 for a bad config, command line, data file or run folder (found before Ray
 starts, or a trainer's deterministic config/data error: the message names the key or file); 1 when the
@@ -73,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--run-dir", help="run folder, which must not hold a run yet "
                                           "(default: <[job] run_dir>/<name>-<timestamp>)")
     launch.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue an interrupted or failed run from its last checkpoint, with its config")
+                        help="continue a run from its last checkpoint, with its config (a completed run: for more "
+                             "job.steps; cluster.parameter_servers may change: the tables are resharded)")
     launch.add_argument("--quiet", action="store_true", help="no progress bars or table")
     show = sub.add_parser("config", help="print the effective job config")
     show.add_argument("config", nargs="?")
@@ -107,6 +110,7 @@ def _config(args: argparse.Namespace) -> JobConfig:
         saved = runs.load_config(args.resume)
         config = apply_overrides(saved, args.overrides)
         runs.check_resume_changes(saved, config)
+        runs.choose(config, args.resume, resume=True)  # a completed run: only for more steps
         return config
     return apply_overrides(load_config(args.config), args.overrides)
 

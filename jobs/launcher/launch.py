@@ -5,7 +5,8 @@
 1. plans the job (:func:`jobs.launcher.plan.make_plan`, a :class:`jobs.trainer.spec.JobPlan`): every check that needs no
    Ray (:mod:`jobs.launcher.checks`: config ranges, passes, the data file, and on this machine free metrics ports and
    enough memory), the first pass over the data (table sizes), and the run folder, not created yet
-   (:mod:`jobs.launcher.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one);
+   (:mod:`jobs.launcher.runs`: a run is never overwritten; ``--resume`` continues an interrupted or failed one, or a
+   completed one for more steps, possibly on another number of servers: :func:`jobs.launcher.plan.reshard_plan`);
 2. joins Ray: an already initialised session, else ``[cluster] address``, else ``$RAY_ADDRESS``,
    else a local ``ray.init()``; then creates the run folder ``<run_dir>/<name>-<UTC timestamp>/`` (with
    generated Criteo-format data when no file was found) and a ``results.json`` saying ``"running"``;
@@ -234,12 +235,17 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[fxdist] {msg}", flush=True))
     plan = make_plan(config, run_dir, resume=resume, local=not _expect_cluster(config), log=log)
     run_dir, previous = plan.run_dir, runs.read_results(plan.run_dir) if resume else None
+    reshards = _resume_record(run_dir, previous, plan.config, log)
+    if previous is not None and runs.status_of(previous) == "completed":  # continued for more steps
+        previous = dataclasses.replace(previous, phases={})
     started_ray, on_cluster = _join_ray(plan.config, log=log)
     watch = JobStateWatch(previous=previous)
     results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
                                "config_source": config.source, "run_dir": str(run_dir),
                                "launcher": {"pid": os.getpid(), "host": socket.gethostname()},
                                "resumes": ((previous.resumes or 0) if previous else 0) + (1 if resume else 0)}
+    if reshards:
+        results["reshards"] = reshards
     try:
         try:
             check_gpus(plan.config)
@@ -266,6 +272,26 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             _record_end(run_dir, results, watch, e)
         raise
     return _report(config, results, run_dir, quiet, log)
+
+
+def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig, log: Any) -> list[dict[str, Any]]:
+    """On ``--resume``: the run's reshards so far plus this one's (:func:`jobs.launcher.plan.reshard_plan`, printed),
+    and a completed run's results.json kept as ``results.<resumes>.json`` before it is continued."""
+    from jobs.launcher.plan import format_reshard, reshard_plan
+
+    if previous is None:
+        return []
+    data = previous.to_json()
+    if runs.status_of(previous) == "completed":
+        kept = run_dir / f"results.{previous.resumes or 0}.json"
+        kept.write_text((run_dir / runs.RESULTS).read_text())
+        log(f"continuing the completed run ({data['config']['job']['steps']} steps) to {config.job.steps} steps; "
+            f"its results are kept in {kept}")
+    record = reshard_plan(data, config)
+    if record is None:
+        return list(previous.reshards or [])
+    log(format_reshard(record))
+    return [*(previous.reshards or []), record]
 
 
 def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bool, log: Any) -> JobResults:

@@ -8,20 +8,24 @@ created). When no Criteo file was found, the launcher generates synthetic data i
 completes the plan with :func:`with_data` (that first pass runs then).
 
 The trainers get a :class:`jobs.trainer.spec.TrainerSpec`: the plan and the runtime handles.
+
+:func:`reshard_plan`: a ``--resume`` onto another number of parameter servers moves each phase's tables; the plan
+says which server held each table and which will (the placement pass's rule on the new servers,
+:func:`scheduling.placement.restore.replan`), printed by :func:`format_reshard`.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from jobs.config import JobConfig
 from jobs.launcher import checks, runs
 from jobs.launcher.first_pass import first_pass
 from jobs.trainer.spec import JobPlan
 
-__all__ = ["make_plan", "memory_estimate", "with_data"]
+__all__ = ["make_plan", "memory_estimate", "with_data", "reshard_plan", "format_reshard"]
 
 
 def memory_estimate(plan: JobPlan) -> checks.MemoryEstimate | None:
@@ -77,3 +81,53 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
     log(note)
     config, data_plan, record = first_pass(config, data_path, local=plan.local, log=log)
     return replace(plan, config=config, data_path=data_path, data_note=note, data_plan=data_plan, tables=record)
+
+
+def reshard_plan(previous: dict[str, Any] | None, config: JobConfig) -> dict[str, Any] | None:
+    """The tables' move of a ``--resume`` onto another ``[cluster] parameter_servers`` count, or None when the count
+    is unchanged (or the run had none).
+
+    Args:
+        previous: the resumed run's results.json (its ``config`` and ``table_layout``: phase -> ``"<path>"`` ->
+            ``servers``, ``table``, ``module``, ``rows``, ``dim``, ``dynamic``).
+        config: the resumed run's config, with the new ``[cluster] parameter_servers``.
+
+    Returns:
+        ``{"from_servers", "to_servers", "tables": {phase: {"<path>": {"before": [names], "after": [names]}}}}``;
+        ``tables`` is empty when the run recorded no layout (runs from before layouts were recorded).
+    """
+    from scheduling.placement.restore import replan
+
+    old = int(((previous or {}).get("config") or {}).get("cluster", {}).get("parameter_servers", 0))
+    new = config.cluster.parameter_servers
+    if old == new or not old or not new:
+        return None
+    names = [f"ps{i}" for i in range(new)]
+    tables = {}
+    for phase, layout in ((previous or {}).get("table_layout") or {}).items():
+        after = replan(layout, names)
+        tables[phase] = {path: {"before": list(t["servers"]), "after": after[path]} for path, t in layout.items()}
+    return {"from_servers": old, "to_servers": new, "tables": tables}
+
+
+def format_reshard(plan: dict[str, Any]) -> str:
+    """:func:`reshard_plan`'s record as text: a header, then per phase one line per table, ``old -> new`` servers.
+
+    >>> print(format_reshard({"from_servers": 1, "to_servers": 2, "tables": {"baseline": {
+    ...     "t_a": {"before": ["ps0"], "after": ["ps0"]}, "t_b": {"before": ["ps0"], "after": ["ps1"]}}}}))
+    resharding the tables from 1 to 2 parameter servers (rows, optimizer state and dynamic id maps move whole)
+      baseline:
+        t_a  ps0 -> ps0  (stays)
+        t_b  ps0 -> ps1
+    """
+    from scheduling.ps.reshard import format_moves
+
+    lines = [f"resharding the tables from {plan['from_servers']} to {plan['to_servers']} parameter servers (rows, "
+             "optimizer state and dynamic id maps move whole)"]
+    if not plan["tables"]:
+        lines.append("  (the run recorded no table layout: the placement pass prints the new one)")
+    for phase, tables in plan["tables"].items():
+        lines.append(f"  {phase}:")
+        moves = format_moves({p: t["before"] for p, t in tables.items()}, {p: t["after"] for p, t in tables.items()})
+        lines += ["  " + line for line in moves.splitlines()]
+    return "\n".join(lines)

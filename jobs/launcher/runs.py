@@ -17,7 +17,9 @@ Folder rules (:func:`choose`): ``fxdist launch`` never overwrites a run. Without
 ``<[job] run_dir>/<name>-<UTC timestamp>/``; ``--run-dir DIR`` must not hold a run yet (an empty or
 absent folder, or one holding only other files, e.g. a Prometheus config). ``--resume DIR`` continues an
 interrupted or failed run from its last checkpoint (Ray Train restores it from ``DIR/ray``), with the
-run's own config (:func:`load_config`); a completed run, or one still running, is refused.
+run's own config (:func:`load_config`); a completed run continues only for more steps (``--set job.steps=N``, N
+larger than its own); one still running is refused. ``--set cluster.parameter_servers=M`` continues on ``M``
+servers (the tables are resharded).
 
 Source: Ray Train ``RunConfig(storage_path, name)`` (a run restores from the checkpoint manager snapshot
 found in its storage folder).
@@ -45,9 +47,12 @@ RESUMABLE_KEYS = frozenset({
     "metrics.enabled", "metrics.host", "metrics.port",
     "quant.enabled", "quant.calibration_batches", "quant.eval_batch_size", "data.reader_workers",
     "faults.kill_trainer_at_step", "faults.kill_server_at_step",
+    "cluster.parameter_servers", "job.steps",
 })
 """Keys that ``--resume`` may change with ``--set``; every other key shapes the checkpoints or the
-comparison between phases, so it keeps the run's value."""
+comparison between phases, so it keeps the run's value. ``cluster.parameter_servers`` may go from one positive
+count to another (the tables are resharded onto the new servers: :func:`jobs.launcher.plan.reshard_plan`), and
+``job.steps`` may only grow (a completed run continues for the steps added)."""
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -129,7 +134,7 @@ def choose(config: JobConfig, run_dir: str | Path | None, *, resume: bool = Fals
     if resume:
         if run_dir is None:
             raise ConfigError("--resume needs the run folder to resume")
-        return _check_resumable(Path(run_dir).resolve())
+        return _check_resumable(Path(run_dir).resolve(), config.job.steps)
     if run_dir is not None:
         path = Path(run_dir).resolve()
         if path.exists() and not path.is_dir():
@@ -148,14 +153,22 @@ def choose(config: JobConfig, run_dir: str | Path | None, *, resume: bool = Fals
     return path
 
 
-def _check_resumable(path: Path) -> Path:
+def _check_resumable(path: Path, steps: int | None = None, *, completed_ok: bool = False) -> Path:
+    """``path`` if it holds a run that can be resumed (a completed one only when ``steps`` is more than it ran, or
+    with ``completed_ok``).
+
+    Raises:
+        ConfigError: no run there, a completed run without more ``steps``, a run still running, no saved config.
+    """
     if not holds_run(path):
         raise ConfigError(f"--resume {path}: no run there (no {RESULTS}, no ray/ checkpoints) to resume")
     results = read(path)
     status = status_of(results)
-    if status == "completed":
+    ran = ((results or {}).get("config") or {}).get("job", {}).get("steps")
+    if status == "completed" and not completed_ok and (steps is None or ran is None or steps <= ran):
         raise ConfigError(f"--resume {path}: the run completed; there is nothing to resume (its results are in "
-                          f"{path / RESULTS}; start a new run without --resume)")
+                          f"{path / RESULTS}); continue it for more steps with --set job.steps=N, N > {ran}, or "
+                          "start a new run without --resume")
     pid = _still_running(results) if results else None
     if pid is not None:
         raise ConfigError(f"--resume {path}: the run is still running (launcher pid {pid} on this host)")
@@ -166,23 +179,33 @@ def _check_resumable(path: Path) -> Path:
 
 
 def load_config(run_dir: str | Path) -> JobConfig:
-    """The config a run was started with (from its results.json), for ``--resume``.
+    """The config a run was started with (from its results.json), for ``--resume`` (a completed run's too: whether
+    the new ``[job] steps`` continue it is checked by :func:`choose`).
 
     Raises:
         ConfigError: the folder cannot be resumed (see :func:`choose`) or its config is invalid.
     """
-    path = _check_resumable(Path(run_dir).resolve())
+    path = _check_resumable(Path(run_dir).resolve(), completed_ok=True)
     results = read(path) or {}
     return parse_config(results["config"], source=str(path / RESULTS))
 
 
 def check_resume_changes(saved: JobConfig, config: JobConfig) -> None:
-    """Refuse ``--set`` changes that ``--resume`` cannot honour (keys outside RESUMABLE_KEYS).
+    """Refuse ``--set`` changes that ``--resume`` cannot honour (keys outside RESUMABLE_KEYS, ``[cluster]
+    parameter_servers`` to or from 0, fewer ``[job] steps``).
 
     Raises:
         ConfigError: naming the first such key, its saved and its new value.
     """
     old, new = to_dict(saved), to_dict(config)
+    servers = (old["cluster"]["parameter_servers"], new["cluster"]["parameter_servers"])
+    if servers[0] != servers[1] and 0 in servers:
+        raise ConfigError(f"--resume: [cluster] parameter_servers can change only between positive counts (the run "
+                          f"used {servers[0]}, --set gives {servers[1]}): with 0 the tables live in the trainers, "
+                          "a checkpoint of another form")
+    if new["job"]["steps"] < old["job"]["steps"]:
+        raise ConfigError(f"--resume: [job] steps can only grow (the run used {old['job']['steps']}, --set gives "
+                          f"{new['job']['steps']})")
     for table, values in new.items():
         for key, value in values.items():
             if value != old[table][key] and f"{table}.{key}" not in RESUMABLE_KEYS:

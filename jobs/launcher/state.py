@@ -40,6 +40,7 @@ class JobState:
         self.restores: list[dict[str, Any]] = list(prev.restores or [])
         self.server_joins: list[list[dict[str, int]]] = list(prev.server_joins or [])
         self.placement: dict[str, dict[str, Any]] = {}
+        self.table_layout: dict[str, dict[str, Any]] = {}
         self.nodes_lost: list[dict[str, Any]] = list(prev.nodes_lost or [])
         self.processes: dict[str, dict[str, Any]] = dict(prev.processes or {})
         self.error: dict[str, Any] | None = None
@@ -82,6 +83,11 @@ class JobState:
         """``name`` (``trainer<r>`` or ``ps<i>``) runs where ``info`` says (:func:`jobs.cluster.where`); the
         latest report wins (a restarted process may run elsewhere)."""
         self.placement[name] = dict(info)
+
+    def tables_placed(self, phase: str, layout: dict[str, Any]) -> None:
+        """Rank 0's ``parameter_servers`` pass placed ``phase``'s tables: ``{"<path>": {"servers", "table", "module",
+        "rows", "dim", "dynamic"}}`` (:func:`scheduling.placement.restore.table_layout`); the latest report wins."""
+        self.table_layout[phase] = dict(layout)
 
     def node_lost(self, lost: dict[str, Any]) -> None:
         """A node that ran some of the job's processes died: ``{"node_id", "address", "ran": [names]}``
@@ -131,6 +137,7 @@ class JobState:
                 "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
                 "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
                 "server_joins": list(self.server_joins), "placement": dict(self.placement),
+                "table_layout": dict(self.table_layout),
                 "nodes_lost": list(self.nodes_lost), "processes": dict(self.processes), "error": self.error}
 
 
@@ -155,6 +162,7 @@ def with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, An
                checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
                timeline=snap.get("events", []), starts=snap.get("starts", []),
                server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}),
+               table_layout=snap.get("table_layout", {}),
                nodes_lost=snap.get("nodes_lost", []), processes=dict(snap.get("processes", {})))
     return out
 

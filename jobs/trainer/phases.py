@@ -68,9 +68,9 @@ def _start_phases(config, rank, workload, tables, resume, state, exporter) -> di
 def run_phases(config, rank, world, workload, tables, resume, state, exporter) -> None:
     """Train every phase over the same batches, alternating blocks of ``[phases] block_steps`` steps (the
     order flips every block), each phase keeping its own model, optimizer and tables; then summarise."""
-    if resume is not None and resume.get("final"):
-        return  # every phase finished before this restart
     steps, every = config.job.steps, config.job.checkpoint_every
+    if resume is not None and resume.get("final") and resume["step"] >= steps:
+        return  # every phase finished before this restart (a completed run resumed for more steps goes on)
     shard_rows = max(gather(workload.rows))
     at = eval_step(config, shard_rows)
     trainers = _start_phases(config, rank, workload, tables, resume, state, exporter)

@@ -209,6 +209,8 @@ class ServerGroup:
         self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
         """The transport's lifecycle object: how this group's servers are readied, joined and left."""
         self.actors: list[Any] = list(spec.servers)
+        self.state: Any = spec.state
+        """The launcher's JobState actor (None in tests without one): rank 0 reports each phase's table layout."""
         if len(self.actors) != self.num_servers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
                                f"[cluster] parameter_servers = {self.num_servers}")
@@ -369,6 +371,10 @@ class _PhaseTables(_LookupTimer):
         self.moved = frozenset(f"{t['path']}.weight" for t in tables)
         for name in client_names(gm):
             self.wrap(get_client(name))
+        if self.rank == 0 and self.moved and self.owner.state is not None:
+            from scheduling.placement.restore import table_layout
+
+            self.owner.state.tables_placed.remote(self.phase, table_layout(gm))
         self.owner.barrier()
 
     def _clients(self) -> list[Any]:
@@ -401,19 +407,23 @@ class _PhaseTables(_LookupTimer):
     def prefetch_hits(self) -> int:
         return sum(client.prefetch_hits for client in self._clients())
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The tables under the model's state-dict names (``"<path>.weight"``) with the row-wise Adagrad state
-        (``"<path>.momentum"``), gathered from the servers (rank 0; ``{}`` elsewhere)."""
-        from scheduling.placement import table_state_dict
+    def state_dict(self) -> dict[str, Any]:
+        """The tables under the model's state-dict names, whole, gathered from the servers (rank 0; ``{}``
+        elsewhere): ``"<path>.weight"``, the row-wise Adagrad state ``"<path>.momentum"`` and a dynamic table's
+        ``"<path>.dynamic"`` (:func:`scheduling.placement.restore.table_checkpoint`). Any number of servers can
+        load it (:meth:`load_state_dict`): a resumed run may have other servers (resharding)."""
+        from scheduling.placement.restore import table_checkpoint
 
-        return table_state_dict(self.gm, optimizer_state=True) if self.rank == 0 and self.gm is not None else {}
+        return table_checkpoint(self.gm) if self.rank == 0 and self.gm is not None and self.moved else {}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        from scheduling.placement import load_table_state_dict
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Rank 0 writes :meth:`state_dict`'s tables to this group's servers, in the layout this phase's pass chose
+        for them (:func:`scheduling.placement.restore.load_table_checkpoint`); every rank waits."""
+        from scheduling.placement.restore import load_table_checkpoint
 
         self.owner.barrier()
         if self.rank == 0 and state:
-            load_table_state_dict(self.gm, state)
+            load_table_checkpoint(self.gm, state)
         self.owner.barrier()
 
     def close(self) -> None:

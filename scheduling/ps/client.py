@@ -504,6 +504,27 @@ class PSClient:
                     "state": None if mom is None else to_host(mom[spec.row_start:spec.row_end])}
             self._call(s, "load_state_dict", (payload,), "load_state_dict")
 
+    def server_states(self) -> list[dict[str, Any]]:
+        """Per server, its shards of this client's tables as ``PSServer.state_dict`` gives them (``{"<name>/<shard
+        key>": {"spec", "weight", "state", "dynamic"}}``, a dynamic table with its id -> slot map): the input of
+        :func:`scheduling.ps.reshard.gather_tables`. Waits this client's pushes first."""
+        self.flush()
+        return [self._call(s, "state_dict", (self.name,), "state_dict") for s in range(len(self.servers))]
+
+    def load_server_states(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Write per-server shard states (as :meth:`server_states`, or :func:`scheduling.ps.reshard.scatter_tables`
+        for this client's current :attr:`shards`) to the servers: ``states[s]`` goes to server ``s``.
+
+        Raises:
+            ValueError: ``states`` has another length than this client's servers.
+        """
+        if len(states) != len(self.servers):
+            raise ValueError(f"load_server_states: {len(states)} server states for the {len(self.servers)} servers "
+                             f"of client {self.name!r}")
+        for s, payload in enumerate(states):
+            if payload:
+                self._call(s, "load_state_dict", (dict(payload),), "load_state_dict")
+
     def checkpoint(self, directory: str | Path) -> list[str]:
         """Every server writes ``<directory>/<server name>.pt`` (on its own file system); returns the paths.
         Restart a server from its file with ``start_server(..., checkpoint=path)``."""
