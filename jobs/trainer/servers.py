@@ -45,10 +45,36 @@ import torch.distributed as dist
 
 from scheduling.ps import DEFAULT_WORKER_THREADS
 
-__all__ = ["ServerHooks", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
+__all__ = ["ServerHooks", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers",
+           "dynamic_stats"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
+DYNAMIC_STATE = "dynamic_tables"
+"""Key of a phase's checkpointed tables holding dynamic tables' server state (:meth:`_PhaseTables.state_dict`)."""
+DYNAMIC_KEYS = ("rows", "capacity", "inserts", "evictions", "admitted", "rejected", "expired")
+"""The statistics of each dynamic table in results.json (``phases.<phase>.dynamic_tables``)."""
+
+
+def dynamic_stats(clients: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, int]]:
+    """Per dynamic table name, :data:`DYNAMIC_KEYS` of its shard, from ``{client name: PSClient.server_state()}``
+    (entries ``{"spec", "dynamic": DynamicTable.state_dict()}``; fixed tables' entries are skipped)."""
+    out: dict[str, dict[str, int]] = {}
+    for servers in clients.values():
+        for shards in servers:
+            for entry in shards.values():
+                d = entry.get("dynamic")
+                if d is not None:
+                    counters = d["counters"]
+                    out[entry["spec"].table.name] = {"rows": int(d["map_ids"].numel()), "capacity": int(d["capacity"]),
+                                                     **{k: int(counters.get(k, 0)) for k in DYNAMIC_KEYS[2:]}}
+    return dict(sorted(out.items(), key=lambda kv: _natural(kv[0])))
+
+
+def _natural(name: str) -> tuple[str, int]:
+    """``t_C10`` after ``t_C9``: the name's text, then its trailing number."""
+    head = name.rstrip("0123456789")
+    return head, int(name[len(head):] or 0)
 
 
 class ServerHooks:
@@ -350,13 +376,16 @@ class _PhaseTables(_LookupTimer):
         from scheduling.placement import parameter_servers
 
         c = self.owner.config
+        from jobs import table_sizes
+        from jobs.criteo import FEATURES
         from jobs.optimizers import table_optimizer_args
 
+        dynamic = None if c.user_model else table_sizes.dynamic(c, [f"t_{f}" for f in FEATURES])
         return functools.partial(parameter_servers, **table_optimizer_args(c),
                                  servers=tuple(self.owner.servers), client=f"{CLIENT}-{self.phase}",
                                  timeout_s=c.cluster.rpc_timeout_s, verbose=self.rank == 0, rank=self.rank,
                                  world_size=self.owner.world, group=self.owner.group,
-                                 storage=c.model.server_storage, seed=c.job.seed)
+                                 storage=c.model.server_storage, seed=c.job.seed, dynamic=dynamic)
 
     def attach(self, gm: Any) -> None:
         """``gm`` went through :meth:`placement_pass`: time its clients' fetches; wait until every rank has
@@ -401,20 +430,47 @@ class _PhaseTables(_LookupTimer):
     def prefetch_hits(self) -> int:
         return sum(client.prefetch_hits for client in self._clients())
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    @property
+    def dynamic(self) -> bool:
+        """The tables are dynamic (``[model] table_sizes = "dynamic"``, :mod:`scheduling.ps.dynamic`)."""
+        return self.owner.config.model.table_sizes == "dynamic"
+
+    def state_dict(self) -> dict[str, Any]:
         """The tables under the model's state-dict names (``"<path>.weight"``) with the row-wise Adagrad state
-        (``"<path>.momentum"``), gathered from the servers (rank 0; ``{}`` elsewhere)."""
-        from scheduling.placement import table_state_dict
+        (``"<path>.momentum"``), gathered from the servers (rank 0; ``{}`` elsewhere). Dynamic tables: instead
+        ``{DYNAMIC_STATE: {client name: its servers' shards}}`` (``PSClient.server_state``: rows, optimizer state
+        and the id maps, which full tables do not have)."""
+        from scheduling.placement import client_names, table_state_dict
+        from scheduling.ps import get_client
 
-        return table_state_dict(self.gm, optimizer_state=True) if self.rank == 0 and self.gm is not None else {}
+        if self.rank != 0 or self.gm is None:
+            return {}
+        if self.dynamic:
+            return {DYNAMIC_STATE: {n: get_client(n).server_state() for n in client_names(self.gm)}}
+        return table_state_dict(self.gm, optimizer_state=True)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output into the servers (rank 0), between two barriers."""
         from scheduling.placement import load_table_state_dict
+        from scheduling.ps import get_client
 
         self.owner.barrier()
         if self.rank == 0 and state:
-            load_table_state_dict(self.gm, state)
+            if DYNAMIC_STATE in state:
+                for name, states in state[DYNAMIC_STATE].items():
+                    get_client(name).load_server_state(states)
+            else:
+                load_table_state_dict(self.gm, state)
         self.owner.barrier()
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]] | None:
+        """Rank 0, dynamic tables: per table (``t_C1`` ...), ``rows`` held, ``capacity`` and the counters
+        ``inserts``, ``evictions``, ``admitted``, ``rejected``, ``expired`` (:meth:`scheduling.ps.dynamic.DynamicTable.stats`),
+        read from the servers' state (one copy of the tables); None for fixed tables or on other ranks."""
+        state = self.state_dict() if self.dynamic else {}
+        if DYNAMIC_STATE not in state:
+            return None
+        return dynamic_stats(state[DYNAMIC_STATE])
 
     def close(self) -> None:
         for client in self._clients():

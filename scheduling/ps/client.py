@@ -504,6 +504,24 @@ class PSClient:
                     "state": None if mom is None else to_host(mom[spec.row_start:spec.row_end])}
             self._call(s, "load_state_dict", (payload,), "load_state_dict")
 
+    def server_state(self) -> list[dict[str, Any]]:
+        """Per server, this client's shards as the server holds them (``PSServer.state_dict(name)``: spec, rows,
+        optimizer state and, for a dynamic table, its id map and counters, :mod:`scheduling.ps.dynamic`), after
+        waiting this client's pushes: what restoring dynamic tables needs (:meth:`state_dict` has no id maps)."""
+        self.flush()
+        return [self._call(s, "state_dict", (self.name,), "state_dict") for s in range(len(self.servers))]
+
+    def load_server_state(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Give each server back its part of :meth:`server_state` (dynamic tables with their id maps).
+
+        Raises:
+            ValueError: ``states`` has another number of servers than this client.
+        """
+        if len(states) != len(self.servers):
+            raise ValueError(f"load_server_state: {len(states)} servers' states for a client of {len(self.servers)}")
+        for s, state in enumerate(states):
+            self._call(s, "load_state_dict", (dict(state),), "load_state_dict")
+
     def checkpoint(self, directory: str | Path) -> list[str]:
         """Every server writes ``<directory>/<server name>.pt`` (on its own file system); returns the paths.
         Restart a server from its file with ``start_server(..., checkpoint=path)``."""
