@@ -48,6 +48,15 @@ def test_bad_dynamic_configs_name_the_key_and_the_file(raw, match):
     assert str(info.value).startswith("my.toml: ")
 
 
+def test_dynamic_errors_only_for_dynamic_tables():
+    from jobs.config_rules import dynamic_errors
+
+    fixed, dynamic = parse_config({}).model, parse_config({"model": DYNAMIC}).model
+    no_servers = parse_config({"cluster": {"parameter_servers": 0}}).cluster
+    assert dynamic_errors(fixed, no_servers, user_model=True) == []
+    assert len(dynamic_errors(dynamic, no_servers, user_model=True)) == 2
+
+
 def test_movielens_job_refuses_dynamic_tables_with_a_clear_error():
     with pytest.raises(ConfigError, match=r'is for the built-in DLRM, not \[model\] factory = .jobs.movielens:model.'):
         load_config("jobs/movielens.toml").replace(model={"table_sizes": "dynamic"})
