@@ -27,7 +27,9 @@ phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling
 (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers (stored as
 ``[model] server_storage`` says, trained there with row-wise Adagrad) and turns each lookup into blocking
 ``ps_lookup`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
-backward.
+backward. With ``[model] table_sizes = "dynamic"`` the pass makes the built-in DLRM's 26 tables dynamic
+(``dynamic=``, :func:`jobs.table_sizes.dynamic`); their checkpoints are the servers' own state (id maps included,
+``PSClient.server_state``) and each phase reports their counters (:func:`dynamic_stats`).
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
 """
