@@ -20,7 +20,8 @@ laptop (``jobs/default.toml`` spells them out). Example::
     factory = ""             # "package.module:function" returning your nn.Module ("" = the built-in DLRM)
     embedding_dim = 16
     table_size = 20000       # hash buckets per categorical feature (26 tables)
-    table_sizes = "uniform"  # "data": per-feature sizes from the data, capped at max_table_size
+    table_sizes = "uniform"  # "data": per-feature sizes from the data, capped at max_table_size;
+                             # "dynamic": collisionless tables on the servers (dynamic_capacity rows each)
 
     [cluster]
     trainers = 2
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.config_rules import dynamic_errors, train_errors
 from jobs.staleness import staleness_errors
 
 __all__ = ["ConfigError", "JobSection", "DataSection", "ModelSection", "ClusterSection", "PhasesSection",
@@ -162,7 +164,8 @@ class ModelSection:
     """Hash buckets per categorical feature (each of the 26 features has its own table) when ``table_sizes``
     is "uniform". The launcher also checks that the tables fit in the machine's memory (:mod:`jobs.launcher.checks`)."""
     table_sizes: list[int] | str = _key("uniform", 2, MAX_TABLE_SIZE, length=(26, 26))
-    """Rows of each of the 26 tables: "uniform" (``table_size`` each), "data" (from the data: a first pass
+    """Rows of each of the 26 tables: "uniform" (``table_size`` each), "dynamic" (collisionless tables on the
+    parameter servers, ``dynamic_*`` below), "data" (from the data: a first pass
     counts the distinct values of each categorical feature, and table ``j`` gets ``min(distinct_j + 1,
     max_table_size)`` rows, row 0 for missing values; the launcher records the counts in
     ``<run>/cardinalities.json`` and the resolved list in results.json's config), or a list of 26 sizes.
@@ -170,6 +173,13 @@ class ModelSection:
     max_table_size: int = _key(10_000_000, 2, MAX_TABLE_SIZE)
     """Cap on each table's rows with ``table_sizes = "data"``: the values of a feature with more distinct values
     are hashed into this many rows."""
+    dynamic_capacity: int = _key(20000, 1, MAX_TABLE_SIZE)
+    """With ``table_sizes = "dynamic"``: rows per table, at most (each of the 26 tables keeps one row per raw id
+    admitted, least recently used rows evicted beyond this; :mod:`scheduling.ps.dynamic`). Needs servers."""
+    dynamic_min_count: int = _key(1, 1, 10**9)
+    """Occurrences of an id in lookups before it gets a row (until then it reads zeros, its updates are dropped)."""
+    dynamic_expire_steps: int = _key(0, 0, 10**9)
+    """A row not looked up for this many lookups of its table is dropped; 0 = never."""
     bottom_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
     """Hidden widths of the dense (bottom) MLP (1 to 16 layers); its output width is embedding_dim."""
     top_mlp: list[int] = _key([512, 256], 1, 65536, length=(1, 16))
@@ -370,8 +380,8 @@ class JobConfig:
         if f.kill_server_at_step != -1 and c.parameter_servers == 0:
             errors.append("[faults] kill_server_at_step is set but [cluster] parameter_servers = 0")
         sizes = self.model.table_sizes
-        if isinstance(sizes, str) and sizes not in ("uniform", "data"):
-            errors.append(f'[model] table_sizes = {sizes!r}: must be "uniform", "data" or a list of 26 sizes')
+        if isinstance(sizes, str) and sizes not in ("uniform", "data", "dynamic"):
+            errors.append(f'[model] table_sizes = {sizes!r}: must be "uniform", "data", "dynamic" or a list of 26 sizes')
         if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):
             errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be "fp32", "fp16" or '
                           '"fused8bit"')
@@ -379,7 +389,8 @@ class JobConfig:
             errors.append(f'[cluster] transport = {c.transport!r}: must be "torch_rpc" or "ray"')
         if c.placement not in ("pack", "spread"):
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
-        errors += _train_errors(self.train, self.model.plan, self.user_model)
+        errors += train_errors(self.train, self.model.plan, self.user_model)
+        errors += dynamic_errors(self.model, c, self.user_model)
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         errors += self._entry_point_errors()
@@ -485,31 +496,6 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     if not isinstance(value, annotation):
         raise ConfigError(f"{where}: expected {annotation.__name__}, got {type(value).__name__} ({value!r})")
     return value
-
-
-def _train_errors(t: TrainSection, plan: dict, user_model: bool = True) -> list[str]:
-    """The optimizer keys and ``[model] plan`` ("local" only for your model: the built-in DLRM's tables are made on
-    the servers, the meta device on the trainers); a ``"pkg.mod:fn"`` optimizer is resolved by preflight."""
-    import torch
-
-    errors = []
-    name = t.optimizer.removeprefix("torch.optim.")
-    if ":" not in name and not (isinstance(getattr(torch.optim, name, None), type)
-                                and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)):
-        errors.append(f"[train] optimizer = {t.optimizer!r}: not a torch.optim class (e.g. \"Adam\") or "
-                      "\"package.module:function\"")
-    if t.table_optimizer not in ("rowwise_adagrad", "adagrad", "sgd"):
-        errors.append(f'[train] table_optimizer = {t.table_optimizer!r}: must be "rowwise_adagrad", "adagrad" or '
-                      '"sgd" (the optimizers the parameter servers run)')
-    if t.table_grad_reduction not in ("mean", "sum"):
-        errors.append(f'[train] table_grad_reduction = {t.table_grad_reduction!r}: must be "mean" or "sum"')
-    for table, how in plan.items():
-        if how not in ("table_wise", "row_wise", "local") and not (isinstance(how, int) and how >= 0):
-            errors.append(f'[model] plan: {table} = {how!r}: must be "table_wise", "row_wise", "local" or a server index')
-        elif how == "local" and not user_model:
-            errors.append(f'[model] plan: {table} = "local": only your model\'s tables ([model] factory) can stay on '
-                          "the trainers; for the built-in DLRM's set [cluster] parameter_servers = 0")
-    return errors
 
 
 def parse_config(raw: dict[str, Any], *, source: str = "<dict>") -> JobConfig:

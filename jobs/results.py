@@ -170,6 +170,11 @@ class PhaseResult(_Result):
     """Per trainer, the seconds of each interleaved block (:func:`jobs.stats.interleaved_gain`), seconds."""
     reader: dict[str, Any] | None | Absent = ABSENT
     """The trainers' reader statistics (lines/s; :func:`jobs.trainer.phases.reader_summary`), None without a stream."""
+    dynamic_tables: dict[str, dict[str, int]] | Absent = ABSENT
+    """Dynamic tables (``[model] table_sizes = "dynamic"``) at the end of the phase's training: per table (``t_C1``
+    ...) ``rows`` held and ``capacity`` (rows), and the counts ``inserts`` (ids first seen), ``admitted`` (rows
+    made), ``evictions`` (LRU), ``rejected`` (lookup and push positions of ids without a row), ``expired``
+    (:func:`jobs.trainer.servers.dynamic_stats`)."""
 
 
 @dataclass(frozen=True)

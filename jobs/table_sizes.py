@@ -1,6 +1,14 @@
 """The embedding table sizes of the built-in DLRM, all in one place: the 26 sizes a config resolves to
-(:func:`sizes`: ``[model] table_sizes`` "uniform", a list, or "data" once resolved), and the per-feature sizes
-from the data (``[model] table_sizes = "data"``, :func:`resolve`, with the first pass's counts).
+(:func:`sizes`: ``[model] table_sizes`` "uniform", a list, "dynamic", or "data" once resolved), the sizes the
+reader hashes into (:func:`reader_sizes`), the dynamic tables of the ``parameter_servers`` pass (:func:`dynamic`),
+and the per-feature sizes from the data (``[model] table_sizes = "data"``, :func:`resolve`, with the first pass's
+counts).
+
+With ``table_sizes = "dynamic"`` each table is a collisionless dynamic table on the parameter servers
+(:mod:`scheduling.ps.dynamic`): the reader keeps each value's raw 64-bit mix (no modulo,
+:data:`recsys.criteo_format.RAW_IDS`), the model's tables are made with ``[model] dynamic_capacity`` rows (the
+memory check counts those), and the servers give an id a row once it was looked up ``dynamic_min_count`` times,
+evicting the least recently used row when the table is full.
 
 The launcher's first pass over the data (:func:`recsys.criteo_shard.scan`) counts the distinct values of each
 categorical feature ``C1..C26``; table ``j`` then gets ``min(distinct_j + 1, [model] max_table_size)`` rows
@@ -10,7 +18,8 @@ results.json (``tables``); the resolved list replaces "data" in the config the t
 run keeps its sizes.
 
 Source: the DLRM / torchrec Criteo preprocessing (per-feature ``num_embeddings`` from the data's
-cardinalities, capped: torchrec's ``--num_embeddings_per_feature`` with a max ids per table).
+cardinalities, capped: torchrec's ``--num_embeddings_per_feature`` with a max ids per table); Liu et al. 2022,
+"Monolith: Real Time Recommendation System With Collisionless Embedding Table" §2.1-2.2 (dynamic tables).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any, cast
 
 from jobs.config import ConfigError, JobConfig
 
-__all__ = ["CARDINALITIES", "sizes", "sizes_from_counts", "resolve", "write_record"]
+__all__ = ["CARDINALITIES", "sizes", "reader_sizes", "dynamic", "sizes_from_counts", "resolve", "write_record"]
 
 CARDINALITIES = "cardinalities.json"
 
@@ -38,10 +47,41 @@ def sizes(config: JobConfig) -> list[int]:
     given = config.model.table_sizes
     if given == "uniform":
         return [config.model.table_size] * 26
+    if given == "dynamic":
+        return [config.model.dynamic_capacity] * 26
     if given == "data":
         raise ConfigError(f'{config.source}: [model] table_sizes = "data" has not been resolved from the data '
                           "yet (jobs.table_sizes.resolve)")
     return list(cast(list[int], given))  # the config check admits no other string
+
+
+def reader_sizes(config: JobConfig) -> list[int]:
+    """What the Criteo reader hashes each feature into (:func:`recsys.criteo_format.hash_ids`): :func:`sizes`, or
+    :data:`recsys.criteo_format.RAW_IDS` for every table with ``table_sizes = "dynamic"`` (raw ids, no modulo).
+
+    Raises:
+        ConfigError: ``table_sizes = "data"`` not resolved yet.
+    """
+    from recsys.criteo_format import RAW_IDS
+
+    return [RAW_IDS] * 26 if config.model.table_sizes == "dynamic" else sizes(config)
+
+
+def dynamic(config: JobConfig, names: list[str]) -> dict[str, dict[str, Any]] | None:
+    """The ``dynamic=`` argument of the ``parameter_servers`` pass for the tables ``names`` (the built-in DLRM's
+    ``t_C1 .. t_C26``) with ``table_sizes = "dynamic"``: ``{name: {"capacity", "min_count", "expire_steps"}}``
+    (``expire_steps`` None for 0, never); None otherwise.
+
+    >>> from jobs.config import parse_config
+    >>> dynamic(parse_config({"model": {"table_sizes": "dynamic", "dynamic_capacity": 8}}), ["t_C1"])
+    {'t_C1': {'capacity': 8, 'min_count': 1, 'expire_steps': None}}
+    """
+    m = config.model
+    if m.table_sizes != "dynamic":
+        return None
+    spec = {"capacity": m.dynamic_capacity, "min_count": m.dynamic_min_count,
+            "expire_steps": m.dynamic_expire_steps or None}
+    return {name: dict(spec) for name in names}
 
 
 def sizes_from_counts(distinct: list[int], cap: int) -> list[int]:

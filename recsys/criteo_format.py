@@ -10,6 +10,9 @@ may be empty). Each line becomes
   runs, unlike Python's ``hash``; :func:`mix64`, :func:`hash_ids`); empty -> id 0 ("missing"). Every reader
   of the project uses this hash: the job's, :func:`recsys.criteo.criteo_batches` and ``quant``'s
   ``load_criteo``. ``table_size`` is one size for all 26 tables or one per feature (``[model] table_sizes``);
+  a size of :data:`RAW_IDS` (0) keeps feature ``j``'s mixed value unreduced (``mix64(v, j)``'s low 63 bits, a
+  non-negative int64: no modulo, so no collisions beyond the 63-bit mix) for a dynamic table
+  (``scheduling.ps.dynamic``, ``[model] table_sizes = "dynamic"``);
 - ``label``: 0.0 or 1.0.
 
 Lines that do not parse are counted by reason and skipped; they never stop a job. Each field is checked
@@ -69,7 +72,9 @@ __all__ = [
     "MalformedLine",
     "ParseStats",
     "READ_ERRORS",
+    "RAW_IDS",
     "mix64",
+    "raw_id",
     "hash_ids",
     "right_aligned",
     "hex_values",
@@ -135,6 +140,9 @@ class ParseStats:
 
 
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+RAW_IDS = 0
+"""The table size that asks :func:`hash_ids` for raw ids (a dynamic table's: no modulo, :func:`raw_id`)."""
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -146,8 +154,15 @@ def mix64(values: int, table: int) -> int:
     return z ^ (z >> 31)
 
 
+def raw_id(value: int, table: int) -> int:
+    """The raw id of a dynamic table (size :data:`RAW_IDS`): :func:`mix64`'s low 63 bits, a non-negative int64
+    (the dynamic store marks free slots with -1, so ids are kept non-negative)."""
+    return mix64(value, table) & _MASK63
+
+
 def hash_ids(values: np.ndarray, present: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-    """Ids of categorical values in their tables: ``1 + mix64(v, j) % (sizes[j] - 1)``, 0 where missing.
+    """Ids of categorical values in their tables: ``1 + mix64(v, j) % (sizes[j] - 1)``, 0 where missing; for a
+    size of :data:`RAW_IDS` (a dynamic table) the raw id :func:`raw_id` instead (no modulo), 0 where missing.
 
     Shapes: ``values (n, T) uint64``, ``present (n, T) bool``, ``len(sizes) == T`` -> ``(n, T) int64``.
     """
@@ -157,8 +172,9 @@ def hash_ids(values: np.ndarray, present: np.ndarray, sizes: Sequence[int]) -> n
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    buckets = np.asarray(sizes, dtype=np.uint64) - np.uint64(1)
-    ids = (z % buckets + np.uint64(1)).astype(np.int64)
+    raw = np.asarray(sizes, dtype=np.int64) == RAW_IDS
+    buckets = np.where(raw, 2, np.asarray(sizes, dtype=np.int64)).astype(np.uint64) - np.uint64(1)
+    ids = np.where(raw, z & np.uint64(_MASK63), z % buckets + np.uint64(1)).astype(np.int64)
     ids[~present] = 0
     return ids
 
@@ -225,14 +241,16 @@ def parse_fields(line: str) -> tuple[list[float], list[int | None], float]:
 
 
 def table_size_list(table_size: int | Sequence[int]) -> list[int]:
-    """One size per categorical feature: ``[table_size] * 26`` for an int, else the 26 sizes given.
+    """One size per categorical feature: ``[table_size] * 26`` for an int, else the 26 sizes given
+    (:data:`RAW_IDS` for a dynamic table's raw ids).
 
     Raises:
-        ValueError: not 26 sizes, or a size below 2.
+        ValueError: not 26 sizes, or a size below 2 other than :data:`RAW_IDS`.
     """
     sizes = [table_size] * NUM_SPARSE if isinstance(table_size, int) else [int(s) for s in table_size]
-    if len(sizes) != NUM_SPARSE or min(sizes) < 2:
-        raise ValueError(f"table sizes: need {NUM_SPARSE} sizes of at least 2 rows, got {sizes!r}")
+    if len(sizes) != NUM_SPARSE or any(s < 2 and s != RAW_IDS for s in sizes):
+        raise ValueError(f"table sizes: need {NUM_SPARSE} sizes of at least 2 rows (or {RAW_IDS}: raw ids of a "
+                         f"dynamic table), got {sizes!r}")
     return sizes
 
 
@@ -249,7 +267,8 @@ def parse_line(line: str, table_size: int | Sequence[int]) -> tuple[list[float],
     """
     dense, values, label = parse_fields(line)
     sizes = table_size_list(table_size)
-    sparse = [0 if v is None else 1 + mix64(v, j) % (sizes[j] - 1) for j, v in enumerate(values)]
+    sparse = [0 if v is None else raw_id(v, j) if sizes[j] == RAW_IDS else 1 + mix64(v, j) % (sizes[j] - 1)
+              for j, v in enumerate(values)]
     return dense, sparse, label
 
 

@@ -341,6 +341,7 @@ TESTED_ELSEWHERE = {
     "quant.models.digits_cnn": "tests/quant/test_fuse_conv_bn.py",
     "quant.models.resnet": "tests/quant/test_fuse_conv_bn.py",
     # jobs: the launcher and its helpers run end to end (Ray) in the job tests
+    "jobs.config_rules": "tests/jobs/test_dynamic_job.py",           # dynamic_errors (train_errors: test_config.py)
     "jobs.criteo": "tests/jobs/test_trainer_workload.py",
     "jobs.entry": "tests/jobs/test_user_outputs.py",
     "jobs.launcher.launch": "tests/jobs/test_job.py",

@@ -303,12 +303,13 @@ def _memory_message(config: JobConfig, estimate: MemoryEstimate, available: int)
     sizes = table_sizes.sizes(config)
     where = (f"on the {c.parameter_servers} parameter server(s) with row-wise Adagrad state"
              if c.parameter_servers else f"in each of the {c.trainers} trainers")
+    dynamic = m.table_sizes == "dynamic"
     what = (f"[model] table_size = {m.table_size}" if m.table_sizes == "uniform" else
+            f"[model] dynamic_capacity = {m.dynamic_capacity}" if dynamic else
             f"[model] table_sizes = per feature ({sum(sizes):_} rows in all, the largest {max(sizes):_})")
     procs = ", ".join(f"{name} {b / GIB:.2f}" for name, b in estimate.processes.items())
-    fixes = ["a smaller [model] max_table_size (per-feature sizes are capped there)"
-             if m.table_sizes != "uniform" else "a smaller table_size",
-             "a smaller embedding_dim"]
+    fixes = ["a smaller table_size" if m.table_sizes == "uniform" else "a smaller dynamic_capacity" if dynamic
+             else "a smaller [model] max_table_size (per-feature sizes are capped there)", "a smaller embedding_dim"]
     if c.parameter_servers and m.server_storage != "fused8bit":
         fixes.append('[model] server_storage = "fused8bit" (a quarter of fp32 rows)')
     fixes.append("more parameter servers on a Ray cluster ([cluster] address, parameter_servers)")

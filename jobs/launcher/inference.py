@@ -218,14 +218,17 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
         kept, else > 1), ``output_max_abs_diff`` (:func:`max_abs_diff` of the int8 and fp32 outputs: 0.0 when fp32 is
         kept at selection), ``device`` (``"cpu"``: FBGEMM's int8 kernels are CPU kernels, so the comparison runs on the
         launcher's CPU even when the trainers used GPUs; ``device_note`` says so then); or ``skipped`` (the reason)
-        alone when there is no held-out batch, no layer to quantize, quantization cannot run on the model (the reason
-        names the exception's type and message), or anything else in this stage raised (then reason starts with
-        "failed:").
+        alone when the tables are dynamic, there is no held-out batch, no layer to quantize, quantization cannot run
+        on the model (the reason names the exception's type and message), or anything else in this stage raised (then
+        reason starts with "failed:").
 
     Never raises an ``Exception``: the job trained, and this stage only adds to its results.
     """
     from jobs.trainer.workload import inference_batches
 
+    if config.model.table_sizes == "dynamic":
+        return InferenceResult(skipped='dynamic tables ([model] table_sizes = "dynamic"): their rows are found '
+                                       "through the servers' id maps, which the local fp32 / int8 models do not have")
     threads = torch.get_num_threads()
     try:
         held_out, calibration = inference_batches(config, data_path)

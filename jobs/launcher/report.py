@@ -19,7 +19,7 @@ from jobs.results import InferenceResult, JobResults, PhaseResult, strict_json
 from jobs.stats import gain_percent
 from jobs.trainer.lookups import prefetch_lines
 
-__all__ = ["table", "write", "plot", "to_json", "parity_problem", "counted"]
+__all__ = ["table", "write", "plot", "to_json", "parity_problem", "counted", "dynamic_line"]
 
 
 def counted(n: Any, noun: str) -> str:
@@ -139,6 +139,7 @@ def table(results: JobResults) -> str:
     if shares and (cfg.get("metrics") or {}).get("enabled", True):
         lines.append("metrics updates in the training loop (largest trainer share of phase time): "
                      + ", ".join(f"{name} {_fmt(v, '.3f')} %" for name, v in shares.items()))
+    lines += _dynamic_lines(results)
     lines += ["", *_gain_lines(results), *_parity_lines(results)]
     opt = results.get("phases", {}).get("optimized", {}).get("optimize", {})
     if opt:
@@ -163,6 +164,29 @@ def table(results: JobResults) -> str:
         lines.append(f"restarts from checkpoint: {results['restarts']} (faults injected: {results.get('faults_fired')})")
     lines += placement_lines(results)  # where each trainer and server ran (jobs.cluster)
     return "\n".join(lines)
+
+
+def dynamic_line(tables: dict[str, dict[str, int]]) -> str:
+    """One line of a phase's dynamic tables (``PhaseResult.dynamic_tables``): how many, their rows against their
+    capacity, the evictions and ids turned away.
+
+    >>> dynamic_line({"t_C1": {"rows": 2871, "capacity": 3000, "evictions": 41000, "rejected": 0},
+    ...               "t_C2": {"rows": 3000, "capacity": 3000, "evictions": 233, "rejected": 5}})
+    'dynamic tables: 2, rows 2,871-3,000 of capacity 3,000; 41,233 evictions, 5 lookups/pushes without a row'
+    """
+    rows = [t["rows"] for t in tables.values()]
+    caps = sorted({t["capacity"] for t in tables.values()})
+    cap = f"{caps[0]:,}" if len(caps) == 1 else f"{caps[0]:,}-{caps[-1]:,}"
+    rejected = sum(t.get("rejected", 0) for t in tables.values())
+    return (f"dynamic tables: {len(tables)}, rows {min(rows):,}-{max(rows):,} of capacity {cap}; "
+            f"{sum(t.get('evictions', 0) for t in tables.values()):,} evictions"
+            + (f", {rejected:,} lookups/pushes without a row" if rejected else ""))
+
+
+def _dynamic_lines(results: JobResults) -> list[str]:
+    """The last phase's dynamic tables (:func:`dynamic_line`); nothing without them."""
+    phases = [p for p in results.get("phases", {}).values() if p.get("dynamic_tables")]
+    return [dynamic_line(phases[-1]["dynamic_tables"])] if phases else []
 
 
 def _reader_lines(results: JobResults) -> list[str]:

@@ -20,14 +20,23 @@ if TYPE_CHECKING:
 
 
 def digest(state: dict[str, Any]) -> str:
-    """SHA-1 of a state dict's tensors (names, shapes, bytes), to check that a restore is exact."""
+    """SHA-1 of a state dict's tensors (names, shapes, bytes), also those in nested dicts and lists (dynamic tables'
+    server state: rows, optimizer state, id maps), to check that a restore is exact."""
     h = hashlib.sha1()
-    for key in sorted(state):
-        value = state[key]
-        if isinstance(value, torch.Tensor):
-            h.update(f"{key}:{tuple(value.shape)}:{value.dtype}".encode())
-            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    _update(h, "", state)
     return h.hexdigest()
+
+
+def _update(h: Any, prefix: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(f"{prefix}:{tuple(value.shape)}:{value.dtype}".encode())
+        h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=str):
+            _update(h, f"{prefix}.{key}" if prefix else str(key), value[key])
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _update(h, f"{prefix}[{i}]", item)
 
 
 def save_checkpoint(step: int, trainers: dict[str, TrainPipeline], early: dict[str, dict[str, Any]], rank: int,

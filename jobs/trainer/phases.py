@@ -124,6 +124,7 @@ def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: i
     for phase, t in trainers.items():
         t.tables.sync()
         runs = gather(t.run)  # also a barrier: every rank's updates are on the servers before evaluation
+        dynamic = t.tables.dynamic_stats()  # rank 0: the dynamic tables as training left them, before evaluation
         end = evaluate(t.evaluated, workload, t.tables) if workload.has_eval else {}
         if rank == 0:
             quality_step = early[phase].get("step", steps)
@@ -131,7 +132,8 @@ def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: i
                                     quality_step=quality_step, quality_epochs=quality_step * config.job.batch_size
                                     / shard_rows, quality_end=end, optimize=t.info, resumed_from_step=t.run.start_step,
                                     epochs=steps * config.job.batch_size / shard_rows,
-                                    block_seconds=[r.blocks for r in runs], reader=reader)
+                                    block_seconds=[r.blocks for r in runs], reader=reader,
+                                    **({"dynamic_tables": dynamic} if dynamic is not None else {}))
             __import__("ray").get(state.phase_done.remote(phase, summary))
     save_checkpoint(steps, trainers, early, rank, final=True, state=state)
 

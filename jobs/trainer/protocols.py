@@ -87,6 +87,10 @@ class Tables(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load :meth:`state_dict`'s output (rank 0 writes it to the servers; every rank waits); a no-op when local."""
 
+    def dynamic_stats(self) -> dict[str, dict[str, int]] | None:
+        """Rank 0, dynamic tables (``[model] table_sizes = "dynamic"``): per table its rows, capacity and counters
+        (:func:`jobs.trainer.servers.dynamic_stats`); None otherwise (always None when local)."""
+
 
 class TableBackend(Protocol):
     """Where a trainer's tables live, for every phase (:func:`jobs.trainer.workload.make_tables`)."""

@@ -27,7 +27,9 @@ phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling
 (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers (stored as
 ``[model] server_storage`` says, trained there with row-wise Adagrad) and turns each lookup into blocking
 ``ps_lookup`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
-backward.
+backward. With ``[model] table_sizes = "dynamic"`` the pass makes the built-in DLRM's 26 tables dynamic
+(``dynamic=``, :func:`jobs.table_sizes.dynamic`); their checkpoints hold each table whole with its id map
+(:func:`scheduling.placement.restore.table_checkpoint`) and each phase reports their counters (:func:`dynamic_stats`).
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
 """
@@ -45,10 +47,34 @@ import torch.distributed as dist
 
 from scheduling.ps import DEFAULT_WORKER_THREADS
 
-__all__ = ["ServerHooks", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers"]
+__all__ = ["ServerHooks", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers",
+           "dynamic_stats"]
 
 CLIENT = "fxdist-job"
 """Registry name of the job's PSClient in each trainer process."""
+DYNAMIC_KEYS = ("rows", "capacity", "inserts", "evictions", "admitted", "rejected", "expired")
+"""The statistics of each dynamic table in results.json (``phases.<phase>.dynamic_tables``)."""
+
+
+def dynamic_stats(clients: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, int]]:
+    """Per dynamic table name, :data:`DYNAMIC_KEYS` of its shard, from ``{client name: PSClient.server_states()}``
+    (entries ``{"spec", "dynamic": DynamicTable.state_dict()}``; fixed tables' entries are skipped)."""
+    out: dict[str, dict[str, int]] = {}
+    for servers in clients.values():
+        for shards in servers:
+            for entry in shards.values():
+                d = entry.get("dynamic")
+                if d is not None:
+                    counters = d["counters"]
+                    out[entry["spec"].table.name] = {"rows": int(d["map_ids"].numel()), "capacity": int(d["capacity"]),
+                                                     **{k: int(counters.get(k, 0)) for k in DYNAMIC_KEYS[2:]}}
+    return dict(sorted(out.items(), key=lambda kv: _natural(kv[0])))
+
+
+def _natural(name: str) -> tuple[str, int]:
+    """``t_C10`` after ``t_C9``: the name's text, then its trailing number."""
+    head = name.rstrip("0123456789")
+    return head, int(name[len(head):] or 0)
 
 
 class ServerHooks:
@@ -352,13 +378,16 @@ class _PhaseTables(_LookupTimer):
         from scheduling.placement import parameter_servers
 
         c = self.owner.config
+        from jobs import table_sizes
+        from jobs.criteo import FEATURES
         from jobs.optimizers import table_optimizer_args
 
+        dynamic = None if c.user_model else table_sizes.dynamic(c, [f"t_{f}" for f in FEATURES])
         return functools.partial(parameter_servers, **table_optimizer_args(c),
                                  servers=tuple(self.owner.servers), client=f"{CLIENT}-{self.phase}",
                                  timeout_s=c.cluster.rpc_timeout_s, verbose=self.rank == 0, rank=self.rank,
                                  world_size=self.owner.world, group=self.owner.group,
-                                 storage=c.model.server_storage, seed=c.job.seed)
+                                 storage=c.model.server_storage, seed=c.job.seed, dynamic=dynamic)
 
     def attach(self, gm: Any) -> None:
         """``gm`` went through :meth:`placement_pass`: time its clients' fetches; wait until every rank has
@@ -425,6 +454,22 @@ class _PhaseTables(_LookupTimer):
         if self.rank == 0 and state:
             load_table_checkpoint(self.gm, state)
         self.owner.barrier()
+
+    @property
+    def dynamic(self) -> bool:
+        """The tables are dynamic (``[model] table_sizes = "dynamic"``, :mod:`scheduling.ps.dynamic`)."""
+        return self.owner.config.model.table_sizes == "dynamic"
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]] | None:
+        """Rank 0, dynamic tables: per table (``t_C1`` ...), ``rows`` held, ``capacity`` and the counters
+        ``inserts``, ``evictions``, ``admitted``, ``rejected``, ``expired`` (:meth:`scheduling.ps.dynamic.DynamicTable.stats`),
+        read from the servers' state (``PSClient.server_states``); None for fixed tables or on other ranks."""
+        from scheduling.placement import client_names
+        from scheduling.ps import get_client
+
+        if self.rank != 0 or self.gm is None or not self.dynamic:
+            return None
+        return dynamic_stats({n: get_client(n).server_states() for n in client_names(self.gm)})
 
     def close(self) -> None:
         for client in self._clients():

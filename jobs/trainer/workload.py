@@ -64,7 +64,7 @@ def criteo_shard(config: JobConfig, data_path: str | Path, **kwargs: Any) -> Cri
     """A :class:`~recsys.criteo_shard.CriteoShard` of ``data_path`` hashed for the built-in model's tables (``kwargs``:
     ``rank``, ``world_size``, ``split``); ``eval_fraction`` defaults to ``[data] eval_fraction``."""
     kwargs.setdefault("eval_fraction", config.data.eval_fraction)
-    return CriteoShard(data_path, table_sizes.sizes(config), **kwargs)
+    return CriteoShard(data_path, table_sizes.reader_sizes(config), **kwargs)
 
 
 class UserWorkload:
@@ -258,7 +258,7 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
         raise DataError(f"CriteoShard: {data_path} has no valid train line for rank {rank} of {world} "
                         f"({stats['valid']} valid, {sum(stats['malformed'].values())} malformed)")
     on_chunk = None if exporter is None else (lambda s: exporter.observe_reader(s["lines_per_s"]))
-    stream = CriteoStream(plan.files, table_sizes.sizes(config), rank=rank, world_size=world, every=plan.every,
+    stream = CriteoStream(plan.files, table_sizes.reader_sizes(config), rank=rank, world_size=world, every=plan.every,
                           workers=d.reader_workers, rows_per_epoch=plan.rows[rank], on_chunk=on_chunk)
     eval_shard = None
     if rank == 0 and d.eval_fraction > 0:
@@ -327,6 +327,10 @@ class LocalTables:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to do: the tables are in the model's state dict."""
+
+    def dynamic_stats(self) -> None:
+        """None: no dynamic tables without servers."""
+        return None
 
     def close(self, graceful: bool = True) -> None:
         """Nothing to release."""

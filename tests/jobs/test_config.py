@@ -111,6 +111,9 @@ OUT_OF_RANGE = [
     ("model", "table_sizes", [5] * 25, r"a list of 26 to 26 items"),
     ("model", "table_sizes", [5] * 25 + [1], r"item 25 \(1\) is out of range: each must be an integer in 2\.\."),
     ("model", "max_table_size", 1, r"an integer in 2\.\.4_294_967_296"),
+    ("model", "dynamic_capacity", 0, r"an integer in 1\.\.4_294_967_296"),
+    ("model", "dynamic_min_count", 0, r"an integer in 1\.\.1_000_000_000"),
+    ("model", "dynamic_expire_steps", -1, r"an integer in 0\.\.1_000_000_000"),
     ("model", "local_below_rows", -1, r"an integer in 0\.\.4_294_967_296"),
     ("model", "bottom_mlp", [], r"a list of 1 to 16 items"),
     ("model", "top_mlp", [8, 0], r"item 1 \(0\) is out of range: each must be an integer in 1\.\.65_536"),
@@ -140,7 +143,7 @@ def test_table_sizes_are_uniform_data_or_26_sizes():
     unresolved = JobConfig().replace(model={"table_sizes": "data"})
     with pytest.raises(ConfigError, match=r'table_sizes = "data" has not been resolved'):
         table_sizes.sizes(unresolved)
-    with pytest.raises(ConfigError, match=r'\[model\] table_sizes = \'all\': must be "uniform", "data" or a list'):
+    with pytest.raises(ConfigError, match=r'\[model\] table_sizes = \'all\': must be "uniform", "data", "dynamic" or a list'):
         JobConfig().replace(model={"table_sizes": "all"})
     with pytest.raises(ConfigError, match=r"\[model\] table_sizes: expected a list or str, got int \(7\)"):
         JobConfig().replace(model={"table_sizes": 7})

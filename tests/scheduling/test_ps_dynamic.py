@@ -381,3 +381,44 @@ def test_prefetch_trains_a_dynamic_table_as_blocking_lookups():
     assert prefetched[2] > 0 and blocking[2] == 0
     assert all(torch.equal(a, b) for a, b in zip(blocking[0], prefetched[0]))
     assert torch.equal(blocking[1], prefetched[1])
+
+
+def test_client_server_state_round_trip_restores_the_id_maps():
+    """PSClient.server_states / load_server_states (what a job checkpoints for dynamic tables): the servers' shards
+    with their id maps, given back after more training, restore the same rows and counters."""
+    import functools
+
+    import fxdist
+    import scheduling
+    from scheduling import placement
+    from scheduling.ps import LocalCluster
+    from scheduling.ps.client import get_client
+
+    def train(gm, steps):
+        for step in steps:
+            gen = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 9, (8,), generator=gen) * (1 << 50) + 3
+            ((gm(ids) - torch.randn(8, generator=gen)) ** 2).mean().backward()
+        placement.flush(gm)
+
+    with LocalCluster(num_servers=1):
+        to_servers = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.5, verbose=False,
+                                       client="dynstate", dynamic={"t": {"capacity": 4}})
+        gm = fxdist.optimize(RawIds(), passes=(to_servers,))
+        try:
+            train(gm, range(5))
+            client = get_client(placement.client_names(gm)[0])
+            saved = client.server_states()
+            (entry,) = saved[0].values()
+            before = (entry["dynamic"]["map_ids"].clone(), entry["dynamic"]["counters"], client.state_dict())
+            train(gm, range(5, 9))
+            (moved,) = client.server_states()[0].values()
+            assert moved["dynamic"]["counters"] != before[1]          # more training changed the tables
+            client.load_server_states(saved)
+            (after,) = client.server_states()[0].values()
+            assert torch.equal(after["dynamic"]["map_ids"], before[0]) and after["dynamic"]["counters"] == before[1]
+            assert all(torch.equal(v, before[2][k]) for k, v in client.state_dict().items())
+            with pytest.raises(ValueError, match="2 server states for the 1 servers"):
+                client.load_server_states(saved * 2)
+        finally:
+            placement.close(gm)
