@@ -13,9 +13,10 @@ A trainer's requests to its own server skip RPC (:func:`call_local`, used by
 :class:`~scheduling.ps.transport.TorchRPCTransport`): no serialisation, no copy, no network thread. They
 still go through :meth:`ServerEndpoints.submit <scheduling.ps.endpoints.Endpoints.submit>`, so the request
 order of :mod:`scheduling.ps.ordering` holds exactly as over RPC (issue order per client, step order across
-the group: a lookup after a push sees it). A request whose turn has come runs on the calling thread; one that
-waits (for another trainer's push) runs later on the thread that releases it, e.g. the RPC thread serving
-that trainer's push. Tensors are handed over as they are: the server only reads a request's tensors and
+the group: a lookup after a push sees it). A request whose turn has come runs on the calling thread
+(``own_requests="inline"``) or on one server thread of the process (``"thread"``, started in issue order); one
+that waits (for another trainer's push) runs later on the thread that releases it, e.g. the RPC thread
+serving that trainer's push. Tensors are handed over as they are: the server only reads a request's tensors and
 answers new ones, so sharing them changes nothing.
 
 Use (in every trainer process, before it joins the group; rank 0 hosts the rendezvous)::
@@ -43,6 +44,10 @@ __all__ = ["serve_in_trainer", "stop_serving", "trainer_servers", "hosted_worker
 
 _HOSTED: dict[str, tuple[Endpoints, bool]] = {}
 """This process's RPC worker name -> (the endpoints of the server it hosts, whether its own requests skip RPC)."""
+_OWN_THREAD: list[Any] = []
+"""The one-thread executor running this process's own requests (``own_requests="thread"``), or empty."""
+OWN_REQUESTS = ("inline", "thread")
+"""Where a trainer's direct requests to its own server run: on the calling thread, or on one server thread."""
 
 
 def trainer_servers(world_size: int, prefix: str = "trainer") -> list[str]:
@@ -58,7 +63,7 @@ def trainer_servers(world_size: int, prefix: str = "trainer") -> list[str]:
 
 
 def serve_in_trainer(worker: str, name: str | None = None, *, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
-                     checkpoint: str | None = None, direct: bool = True) -> Any:
+                     checkpoint: str | None = None, direct: bool = True, own_requests: str = "inline") -> Any:
     """Make this trainer process also a parameter server: requests that reach its RPC worker ``worker`` (other
     trainers' lookups and pushes) are served from a new :class:`~scheduling.ps.server.PSServer`, and with
     ``direct`` this process's own requests to ``worker`` skip RPC (:func:`call_local`). Call it before
@@ -71,6 +76,9 @@ def serve_in_trainer(worker: str, name: str | None = None, *, fetch_delay_s: flo
         checkpoint: a file written by ``PSServer.save`` to restore the shards from.
         direct: False sends this process's own requests through RPC too (a loopback connection), as a
             separate server process would receive them.
+        own_requests: with ``direct``, where this process's own requests run: ``"inline"`` (on the thread
+            that sends them, e.g. inside backward) or ``"thread"`` (handed to one server thread of this
+            process, in issue order, so the sender goes on at once, as with RPC but without serialising).
 
     Returns:
         The :class:`~scheduling.ps.server.PSServer`.
@@ -78,8 +86,12 @@ def serve_in_trainer(worker: str, name: str | None = None, *, fetch_delay_s: flo
     Raises:
         RuntimeError: a parameter server already runs in this process (``start_server`` or an earlier
             ``serve_in_trainer`` not ended by :func:`stop_serving`).
+        ValueError: ``own_requests`` is not one of :data:`OWN_REQUESTS`.
     """
     from . import server as _srv
+
+    if own_requests not in OWN_REQUESTS:
+        raise ValueError(f"serve_in_trainer: own_requests={own_requests!r}; use one of {OWN_REQUESTS}")
 
     if _srv._ENDPOINTS.server is not None:
         raise RuntimeError(f"serve_in_trainer({worker!r}): parameter server {_srv._ENDPOINTS.server.name!r} already "
@@ -90,6 +102,10 @@ def serve_in_trainer(worker: str, name: str | None = None, *, fetch_delay_s: flo
     _srv._ENDPOINTS.server = server
     _HOSTED.clear()
     _HOSTED[worker] = (_srv._ENDPOINTS, direct)
+    if own_requests == "thread":
+        from concurrent.futures import ThreadPoolExecutor
+
+        _OWN_THREAD[:] = [ThreadPoolExecutor(1, thread_name_prefix=f"ps-{server.name}-own")]
     return server
 
 
@@ -101,6 +117,9 @@ def stop_serving() -> None:
     if _HOSTED:
         _HOSTED.clear()
         _srv._ENDPOINTS.server = None
+    for pool in _OWN_THREAD:
+        pool.shutdown(wait=False)
+    _OWN_THREAD.clear()
 
 
 def hosted_worker() -> str | None:
@@ -120,9 +139,17 @@ def call_local(endpoints: Endpoints, method: str, args: tuple) -> torch.futures.
     RPC: a ``torch.futures.Future`` of the answer, completed as the transport's would be (the server's own
     exception, e.g. ``ValueError``, raised by ``wait()``; a ``batch`` answers ``[(answer, error), ...]``).
     Ordered requests (``lookup``, ``push``, ``push_lookup``, ``batch``) follow :mod:`scheduling.ps.ordering`:
-    they run on this thread when their turn has come, else later on the thread that releases them."""
+    they run on this thread when their turn has come (on the server's own thread with
+    ``own_requests="thread"``, in issue order), else later on the thread that releases them."""
     future: torch.futures.Future = torch.futures.Future()
+    if _OWN_THREAD:  # every request, so they start in issue order
+        _OWN_THREAD[0].submit(_call, endpoints, method, args, future)
+    else:
+        _call(endpoints, method, args, future)
+    return future
 
+
+def _call(endpoints: Endpoints, method: str, args: tuple, future: torch.futures.Future) -> None:
     def done(value: Any, error: BaseException | None) -> None:
         if error is None:
             future.set_result(value)
@@ -142,4 +169,3 @@ def call_local(endpoints: Endpoints, method: str, args: tuple) -> torch.futures.
             done([(None, e)] * len(args[0]), None)
         else:
             done(None, e)
-    return future

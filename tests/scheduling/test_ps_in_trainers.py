@@ -1,13 +1,14 @@
 """Parameter servers inside the trainers' processes (``scheduling.ps.in_trainers``).
 
 The end-to-end test trains the same model with 2 DDP trainers (gloo) against 2 separate server processes and
-against servers hosted by the trainers themselves (each trainer's own requests called directly, the other's
-by RPC), eagerly and with ``async_rpc_prefetch``: the losses and the final tables must be bit-identical. The
+against servers hosted by the trainers themselves (each trainer's own requests called directly, inline or on
+one server thread; the other's by RPC), eagerly and with ``async_rpc_prefetch``: the losses and the final tables must be bit-identical. The
 unit tests drive a directly called server in this process (no RPC group needed).
 """
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 
 import pytest
@@ -20,9 +21,9 @@ from scheduling.ps.shard_plan import TableSpec
 from tests.scheduling import _group
 
 
-@pytest.fixture
-def hosted():
-    server = serve_in_trainer("me", name="ps-me")
+@pytest.fixture(params=["inline", "thread"])
+def hosted(request):
+    server = serve_in_trainer("me", name="ps-me", own_requests=request.param)
     try:
         yield server
     finally:
@@ -45,6 +46,12 @@ def test_a_second_server_in_one_process_is_refused(hosted):
     assert hosted_worker() == "me" and local_endpoints("me") is not None and local_endpoints("other") is None
     with pytest.raises(RuntimeError, match="'ps-me' already runs in this process"):
         serve_in_trainer("me2")
+
+
+def test_an_unknown_place_for_own_requests_is_refused():
+    with pytest.raises(ValueError, match=r"own_requests='pool'; use one of \('inline', 'thread'\)"):
+        serve_in_trainer("me", own_requests="pool")
+    assert hosted_worker() is None
 
 
 def test_a_client_of_its_own_process_server_trains_without_rpc(hosted):
@@ -94,7 +101,7 @@ def test_servers_in_trainers_train_exactly_as_separate_server_processes():
             ("prefetch_jitter", "prefetch", True, 0.02)]
     ctx = mp.get_context("spawn")
     found = {}
-    for in_trainers in (False, True):
+    for in_trainers in (None, "inline", "thread"):
         queue = ctx.Queue()
         rpc_port, pg_port = free_port(), free_port()
         targets = [] if in_trainers else [(_group.server_main, (world + i, world + num_servers, rpc_port))
@@ -102,16 +109,17 @@ def test_servers_in_trainers_train_exactly_as_separate_server_processes():
         targets += [(_group.trainer_main, (r, world, rpc_port, pg_port, num_servers, runs, steps, queue, in_trainers))
                     for r in range(world)]
         found[in_trainers] = _group.spawn_and_collect(ctx, targets, queue, world)
-    separate, inside = found[False], found[True]
+    separate = found[None]
     assert separate[0]["eager"]["losses"] != separate[1]["eager"]["losses"]  # the trainers saw different batches
-    for name, schedule, _, _ in runs:
+    for (name, schedule, _, _), own in itertools.product(runs, ("inline", "thread")):
+        inside = found[own]
         for rank in range(world):
             assert len(inside[rank][name]["losses"]) == steps
-            assert inside[rank][name]["losses"] == separate[rank][name]["losses"], (name, rank)
-            assert inside[rank][name]["losses"] == separate[rank]["eager"]["losses"], (name, rank)
+            assert inside[rank][name]["losses"] == separate[rank][name]["losses"], (name, own, rank)
+            assert inside[rank][name]["losses"] == separate[rank]["eager"]["losses"], (name, own, rank)
             if schedule == "prefetch":
                 assert inside[rank][name]["hits"] == world * (steps - 1)
         tables = inside[0][name]["tables"]
         assert tables.keys() == separate[0][name]["tables"].keys()
         for key, value in tables.items():
-            assert value == separate[0][name]["tables"][key], (name, key)
+            assert value == separate[0][name]["tables"][key], (name, own, key)
