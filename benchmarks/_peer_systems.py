@@ -176,8 +176,9 @@ def _sgd_step(forward: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
 
 def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[], None] = lambda: None,
            tables: Callable[[], dict[int, list]] | None = None) -> dict:
-    """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then
-    :func:`_profiled` steps when ``s.profile``; then, for small sizes, :func:`_table_change` of ``tables()``."""
+    """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then, for
+    small sizes, :func:`_table_change` of ``tables()`` (so every round compares the same steps); then
+    :func:`_profiled` steps when ``s.profile``."""
     losses = [float(step(i)) for i in range(s.warmup)]
     dist.barrier()
     start = time.perf_counter()
@@ -186,11 +187,11 @@ def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[],
     finish()
     dist.barrier()
     out: dict[str, Any] = {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": losses[-1]}
+    if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:   # before the profiled steps train on
+        out["table_change"] = _table_change(tables(), s)
     if s.profile:
         out["profile"] = _profiled(step, s, finish)
         dist.barrier()
-    if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:
-        out["table_change"] = _table_change(tables(), s)
     return out
 
 
