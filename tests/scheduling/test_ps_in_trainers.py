@@ -123,3 +123,19 @@ def test_servers_in_trainers_train_exactly_as_separate_server_processes():
         assert tables.keys() == separate[0][name]["tables"].keys()
         for key, value in tables.items():
             assert value == separate[0][name]["tables"][key], (name, own, key)
+
+
+def test_group_servers_lists_the_trainer_that_hosts_one():
+    from torch.distributed import rpc
+
+    from scheduling.ps import group_servers, init_trainer
+
+    serve_in_trainer("trainer0", name="ps0")
+    try:
+        init_trainer("trainer0", 0, 1, master_port=free_port(), timeout_s=30)
+        try:
+            assert group_servers() == ["trainer0"]
+        finally:
+            rpc.shutdown(graceful=False)
+    finally:
+        stop_serving()
