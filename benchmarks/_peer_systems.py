@@ -42,9 +42,11 @@ CHECK_BYTES = 128 << 20
 """Sizes whose 26 tables hold at most this many bytes also get the table check (:func:`_table_change`): fxdist's
 trainer gathers every table from the servers for it."""
 SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
-           "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms")
+           "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
+           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_stale1_0ms``: prefetch
-with ``max_staleness=1`` (pushes stay in flight one step)."""
+with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i`` inside
+trainer ``i``'s process (``scheduling.ps.in_trainers``: 2 processes instead of 4)."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -174,8 +176,9 @@ def _sgd_step(forward: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
 
 def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[], None] = lambda: None,
            tables: Callable[[], dict[int, list]] | None = None) -> dict:
-    """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then
-    :func:`_profiled` steps when ``s.profile``; then, for small sizes, :func:`_table_change` of ``tables()``."""
+    """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then, for
+    small sizes, :func:`_table_change` of ``tables()`` (so every round compares the same steps); then
+    :func:`_profiled` steps when ``s.profile``."""
     losses = [float(step(i)) for i in range(s.warmup)]
     dist.barrier()
     start = time.perf_counter()
@@ -184,11 +187,11 @@ def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[],
     finish()
     dist.barrier()
     out: dict[str, Any] = {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": losses[-1]}
+    if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:   # before the profiled steps train on
+        out["table_change"] = _table_change(tables(), s)
     if s.profile:
         out["profile"] = _profiled(step, s, finish)
         dist.barrier()
-    if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:
-        out["table_change"] = _table_change(tables(), s)
     return out
 
 
@@ -379,19 +382,31 @@ def _regions_on_client(client: Any) -> None:
                 setattr(client, m, wrapped(kind, getattr(client, m)))
 
 
+def in_trainers(system: str) -> bool:
+    """Whether fxdist system ``system`` keeps its servers inside the trainers (``fx_inproc_*``)."""
+    return system.startswith("fx_inproc_")
+
+
+def _fx_kind(system: str) -> str:
+    """``blocking``, ``prefetch`` or ``stale<k>`` of an fxdist system name."""
+    return system.removeprefix("fx_").removeprefix("inproc_").split("_")[0]
+
+
 def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
     """The DLRM (tables on ``meta``) through ``parameter_servers`` (+ ``async_rpc``, ``async_rpc_prefetch``, or
     for ``fx_stale<k>_*`` ``async_rpc(prefetch=True, max_staleness=k)``); rank 0 creates the tables on the
     servers, then the other trainer attaches."""
     import fxdist
     import scheduling
+    from scheduling.ps import trainer_servers
 
+    servers = trainer_servers(WORLD) if in_trainers(s.system) else [f"ps{i}" for i in range(SERVERS)]
     ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, rank=rank, world_size=WORLD,
-                           group=s.group, verbose=False, plan=PLAN,
-                           servers=[f"ps{i}" for i in range(SERVERS)], seed=TABLE_SEED, timeout_s=120.0)
+                           group=s.group, verbose=False, plan=PLAN, servers=servers, seed=TABLE_SEED,
+                           timeout_s=120.0)
     if rank != 0:
         dist.barrier()
-    kind = s.system.split("_")[1]   # blocking, prefetch, stale<k>
+    kind = _fx_kind(s.system)
     schedule: Any = (functools.partial(scheduling.async_rpc, prefetch=True, max_staleness=int(kind[5:]))
                      if kind.startswith("stale") else "async_rpc_prefetch" if prefetch else "async_rpc")
     gm = fxdist.optimize(dlrm(s.rows, s.dim, tables_device="meta"), passes=(ps, schedule))
@@ -402,11 +417,11 @@ def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
 
 def run_fx(rank: int, s: Setting) -> dict:
     """``fx_{blocking,prefetch}_{0,1}ms``: tables on :data:`SERVERS` servers, with the emulated latency per
-    lookup (``PSClient.set_delays``); the dense part DDP; SGD."""
+    lookup (``PSClient.set_delays``); the dense part DDP; SGD. ``fx_inproc_*``: the servers are the trainers."""
     from scheduling import placement
     from scheduling.ps import get_client
 
-    prefetch = s.system.split("_")[1] != "blocking"
+    prefetch = _fx_kind(s.system) != "blocking"
     gm = _fx_model(rank, s, prefetch)
     names = placement.client_names(gm)
     if rank == 0:
@@ -436,7 +451,7 @@ def run_fx(rank: int, s: Setting) -> dict:
 
     result = _timed(step, s, finish=lambda: placement.flush(gm), tables=tables)   # the timing ends at a barrier
     result["prefetch_hits"] = sum(get_client(n).prefetch_hits for n in names)
-    if rank == 0:
+    if rank == 0 and not in_trainers(s.system):   # servers in the trainers end with them
         get_client(names[0]).stop_servers()
     placement.close(gm)
     return result
@@ -471,9 +486,12 @@ def trainer_main(rank: int, s: Setting, queue: Any) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{s.pg_port}", rank=rank, world_size=WORLD)
         if fx:
-            from scheduling.ps import init_trainer
+            from scheduling.ps import init_trainer, serve_in_trainer
 
-            init_trainer(f"trainer{rank}", rank, WORLD + SERVERS, master_port=s.rpc_port, timeout_s=120)
+            if in_trainers(s.system):   # server `rank` in this process, before any request can reach it
+                serve_in_trainer(f"trainer{rank}", name=f"ps{rank}")
+            world = WORLD if in_trainers(s.system) else WORLD + SERVERS
+            init_trainer(f"trainer{rank}", rank, world, master_port=s.rpc_port, timeout_s=120)
         run = (run_fx if fx else run_ddp_local if s.system == "ddp_local" else
                run_dense_only if s.system == "dense_only" else run_dmp)
         queue.put((rank, run(rank, s)))
@@ -484,6 +502,9 @@ def trainer_main(rank: int, s: Setting, queue: Any) -> None:
         if fx:
             from torch.distributed import rpc
 
+            from scheduling.ps import stop_serving
+
             rpc.shutdown(graceful=False)
+            stop_serving()
         if dist.is_initialized():
             dist.destroy_process_group()

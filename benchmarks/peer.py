@@ -20,6 +20,9 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
   wraps its dense part.
 - ``fx_stale1_0ms``: prefetch with ``max_staleness=1`` (``async_rpc(prefetch=True, max_staleness=1)``): a
   step's pushes may stay in flight while the next step's lookups run;
+- ``fx_inproc_prefetch_0ms`` / ``fx_inproc_stale1_0ms``: the same with the servers inside the trainers'
+  processes (``scheduling.ps.in_trainers``): trainer ``i`` also serves server ``i``'s tables on its RPC threads,
+  and its requests to its own server skip RPC; 2 processes in all instead of 4;
 - ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
   tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
@@ -106,7 +109,7 @@ def run_once(setting: systems.Setting, timeout_s: float) -> tuple[dict[int, dict
     setting = systems.Setting(**{**setting.__dict__, "pg_port": free_port(), "rpc_port": free_port() if fx else 0,
                                  "group": f"peer-{uuid.uuid4().hex}"})
     targets = [(systems.trainer_main, (r, setting, queue)) for r in range(systems.WORLD)]
-    if fx:
+    if fx and not systems.in_trainers(setting.system):
         targets += [(systems.server_main, (systems.WORLD + i, setting.rpc_port)) for i in range(systems.SERVERS)]
     start = time.perf_counter()
     procs = [ctx.Process(target=t, args=a, daemon=True) for t, a in targets]
@@ -157,7 +160,7 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
             status = f"error: {r['error']}" if "error" in r else (
                 f"{r['qps']:,.0f} samples/s, loss {r['first_loss']:.7f} -> {r['last_loss']:.7f}"
                 + ("" if r.get("prefetch_hits") is None else f", trainer 0's prefetch hits {r['prefetch_hits']}"))
-            print(f"  round {rnd + 1} {name:<16} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
+            print(f"  round {rnd + 1} {name:<22} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
     return found
 
 
@@ -176,14 +179,14 @@ def _row(name: str, runs: list[dict], base: list[dict]) -> str:
     """One system's line of the table."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
-        return f"{name:<16} FAILED: {runs[0]['error'][:300]}"
+        return f"{name:<22} FAILED: {runs[0]['error'][:300]}"
     qps = [r["qps"] for r in ok]
     ratios = _ratios(runs, base)
     ratio = (f"{min(ratios):>11.2f} {statistics.median(ratios):>5.2f} {max(ratios):>5.2f}" if ratios
              else f"{'-':>11} {'-':>5} {'-':>5}")
     errors = [r["error"] for r in runs if "error" in r]
     failed = f"  ({len(errors)} of {len(runs)} failed: {errors[0][:200]})" if errors else ""
-    return (f"{name:<16} {statistics.median(qps):>8,.0f} {min(qps):>7,.0f}..{max(qps):<6,.0f} {ratio} "
+    return (f"{name:<22} {statistics.median(qps):>8,.0f} {min(qps):>7,.0f}..{max(qps):<6,.0f} {ratio} "
             f"{ok[-1]['last_loss']:>10.7f} {_fmt(_max_diff(runs, base, 'last_loss'), '.1e', 8)} "
             f"{_fmt(_max_diff(runs, base, 'first_loss'), '.1e', 8)} {_fmt(ok[-1].get('table_change'), '.3e', 9)} "
             f"{statistics.median(r['wall'] for r in runs):>6.0f}{failed}")
@@ -204,7 +207,7 @@ def ceiling(found: dict[str, list[dict]]) -> None:
         if name != "dense_only" and (name.startswith("fx_") or name.startswith("dmp_")):
             f = _ratios(runs, top)
             if f:
-                lines.append(f"  {name:<16} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
+                lines.append(f"  {name:<22} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
     if lines:
         print("fraction of the ceiling (QPS / dense_only's, min med max over rounds):\n" + "\n".join(lines))
 
@@ -216,18 +219,18 @@ def profile_table(found: dict[str, list[dict]], run_dir: Path) -> None:
     if not rows:
         return
     print(f"\nprofile, trainer 0, ms per step (torch.profiler, CPU; top ops in {run_dir}/profile_*.txt)\n"
-          f"{'system':<16} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
+          f"{'system':<22} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
           f"{'optimizer':>9} {'other':>7}")
     for name, p in rows:
         other = p["step"] - p["forward"] - p["backward"] - p["optimizer"]
-        print(f"{name:<16} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
+        print(f"{name:<22} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
               f"{p['push']:>7.2f} {p['optimizer']:>9.2f} {other:>7.2f}")
 
 
 def report(size: str, found: dict[str, list[dict]]) -> None:
     """The table of one size (columns: see the module docstring)."""
     base = found.get("dmp_tw", [])
-    print(f"\n{size} (rows x dim per table)\n{'system':<16} {'QPS':>8} {'min..max':>15} {'/dmp_tw min':>11} "
+    print(f"\n{size} (rows x dim per table)\n{'system':<22} {'QPS':>8} {'min..max':>15} {'/dmp_tw min':>11} "
           f"{'med':>5} {'max':>5} {'loss last':>10} {'d loss':>8} {'d loss0':>8} {'|W-W0|':>9} {'wall s':>6}")
     for name, runs in found.items():
         print(_row(name, runs, base))

@@ -51,3 +51,11 @@ def test_dense_only_holds_no_tables_and_trains_only_the_dense_part():
 
 def test_the_compared_systems_include_the_ceiling_and_staleness():
     assert {"dense_only", "dmp_tw", "fx_prefetch_0ms", "fx_stale1_0ms"} <= set(peer.SYSTEMS)
+
+
+def test_fx_system_names_give_the_schedule_and_where_the_servers_run():
+    assert {"fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms"} <= set(peer.SYSTEMS)
+    kinds = {s: peer._fx_kind(s) for s in peer.SYSTEMS if s.startswith("fx_")}
+    assert kinds["fx_blocking_1ms"] == "blocking" and kinds["fx_prefetch_0ms"] == "prefetch"
+    assert kinds["fx_inproc_prefetch_0ms"] == "prefetch" and kinds["fx_inproc_stale1_0ms"] == "stale1"
+    assert [s for s in kinds if peer.in_trainers(s)] == ["fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms"]

@@ -70,6 +70,7 @@ _EXPORTS = {
     "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle", "DEFAULT_WORKER_THREADS": "endpoints",
     "ProcessHost": "hosts", "ActorHost": "ray_transport", "server_actor_class": "ray_transport", "PSActor": "ray_transport",
     "wait_all": "ray_transport", "is_bind_failure": "ports",
+    "serve_in_trainer": "in_trainers", "stop_serving": "in_trainers", "trainer_servers": "in_trainers",
 }
 __all__ = sorted(_EXPORTS)
 

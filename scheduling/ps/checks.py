@@ -83,12 +83,29 @@ def check_kjt(kjt: Any, tables: Sequence[Any], weighted: bool | None) -> None:
     values, keys = kjt.values(), kjt.keys()
     rows = {f: t.num_embeddings for t in tables if t.dynamic is None for f in t.feature_names}
     suspect = bad_id_dtype(values)
+    if not suspect and not _any_out_of_range(values, keys, kjt.length_per_key(), rows):
+        return
     start = 0
     for key, n in zip(keys, kjt.length_per_key()):
         if suspect or (key in rows and ids_suspect(values[start:start + n], rows[key])):
             _raise_feature_error(kjt, key, rows.get(key, 1), {f: t.pooling for t in tables for f in t.feature_names},
                                  bool(weighted))
         start += n
+
+
+def _any_out_of_range(values: torch.Tensor, keys: Sequence[str], lengths: Sequence[int], rows: dict[str, int]) -> bool:
+    """Whether an id of a checked key (one of ``rows``) lies outside ``[0, rows[key])``: one vectorized test of
+    the whole batch (``values`` ``(N,)``, key-major, ``lengths[i]`` ids for ``keys[i]``) instead of a min and a
+    max per key; keys outside ``rows`` pass."""
+    if values.numel() == 0:
+        return False
+    limit = torch.iinfo(torch.int64)
+    per_key = torch.tensor([[0, rows[k]] if k in rows else [limit.min, limit.max] for k in keys], dtype=torch.int64,
+                           device=values.device)
+    repeats = torch.tensor(lengths, device=values.device)
+    bounds = per_key.repeat_interleave(repeats, dim=0, output_size=values.numel())   # (N, 2)
+    ids = values.detach().long()
+    return bool(((ids < bounds[:, 0]) | (ids >= bounds[:, 1])).any())
 
 
 def _raise_feature_error(kjt: Any, key: str, num_embeddings: int, pooling: dict[str, str], weighted: bool) -> None:

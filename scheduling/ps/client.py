@@ -187,6 +187,7 @@ class PSClient:
         self.layouts = [_srv.server_layout(self.shards, s) for s in range(len(self.servers))]
         self.widths = [sum(sp.table.embedding_dim for sp, _ in lay) for lay in self.layouts]
         self._slots = self._feature_slots()
+        self._all_servers: tuple[list[ShardSpec], list[int]] | None = None
         self._pending: dict[int, collections.deque[torch.futures.Future]] = collections.defaultdict(
             collections.deque)
         self._prefetched: dict[int, tuple[Any, torch.futures.Future]] = {}
@@ -241,8 +242,12 @@ class PSClient:
 
     def servers_for(self, tables: Sequence[str] | None = None) -> list[int]:
         """Indices of the servers holding a shard of ``tables`` (all tables when None)."""
-        names = None if tables is None else set(tables)
-        return sorted({sp.server for sp in self.shards if names is None or sp.table.name in names})
+        if tables is None:  # every step's pool asks for all of them: computed once per shard list
+            if self._all_servers is None or self._all_servers[0] is not self.shards:
+                self._all_servers = (self.shards, sorted({sp.server for sp in self.shards}))
+            return list(self._all_servers[1])
+        names = set(tables)
+        return sorted({sp.server for sp in self.shards if sp.table.name in names})
 
     # ---- RPC plumbing -----------------------------------------------------------------------------------
     def _call_async(self, server: int, method: str, args: tuple, what: str, ordered: bool = False,

@@ -144,8 +144,9 @@ class LocalCluster:
 def group_servers(what: str = "parameter servers") -> list[str]:
     """RPC worker names of the parameter servers of the group this process belongs to, in rank order.
 
-    The servers of a running :class:`LocalCluster` of this process; otherwise every other member of the
-    ``torch.distributed.rpc`` group that answers as a server (one small RPC to each member).
+    The servers of a running :class:`LocalCluster` of this process; otherwise every member of the
+    ``torch.distributed.rpc`` group that answers as a server (one small RPC to each other member; this process
+    when it hosts a server itself, :func:`scheduling.ps.in_trainers.serve_in_trainer`).
 
     Args:
         what: who asks (first words of the error message).
@@ -158,6 +159,7 @@ def group_servers(what: str = "parameter servers") -> list[str]:
         return list(_ACTIVE[-1].server_names)
     from torch.distributed import rpc
 
+    from .in_trainers import hosted_worker
     from .server import _rpc_stats, group_world_size
 
     try:
@@ -168,9 +170,14 @@ def group_servers(what: str = "parameter servers") -> list[str]:
         raise NoGroupError(f"{what}: no parameter-server group is running in this process. {_HOW_TO_START}.")
     me = me_info.name
     others = [rpc.get_worker_info(r) for r in range(group_world_size()) if r != me_info.id]
-    futs = [(w.name, rpc.rpc_async(w.name, _rpc_stats, (), timeout=10.0)) for w in others]
+    futs = {w.id: (w.name, rpc.rpc_async(w.name, _rpc_stats, (), timeout=10.0)) for w in others}
     servers = []
-    for name, fut in futs:
+    for rank in range(group_world_size()):
+        if rank == me_info.id:  # this process is one when it serves a shard itself (scheduling.ps.in_trainers)
+            if hosted_worker() == me:
+                servers.append(me)
+            continue
+        name, fut = futs[rank]
         try:
             fut.wait()
         except RuntimeError:  # a trainer (no server in that process), or unreachable

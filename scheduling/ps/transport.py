@@ -10,9 +10,11 @@ both, so the client needs no branch:
   otherwise.
 
 ``torch_rpc`` (:class:`TorchRPCTransport`): servers are ``torch.distributed.rpc`` worker names of one
-static group (rendezvous, no re-admission after a crash). ``ray`` (:mod:`scheduling.ps.ray_transport`,
-imported only when asked for): servers are Ray actors (``handle.lookup.remote(...)``, waited with
-``ray.get``); no group, so a restarted server actor is reachable again through the same handle.
+static group (rendezvous, no re-admission after a crash); a server may live in a trainer's process
+(:mod:`scheduling.ps.in_trainers`), and that trainer's own requests to it skip RPC.
+``ray`` (:mod:`scheduling.ps.ray_transport`, imported only when asked for): servers are Ray actors
+(``handle.lookup.remote(...)``, waited with ``ray.get``); no group, so a restarted server actor is reachable
+again through the same handle.
 
 Source: torch.distributed.rpc (``rpc_async``); Ray actors (``ActorHandle.method.remote``, ``ray.get``).
 """
@@ -23,6 +25,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from . import in_trainers
 
 __all__ = ["TRANSPORTS", "DEFAULT_TRANSPORT", "TorchRPCTransport", "CLIENT_TRANSPORTS", "make_transport",
            "transport_of"]
@@ -51,11 +55,17 @@ class TorchRPCTransport:
         self.names = list(servers)
 
     def call_async(self, server: int, method: str, args: tuple, timeout_s: float) -> Any:
+        """Send ``method(*args)`` to server ``server``; a server hosted by this very process
+        (:func:`scheduling.ps.in_trainers.serve_in_trainer`) is called directly, without RPC."""
         from torch.distributed import rpc
 
         from . import server as _srv
 
-        return rpc.rpc_async(self.names[server], getattr(_srv, f"_rpc_{method}"), args, timeout=timeout_s)
+        name = self.names[server]
+        local = in_trainers.local_endpoints(name)
+        if local is not None:
+            return in_trainers.call_local(local, method, args)
+        return rpc.rpc_async(name, getattr(_srv, f"_rpc_{method}"), args, timeout=timeout_s)
 
     def stop(self, timeout_s: float, names: Sequence[str] | None = None) -> None:
         """Ask every server (or those of ``names``) to leave the group (their ``start_server(block=True)``

@@ -94,13 +94,19 @@ def _train(name: str, rank: int, world: int, schedule: str, sync: bool, jitter_s
 
 
 def trainer_main(rank: int, world: int, rpc_port: int, pg_port: int, num_servers: int, runs: list[tuple],
-                 steps: int, queue: Any) -> None:
-    from scheduling.ps import init_trainer
+                 steps: int, queue: Any, in_trainers: str | None = None) -> None:
+    """Trainer ``rank`` of ``world``; the servers are ``num_servers`` processes ``ps<i>``, or with
+    ``in_trainers`` (``"inline"`` or ``"thread"``: where a trainer's own requests run) the trainers themselves
+    (``serve_in_trainer``: server ``i`` is ``trainer<i>``)."""
+    from scheduling.ps import init_trainer, serve_in_trainer, stop_serving, trainer_servers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
+    if in_trainers:
+        serve_in_trainer(f"trainer{rank}", name=f"ps{rank}", own_requests=in_trainers)
+        num_servers = 0
     init_trainer(f"trainer{rank}", rank, world + num_servers, master_port=rpc_port, timeout_s=60)
-    servers = [f"ps{i}" for i in range(num_servers)]
+    servers = trainer_servers(world) if in_trainers else [f"ps{i}" for i in range(num_servers)]
     box = [f"group-{time.time_ns()}"]
     dist.broadcast_object_list(box, src=0)
     results = {}
@@ -108,7 +114,7 @@ def trainer_main(rank: int, world: int, rpc_port: int, pg_port: int, num_servers
         for name, schedule, sync, jitter_s in runs:
             results[name] = _train(name, rank, world, schedule, sync, jitter_s, steps, servers, box[0])
     finally:
-        if rank == 0:
+        if rank == 0 and not in_trainers:  # servers in trainers end with their trainers
             from torch.distributed import rpc
 
             from scheduling.ps import server as srv
@@ -118,6 +124,7 @@ def trainer_main(rank: int, world: int, rpc_port: int, pg_port: int, num_servers
         from torch.distributed import rpc
 
         rpc.shutdown(graceful=False)
+        stop_serving()
         dist.destroy_process_group()
     queue.put((rank, results))
 

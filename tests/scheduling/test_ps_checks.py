@@ -232,3 +232,25 @@ def test_embedding_collection_raises_the_local_error(cluster, values):
         torch.testing.assert_close(gm(good), local(good))
     finally:
         placement.close(gm)
+
+
+def test_check_kjt_bounds_each_key_by_its_own_table_and_skips_dynamic_tables():
+    """The batch is tested in one vectorized pass; each key against its own table's rows."""
+    from torchrec import KeyedJaggedTensor
+
+    from scheduling.ps.checks import check_kjt
+    from scheduling.ps.shard_plan import TableSpec
+
+    tables = [TableSpec("small", 5, 4, ("a",)), TableSpec("big", 50, 4, ("b",)),
+              TableSpec("raw", 10, 4, ("c",), dynamic={"capacity": 8})]
+
+    def kjt(a: list[int], b: list[int], c: list[int]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.tensor(a + b + c),
+                                 lengths=torch.tensor([len(a), 0, len(b), 0, len(c), 0]))
+
+    check_kjt(kjt([4, 0], [49], [10 ** 12, -3]), tables, False)        # in range; raw ids unchecked
+    check_kjt(kjt([0], [5, 49], []), tables, False)                    # 5 is a row of "big"
+    with pytest.raises(RuntimeError, match=r"takes value 5 which is not in the valid range \[0, 5\)"):
+        check_kjt(kjt([5], [5], []), tables, False)                      # 5 is outside "small"
+    with pytest.raises(RuntimeError, match=r"takes value 50 which is not in the valid range \[0, 50\)"):
+        check_kjt(kjt([0], [50], []), tables, False)
