@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # benchmarks/peer.py on the GPU host's 16 CPU cores, in one command of at most 6 minutes (the GPU is not used):
-# the ceiling (dense_only), torchrec DMP table-wise and fxdist's servers with prefetch, exact and with
-# max_staleness=1, 3 interleaved rounds x 40 steps at 1e6 x 16, plus where a step goes (--profile).
+# the ceiling (dense_only), torchrec DMP table-wise and fxdist's servers with prefetch (separate processes, exact and
+# with max_staleness=1, and inside the trainers), 3 interleaved rounds x 40 steps at 1e6 x 16, plus where a
+# step goes (--profile).
 #
 #   bash scripts/peer_16core.sh [peer.py arguments, replacing the defaults below]
 #
@@ -9,19 +10,24 @@
 # .whl/ first (torchrec 1.6.1, fbgemm-gpu-cpu 1.6.0, tensordict, iopath, pyvers for torch 2.11 / Python 3.12):
 # they are installed under /tmp/site. fxdist is installed editable without dependencies, so that its pass entry
 # points resolve. Output (the table, progress, the profiles) goes to $OUT (default /tmp/peer_16core).
-# PEER_TIMEOUT (seconds, default 320) bounds peer.py; each run is bounded by --timeout 120.
+# PEER_TIMEOUT (seconds, default 320) bounds peer.py; each run is bounded by --timeout 120. PEER_CPUS (a taskset
+# list, e.g. 0-1) pins peer.py and every process it starts to those cores: two or three pinned runs on disjoint
+# cores then measure side by side, e.g. a 2-core run beside a 12-core one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/peer_16core}
 source scripts/device_env.sh || exit 1  # $OUT, $PY, the carried wheels, fxdist editable
 "$PY" -c "import torch, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)" \
   | tee "$OUT/device.txt" || exit 1
-{ nproc | sed 's/^/cpu cores: /'; grep -m1 'model name' /proc/cpuinfo; uptime; } | tee -a "$OUT/device.txt"
+PIN=()
+[ -n "${PEER_CPUS:-}" ] && PIN=(taskset -c "$PEER_CPUS")
+{ "${PIN[@]}" nproc | sed 's/^/cpu cores: /'; echo "cores pinned: ${PEER_CPUS:-none}"; grep -m1 'model name' /proc/cpuinfo
+  uptime; } | tee -a "$OUT/device.txt"
 if [ $# -eq 0 ]; then
   set -- --sizes 1000000x16 --rounds 3 --steps 40 --warmup 5 \
-    --systems dense_only dmp_tw fx_prefetch_0ms fx_stale1_0ms --profile 5
+    --systems dense_only dmp_tw fx_prefetch_0ms fx_stale1_0ms fx_inproc_prefetch_0ms --profile 5
 fi
-timeout "${PEER_TIMEOUT:-320}" "$PY" benchmarks/peer.py --timeout 120 --run-dir "$OUT/peer" "$@" \
+timeout "${PEER_TIMEOUT:-320}" "${PIN[@]}" "$PY" benchmarks/peer.py --timeout 120 --run-dir "$OUT/peer" "$@" \
   2>"$OUT/peer_progress.txt" | tee "$OUT/peer.txt"
 rc=${PIPESTATUS[0]}
 grep '^  round' "$OUT/peer_progress.txt" | tail -20
