@@ -326,15 +326,3 @@ def push_tables(requests: Sequence[tuple[DynamicTable | None, torch.Tensor, torc
             touched += group.push([tables[j].index for j in idx], [requests[j][1] for j in idx],
                                   [requests[j][2] for j in idx])
     return touched
-
-
-def group_shards(shards: Sequence[Any]) -> Any:
-    """:func:`group_tables` over the dynamic tables of server shards (objects with ``dynamic``, ``weight``,
-    ``state`` and ``lock``), then point each shard at its table's views and lock. Returns None (no fused
-    tables: a server's per-shard path serves dynamic tables)."""
-    tables = [s.dynamic for s in shards if s.dynamic is not None]
-    group_tables(tables)
-    for shard in shards:
-        if shard.dynamic is not None:
-            shard.weight, shard.state, shard.lock = shard.dynamic.weight, shard.dynamic.state, shard.dynamic.lock
-    return None

@@ -259,6 +259,16 @@ class DynamicTableGroup:
         """One step of each table ``tabs[r]`` (distinct) with ids ``ids[r]`` ``(N_r,)`` int64: expire, count,
         admit, answer. Returns rows ``(N_r, dim)`` float32 (zeros where not admitted) and slots ``(N_r,)``
         (-1 where not admitted) per table."""
+        q, valid, lens = _pad(ids)
+        rows, slot = self.lookup_padded(tabs, q, valid)
+        if valid is None:
+            return list(rows.unbind(0)), list(slot.unbind(0))
+        return [rows[r, :n] for r, n in enumerate(lens)], [slot[r, :n] for r, n in enumerate(lens)]
+
+    def lookup_padded(self, tabs: list[int], q: torch.Tensor, valid: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`lookup` of ids ``q`` ``(k, M)``, row ``r`` table ``tabs[r]``'s, real where ``valid``
+        ``(k, M)`` (None: all). Returns rows ``(k, M, dim)`` and slots ``(k, M)`` (padding: zeros, -1)."""
         k, cap = len(tabs), self.capacity
         whole = tabs == list(range(self.size))
         tix = torch.tensor(tabs, dtype=torch.int64)
@@ -266,7 +276,6 @@ class DynamicTableGroup:
         step = self.step[tix]
         if self.spec.expire_steps is not None:
             self._expire(tix, tabs, step, whole)
-        q, valid, lens = _pad(ids)
         width = q.shape[1]
         sq, perm = torch.sort(q, dim=1)
         first = torch.ones_like(sq, dtype=torch.bool)
@@ -287,9 +296,7 @@ class DynamicTableGroup:
             rows[~hit] = 0.0
             lost = ~hit if valid is None else ~hit & valid
             self.counters[tix, _REJECTED] += lost.sum(1)
-        if valid is None:
-            return list(rows.unbind(0)), list(slot.unbind(0))
-        return [rows[r, :n] for r, n in enumerate(lens)], [slot[r, :n] for r, n in enumerate(lens)]
+        return rows, slot
 
     def _admit(self, tabs: list[int], tix: torch.Tensor, whole: bool, step: torch.Tensor, sq: torch.Tensor,
                first: torch.Tensor, miss: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None
@@ -398,14 +405,18 @@ class DynamicTableGroup:
         """Apply the optimizer to the rows of ``ids[r]`` ``(N_r,)`` of table ``tabs[r]`` (distinct) with
         ``grads[r]`` ``(N_r, dim)`` (repeated ids summed, in order); ids not admitted are dropped (counted in
         ``rejected``). Returns the number of rows updated."""
-        tix = torch.tensor(tabs, dtype=torch.int64)
         q, valid, _ = _pad(ids)
+        return self.push_padded(tabs, q, valid, torch.cat(list(grads)) if len(grads) > 1 else grads[0])
+
+    def push_padded(self, tabs: list[int], q: torch.Tensor, valid: torch.Tensor | None, g: torch.Tensor) -> int:
+        """:meth:`push` of ids ``q`` ``(k, M)`` (real where ``valid``, None: all) with gradients ``g``
+        ``(n, dim)`` of the real ids in row-major order."""
+        tix = torch.tensor(tabs, dtype=torch.int64)
         slot = self.probe(tix, q, tabs == list(range(self.size)))
         hit = slot >= 0
         lost = ~hit if valid is None else ~hit & valid
         self.counters[tix, _REJECTED] += lost.sum(1)
         glob = slot + (tix * self.capacity).unsqueeze(1)
-        g = torch.cat(list(grads)) if len(grads) > 1 else grads[0]
         keep = hit.view(-1) if valid is None else hit[valid]
         if not bool(keep.any()):
             return 0

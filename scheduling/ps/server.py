@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from .dynamic import DynamicTable, group_shards, lookup_tables, push_tables, table_salt
+from .dynamic import DynamicTable, lookup_tables, push_tables, table_salt
+from .dynamic_fused import group_shards
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
@@ -172,7 +173,7 @@ class PSServer:
         layout = self.layouts[namespace]
         keys = [f"{namespace}/{spec.key}" for spec, _ in layout]
         if any(k not in self.shards or self.shards[k].dynamic is not None for k in keys):
-            self.fused[namespace] = group_shards([self.shards[k] for k in keys if k in self.shards])
+            self.fused[namespace] = group_shards(layout, [self.shards.get(k) for k in keys])
             return
         shards = {spec.key: self.shards[k] for (spec, _), k in zip(layout, keys)}
         fused = FusedTables.build(layout, {k: sh.weight for k, sh in shards.items()},

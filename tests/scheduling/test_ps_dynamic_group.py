@@ -153,3 +153,4 @@ def test_server_groups_its_dynamic_tables_and_checkpoints_round_trip(storage):
             assert torch.equal(a.state_dict()["weight"], b.state_dict()["weight"]), key
     state = srv.state_dict("ns")["ns/d1@0"]
     assert torch.equal(state["weight"], state["dynamic"]["weight"])      # the shard's rows are the table's
+
