@@ -226,6 +226,7 @@ class DynamicTable:
             raise ValueError(f"dynamic table checkpoint has capacity {state['capacity']} and dim {state['dim']}, "
                              f"this table {self.spec.capacity} and {self.dim}")
         g, i, n = self.group, self.index, int(state["map_ids"].numel())
+        g.last_lookup = None
         g.keys[i] = torch.iinfo(torch.int64).max
         g.keys[i, :n], g.slots[i, :n], g.rows[i] = state["map_ids"], state["map_slots"], n
         self.weight.copy_(self.store.encode(state["weight"]))

@@ -128,6 +128,9 @@ class DynamicTableGroup:
         empty = torch.empty(0, dtype=torch.int64)
         self.cands: list[list[torch.Tensor]] = [[empty, empty, empty] for _ in range(t)]  # ids, counts, seen
         self.lock = threading.Lock()
+        self.last_lookup: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+        """The latest lookup's ``(tabs, ids (k, M), slots (k, M))``, valid until the maps next change: a push of
+        the same ids (no prefetch) reuses its slots instead of probing again."""
 
     @property
     def size(self) -> int:
@@ -167,7 +170,13 @@ class DynamicTableGroup:
             live &= ~drop
             gone = drop.cumsum(1)
             kept_before = cols - (gone - drop.long())
-        dest = kept_before + torch.searchsorted(new, keys) if new is not None else kept_before
+        dest = kept_before
+        if new is not None and n_new is not None:
+            pos = torch.searchsorted(keys, new)                  # new ids are in no map: pos[j] <= p iff new < key
+            real = torch.arange(new.shape[1]) < n_new.unsqueeze(1)
+            pos = torch.where(real, pos, width)
+            before = torch.zeros(k, width + 1, dtype=torch.int64).scatter_add_(1, pos, torch.ones_like(pos))
+            dest = dest + before.cumsum(1)[:, :width]
         out_keys = torch.full((k, width), _MAX, dtype=torch.int64)
         out_slots = torch.zeros(k, width, dtype=torch.int64)
         dest = torch.where(live, dest, width - 1)                # dropped entries and padding: the last column
@@ -175,10 +184,8 @@ class DynamicTableGroup:
         out_slots.scatter_(1, dest, slots)
         left = live.sum(1)
         if new is not None and new_slots is not None and n_new is not None:
-            pos = torch.searchsorted(keys, new)
             if drop is not None:
                 pos = pos - torch.cat([torch.zeros(k, 1, dtype=torch.int64), gone], 1).gather(1, pos)
-            real = torch.arange(new.shape[1]) < n_new.unsqueeze(1)
             at = torch.where(real, pos + torch.arange(new.shape[1]), width - 1)
             out_keys.scatter_(1, at, new)
             out_slots.scatter_(1, at, new_slots)
@@ -236,8 +243,7 @@ class DynamicTableGroup:
         need = want - free
         evicted, drop = torch.zeros_like(want), None
         if int(need.max()) > 0:
-            base = (tix * cap).unsqueeze(1)
-            seen = self.last_seen.view(-1)[slots + base]
+            seen = (self.last_seen if whole else self.last_seen[tix]).gather(1, slots)
             ok = (cols < rows.unsqueeze(1)) & (seen < step.unsqueeze(1))
             order = torch.where(ok, seen * cap + cols, _MAX)      # (last seen, id rank): unique, oldest first
             n = min(int(need.max()), cap)
@@ -272,6 +278,7 @@ class DynamicTableGroup:
         k, cap = len(tabs), self.capacity
         whole = tabs == list(range(self.size))
         tix = torch.tensor(tabs, dtype=torch.int64)
+        self.last_lookup = None
         self.step[tix] += 1
         step = self.step[tix]
         if self.spec.expire_steps is not None:
@@ -296,6 +303,7 @@ class DynamicTableGroup:
             rows[~hit] = 0.0
             lost = ~hit if valid is None else ~hit & valid
             self.counters[tix, _REJECTED] += lost.sum(1)
+        self.last_lookup = (tabs, q.clone(), slot)
         return rows, slot
 
     def _admit(self, tabs: list[int], tix: torch.Tensor, whole: bool, step: torch.Tensor, sq: torch.Tensor,
@@ -412,7 +420,11 @@ class DynamicTableGroup:
         """:meth:`push` of ids ``q`` ``(k, M)`` (real where ``valid``, None: all) with gradients ``g``
         ``(n, dim)`` of the real ids in row-major order."""
         tix = torch.tensor(tabs, dtype=torch.int64)
-        slot = self.probe(tix, q, tabs == list(range(self.size)))
+        last = self.last_lookup
+        if last is not None and last[0] == tabs and last[1].shape == q.shape and torch.equal(last[1], q):
+            slot = last[2]
+        else:
+            slot = self.probe(tix, q, tabs == list(range(self.size)))
         hit = slot >= 0
         lost = ~hit if valid is None else ~hit & valid
         self.counters[tix, _REJECTED] += lost.sum(1)
