@@ -260,25 +260,38 @@ def group_tables(tables: Sequence[DynamicTable]) -> list[DynamicTableGroup]:
             buckets.append([table])
     groups = []
     for bucket in buckets:
-        old = [(t.group, t.index) for t in bucket]
-        if len({id(g) for g, _ in old}) == 1 and old[0][0].size == len(bucket):
-            groups.append(old[0][0])                         # already exactly this group
+        if len({id(t.group) for t in bucket}) == 1 and bucket[0].group.size == len(bucket):
+            groups.append(bucket[0].group)                   # already exactly this group
             continue
         first = bucket[0]
-        group = DynamicTableGroup(first.dim, first.spec, first.optimizer, first.store,
-                                  [g.seeds[i] for g, i in old], [g.salts[i] for g, i in old])
+        seeds, salts = [t.seed for t in bucket], [t.salt for t in bucket]
+        # fresh tables hold nothing to copy: drop their old groups before the stack is allocated (no 2x peak)
+        old: list[tuple[DynamicTableGroup, int] | None] = [None if _fresh(t) else (t.group, t.index) for t in bucket]
+        for table in bucket:
+            del table.group
+        group = DynamicTableGroup(first.dim, first.spec, first.optimizer, first.store, seeds, salts)
         cap = first.spec.capacity
-        for j, (g, i) in enumerate(old):
-            group.weight[j * cap:(j + 1) * cap] = g.weight[i * cap:(i + 1) * cap]
-            if group.state is not None and g.state is not None:
-                group.state[j * cap:(j + 1) * cap] = g.state[i * cap:(i + 1) * cap]
-            for name in ("slot_id", "last_seen", "keys", "slots", "rows", "step", "counters"):
-                getattr(group, name)[j] = getattr(g, name)[i]
-            group.cands[j] = list(g.cands[i])
         for j, table in enumerate(bucket):
+            source, old[j] = old[j], None                   # each old group freed once its tables moved
+            if source is not None:
+                g, i = source
+                group.weight[j * cap:(j + 1) * cap] = g.weight[i * cap:(i + 1) * cap]
+                if group.state is not None and g.state is not None:
+                    group.state[j * cap:(j + 1) * cap] = g.state[i * cap:(i + 1) * cap]
+                for name in ("slot_id", "last_seen", "keys", "slots", "rows", "step", "counters"):
+                    getattr(group, name)[j] = getattr(g, name)[i]
+                group.cands[j] = list(g.cands[i])
+                del g, source
             table.group, table.index = group, j
         groups.append(group)
     return groups
+
+
+def _fresh(table: DynamicTable) -> bool:
+    """Whether a table is as made (no step, row, candidate or count): its state is a new group's."""
+    g, i = table.group, table.index
+    return int(g.step[i]) == 0 and int(g.rows[i]) == 0 and g.cands[i][0].numel() == 0 and not bool(
+        g.counters[i].any())
 
 
 def _by_group(tables: Sequence[DynamicTable]) -> dict[int, list[int]]:

@@ -31,6 +31,9 @@ def group_shards(layout: Sequence[tuple[Any, str]], shards: Sequence[Any]) -> Fu
     :class:`DynamicFused` when every entry is a dynamic table of one group and no feature is pooled twice,
     else None (the server's per-shard path)."""
     tables = [s.dynamic for s in shards if s is not None and s.dynamic is not None]
+    for shard in shards:
+        if shard is not None and shard.dynamic is not None:
+            shard.weight = shard.state = None                # drop views of the old groups: copies move one by one
     group_tables(tables)
     for shard in shards:
         if shard is not None and shard.dynamic is not None:

@@ -35,6 +35,8 @@ __all__ = ["DynamicTableGroup", "initial_rows", "initial_rows_keyed", "mix64_tor
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MAX = torch.iinfo(torch.int64).max
+CHUNK_ELEMENTS = 1 << 18
+"""Map entries per batch of the dense map ops (eviction, merge, expiry): 2 MiB per int64 temporary."""
 COUNTERS = ("inserts", "admitted", "evictions", "expired", "rejected")
 _INSERTS, _ADMITTED, _EVICTIONS, _EXPIRED, _REJECTED = range(5)
 
@@ -213,12 +215,22 @@ class DynamicTableGroup:
         if bool(old.any()):
             self.slot_id.view(-1)[(slots + base)[old]] = -1
             self.counters[tix, _EXPIRED] += old.sum(1)
-            self._rebuild(tix, whole, old)
+            for a, b, part in self._chunks(len(tabs), whole):
+                self._rebuild(tix[a:b], part, old[a:b])
         for r, t in enumerate(tabs):
             ids, counts, seen = self.cands[t]
             if ids.numel():
                 keep = seen >= int(horizon[r])
                 self.cands[t] = [ids[keep], counts[keep], seen[keep]]
+
+    def _chunks(self, k: int, whole: bool) -> list[tuple[int, int, bool]]:
+        """Row ranges ``[a, b)`` of ``k`` tables for the ops on whole ``(k, C)`` maps, about
+        :data:`CHUNK_ELEMENTS` entries each (bounds their temporaries for large capacities), and whether a
+        range is the whole group."""
+        rows = max(1, CHUNK_ELEMENTS // (self.capacity + 1))
+        if k <= rows:
+            return [(0, k, whole)]
+        return [(a, min(k, a + rows), False) for a in range(0, k, rows)]
 
     def _take_slots(self, tix: torch.Tensor, whole: bool, step: torch.Tensor, want: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -337,21 +349,29 @@ class DynamicTableGroup:
         want = reached.sum(1)
         got = torch.zeros_like(want)
         if int(want.max()) > 0:
-            new_slots, got, drop = self._take_slots(tix, whole, step, want)
+            width_r = int(want.max())
+            new_slots = torch.zeros(k, width_r, dtype=torch.int64)
+            drops = []
+            for a, b, part in self._chunks(k, whole):
+                got_slots, got[a:b], drop = self._take_slots(tix[a:b], part, step[a:b], want[a:b])
+                new_slots[a:b, :got_slots.shape[1]] = got_slots
+                drops.append(drop)
             rank = reached.cumsum(1) - 1
             take = reached & (rank < got.unsqueeze(1))
             tr, tc = take.nonzero(as_tuple=True)
-            width_r = new_slots.shape[1]
             new = torch.full((k, width_r), _MAX, dtype=torch.int64)
             new[tr, rank[tr, tc]] = sq[tr, tc]
             slot[tr, tc] = new_slots[tr, rank[tr, tc]]
-            self._rebuild(tix, whole, drop, new, new_slots, got)
+            for (a, b, part), drop in zip(self._chunks(k, whole), drops):
+                self._rebuild(tix[a:b], part, drop, new[a:b], new_slots[a:b], got[a:b])
             real = torch.arange(width_r) < got.unsqueeze(1)
             glob = (new_slots + (tix * self.capacity).unsqueeze(1))[real]
             fresh_ids = new[real]
             keys = self.row_keys[tix].unsqueeze(1).expand(k, width_r)[real]
-            self.weight.index_copy_(0, glob, self.store.encode(initial_rows_keyed(fresh_ids, keys, self.dim,
-                                                                                   self.bound)))
+            n = max(1, CHUNK_ELEMENTS // self.dim)               # fresh rows in chunks: bounded temporaries
+            for a in range(0, glob.numel(), n):
+                self.weight.index_copy_(0, glob[a:a + n], self.store.encode(
+                    initial_rows_keyed(fresh_ids[a:a + n], keys[a:a + n], self.dim, self.bound)))
             fresh = self.optimizer.init_state(int(glob.numel()), self.dim)
             if self.state is not None and fresh is not None:
                 self.state.index_copy_(0, glob, fresh)

@@ -80,6 +80,15 @@ def test_grouped_tables_match_separate_tables_bit_for_bit(capacity, min_count, e
         assert sum(x["rejected"] for x in s) > 0
 
 
+@pytest.mark.parametrize("capacity, min_count, expire", [(6, 2, 3), (5, 1, 2)])
+def test_chunked_map_ops_match_separate_tables(monkeypatch, capacity, min_count, expire):
+    """Large groups run the dense map ops in chunks of tables; one or two tables a chunk, same results."""
+    import scheduling.ps.dynamic_group as dg
+
+    monkeypatch.setattr(dg, "CHUNK_ELEMENTS", 2 * capacity)
+    test_grouped_tables_match_separate_tables_bit_for_bit(capacity, min_count, expire, "rowwise_adagrad")
+
+
 def test_regrouping_mid_stream_keeps_state_and_a_checkpoint_loads_into_a_grouped_table():
     spec = DynamicSpec(6, 2, 4)
     apart, grouped = _tables(3, spec), _tables(3, spec)
