@@ -9,11 +9,14 @@ group holds every table's state as stacked tensors (``T`` tables of ``C`` slots)
   and int64-max padding after, and ``slots`` ``(T, C)`` alongside; ``step`` ``(T,)``; ``counters`` ``(T, 5)``.
 
 A lookup of ``k`` tables pads their ids to ``(k, M)``, sorts each row (``torch.sort(dim=1)``), probes the maps
-with one batched ``torch.searchsorted``, picks LRU victims of all tables with one ``topk(dim=1)``, merges new
-ids by rank (batched ``searchsorted`` both ways), makes all fresh rows with one :func:`initial_rows_keyed` call
-and gathers all rows with one ``index_select``: a constant number of tensor ops whatever ``k`` (per-op overhead,
-not arithmetic, was the cost of one table at a time). Candidates (``min_count`` > 1, or ids left without a slot)
-stay per table. The rules, and so every row, slot and counter, are those of one table at a time.
+with one batched ``torch.searchsorted``, picks LRU victims of all tables with one ``topk(dim=1)``, rebuilds the
+maps with one scatter (each kept entry moved by the victims before it and the new ids before it, counted with
+``scatter_add_`` + ``cumsum``: no sort), makes all fresh rows with one :func:`initial_rows_keyed` call and gathers
+all rows with one ``index_select``: a constant number of tensor ops whatever ``k`` (per-op overhead, not
+arithmetic, was the cost of one table at a time). A push of the ids the latest lookup answered reuses its slots.
+Candidates (``min_count`` > 1, or ids left without a slot) stay per table. For large capacities the ops on whole
+``(k, C)`` maps and the fresh rows run in chunks of :data:`CHUNK_ELEMENTS`, which bounds their temporaries. The
+rules, and so every row, slot and counter, are those of one table at a time.
 
 Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table"
 (§2.1, §2.2); FBGEMM's table-batched embeddings (``SplitTableBatchedEmbeddingBagsCodegen``) batch the tables
