@@ -170,12 +170,12 @@ class DynamicTableGroup:
         k, width = keys.shape
         cols = torch.arange(width)
         live = cols < rows.unsqueeze(1)
-        kept_before = cols
+        dest, kept = cols.unsqueeze(0), None
         if drop is not None:
-            live &= ~drop
-            gone = drop.cumsum(1)
-            kept_before = cols - (gone - drop.long())
-        dest = kept_before
+            keep = ~drop
+            live &= keep
+            kept = keep.cumsum(1)                                # kept entries up to each one (inclusive)
+            dest = kept - 1
         if new is not None and n_new is not None:
             pos = torch.searchsorted(keys, new)                  # new ids are in no map: pos[j] <= p iff new < key
             real = torch.arange(new.shape[1]) < n_new.unsqueeze(1)
@@ -189,8 +189,8 @@ class DynamicTableGroup:
         out_slots.scatter_(1, dest, slots)
         left = live.sum(1)
         if new is not None and new_slots is not None and n_new is not None:
-            if drop is not None:
-                pos = pos - torch.cat([torch.zeros(k, 1, dtype=torch.int64), gone], 1).gather(1, pos)
+            if kept is not None:                                 # kept entries before each insertion point
+                pos = torch.cat([torch.zeros(k, 1, dtype=torch.int64), kept], 1).gather(1, pos)
             at = torch.where(real, pos + torch.arange(new.shape[1]), width - 1)
             out_keys.scatter_(1, at, new)
             out_slots.scatter_(1, at, new_slots)
@@ -259,13 +259,17 @@ class DynamicTableGroup:
         evicted, drop = torch.zeros_like(want), None
         if int(need.max()) > 0:
             seen = (self.last_seen if whole else self.last_seen[tix]).gather(1, slots)
-            ok = (cols < rows.unsqueeze(1)) & (seen < step.unsqueeze(1))
-            order = torch.where(ok, seen * cap + cols, _MAX)      # (last seen, id rank): unique, oldest first
-            n = min(int(need.max()), cap)
+            order = torch.add(cols, seen, alpha=cap)             # (last seen, id rank): unique, oldest first
+            # padding entries (cap + 1 - rows a row) may rank anywhere, rows seen now after every victim: take
+            # as many more, then keep the live ones not seen now
+            n = min(int(need.max()) + cap + 1 - int(rows.min()), cap + 1)
             value, at = torch.topk(order, n, dim=1, largest=False, sorted=True)
-            use = (value != _MAX) & (torch.arange(n) < need.unsqueeze(1))
+            ok = (at < rows.unsqueeze(1)) & (value < (step * cap).unsqueeze(1))
+            rank = ok.cumsum(1) - 1
+            use = ok & (rank < need.unsqueeze(1))
             evicted = use.sum(1)
-            parts.append(slots.gather(1, at))
+            victims = torch.zeros(k, n + 1, dtype=torch.int64)
+            parts.append(victims.scatter_(1, torch.where(use, rank, n), slots.gather(1, at))[:, :n])
             drop = torch.zeros(k, cap + 1, dtype=torch.bool).scatter_(1, at, use)
             self.counters[tix, _EVICTIONS] += evicted
         got_n = free + evicted
