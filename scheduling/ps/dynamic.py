@@ -22,9 +22,12 @@ A :class:`DynamicTable` instead keeps one row per admitted raw id, in a pool of 
 Pushes address rows by id, never by slot, so a push that arrives after its row was evicted (prefetch looks up
 step ``t + 1`` before step ``t`` pushes) is dropped rather than applied to the slot's next owner.
 
-Maps are vectorised with torch: the id -> slot map and the candidate counters are sorted int64 arrays probed
-with ``torch.searchsorted`` (inserts and deletes re-sort: ``O(K log K)`` per lookup with ``K`` ids mapped).
-Candidates are bounded only by expiry (no count-min sketch yet, unlike Monolith's probabilistic filter).
+Maps are vectorised with torch: tables of one shape on a server share a
+:class:`~scheduling.ps.dynamic_group.DynamicTableGroup` (stacked tensors; a table is a handle on one of its
+rows), so one request's lookups and pushes of all its dynamic tables run one set of tensor ops
+(:func:`lookup_tables`, :func:`push_tables`, :func:`group_tables`). The id -> slot maps are sorted int64 rows
+probed with ``torch.searchsorted``; new ids merge in by rank. Candidates are bounded only by expiry (no
+count-min sketch yet, unlike Monolith's probabilistic filter).
 
 Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table"
 (§2.1 collisionless hash table, §2.2 frequency filtering and expiry); Steele et al., OOPSLA 2014 (splitmix64).
@@ -40,46 +43,12 @@ from typing import Any
 
 import torch
 
+from .dynamic_group import COUNTERS, DynamicTableGroup, initial_rows, mix64_torch, row_key
 from .optimizer import RowWiseOptimizer
 from .storage import RowStore
 
-__all__ = ["DynamicSpec", "DynamicTable", "initial_rows", "mix64_torch", "table_salt", "lookup_tables"]
-
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _i64(c: int) -> int:
-    """A 64-bit unsigned constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def mix64_torch(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (bits as uint64, wrapping), elementwise; any shape.
-
-    Equals ``recsys.criteo_format.mix64(v, -1)`` bit for bit (that one adds the table salt first).
-    """
-    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
-    return z ^ _shr(z, 31)
-
-
-def initial_rows(ids: torch.Tensor, dim: int, bound: float, seed: int, salt: int = 0) -> torch.Tensor:
-    """Fresh rows of raw ids: uniform in ``[-bound, bound)``, element ``(i, j)`` a function of
-    ``(seed, salt, ids[i], j)`` only.
-
-    Shapes: ids ``(N,)`` int64 -> ``(N, dim)`` float32.
-    """
-    key = mix64_torch(ids.long() + _i64((seed * 1_000_003 + salt + 1) * _GOLDEN % (1 << 64)))
-    cols = torch.arange(1, dim + 1, dtype=torch.int64) * _i64(_GOLDEN)
-    bits = _shr(mix64_torch(key.unsqueeze(1) + cols), 11)                    # 53 random bits
-    unit = bits.double() * 2.0 ** -53                                         # [0, 1)
-    return ((2.0 * unit - 1.0) * bound).float()
-
+__all__ = ["DynamicSpec", "DynamicTable", "initial_rows", "mix64_torch", "table_salt", "lookup_tables",
+           "push_tables", "group_tables"]
 
 @dataclass(frozen=True)
 class DynamicSpec:
@@ -98,68 +67,109 @@ class DynamicSpec:
             raise ValueError(f"dynamic table: capacity, min_count and expire_steps must be >= 1, got {self}")
 
 
-def _find(keys: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of ``q`` in sorted ``keys`` and whether each is present. Shapes: ``(K,)``, ``(N,)``."""
-    pos = torch.searchsorted(keys, q)
-    found = pos < keys.numel()
-    found[found.clone()] = keys[pos[found]] == q[found]
-    return pos.clamp_max(max(keys.numel() - 1, 0)), found
-
-
-def _merge(keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor,
-           new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted ``keys`` ``(K,)`` with sorted ``new_keys`` ``(n,)`` (none of them in ``keys``) merged, and their
-    ``values`` alongside, without a sort: each key's place is its rank among the other array's keys."""
-    pos = torch.searchsorted(keys, new_keys)
-    new_at = pos + torch.arange(new_keys.numel())
-    old_at = torch.arange(keys.numel()) + torch.bincount(pos, minlength=keys.numel() + 1).cumsum(0)[:keys.numel()]
-    out_keys, out_values = keys.new_empty(keys.numel() + new_keys.numel()), values.new_empty(
-        keys.numel() + new_keys.numel())
-    out_keys[old_at], out_keys[new_at] = keys, new_keys
-    out_values[old_at], out_values[new_at] = values, new_values
-    return out_keys, out_values
-
-
 class DynamicTable:
-    """One dynamic embedding table of width ``dim`` (see the module docstring for the rules).
+    """One dynamic embedding table of width ``dim`` (see the module docstring for the rules): a handle on row
+    :attr:`index` of its :attr:`group` (its own group of one until :func:`group_tables` stacks it with others).
 
     Shapes: ``weight`` ``(capacity, dim)`` stored rows of ``store`` (float32 by default); ``slot_id``
-    ``(capacity,)`` int64, the id in each slot (-1 free); ``last_seen`` ``(capacity,)`` int64 steps.
+    ``(capacity,)`` int64, the id in each slot (-1 free); ``last_seen`` ``(capacity,)`` int64 steps (views of
+    the group's tensors).
     """
 
     def __init__(self, dim: int, spec: DynamicSpec, optimizer: RowWiseOptimizer, *, seed: int = 0,
                  salt: int = 0, store: RowStore | None = None) -> None:
-        self.dim, self.spec, self.optimizer, self.seed, self.salt = dim, spec, optimizer, seed, salt
+        self.dim, self.spec, self.optimizer = dim, spec, optimizer
         self.store = store or RowStore()
         self.bound = spec.capacity ** -0.5
-        cap = spec.capacity
-        self.weight = self.store.encode(torch.zeros(cap, dim))
-        self.state = optimizer.init_state(cap, dim)
-        self.slot_id = torch.full((cap,), -1, dtype=torch.int64)
-        self.last_seen = torch.zeros(cap, dtype=torch.int64)
-        self.map_ids = torch.empty(0, dtype=torch.int64)       # sorted admitted ids
-        self.map_slots = torch.empty(0, dtype=torch.int64)     # their slots
-        self.cand_ids = torch.empty(0, dtype=torch.int64)      # sorted candidate ids
-        self.cand_counts = torch.empty(0, dtype=torch.int64)
-        self.cand_seen = torch.empty(0, dtype=torch.int64)
-        self.step = 0
-        self.lock = threading.Lock()
-        """Held by :func:`lookup_tables` and by the server around pushes and checkpoints."""
-        self.counters = {"inserts": 0, "admitted": 0, "evictions": 0, "expired": 0, "rejected": 0}
+        self.group = DynamicTableGroup(dim, spec, optimizer, self.store, [seed], [salt])
+        self.index = 0
+
+    # ---- views of the group's state ----------------------------------------------------------------------
+    @property
+    def seed(self) -> int:
+        """The seed of this table's fresh rows."""
+        return self.group.seeds[self.index]
+
+    @property
+    def salt(self) -> int:
+        """The salt of this table's fresh rows (:func:`table_salt`)."""
+        return self.group.salts[self.index]
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The group's lock: held by :func:`lookup_tables` and :func:`push_tables`, and by the server around
+        checkpoints."""
+        return self.group.lock
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stored rows ``(capacity, dim)`` (a view)."""
+        cap = self.spec.capacity
+        return self.group.weight[self.index * cap:(self.index + 1) * cap]
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        """The optimizer state ``(capacity,)`` (a view), None for a stateless optimizer."""
+        cap, st = self.spec.capacity, self.group.state
+        return None if st is None else st[self.index * cap:(self.index + 1) * cap]
+
+    @property
+    def slot_id(self) -> torch.Tensor:
+        """The id in each slot ``(capacity,)``, -1 where free (a view)."""
+        return self.group.slot_id[self.index]
+
+    @property
+    def last_seen(self) -> torch.Tensor:
+        """The step each slot was last looked up ``(capacity,)`` (a view)."""
+        return self.group.last_seen[self.index]
+
+    @property
+    def map_ids(self) -> torch.Tensor:
+        """The admitted ids ``(K,)``, sorted."""
+        return self.group.keys[self.index, :int(self.group.rows[self.index])]
+
+    @property
+    def map_slots(self) -> torch.Tensor:
+        """The slots ``(K,)`` of :attr:`map_ids`."""
+        return self.group.slots[self.index, :int(self.group.rows[self.index])]
+
+    @property
+    def cand_ids(self) -> torch.Tensor:
+        """The candidate ids ``(K',)``, sorted; ``cand_counts`` and ``cand_seen`` alongside."""
+        return self.group.cands[self.index][0]
+
+    @property
+    def cand_counts(self) -> torch.Tensor:
+        """Occurrences of each candidate so far ``(K',)``."""
+        return self.group.cands[self.index][1]
+
+    @property
+    def cand_seen(self) -> torch.Tensor:
+        """The step each candidate was last looked up ``(K',)``."""
+        return self.group.cands[self.index][2]
+
+    @property
+    def step(self) -> int:
+        """Lookups so far."""
+        return int(self.group.step[self.index])
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The running counters (see :meth:`stats`)."""
+        return dict(zip(COUNTERS, self.group.counters[self.index].tolist()))
 
     # ---- counters --------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """``rows`` (live), ``capacity``, ``candidates``, ``step``, and the running counters: ``inserts``
         (ids first seen as candidates), ``admitted`` (rows made), ``evictions`` (LRU), ``expired``,
         ``rejected`` (lookup and push positions of ids not admitted)."""
-        return {"rows": int(self.map_ids.numel()), "capacity": self.spec.capacity,
+        return {"rows": int(self.group.rows[self.index]), "capacity": self.spec.capacity,
                 "candidates": int(self.cand_ids.numel()), "step": self.step, **self.counters}
 
     # ---- maps ------------------------------------------------------------------------------------------
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id, -1 where not admitted. Shapes: ``(N,)`` int64 -> ``(N,)`` int64."""
-        pos, found = _find(self.map_ids, ids)
-        return torch.where(found, self.map_slots[pos] if self.map_ids.numel() else pos, -1)
+        return self.group.probe(torch.tensor([self.index]), ids.long().view(1, -1))[0]
 
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of ``ids`` without a step (no counting, admission or expiry): zeros where not
@@ -171,94 +181,6 @@ class DynamicTable:
             rows[hit] = self.store.gather(self.weight, slots[hit])
         return rows
 
-    def _drop_rows(self, slots: torch.Tensor) -> None:
-        gone = torch.zeros(self.spec.capacity, dtype=torch.bool)
-        gone[slots] = True
-        keep = ~gone[self.map_slots]
-        self.map_ids, self.map_slots = self.map_ids[keep], self.map_slots[keep]
-        self.slot_id[slots] = -1
-
-    def _expire(self) -> None:
-        if self.spec.expire_steps is None:
-            return
-        horizon = self.step - self.spec.expire_steps
-        old = self.map_slots[self.last_seen[self.map_slots] < horizon]
-        if old.numel():
-            self._drop_rows(old)
-            self.counters["expired"] += int(old.numel())
-        keep = self.cand_seen >= horizon
-        self.cand_ids, self.cand_counts, self.cand_seen = \
-            self.cand_ids[keep], self.cand_counts[keep], self.cand_seen[keep]
-
-    def _count_candidates(self, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                    torch.Tensor]:
-        """Occurrences of sorted unique non-admitted ``ids`` so far, this lookup's ``counts`` included, with
-        the candidates' positions and whether each is already one (the candidate arrays are not changed here:
-        :meth:`_settle_candidates` does that once admission is known)."""
-        if self.cand_ids.numel() == 0:
-            return counts, torch.zeros_like(ids), torch.zeros(ids.numel(), dtype=torch.bool)
-        pos, found = _find(self.cand_ids, ids)
-        return counts + torch.where(found, self.cand_counts[pos], 0), pos, found
-
-    def _settle_candidates(self, ids: torch.Tensor, total: torch.Tensor, pos: torch.Tensor, found: torch.Tensor,
-                           admitted: torch.Tensor) -> None:
-        """Candidates after a lookup: ``ids`` (sorted, unique, not admitted before it) with their ``total``
-        counts and last-seen step, except those ``admitted`` now (bool, same order), which leave."""
-        self.counters["inserts"] += int(ids.numel() - int(found.sum()))
-        stay = ~admitted
-        if bool(found.any()):
-            old = pos[found]
-            self.cand_counts[old], self.cand_seen[old] = total[found], self.step
-            gone = pos[found & admitted]
-            if gone.numel():
-                keep = torch.ones(self.cand_ids.numel(), dtype=torch.bool)
-                keep[gone] = False
-                self.cand_ids, self.cand_counts, self.cand_seen = \
-                    self.cand_ids[keep], self.cand_counts[keep], self.cand_seen[keep]
-        new = stay & ~found
-        if bool(new.any()):
-            n = int(new.sum())
-            all_ids = torch.cat([self.cand_ids, ids[new]])
-            order = torch.argsort(all_ids)
-            self.cand_ids = all_ids[order]
-            self.cand_counts = torch.cat([self.cand_counts, total[new]])[order]
-            self.cand_seen = torch.cat([self.cand_seen, torch.full((n,), self.step, dtype=torch.int64)])[order]
-
-    def _free_slots(self, n: int) -> torch.Tensor:
-        """Up to ``n`` slots for new rows: free slots (lowest first), then LRU evictions of rows not seen in
-        this step (oldest last-seen first, ties: smallest id)."""
-        free = (self.slot_id < 0).nonzero().flatten()[:n] if self.map_ids.numel() < self.spec.capacity \
-            else self.map_ids.new_empty(0)
-        need = n - free.numel()
-        if need <= 0:
-            return free
-        used = self.map_slots[self.last_seen[self.map_slots] < self.step]   # in id order (the map is sorted)
-        if used.numel() == 0:
-            return free
-        # oldest first, ties by id: (last seen, position in id order) is a unique key
-        key = self.last_seen[used] * used.numel() + torch.arange(used.numel())
-        victims = used[torch.topk(key, min(need, used.numel()), largest=False, sorted=True).indices]
-        self._drop_rows(victims)
-        self.counters["evictions"] += int(victims.numel())
-        return torch.cat([free, victims])
-
-    def _admit(self, ids: torch.Tensor) -> torch.Tensor:
-        """Give sorted unique ``ids`` rows, as many as slots allow (smallest ids first); their slots."""
-        slots = self._free_slots(ids.numel())
-        ids = ids[:slots.numel()]
-        if ids.numel() == 0:
-            return slots
-        self.weight.index_copy_(0, slots, self.store.encode(initial_rows(ids, self.dim, self.bound, self.seed,
-                                                                          self.salt)))
-        fresh = self.optimizer.init_state(ids.numel(), self.dim)
-        if self.state is not None and fresh is not None:
-            self.state.index_copy_(0, slots, fresh)
-        self.slot_id[slots] = ids
-        self.last_seen[slots] = self.step
-        self.map_ids, self.map_slots = _merge(self.map_ids, self.map_slots, ids, slots)
-        self.counters["admitted"] += int(ids.numel())
-        return slots
-
     # ---- lookup and push -------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: expire, count, admit, then answer the rows of ``ids``.
@@ -266,31 +188,8 @@ class DynamicTable:
         Shapes: ids ``(N,)`` int64 raw ids -> rows ``(N, dim)`` float32 (zeros where not admitted) and slots
         ``(N,)`` int64 (-1 where not admitted).
         """
-        self.step += 1
-        self._expire()
-        uniq, inverse, counts = torch.unique(ids.long(), return_inverse=True, return_counts=True)
-        slots = self.slots_of(uniq)
-        known = slots >= 0
-        self.last_seen[slots[known]] = self.step
-        if not bool(known.all()):
-            where = (~known).nonzero().flatten()
-            pending = uniq[where]
-            total, pos, found = self._count_candidates(pending, counts[where])
-            reached = total >= self.spec.min_count
-            admitted = torch.zeros_like(reached)
-            if bool(reached.any()):
-                given = self._admit(pending[reached])
-                chosen = reached.nonzero().flatten()[:given.numel()]
-                admitted[chosen] = True
-                slots[where[chosen]] = given
-            self._settle_candidates(pending, total, pos, found, admitted)
-        slots = slots[inverse]
-        hit = slots >= 0
-        rows = self.store.gather(self.weight, slots.clamp_min(0))
-        if not bool(hit.all()):
-            self.counters["rejected"] += int((~hit).sum())
-            rows[~hit] = 0.0
-        return rows, slots
+        rows, slots = self.group.lookup([self.index], [ids])
+        return rows[0], slots[0]
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Apply the optimizer to the rows of ``ids`` (gradients of repeated ids summed); ids not admitted
@@ -298,26 +197,19 @@ class DynamicTable:
 
         Shapes: ids ``(N,)`` int64 raw ids, grads ``(N, dim)`` float32.
         """
-        slots = self.slots_of(ids.long())
-        hit = slots >= 0
-        self.counters["rejected"] += int((~hit).sum())
-        if not bool(hit.any()):
-            return 0
-        uniq, inverse = torch.unique(slots[hit], return_inverse=True)
-        summed = torch.zeros(uniq.numel(), self.dim).index_add_(0, inverse, grads[hit].float())
-        self.optimizer.step(self.weight, self.state, uniq, summed, self.store)
-        return int(uniq.numel())
+        return self.group.push([self.index], [ids], [grads])
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a restart needs: the id -> slot map, float32 rows, optimizer state, last-seen steps,
         candidates, step and counters (tensors cloned)."""
+        state = self.state
         return {"map_ids": self.map_ids.clone(), "map_slots": self.map_slots.clone(),
                 "weight": self.store.decode(self.weight).clone(),
-                "state": None if self.state is None else self.state.clone(),
+                "state": None if state is None else state.clone(),
                 "slot_id": self.slot_id.clone(), "last_seen": self.last_seen.clone(),
                 "cand_ids": self.cand_ids.clone(), "cand_counts": self.cand_counts.clone(),
-                "cand_seen": self.cand_seen.clone(), "step": self.step, "counters": dict(self.counters),
+                "cand_seen": self.cand_seen.clone(), "step": self.step, "counters": self.counters,
                 "capacity": self.spec.capacity, "dim": self.dim, "seed": self.seed, "salt": self.salt}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -333,38 +225,118 @@ class DynamicTable:
         if (state["capacity"], state["dim"]) != (self.spec.capacity, self.dim):
             raise ValueError(f"dynamic table checkpoint has capacity {state['capacity']} and dim {state['dim']}, "
                              f"this table {self.spec.capacity} and {self.dim}")
-        self.map_ids, self.map_slots = state["map_ids"].clone(), state["map_slots"].clone()
-        self.weight = self.store.encode(state["weight"].clone())
-        self.state = None if state["state"] is None else state["state"].clone()
-        self.slot_id, self.last_seen = state["slot_id"].clone(), state["last_seen"].clone()
-        self.cand_ids, self.cand_counts = state["cand_ids"].clone(), state["cand_counts"].clone()
-        self.cand_seen, self.step = state["cand_seen"].clone(), int(state["step"])
-        self.counters = dict(state["counters"])
-        self.seed, self.salt = int(state.get("seed", self.seed)), int(state.get("salt", self.salt))
-
+        g, i, n = self.group, self.index, int(state["map_ids"].numel())
+        g.last_lookup = None
+        g.keys[i] = torch.iinfo(torch.int64).max
+        g.keys[i, :n], g.slots[i, :n], g.rows[i] = state["map_ids"], state["map_slots"], n
+        self.weight.copy_(self.store.encode(state["weight"]))
+        own = self.state
+        if own is not None and state["state"] is not None:
+            own.copy_(state["state"])
+        self.slot_id.copy_(state["slot_id"])
+        self.last_seen.copy_(state["last_seen"])
+        g.cands[i] = [state["cand_ids"].clone(), state["cand_counts"].clone(), state["cand_seen"].clone()]
+        g.step[i] = int(state["step"])
+        g.counters[i] = torch.tensor([int(state["counters"][k]) for k in COUNTERS])
+        g.seeds[i], g.salts[i] = int(state.get("seed", self.seed)), int(state.get("salt", self.salt))
+        g.row_keys[i] = row_key(g.seeds[i], g.salts[i])
 
 def table_salt(name: str) -> int:
     """A stable 63-bit salt of a table name (blake2b), so two dynamic tables never share fresh rows."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def group_tables(tables: Sequence[DynamicTable]) -> list[DynamicTableGroup]:
+    """Stack tables of one shape, rules, optimizer and storage into shared groups (state copied as stored,
+    bit for bit); each table then views its group's tensors and shares its lock. Returns the groups made.
+    Callers holding a table's ``weight``, ``state`` or ``lock`` must take them again."""
+    buckets: list[list[DynamicTable]] = []
+    for table in dict.fromkeys(tables):                      # unique, in order
+        for bucket in buckets:
+            if bucket[0].group.compatible(table.group):
+                bucket.append(table)
+                break
+        else:
+            buckets.append([table])
+    groups = []
+    for bucket in buckets:
+        if len({id(t.group) for t in bucket}) == 1 and bucket[0].group.size == len(bucket):
+            groups.append(bucket[0].group)                   # already exactly this group
+            continue
+        first = bucket[0]
+        seeds, salts = [t.seed for t in bucket], [t.salt for t in bucket]
+        # fresh tables hold nothing to copy: drop their old groups before the stack is allocated (no 2x peak)
+        old: list[tuple[DynamicTableGroup, int] | None] = [None if _fresh(t) else (t.group, t.index) for t in bucket]
+        for table in bucket:
+            del table.group
+        group = DynamicTableGroup(first.dim, first.spec, first.optimizer, first.store, seeds, salts)
+        cap = first.spec.capacity
+        for j, table in enumerate(bucket):
+            source, old[j] = old[j], None                   # each old group freed once its tables moved
+            if source is not None:
+                g, i = source
+                group.weight[j * cap:(j + 1) * cap] = g.weight[i * cap:(i + 1) * cap]
+                if group.state is not None and g.state is not None:
+                    group.state[j * cap:(j + 1) * cap] = g.state[i * cap:(i + 1) * cap]
+                for name in ("slot_id", "last_seen", "keys", "slots", "rows", "step", "counters"):
+                    getattr(group, name)[j] = getattr(g, name)[i]
+                group.cands[j] = list(g.cands[i])
+                del g, source
+            table.group, table.index = group, j
+        groups.append(group)
+    return groups
+
+
+def _fresh(table: DynamicTable) -> bool:
+    """Whether a table is as made (no step, row, candidate or count): its state is a new group's."""
+    g, i = table.group, table.index
+    return int(g.step[i]) == 0 and int(g.rows[i]) == 0 and g.cands[i][0].numel() == 0 and not bool(
+        g.counters[i].any())
+
+
+def _by_group(tables: Sequence[DynamicTable]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        out.setdefault(id(table.group), []).append(i)
+    return out
+
+
 def lookup_tables(requests: Sequence[tuple[DynamicTable | None, torch.Tensor]]) -> list[torch.Tensor | None]:
-    """Rows of each request's ids, one :meth:`DynamicTable.lookup` (one step) per table for all its
-    requests together (a table read by several features still advances one step per batch); None for
+    """Rows of each request's ids, one step per table for all its requests together (a table read by several
+    features still advances one step per batch), all tables of a group in one batched lookup; None for
     requests without a table.
 
     Shapes: each ids ``(N_i,)`` int64 -> rows ``(N_i, dim)`` float32.
     """
     out: list[torch.Tensor | None] = [None] * len(requests)
-    tables: dict[int, list[int]] = {}
+    members: dict[DynamicTable, list[int]] = {}
     for i, (table, _) in enumerate(requests):
         if table is not None:
-            tables.setdefault(id(table), []).append(i)
-    for members in tables.values():
-        table = requests[members[0]][0]
-        assert table is not None
-        with table.lock:
-            rows, _ = table.lookup(torch.cat([requests[i][1] for i in members]))
-        for i, part in zip(members, rows.split([requests[i][1].numel() for i in members])):
-            out[i] = part
+            members.setdefault(table, []).append(i)
+    tables = list(members)
+    for idx in _by_group(tables).values():
+        group = tables[idx[0]].group
+        ids = [torch.cat([requests[i][1] for i in members[tables[j]]]) if len(members[tables[j]]) > 1
+               else requests[members[tables[j]][0]][1] for j in idx]
+        with group.lock:
+            rows, _ = group.lookup([tables[j].index for j in idx], ids)
+        for j, part in zip(idx, rows):
+            mine = members[tables[j]]
+            for i, p in zip(mine, part.split([requests[i][1].numel() for i in mine]) if len(mine) > 1 else [part]):
+                out[i] = p
     return out
+
+
+def push_tables(requests: Sequence[tuple[DynamicTable | None, torch.Tensor, torch.Tensor]]) -> int:
+    """:meth:`DynamicTable.push` of each ``(table, ids (N_i,), grads (N_i, dim))`` (distinct tables; None
+    tables skipped), all tables of a group in one batched push under its lock. Returns the number of rows
+    updated."""
+    touched = 0
+    tables = [t for t, _, _ in requests if t is not None]
+    requests = [r for r in requests if r[0] is not None]
+    for idx in _by_group(tables).values():
+        group = tables[idx[0]].group
+        with group.lock:
+            touched += group.push([tables[j].index for j in idx], [requests[j][1] for j in idx],
+                                  [requests[j][2] for j in idx])
+    return touched

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch.distributed.rpc.functions import async_execution
 
-from .dynamic import DynamicTable, lookup_tables, table_salt
+from .dynamic import DynamicTable, lookup_tables, push_tables, table_salt
+from .dynamic_fused import group_shards
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
@@ -172,7 +173,7 @@ class PSServer:
         layout = self.layouts[namespace]
         keys = [f"{namespace}/{spec.key}" for spec, _ in layout]
         if any(k not in self.shards or self.shards[k].dynamic is not None for k in keys):
-            self.fused[namespace] = None
+            self.fused[namespace] = group_shards(layout, [self.shards.get(k) for k in keys])
             return
         shards = {spec.key: self.shards[k] for (spec, _), k in zip(layout, keys)}
         fused = FusedTables.build(layout, {k: sh.weight for k, sh in shards.items()},
@@ -309,14 +310,12 @@ class PSServer:
                 g = g * wts.unsqueeze(1)
             per_shard.setdefault(f"{namespace}/{spec.key}", []).append((ids, g))
             col += dim
-        touched = 0
-        assert self.optimizer is not None
+        touched = push_tables([(self.shards[k].dynamic, torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps]))
+                               for k, ps in per_shard.items() if self.shards[k].dynamic is not None])
         for key, parts in per_shard.items():
             ids = torch.cat([p[0] for p in parts])
             shard = self.shards[key]
             if shard.dynamic is not None:
-                with shard.lock:
-                    touched += shard.dynamic.push(ids, torch.cat([p[1] for p in parts]))
                 continue
             if ids.numel() == 0:
                 continue
