@@ -86,8 +86,10 @@ def read_only(*clients: Any) -> Iterator[None]:
 
 def peek_async(client: Any, server: int, kjt: Any) -> Any:
     """Send ``client``'s read-only lookup of ``kjt`` to ``server`` (``PSClient.lookup_async`` in
-    :func:`read_only` mode); waited like a lookup (``finish_lookup``). A prefetched lookup stays where it is;
-    deferred pushes to ``server`` are waited first, so that the peek sees them even on an unordered client."""
-    client.drain(server, 0)
+    :func:`read_only` mode); waited like a lookup (``finish_lookup``). A prefetched lookup and the deferred pushes
+    stay where they are (an ordered client's server applies those pushes first); an unordered client (``ordered=
+    False``) waits its deferred pushes to ``server`` first, so that the peek sees them."""
+    if not client.ordered:
+        client.drain(server, 0)
     return client._lookup(client._call_async(server, "peek", (client.name, client._wire(kjt), client.compress),
                                              "lookup", ordered=True), kjt)

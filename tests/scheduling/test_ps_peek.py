@@ -181,9 +181,10 @@ def _ids(step, spread=9):
     return torch.randint(0, spread, (8,), generator=gen) * (1 << 50) + 3, torch.randn(8, generator=gen)
 
 
-def _train(name, evaluate: bool, steps=8):
+def _train(name, evaluate: bool, steps=8, max_staleness=None, flush=True):
     """Train ``RawIds`` with prefetch on a dynamic table; with ``evaluate``, after each step do what a job's
-    mid-phase evaluation does: wait the pushes, evaluate held-out batches read-only, read the servers' state."""
+    mid-phase evaluation does: wait the pushes (``flush``), evaluate a held-out batch read-only, read the servers'
+    state."""
     import fxdist
     import scheduling
     from scheduling import placement
@@ -192,7 +193,8 @@ def _train(name, evaluate: bool, steps=8):
     torch.manual_seed(0)
     ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=0.5, verbose=False, client=name,
                            dynamic={"t": {"capacity": 6, "min_count": 2, "expire_steps": 4}})
-    gm = fxdist.optimize(RawIds(), passes=(ps, "async_rpc_prefetch"))
+    prefetch = functools.partial(scheduling.async_rpc, prefetch=True, max_staleness=max_staleness)
+    gm = fxdist.optimize(RawIds(), passes=(ps, prefetch))
     try:
         client = get_client(placement.client_names(gm)[0])
         nexts = [n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target.startswith("next_")]
@@ -202,31 +204,36 @@ def _train(name, evaluate: bool, steps=8):
             loss.backward()
             losses.append(loss.detach())
             if evaluate:
-                placement.flush(gm)
+                if flush:
+                    placement.flush(gm)
                 with torch.no_grad(), placement.read_only(gm):
                     evals.append(gm(_ids(500 + len(losses), spread=30)[0]))
-                client.server_states()
+                if flush:
+                    client.server_states()
         placement.flush(gm)
         (state,) = client.server_states()
-        return losses, next(iter(state.values()))["dynamic"], client.prefetch_hits, evals
+        return losses, next(iter(state.values()))["dynamic"], client.prefetch_hits, evals, dict(client.staleness)
     finally:
         placement.close(gm)
 
 
-def _check_training_unchanged_by_evaluation():
-    alone = _train("peek-a", evaluate=False)
-    evaluated = _train("peek-b", evaluate=True)
+def _check_training_unchanged_by_evaluation(max_staleness=None, flush=True):
+    alone = _train("peek-a", evaluate=False, max_staleness=max_staleness)
+    evaluated = _train("peek-b", evaluate=True, max_staleness=max_staleness, flush=flush)
     assert alone[2] == evaluated[2] == 7                                  # every later step used its prefetch
+    if not flush:                                                         # peeks wait no deferred push either
+        assert alone[4] == evaluated[4] and len(alone[4]) > 1, alone[4]
     assert all(torch.equal(a, b) for a, b in zip(alone[0], evaluated[0]))
     assert _same(alone[1], evaluated[1]) and alone[1]["counters"]["evictions"] > 0
     assert any(bool((e == 0).any()) for e in evaluated[3]) and any(bool((e != 0).any()) for e in evaluated[3])
 
 
-def test_evaluation_between_prefetching_steps_leaves_training_unchanged():
+@pytest.mark.parametrize("max_staleness, flush", [(None, True), (1, False)])
+def test_evaluation_between_prefetching_steps_leaves_training_unchanged(max_staleness, flush):
     from scheduling.ps import LocalCluster
 
     with LocalCluster(num_servers=1):
-        _check_training_unchanged_by_evaluation()
+        _check_training_unchanged_by_evaluation(max_staleness, flush)
 
 
 def test_evaluation_leaves_training_unchanged_over_ray():
