@@ -263,3 +263,32 @@ def test_read_only_client_refuses_pushes_and_sends_no_prefetch():
             assert client.prefetch_hits == 0 and client._read_only == 0
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("own_requests", ["inline", "thread"])
+def test_read_only_lookups_of_a_server_in_the_trainers_process(own_requests):
+    """A trainer's own requests to the server it hosts skip RPC (``scheduling.ps.in_trainers.call_local``): peeks
+    go through the same ordered handlers."""
+    from torchrec import KeyedJaggedTensor
+
+    from scheduling.ps import PSClient, serve_in_trainer, stop_serving
+
+    def kjt(ids):
+        return KeyedJaggedTensor(keys=["f0"], values=torch.tensor(ids), lengths=torch.ones(len(ids), dtype=torch.long))
+
+    server = serve_in_trainer("me-peek", own_requests=own_requests)
+    try:
+        client = PSClient([TableSpec("d", 4, 4, ("f0",), dynamic=DynamicSpec(4))], ["me-peek"], name="peek-own",
+                          optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+        try:
+            trained = client.lookup(0, kjt([5, 6])).detach()                  # admits 5 and 6
+            (table,) = [s.dynamic for s in server.shards.values()]
+            before = _snapshot(table)
+            with client.read_only():
+                peeked = client.lookup(0, kjt([6, 5, 7])).detach()
+            assert torch.equal(peeked[:2], trained.flip(0)) and torch.equal(peeked[2], torch.zeros(4))
+            assert trained.abs().sum() > 0 and _same(_snapshot(table), before)
+        finally:
+            client.close()
+    finally:
+        stop_serving()
