@@ -321,6 +321,7 @@ TESTED_ELSEWHERE = {
     # scheduling: the passes' helpers, and the parameter-server runtime exercised through a cluster
     "scheduling.batch_replay": "tests/scheduling/test_prefetch_inputs.py",
     "scheduling.placement.conversions": "tests/scheduling/test_placement_table_groups.py",
+    "scheduling.placement.eval_mode": "tests/scheduling/test_ps_peek.py",
     "scheduling.placement.find": "tests/scheduling/test_placement_table_groups.py",
     "scheduling.placement.plan": "tests/scheduling/test_placement.py",
     "scheduling.ray_calls": "tests/scheduling/test_ray_transport.py",

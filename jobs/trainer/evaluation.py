@@ -25,17 +25,22 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def evaluate(model: nn.Module, workload: Workload, tables: Tables) -> dict[str, float]:
     """The held-out quality of ``model`` on the workload's eval batches (:meth:`quality`: AUC and log loss
-    for the DLRM); ``{}`` when this rank has none."""
+    for the DLRM); ``{}`` when this rank has none. Lookups of tables on parameter servers are read-only
+    (:func:`scheduling.placement.read_only`): evaluation changes no dynamic table and leaves training's prefetches
+    alone, so the training that follows is the same however often one evaluates."""
+    from scheduling.placement import read_only
+
     batches = workload.eval_batches()
     if batches is None:
         return {}
     model.eval()
     device = next(model.parameters()).device
     outputs, labels = [], []
-    for batch in batches:
-        args, kwargs, y = workload.inputs(batch, tables, device)
-        outputs.append(tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), model(*args, **kwargs)))
-        labels.append(y.cpu())
+    with read_only(model):
+        for batch in batches:
+            args, kwargs, y = workload.inputs(batch, tables, device)
+            outputs.append(tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), model(*args, **kwargs)))
+            labels.append(y.cpu())
     model.train()
     return workload.quality(outputs, labels)
 

@@ -87,6 +87,7 @@ from ..async_pairs import trace_meta
 from ..ps import ops
 from ..ps.shard_plan import TableSpec, table_specs
 from . import conversions
+from .eval_mode import read_only
 from .find import Candidate, NotMoved, call_arguments, find_embeddings
 from .plan import (
     TableInfo,
@@ -101,7 +102,7 @@ from .plan import (
 from .table_groups import group_candidates, group_label, rewrite_group
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
-           "table_state_dict", "load_table_state_dict", "client_names"]
+           "table_state_dict", "load_table_state_dict", "client_names", "read_only"]
 
 logger = logging.getLogger("scheduling.placement")
 _USED_NAMES: set[str] = set()
@@ -524,7 +525,7 @@ def client_names(gm: Any) -> list[str]:
 
 
 def flush(gm: Any) -> None:
-    """Wait every push still in flight (and drop unused prefetches) of ``gm``'s clients; call after training."""
+    """Wait every push still in flight (and every prefetched lookup) of ``gm``'s clients; call after training."""
     from ..ps.client import get_client
 
     for name in client_names(gm):

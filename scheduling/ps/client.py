@@ -22,6 +22,7 @@ import torch
 
 from recsys.quiet import rpc_init_warnings_filtered
 
+from . import peek as _peek
 from . import pooling as _pooling
 from . import server as _srv
 from .client_options import GRAD_REDUCTIONS, ClientOptions  # noqa: F401  (GRAD_REDUCTIONS: re-exported)
@@ -208,6 +209,7 @@ class PSClient:
         self.prefetch_hits = 0
         """Lookups answered by an earlier prefetch (:meth:`prefetch`, ``push_async(next_kjt=...)``)."""
         self.ordered = ordered
+        self._read_only = 0  # > 0: lookups are read-only peeks (read_only())
         self._key = f"{name}:{uuid.uuid4().hex}"
         self._seq = [0] * len(self.servers)
         self._pushes = [0] * len(self.servers)
@@ -316,6 +318,8 @@ class PSClient:
         if self.input_check is not None and self._checked is not kjt:
             self.input_check(kjt)           # the local module's errors, before anything is sent
             self._checked = kjt
+        if self._read_only:  # leaves any prefetch for the training lookup it was started for
+            return _peek.peek_async(self, server, kjt)
         early = self._prefetched.get(server)
         if early is not None and early[0] is kjt:
             del self._prefetched[server]
@@ -355,6 +359,8 @@ class PSClient:
             raise RuntimeError(f"PSClient {self.name!r}: an exact prefetch needs ordered=True (the servers "
                                "must apply this step's push before the next step's lookup); create the "
                                "client with ordered=True or allow max_staleness >= 1")
+        if self._read_only:  # a read-only lookup sends its own request when it comes
+            return
         self._prefetched[server] = (kjt, self.lookup_async(server, kjt, max_staleness))
 
     def finish_lookup(self, fut: torch.futures.Future, server: int) -> torch.Tensor:
@@ -368,6 +374,11 @@ class PSClient:
     def lookup(self, server: int, kjt: Any) -> torch.Tensor:
         """Blocking lookup on one server: pooled sums ``(B, D_s)`` of its shards (the ``rpc_sync`` baseline)."""
         return self.finish_lookup(self.lookup_async(server, kjt), server)
+
+    def read_only(self) -> Any:
+        """A context manager: while active, this client's lookups are read-only (:mod:`scheduling.ps.peek`: no step
+        of a dynamic table, prefetches left alone; for held-out evaluation)."""
+        return _peek.read_only(self)
 
     def push_async(self, server: int, kjt: Any, fetched: torch.Tensor, next_kjt: Any = None,
                    ) -> torch.futures.Future:
@@ -397,7 +408,12 @@ class PSClient:
     def push_grad_async(self, server: int, kjt: Any, grad: torch.Tensor, next_kjt: Any = None,
                         ) -> torch.futures.Future:
         """Start sending an explicit gradient ``(B, D_s)`` of server ``server``'s lookup output
-        (``next_kjt``: as in :meth:`push_async`); it is divided by :attr:`grad_divisor` first."""
+        (``next_kjt``: as in :meth:`push_async`); it is divided by :attr:`grad_divisor` first.
+
+        Raises:
+            RuntimeError: in :meth:`read_only` mode (evaluation must not train)."""
+        if self._read_only:
+            raise RuntimeError(f"PSClient {self.name!r}: a push to server {server} while read_only() is active")
         grad = grad.detach() if self.grad_divisor == 1 else grad.detach() / self.grad_divisor
         grad = to_host(grad)
         if next_kjt is None:
@@ -437,12 +453,17 @@ class PSClient:
         while queue and len(queue) > keep:
             self.finish_push(queue.popleft(), server)
 
-    def flush(self) -> None:
-        """Wait every deferred push and drop every prefetched lookup (waited, so errors surface)."""
+    def flush(self, drop_prefetched: bool = False) -> None:
+        """Wait every deferred push and every prefetched lookup (so errors surface). The prefetched answers stay for
+        the lookups they were started for (sent again, a dynamic table would count a second step), unless
+        ``drop_prefetched``."""
         for server in list(self._pending):
             self.drain(server, 0)
-        for server in list(self._prefetched):
-            self._drop_prefetch(server)
+        for server, (_, fut) in list(self._prefetched.items()):
+            if drop_prefetched:
+                self._drop_prefetch(server)
+            else:
+                self._wait(fut, server, "prefetch")
 
     # ---- pooling (scheduling.ps.pooling) -------------------------------------------------------------------
     def pool(self, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
@@ -497,6 +518,7 @@ class PSClient:
         Raises:
             KeyError: a table's weight is missing from ``state``.
         """
+        self.flush(drop_prefetched=True)  # prefetched rows are stale after the load
         for s in range(len(self.servers)):
             payload = {}
             for spec in (sp for sp in self.shards if sp.server == s):
@@ -526,6 +548,7 @@ class PSClient:
         if len(states) != len(self.servers):
             raise ValueError(f"load_server_states: {len(states)} server states for the {len(self.servers)} servers "
                              f"of client {self.name!r}")
+        self.flush(drop_prefetched=True)  # prefetched rows are stale after the load
         for s, payload in enumerate(states):
             if payload:
                 self._call(s, "load_state_dict", (dict(payload),), "load_state_dict")
@@ -558,7 +581,7 @@ class PSClient:
         and leave the RPC group (non-graceful: see :func:`scheduling.ps.stop_server`)."""
         try:
             if flush:
-                self.flush()
+                self.flush(drop_prefetched=True)
         finally:
             with _CLIENTS_LOCK:
                 if _CLIENTS.get(self.name) is self:

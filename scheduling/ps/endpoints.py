@@ -1,9 +1,10 @@
 """The requests a parameter server answers, whatever transport carries them.
 
 :class:`ServerEndpoints` holds one :class:`~scheduling.ps.server.PSServer` and has one method per request
-(``configure``, ``lookup``, ``push``, ``push_lookup``, ``batch``, ``state_dict``, ``load_state_dict``,
-``save``, ``set_delays``, ``stats``); ``batch`` carries several ordered requests in one message (a client's
-coalesced pushes, :mod:`scheduling.ps.coalesce`). The ordered ones (``lookup``, ``push``, ``push_lookup``) apply the request
+(``configure``, ``lookup``, ``peek``, ``push``, ``push_lookup``, ``batch``, ``state_dict``,
+``load_state_dict``, ``save``, ``set_delays``, ``stats``); ``batch`` carries several ordered requests in one message (a client's
+coalesced pushes, :mod:`scheduling.ps.coalesce`); ``peek`` is a read-only lookup (:mod:`scheduling.ps.peek`: no step
+of a dynamic table). The ordered ones (``lookup``, ``peek``, ``push``, ``push_lookup``) apply the request
 order the client asked for (:mod:`scheduling.ps.ordering`), so the tables, the optimizer, the step order and
 the fused path are the same on every transport; :meth:`ServerEndpoints.submit` starts one without waiting
 for its turn, so that a waiting request holds none of the server's threads:
@@ -34,13 +35,14 @@ from typing import Any
 import torch
 
 from .ordering import Done, Order, in_order, submit
+from .peek import peek
 
 __all__ = ["Endpoints", "ServerEndpoints", "AsyncEndpoints", "METHODS", "DEFAULT_WORKER_THREADS"]
 
 DEFAULT_WORKER_THREADS = 16
 """Threads that serve one server's requests unless told otherwise (``num_worker_threads``)."""
 
-METHODS = ("configure", "lookup", "push", "push_lookup", "batch", "state_dict", "load_state_dict", "save",
+METHODS = ("configure", "lookup", "peek", "push", "push_lookup", "batch", "state_dict", "load_state_dict", "save",
            "set_delays", "stats")
 """The requests every transport carries (``PSClient`` calls only these)."""
 
@@ -70,7 +72,7 @@ class Endpoints:
         """``PSServer.configure``: create the namespace's shards."""
         return self._server().configure(*args, **kwargs)
 
-    ORDERED = ("lookup", "push", "push_lookup")
+    ORDERED = ("lookup", "peek", "push", "push_lookup")
     """The requests that follow the client's order (:mod:`scheduling.ps.ordering`) and may wait for it."""
 
     def _ordered(self, method: str, args: tuple) -> tuple[Order | None, str, str, Any, Any]:
@@ -81,6 +83,9 @@ class Endpoints:
             namespace, batch, compress, order = _pad(args, 4)
             return (order, "lookup", server.name, None,
                     timed("lookup", namespace, lambda: server.lookup(namespace, batch, compress)))
+        if method == "peek":  # a read-only lookup, ordered as one
+            namespace, batch, compress, order = _pad(args, 4)
+            return order, "peek", server.name, None, timed("lookup", namespace, lambda: peek(server, namespace, batch, compress))
         if method == "push":
             namespace, batch, grad, order = _pad(args, 4)
             return order, "push", server.name, timed("push", namespace, lambda: server.push(namespace, batch, grad)), None
@@ -166,6 +171,11 @@ class ServerEndpoints(Endpoints):
         """Pooled sums ``(B, D_s)`` of the batch, in the request order ``order`` asks for (blocking)."""
         return self._blocking("lookup", (namespace, batch, compress, order))
 
+    def peek(self, namespace: str, batch: Any, compress: str | None = None, order: Order | None = None,
+             ) -> torch.Tensor:
+        """As :meth:`lookup`, read-only (:func:`scheduling.ps.peek.peek`: no step of a dynamic table)."""
+        return self._blocking("peek", (namespace, batch, compress, order))
+
     def push(self, namespace: str, batch: Any, grad: torch.Tensor, order: Order | None = None) -> int:
         """Apply ``grad`` ``(B, D_s)``; returns the rows updated (blocking)."""
         return self._blocking("push", (namespace, batch, grad, order))
@@ -234,6 +244,11 @@ class AsyncEndpoints(Endpoints):
                      order: Order | None = None) -> torch.Tensor:
         """As :meth:`ServerEndpoints.lookup`, awaited."""
         return await self._await("lookup", (namespace, batch, compress, order))
+
+    async def peek(self, namespace: str, batch: Any, compress: str | None = None,
+                   order: Order | None = None) -> torch.Tensor:
+        """As :meth:`ServerEndpoints.peek`, awaited."""
+        return await self._await("peek", (namespace, batch, compress, order))
 
     async def push(self, namespace: str, batch: Any, grad: torch.Tensor,
                    order: Order | None = None) -> int:

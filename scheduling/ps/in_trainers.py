@@ -138,7 +138,7 @@ def call_local(endpoints: Endpoints, method: str, args: tuple) -> torch.futures.
     """Request ``method(*args)`` (:data:`~scheduling.ps.endpoints.METHODS`) of this process's server, without
     RPC: a ``torch.futures.Future`` of the answer, completed as the transport's would be (the server's own
     exception, e.g. ``ValueError``, raised by ``wait()``; a ``batch`` answers ``[(answer, error), ...]``).
-    Ordered requests (``lookup``, ``push``, ``push_lookup``, ``batch``) follow :mod:`scheduling.ps.ordering`:
+    Ordered requests (``lookup``, ``peek``, ``push``, ``push_lookup``, ``batch``) follow :mod:`scheduling.ps.ordering`:
     they run on this thread when their turn has come (on the server's own thread with
     ``own_requests="thread"``, in issue order), else later on the thread that releases them."""
     future: torch.futures.Future = torch.futures.Future()

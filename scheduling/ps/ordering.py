@@ -30,6 +30,23 @@ that would release them was never served (a deadlock with more embedding modules
 Each wait is bounded by the request's ``timeout_s`` (one watchdog thread per process fails requests whose wait
 ran out, with the error saying what they waited for).
 
+**Not ordered: the lookups of one step across trainers.** Rule 2 fixes what a step-``k`` lookup sees, not the
+order in which the ``W`` trainers' step-``k`` lookups are served: they run in arrival order. Fixed tables do not
+care (a lookup changes nothing), but a lookup of a dynamic table is a step of it (:mod:`scheduling.ps.dynamic`:
+admission, LRU refresh, eviction), so two runs with several trainers can differ. Serving them in
+``(count, index, rank)`` order (``index``: the client's lookups to this server since its last push) would cost:
+
+- one more number per request (the client counts its lookups per server between pushes), and per barrier the
+  lookups served per ``(count, rank)``, with a third wait (``lookup`` stage: also every lower rank's lookup of the
+  same ``(count, index)`` served) and its timeout message;
+- a stricter contract: every trainer makes the same number of lookups per step to each server, or the group waits
+  until ``timeout_s`` (read-only peeks, :mod:`scheduling.ps.peek`, change nothing and would stay unordered);
+- waiting: with prefetch, none beyond serialisation (the step-``k + 1`` lookups ride on the pushes of step ``k``,
+  all of which have arrived before any is applied, and a dynamic table's lookups already run one at a time under
+  its lock); with blocking lookups, a trainer's lookup waits for the lower ranks' lookups of the step to arrive,
+  i.e. the skew between the trainers' forward starts, and a slow rank 0 delays every other rank's lookups; fixed
+  tables would lose their concurrent lookups unless the rule applies to dynamic tables only.
+
 Source: the bulk-synchronous parameter server (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014, §3: consistency models; here the sequential model per step).
 """

@@ -433,6 +433,11 @@ def _rpc_lookup(*args: Any) -> torch.futures.Future:
 
 
 @async_execution
+def _rpc_peek(*args: Any) -> torch.futures.Future:
+    return _ordered_future("peek", args)
+
+
+@async_execution
 def _rpc_push(*args: Any) -> torch.futures.Future:
     return _ordered_future("push", args)
 

@@ -184,3 +184,30 @@ def test_short_dynamic_job_fills_and_evicts_and_restores_after_a_server_fault(ra
     assert digest({}) not in saved.values()  # the servers' state is in the checkpoints
     assert r["inference"]["skipped"].startswith("dynamic tables")
     assert "dynamic tables: 26, rows " in table(r)
+
+
+def test_evaluation_leaves_the_dynamic_tables_as_training_alone(ray_session, tmp_path):
+    """One trainer, 8 steps: the held-out evaluation after step 3 (``eval_epochs``) or only after the last step gives
+    the same dynamic tables' counters in both phases (the optimized one prefetches). Evaluation's lookups are
+    read-only (``scheduling.placement.read_only``) and keep training's prefetch; as training lookups they admitted
+    held-out ids and evicted training rows, and the step-3 prefetch was sent again."""
+    from jobs.launcher.launch import launch
+
+    data = write_synthetic_criteo(tmp_path / "data.txt", 2000, seed=0)
+
+    def run(eval_epochs: float, name: str):
+        config = load_config().replace(
+            job={"steps": 8, "batch_size": 64, "checkpoint_every": 0, "progress": False, "name": name,
+                 "eval_epochs": eval_epochs},
+            data={"path": str(data)},
+            model={"table_sizes": "dynamic", "dynamic_capacity": 50, "bottom_mlp": [8], "top_mlp": [8]},
+            cluster={"trainers": 1, "cpus_per_trainer": 0.5, "rpc_timeout_s": 20.0}, metrics={"enabled": False},
+            quant={"enabled": False})
+        return launch(config, run_dir=tmp_path / name, quiet=True)
+
+    early, late = run(0.1, "dyn-eval-early"), run(0.0, "dyn-eval-late")
+    for phase in ("baseline", "optimized"):
+        a, b = early["phases"][phase], late["phases"][phase]
+        assert a["quality_step"] == 3 and b["quality_step"] == 8 and 0 < a["quality"]["auc"] <= 1
+        assert sum(t["evictions"] for t in a["dynamic_tables"].values()) > 0
+        assert a["dynamic_tables"] == b["dynamic_tables"], phase
