@@ -43,10 +43,11 @@ CHECK_BYTES = 128 << 20
 trainer gathers every table from the servers for it."""
 SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
-           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms")
+           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_stale1_0ms``: prefetch
 with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i`` inside
-trainer ``i``'s process (``scheduling.ps.in_trainers``: 2 processes instead of 4)."""
+trainer ``i``'s process (``scheduling.ps.in_trainers``: 2 processes instead of 4); ``fx_dynamic_*``: prefetch
+with the 26 tables dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids)."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -387,9 +388,14 @@ def in_trainers(system: str) -> bool:
     return system.startswith("fx_inproc_")
 
 
+def dynamic_tables(system: str) -> bool:
+    """Whether fxdist system ``system`` makes its tables dynamic (``fx_dynamic_*``)."""
+    return system.startswith("fx_dynamic_")
+
+
 def _fx_kind(system: str) -> str:
     """``blocking``, ``prefetch`` or ``stale<k>`` of an fxdist system name."""
-    return system.removeprefix("fx_").removeprefix("inproc_").split("_")[0]
+    return system.removeprefix("fx_").removeprefix("inproc_").removeprefix("dynamic_").split("_")[0]
 
 
 def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
@@ -401,9 +407,10 @@ def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
     from scheduling.ps import trainer_servers
 
     servers = trainer_servers(WORLD) if in_trainers(s.system) else [f"ps{i}" for i in range(SERVERS)]
+    dynamic = {name: {"capacity": s.rows} for name in PLAN} if dynamic_tables(s.system) else None
     ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, rank=rank, world_size=WORLD,
                            group=s.group, verbose=False, plan=PLAN, servers=servers, seed=TABLE_SEED,
-                           timeout_s=120.0)
+                           timeout_s=120.0, dynamic=dynamic)
     if rank != 0:
         dist.barrier()
     kind = _fx_kind(s.system)
@@ -449,7 +456,8 @@ def run_fx(rank: int, s: Setting) -> dict:
         return {i: [(0, 0, state[f"sparse_arch.embedding_bag_collection.embedding_bags.t_C{i + 1}.weight"])]
                 for i in range(TABLES)}
 
-    result = _timed(step, s, finish=lambda: placement.flush(gm), tables=tables)   # the timing ends at a barrier
+    # the timing ends at a barrier; dynamic tables' rows start as made per id, not as W0: no table check
+    result = _timed(step, s, finish=lambda: placement.flush(gm), tables=None if dynamic_tables(s.system) else tables)
     result["prefetch_hits"] = sum(get_client(n).prefetch_hits for n in names)
     if rank == 0 and not in_trainers(s.system):   # servers in the trainers end with them
         get_client(names[0]).stop_servers()

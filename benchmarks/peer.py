@@ -23,6 +23,10 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_inproc_prefetch_0ms`` / ``fx_inproc_stale1_0ms``: the same with the servers inside the trainers'
   processes (``scheduling.ps.in_trainers``): trainer ``i`` also serves server ``i``'s tables on its RPC threads,
   and its requests to its own server skip RPC; 2 processes in all instead of 4;
+- ``fx_dynamic_prefetch_0ms``: ``fx_prefetch_0ms`` with the 26 tables dynamic (``parameter_servers(dynamic=...)``,
+  collisionless, capacity = the size's rows, the same ids sent raw): the cost of dynamic tables against fixed
+  ones of the same rows, as a ratio from the same run (its rows start as ``scheduling.ps.dynamic`` makes them,
+  so its losses and ``|W-W0|`` are not compared);
 - ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
   tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
@@ -234,11 +238,15 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
           f"{'med':>5} {'max':>5} {'loss last':>10} {'d loss':>8} {'d loss0':>8} {'|W-W0|':>9} {'wall s':>6}")
     for name, runs in found.items():
         print(_row(name, runs, base))
-    fx = [r for n, runs in found.items() if n.startswith("fx_") for r in runs]
+    fx = [r for n, runs in found.items() if n.startswith("fx_") and not systems.dynamic_tables(n) for r in runs]
     loss, change = _max_diff(fx, base, "last_loss"), _max_diff(fx, base, "table_change")
     if loss is not None:
         print(f"max |fxdist final loss - dmp_tw final loss| = {loss:.2e} (over fxdist systems and rounds)"
               + ("" if change is None else f"; max | |W-W0| fxdist - |W-W0| dmp_tw | = {change:.2e}"))
+    dyn, fixed = found.get("fx_dynamic_prefetch_0ms"), found.get("fx_prefetch_0ms")
+    if dyn and fixed and (ratios := _ratios(dyn, fixed)):
+        print(f"dynamic / fixed tables of the same rows (fx_dynamic_prefetch_0ms / fx_prefetch_0ms, QPS per round): "
+              f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
 
 
 def main() -> None:
