@@ -60,15 +60,7 @@ def peek(server: Any, namespace: str, batch: Any, compress: str | None = None) -
         if wts is not None:
             rows = rows * wts.unsqueeze(1)
         outs.append(torch.zeros(batch_size, spec.table.embedding_dim).index_add_(0, bags, rows))
-    out = torch.cat(outs, dim=1) if outs else torch.zeros(batch_size, 0)
-    server.num_lookups += 1
-    if compress == "fused8bit":
-        from .server import _quantize
-
-        return _quantize(out)
-    if compress is not None:
-        raise ValueError(f"server {server.name}: unknown compression {compress!r} (use 'fused8bit')")
-    return out
+    return server.answer(torch.cat(outs, dim=1) if outs else torch.zeros(batch_size, 0), compress)
 
 
 @contextlib.contextmanager

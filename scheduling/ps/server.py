@@ -249,6 +249,15 @@ class PSServer:
             out = fused.lookup(fused.index(*batch, where=f"server {self.name}"))
         else:
             out = self._lookup_per_shard(namespace, batch)
+        return self.answer(out, compress)
+
+    def answer(self, out: torch.Tensor, compress: str | None) -> torch.Tensor:
+        """A lookup's pooled rows ``out`` ``(B, D_s)`` as sent back: as they are, or quantized to FBGEMM's fused
+        8-bit rows (``compress="fused8bit"``); counts the lookup.
+
+        Raises:
+            ValueError: an unknown ``compress``.
+        """
         self.num_lookups += 1
         if compress == "fused8bit":
             return _quantize(out)
