@@ -1,0 +1,68 @@
+"""scheduling.ps.dynamic_index: the hash table, LRU log and free slots behind dynamic tables, against plain
+Python dicts and sorts."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from scheduling.ps.dynamic_index import SlotIndex
+
+
+def test_hash_table_finds_every_id_after_inserts_removals_and_rehashes():
+    cap, tables = 64, 2
+    index = SlotIndex(tables, cap)
+    slot_id = torch.full((tables, cap), -1, dtype=torch.int64)
+    rng = random.Random(0)
+    truth: list[dict[int, int]] = [{}, {}]
+    for _ in range(200):                                     # far more removals than H / 8: rehashes happen
+        for t in range(tables):
+            if len(truth[t]) == cap or (truth[t] and rng.random() < 0.5):
+                ident = rng.choice(sorted(truth[t]))
+                s = truth[t].pop(ident)
+                index.remove(torch.tensor([t]), torch.tensor([s]))
+                slot_id[t, s] = -1
+            else:
+                s = int((slot_id[t] < 0).nonzero()[0])
+                ident = rng.randrange(1 << 62)            # raw ids are >= 0 (-1 marks a free slot)
+                if ident in truth[t]:
+                    continue
+                slot_id[t, s] = ident
+                truth[t][ident] = s
+                index.insert(torch.tensor([t]), torch.tensor([s]), torch.tensor([ident]))
+            index.maintain(slot_id)
+    assert int(index.deleted.max()) <= index.hsize // 8
+    for t in range(tables):
+        ids = list(truth[t]) + [12345678901, 5]
+        found = index.find(slot_id, torch.full((len(ids),), t), torch.tensor(ids))
+        assert found.tolist() == [truth[t].get(i, -1) for i in ids]
+
+
+def test_victims_are_the_least_recently_seen_ties_by_smallest_id_and_the_log_stays_bounded():
+    cap = 8
+    index = SlotIndex(1, cap)
+    slot_id = torch.full((1, cap), -1, dtype=torch.int64)
+    last_seen = torch.zeros(1, cap, dtype=torch.int64)
+    rng = random.Random(1)
+    tix = torch.tensor([0])
+    for step in range(1, 400):
+        occ = (slot_id[0] >= 0).nonzero().flatten()
+        seen = sorted(rng.sample(occ.tolist(), min(len(occ), 3)), key=lambda s: int(slot_id[0, s]))
+        last_seen[0, seen] = step
+        expect = sorted((s for s in occ.tolist() if s not in seen),
+                        key=lambda s: (int(last_seen[0, s]), int(slot_id[0, s])))[:2]
+        fresh = []
+        if int(index.high[0]) < cap:
+            fresh = index.take_free([0], tix, torch.tensor([1]))[0].tolist()
+        else:
+            got, n = index.victims(tix, torch.tensor([2]), slot_id, last_seen)
+            assert got[0, :int(n[0])].tolist() == expect
+            fresh = expect
+        for s in fresh:
+            slot_id[0, s] = rng.randrange(1 << 40)
+            last_seen[0, s] = step
+        rows = sorted(set(seen) | set(fresh), key=lambda s: int(slot_id[0, s]))
+        entries = torch.tensor([[step * cap + s for s in rows]], dtype=torch.int64)
+        index.append(tix, entries, torch.tensor([len(rows)]), slot_id, last_seen)
+        assert int(index.tail[0] - index.head[0]) <= index.log.shape[1] == 2 * cap + 1024
