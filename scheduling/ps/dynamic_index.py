@@ -14,7 +14,7 @@ For ``T`` tables of ``C`` slots whose ids are ``slot_id`` ``(T, C)`` (-1 free) a
   ``last_seen[slot]`` is its step, so the live entries from ``head`` on are the occupied rows by (last seen,
   id): LRU victims and expired rows are the first live entries, found by scanning from ``head`` (stale entries
   are skipped once, for good). A table's log is compacted (its live entries kept, O(C)) when it fills ``L``
-  (about ``2 C``): amortized O(1) per appended entry.
+  (about ``1.5 C``): amortized O(1) per appended entry.
 * **Free slots**: every slot at or above ``high[t]`` was never used; ``freed[t]`` holds the sorted free slots
   below it (left by expiry or a restored checkpoint), so "lowest free slot first" never scans the slots.
 
@@ -32,6 +32,11 @@ import torch
 __all__ = ["SlotIndex", "mix64_torch"]
 
 EMPTY, DELETED = -1, -2
+WINDOW = 8
+"""Hash entries probed per round (one gather of ``(n, WINDOW)``): fewer rounds of per-op overhead."""
+_STEPS = torch.arange(WINDOW)
+CHUNK = 1 << 15
+"""Ids probed per batch of :meth:`SlotIndex.find`: bounds its ``(n, WINDOW)`` temporaries (2 MiB each)."""
 
 
 def _i64(c: int) -> int:
@@ -64,7 +69,7 @@ class SlotIndex:
         self.hslot = torch.full((tables, self.hsize), EMPTY, dtype=torch.int32)
         self.hpos = torch.zeros(tables, cap, dtype=torch.int32)
         self.deleted = torch.zeros(tables, dtype=torch.int64)
-        self.log = torch.zeros(tables, 2 * cap + 1024, dtype=torch.int64)
+        self.log = torch.zeros(tables, cap + cap // 2 + 1024, dtype=torch.int64)
         self.head = torch.zeros(tables, dtype=torch.int64)
         self.tail = torch.zeros(tables, dtype=torch.int64)
         self.high = torch.zeros(tables, dtype=torch.int64)
@@ -73,20 +78,31 @@ class SlotIndex:
     # ---- hash table -----------------------------------------------------------------------------------
     def find(self, slot_id: torch.Tensor, tix: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Slots ``(n,)`` of ids ``q`` ``(n,)`` in tables ``tix`` ``(n,)``, -1 where not admitted."""
+        if q.numel() > CHUNK:
+            return torch.cat([self._find(slot_id, tix[a:a + CHUNK], q[a:a + CHUNK])
+                              for a in range(0, q.numel(), CHUNK)])
+        return self._find(slot_id, tix, q)
+
+    def _find(self, slot_id: torch.Tensor, tix: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         h, cap = self.hsize, self.capacity
         out = torch.full_like(q, -1)
         hs, sid = self.hslot.view(-1), slot_id.view(-1)
         idx = torch.arange(q.numel())
         base, sbase = tix * h, tix * cap
         pos = mix64_torch(q) & (h - 1)
-        while idx.numel():
-            cur = hs[base + pos].long()
-            hit = (cur >= 0) & (sid[sbase + cur.clamp_min(0)] == q)
-            out[idx[hit]] = cur[hit]
-            go = ~hit & (cur != EMPTY)
+        while idx.numel():                                   # WINDOW entries a round
+            cur = hs[base.unsqueeze(1) + ((pos.unsqueeze(1) + _STEPS) & (h - 1))].long()
+            hit = (cur >= 0) & (sid[sbase.unsqueeze(1) + cur.clamp_min(0)] == q.unsqueeze(1))
+            stop = hit | (cur == EMPTY)
+            first = stop.int().argmax(1)
+            ends = stop.any(1)
+            at = cur.gather(1, first.unsqueeze(1)).squeeze(1)
+            found = ends & hit.gather(1, first.unsqueeze(1)).squeeze(1)
+            out[idx[found]] = at[found]
+            go = ~ends
             if not bool(go.any()):
                 break
-            idx, q, base, sbase, pos = idx[go], q[go], base[go], sbase[go], (pos[go] + 1) & (h - 1)
+            idx, q, base, sbase, pos = idx[go], q[go], base[go], sbase[go], (pos[go] + WINDOW) & (h - 1)
         return out
 
     def insert(self, tix: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
@@ -95,22 +111,22 @@ class SlotIndex:
         hs = self.hslot.view(-1)
         pos = mix64_torch(ids) & (h - 1)
         while tix.numel():
-            at = tix * h + pos
-            cur = hs[at]
+            near = (pos.unsqueeze(1) + _STEPS) & (h - 1)
+            cur = hs[(tix * h).unsqueeze(1) + near]
             free = cur < 0
-            done = torch.zeros_like(free)
-            fi = free.nonzero().flatten()
-            if fi.numel():                                   # one id per empty entry: the first asking
-                u, inv = torch.unique(at[fi], return_inverse=True)
-                first = torch.full((u.numel(),), fi.numel(), dtype=torch.int64).scatter_reduce_(
-                    0, inv, torch.arange(fi.numel()), "amin")
-                win = fi[first]
-                hs[at[win]] = slots[win].int()
-                self.deleted.index_add_(0, tix[win], (cur[win] == DELETED).long().neg())
-                self.hpos.view(-1)[tix[win] * cap + slots[win]] = pos[win].int()
-                done[win] = True
-            pos = torch.where(free, pos, (pos + 1) & (h - 1))  # losers retry the same entry, now taken
-            keep = ~done
+            some = free.any(1)
+            j = free.int().argmax(1)
+            pos = torch.where(some, near.gather(1, j.unsqueeze(1)).squeeze(1), (pos + WINDOW) & (h - 1))
+            at = tix * h + pos
+            was = cur.gather(1, j.unsqueeze(1)).squeeze(1)
+            # one id per empty entry, the last asking: claims written into the entries themselves (< -2)
+            claim = -3 - torch.arange(tix.numel(), dtype=torch.int32)
+            hs.scatter_reduce_(0, at[some], claim[some], "amin")
+            win = some & (hs[at] == claim)
+            hs[at[win]] = slots[win].int()
+            self.deleted.index_add_(0, tix[win], (was[win] == DELETED).long().neg())
+            self.hpos.view(-1)[tix[win] * cap + slots[win]] = pos[win].int()
+            keep = ~win                                      # losers retry from the same entry, now taken
             tix, slots, pos = tix[keep], slots[keep], pos[keep]
 
     def remove(self, tix: torch.Tensor, slots: torch.Tensor) -> None:
@@ -125,10 +141,26 @@ class SlotIndex:
             self._rehash(t, slot_id)
 
     def _rehash(self, t: int, slot_id: torch.Tensor) -> None:
-        self.hslot[t] = EMPTY
-        self.deleted[t] = 0
+        """Table ``t``'s hash table built anew in one pass: occupied slots sorted by home entry, each placed at
+        ``max(home, previous + 1)`` (a ``cummax``), those past the end moved to the front (linear probing wraps)."""
+        h = self.hsize
         occ = (slot_id[t] >= 0).nonzero().flatten()
-        self.insert(torch.full_like(occ, t), occ, slot_id[t, occ])
+        home, order = torch.sort(mix64_torch(slot_id[t, occ]) & (h - 1))
+        rest, wrapped = occ[order], occ[:0]
+        while True:
+            homes = torch.cat([torch.zeros_like(wrapped), home])
+            i = torch.arange(homes.numel())
+            pos = i + torch.cummax(homes - i, 0).values if homes.numel() else homes
+            over = int((pos >= h).sum())
+            if not over:
+                break
+            wrapped = torch.cat([wrapped, rest[rest.numel() - over:]])
+            rest, home = rest[:rest.numel() - over], home[:home.numel() - over]
+        slots = torch.cat([wrapped, rest])
+        self.hslot[t] = EMPTY
+        self.hslot[t, pos] = slots.int()
+        self.hpos[t, slots] = pos.int()
+        self.deleted[t] = 0
 
     # ---- LRU log --------------------------------------------------------------------------------------
     def _entries(self, tix: torch.Tensor, width: int, slot_id: torch.Tensor, last_seen: torch.Tensor

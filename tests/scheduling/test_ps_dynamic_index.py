@@ -65,4 +65,4 @@ def test_victims_are_the_least_recently_seen_ties_by_smallest_id_and_the_log_sta
         rows = sorted(set(seen) | set(fresh), key=lambda s: int(slot_id[0, s]))
         entries = torch.tensor([[step * cap + s for s in rows]], dtype=torch.int64)
         index.append(tix, entries, torch.tensor([len(rows)]), slot_id, last_seen)
-        assert int(index.tail[0] - index.head[0]) <= index.log.shape[1] == 2 * cap + 1024
+        assert int(index.tail[0] - index.head[0]) <= index.log.shape[1] == cap + cap // 2 + 1024
