@@ -220,7 +220,12 @@ class DynamicTableGroup:
         first[:, 1:] = sq[:, 1:] != sq[:, :-1]
         if valid is not None:
             first &= valid
-        slot = self.probe(tix, sq)
+        flat = first.view(-1).nonzero().flatten()              # each distinct id probed once
+        found = self.index.find(self.slot_id, tix.repeat_interleave(width)[flat], sq.view(-1)[flat])
+        slot = torch.full_like(sq, -1).view(-1).index_put_((flat,), found).view(k, width)
+        slot = slot.gather(1, torch.where(first, torch.arange(width), 0).cummax(1).values)
+        if valid is not None:
+            slot = torch.where(valid, slot, -1)
         known = slot >= 0
         base = (tix * cap).unsqueeze(1)
         self.last_seen.view(-1)[(slot + base)[known]] = step.unsqueeze(1).expand(k, width)[known]

@@ -8,7 +8,7 @@ For ``T`` tables of ``C`` slots whose ids are ``slot_id`` ``(T, C)`` (-1 free) a
   two >= ``2 C``: each entry a slot (-1 empty, -2 deleted), its key read from ``slot_id`` (so an entry costs 4
   bytes); linear probing from ``splitmix64(id) mod H``, run as vectorised rounds over the ids still probing.
   ``hpos`` ``(T, C)`` is each occupied slot's entry, so removing a row is one write. A table is rehashed
-  (O(C)) once its deleted entries pass ``H / 8``, i.e. after at least ``C / 4`` removals: amortized O(1).
+  (O(C)) once its deleted entries pass ``H / 4``, i.e. after at least ``C / 2`` removals: amortized O(1).
 * **LRU order: an append-only log** per table, ``log`` ``(T, L)`` of ``step * C + slot`` entries, each
   lookup appending the slots it saw in ascending id order. An entry is live iff its slot is occupied and
   ``last_seen[slot]`` is its step, so the live entries from ``head`` on are the occupied rows by (last seen,
@@ -136,8 +136,8 @@ class SlotIndex:
         self.deleted.index_add_(0, tix, torch.ones_like(tix))
 
     def maintain(self, slot_id: torch.Tensor) -> None:
-        """Rehash the tables with over ``H / 8`` deleted entries (amortized over their removals)."""
-        for t in (self.deleted > self.hsize // 8).nonzero().flatten().tolist():
+        """Rehash the tables with over ``H / 4`` deleted entries (amortized over their removals)."""
+        for t in (self.deleted > self.hsize // 4).nonzero().flatten().tolist():
             self._rehash(t, slot_id)
 
     def _rehash(self, t: int, slot_id: torch.Tensor) -> None:

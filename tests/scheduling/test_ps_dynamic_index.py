@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from scheduling.ps.dynamic_index import SlotIndex
+from scheduling.ps.dynamic_index import SlotIndex, mix64_torch
 
 
 def test_hash_table_finds_every_id_after_inserts_removals_and_rehashes():
@@ -16,7 +16,7 @@ def test_hash_table_finds_every_id_after_inserts_removals_and_rehashes():
     slot_id = torch.full((tables, cap), -1, dtype=torch.int64)
     rng = random.Random(0)
     truth: list[dict[int, int]] = [{}, {}]
-    for _ in range(200):                                     # far more removals than H / 8: rehashes happen
+    for _ in range(200):                                     # far more removals than H / 4: rehashes happen
         for t in range(tables):
             if len(truth[t]) == cap or (truth[t] and rng.random() < 0.5):
                 ident = rng.choice(sorted(truth[t]))
@@ -32,7 +32,7 @@ def test_hash_table_finds_every_id_after_inserts_removals_and_rehashes():
                 truth[t][ident] = s
                 index.insert(torch.tensor([t]), torch.tensor([s]), torch.tensor([ident]))
             index.maintain(slot_id)
-    assert int(index.deleted.max()) <= index.hsize // 8
+    assert int(index.deleted.max()) <= index.hsize // 4
     for t in range(tables):
         ids = list(truth[t]) + [12345678901, 5]
         found = index.find(slot_id, torch.full((len(ids),), t), torch.tensor(ids))
@@ -66,3 +66,17 @@ def test_victims_are_the_least_recently_seen_ties_by_smallest_id_and_the_log_sta
         entries = torch.tensor([[step * cap + s for s in rows]], dtype=torch.int64)
         index.append(tix, entries, torch.tensor([len(rows)]), slot_id, last_seen)
         assert int(index.tail[0] - index.head[0]) <= index.log.shape[1] == cap + cap // 2 + 1024
+
+
+def test_a_rehash_wraps_a_cluster_at_the_end_of_the_table_to_its_front():
+    cap = 8
+    index = SlotIndex(1, cap)
+    h = index.hsize
+    homes = mix64_torch(torch.arange(100_000)) & (h - 1)
+    ids = (homes == h - 1).nonzero().flatten()[:3].tolist() + (homes == 0).nonzero().flatten()[:2].tolist()
+    slot_id = torch.full((1, cap), -1, dtype=torch.int64)
+    slot_id[0, :5] = torch.tensor(ids)
+    index.reindex(0, slot_id, torch.zeros(1, cap, dtype=torch.int64))
+    assert index.hslot[0, h - 1] >= 0 and index.hslot[0, :4].ge(0).all()      # the cluster wrapped
+    found = index.find(slot_id, torch.zeros(6, dtype=torch.int64), torch.tensor(ids + [100_001]))
+    assert found.tolist() == [0, 1, 2, 3, 4, -1]
