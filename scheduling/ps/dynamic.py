@@ -25,8 +25,8 @@ step ``t + 1`` before step ``t`` pushes) is dropped rather than applied to the s
 Maps are vectorised with torch: tables of one shape on a server share a
 :class:`~scheduling.ps.dynamic_group.DynamicTableGroup` (stacked tensors; a table is a handle on one of its
 rows), so one request's lookups and pushes of all its dynamic tables run one set of tensor ops
-(:func:`lookup_tables`, :func:`push_tables`, :func:`group_tables`). The id -> slot maps are sorted int64 rows
-probed with ``torch.searchsorted``; new ids merge in by rank. Candidates are bounded only by expiry (no
+(:func:`lookup_tables`, :func:`push_tables`, :func:`group_tables`). The id -> slot maps are hash tables, LRU order an
+append-only log (:mod:`scheduling.ps.dynamic_index`): a step costs work in its ids, not in ``capacity``. Candidates are bounded only by expiry (no
 count-min sketch yet, unlike Monolith's probabilistic filter).
 
 Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table"
@@ -126,12 +126,12 @@ class DynamicTable:
     @property
     def map_ids(self) -> torch.Tensor:
         """The admitted ids ``(K,)``, sorted."""
-        return self.group.keys[self.index, :int(self.group.rows[self.index])]
+        return self.group.map_of(self.index)[0]
 
     @property
     def map_slots(self) -> torch.Tensor:
         """The slots ``(K,)`` of :attr:`map_ids`."""
-        return self.group.slots[self.index, :int(self.group.rows[self.index])]
+        return self.group.map_of(self.index)[1]
 
     @property
     def cand_ids(self) -> torch.Tensor:
@@ -225,10 +225,7 @@ class DynamicTable:
         if (state["capacity"], state["dim"]) != (self.spec.capacity, self.dim):
             raise ValueError(f"dynamic table checkpoint has capacity {state['capacity']} and dim {state['dim']}, "
                              f"this table {self.spec.capacity} and {self.dim}")
-        g, i, n = self.group, self.index, int(state["map_ids"].numel())
-        g.last_lookup = None
-        g.keys[i] = torch.iinfo(torch.int64).max
-        g.keys[i, :n], g.slots[i, :n], g.rows[i] = state["map_ids"], state["map_slots"], n
+        g, i = self.group, self.index
         self.weight.copy_(self.store.encode(state["weight"]))
         own = self.state
         if own is not None and state["state"] is not None:
@@ -240,6 +237,7 @@ class DynamicTable:
         g.counters[i] = torch.tensor([int(state["counters"][k]) for k in COUNTERS])
         g.seeds[i], g.salts[i] = int(state.get("seed", self.seed)), int(state.get("salt", self.salt))
         g.row_keys[i] = row_key(g.seeds[i], g.salts[i])
+        g.reindex(i)
 
 def table_salt(name: str) -> int:
     """A stable 63-bit salt of a table name (blake2b), so two dynamic tables never share fresh rows."""
@@ -278,9 +276,10 @@ def group_tables(tables: Sequence[DynamicTable]) -> list[DynamicTableGroup]:
                 group.weight[j * cap:(j + 1) * cap] = g.weight[i * cap:(i + 1) * cap]
                 if group.state is not None and g.state is not None:
                     group.state[j * cap:(j + 1) * cap] = g.state[i * cap:(i + 1) * cap]
-                for name in ("slot_id", "last_seen", "keys", "slots", "rows", "step", "counters"):
+                for name in ("slot_id", "last_seen", "step", "counters"):
                     getattr(group, name)[j] = getattr(g, name)[i]
                 group.cands[j] = list(g.cands[i])
+                group.reindex(j)
                 del g, source
             table.group, table.index = group, j
         groups.append(group)

@@ -5,18 +5,18 @@ group holds every table's state as stacked tensors (``T`` tables of ``C`` slots)
 
 * ``weight`` ``(T * C, D)`` stored rows, ``state`` ``(T * C,)`` optimizer state (table ``t``'s slot ``s`` at
   row ``t * C + s``); ``slot_id`` ``(T, C)`` the id in each slot (-1 free); ``last_seen`` ``(T, C)`` steps;
-* the id -> slot maps as ``keys`` ``(T, C)`` int64, each row sorted with its ``rows[t]`` admitted ids first
-  and int64-max padding after, and ``slots`` ``(T, C)`` alongside; ``step`` ``(T,)``; ``counters`` ``(T, 5)``.
+* ``rows`` ``(T,)`` occupied slots, ``step`` ``(T,)``, ``counters`` ``(T, 5)``; the id -> slot maps, LRU order
+  and free slots in a :class:`~scheduling.ps.dynamic_index.SlotIndex` (a hash table, an append-only log and a
+  free list: per-step work in the ids a step touches, not in ``C``).
 
-A lookup of ``k`` tables pads their ids to ``(k, M)``, sorts each row (``torch.sort(dim=1)``), probes the maps
-with one batched ``torch.searchsorted``, picks LRU victims of all tables with one ``topk(dim=1)``, rebuilds the
-maps with one scatter (each kept entry moved by the victims before it and the new ids before it, counted with
-``scatter_add_`` + ``cumsum``: no sort), makes all fresh rows with one :func:`initial_rows_keyed` call and gathers
-all rows with one ``index_select``: a constant number of tensor ops whatever ``k`` (per-op overhead, not
-arithmetic, was the cost of one table at a time). A push of the ids the latest lookup answered reuses its slots.
-Candidates (``min_count`` > 1, or ids left without a slot) stay per table. For large capacities the ops on whole
-``(k, C)`` maps and the fresh rows run in chunks of :data:`CHUNK_ELEMENTS`, which bounds their temporaries. The
-rules, and so every row, slot and counter, are those of one table at a time.
+A lookup of ``k`` tables pads their ids to ``(k, M)``, sorts each row (``torch.sort(dim=1)``), probes the hash
+tables with vectorised rounds, takes free slots and LRU victims of all tables from the index, enters the new
+ids, makes all fresh rows with one :func:`initial_rows_keyed` call, gathers all rows with one ``index_select``
+and appends the step's slots to the log: a number of tensor ops independent of ``k`` and of ``C`` (per-op
+overhead, not arithmetic, was the cost of one table at a time; whole-``C`` scans were the cost of large tables).
+A push of the ids the latest lookup answered reuses its slots. Candidates (``min_count`` > 1, or ids left
+without a slot) stay per table. Fresh rows are made in chunks of :data:`CHUNK_ELEMENTS`, which bounds their
+temporaries. The rules, and so every row, slot and counter, are those of one table at a time.
 
 Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table"
 (§2.1, §2.2); FBGEMM's table-batched embeddings (``SplitTableBatchedEmbeddingBagsCodegen``) batch the tables
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .dynamic_index import SlotIndex, _i64, _shr, mix64_torch
 from .optimizer import RowWiseOptimizer
 from .storage import RowStore
 
@@ -39,29 +40,9 @@ __all__ = ["DynamicTableGroup", "initial_rows", "initial_rows_keyed", "mix64_tor
 _GOLDEN = 0x9E3779B97F4A7C15
 _MAX = torch.iinfo(torch.int64).max
 CHUNK_ELEMENTS = 1 << 18
-"""Map entries per batch of the dense map ops (eviction, merge, expiry): 2 MiB per int64 temporary."""
+"""Elements per batch of fresh rows: 2 MiB per int64 temporary."""
 COUNTERS = ("inserts", "admitted", "evictions", "expired", "rejected")
 _INSERTS, _ADMITTED, _EVICTIONS, _EXPIRED, _REJECTED = range(5)
-
-
-def _i64(c: int) -> int:
-    """A 64-bit unsigned constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def mix64_torch(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (bits as uint64, wrapping), elementwise; any shape.
-
-    Equals ``recsys.criteo_format.mix64(v, -1)`` bit for bit (that one adds the table salt first).
-    """
-    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
-    return z ^ _shr(z, 31)
 
 
 def row_key(seed: int, salt: int) -> int:
@@ -125,8 +106,7 @@ class DynamicTableGroup:
         self.state = optimizer.init_state(t * cap, dim)
         self.slot_id = torch.full((t, cap), -1, dtype=torch.int64)
         self.last_seen = torch.zeros(t, cap, dtype=torch.int64)
-        self.keys = torch.full((t, cap + 1), _MAX, dtype=torch.int64)      # the last column: always padding
-        self.slots = torch.zeros(t, cap + 1, dtype=torch.int64)
+        self.index = SlotIndex(t, cap)
         self.rows = torch.zeros(t, dtype=torch.int64)
         self.step = torch.zeros(t, dtype=torch.int64)
         self.counters = torch.zeros(t, len(COUNTERS), dtype=torch.int64)
@@ -148,137 +128,70 @@ class DynamicTableGroup:
             self.store.name == other.store.name == "fp16")            # stateless stores (fused8bit has an rng)
         return same_store and (self.dim, self.spec, self.optimizer) == (other.dim, other.spec, other.optimizer)
 
-    # ---- map rows -------------------------------------------------------------------------------------
-    def _rows(self, tix: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if whole:
-            return self.keys, self.slots, self.rows
-        return self.keys[tix], self.slots[tix], self.rows[tix]
-
-    def _set_rows(self, tix: torch.Tensor, whole: bool, keys: torch.Tensor, slots: torch.Tensor,
-                  rows: torch.Tensor) -> None:
-        if whole:
-            self.keys, self.slots, self.rows = keys, slots, rows
-        else:
-            self.keys[tix], self.slots[tix], self.rows[tix] = keys, slots, rows
-
-    def _rebuild(self, tix: torch.Tensor, whole: bool, drop: torch.Tensor | None, new: torch.Tensor | None = None,
-                 new_slots: torch.Tensor | None = None, n_new: torch.Tensor | None = None) -> None:
-        """The map rows without the entries where ``drop`` ``(k, C + 1)`` is True and with sorted ``new`` ids
-        ``(k, R)`` (first ``n_new[r]`` real, int64 max after; none mapped yet) and their slots: one scatter,
-        each entry moved to its rank among the kept and new keys (no sort, no masked copies)."""
-        keys, slots, rows = self._rows(tix, whole)
-        k, width = keys.shape
-        cols = torch.arange(width)
-        live = cols < rows.unsqueeze(1)
-        dest, kept = cols.unsqueeze(0), None
-        if drop is not None:
-            keep = ~drop
-            live &= keep
-            kept = keep.cumsum(1)                                # kept entries up to each one (inclusive)
-            dest = kept - 1
-        if new is not None and n_new is not None:
-            pos = torch.searchsorted(keys, new)                  # new ids are in no map: pos[j] <= p iff new < key
-            real = torch.arange(new.shape[1]) < n_new.unsqueeze(1)
-            pos = torch.where(real, pos, width)
-            before = torch.zeros(k, width + 1, dtype=torch.int64).scatter_add_(1, pos, torch.ones_like(pos))
-            dest = dest + before.cumsum(1)[:, :width]
-        out_keys = torch.full((k, width), _MAX, dtype=torch.int64)
-        out_slots = torch.zeros(k, width, dtype=torch.int64)
-        dest = torch.where(live, dest, width - 1)                # dropped entries and padding: the last column
-        out_keys.scatter_(1, dest, keys)
-        out_slots.scatter_(1, dest, slots)
-        left = live.sum(1)
-        if new is not None and new_slots is not None and n_new is not None:
-            if kept is not None:                                 # kept entries before each insertion point
-                pos = torch.cat([torch.zeros(k, 1, dtype=torch.int64), kept], 1).gather(1, pos)
-            at = torch.where(real, pos + torch.arange(new.shape[1]), width - 1)
-            out_keys.scatter_(1, at, new)
-            out_slots.scatter_(1, at, new_slots)
-            left = left + n_new
-        out_keys[:, -1] = _MAX
-        self._set_rows(tix, whole, out_keys, out_slots, left)
-
-    def probe(self, tix: torch.Tensor, q: torch.Tensor, whole: bool = False) -> torch.Tensor:
+    # ---- maps ---------------------------------------------------------------------------------------
+    def probe(self, tix: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Slots ``(k, M)`` of ids ``q`` ``(k, M)`` in tables ``tix`` ``(k,)`` (-1 where not admitted)."""
-        keys, slots, rows = self._rows(tix, whole)
-        pos = torch.searchsorted(keys, q)
-        at = pos.clamp_max(self.capacity)
-        found = (pos < rows.unsqueeze(1)) & (keys.gather(1, at) == q)
-        return torch.where(found, slots.gather(1, at), -1)
+        k, m = q.shape
+        return self.index.find(self.slot_id, tix.unsqueeze(1).expand(k, m).reshape(-1), q.reshape(-1)).view(k, m)
+
+    def reindex(self, t: int) -> None:
+        """Rebuild table ``t``'s map, LRU log and free slots from its ``slot_id`` and ``last_seen`` rows (after
+        a restore or a restack)."""
+        self.last_lookup = None
+        self.rows[t] = int((self.slot_id[t] >= 0).sum())
+        self.index.reindex(t, self.slot_id, self.last_seen)
+
+    def map_of(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table ``t``'s admitted ids ``(K,)`` sorted and their slots ``(K,)``."""
+        occ = (self.slot_id[t] >= 0).nonzero().flatten()
+        ids, order = torch.sort(self.slot_id[t, occ])
+        return ids, occ[order]
 
     # ---- lookup ---------------------------------------------------------------------------------------
-    def _expire(self, tix: torch.Tensor, tabs: list[int], step: torch.Tensor, whole: bool) -> None:
+    def _expire(self, tix: torch.Tensor, tabs: list[int], step: torch.Tensor) -> None:
         assert self.spec.expire_steps is not None
         horizon = step - self.spec.expire_steps
-        keys, slots, rows = self._rows(tix, whole)
-        cap = self.capacity
-        live = torch.arange(cap + 1) < rows.unsqueeze(1)
-        base = (tix * cap).unsqueeze(1)
-        old = live & (self.last_seen.view(-1)[(slots + base).clamp_max(self.size * cap - 1)] < horizon.unsqueeze(1))
-        if bool(old.any()):
-            self.slot_id.view(-1)[(slots + base)[old]] = -1
-            self.counters[tix, _EXPIRED] += old.sum(1)
-            for a, b, part in self._chunks(len(tabs), whole):
-                self._rebuild(tix[a:b], part, old[a:b])
-        for r, t in enumerate(tabs):
-            ids, counts, seen = self.cands[t]
+        rows, slots = self.index.expired(tix, horizon, self.slot_id, self.last_seen)
+        if rows.numel():
+            t = tix[rows]
+            self.slot_id.view(-1)[t * self.capacity + slots] = -1
+            self.index.remove(t, slots)
+            self.index.release(t, slots)
+            self.index.maintain(self.slot_id)
+            gone = torch.bincount(rows, minlength=tix.numel())
+            self.counters[tix, _EXPIRED] += gone
+            self.rows[tix] -= gone
+        for r, tab in enumerate(tabs):
+            ids, counts, seen = self.cands[tab]
             if ids.numel():
                 keep = seen >= int(horizon[r])
-                self.cands[t] = [ids[keep], counts[keep], seen[keep]]
+                self.cands[tab] = [ids[keep], counts[keep], seen[keep]]
 
-    def _chunks(self, k: int, whole: bool) -> list[tuple[int, int, bool]]:
-        """Row ranges ``[a, b)`` of ``k`` tables for the ops on whole ``(k, C)`` maps, about
-        :data:`CHUNK_ELEMENTS` entries each (bounds their temporaries for large capacities), and whether a
-        range is the whole group."""
-        rows = max(1, CHUNK_ELEMENTS // (self.capacity + 1))
-        if k <= rows:
-            return [(0, k, whole)]
-        return [(a, min(k, a + rows), False) for a in range(0, k, rows)]
-
-    def _take_slots(self, tix: torch.Tensor, whole: bool, step: torch.Tensor, want: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Slots ``(k, R)`` for up to ``want[r]`` new rows of each table (free slots lowest first, then LRU
-        victims not seen this step: oldest first, ties smallest id), how many each table got ``(k,)``, and
-        the victims' map entries ``(k, C + 1)`` (None without victims)."""
-        keys, slots, rows = self._rows(tix, whole)
-        k, cap = keys.shape[0], self.capacity
-        cols = torch.arange(cap + 1)
-        free = torch.minimum(cap - rows, want)
-        width = int(free.max())
-        parts = []
-        if width > 0:
-            sid = self.slot_id if whole else self.slot_id[tix]
-            mask = sid < 0
-            rank = mask.cumsum(1) - 1
-            take = mask & (rank < free.unsqueeze(1))
-            r, c = take.nonzero(as_tuple=True)
-            got = torch.zeros(k, width, dtype=torch.int64)
-            got[r, rank[r, c]] = c
-            parts.append(got)
+    def _take_slots(self, tabs: list[int], tix: torch.Tensor, want: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``(k, max want)`` for up to ``want[r]`` new rows of each table (free slots lowest first, then
+        LRU victims not seen this step: oldest first, ties smallest id; the victims' map entries removed) and
+        how many each table got ``(k,)``."""
+        k = tix.numel()
+        free = torch.minimum(self.capacity - self.rows[tix], want)
+        parts = [self.index.take_free(tabs, tix, free)] if int(free.max()) > 0 else []
+        width = parts[0].shape[1] if parts else 0
+        self.rows[tix] += free
         need = want - free
-        evicted, drop = torch.zeros_like(want), None
+        evicted = torch.zeros_like(want)
         if int(need.max()) > 0:
-            seen = (self.last_seen if whole else self.last_seen[tix]).gather(1, slots)
-            order = torch.add(cols, seen, alpha=cap)             # (last seen, id rank): unique, oldest first
-            # padding entries (cap + 1 - rows a row) may rank anywhere, rows seen now after every victim: take
-            # as many more, then keep the live ones not seen now
-            n = min(int(need.max()) + cap + 1 - int(rows.min()), cap + 1)
-            value, at = torch.topk(order, n, dim=1, largest=False, sorted=True)
-            ok = (at < rows.unsqueeze(1)) & (value < (step * cap).unsqueeze(1))
-            rank = ok.cumsum(1) - 1
-            use = ok & (rank < need.unsqueeze(1))
-            evicted = use.sum(1)
-            victims = torch.zeros(k, n + 1, dtype=torch.int64)
-            parts.append(victims.scatter_(1, torch.where(use, rank, n), slots.gather(1, at))[:, :n])
-            drop = torch.zeros(k, cap + 1, dtype=torch.bool).scatter_(1, at, use)
+            victims, evicted = self.index.victims(tix, need, self.slot_id, self.last_seen)
+            real = torch.arange(victims.shape[1]) < evicted.unsqueeze(1)
+            self.index.remove(tix.unsqueeze(1).expand_as(victims)[real], victims[real])
+            parts.append(victims)
             self.counters[tix, _EVICTIONS] += evicted
         got_n = free + evicted
         if not parts:
-            return torch.zeros(k, 0, dtype=torch.int64), got_n, drop
+            return torch.zeros(k, 0, dtype=torch.int64), got_n
         both = torch.cat(parts, 1)
         j = torch.arange(int(want.max())).unsqueeze(0).expand(k, -1)
         col = torch.where(j < free.unsqueeze(1), j, width + j - free.unsqueeze(1)).clamp(0, both.shape[1] - 1)
-        return both.gather(1, col), got_n, drop
+        return both.gather(1, col), got_n
 
     def lookup(self, tabs: list[int], ids: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One step of each table ``tabs[r]`` (distinct) with ids ``ids[r]`` ``(N_r,)`` int64: expire, count,
@@ -295,26 +208,35 @@ class DynamicTableGroup:
         """:meth:`lookup` of ids ``q`` ``(k, M)``, row ``r`` table ``tabs[r]``'s, real where ``valid``
         ``(k, M)`` (None: all). Returns rows ``(k, M, dim)`` and slots ``(k, M)`` (padding: zeros, -1)."""
         k, cap = len(tabs), self.capacity
-        whole = tabs == list(range(self.size))
         tix = torch.tensor(tabs, dtype=torch.int64)
         self.last_lookup = None
         self.step[tix] += 1
         step = self.step[tix]
         if self.spec.expire_steps is not None:
-            self._expire(tix, tabs, step, whole)
+            self._expire(tix, tabs, step)
         width = q.shape[1]
         sq, perm = torch.sort(q, dim=1)
         first = torch.ones_like(sq, dtype=torch.bool)
         first[:, 1:] = sq[:, 1:] != sq[:, :-1]
         if valid is not None:
             first &= valid
-        slot = self.probe(tix, sq, whole)
+        flat = first.view(-1).nonzero().flatten()              # each distinct id probed once
+        found = self.index.find(self.slot_id, tix.repeat_interleave(width)[flat], sq.view(-1)[flat])
+        slot = torch.full_like(sq, -1).view(-1).index_put_((flat,), found).view(k, width)
+        slot = slot.gather(1, torch.where(first, torch.arange(width), 0).cummax(1).values)
+        if valid is not None:
+            slot = torch.where(valid, slot, -1)
         known = slot >= 0
         base = (tix * cap).unsqueeze(1)
         self.last_seen.view(-1)[(slot + base)[known]] = step.unsqueeze(1).expand(k, width)[known]
         miss = first & ~known
         if bool(miss.any()):
-            slot = self._admit(tabs, tix, whole, step, sq, first, miss, slot, valid)
+            slot = self._admit(tabs, tix, step, sq, first, miss, slot, valid)
+        seen = first & (slot >= 0)                               # this step's rows, ascending ids: to the log
+        n = seen.sum(1)
+        entries = torch.zeros(k, width + 1, dtype=torch.int64)
+        entries.scatter_(1, torch.where(seen, seen.cumsum(1) - 1, width), step.unsqueeze(1) * cap + slot)
+        self.index.append(tix, entries[:, :width], n, self.slot_id, self.last_seen)
         slot = torch.empty_like(slot).scatter_(1, perm, slot)
         hit = slot >= 0
         rows = self.store.gather(self.weight, torch.where(hit, slot + base, 0).view(-1)).view(k, width, self.dim)
@@ -325,7 +247,7 @@ class DynamicTableGroup:
         self.last_lookup = (tabs, q.clone(), slot)
         return rows, slot
 
-    def _admit(self, tabs: list[int], tix: torch.Tensor, whole: bool, step: torch.Tensor, sq: torch.Tensor,
+    def _admit(self, tabs: list[int], tix: torch.Tensor, step: torch.Tensor, sq: torch.Tensor,
                first: torch.Tensor, miss: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None
                ) -> torch.Tensor:
         """Count and admit the ids first seen at ``miss`` (sorted rows ``sq``); the slots with theirs set."""
@@ -357,20 +279,13 @@ class DynamicTableGroup:
         got = torch.zeros_like(want)
         if int(want.max()) > 0:
             width_r = int(want.max())
-            new_slots = torch.zeros(k, width_r, dtype=torch.int64)
-            drops = []
-            for a, b, part in self._chunks(k, whole):
-                got_slots, got[a:b], drop = self._take_slots(tix[a:b], part, step[a:b], want[a:b])
-                new_slots[a:b, :got_slots.shape[1]] = got_slots
-                drops.append(drop)
+            new_slots, got = self._take_slots(tabs, tix, want)
             rank = reached.cumsum(1) - 1
             take = reached & (rank < got.unsqueeze(1))
             tr, tc = take.nonzero(as_tuple=True)
             new = torch.full((k, width_r), _MAX, dtype=torch.int64)
             new[tr, rank[tr, tc]] = sq[tr, tc]
             slot[tr, tc] = new_slots[tr, rank[tr, tc]]
-            for (a, b, part), drop in zip(self._chunks(k, whole), drops):
-                self._rebuild(tix[a:b], part, drop, new[a:b], new_slots[a:b], got[a:b])
             real = torch.arange(width_r) < got.unsqueeze(1)
             glob = (new_slots + (tix * self.capacity).unsqueeze(1))[real]
             fresh_ids = new[real]
@@ -383,6 +298,8 @@ class DynamicTableGroup:
             if self.state is not None and fresh is not None:
                 self.state.index_copy_(0, glob, fresh)
             self.slot_id.view(-1)[glob] = fresh_ids
+            self.index.insert(tix.unsqueeze(1).expand(k, width_r)[real], new_slots[real], fresh_ids)
+            self.index.maintain(self.slot_id)
             self.last_seen.view(-1)[glob] = step.unsqueeze(1).expand(k, width_r)[real]
             self.counters[tix, _ADMITTED] += got
             slot = slot.gather(1, group_start)
@@ -451,7 +368,7 @@ class DynamicTableGroup:
         if last is not None and last[0] == tabs and last[1].shape == q.shape and torch.equal(last[1], q):
             slot = last[2]
         else:
-            slot = self.probe(tix, q, tabs == list(range(self.size)))
+            slot = self.probe(tix, q)
         hit = slot >= 0
         lost = ~hit if valid is None else ~hit & valid
         self.counters[tix, _REJECTED] += lost.sum(1)
