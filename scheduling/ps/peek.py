@@ -48,19 +48,7 @@ def peek(server: Any, namespace: str, batch: Any, compress: str | None = None) -
         return server.lookup(namespace, batch, compress)  # fixed tables: a lookup has no side effect
     if server.fetch_delay_s > 0:
         time.sleep(server.fetch_delay_s)
-    feats, batch_size = server._features(batch)
-    outs = []
-    for (spec, feat), shard in zip(layout, shards):
-        ids, bags, wts = server._bag(spec, feat, feats)
-        if shard.dynamic is None:
-            rows = shard.store.gather(shard.weight, ids)
-        else:
-            with shard.lock:
-                rows = shard.dynamic.rows_of(ids)
-        if wts is not None:
-            rows = rows * wts.unsqueeze(1)
-        outs.append(torch.zeros(batch_size, spec.table.embedding_dim).index_add_(0, bags, rows))
-    return server.answer(torch.cat(outs, dim=1) if outs else torch.zeros(batch_size, 0), compress)
+    return server.answer(server._lookup_per_shard(namespace, batch, read_only=True), compress)
 
 
 @contextlib.contextmanager

@@ -265,12 +265,18 @@ class PSServer:
             raise ValueError(f"server {self.name}: unknown compression {compress!r} (use 'fused8bit')")
         return out
 
-    def _lookup_per_shard(self, namespace: str, batch: Batch) -> torch.Tensor:
+    def _lookup_per_shard(self, namespace: str, batch: Batch, read_only: bool = False) -> torch.Tensor:
+        """Pooled sums ``(B, D_s)`` shard by shard; ``read_only``: dynamic tables' rows as held now
+        (``DynamicTable.rows_of``, no step: a peek, :mod:`scheduling.ps.peek`)."""
         feats, batch_size = self._features(batch)
         outs = []
         parts = [(spec, self.shards[f"{namespace}/{spec.key}"], *self._bag(spec, feat, feats))
                  for spec, feat in self._layout(namespace)]
-        dynamic = lookup_tables([(shard.dynamic, ids) for _, shard, ids, _, _ in parts])
+        if read_only:
+            dynamic = [None if shard.dynamic is None else _rows_held(shard.dynamic, ids)
+                       for _, shard, ids, _, _ in parts]
+        else:
+            dynamic = lookup_tables([(shard.dynamic, ids) for _, shard, ids, _, _ in parts])
         for (spec, shard, ids, bags, wts), known in zip(parts, dynamic):
             rows = shard.store.gather(shard.weight, ids) if known is None else known
             if wts is not None:
@@ -439,6 +445,12 @@ def _ordered_future(method: str, args: tuple) -> torch.futures.Future:
 @async_execution
 def _rpc_lookup(*args: Any) -> torch.futures.Future:
     return _ordered_future("lookup", args)
+
+
+def _rows_held(table: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A dynamic table's rows of ``ids`` as held now, under its lock (zeros for ids not admitted)."""
+    with table.lock:
+        return table.rows_of(ids)
 
 
 @async_execution
