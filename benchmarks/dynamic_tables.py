@@ -37,12 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from recsys.criteo_format import RAW_IDS, hash_ids  # noqa: E402
 from scheduling.ps.dynamic import DynamicSpec  # noqa: E402
 from scheduling.ps.server import PSServer  # noqa: E402
 from scheduling.ps.shard_plan import TableSpec, plan_shards  # noqa: E402
 
 TABLES = 26
-_MASK63 = (1 << 63) - 1
 
 
 def _server(kind: str, capacity: int, dim: int, min_count: int) -> PSServer:
@@ -57,8 +57,8 @@ class IdStream:
     """Raw 63-bit ids, ``(lines, 26)`` per call: a long tail of new ids plus Zipf-ranked repeats.
 
     Position ``p`` of feature ``j`` is a never-seen id with probability ``new_fraction``; else the id of rank
-    ``r ~ Zipf(1.2)`` among that feature's ids so far, counted back from the newest. Ids are splitmix-mixed
-    counters, so they spread over the int64 range as hashed strings do.
+    ``r ~ Zipf(1.2)`` among that feature's ids so far, counted back from the newest. Ids are the raw ids
+    (``recsys.criteo_format.hash_ids`` with ``RAW_IDS``) of those counters, as the job's reader gives them.
     """
 
     def __init__(self, new_fraction: float, seed: int = 0) -> None:
@@ -73,13 +73,8 @@ class IdStream:
         back = self.rng.zipf(1.2, (lines, TABLES)) - 1
         index = np.where(new, counters, np.maximum(counters - back, 0))
         self.seen = self.seen + new.sum(axis=0)
-        feature = np.arange(TABLES, dtype=np.uint64) << np.uint64(40)
-        with np.errstate(over="ignore"):
-            z = index.astype(np.uint64) + feature + np.uint64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-        return torch.from_numpy((z & np.uint64(_MASK63)).astype(np.int64))
+        # as the job's reader gives a dynamic table's ids: the raw id of value `index` in feature j
+        return torch.from_numpy(hash_ids(index.astype(np.uint64), np.ones_like(new), [RAW_IDS] * TABLES))
 
 
 def _dynamic_counters(server: PSServer) -> dict[str, int]:

@@ -204,7 +204,8 @@ class DynamicTable:
         """Everything a restart needs: the id -> slot map, float32 rows, optimizer state, last-seen steps,
         candidates, step and counters (tensors cloned)."""
         state = self.state
-        return {"map_ids": self.map_ids.clone(), "map_slots": self.map_slots.clone(),
+        map_ids, map_slots = self.group.map_of(self.index)
+        return {"map_ids": map_ids, "map_slots": map_slots,
                 "weight": self.store.decode(self.weight).clone(),
                 "state": None if state is None else state.clone(),
                 "slot_id": self.slot_id.clone(), "last_seen": self.last_seen.clone(),
@@ -238,6 +239,7 @@ class DynamicTable:
         g.seeds[i], g.salts[i] = int(state.get("seed", self.seed)), int(state.get("salt", self.salt))
         g.row_keys[i] = row_key(g.seeds[i], g.salts[i])
         g.reindex(i)
+
 
 def table_salt(name: str) -> int:
     """A stable 63-bit salt of a table name (blake2b), so two dynamic tables never share fresh rows."""

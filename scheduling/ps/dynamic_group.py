@@ -91,6 +91,14 @@ def _pad(ids: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None
     return q, valid, lens
 
 
+def _occurrences(group_start: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """How often each distinct id of sorted rows occurs, at its first entry: ``group_start`` ``(k, M)`` each
+    entry's first equal entry, ``valid`` the real entries (None: all) -> ``(k, M)`` counts (0 elsewhere)."""
+    k, width = group_start.shape
+    flat = group_start + (torch.arange(k) * width).unsqueeze(1)
+    return torch.bincount(flat.view(-1) if valid is None else flat[valid], minlength=k * width).view(k, width)
+
+
 class DynamicTableGroup:
     """``T`` dynamic tables of one ``(capacity, dim, min_count, expire_steps)``, optimizer and storage, stacked
     (see the module docstring); ``seeds[t]`` and ``salts[t]`` key table ``t``'s fresh rows."""
@@ -260,9 +268,7 @@ class DynamicTableGroup:
         pending: dict[int, tuple] = {}
         inserts = miss.sum(1)
         if slow:
-            valid_ = valid if valid is not None else torch.ones_like(first)
-            flat = (group_start + (torch.arange(k) * width).unsqueeze(1))[valid_]
-            counts = torch.bincount(flat, minlength=k * width).view(k, width)
+            counts = _occurrences(group_start, valid)
             reached = miss.clone()
             for r in slow:
                 at = miss[r].nonzero().flatten()
@@ -309,9 +315,7 @@ class DynamicTableGroup:
         for r in left:                                   # ids without a slot become (or stay) candidates
             if r not in pending:
                 if counts is None:
-                    valid_ = valid if valid is not None else torch.ones_like(first)
-                    flat = (group_start + (torch.arange(k) * width).unsqueeze(1))[valid_]
-                    counts = torch.bincount(flat, minlength=k * width).view(k, width)
+                    counts = _occurrences(group_start, valid)
                 at = miss[r].nonzero().flatten()
                 none = torch.zeros(at.numel(), dtype=torch.bool)
                 pending[r] = (at, sq[r, at], counts[r, at], torch.zeros_like(at), none, none.logical_not())
