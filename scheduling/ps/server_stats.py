@@ -137,8 +137,8 @@ def table_stats(server: Any) -> list[dict[str, Any]]:
         if shard.dynamic is None:
             entry["rows"] += shard.spec.num_rows
             continue
-        counters = shard.dynamic.counters
-        entry["rows"] += int(shard.dynamic.map_ids.numel())
-        entry["inserts"] += counters["inserts"]
-        entry["evictions"] += counters["evictions"]
+        stats = shard.dynamic.stats()                   # its live-row count: no map built per scrape
+        entry["rows"] += stats["rows"]
+        entry["inserts"] += stats["inserts"]
+        entry["evictions"] += stats["evictions"]
     return list(out.values())
