@@ -328,6 +328,8 @@ TESTED_ELSEWHERE = {
     "scheduling.async_pairs": "tests/scheduling/test_ray_transport.py",
     "scheduling.timeline": "tests/scheduling/test_prefetch.py",
     "scheduling.ps.client": "tests/scheduling/test_ps.py",
+    "scheduling.ps.client_state": "tests/scheduling/test_ps_dynamic.py",      # PSClient.server_states, load_server_states
+    "scheduling.placement.after": "tests/scheduling/test_placement.py",       # table_state_dict, load_table_state_dict
     "scheduling.ps.ebc": "tests/scheduling/test_ps.py",
     "scheduling.ps.endpoints": "tests/scheduling/test_ps_coalesce.py",
     "scheduling.ps.lifecycle": "tests/scheduling/test_local_cluster.py",

@@ -27,7 +27,7 @@ __all__ = ["table_checkpoint", "load_table_checkpoint", "table_layout", "replan"
 
 
 def _meta(gm: Any) -> dict[str, Any]:
-    from . import _placement_meta
+    from .after import _placement_meta
 
     return _placement_meta(gm)
 

@@ -384,7 +384,7 @@ def test_prefetch_trains_a_dynamic_table_as_blocking_lookups():
 
 
 def test_client_server_state_round_trip_restores_the_id_maps():
-    """PSClient.server_states / load_server_states (what a job checkpoints for dynamic tables): the servers' shards
+    """PSClient.server_states / load_server_states (scheduling.ps.client_state; what a job checkpoints for dynamic tables): the servers' shards
     with their id maps, given back after more training, restore the same rows and counters."""
     import functools
 
