@@ -213,6 +213,7 @@ class PSClient(ClientState):
         self._key = f"{name}:{uuid.uuid4().hex}"
         self._seq = [0] * len(self.servers)
         self._pushes = [0] * len(self.servers)
+        self._lookups = [0] * len(self.servers)  # lookups to each server since the last push (ordering rule 3)
         self._group = (f"{group}/{name}", rank, world_size) if world_size > 1 else None  # one order per table set
         self._seq_lock = threading.Lock()
         with _CLIENTS_LOCK:
@@ -262,10 +263,14 @@ class PSClient(ClientState):
             if ordered and self.ordered:
                 with self._seq_lock:  # numbered and sent together, so the numbers follow the issue order
                     order: tuple = (self._key, self._seq[server], self.timeout_s)
-                    if self._group is not None:  # step order across the group: pushes issued before this
-                        order += ((*self._group, self._pushes[server]),)
+                    steps = method in ("lookup", "push_lookup")  # a step of the server's dynamic tables, if any
+                    if self._group is not None:  # step order across the group: pushes issued before this, and a
+                        # lookup's index among this count's (a push+lookup's: the first of the next count)
+                        index = (0 if push else self._lookups[server]) if steps else None
+                        order += ((*self._group, self._pushes[server], index),)
                     self._seq[server] += 1
                     self._pushes[server] += push
+                    self._lookups[server] = (int(steps) if push else self._lookups[server] + int(steps))
                     if self.batcher is not None:
                         if push:
                             return self.batcher.enqueue(server, method, (*args, order))
@@ -486,6 +491,20 @@ class PSClient(ClientState):
     def stats(self) -> list[dict[str, int]]:
         """Per server: number of lookups and pushes served, and its process id."""
         return [self._call(s, "stats", (), "stats") for s in range(len(self.servers))]
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table of this client, its counters (``DynamicTable.stats()``: ``rows``, ``capacity``,
+        ``inserts``, ``admitted``, ``evictions``, ``expired``, ``rejected``, ...), asked of every server holding
+        one (a stats-only request, :func:`scheduling.ps.server_stats.dynamic_stats`; no copy of the tables, unlike
+        :meth:`server_states`). Waits this client's pushes first."""
+        self.flush()
+        servers = sorted({sp.server for sp in self.shards if sp.table.dynamic is not None})
+        futs = [(s, self._call_async(s, "dynamic_stats", (self.name,), "dynamic_stats")) for s in servers]
+        out: dict[str, dict[str, int]] = {}
+        for s, fut in futs:
+            for table, stats in self._wait(fut, s, "dynamic_stats").items():  # table-wise: one server per table
+                out[table] = stats
+        return out
 
     def stop_servers(self, timeout_s: float = 2.0) -> None:
         """Ask every server to leave the group (their ``start_server(block=True)`` returns); best effort.

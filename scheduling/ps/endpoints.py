@@ -2,10 +2,11 @@
 
 :class:`ServerEndpoints` holds one :class:`~scheduling.ps.server.PSServer` and has one method per request
 (``configure``, ``lookup``, ``peek``, ``push``, ``push_lookup``, ``batch``, ``state_dict``,
-``load_state_dict``, ``save``, ``set_delays``, ``stats``); ``batch`` carries several ordered requests in one message (a client's
+``load_state_dict``, ``save``, ``set_delays``, ``stats``, ``dynamic_stats``); ``batch`` carries several ordered requests in one message (a client's
 coalesced pushes, :mod:`scheduling.ps.coalesce`); ``peek`` is a read-only lookup (:mod:`scheduling.ps.peek`: no step
 of a dynamic table). The ordered ones (``lookup``, ``peek``, ``push``, ``push_lookup``) apply the request
-order the client asked for (:mod:`scheduling.ps.ordering`), so the tables, the optimizer, the step order and
+order the client asked for (:mod:`scheduling.ps.ordering`; a lookup's place among the group's lookups, rule 3,
+only where it steps a dynamic table: a peek, or a lookup of a namespace with no dynamic table here, drops it), so the tables, the optimizer, the step order and
 the fused path are the same on every transport; :meth:`ServerEndpoints.submit` starts one without waiting
 for its turn, so that a waiting request holds none of the server's threads:
 
@@ -34,8 +35,9 @@ from typing import Any
 
 import torch
 
-from .ordering import Done, Order, in_order, submit
+from .ordering import Done, Order, in_order, submit, without_index
 from .peek import peek
+from .server_stats import dynamic_stats
 
 __all__ = ["Endpoints", "ServerEndpoints", "AsyncEndpoints", "METHODS", "DEFAULT_WORKER_THREADS"]
 
@@ -43,7 +45,7 @@ DEFAULT_WORKER_THREADS = 16
 """Threads that serve one server's requests unless told otherwise (``num_worker_threads``)."""
 
 METHODS = ("configure", "lookup", "peek", "push", "push_lookup", "batch", "state_dict", "load_state_dict", "save",
-           "set_delays", "stats")
+           "set_delays", "stats", "dynamic_stats")
 """The requests every transport carries (``PSClient`` calls only these)."""
 
 
@@ -81,16 +83,18 @@ class Endpoints:
         timed = server.stats.timed  # the work's seconds, per request (scheduling.ps.server_stats)
         if method == "lookup":
             namespace, batch, compress, order = _pad(args, 4)
+            order = order if namespace in server.dynamic_namespaces else without_index(order)
             return (order, "lookup", server.name, None,
                     timed("lookup", namespace, lambda: server.lookup(namespace, batch, compress)))
         if method == "peek":  # a read-only lookup, ordered as one
             namespace, batch, compress, order = _pad(args, 4)
-            return order, "peek", server.name, None, timed("lookup", namespace, lambda: peek(server, namespace, batch, compress))
+            return without_index(order), "peek", server.name, None, timed("lookup", namespace, lambda: peek(server, namespace, batch, compress))
         if method == "push":
             namespace, batch, grad, order = _pad(args, 4)
             return order, "push", server.name, timed("push", namespace, lambda: server.push(namespace, batch, grad)), None
         if method == "push_lookup":
             namespace, batch, grad, next_batch, compress, order = _pad(args, 6)
+            order = order if namespace in server.dynamic_namespaces else without_index(order)
             return (order, "push+lookup", server.name, timed("push", namespace, lambda: server.push(namespace, batch, grad)),
                     timed("lookup", namespace, lambda: server.lookup(namespace, next_batch, compress)))
         raise ValueError(f"ServerEndpoints: {method!r} is not an ordered request (one of {self.ORDERED})")
@@ -158,6 +162,11 @@ class Endpoints:
         server = self._server()
         return {"lookups": server.num_lookups, "pushes": server.num_pushes, "requests": self.requests,
                 "pid": os.getpid(), **server.memory()}
+
+    def dynamic_stats(self, namespace: str) -> dict[str, dict[str, int]]:
+        """Per dynamic table of ``namespace`` held here, its counters
+        (:func:`scheduling.ps.server_stats.dynamic_stats`): a stats-only request, no copy of the tables."""
+        return dynamic_stats(self._server(), namespace)
 
 
 class ServerEndpoints(Endpoints):

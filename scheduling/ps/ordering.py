@@ -1,6 +1,6 @@
 """The order in which a parameter server serves its clients' requests.
 
-Two rules, both enforced on the server, so that a trainer's schedule (blocking, ``async_rpc``, prefetch)
+Three rules, all enforced on the server, so that a trainer's schedule (blocking, ``async_rpc``, prefetch)
 never changes what a lookup sees:
 
 1. **Per client, issue order** (:class:`Sequencer`): a client numbers its lookups and pushes to each server;
@@ -14,6 +14,30 @@ never changes what a lookup sees:
    own step-``k`` lookups were served (rule 1), so a step-``k`` lookup of any trainer sees exactly the pushes
    of steps ``0 .. k-1`` of every trainer: synchronous data-parallel SGD on the tables, deterministic (the
    same floating-point sums in the same order on every run) whatever the trainers' timing or schedule.
+
+3. **Across the trainers of a group, the lookups of dynamic tables in** ``(count, index, rank)`` **order**
+   (:meth:`StepBarrier.lookup_turn`): rule 2 fixes what a step-``k`` lookup sees, not the order in which the ``W``
+   trainers' step-``k`` lookups are served. Fixed tables do not care (a lookup changes nothing), but a lookup of a
+   dynamic table is a step of it (:mod:`scheduling.ps.dynamic`: admission, LRU refresh, eviction, slot
+   assignment), so in arrival order two runs with several trainers differed. A lookup request also carries its
+   *index*, the client's lookups to this server since its last push (a push+lookup's lookup: index 0 of the next
+   count), and a server whose tables of that client include a dynamic one serves it once every lower rank's
+   lookup of the same ``(count, index)`` and every higher rank's of ``(count, index - 1)`` is served. With
+   rules 1 and 2 the dynamic tables then take every trainer's lookups in one order, the same on every run and
+   under every schedule (blocking, ``async_rpc``, prefetch): ``(count, index, rank)``.
+
+   *Contract*: every trainer of the group makes the same lookups of such a server per step (the same number,
+   in the same order across its servers), or the group waits until ``timeout_s`` (the error names the rank
+   and lookup it waited for). Read-only peeks (:mod:`scheduling.ps.peek`) change nothing: they carry no index,
+   count in no index and follow rules 1 and 2 only (an evaluation on rank 0 alone is fine); so do lookups of a
+   server that holds no dynamic table of that client (the server drops their index: no new wait).
+   *Cost*: one more number per request; per barrier, each rank's position ``(count, index + 1)`` of its last
+   ordered lookup; a third wait. With prefetch (the step-``k + 1`` lookups ride on the pushes of step ``k``, all
+   of which have arrived before any is applied) nothing beyond serialisation, which a dynamic table's lock
+   imposed already. With blocking lookups a trainer's lookup waits for the lower ranks' lookups of the step to
+   arrive: the skew between the trainers' forward starts, so a slow rank 0 delays every other rank's lookups
+   of dynamic tables. A restarted group (a job's Ray Train restart) draws a new group key, hence fresh barriers
+   counting from 0; the old group's parked requests fail after their ``timeout_s``.
 
 Without rule 2 (``world_size = 1`` clients sharing a name, as before) a lookup sees the other trainers'
 pushes as they happen to arrive; with prefetch it is then served earlier, so it sees fewer of them, and
@@ -30,23 +54,6 @@ that would release them was never served (a deadlock with more embedding modules
 Each wait is bounded by the request's ``timeout_s`` (one watchdog thread per process fails requests whose wait
 ran out, with the error saying what they waited for).
 
-**Not ordered: the lookups of one step across trainers.** Rule 2 fixes what a step-``k`` lookup sees, not the
-order in which the ``W`` trainers' step-``k`` lookups are served: they run in arrival order. Fixed tables do not
-care (a lookup changes nothing), but a lookup of a dynamic table is a step of it (:mod:`scheduling.ps.dynamic`:
-admission, LRU refresh, eviction), so two runs with several trainers can differ. Serving them in
-``(count, index, rank)`` order (``index``: the client's lookups to this server since its last push) would cost:
-
-- one more number per request (the client counts its lookups per server between pushes), and per barrier the
-  lookups served per ``(count, rank)``, with a third wait (``lookup`` stage: also every lower rank's lookup of the
-  same ``(count, index)`` served) and its timeout message;
-- a stricter contract: every trainer makes the same number of lookups per step to each server, or the group waits
-  until ``timeout_s`` (read-only peeks, :mod:`scheduling.ps.peek`, change nothing and would stay unordered);
-- waiting: with prefetch, none beyond serialisation (the step-``k + 1`` lookups ride on the pushes of step ``k``,
-  all of which have arrived before any is applied, and a dynamic table's lookups already run one at a time under
-  its lock); with blocking lookups, a trainer's lookup waits for the lower ranks' lookups of the step to arrive,
-  i.e. the skew between the trainers' forward starts, and a slow rank 0 delays every other rank's lookups; fixed
-  tables would lose their concurrent lookups unless the rule applies to dynamic tables only.
-
 Source: the bulk-synchronous parameter server (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014, §3: consistency models; here the sequential model per step).
 """
@@ -62,12 +69,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
-__all__ = ["Sequencer", "StepBarrier", "Order", "Sync", "Done", "in_order", "submit", "parked_requests"]
+__all__ = ["Sequencer", "StepBarrier", "Order", "Sync", "Done", "in_order", "submit", "parked_requests",
+           "without_index"]
 
 logger = logging.getLogger(__name__)
 
-Sync = tuple[str, int, int, int]
-"""``(group key, trainer rank, world size, count)``: the step-order part of a request (rule 2)."""
+Sync = tuple  # (group key, trainer rank, world size, count[, lookup index or None])
+"""``(group key, trainer rank, world size, count[, index])``: the step-order part of a request (rule 2); ``index``
+(rule 3), given for a lookup that steps a dynamic table: the client's lookups to this server since its last
+push (None or absent: not ordered across the group)."""
 Order = tuple  # (client key, sequence number, timeout in seconds[, Sync])
 Done = Callable[[Any, "BaseException | None"], None]
 """``done(value, error)``: called once when a request finished (``error`` None) or failed."""
@@ -84,12 +94,13 @@ class _Request:
     """One request in flight: waiting for its ``stage`` (``turn``, ``push``, ``lookup``) or running."""
 
     __slots__ = ("seqr", "seq", "barrier", "rank", "count", "timeout_s", "what", "server", "push", "lookup",
-                 "done", "stage", "deadline", "pushed", "arrived")
+                 "done", "stage", "deadline", "pushed", "arrived", "index")
 
     def __init__(self, seqr: Sequencer | None, seq: int, barrier: StepBarrier | None, rank: int, count: int,
                  timeout_s: float, what: str, server: str, push: Callable[[], Any] | None,
-                 lookup: Callable[[], Any] | None, done: Done) -> None:
+                 lookup: Callable[[], Any] | None, done: Done, index: int | None = None) -> None:
         self.seqr, self.seq, self.barrier, self.rank, self.count = seqr, seq, barrier, rank, count
+        self.index = index  # the lookup's place among its client's lookups of the count (rule 3), or None
         self.timeout_s, self.what, self.server, self.push, self.lookup, self.done = (timeout_s, what, server, push,
                                                                                     lookup, done)
         self.stage = "turn" if seqr is not None else self._after_turn()
@@ -131,13 +142,15 @@ class StepBarrier:
     """Step order across the ``world_size`` trainers of one group on one server (rule 2 above).
 
     ``applied[r]`` counts trainer ``r``'s pushes applied; ``arrived[k]`` the trainers whose push number ``k``
-    is waiting or applied; ``parked`` the requests waiting here.
+    is waiting or applied; ``looked[r]`` is ``(count, index + 1)`` of trainer ``r``'s last lookup served in
+    ``(count, index, rank)`` order (rule 3); ``parked`` the requests waiting here.
     """
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.applied = [0] * world_size
         self.arrived: dict[int, set[int]] = {}
+        self.looked: list[tuple[int, int]] = [(0, 0)] * world_size
         self.parked: list[_Request] = []
 
     def push_ready(self, rank: int, count: int) -> bool:
@@ -149,11 +162,23 @@ class StepBarrier:
         """Every trainer's first ``count`` pushes are applied."""
         return min(self.applied) >= count
 
+    def lookup_turn(self, rank: int, count: int, index: int) -> bool:
+        """Rule 3: the lookups before ``(count, index, rank)`` are served: those of ``(count, index)`` of every
+        lower rank and of ``(count, index - 1)`` of every higher one (earlier counts: :meth:`lookup_ready`)."""
+        return not self._lookups_missing(rank, count, index)
+
+    def _lookups_missing(self, rank: int, count: int, index: int) -> list[tuple[int, int]]:
+        """``[(rank, index)]``: the lookups of count ``count`` that ``(count, index, rank)`` still waits for."""
+        looked = self.looked
+        return ([(r, index) for r in range(rank) if looked[r] < (count, index + 1)]
+                + [(r, index - 1) for r in range(rank + 1, self.world_size) if index > 0 and looked[r] < (count, index)])
+
     def lookup(self, rank: int, count: int, timeout_s: float, what: str, fn: Callable[[], Any],
-               server: str) -> Any:
-        """Run ``fn`` (a lookup) once every trainer's first ``count`` pushes are applied (blocking)."""
+               server: str, index: int | None = None) -> Any:
+        """Run ``fn`` (a lookup) once every trainer's first ``count`` pushes are applied and, with an ``index``,
+        after the lookups before ``(count, index, rank)`` (:meth:`lookup_turn`) (blocking)."""
         return _blocking(lambda done: _start(_Request(None, 0, self, rank, count, timeout_s, what, server, None, fn,
-                                                      done)))
+                                                      done, index)))
 
     def push(self, rank: int, count: int, timeout_s: float, what: str, fn: Callable[[], Any],
              server: str) -> Any:
@@ -161,6 +186,11 @@ class StepBarrier:
         trainer's push number ``count`` has arrived (blocking)."""
         return _blocking(lambda done: _start(_Request(None, 0, self, rank, count, timeout_s, what, server, fn, None,
                                                       done)))
+
+    def _served(self, req: _Request) -> None:
+        """Record ``req``'s lookup as served (rule 3; a lookup without an index is not ordered)."""
+        if req.index is not None:
+            self.looked[req.rank] = max(self.looked[req.rank], (req.lookup_count, req.index + 1))
 
     def _laggards(self, count: int) -> str:
         late = [r for r, a in enumerate(self.applied) if a < count]
@@ -202,13 +232,22 @@ def submit(order: Order | None, what: str, server: str, done: Done, *, push: Cal
     sync: Sync | None = rest[0] if rest else None
     with _LOCK:
         seqr = _SEQUENCERS.setdefault(key, Sequencer())
-        barrier, rank, count = None, 0, 0
+        barrier, rank, count, index = None, 0, 0, None
         if sync is not None:
-            _, rank, world_size, count = sync
+            _, rank, world_size, count, *more = sync
+            index = more[0] if more and lookup is not None else None
             barrier = _BARRIERS.get(sync[0])
             if barrier is None or barrier.world_size != world_size:
                 barrier = _BARRIERS[sync[0]] = StepBarrier(world_size)
-    _start(_Request(seqr, seq, barrier, rank, count, timeout_s, what, server, push, lookup, done))
+    _start(_Request(seqr, seq, barrier, rank, count, timeout_s, what, server, push, lookup, done, index))
+
+
+def without_index(order: Order | None) -> Order | None:
+    """``order`` without its lookup index: a lookup that changes no table (a peek, a server holding no dynamic
+    table of the client) follows rules 1 and 2 only, never waiting for the other trainers' lookups."""
+    if order is None or len(order) < 4 or len(order[3]) < 5:
+        return order
+    return (*order[:3], tuple(order[3][:4]))
 
 
 def in_order(order: Order | None, what: str, server: str, *, push: Callable[[], Any] | None = None,
@@ -246,7 +285,8 @@ def _try(req: _Request, ready: list[_Request]) -> None:
         barrier.arrived.setdefault(req.count, set()).add(req.rank)
         _recheck(barrier, ready)  # its arrival may complete another trainer's wait
     if (req.stage == "plain" or (req.stage == "push" and barrier.push_ready(req.rank, req.count))
-            or (req.stage == "lookup" and barrier.lookup_ready(req.lookup_count))):
+            or (req.stage == "lookup" and barrier.lookup_ready(req.lookup_count)
+                and (req.index is None or barrier.lookup_turn(req.rank, req.lookup_count, req.index)))):
         ready.append(req)
         return
     barrier.parked.append(req)
@@ -291,13 +331,19 @@ def _after_work(req: _Request, stage: str, value: Any, error: BaseException | No
         barrier.applied[req.rank] = max(barrier.applied[req.rank], count + 1)
         if all(a > count for a in barrier.applied):
             barrier.arrived.pop(count, None)
+        if error is not None and req.lookup is not None:
+            barrier._served(req)  # its lookup will not run: the next one in rule 3's order may
         _recheck(barrier, ready)
         if error is None and req.lookup is not None:
             req.pushed, req.stage, req.deadline = value, "lookup", None
             _try(req, ready)
             return None
-    elif stage == "lookup" and req.push is not None and error is None:
-        value = (req.pushed, value)
+    elif stage == "lookup":
+        if req.index is not None:  # rule 3: the next lookup in (count, index, rank) order may run
+            req.step_barrier._served(req)
+            _recheck(req.step_barrier, ready)
+        if req.push is not None and error is None:
+            value = (req.pushed, value)
     _finish(req, ready)
     return value, error
 
@@ -396,6 +442,12 @@ def _timeout_message(req: _Request) -> str:
     barrier = req.step_barrier
     if req.stage == "push":
         what, missing = f"{req.what} #{req.count} of trainer {req.rank}", barrier._missing_pushes(req.count, req.rank)
+    elif req.index is not None and barrier.lookup_ready(req.lookup_count):  # rule 3: the others' lookups
+        waits = barrier._lookups_missing(req.rank, req.lookup_count, req.index)
+        ranks = " and ".join(f"rank {r}'s lookup (count {req.lookup_count}, index {i})" for r, i in waits)
+        return (f"{head}lookup (count {req.lookup_count}, index {req.index}) of rank {req.rank} waited {t} s for "
+                f"{ranks}: every trainer of the group must make the same lookups of this server's dynamic tables "
+                "per step; did a trainer stop, run fewer steps, or look up without read_only() on one rank only?")
     else:
         what = f"{req.what} of trainer {req.rank} (after {req.lookup_count} pushes)"
         missing = barrier._laggards(req.lookup_count)

@@ -98,6 +98,9 @@ class PSServer(ServerState):
         self.layouts: dict[str, list[tuple[ShardSpec, str]]] = {}
         self.fused: dict[str, FusedTables | None] = {}
         self.stores: dict[str, RowStore] = {}
+        self.dynamic_namespaces: set[str] = set()
+        """The namespaces with a dynamic table here: their lookups are steps of it, served in the group's
+        ``(count, index, rank)`` order (:mod:`scheduling.ps.ordering`, rule 3)."""
         self._lock = threading.Lock()
         self.num_lookups = 0
         self.num_pushes = 0
@@ -160,6 +163,10 @@ class PSServer(ServerState):
         views of it and share its lock."""
         layout = self.layouts[namespace]
         keys = [f"{namespace}/{spec.key}" for spec, _ in layout]
+        if any(k in self.shards and self.shards[k].dynamic is not None for k in keys):
+            self.dynamic_namespaces.add(namespace)
+        else:
+            self.dynamic_namespaces.discard(namespace)
         if any(k not in self.shards or self.shards[k].dynamic is not None for k in keys):
             self.fused[namespace] = group_shards(layout, [self.shards.get(k) for k in keys])
             return
@@ -442,6 +449,10 @@ def _rpc_stop() -> bool:
 
 def _rpc_stats() -> dict[str, int]:
     return _ENDPOINTS.stats()
+
+
+def _rpc_dynamic_stats(namespace: str) -> dict[str, dict[str, int]]:
+    return _ENDPOINTS.dynamic_stats(namespace)
 
 
 def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "127.0.0.1",

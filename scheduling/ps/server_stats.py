@@ -25,7 +25,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ServerStats", "KINDS", "BUCKETS", "table_stats"]
+__all__ = ["ServerStats", "KINDS", "BUCKETS", "table_stats", "dynamic_stats"]
 
 KINDS = ("lookup", "push")
 """The timed kinds of work (a push+lookup request is timed as one push and one lookup)."""
@@ -142,3 +142,14 @@ def table_stats(server: Any) -> list[dict[str, Any]]:
         entry["inserts"] += stats["inserts"]
         entry["evictions"] += stats["evictions"]
     return list(out.values())
+
+
+def dynamic_stats(server: Any, namespace: str) -> dict[str, dict[str, int]]:
+    """Per dynamic table of ``namespace`` that ``server`` (a ``PSServer``) holds, its
+    :meth:`~scheduling.ps.dynamic.DynamicTable.stats` (``rows``, ``capacity``, ``candidates``, ``step``, ``inserts``,
+    ``admitted``, ``evictions``, ``expired``, ``rejected``): a few numbers per table, no copy of its rows or id map
+    (what ``PSServer.state_dict`` would send). Fixed tables are left out; ``{}`` for an unknown namespace.
+    Reads without the shards' locks, as :func:`table_stats`."""
+    prefix = namespace + "/"
+    return {shard.spec.table.name: shard.dynamic.stats() for key, shard in list(server.shards.items())
+            if key.startswith(prefix) and shard.dynamic is not None}

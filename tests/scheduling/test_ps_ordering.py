@@ -39,3 +39,37 @@ def test_a_shorter_wait_parked_after_a_longer_one_times_out_on_its_own_deadline(
         in_order(("gap-short", 1, 0.2), "lookup", "psX", lookup=lambda: None)
     assert time.monotonic() - t0 < 2.0, "the short wait was failed only when the longer deadline woke the watchdog"
     slow.join(timeout=10)
+
+
+def test_step_barrier_serves_indexed_lookups_in_count_index_rank_order():
+    import random
+
+    from scheduling.ps.ordering import StepBarrier
+
+    barrier, log = StepBarrier(world_size=3), []
+
+    def trainer(rank: int) -> None:
+        rng = random.Random(rank)
+        for count in range(3):
+            for index in range(2):
+                time.sleep(rng.random() * 0.01)
+                barrier.lookup(rank, count, 5.0, "lookup", lambda c=count, i=index: log.append((c, i, rank)), "ps0",
+                               index=index)
+            barrier.push(rank, count, 5.0, "push", lambda: None, "ps0")
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in (2, 1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert log == sorted(log) and len(log) == 18
+
+
+def test_a_higher_ranks_earlier_lookup_is_named_when_it_never_comes():
+    from scheduling.ps.ordering import StepBarrier
+
+    barrier = StepBarrier(world_size=2)
+    barrier.lookup(0, 0, 5.0, "lookup", lambda: None, "ps0", index=0)
+    with pytest.raises(RuntimeError, match=r"lookup \(count 0, index 1\) of rank 0 waited 0.2 s for rank 1's lookup "
+                                           r"\(count 0, index 0\)"):
+        barrier.lookup(0, 0, 0.2, "lookup", lambda: None, "ps0", index=1)
