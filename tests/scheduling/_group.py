@@ -15,6 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 TABLES = [("t0", 40, 4, ("f0",)), ("t1", 30, 4, ("f1", "f2"))]
+DYNAMIC = {"t0": (8, 1, None), "t1": (6, 2, 4)}
+"""A run's tables as dynamic ones (``runs`` entries with a fifth element True): (capacity, min_count, expire_steps)
+small enough for the batches' 30 ids to evict."""
 
 
 class TinyModel(nn.Module):
@@ -58,14 +61,17 @@ def server_main(rank: int, world: int, rpc_port: int) -> None:
 
 
 def _train(name: str, rank: int, world: int, schedule: str, sync: bool, jitter_s: float, steps: int,
-           servers: list[str], group: str) -> dict[str, Any]:
+           servers: list[str], group: str, dynamic: bool = False) -> dict[str, Any]:
     import fxdist
     from scheduling import lookahead
     from scheduling.ps import PSClient
+    from scheduling.ps.dynamic import DynamicSpec
     from scheduling.ps.shard_plan import TableSpec
 
-    specs = [TableSpec(n, rows, dim, feats) for n, rows, dim, feats in TABLES]
-    client = PSClient(specs, servers, sharding="row_wise", name=name, seed=7, configure=(rank == 0),
+    specs = [TableSpec(n, DYNAMIC[n][0], dim, feats, dynamic=DynamicSpec(*DYNAMIC[n])) if dynamic
+             else TableSpec(n, rows, dim, feats) for n, rows, dim, feats in TABLES]
+    client = PSClient(specs, servers, sharding="table_wise" if dynamic else "row_wise", name=name, seed=7,
+                      configure=(rank == 0),
                       optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1}, rank=rank if sync else 0,
                       world_size=world if sync else 1, group=group if sync else None)
     dist.barrier()
@@ -88,6 +94,12 @@ def _train(name: str, rank: int, world: int, schedule: str, sync: bool, jitter_s
     client.flush()
     dist.barrier()
     tables = {k: v.tolist() for k, v in client.state_dict().items()} if rank == 0 else None  # no shared memory
+    if dynamic and rank == 0:  # the id maps, last-seen steps, candidates and counters too, and the stats request
+        for states in client.server_states():
+            for key, entry in states.items():
+                tables[f"{key}.dynamic"] = {k: v.tolist() if isinstance(v, torch.Tensor) else v
+                                            for k, v in entry["dynamic"].items()}
+        tables["dynamic_stats"] = client.dynamic_stats()
     dist.barrier()
     client.close()
     return {"losses": losses, "tables": tables, "hits": client.prefetch_hits}
@@ -111,8 +123,8 @@ def trainer_main(rank: int, world: int, rpc_port: int, pg_port: int, num_servers
     dist.broadcast_object_list(box, src=0)
     results = {}
     try:
-        for name, schedule, sync, jitter_s in runs:
-            results[name] = _train(name, rank, world, schedule, sync, jitter_s, steps, servers, box[0])
+        for name, schedule, sync, jitter_s, *dynamic in runs:
+            results[name] = _train(name, rank, world, schedule, sync, jitter_s, steps, servers, box[0], *dynamic)
     finally:
         if rank == 0 and not in_trainers:  # servers in trainers end with their trainers
             from torch.distributed import rpc

@@ -9,6 +9,7 @@ between the trainers: the losses and the final tables must be bit-identical.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import threading
 import time
@@ -77,3 +78,35 @@ def test_two_trainers_train_identically_under_every_schedule_and_timing():
         assert tables.keys() == reference[0]["tables"].keys()
         for key, value in tables.items():
             assert value == reference[0]["tables"][key], (name, key)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("in_trainers", [None, "inline"])
+def test_two_trainers_with_dynamic_tables_train_identically_under_every_schedule_and_timing(in_trainers):
+    """Dynamic tables small enough to evict (ordering rule 3): every schedule and timing gives the same losses,
+    rows, id maps, last-seen steps and counters; with the servers in separate processes or in the trainers."""
+    world, num_servers, steps = 2, 2, 8
+    runs = [(f"dyn_{s}{'_jitter' if j else ''}", s, True, j, True)
+            for s, j in itertools.product(("eager", "prefetch"), (0.0, 0.02))]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    rpc_port, pg_port = free_port(), free_port()
+    targets = [] if in_trainers else [(_group.server_main, (world + i, world + num_servers, rpc_port))
+                                      for i in range(num_servers)]
+    targets += [(_group.trainer_main, (r, world, rpc_port, pg_port, num_servers, runs, steps, queue, in_trainers))
+                for r in range(world)]
+    results = _group.spawn_and_collect(ctx, targets, queue, world)
+
+    def tables(name: str) -> dict:  # the run's name taken out of the server-state keys
+        return {k.replace(f"{name}/", ""): v for k, v in results[0][name]["tables"].items()}
+
+    reference = tables("dyn_eager")
+    stats = reference["dynamic_stats"]
+    assert sorted(stats) == ["t0", "t1"] and all(s["evictions"] > 0 for s in stats.values()), stats
+    assert stats["t1"]["rows"] == len(reference["t1@0.dynamic"]["map_ids"]) and len(reference) == 7
+    for name, schedule, *_ in runs[1:]:
+        for rank in range(world):
+            assert results[rank][name]["losses"] == results[rank]["dyn_eager"]["losses"], (name, rank)
+            if schedule == "prefetch":
+                assert results[rank][name]["hits"] == num_servers * (steps - 1)
+        assert tables(name) == reference, name
