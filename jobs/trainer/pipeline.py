@@ -139,7 +139,12 @@ class TrainPipeline:
         return self.workload.step_batch(next(self._batches), self.tables, self.device)
 
     def _lookahead(self) -> dict[str, Any]:
-        """``{next_<input>: the next batch's <input>}`` for the module's ``next_*`` parameters."""
+        """``{next_<input>: the next batch's <input>}`` for the module's ``next_*`` parameters; none before a
+        checkpoint of dynamic tables: looking the next batch up is a step of them, which the checkpoint would hold,
+        and a run resumed from it would make that lookup again (the baseline makes it once)."""
+        every, nxt = self.config.job.checkpoint_every, self.step + 1
+        if self.config.model.table_sizes == "dynamic" and every and nxt % every == 0 and nxt < self.config.job.steps:
+            return {}
         if not self._ahead or self._upcoming is None:
             return {}
         given = {**dict(zip(self._names, self._upcoming.args)), **self._upcoming.kwargs}

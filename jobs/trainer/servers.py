@@ -56,18 +56,11 @@ DYNAMIC_KEYS = ("rows", "capacity", "inserts", "evictions", "admitted", "rejecte
 """The statistics of each dynamic table in results.json (``phases.<phase>.dynamic_tables``)."""
 
 
-def dynamic_stats(clients: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, int]]:
-    """Per dynamic table name, :data:`DYNAMIC_KEYS` of its shard, from ``{client name: PSClient.server_states()}``
-    (entries ``{"spec", "dynamic": DynamicTable.state_dict()}``; fixed tables' entries are skipped)."""
-    out: dict[str, dict[str, int]] = {}
-    for servers in clients.values():
-        for shards in servers:
-            for entry in shards.values():
-                d = entry.get("dynamic")
-                if d is not None:
-                    counters = d["counters"]
-                    out[entry["spec"].table.name] = {"rows": int(d["map_ids"].numel()), "capacity": int(d["capacity"]),
-                                                     **{k: int(counters.get(k, 0)) for k in DYNAMIC_KEYS[2:]}}
+def dynamic_stats(clients: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Per dynamic table name, :data:`DYNAMIC_KEYS` of it, from ``{client name: PSClient.dynamic_stats()}`` (per table
+    ``DynamicTable.stats()``, the servers' stats-only answer: no copy of the tables), in natural name order."""
+    out = {table: {k: int(stats.get(k, 0)) for k in DYNAMIC_KEYS}
+           for tables in clients.values() for table, stats in tables.items()}
     return dict(sorted(out.items(), key=lambda kv: _natural(kv[0])))
 
 
@@ -463,13 +456,14 @@ class _PhaseTables(_LookupTimer):
     def dynamic_stats(self) -> dict[str, dict[str, int]] | None:
         """Rank 0, dynamic tables: per table (``t_C1`` ...), ``rows`` held, ``capacity`` and the counters
         ``inserts``, ``evictions``, ``admitted``, ``rejected``, ``expired`` (:meth:`scheduling.ps.dynamic.DynamicTable.stats`),
-        read from the servers' state (``PSClient.server_states``); None for fixed tables or on other ranks."""
+        asked of the servers (``PSClient.dynamic_stats``: counters only, not the tables); None for fixed tables or on
+        other ranks."""
         from scheduling.placement import client_names
         from scheduling.ps import get_client
 
         if self.rank != 0 or self.gm is None or not self.dynamic:
             return None
-        return dynamic_stats({n: get_client(n).server_states() for n in client_names(self.gm)})
+        return dynamic_stats({n: get_client(n).dynamic_stats() for n in client_names(self.gm)})
 
     def close(self) -> None:
         for client in self._clients():

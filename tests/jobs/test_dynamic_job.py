@@ -108,6 +108,21 @@ def test_job_reader_gives_raw_ids_for_dynamic_tables(tmp_path):
 
 
 # ---- server state, statistics, results line ---------------------------------------------------------------------
+def _table_stats(names_rows):
+    """What ``PSClient.dynamic_stats()`` answers (``DynamicTable.stats()`` per table) for a dynamic table of capacity 3
+    per (name, lookups of a new id each)."""
+    from scheduling.ps.dynamic import DynamicSpec, DynamicTable
+    from scheduling.ps.optimizer import make_optimizer
+
+    out = {}
+    for name, rows in names_rows:
+        t = DynamicTable(4, DynamicSpec(capacity=3), make_optimizer("sgd", lr=0.1))
+        for step in range(rows):
+            t.lookup(torch.tensor([step], dtype=torch.int64))
+        out[name] = t.stats()
+    return out
+
+
 def _server_state(names_rows):
     """A PSClient.server_states()-like list for one server: a dynamic table per (name, rows) and a fixed one."""
     from scheduling.ps.dynamic import DynamicSpec, DynamicTable
@@ -127,8 +142,8 @@ def _server_state(names_rows):
 
 
 def test_dynamic_stats_per_table_in_natural_order():
-    stats = dynamic_stats({"c": _server_state([("t_C10", 5), ("t_C2", 2)])})
-    assert list(stats) == ["t_C2", "t_C10"]  # the fixed table is left out
+    stats = dynamic_stats({"c": _table_stats([("t_C10", 5)]), "d": _table_stats([("t_C2", 2)])})
+    assert list(stats) == ["t_C2", "t_C10"]  # natural order, over the clients
     assert stats["t_C10"] == {"rows": 3, "capacity": 3, "inserts": 5, "evictions": 2, "admitted": 5, "rejected": 0,
                               "expired": 0}
     assert stats["t_C2"]["rows"] == 2 and stats["t_C2"]["evictions"] == 0
@@ -154,7 +169,9 @@ def test_results_line():
 def test_short_dynamic_job_fills_and_evicts_and_restores_after_a_server_fault(ray_session, tmp_path):
     """Two trainers, 12 steps of 64 rows over small synthetic data, 26 dynamic tables of 50 rows: the tables
     fill and evict. The server is killed at step 8; the worker group restarts from the step-5 checkpoint, whose
-    dynamic tables (id maps included) come back exactly."""
+    dynamic tables (id maps included) come back exactly. The servers step the dynamic tables with the trainers'
+    lookups in rank order (``scheduling.ps.ordering``, rule 3), so the two phases train bit for bit alike (the
+    parity check's default ``error`` mode, identical per-step losses, the same tables' counters)."""
     from jobs.launcher.launch import launch
 
     data = write_synthetic_criteo(tmp_path / "data.txt", 3000, seed=0)
@@ -163,13 +180,12 @@ def test_short_dynamic_job_fills_and_evicts_and_restores_after_a_server_fault(ra
              "eval_epochs": 0, "max_failures": 2},
         data={"path": str(data)},
         model={"table_sizes": "dynamic", "dynamic_capacity": 50, "bottom_mlp": [8], "top_mlp": [8]},
-        # several trainers' lookups of one step reach a dynamic table in any order (admission and eviction
-        # follow it), so the phases match within the baseline's spread, not bit for bit: see README
-        phases={"parity": "warn"},
         cluster={"cpus_per_trainer": 0.5, "rpc_timeout_s": 20.0}, metrics={"enabled": False},
         quant={"enabled": True, "calibration_batches": 1}, faults={"kill_server_at_step": 8})
     r = launch(config, run_dir=tmp_path / "run", quiet=True)
     assert r["restarts"] == 1 and r["faults_fired"] == ["server"]
+    assert r["parity"]["ok"] and r["parity"]["identical_losses"] and r["parity"]["max_step_loss_diff"] == 0
+    assert r["phases"]["baseline"]["dynamic_tables"] == r["phases"]["optimized"]["dynamic_tables"]
     for phase in ("baseline", "optimized"):
         p = r["phases"][phase]
         tables = p["dynamic_tables"]
