@@ -141,9 +141,11 @@ class PSClient(ClientState):
             tables (the same ``name``), and a key the group shares (e.g. a uuid that rank 0 broadcasts).
             With ``world_size > 1`` the servers serve the group in step order
             (:mod:`scheduling.ps.ordering`): every trainer's step-``k`` lookup sees exactly the pushes of
-            steps ``0 .. k-1`` of all trainers, applied in rank order, whatever the schedule (blocking,
-            ``async_rpc``, prefetch), so training is deterministic. Every trainer must then push to each
-            server once per step and run the same number of steps.
+            steps ``0 .. k-1`` of all trainers, applied in rank order, and a server stepping dynamic tables
+            takes the group's lookups of them in ``(count, index, rank)`` order, whatever the schedule
+            (blocking, ``async_rpc``, prefetch), so training is deterministic. Every trainer must then push to
+            each server once per step, run the same number of steps and make the same lookups of each server
+            holding a dynamic table (read-only peeks aside).
         grad_reduction: how the group's table gradients combine, ``"mean"`` (default: each trainer's push is
             divided by ``world_size`` before it is sent, as DDP divides the dense gradients and torchrec's
             ``DistributedModelParallel`` divides the table gradients, ``comm_ops.GRADIENT_DIVISION``; so a

@@ -1,7 +1,7 @@
 """The order in which a parameter server serves its clients' requests.
 
 Three rules, all enforced on the server, so that a trainer's schedule (blocking, ``async_rpc``, prefetch)
-never changes what a lookup sees:
+never changes what a lookup sees, nor what a lookup does to a dynamic table:
 
 1. **Per client, issue order** (:class:`Sequencer`): a client numbers its lookups and pushes to each server;
    the server runs them in that order, one at a time. A lookup sent while the same client's push is still in
@@ -14,7 +14,6 @@ never changes what a lookup sees:
    own step-``k`` lookups were served (rule 1), so a step-``k`` lookup of any trainer sees exactly the pushes
    of steps ``0 .. k-1`` of every trainer: synchronous data-parallel SGD on the tables, deterministic (the
    same floating-point sums in the same order on every run) whatever the trainers' timing or schedule.
-
 3. **Across the trainers of a group, the lookups of dynamic tables in** ``(count, index, rank)`` **order**
    (:meth:`StepBarrier.lookup_turn`): rule 2 fixes what a step-``k`` lookup sees, not the order in which the ``W``
    trainers' step-``k`` lookups are served. Fixed tables do not care (a lookup changes nothing), but a lookup of a
@@ -24,7 +23,9 @@ never changes what a lookup sees:
    count), and a server whose tables of that client include a dynamic one serves it once every lower rank's
    lookup of the same ``(count, index)`` and every higher rank's of ``(count, index - 1)`` is served. With
    rules 1 and 2 the dynamic tables then take every trainer's lookups in one order, the same on every run and
-   under every schedule (blocking, ``async_rpc``, prefetch): ``(count, index, rank)``.
+   under every schedule (blocking, ``async_rpc``, prefetch): ``(count, index, rank)``. (With ``max_staleness``
+   the next step's lookup leaves before this step's push, as index 1 of this count, on every trainer alike:
+   deterministic too, though not the exact schedule's rows.)
 
    *Contract*: every trainer of the group makes the same lookups of such a server per step (the same number,
    in the same order across its servers), or the group waits until ``timeout_s`` (the error names the rank
