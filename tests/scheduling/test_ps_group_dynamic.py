@@ -91,14 +91,17 @@ class _Actor:
 
 def _trainer(target: Any, rank: int, schedule: str, delay: Any, group: str, lookups: int, out: dict) -> None:
     """What trainer ``rank`` sends for ``STEPS`` steps: ``lookups`` lookups a step (``schedule="blocking"``: each
-    waited before the push; ``"prefetch"``: the next step's first lookup rides on the push, ``push_lookup``), with
-    ``delay(rank, step)`` seconds of sleep before each request."""
-    key, seq, count, losses = f"{group}-c{rank}", 0, 0, []
+    waited before the push; ``"prefetch"``: the next step's first lookup rides on the push, ``push_lookup``;
+    ``"stale"``: as ``max_staleness=1``, the next step's lookup leaves before this step's push), with
+    ``delay(rank, step)`` seconds of sleep before each request. Each request carries the order a
+    ``PSClient(world_size=2)`` gives it: its pushes before it (count) and, for a lookup, its lookups since then."""
+    key, seq, count, since_push, losses = f"{group}-c{rank}", 0, 0, 0, []
 
-    def order(index: int | None) -> tuple:
-        nonlocal seq
+    def order(lookup: bool) -> tuple:
+        nonlocal seq, since_push
         seq += 1
-        return (key, seq - 1, 20.0, (group, rank, WORLD, count, index))
+        since_push += lookup
+        return (key, seq - 1, 20.0, (group, rank, WORLD, count, since_push - 1 if lookup else None))
 
     answer = None
     for step in range(STEPS):
@@ -106,20 +109,25 @@ def _trainer(target: Any, rank: int, schedule: str, delay: Any, group: str, look
         for index in range(lookups):
             time.sleep(delay(rank, step))
             if answer is None:
-                answer = target.call("lookup", "ns", _batch(rank, step, index), None, order(index))
+                answer = target.call("lookup", "ns", _batch(rank, step, index), None, order(True))
             loss, grad = _loss_and_grad(answer, rank, step)
             losses.append(loss)
             grads.append(grad)
             answer = None
         time.sleep(delay(rank, step))
+        if schedule == "stale" and step + 1 < STEPS:
+            answer = target.call("lookup", "ns", _batch(rank, step + 1, 0), None, order(True))
         for index, grad in enumerate(grads):  # one push of the step's summed gradient per lookup's batch
             last = index == len(grads) - 1
             if schedule == "prefetch" and last and step + 1 < STEPS:
+                count, since_push = count + 1, 0
+                seq += 1
                 _, answer = target.call("push_lookup", "ns", _batch(rank, step, index), grad, _batch(rank, step + 1, 0),
-                                        None, order(0))
+                                        None, (key, seq - 1, 20.0, (group, rank, WORLD, count - 1, 0)))
+                since_push = 1
             else:
-                target.call("push", "ns", _batch(rank, step, index), grad, order(None))
-            count += 1
+                target.call("push", "ns", _batch(rank, step, index), grad, order(False))
+                count, since_push = count + 1, 0
     out[rank] = losses
 
 
@@ -135,21 +143,29 @@ def _run(target: Any, schedule: str, delay: Any, lookups: int = 1) -> tuple[dict
     return losses, target.state()
 
 
-def _reference(lookups: int = 1) -> tuple[dict[int, list[float]], dict[str, Any]]:
-    """One process, no ordering: each step's lookups in (index, rank) order, then the pushes in (push, rank) order."""
+def _reference(lookups: int = 1, stale: bool = False) -> tuple[dict[int, list[float]], dict[str, Any]]:
+    """One process, no ordering: every trainer's lookups in (count, index, rank) order, each count's pushes after
+    its lookups in rank order (``stale``: the step-``k + 1`` batch looked up before the step-``k`` push)."""
+    events = []  # (sort key, kind, rank, (step, batch index))
+    for rank in range(WORLD):
+        for step in range(STEPS):
+            count = lookups * step
+            if not stale or step == 0:
+                events += [((count, 0, i, rank), "lookup", rank, (step, i)) for i in range(lookups)]
+            if stale and step + 1 < STEPS:
+                events.append(((count, 0, int(step == 0), rank), "lookup", rank, (step + 1, 0)))
+            events += [((count + i, 1, 0, rank), "push", rank, (step, i)) for i in range(lookups)]
     srv = PSServer("ref")
     _configure(srv)
     losses: dict[int, list[float]] = {r: [] for r in range(WORLD)}
-    for step in range(STEPS):
-        grads: dict[int, list[torch.Tensor]] = {r: [] for r in range(WORLD)}
-        for index in range(lookups):
-            for rank in range(WORLD):
-                loss, grad = _loss_and_grad(srv.lookup("ns", _batch(rank, step, index)), rank, step)
-                losses[rank].append(loss)
-                grads[rank].append(grad)
-        for index in range(lookups):
-            for rank in range(WORLD):
-                srv.push("ns", _batch(rank, step, index), grads[rank][index])
+    answers: dict[tuple[int, int, int], torch.Tensor] = {}
+    for _, kind, rank, (step, i) in sorted(events, key=lambda e: e[0]):
+        if kind == "lookup":
+            answers[rank, step, i] = srv.lookup("ns", _batch(rank, step, i))
+            continue
+        loss, grad = _loss_and_grad(answers.pop((rank, step, i)), rank, step)
+        losses[rank].append(loss)
+        srv.push("ns", _batch(rank, step, i), grad)
     return losses, srv.state_dict("ns")
 
 
@@ -188,6 +204,11 @@ def test_two_trainers_step_dynamic_tables_in_rank_order_whatever_arrives_first(s
 
 def test_several_lookups_per_step_are_served_in_count_index_rank_order():
     _check([_run(_Local(), "blocking", _rank_late(late), lookups=2) for late in (1, 0)], _reference(lookups=2))
+
+
+def test_stale_lookups_sent_before_the_push_are_ordered_too():
+    """As ``async_rpc(prefetch=True, max_staleness=1)``: the next step's lookup leaves before this step's push."""
+    _check([_run(_Local(), "stale", _rank_late(late)) for late in (0, 1)], _reference(stale=True))
 
 
 def test_dynamic_lookups_in_order_over_a_ray_actor():
