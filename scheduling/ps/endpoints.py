@@ -2,12 +2,13 @@
 
 :class:`ServerEndpoints` holds one :class:`~scheduling.ps.server.PSServer` and has one method per request
 (``configure``, ``lookup``, ``peek``, ``push``, ``push_lookup``, ``batch``, ``state_dict``,
-``load_state_dict``, ``save``, ``set_delays``, ``stats``, ``dynamic_stats``); ``batch`` carries several ordered requests in one message (a client's
-coalesced pushes, :mod:`scheduling.ps.coalesce`); ``peek`` is a read-only lookup (:mod:`scheduling.ps.peek`: no step
-of a dynamic table). The ordered ones (``lookup``, ``peek``, ``push``, ``push_lookup``) apply the request
-order the client asked for (:mod:`scheduling.ps.ordering`; a lookup's place among the group's lookups, rule 3,
-only where it steps a dynamic table: a peek, or a lookup of a namespace with no dynamic table here, drops it), so the tables, the optimizer, the step order and
-the fused path are the same on every transport; :meth:`ServerEndpoints.submit` starts one without waiting
+``load_state_dict``, ``save``, ``set_delays``, ``stats``, ``dynamic_stats``); ``batch`` carries several ordered
+requests in one message (a client's coalesced pushes, :mod:`scheduling.ps.coalesce`); ``peek`` is a read-only lookup
+(:mod:`scheduling.ps.peek`: no step of a dynamic table); ``dynamic_stats`` answers a namespace's dynamic tables'
+counters alone. The ordered ones (``lookup``, ``peek``, ``push``, ``push_lookup``) apply the request order the
+client asked for (:mod:`scheduling.ps.ordering`; a lookup's place among the group's lookups, rule 3, only where it
+steps a dynamic table: a peek, or a lookup of a namespace with no dynamic table here, drops it), so the tables, the
+optimizer, the step order and the fused path are the same on every transport; :meth:`ServerEndpoints.submit` starts one without waiting
 for its turn, so that a waiting request holds none of the server's threads:
 
 - ``torch_rpc``: the module-level ``_rpc_<method>`` functions of :mod:`scheduling.ps.server` call the
