@@ -276,6 +276,9 @@ class JobResults(_Result):
     reshards: list[dict[str, Any]] | Absent = ABSENT
     """Per ``--resume`` that changed ``[cluster] parameter_servers``: ``from_servers``, ``to_servers`` and, per phase,
     each table's servers ``before`` and ``after`` (:func:`jobs.launcher.plan.reshard_plan`)."""
+    servers_in_trainers: dict[str, Any] | Absent = ABSENT
+    """Where the parameter servers ran (:meth:`jobs.hosting.Hosting.to_json`): ``chosen`` (in the trainers'
+    processes), ``setting`` (``[cluster] servers_in_trainers``), ``reason``, ``cpus`` (the job's, for "auto")."""
     nodes_lost: list[dict[str, Any]] | Absent = ABSENT
     """Nodes that died during the job: ``node_id``, ``address``, ``ran``."""
     processes: dict[str, Any] | Absent = ABSENT

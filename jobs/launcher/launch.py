@@ -49,6 +49,7 @@ import torch
 
 from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
+from jobs.hosting import Hosting
 from jobs.launcher import runs
 from jobs.launcher.plan import make_plan, with_data
 from jobs.launcher.prometheus import retarget, write_prometheus_files
@@ -248,6 +249,9 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         results["reshards"] = reshards
     try:
         try:
+            hosting = _hosting(plan.config, log)
+            if plan.config.cluster.parameter_servers:
+                results["servers_in_trainers"] = hosting.to_json()
             check_gpus(plan.config)
             run_dir.mkdir(parents=True, exist_ok=True)
             plan = with_data(plan, log=log)
@@ -255,7 +259,8 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             _record_data(plan, results)
             watch.on_change = lambda snap: runs.write(run_dir, with_snapshot(results, snap))
             runs.write(run_dir, with_snapshot(results, seed_snapshot(previous)))
-            snap, final, train_seconds = _train(plan, on_cluster, quiet=quiet, log=log, watch=watch)
+            snap, final, train_seconds = _train(plan, on_cluster, quiet=quiet, log=log, watch=watch,
+                                                in_trainers=hosting.in_trainers)
         finally:
             if started_ray:
                 import ray
@@ -272,6 +277,16 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             _record_end(run_dir, results, watch, e)
         raise
     return _report(config, results, run_dir, quiet, log)
+
+
+def _hosting(config: JobConfig, log: Any) -> Hosting:
+    """Where the servers run (:func:`jobs.hosting.choose_hosting`, on the CPUs Ray offers), logged with the reason."""
+    from jobs.hosting import AUTO, choose_hosting, job_cpus
+
+    hosting = choose_hosting(config, job_cpus() if config.cluster.servers_in_trainers == AUTO else None)
+    if config.cluster.parameter_servers:
+        log(f"parameter servers: {hosting.reason}")
+    return hosting
 
 
 def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig, log: Any) -> list[dict[str, Any]]:
@@ -409,9 +424,10 @@ def _recorded_error(error: dict[str, Any]) -> Exception:
     return JobFailed(message)
 
 
-def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
-           watch: JobStateWatch) -> tuple[dict[str, Any], dict[str, Any], float]:
-    """Start the server actors, run the TorchTrainer, kill the actors (also on errors and Ctrl-C).
+def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: JobStateWatch,
+           in_trainers: bool = False) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """Start the server actors (none when ``in_trainers``: the trainers host the servers), run the TorchTrainer,
+    kill the actors (also on errors and Ctrl-C).
 
     ``watch.snap`` keeps the last JobState snapshot, also when this raises.
 
@@ -440,17 +456,19 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
         state = ray.remote(num_cpus=0, **here_options())(JobState).remote(watch.previous)
         if on_cluster:
             watch.nodes = NodeWatch()
-        if config.cluster.parameter_servers:
+        if config.cluster.parameter_servers and not in_trainers:
             from jobs.trainer.servers import start_servers
 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
-        spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1")
+        spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1",
+                           servers_in_trainers=in_trainers)
         trainer = _trainer(config, spec, run_dir)
         from jobs.launcher.report import counted
 
         log(f"training: {counted(config.cluster.trainers, 'trainer')}, "
             f"{counted(config.cluster.parameter_servers, 'parameter server')} "
-            f"(Ray actors, transport {config.cluster.transport}), {config.job.steps} steps per phase, "
+            f"({'in the trainers' if in_trainers else 'Ray actors'}, transport {config.cluster.transport}), "
+            f"{config.job.steps} steps per phase, "
             f"passes {list(config.phases.passes)}")
         box: dict[str, Any] = {}
         t0 = time.perf_counter()
