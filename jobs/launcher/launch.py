@@ -236,10 +236,18 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[fxdist] {msg}", flush=True))
     plan = make_plan(config, run_dir, resume=resume, local=not _expect_cluster(config), log=log)
     run_dir, previous = plan.run_dir, runs.read_results(plan.run_dir) if resume else None
-    reshards = _resume_record(run_dir, previous, plan.config, log)
+    started_ray, on_cluster = _join_ray(plan.config, log=log)
+    try:
+        hosting = _hosting(plan.config, log)  # on the CPUs Ray offers
+        reshards = _resume_record(run_dir, previous, plan.config, log, hosting.in_trainers)
+    except BaseException:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+        raise
     if previous is not None and runs.status_of(previous) == "completed":  # continued for more steps
         previous = dataclasses.replace(previous, phases={})
-    started_ray, on_cluster = _join_ray(plan.config, log=log)
     watch = JobStateWatch(previous=previous)
     results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
                                "config_source": config.source, "run_dir": str(run_dir),
@@ -247,11 +255,10 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                                "resumes": ((previous.resumes or 0) if previous else 0) + (1 if resume else 0)}
     if reshards:
         results["reshards"] = reshards
+    if plan.config.cluster.parameter_servers:
+        results["servers_in_trainers"] = hosting.to_json()
     try:
         try:
-            hosting = _hosting(plan.config, log)
-            if plan.config.cluster.parameter_servers:
-                results["servers_in_trainers"] = hosting.to_json()
             check_gpus(plan.config)
             run_dir.mkdir(parents=True, exist_ok=True)
             plan = with_data(plan, log=log)
@@ -289,9 +296,11 @@ def _hosting(config: JobConfig, log: Any) -> Hosting:
     return hosting
 
 
-def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig, log: Any) -> list[dict[str, Any]]:
-    """On ``--resume``: the run's reshards so far plus this one's (:func:`jobs.launcher.plan.reshard_plan`, printed),
-    and a completed run's results.json kept as ``results.<resumes>.json`` before it is continued."""
+def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig, log: Any,
+                   in_trainers: bool = False) -> list[dict[str, Any]]:
+    """On ``--resume``: the run's reshards so far plus this one's (:func:`jobs.launcher.plan.reshard_plan`, printed;
+    ``in_trainers``: onto servers in the trainers), and a completed run's results.json kept as
+    ``results.<resumes>.json`` before it is continued."""
     from jobs.launcher.plan import format_reshard, reshard_plan
 
     if previous is None:
@@ -302,7 +311,7 @@ def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig
         kept.write_text((run_dir / runs.RESULTS).read_text())
         log(f"continuing the completed run ({data['config']['job']['steps']} steps) to {config.job.steps} steps; "
             f"its results are kept in {kept}")
-    record = reshard_plan(data, config)
+    record = reshard_plan(data, config, in_trainers=in_trainers)
     if record is None:
         return list(previous.reshards or [])
     log(format_reshard(record))
