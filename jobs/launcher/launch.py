@@ -454,11 +454,11 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: Job
     try:
         metrics_port = None
         if config.metrics.enabled:
-            prom = write_prometheus_files(config, run_dir)
+            prom = write_prometheus_files(config, run_dir, in_trainers=in_trainers)
             metrics_port = config.metrics.port
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
             watch.on_placement = lambda snap: retarget(config, run_dir, snap.get("placement", {}), log,
-                                                       watch.warned)
+                                                       watch.warned, in_trainers=in_trainers)
         from jobs.cluster import NodeWatch, here_options
 
         # on the launcher's node, as Ray Train's controller: the job's record must outlive any other node
