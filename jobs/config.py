@@ -220,8 +220,9 @@ class ClusterSection:
     """Threads each parameter server runs requests on (a request waiting for its turn holds none)."""
     servers_in_trainers: bool | str = "auto"
     """true: trainer i's process also serves parameter server i (parameter_servers <= trainers; no server actors);
-    false: a Ray actor per server; "auto": in the trainers when the job's CPUs are fewer than separate servers need
-    to have a core each. See jobs.hosting; results.json's "servers_in_trainers" says what was chosen and why."""
+    false: a Ray actor per server; "auto": in the trainers when parameter_servers = trainers and the job's CPUs are
+    fewer than separate servers need to have a core each. See jobs.hosting; results.json's "servers_in_trainers"
+    says what was chosen and why."""
     rpc_timeout_s: float = _key(30.0, 0, 3600, above=True)
     """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
     server_fetch_delay_ms: float = _key(1.0, 0, 10_000)

@@ -8,16 +8,20 @@
   :class:`jobs.trainer.in_trainers.InTrainerServers`): ``T`` processes, no server actor. ``[cluster]
   parameter_servers`` keeps its meaning, the number of table shards, and must be ``<= trainers`` (trainers
   ``N .. T-1`` serve nothing); a trainer's requests to its own shard skip RPC;
-- ``"auto"``: in the trainers when the CPUs the job can use (Ray's ``CPU`` resources) are fewer than separate
-  servers need to have a core each: ``ceil(trainers * cpus_per_trainer) + parameter_servers + 1`` (the ``+ 1``:
-  the launcher, Ray's own processes and the RPC threads). Else separate processes; also when the config needs
-  server processes (:func:`needs_separate`).
+- ``"auto"``: in the trainers when every trainer would host one server (``parameter_servers == trainers``) and
+  the CPUs the job can use (Ray's ``CPU`` resources) are fewer than separate servers need to have a core each:
+  ``ceil(trainers * cpus_per_trainer) + parameter_servers + 1`` (the ``+ 1``: the launcher, Ray's own processes
+  and the RPC threads). Else separate processes; also when the config needs server processes
+  (:func:`needs_separate`).
 
 The rule comes from ``benchmarks/peer.py`` (2 trainers, 2 servers, ratio of QPS to torchrec's DMP): on 2 cores
 the servers in the trainers gave 0.99 / 1.02 (tables 1e4 x 64 / 1e6 x 16) against 0.92 / 0.98 for separate server
 processes; on 12 cores 0.93 against 1.11, slower there: with cores to spare a separate server answers the other
 trainer's requests on its own core, while in a trainer its RPC threads compete with that trainer's compute. The
-threshold between 2 and 12 cores is not measured; it only asks that each process has a core of its own.
+threshold between 2 and 12 cores is not measured; it only asks that each process has a core of its own. The
+balance condition comes from the default job on 2 cores (measured under load, alternating runs): with 2 servers
+in 2 trainers both phases were faster than with 2 server processes in both pairs of runs, with 1 server in trainer
+0 (which then serves every lookup of trainer 1 besides training) slower in both pairs.
 
 Source: torchrec ``DistributedModelParallel`` table-wise sharding (torchrec/distributed/sharding/tw_sharding.py: a
 table lives in the trainer that owns it); Ray's ``ray.cluster_resources()``.
@@ -95,8 +99,8 @@ def choose_hosting(config: Any, cpus: float | None) -> Hosting:
     resources; consulted only for ``"auto"``, None = unknown: separate processes).
 
     >>> from jobs.config import JobConfig
-    >>> choose_hosting(JobConfig(), 2.0).reason
-    '[cluster] servers_in_trainers = "auto": 2 CPUs < 4 (2 trainers x 1 CPU + 1 server + 1): the servers run in the trainers, 2 processes instead of 3'
+    >>> choose_hosting(JobConfig().replace(cluster={"parameter_servers": 2}), 2.0).reason
+    '[cluster] servers_in_trainers = "auto": 2 CPUs < 5 (2 trainers x 1 CPU + 2 servers + 1): the servers run in the trainers, 2 processes instead of 4'
     """
     c = config.cluster
     setting = c.servers_in_trainers
@@ -106,6 +110,9 @@ def choose_hosting(config: Any, cpus: float | None) -> Hosting:
         where = "in the trainers" if setting else "in processes of their own"
         return Hosting(setting, setting, f"{KEY} = {str(setting).lower()}: the servers run {where}")
     why = needs_separate(config)
+    if why is None and c.parameter_servers != c.trainers:
+        why = (f"[cluster] parameter_servers = {c.parameter_servers} < trainers = {c.trainers} (the trainers hosting a "
+               "server would also serve the others' lookups: measured slower)")
     if why is not None:
         return Hosting(False, setting, f'{KEY} = "auto": {why}: separate server processes')
     if cpus is None:

@@ -15,21 +15,20 @@ def _config(**cluster) -> JobConfig:
     return JobConfig().replace(cluster=cluster)
 
 
-@pytest.mark.parametrize("trainers, servers, cpus_per_trainer, cpus, in_trainers", [
-    (2, 1, 1.0, 2, True),     # the default job on 2 cores: 2 < 2 + 1 + 1
-    (2, 2, 1.0, 2, True),     # benchmarks/peer.py's 2-core EPYC: in the trainers was faster
-    (2, 2, 1.0, 12, False),   # its 12-core Xeon: separate servers were faster
-    (2, 1, 1.0, 4, False),    # a core for each of 2 trainers, 1 server and the rest
-    (2, 2, 1.0, 4, True),
-    (2, 2, 1.0, 5, False),
-    (2, 1, 0.5, 2, True),     # ceil(2 x 0.5) + 1 + 1 = 3
-    (2, 1, 0.5, 3, False),
-    (4, 2, 2.0, 10, True),    # 8 + 2 + 1 = 11
-    (4, 2, 2.0, 11, False),
+@pytest.mark.parametrize("trainers, cpus_per_trainer, cpus, in_trainers", [
+    (2, 1.0, 2, True),     # benchmarks/peer.py's 2-core EPYC (2 trainers, 2 servers): in the trainers was faster
+    (2, 1.0, 12, False),   # its 12-core Xeon: separate servers were faster
+    (2, 1.0, 4, True),     # 2 + 2 + 1 = 5: a core for each process and the rest
+    (2, 1.0, 5, False),
+    (2, 0.5, 3, True),     # ceil(2 x 0.5) + 2 + 1 = 4
+    (2, 0.5, 4, False),
+    (4, 2.0, 12, True),    # 8 + 4 + 1 = 13
+    (4, 2.0, 13, False),
+    (1, 1.0, 2, True),     # 1 + 1 + 1 = 3
 ])
-def test_auto_puts_the_servers_in_the_trainers_when_they_would_lack_cores(trainers, servers, cpus_per_trainer,
-                                                                          cpus, in_trainers):
-    config = _config(trainers=trainers, parameter_servers=servers, cpus_per_trainer=cpus_per_trainer)
+def test_auto_puts_the_servers_in_the_trainers_when_they_would_lack_cores(trainers, cpus_per_trainer, cpus,
+                                                                          in_trainers):
+    config = _config(trainers=trainers, parameter_servers=trainers, cpus_per_trainer=cpus_per_trainer)
     assert config.cluster.servers_in_trainers == "auto"  # the default
     hosting = choose_hosting(config, float(cpus))
     assert hosting.in_trainers is in_trainers and hosting.cpus == cpus
@@ -39,14 +38,17 @@ def test_auto_puts_the_servers_in_the_trainers_when_they_would_lack_cores(traine
     assert hosting.to_json() == {"chosen": in_trainers, "setting": "auto", "reason": hosting.reason, "cpus": cpus}
 
 
-def test_auto_keeps_separate_servers_where_the_config_needs_them():
-    cases = [(_config(transport="ray"), 'transport = "ray"'),
-             (JobConfig().replace(faults={"kill_server_at_step": 5}), "kill_server_at_step"),
-             (_config(trainers=2, parameter_servers=3), "parameter_servers = 3 > trainers = 2")]
+def test_auto_keeps_separate_servers_where_the_config_needs_them_or_a_trainer_would_serve_the_others():
+    two = {"trainers": 2, "parameter_servers": 2}
+    cases = [(_config(**two, transport="ray"), 'transport = "ray"'),
+             (JobConfig().replace(cluster=two, faults={"kill_server_at_step": 5}), "kill_server_at_step"),
+             (_config(trainers=2, parameter_servers=3), "parameter_servers = 3 > trainers = 2"),
+             (JobConfig(), "parameter_servers = 1 < trainers = 2 (the trainers hosting a server would also serve"),
+             (_config(trainers=4, parameter_servers=2), "parameter_servers = 2 < trainers = 4")]
     for config, why in cases:
         hosting = choose_hosting(config, 1.0)
         assert not hosting.in_trainers and why in hosting.reason, hosting.reason
-    assert not choose_hosting(JobConfig(), None).in_trainers  # CPUs unknown
+    assert not choose_hosting(_config(**two), None).in_trainers  # CPUs unknown
     none = choose_hosting(_config(parameter_servers=0), 1.0)
     assert not none.in_trainers and "parameter_servers = 0" in none.reason
 
