@@ -269,7 +269,7 @@ class JobResults(_Result):
     """Per worker group, the servers that joined its RPC group: ``pid``, ``group``."""
     placement: dict[str, Any] | Absent = ABSENT
     """``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``, ``hostname``, ``pid``, ``metrics``
-    (:func:`jobs.cluster.where`)."""
+    (:func:`jobs.cluster.where`); a server inside a trainer's process also ``in`` (``trainer<i>``)."""
     table_layout: dict[str, Any] | Absent = ABSENT
     """Phase -> ``"<path>"`` -> where its parameter-server table is: ``servers``, ``table``, ``module``, ``rows``,
     ``dim``, ``dynamic`` (:func:`scheduling.placement.restore.table_layout`)."""
