@@ -268,7 +268,8 @@ def placement_lines(results: JobResults | dict[str, Any]) -> list[str]:
         return []
     mode = ((results.get("config") or {}).get("cluster") or {}).get("placement", "pack")
     nodes = {p.get("node_id") for p in placed.values()}
-    where_ = ", ".join(f"{name} {p.get('address')} (node {str(p.get('node_id'))[:8]})"
+    where_ = ", ".join(f"{name} {p.get('address')} (node {str(p.get('node_id'))[:8]}"
+                       f"{', in ' + p['in'] if p.get('in') else ''})"
                        for name, p in sorted(placed.items(), key=lambda kv: (kv[0].startswith("ps"), kv[0])))
     lines = [f"placement ({mode}, {len(nodes)} node{'s' if len(nodes) != 1 else ''}): {where_}"]
     for lost in results.get("nodes_lost") or []:

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.config_rules import dynamic_errors, train_errors
+from jobs.hosting import in_trainer_errors
 from jobs.staleness import staleness_errors
 
 __all__ = ["ConfigError", "JobSection", "DataSection", "ModelSection", "ClusterSection", "PhasesSection",
@@ -217,6 +218,11 @@ class ClusterSection:
     or "ray" (the server actors' methods called directly; no rendezvous). See scheduling.ps.transport."""
     server_threads: int = _key(16, 1, 1024)
     """Threads each parameter server runs requests on (a request waiting for its turn holds none)."""
+    servers_in_trainers: bool | str = "auto"
+    """true: trainer i's process also serves parameter server i (parameter_servers <= trainers; no server actors);
+    false: a Ray actor per server; "auto": in the trainers when parameter_servers = trainers and the job's CPUs are
+    fewer than separate servers need to have a core each. See jobs.hosting; results.json's "servers_in_trainers"
+    says what was chosen and why."""
     rpc_timeout_s: float = _key(30.0, 0, 3600, above=True)
     """Timeout of every parameter-server RPC and of joining the RPC group, seconds."""
     server_fetch_delay_ms: float = _key(1.0, 0, 10_000)
@@ -391,6 +397,7 @@ class JobConfig:
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
         errors += train_errors(self.train, self.model.plan, self.user_model)
         errors += dynamic_errors(self.model, c, self.user_model)
+        errors += in_trainer_errors(self)
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         errors += self._entry_point_errors()

@@ -269,13 +269,16 @@ class JobResults(_Result):
     """Per worker group, the servers that joined its RPC group: ``pid``, ``group``."""
     placement: dict[str, Any] | Absent = ABSENT
     """``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``, ``hostname``, ``pid``, ``metrics``
-    (:func:`jobs.cluster.where`)."""
+    (:func:`jobs.cluster.where`); a server inside a trainer's process also ``in`` (``trainer<i>``)."""
     table_layout: dict[str, Any] | Absent = ABSENT
     """Phase -> ``"<path>"`` -> where its parameter-server table is: ``servers``, ``table``, ``module``, ``rows``,
     ``dim``, ``dynamic`` (:func:`scheduling.placement.restore.table_layout`)."""
     reshards: list[dict[str, Any]] | Absent = ABSENT
     """Per ``--resume`` that changed ``[cluster] parameter_servers``: ``from_servers``, ``to_servers`` and, per phase,
     each table's servers ``before`` and ``after`` (:func:`jobs.launcher.plan.reshard_plan`)."""
+    servers_in_trainers: dict[str, Any] | Absent = ABSENT
+    """Where the parameter servers ran (:meth:`jobs.hosting.Hosting.to_json`): ``chosen`` (in the trainers'
+    processes), ``setting`` (``[cluster] servers_in_trainers``), ``reason``, ``cpus`` (the job's, for "auto")."""
     nodes_lost: list[dict[str, Any]] | Absent = ABSENT
     """Nodes that died during the job: ``node_id``, ``address``, ``ran``."""
     processes: dict[str, Any] | Absent = ABSENT

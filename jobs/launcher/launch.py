@@ -49,6 +49,7 @@ import torch
 
 from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
+from jobs.hosting import Hosting
 from jobs.launcher import runs
 from jobs.launcher.plan import make_plan, with_data
 from jobs.launcher.prometheus import retarget, write_prometheus_files
@@ -235,10 +236,18 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[fxdist] {msg}", flush=True))
     plan = make_plan(config, run_dir, resume=resume, local=not _expect_cluster(config), log=log)
     run_dir, previous = plan.run_dir, runs.read_results(plan.run_dir) if resume else None
-    reshards = _resume_record(run_dir, previous, plan.config, log)
+    started_ray, on_cluster = _join_ray(plan.config, log=log)
+    try:
+        hosting = _hosting(plan.config, log)  # on the CPUs Ray offers
+        reshards = _resume_record(run_dir, previous, plan.config, log, hosting.in_trainers)
+    except BaseException:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+        raise
     if previous is not None and runs.status_of(previous) == "completed":  # continued for more steps
         previous = dataclasses.replace(previous, phases={})
-    started_ray, on_cluster = _join_ray(plan.config, log=log)
     watch = JobStateWatch(previous=previous)
     results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
                                "config_source": config.source, "run_dir": str(run_dir),
@@ -246,6 +255,8 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
                                "resumes": ((previous.resumes or 0) if previous else 0) + (1 if resume else 0)}
     if reshards:
         results["reshards"] = reshards
+    if plan.config.cluster.parameter_servers:
+        results["servers_in_trainers"] = hosting.to_json()
     try:
         try:
             check_gpus(plan.config)
@@ -255,7 +266,8 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
             _record_data(plan, results)
             watch.on_change = lambda snap: runs.write(run_dir, with_snapshot(results, snap))
             runs.write(run_dir, with_snapshot(results, seed_snapshot(previous)))
-            snap, final, train_seconds = _train(plan, on_cluster, quiet=quiet, log=log, watch=watch)
+            snap, final, train_seconds = _train(plan, on_cluster, quiet=quiet, log=log, watch=watch,
+                                                in_trainers=hosting.in_trainers)
         finally:
             if started_ray:
                 import ray
@@ -274,9 +286,21 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     return _report(config, results, run_dir, quiet, log)
 
 
-def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig, log: Any) -> list[dict[str, Any]]:
-    """On ``--resume``: the run's reshards so far plus this one's (:func:`jobs.launcher.plan.reshard_plan`, printed),
-    and a completed run's results.json kept as ``results.<resumes>.json`` before it is continued."""
+def _hosting(config: JobConfig, log: Any) -> Hosting:
+    """Where the servers run (:func:`jobs.hosting.choose_hosting`, on the CPUs Ray offers), logged with the reason."""
+    from jobs.hosting import AUTO, choose_hosting, job_cpus
+
+    hosting = choose_hosting(config, job_cpus() if config.cluster.servers_in_trainers == AUTO else None)
+    if config.cluster.parameter_servers:
+        log(f"parameter servers: {hosting.reason}")
+    return hosting
+
+
+def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig, log: Any,
+                   in_trainers: bool = False) -> list[dict[str, Any]]:
+    """On ``--resume``: the run's reshards so far plus this one's (:func:`jobs.launcher.plan.reshard_plan`, printed;
+    ``in_trainers``: onto servers in the trainers), and a completed run's results.json kept as
+    ``results.<resumes>.json`` before it is continued."""
     from jobs.launcher.plan import format_reshard, reshard_plan
 
     if previous is None:
@@ -287,7 +311,7 @@ def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig
         kept.write_text((run_dir / runs.RESULTS).read_text())
         log(f"continuing the completed run ({data['config']['job']['steps']} steps) to {config.job.steps} steps; "
             f"its results are kept in {kept}")
-    record = reshard_plan(data, config)
+    record = reshard_plan(data, config, in_trainers=in_trainers)
     if record is None:
         return list(previous.reshards or [])
     log(format_reshard(record))
@@ -409,9 +433,10 @@ def _recorded_error(error: dict[str, Any]) -> Exception:
     return JobFailed(message)
 
 
-def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
-           watch: JobStateWatch) -> tuple[dict[str, Any], dict[str, Any], float]:
-    """Start the server actors, run the TorchTrainer, kill the actors (also on errors and Ctrl-C).
+def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: JobStateWatch,
+           in_trainers: bool = False) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """Start the server actors (none when ``in_trainers``: the trainers host the servers), run the TorchTrainer,
+    kill the actors (also on errors and Ctrl-C).
 
     ``watch.snap`` keeps the last JobState snapshot, also when this raises.
 
@@ -429,28 +454,30 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any,
     try:
         metrics_port = None
         if config.metrics.enabled:
-            prom = write_prometheus_files(config, run_dir)
+            prom = write_prometheus_files(config, run_dir, in_trainers=in_trainers)
             metrics_port = config.metrics.port
             log(f"metrics on {config.metrics.host}:{metrics_port}..; Prometheus config: {prom}")
             watch.on_placement = lambda snap: retarget(config, run_dir, snap.get("placement", {}), log,
-                                                       watch.warned)
+                                                       watch.warned, in_trainers=in_trainers)
         from jobs.cluster import NodeWatch, here_options
 
         # on the launcher's node, as Ray Train's controller: the job's record must outlive any other node
         state = ray.remote(num_cpus=0, **here_options())(JobState).remote(watch.previous)
         if on_cluster:
             watch.nodes = NodeWatch()
-        if config.cluster.parameter_servers:
+        if config.cluster.parameter_servers and not in_trainers:
             from jobs.trainer.servers import start_servers
 
             servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
-        spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1")
+        spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1",
+                           servers_in_trainers=in_trainers)
         trainer = _trainer(config, spec, run_dir)
         from jobs.launcher.report import counted
 
         log(f"training: {counted(config.cluster.trainers, 'trainer')}, "
             f"{counted(config.cluster.parameter_servers, 'parameter server')} "
-            f"(Ray actors, transport {config.cluster.transport}), {config.job.steps} steps per phase, "
+            f"({'in the trainers' if in_trainers else 'Ray actors'}, transport {config.cluster.transport}), "
+            f"{config.job.steps} steps per phase, "
             f"passes {list(config.phases.passes)}")
         box: dict[str, Any] = {}
         t0 = time.perf_counter()

@@ -83,7 +83,8 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
     return replace(plan, config=config, data_path=data_path, data_note=note, data_plan=data_plan, tables=record)
 
 
-def reshard_plan(previous: dict[str, Any] | None, config: JobConfig) -> dict[str, Any] | None:
+def reshard_plan(previous: dict[str, Any] | None, config: JobConfig, *,
+                 in_trainers: bool = False) -> dict[str, Any] | None:
     """The tables' move of a ``--resume`` onto another ``[cluster] parameter_servers`` count, or None when the count
     is unchanged (or the run had none).
 
@@ -91,6 +92,7 @@ def reshard_plan(previous: dict[str, Any] | None, config: JobConfig) -> dict[str
         previous: the resumed run's results.json (its ``config`` and ``table_layout``: phase -> ``"<path>"`` ->
             ``servers``, ``table``, ``module``, ``rows``, ``dim``, ``dynamic``).
         config: the resumed run's config, with the new ``[cluster] parameter_servers``.
+        in_trainers: the new servers live in the trainers (:mod:`jobs.hosting`): named ``trainer<i>``, not ``ps<i>``.
 
     Returns:
         ``{"from_servers", "to_servers", "tables": {phase: {"<path>": {"before": [names], "after": [names]}}}}``;
@@ -102,7 +104,7 @@ def reshard_plan(previous: dict[str, Any] | None, config: JobConfig) -> dict[str
     new = config.cluster.parameter_servers
     if old == new or not old or not new:
         return None
-    names = [f"ps{i}" for i in range(new)]
+    names = [f"{'trainer' if in_trainers else 'ps'}{i}" for i in range(new)]
     tables = {}
     for phase, layout in ((previous or {}).get("table_layout") or {}).items():
         after = replan(layout, names)

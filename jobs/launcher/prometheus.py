@@ -24,7 +24,8 @@ DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 """The repository's Prometheus and Grafana files."""
 
 
-def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any] | None = None) -> Path:
+def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any] | None = None, *,
+                           in_trainers: bool = False) -> Path:
     """Write ``prometheus/targets.json`` (file-based service discovery) and ``prometheus/prometheus.yml``.
 
     Targets, one group each, with labels ``fxdist_job``, ``role`` (trainer | parameter_server) and, once
@@ -33,12 +34,13 @@ def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any]
     r at ``host:port + r`` and parameter server i at ``host:port + trainers + i`` (left out with
     ``[metrics] host = "node"``, whose address is known only once the exporter runs). An exporter bound to
     loopback on another node than the launcher's cannot be scraped from here: it is left out (see
-    :func:`file_sd_groups`). The file is replaced atomically (Prometheus re-reads it). Returns the
-    prometheus.yml path.
+    :func:`file_sd_groups`). Servers inside the trainers (``in_trainers``, :mod:`jobs.hosting`) have no exporter of
+    their own: their trainer's exports their metrics. The file is replaced atomically (Prometheus re-reads it).
+    Returns the prometheus.yml path.
     """
     out = run_dir / "prometheus"
     out.mkdir(parents=True, exist_ok=True)
-    groups = file_sd_groups(config, placement or {})
+    groups = file_sd_groups(config, placement or {}, in_trainers=in_trainers)
     tmp = out / "targets.json.tmp"
     tmp.write_text(json.dumps(groups, indent=2) + "\n")
     tmp.replace(out / "targets.json")
@@ -48,13 +50,14 @@ def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any]
     return out / "prometheus.yml"
 
 
-def file_sd_groups(config: Any, placement: dict[str, Any]) -> list[dict[str, Any]]:
+def file_sd_groups(config: Any, placement: dict[str, Any], *, in_trainers: bool = False) -> list[dict[str, Any]]:
     """Prometheus file-SD target groups of a job, one per exporter (see :func:`write_prometheus_files`).
 
     A process in ``placement`` (``JobState.placed``: :func:`where`) is listed at the (address, port) its
     exporter reported, with label ``node``; one not reported yet at the configured ``host:port + offset``
     (trainer rank r: r; server i: trainers + i), or not at all with ``[metrics] host = "node"``. Exporters
-    on loopback of another node than the launcher's (:func:`jobs.cluster.loopback_elsewhere`) are left out.
+    on loopback of another node than the launcher's (:func:`jobs.cluster.loopback_elsewhere`) are left out, and so
+    are servers inside the trainers (``in_trainers``, or a placement saying ``"in"``: their trainer exports them).
     """
     m, c = config.metrics, config.cluster
     host = "127.0.0.1" if m.host in ("", "0.0.0.0") else m.host
@@ -65,6 +68,8 @@ def file_sd_groups(config: Any, placement: dict[str, Any]) -> list[dict[str, Any
     for name, role, port in names:
         labels = {"fxdist_job": config.job.name, "role": role}
         info = placement.get(name) or {}
+        if role == "parameter_server" and (in_trainers or info.get("in")):
+            continue
         if info.get("metrics"):
             addr, port = info["metrics"]
             labels["node"] = info.get("address", "")
@@ -77,9 +82,10 @@ def file_sd_groups(config: Any, placement: dict[str, Any]) -> list[dict[str, Any
     return groups
 
 
-def retarget(config: Any, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str]) -> None:
+def retarget(config: Any, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str], *,
+             in_trainers: bool = False) -> None:
     """Rewrite targets.json with the exporters' real addresses; warn about unreachable ones once each."""
-    write_prometheus_files(config, run_dir, placement)
+    write_prometheus_files(config, run_dir, placement, in_trainers=in_trainers)
     for name in loopback_elsewhere(placement, launcher_address(placement)):
         if name not in warned:
             warned.add(name)

@@ -116,7 +116,9 @@ def table(results: JobResults) -> str:
     heads = "".join(f" {_LABELS[k]:>8}" for k in cols)
     lines = [
         f"fxdist job {results.get('job')}: {counted(c.get('trainers'), 'trainer')}, "
-        f"{counted(c.get('parameter_servers'), 'parameter server')}, {j.get('steps')} steps per phase, "
+        f"{counted(c.get('parameter_servers'), 'parameter server')}"
+        f"{' (in the trainers)' if (results.get('servers_in_trainers') or {}).get('chosen') else ''}, "
+        f"{j.get('steps')} steps per phase, "
         f"batch {j.get('batch_size')} per trainer"
         + (f", emulated server latency {c.get('server_fetch_delay_ms')} ms per lookup"
            if c.get("parameter_servers") and c.get("server_fetch_delay_ms") else ""),

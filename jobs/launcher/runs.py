@@ -47,7 +47,7 @@ RESUMABLE_KEYS = frozenset({
     "metrics.enabled", "metrics.host", "metrics.port",
     "quant.enabled", "quant.calibration_batches", "quant.eval_batch_size", "data.reader_workers",
     "faults.kill_trainer_at_step", "faults.kill_server_at_step",
-    "cluster.parameter_servers", "job.steps",
+    "cluster.parameter_servers", "job.steps", "cluster.servers_in_trainers",
 })
 """Keys that ``--resume`` may change with ``--set``; every other key shapes the checkpoints or the
 comparison between phases, so it keeps the run's value. ``cluster.parameter_servers`` may go from one positive

@@ -132,15 +132,17 @@ class Exporter:
             lookup.observe(lookup_seconds)
         last_loss.set(loss)
 
-    def watch_server(self, server: Any) -> None:
+    def watch_server(self, server: Any, rank: str | None = None) -> None:
         """Export the metrics of parameter server ``server`` (a ``scheduling.ps.PSServer``) from now on, read from
-        it at each scrape (:class:`jobs.trainer.server_metrics.ServerCollector`); a later call (a new server of
+        it at each scrape (:class:`jobs.trainer.server_metrics.ServerCollector`), under the ``rank`` label ``rank``
+        (default this exporter's; a trainer hosting server ``i`` gives ``"ps<i>"``); a later call (a new server of
         the same process) replaces it."""
         from jobs.trainer.server_metrics import ServerCollector
 
         if self._server_collector is None:
-            self._server_collector = ServerCollector(self.job, self.rank)
+            self._server_collector = ServerCollector(self.job, rank or self.rank)
             self.registry.register(self._server_collector)
+        self._server_collector.rank = rank or self.rank
         self._server_collector.watch(server)
 
     def watch_staleness(self, source: Callable[[], Mapping[str, collections.Counter[int]]]) -> None:

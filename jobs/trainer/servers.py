@@ -22,6 +22,10 @@ directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has t
 to an empty server instead of joining; the trainers then load the checkpoint's tables as above. A restarted
 server actor needs no re-admission: the same handles reach it.
 
+With ``[cluster] servers_in_trainers`` (:mod:`jobs.hosting`) there are no server actors: trainer ``i``'s process
+serves server ``i`` and the RPC group holds the trainers only (:mod:`jobs.trainer.in_trainers`); a restarted worker
+group starts empty servers in its new processes and loads the last checkpoint's tables, as above.
+
 Trainer side: :class:`ServerTables` is the tables backend of a job with servers (:mod:`jobs.trainer.workload`): each
 phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling.parameter_servers`` pass
 (:meth:`_PhaseTables.placement_pass`), which moves its embedding tables to this group's servers (stored as
@@ -217,20 +221,32 @@ class ServerGroup:
         RuntimeError: the launcher passed another number of server actors than ``[cluster] parameter_servers``.
     """
 
-    def __init__(self, config: Any, rank: int, world: int, spec: Any) -> None:
+    def __init__(self, config: Any, rank: int, world: int, spec: Any, exporter: Any = None) -> None:
         c = config.cluster
         self.rank, self.world, self.config = rank, world, config
         self.transport = c.transport
         self.num_servers = c.parameter_servers
-        self.servers = [f"ps{i}" for i in range(self.num_servers)]
-        from scheduling.ps import server_group
-
-        self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
-        """The transport's lifecycle object: how this group's servers are readied, joined and left."""
+        self.in_trainers = bool(getattr(spec, "servers_in_trainers", False))
+        """The servers live in the trainers' processes (:mod:`jobs.trainer.in_trainers`), not in actors."""
         self.actors: list[Any] = list(spec.servers)
+        if self.in_trainers:
+            from jobs.trainer.in_trainers import InTrainerServers, in_trainer_names
+
+            if self.actors or self.num_servers > world:
+                raise RuntimeError(f"trainer {rank}: servers in the trainers with {len(self.actors)} server actors "
+                                   f"and [cluster] parameter_servers = {self.num_servers} for {world} trainers")
+            self.servers = in_trainer_names(self.num_servers)
+            self.lifecycle: Any = InTrainerServers(self.servers, c.rpc_timeout_s, exporter=exporter,
+                                                   fetch_delay_s=c.server_fetch_delay_ms / 1e3)
+        else:
+            from scheduling.ps import server_group
+
+            self.servers = [f"ps{i}" for i in range(self.num_servers)]
+            self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
+        """The transport's lifecycle object: how this group's servers are readied, joined and left."""
         self.state: Any = spec.state
         """The launcher's JobState actor (None in tests without one): rank 0 reports each phase's table layout."""
-        if len(self.actors) != self.num_servers:
+        if len(self.actors) != self.num_servers and not self.in_trainers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
                                f"[cluster] parameter_servers = {self.num_servers}")
         # where each server runs now: a restarted one may have moved (its node died) and may still be
@@ -241,6 +257,10 @@ class ServerGroup:
             spec.state.servers_joined.remote(self.joined)
             for i, info in enumerate(places):
                 spec.state.placed.remote(f"ps{i}", info)
+        if self.in_trainers and rank < self.num_servers and spec.state is not None:  # server `rank` runs here
+            from jobs.cluster import where
+
+            spec.state.placed.remote(f"ps{rank}", {**where(), "in": f"trainer{rank}"})
 
     def _start_group(self, spec: Any) -> list[dict[str, Any]]:
         """Rank 0 readies the server actors for this worker group (``torch_rpc``: picks the rendezvous of a new
@@ -297,7 +317,7 @@ class ServerTables:
 
     def __init__(self, config: Any, rank: int, world: int, spec: Any, exporter: Any,
                  phases: Sequence[str] = ("baseline", "optimized")) -> None:
-        self.servers = ServerGroup(config, rank, world, spec)
+        self.servers = ServerGroup(config, rank, world, spec, exporter)
         """This worker group's servers and RPC group."""
         self.views = {phase: _PhaseTables(self.servers, phase) for phase in phases}
         if exporter is not None:  # fxdist_ps_staleness_steps, read at each scrape

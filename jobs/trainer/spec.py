@@ -62,7 +62,8 @@ class TrainerSpec:
     ``servers``: the parameter-server actor handles (``[cluster] parameter_servers`` of them,
     :func:`jobs.trainer.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port
     (trainer rank ``r`` exports on ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC
-    group's rendezvous binds to, None to use the node's Ray address (on a cluster).
+    group's rendezvous binds to, None to use the node's Ray address (on a cluster); ``servers_in_trainers``: the
+    launcher chose servers inside the trainers' processes (:func:`jobs.hosting.choose_hosting`; ``servers`` is empty).
     """
 
     plan: JobPlan
@@ -70,6 +71,7 @@ class TrainerSpec:
     servers: tuple[Any, ...] = field(default=())
     metrics_port: int | None = None
     rpc_host: str | None = None
+    servers_in_trainers: bool = False
 
     @property
     def config(self) -> JobConfig:

@@ -60,6 +60,7 @@ JOB = [
     "cluster.trainers=2", "cluster.parameter_servers=2", "cluster.cpus_per_trainer=1.0", "cluster.rpc_timeout_s=60",
     'cluster.placement="spread"', 'metrics.host="node"', f"metrics.port={METRICS_PORT}",
     'phases.parity="warn"', "quant.enabled=false",
+    "cluster.servers_in_trainers=false",  # server actors of their own, placed by "spread"
 ]
 PAUSE_AT, CHECKPOINT = 15, 10  # the node dies after the optimized phase's checkpoint of step 10
 NODE_FAILURE = ["job.max_failures=2", f"faults.pause_at_step={PAUSE_AT}", "faults.pause_seconds=45"]

@@ -258,8 +258,8 @@ def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeyp
         job={"steps": 4, "batch_size": 32, "checkpoint_every": 0, "max_failures": 0, "progress": False,
              "name": "fxdist-fail"},
         model={"table_size": 200, "bottom_mlp": [8], "top_mlp": [8]}, phases={"baseline": False},
-        cluster={"cpus_per_trainer": 0.5, "rpc_timeout_s": 20.0}, metrics={"enabled": False},
-        quant={"enabled": False}, faults={"kill_trainer_at_step": 2})
+        cluster={"cpus_per_trainer": 0.5, "rpc_timeout_s": 20.0, "servers_in_trainers": False},
+        metrics={"enabled": False}, quant={"enabled": False}, faults={"kill_trainer_at_step": 2})
     with pytest.raises(Exception, match="(?i)fail|died|error"):
         launch(config, run_dir=tmp_path / "run", quiet=True)
     assert len(started) == 1

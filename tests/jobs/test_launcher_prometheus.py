@@ -35,3 +35,15 @@ def test_targets_follow_the_reported_addresses(tmp_path, monkeypatch):
     groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
     assert groups == [{"targets": ["10.0.0.2:19002"], "labels": {"fxdist_job": "t", "role": "parameter_server",
                                                                  "node": "10.0.0.2"}}]
+
+
+def test_servers_in_the_trainers_get_no_target_of_their_own(tmp_path):
+    """Their trainer's exporter exports them (``rank="ps<i>"``): a ps target would only be down (issue 32)."""
+    config = load_config().replace(metrics={"port": 19000}, job={"name": "t"})
+    write_prometheus_files(config, tmp_path, in_trainers=True)
+    groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())
+    assert [(g["targets"], g["labels"]["role"]) for g in groups] == [(["127.0.0.1:19000"], "trainer"),
+                                                                    (["127.0.0.1:19001"], "trainer")]
+    placement = {"ps0": {**_where("10.0.0.1", None), "in": "trainer0"}}  # as a trainer hosting ps0 reports it
+    write_prometheus_files(config, tmp_path, placement)
+    assert len(json.loads((tmp_path / "prometheus" / "targets.json").read_text())) == 2

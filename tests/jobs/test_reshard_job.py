@@ -15,7 +15,8 @@ from jobs.launcher.plan import format_reshard, reshard_plan
 SMALL = ["job.steps=8", "job.batch_size=32", "job.checkpoint_every=4", "job.progress=false", "job.eval_epochs=0",
          "model.table_size=500", "model.bottom_mlp=[16]", "model.top_mlp=[16]", "cluster.cpus_per_trainer=0.5",
          "cluster.rpc_timeout_s=20.0", "cluster.parameter_servers=1", "quant.enabled=false",
-         "metrics.enabled=false", 'phases.parity="warn"', "data.synthetic_rows=4000"]
+         "metrics.enabled=false", 'phases.parity="warn"', "data.synthetic_rows=4000",
+         "cluster.servers_in_trainers=false"]  # server actors (tests/jobs/test_trainer_in_trainers.py: in the trainers)
 
 
 def _sets(items: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ def test_synthetic_200k_lines_with_8bit_server_rows(ray_session, tmp_path, capsy
             "model.max_table_size=50000",
             "model.bottom_mlp=[64]", "model.top_mlp=[64]", "job.steps=120", "job.batch_size=256",
             "job.eval_epochs=0", "job.progress=false", "data.eval_fraction=0.05", "quant.enabled=false",
-            "cluster.cpus_per_trainer=0.5", f"metrics.port={free_port_block(3)}"]
+            "cluster.cpus_per_trainer=0.5", "cluster.servers_in_trainers=false", f"metrics.port={free_port_block(3)}"]
     assert main(["launch", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]) == 0
     results = json.loads((run_dir / "results.json").read_text())
     assert results["config"]["model"]["server_storage"] == "fused8bit"

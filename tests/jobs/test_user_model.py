@@ -128,6 +128,7 @@ train_step = "{HERE}:train_step"
 [cluster]
 trainers = 2
 parameter_servers = 1
+servers_in_trainers = false
 cpus_per_trainer = 0.5
 rpc_timeout_s = 20.0
 

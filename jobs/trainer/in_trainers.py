@@ -1,0 +1,104 @@
+"""A job's parameter servers inside its trainers' processes (``[cluster] servers_in_trainers``, :mod:`jobs.hosting`).
+
+:class:`InTrainerServers` is the lifecycle object of :class:`jobs.trainer.servers.ServerGroup` when the servers live in
+the trainers: each worker group forms one ``torch.distributed.rpc`` group of its ``T`` trainers only (ranks
+``0..T-1``, named ``trainer<r>``; rank 0 hosts the rendezvous, as with server actors), and trainer ``i < N`` first
+starts server ``ps<i>`` in its own process (:func:`scheduling.ps.in_trainers.serve_in_trainer`), so the servers' RPC
+names are ``trainer0 .. trainer<N-1>``. Its own requests skip RPC; another trainer's are served by its RPC threads.
+
+A server dies with its trainer: when Ray Train restarts the worker group (a killed trainer, a dead node), every
+trainer process of the new group starts an empty server and the trainers load the tables of the last checkpoint
+into them, as after a killed server actor (:mod:`jobs.trainer.servers`). There is no server process to kill alone
+(``[faults] kill_server_at_step`` is refused) and no server actor to call (the ``ray`` transport is refused).
+
+Source: :mod:`scheduling.ps.in_trainers`; torchrec ``DistributedModelParallel`` table-wise sharding
+(torchrec/distributed/sharding/tw_sharding.py); torch.distributed.rpc (one static group, no re-admission).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from scheduling.ps import init_trainer, serve_in_trainer, stop_serving, trainer_servers
+from scheduling.ps.lifecycle import TorchRPCServers
+
+__all__ = ["InTrainerServers", "in_trainer_names"]
+
+
+def in_trainer_names(servers: int) -> list[str]:
+    """The RPC names of ``servers`` in-trainer servers: server ``i`` is trainer ``i`` (``trainer<i>``).
+
+    Raises:
+        ValueError: ``servers`` < 1.
+    """
+    return trainer_servers(servers)
+
+
+class InTrainerServers(TorchRPCServers):
+    """The ``torch_rpc`` lifecycle of servers hosted by the trainers (see the module docstring): :meth:`join` starts
+    this trainer's server (``ps<rank>`` when ``rank < N``) before joining the trainers' RPC group; :meth:`leave`
+    drops it after leaving. ``exporter`` (a :class:`jobs.trainer.metrics.Exporter`, or None) exports the server's
+    metrics under ``rank = "ps<i>"``.
+
+    Args:
+        names: the servers' RPC names (:func:`in_trainer_names`); ``timeout_s``: RPC and group timeout, seconds;
+        fetch_delay_s: added latency per lookup, seconds (``[cluster] server_fetch_delay_ms``).
+    """
+
+    name = "torch_rpc"
+
+    def __init__(self, names: Sequence[str], timeout_s: float, *, fetch_delay_s: float = 0.0,
+                 exporter: Any = None) -> None:
+        super().__init__(names, timeout_s)
+        self.fetch_delay_s, self.exporter = fetch_delay_s, exporter
+        self.server: Any = None
+        """The server this trainer hosts (a ``scheduling.ps.PSServer``), or None."""
+
+    def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: tuple[str, int],
+             before_join: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        """Trainer ``rank`` of ``world`` starts its server (``rank < N``), then joins the group at ``rendezvous``
+        (``actors`` must be empty: no server actor takes part). Returns ``[]``.
+
+        With a lookup delay a trainer's own requests run on one server thread (``own_requests="thread"``), so the
+        delay does not stall the trainer, as it does not with a server process; without one they run inline.
+
+        Raises:
+            ValueError: server actors were given.
+            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
+        """
+        if actors:
+            raise ValueError(f"InTrainerServers.join: {len(actors)} server actors given; servers in the trainers "
+                             "have none")
+        host, port = rendezvous
+        if before_join is not None:
+            before_join(host)
+        stop_serving()  # a reused process: its old server went with its old group
+        if rank < len(self.names):
+            self.server = serve_in_trainer(self.names[rank], name=f"ps{rank}", fetch_delay_s=self.fetch_delay_s,
+                                           own_requests="thread" if self.fetch_delay_s > 0 else "inline")
+            if self.exporter is not None:
+                self.exporter.watch_server(self.server, rank=f"ps{rank}")
+        try:
+            init_trainer(f"trainer{rank}", rank, world, master_addr=host, master_port=port, timeout_s=self.timeout_s)
+        finally:  # rank 0's store has bound the port (or failed): the reservation has done its part
+            if self._reservation is not None:
+                self._reservation.close()
+                self._reservation = None
+        return []
+
+    def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:
+        """Leave the group, then drop this trainer's server (the other trainers have left too when ``graceful``:
+        the job's close waits for every trainer first)."""
+        super().leave((), rank, graceful)
+        stop_serving()
+        self.server = None
+
+    def kill(self, index: int) -> None:
+        """Not possible: server ``index`` is trainer ``index``'s process (kill the trainer instead).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError(f"server ps{index} runs inside trainer {index}'s process: kill the trainer instead "
+                           "([faults] kill_trainer_at_step)")
