@@ -18,6 +18,11 @@ A push of the ids the latest lookup answered reuses its slots. Candidates (``min
 without a slot) stay per table. Fresh rows are made in chunks of :data:`CHUNK_ELEMENTS`, which bounds their
 temporaries. The rules, and so every row, slot and counter, are those of one table at a time.
 
+With the compiled kernels (:mod:`scheduling.ps.dynamic_native`, the default where a C++ compiler is found) the
+index's operations are one call each, and for ``min_count == 1`` and tables without candidates the whole id ->
+slot step (sort, probe, take slots, evict, insert, count) is one call; fresh rows, gathers and pushes stay here.
+The torch code above is the reference: both give the same state tensors (``tests/scheduling/test_ps_dynamic_native.py``).
+
 Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table"
 (§2.1, §2.2); FBGEMM's table-batched embeddings (``SplitTableBatchedEmbeddingBagsCodegen``) batch the tables
 of a rank for the same reason; Steele et al., OOPSLA 2014 (splitmix64).
