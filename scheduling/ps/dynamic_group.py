@@ -412,13 +412,17 @@ class DynamicTableGroup:
         else:
             slot = self.probe(tix, q)
         hit = slot >= 0
-        lost = ~hit if valid is None else ~hit & valid
-        self.counters[tix, _REJECTED] += lost.sum(1)
         glob = slot + (tix * self.capacity).unsqueeze(1)
-        keep = hit.view(-1) if valid is None else hit[valid]
-        if not bool(keep.any()):
-            return 0
-        uniq, inverse = torch.unique(glob[hit], return_inverse=True)
-        summed = torch.zeros(uniq.numel(), self.dim).index_add_(0, inverse, g[keep].float())
+        if hit.numel() and bool(hit.all()):                  # the common case: no padding, every id admitted
+            flat, rows = glob.view(-1), g
+        else:
+            lost = ~hit if valid is None else ~hit & valid
+            self.counters[tix, _REJECTED] += lost.sum(1)
+            keep = hit.view(-1) if valid is None else hit[valid]
+            if not bool(keep.any()):
+                return 0
+            flat, rows = glob[hit], g[keep]
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        summed = torch.zeros(uniq.numel(), self.dim).index_add_(0, inverse, rows.float())
         self.optimizer.step(self.weight, self.state, uniq, summed, self.store)
         return int(uniq.numel())
