@@ -19,8 +19,8 @@ from scheduling.ps.optimizer import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_native = pytest.mark.skipif(not native_available(),
-                                  reason="compiled dynamic-table kernels unavailable (no C++ compiler, or the "
-                                         "build failed: see the logged line)")
+                                  reason="compiled dynamic-table kernels unavailable (FXDIST_NATIVE=0, no C++ "
+                                         "compiler, or the build failed: see the logged line)")
 TOP = (1 << 63) - 1
 INDEX_STATE = ("hslot", "hpos", "deleted", "log", "head", "tail", "high")
 GROUP_STATE = ("weight", "state", "slot_id", "last_seen", "rows", "step", "counters")
@@ -164,7 +164,7 @@ _CHILD = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=s
 
 
 def _child(env_extra, cache):
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT), **env_extra}
+    env = {**os.environ, "FXDIST_NATIVE": "1", "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT), **env_extra}
     return subprocess.Popen([sys.executable, "-c", _CHILD], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
