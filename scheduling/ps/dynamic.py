@@ -26,7 +26,8 @@ Maps are vectorised with torch: tables of one shape on a server share a
 :class:`~scheduling.ps.dynamic_group.DynamicTableGroup` (stacked tensors; a table is a handle on one of its
 rows), so one request's lookups and pushes of all its dynamic tables run one set of tensor ops
 (:func:`lookup_tables`, :func:`push_tables`, :func:`group_tables`). The id -> slot maps are hash tables, LRU order an
-append-only log (:mod:`scheduling.ps.dynamic_index`): a step costs work in its ids, not in ``capacity``. Candidates are bounded only by expiry (no
+append-only log (:mod:`scheduling.ps.dynamic_index`): a step costs work in its ids, not in ``capacity``; compiled
+kernels run them where a C++ compiler is found (:mod:`scheduling.ps.dynamic_native`; ``FXDIST_NATIVE=0``: torch). Candidates are bounded only by expiry (no
 count-min sketch yet, unlike Monolith's probabilistic filter).
 
 Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table"

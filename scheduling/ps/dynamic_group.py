@@ -18,6 +18,11 @@ A push of the ids the latest lookup answered reuses its slots. Candidates (``min
 without a slot) stay per table. Fresh rows are made in chunks of :data:`CHUNK_ELEMENTS`, which bounds their
 temporaries. The rules, and so every row, slot and counter, are those of one table at a time.
 
+With the compiled kernels (:mod:`scheduling.ps.dynamic_native`, the default where a C++ compiler is found) the
+index's operations are one call each, and for ``min_count == 1`` and tables without candidates the whole id ->
+slot step (sort, probe, take slots, evict, insert, count) is one call; fresh rows, gathers and pushes stay here.
+The torch code above is the reference: both give the same state tensors (``tests/scheduling/test_ps_dynamic_native.py``).
+
 Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table"
 (§2.1, §2.2); FBGEMM's table-batched embeddings (``SplitTableBatchedEmbeddingBagsCodegen``) batch the tables
 of a rank for the same reason; Steele et al., OOPSLA 2014 (splitmix64).
@@ -27,11 +32,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-from .dynamic_index import SlotIndex, _i64, _shr, mix64_torch
+from .dynamic_index import _i64, _shr, mix64_torch
+from .dynamic_native import NativeSlotIndex, initial_rows_native, make_slot_index
 from .optimizer import RowWiseOptimizer
 from .storage import RowStore
 
@@ -114,7 +121,7 @@ class DynamicTableGroup:
         self.state = optimizer.init_state(t * cap, dim)
         self.slot_id = torch.full((t, cap), -1, dtype=torch.int64)
         self.last_seen = torch.zeros(t, cap, dtype=torch.int64)
-        self.index = SlotIndex(t, cap)
+        self.index = make_slot_index(t, cap)              # compiled kernels, else the torch SlotIndex
         self.rows = torch.zeros(t, dtype=torch.int64)
         self.step = torch.zeros(t, dtype=torch.int64)
         self.counters = torch.zeros(t, len(COUNTERS), dtype=torch.int64)
@@ -222,6 +229,9 @@ class DynamicTableGroup:
         step = self.step[tix]
         if self.spec.expire_steps is not None:
             self._expire(tix, tabs, step)
+        if isinstance(self.index, NativeSlotIndex) and self.spec.min_count == 1 and not any(
+                self.cands[t][0].numel() for t in tabs):
+            return self._lookup_native(self.index, tabs, tix, step, q, valid)
         width = q.shape[1]
         sq, perm = torch.sort(q, dim=1)
         first = torch.ones_like(sq, dtype=torch.bool)
@@ -245,7 +255,29 @@ class DynamicTableGroup:
         entries = torch.zeros(k, width + 1, dtype=torch.int64)
         entries.scatter_(1, torch.where(seen, seen.cumsum(1) - 1, width), step.unsqueeze(1) * cap + slot)
         self.index.append(tix, entries[:, :width], n, self.slot_id, self.last_seen)
-        slot = torch.empty_like(slot).scatter_(1, perm, slot)
+        return self._answer(tabs, tix, q, valid, torch.empty_like(slot).scatter_(1, perm, slot))
+
+    def _lookup_native(self, index: NativeSlotIndex, tabs: list[int], tix: torch.Tensor, step: torch.Tensor,
+                       q: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`lookup_padded` after expiry for ``min_count == 1`` and tables without candidates: the id ->
+        slot step in one compiled call (:meth:`NativeSlotIndex.lookup_ids`), fresh rows and the answer here."""
+        out = index.lookup_ids(tabs, tix, q, valid, step, self.rows, self.counters, self.slot_id,
+                                    self.last_seen)
+        if out["glob"].numel():
+            self._fresh_rows(out["glob"], out["ids"], self.row_keys[tix[out["row"]]])
+        self.index.append(tix, out["entries"], out["n"], self.slot_id, self.last_seen)
+        for r in (out["want"] > out["got"]).nonzero().flatten().tolist():   # ids left without a slot
+            ids, counts = torch.unique(q[r][out["missed"][r]], return_counts=True)
+            admitted = torch.arange(ids.numel()) < int(out["got"][r])
+            self._settle(tabs[r], int(step[r]), ids, counts, torch.zeros_like(ids),
+                         torch.zeros(ids.numel(), dtype=torch.bool), admitted)
+        return self._answer(tabs, tix, q, valid, out["slot"])
+
+    def _answer(self, tabs: list[int], tix: torch.Tensor, q: torch.Tensor, valid: torch.Tensor | None,
+                slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``(k, M, dim)`` of slots ``(k, M)`` in ``q``'s order (zeros where -1, counted in ``rejected``)."""
+        k, width = q.shape
+        base = (tix * self.capacity).unsqueeze(1)
         hit = slot >= 0
         rows = self.store.gather(self.weight, torch.where(hit, slot + base, 0).view(-1)).view(k, width, self.dim)
         if not bool(hit.all()):
@@ -296,13 +328,7 @@ class DynamicTableGroup:
             glob = (new_slots + (tix * self.capacity).unsqueeze(1))[real]
             fresh_ids = new[real]
             keys = self.row_keys[tix].unsqueeze(1).expand(k, width_r)[real]
-            n = max(1, CHUNK_ELEMENTS // self.dim)               # fresh rows in chunks: bounded temporaries
-            for a in range(0, glob.numel(), n):
-                self.weight.index_copy_(0, glob[a:a + n], self.store.encode(
-                    initial_rows_keyed(fresh_ids[a:a + n], keys[a:a + n], self.dim, self.bound)))
-            fresh = self.optimizer.init_state(int(glob.numel()), self.dim)
-            if self.state is not None and fresh is not None:
-                self.state.index_copy_(0, glob, fresh)
+            self._fresh_rows(glob, fresh_ids, keys)
             self.slot_id.view(-1)[glob] = fresh_ids
             self.index.insert(tix.unsqueeze(1).expand(k, width_r)[real], new_slots[real], fresh_ids)
             self.index.maintain(self.slot_id)
@@ -323,6 +349,18 @@ class DynamicTableGroup:
             admitted = reach & ((reach.cumsum(0) - 1) < int(got[r]))
             self._settle(tabs[r], int(step[r]), pend, total, pos, found, admitted)
         return slot
+
+    def _fresh_rows(self, glob: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> None:
+        """Fresh rows and optimizer state at global slots ``glob`` ``(F,)`` for ``ids`` ``(F,)`` keyed ``keys``."""
+        n = max(1, CHUNK_ELEMENTS // self.dim)                   # fresh rows in chunks: bounded temporaries
+        for a in range(0, glob.numel(), n):
+            lib = getattr(self.index, "lib", None)
+            make = initial_rows_keyed if lib is None else partial(initial_rows_native, lib)
+            self.weight.index_copy_(0, glob[a:a + n], self.store.encode(make(ids[a:a + n], keys[a:a + n],
+                                                                             self.dim, self.bound)))
+        fresh = self.optimizer.init_state(int(glob.numel()), self.dim)
+        if self.state is not None and fresh is not None:
+            self.state.index_copy_(0, glob, fresh)
 
     def _count(self, t: int, ids: torch.Tensor, counts: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -374,13 +412,17 @@ class DynamicTableGroup:
         else:
             slot = self.probe(tix, q)
         hit = slot >= 0
-        lost = ~hit if valid is None else ~hit & valid
-        self.counters[tix, _REJECTED] += lost.sum(1)
         glob = slot + (tix * self.capacity).unsqueeze(1)
-        keep = hit.view(-1) if valid is None else hit[valid]
-        if not bool(keep.any()):
-            return 0
-        uniq, inverse = torch.unique(glob[hit], return_inverse=True)
-        summed = torch.zeros(uniq.numel(), self.dim).index_add_(0, inverse, g[keep].float())
+        if hit.numel() and bool(hit.all()):                  # the common case: no padding, every id admitted
+            flat, rows = glob.view(-1), g
+        else:
+            lost = ~hit if valid is None else ~hit & valid
+            self.counters[tix, _REJECTED] += lost.sum(1)
+            keep = hit.view(-1) if valid is None else hit[valid]
+            if not bool(keep.any()):
+                return 0
+            flat, rows = glob[hit], g[keep]
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        summed = torch.zeros(uniq.numel(), self.dim).index_add_(0, inverse, rows.float())
         self.optimizer.step(self.weight, self.state, uniq, summed, self.store)
         return int(uniq.numel())

@@ -62,6 +62,9 @@ def mix64_torch(z: torch.Tensor) -> torch.Tensor:
 class SlotIndex:
     """Hash table, LRU log and free slots of ``tables`` tables of ``capacity`` slots (module docstring)."""
 
+    native = False
+    """Whether the compiled kernels run it (:class:`~scheduling.ps.dynamic_native.NativeSlotIndex`)."""
+
     def __init__(self, tables: int, capacity: int) -> None:
         cap = capacity
         self.capacity = cap
@@ -141,11 +144,11 @@ class SlotIndex:
             self._rehash(t, slot_id)
 
     def _rehash(self, t: int, slot_id: torch.Tensor) -> None:
-        """Table ``t``'s hash table built anew in one pass: occupied slots sorted by home entry, each placed at
+        """Table ``t``'s hash table built anew in one pass: occupied slots stably sorted by home entry, each placed at
         ``max(home, previous + 1)`` (a ``cummax``), those past the end moved to the front (linear probing wraps)."""
         h = self.hsize
         occ = (slot_id[t] >= 0).nonzero().flatten()
-        home, order = torch.sort(mix64_torch(slot_id[t, occ]) & (h - 1))
+        home, order = torch.sort(mix64_torch(slot_id[t, occ]) & (h - 1), stable=True)
         rest, wrapped = occ[order], occ[:0]
         while True:
             homes = torch.cat([torch.zeros_like(wrapped), home])

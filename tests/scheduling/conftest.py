@@ -14,3 +14,15 @@ def client():
     c = offline_client("graph_ps")
     yield c
     c.close(flush=False)
+
+
+@pytest.fixture(params=["torch", "native"])
+def dynamic_backend(request, monkeypatch):
+    """Both backends of dynamic tables' index (``FXDIST_NATIVE``, read when a group is made): the torch
+    ``SlotIndex`` (the reference) and the compiled kernels, skipped when they cannot be built here."""
+    from scheduling.ps.dynamic_native import native_available
+
+    monkeypatch.setenv("FXDIST_NATIVE", "1" if request.param == "native" else "0")
+    if request.param == "native" and not native_available():
+        pytest.skip("compiled dynamic-table kernels unavailable (no C++ compiler, or the build failed)")
+    return request.param

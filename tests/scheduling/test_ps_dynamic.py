@@ -81,6 +81,7 @@ def test_mix_matches_recsys_and_rows_are_deterministic_per_id():
     assert not torch.equal(a, initial_rows(_ids(5, 9, 2**62), 8, 0.25, seed=4))
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 def test_admission_after_min_count_lookups_zero_and_pushes_dropped_until_then():
     t = _table(min_count=3)
     rows, slots = t.lookup(_ids(10, 11))
@@ -96,6 +97,7 @@ def test_admission_after_min_count_lookups_zero_and_pushes_dropped_until_then():
     assert (s["rows"], s["admitted"], s["inserts"], s["candidates"], s["rejected"]) == (1, 1, 2, 1, 4)
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 def test_lru_eviction_order_and_slot_reuse():
     t = _table(capacity=3)
     t.lookup(_ids(1, 2, 3))                                    # slots 0, 1, 2
@@ -110,6 +112,7 @@ def test_lru_eviction_order_and_slot_reuse():
     assert t.stats()["rows"] == 3 and t.slots_of(_ids(9)).tolist() == [-1]
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 def test_rows_seen_in_the_current_lookup_are_never_evicted():
     t = _table(capacity=2)
     t.lookup(_ids(1, 2))
@@ -117,6 +120,7 @@ def test_rows_seen_in_the_current_lookup_are_never_evicted():
     assert slots.tolist() == [0, 1, -1] and t.stats()["evictions"] == 0
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 def test_expiry_frees_rows_and_candidates_unseen_for_expire_steps():
     t = _table(capacity=4, min_count=2, expire_steps=2)
     t.lookup(_ids(1, 1, 2))                                    # 1 admitted, 2 candidate
@@ -130,6 +134,7 @@ def test_expiry_frees_rows_and_candidates_unseen_for_expire_steps():
     assert slots.tolist() == [0, 0]                            # the expired slot is reused first
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 def test_checkpoint_round_trip_keeps_map_rows_state_and_counters():
     t = _table(capacity=3, min_count=2, optimizer="rowwise_adagrad")
     for step in range(6):
@@ -156,6 +161,7 @@ def test_spec_rejects_bad_values():
         DynamicSpec(4, min_count=0)
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 @pytest.mark.parametrize("capacity, min_count, expire", [(64, 1, None), (12, 2, 3), (6, 1, 2)])
 def test_training_matches_the_reference_exactly(capacity, min_count, expire):
     """A pooled-embedding linear model trained a few steps: same losses, same rows, same counters."""
@@ -263,6 +269,7 @@ def test_dynamic_tables_are_placed_table_wise_only():
         plan_shards(SERVER_TABLES, 2, "row_wise")
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 def test_fused8bit_dynamic_rows_train_close_to_fp32():
     exact, small = _server("fp32"), _server("fused8bit")
     for step in range(6):

@@ -13,6 +13,7 @@ from scheduling.ps.server import PSServer
 from scheduling.ps.shard_plan import TableSpec, plan_shards
 
 DIM = 3
+pytestmark = pytest.mark.usefixtures("dynamic_backend")   # torch SlotIndex and compiled kernels
 
 
 def _tables(n, spec, optimizer="rowwise_adagrad"):

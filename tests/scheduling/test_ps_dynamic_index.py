@@ -86,6 +86,7 @@ def test_a_rehash_wraps_a_cluster_at_the_end_of_the_table_to_its_front():
     assert found.tolist() == [0, 1, 2, 3, 4, -1]
 
 
+@pytest.mark.usefixtures("dynamic_backend")
 @pytest.mark.parametrize("capacity, min_count, expire", [(6, 1, None), (8, 2, 5), (10, 1, 3)])
 def test_long_runs_through_log_compactions_and_rehashes_match_the_reference(capacity, min_count, expire):
     """Enough steps that each table's log is compacted and its hash table rebuilt several times: slots,

@@ -1,0 +1,262 @@
+"""Compiled kernels for dynamic tables: :class:`NativeSlotIndex`, a :class:`~scheduling.ps.dynamic_index.SlotIndex`
+whose per-step operations each run as one call into ``dynamic_kernels.cpp`` instead of hundreds of small tensor
+ops, plus the whole id -> slot step of ``DynamicTableGroup.lookup_padded`` for ``min_count == 1`` (:meth:`lookup_ids`).
+
+Same data (the torch tensors of :class:`SlotIndex`, written in place) and same results as the torch code, which
+stays the reference and the fallback. The C++ file has a plain ``extern "C"`` ABI over raw pointers of
+contiguous CPU tensors (no torch headers): :func:`load` compiles it once with the system C++ compiler
+(``$CXX``, else ``g++``/``c++``; ``-O2 -shared -fPIC``, about a second) into
+``$XDG_CACHE_HOME/fxdist/native`` (else ``~/.cache/fxdist/native``), named by the hash of the source and the
+flags, under a file lock (several worker processes may start at once) and atomically (a temporary name, then
+``os.replace``), and loads it with :mod:`ctypes`. Without a compiler, when the build fails, or with
+``FXDIST_NATIVE=0`` in the environment, :func:`make_slot_index` gives the torch :class:`SlotIndex` and one line
+is logged saying why.
+
+Source: Python's ``ctypes`` documentation (foreign functions over C pointers); the algorithms are those of
+:mod:`scheduling.ps.dynamic_index` (Knuth, TAOCP Vol. 3, §6.4).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .dynamic_index import SlotIndex
+
+__all__ = ["NativeSlotIndex", "initial_rows_native", "load", "make_slot_index", "native_available"]
+
+SOURCE = Path(__file__).with_name("dynamic_kernels.cpp")
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
+VERSION = 1
+"""``fx_version()`` of the kernels this module calls."""
+_log = logging.getLogger(__name__)
+_state: dict[str, object] = {}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "fx_find": [_P, _I, _P, _P, _P], "fx_insert": [_P, _I, _P, _P, _P], "fx_remove": [_P, _I, _P, _P],
+    "fx_rehash": [_P, _I], "fx_maintain": [_P], "fx_victims": [_P, _I, _P, _P, _I, _P, _P],
+    "fx_expired": [_P, _I, _P, _P, _P, _P], "fx_append": [_P, _I, _P, _I, _P, _P],
+    "fx_initial_rows": [_I, _P, _P, _I, ctypes.c_double, _P],
+    "fx_lookup": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P],
+}
+
+
+class _Index(ctypes.Structure):
+    """The C ``struct Index``: pointers to a SlotIndex's tensors and the group's ``slot_id``/``last_seen``."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("hslot", "hpos", "deleted", "log", "head", "tail", "high",
+                                                "slot_id", "last_seen")] + [(n, ctypes.c_int64) for n in "TCHL"]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fxdist" / "native"
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (once per source hash) and load the kernels.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed (its stderr's tail in the message).
+    """
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    folder = _cache_dir()
+    lib = folder / f"dynamic_kernels-{digest}.so"
+    if not lib.exists():
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        if not cxx:
+            raise RuntimeError("no C++ compiler ($CXX, g++ or c++) on PATH")
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)                 # one build; the others wait and load it
+            if not lib.exists():
+                tmp = folder / f".{lib.name}.{os.getpid()}.tmp"
+                done = subprocess.run([cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                                      timeout=300)
+                if done.returncode:
+                    tmp.unlink(missing_ok=True)
+                    raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+                os.replace(tmp, lib)
+    dll = ctypes.CDLL(str(lib))
+    if dll.fx_version() != VERSION:
+        raise RuntimeError(f"{lib} has kernels version {dll.fx_version()}, expected {VERSION}")
+    for name, args in _SIGNATURES.items():
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int64 if name in ("fx_expired", "fx_append", "fx_lookup") else None
+    return dll
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None (after one logged line saying why) when ``FXDIST_NATIVE=0``,
+    there is no compiler or the build fails. Cached per process (the environment variable is read every call)."""
+    if os.environ.get("FXDIST_NATIVE", "1") == "0":
+        if not _state.get("said_off"):
+            _state["said_off"] = True
+            _log.info("dynamic tables: FXDIST_NATIVE=0, using the torch SlotIndex")
+        return None
+    if "lib" not in _state:
+        try:
+            _state["lib"] = _build()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _state["lib"] = None
+            _log.warning("dynamic tables: compiled kernels unavailable (%s), using the torch SlotIndex", err)
+    lib = _state["lib"]
+    return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def native_available() -> bool:
+    """Whether :func:`load` gives the compiled kernels."""
+    return load() is not None
+
+
+def make_slot_index(tables: int, capacity: int) -> SlotIndex:
+    """A :class:`NativeSlotIndex` when :func:`load` succeeds, else the torch :class:`SlotIndex`."""
+    lib = load()
+    return SlotIndex(tables, capacity) if lib is None else NativeSlotIndex(tables, capacity, lib)
+
+
+def initial_rows_native(lib: ctypes.CDLL, ids: torch.Tensor, keys: torch.Tensor, dim: int, bound: float
+                        ) -> torch.Tensor:
+    """``dynamic_group.initial_rows_keyed`` (bit for bit) by the compiled kernels.
+
+    Shapes: ids ``(N,)`` int64, keys ``(N,)`` int64 -> ``(N, dim)`` float32.
+    """
+    ids, keys = _c(ids), _c(keys).expand(ids.shape).contiguous()
+    out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+    lib.fx_initial_rows(ids.numel(), _p(ids), _p(keys), dim, float(bound), _p(out))
+    return out
+
+
+def _p(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t.long().contiguous()
+
+
+class NativeSlotIndex(SlotIndex):
+    """:class:`SlotIndex` with its hash table, LRU log and rehash run by the compiled kernels (same tensors, same
+    results; ``take_free``, ``release`` and ``reindex``'s bookkeeping stay torch). Victims, expired rows and
+    appended entries are processed table by table in order; :meth:`expired` lists its slots table by table
+    (the torch one in rounds of 256 log entries: the same pairs)."""
+
+    native = True
+
+    def __init__(self, tables: int, capacity: int, lib: ctypes.CDLL) -> None:
+        super().__init__(tables, capacity)
+        self.lib = lib
+
+    def _ctx(self, slot_id: torch.Tensor | None = None, last_seen: torch.Tensor | None = None) -> _Index:
+        if slot_id is not None and not slot_id.is_contiguous():
+            raise ValueError("NativeSlotIndex: slot_id must be contiguous")
+        return _Index(_p(self.hslot), _p(self.hpos), _p(self.deleted), _p(self.log), _p(self.head), _p(self.tail),
+                      _p(self.high), _p(slot_id), _p(last_seen), self.hslot.shape[0], self.capacity, self.hsize,
+                      self.log.shape[1])
+
+    def find(self, slot_id: torch.Tensor, tix: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Slots ``(n,)`` of ids ``q`` ``(n,)`` in tables ``tix`` ``(n,)``, -1 where not admitted."""
+        tix, q = _c(tix), _c(q)
+        out = torch.empty_like(q)
+        self.lib.fx_find(ctypes.byref(self._ctx(slot_id)), q.numel(), _p(tix), _p(q), _p(out))
+        return out
+
+    def insert(self, tix: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """Enter ids ``(n,)`` (in no table's map yet, distinct per table) at ``slots`` ``(n,)`` of ``tix``."""
+        tix, slots, ids = _c(tix), _c(slots), _c(ids)
+        self.lib.fx_insert(ctypes.byref(self._ctx()), ids.numel(), _p(tix), _p(slots), _p(ids))
+
+    def remove(self, tix: torch.Tensor, slots: torch.Tensor) -> None:
+        """Delete the map entries of occupied ``slots`` ``(n,)`` of tables ``tix`` ``(n,)``."""
+        tix, slots = _c(tix), _c(slots)
+        self.lib.fx_remove(ctypes.byref(self._ctx()), slots.numel(), _p(tix), _p(slots))
+
+    def maintain(self, slot_id: torch.Tensor) -> None:
+        """Rehash the tables with over ``H / 4`` deleted entries."""
+        self.lib.fx_maintain(ctypes.byref(self._ctx(slot_id)))
+
+    def _rehash(self, t: int, slot_id: torch.Tensor) -> None:
+        self.lib.fx_rehash(ctypes.byref(self._ctx(slot_id)), t)
+
+    def victims(self, tix: torch.Tensor, need: torch.Tensor, slot_id: torch.Tensor, last_seen: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``need[r]`` LRU victims of each table ``tix[r]``: slots ``(k, max need)`` oldest first, and
+        how many ``(k,)``; the head moves past them."""
+        tix, need = _c(tix), _c(need)
+        width = int(need.max())
+        out = torch.zeros(tix.numel(), width, dtype=torch.int64)
+        got = torch.zeros(tix.numel(), dtype=torch.int64)
+        self.lib.fx_victims(ctypes.byref(self._ctx(slot_id, last_seen)), tix.numel(), _p(tix), _p(need), width,
+                            _p(out), _p(got))
+        return out, got
+
+    def expired(self, tix: torch.Tensor, horizon: torch.Tensor, slot_id: torch.Tensor, last_seen: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The occupied slots last seen before ``horizon[r]`` of tables ``tix[r]``, as flat ``(rows of tix,
+        slots)`` ``(n,)`` each; the head leaves them."""
+        tix, horizon = _c(tix), _c(horizon)
+        bound = int((self.tail[tix] - self.head[tix]).sum())
+        rows, slots = torch.empty(bound, dtype=torch.int64), torch.empty(bound, dtype=torch.int64)
+        n = self.lib.fx_expired(ctypes.byref(self._ctx(slot_id, last_seen)), tix.numel(), _p(tix), _p(horizon),
+                                _p(rows), _p(slots))
+        return rows[:n], slots[:n]
+
+    def append(self, tix: torch.Tensor, entries: torch.Tensor, n: torch.Tensor, slot_id: torch.Tensor,
+               last_seen: torch.Tensor) -> None:
+        """Append the first ``n[r]`` of ``entries`` ``(k, W)`` (``step * C + slot``) to table ``tix[r]``'s log
+        (compacting, then growing it to ``max(needed, 2 L)``, as the torch one)."""
+        tix, entries, n = _c(tix), _c(entries), _c(n)
+        args = (tix.numel(), _p(tix), entries.shape[1], _p(entries), _p(n))
+        over = self.lib.fx_append(ctypes.byref(self._ctx(slot_id, last_seen)), *args)
+        if over:
+            grown = torch.zeros(self.log.shape[0], max(over, 2 * self.log.shape[1]), dtype=torch.int64)
+            grown[:, :self.log.shape[1]] = self.log
+            self.log = grown
+            self.lib.fx_append(ctypes.byref(self._ctx(slot_id, last_seen)), *args)
+
+    def lookup_ids(self, tabs: Sequence[int], tix: torch.Tensor, q: torch.Tensor, valid: torch.Tensor | None,
+                   step: torch.Tensor, rows: torch.Tensor, counters: torch.Tensor, slot_id: torch.Tensor,
+                   last_seen: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``DynamicTableGroup.lookup_padded``'s id -> slot step for ``min_count == 1`` and tables without
+        candidates: ids ``q`` ``(k, M)`` (real where ``valid``, None: all) of tables ``tabs`` (``tix``) at steps
+        ``step`` ``(k,)``; updates ``rows`` ``(T,)``, ``counters`` ``(T, 5)`` (inserts, admitted, evictions),
+        ``slot_id``, ``last_seen``, the maps and the free slots. Returns ``slot`` ``(k, M)`` (-1: padding or no
+        slot), ``missed`` ``(k, M)`` bool (not admitted before), the fresh rows ``glob``/``ids``/``row``
+        ``(F,)`` (global slot, id, row of ``tabs``), the log ``entries`` ``(k, M)`` with their number
+        ``n`` ``(k,)``, and ``want``/``got`` ``(k,)`` (ids missed, slots given)."""
+        k, width = q.shape
+        tix, q, step = _c(tix), _c(q), _c(step)
+        vmask = None if valid is None else valid.contiguous()
+        old = [self.freed[t] for t in tabs]
+        if any(f.numel() for f in old):
+            freed = torch.cat(old)
+            foff = torch.tensor([0] + [f.numel() for f in old]).cumsum(0)
+        else:
+            freed, foff = torch.empty(0, dtype=torch.int64), torch.zeros(k + 1, dtype=torch.int64)
+        out = {"slot": torch.empty(k, width, dtype=torch.int64), "missed": torch.empty(k, width, dtype=torch.bool)}
+        for name in ("glob", "ids", "row"):
+            out[name] = torch.empty(k * width, dtype=torch.int64)
+        out["entries"] = torch.empty(k, width, dtype=torch.int64)
+        for name in ("n", "want", "got", "used"):
+            out[name] = torch.zeros(k, dtype=torch.int64)
+        fresh = self.lib.fx_lookup(
+            ctypes.byref(self._ctx(slot_id, last_seen)), k, width, _p(tix), _p(q), _p(vmask), _p(step), _p(rows),
+            _p(counters), _p(freed), _p(foff), *(_p(out[n]) for n in ("slot", "missed", "glob", "ids", "row",
+                                                                        "entries", "n", "want", "got", "used")))
+        for name in ("glob", "ids", "row"):
+            out[name] = out[name][:fresh]
+        used = out.pop("used")
+        if bool(used.any()):
+            for r, t in enumerate(tabs):
+                if int(used[r]):
+                    self.freed[t] = old[r][int(used[r]):]
+        return out

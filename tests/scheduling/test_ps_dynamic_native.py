@@ -1,0 +1,191 @@
+"""scheduling.ps.dynamic_native: the compiled kernels against the torch SlotIndex and group path (the reference),
+state tensor for state tensor, over long random runs; and the build: cache, lock, fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduling.ps.dynamic import DynamicSpec, DynamicTable, group_tables
+from scheduling.ps.dynamic_group import initial_rows_keyed
+from scheduling.ps.dynamic_index import SlotIndex, mix64_torch
+from scheduling.ps.dynamic_native import NativeSlotIndex, initial_rows_native, load, native_available
+from scheduling.ps.optimizer import make_optimizer
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_native = pytest.mark.skipif(not native_available(),
+                                  reason="compiled dynamic-table kernels unavailable (FXDIST_NATIVE=0, no C++ "
+                                         "compiler, or the build failed: see the logged line)")
+TOP = (1 << 63) - 1
+INDEX_STATE = ("hslot", "hpos", "deleted", "log", "head", "tail", "high")
+GROUP_STATE = ("weight", "state", "slot_id", "last_seen", "rows", "step", "counters")
+
+
+def _groups(monkeypatch, n, spec, dim=4, optimizer="rowwise_adagrad"):
+    """The same ``n`` tables twice, one group each: (torch tables, compiled tables)."""
+    out = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FXDIST_NATIVE", flag)
+        opt = make_optimizer(optimizer, lr=0.3)
+        tables = [DynamicTable(dim, spec, opt, seed=3, salt=100 + i) for i in range(n)]
+        group_tables(tables)
+        out.append(tables)
+    assert not out[0][0].group.index.native and out[1][0].group.index.native
+    return out
+
+
+def _same_index(a: SlotIndex, b: SlotIndex, where) -> None:
+    for name in INDEX_STATE:
+        assert torch.equal(getattr(a, name), getattr(b, name)), (where, name)
+    assert len(a.freed) == len(b.freed) and all(torch.equal(x, y) for x, y in zip(a.freed, b.freed)), where
+
+
+def _same(ta, tb, where) -> None:
+    a, b = ta[0].group, tb[0].group
+    for name in GROUP_STATE:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or torch.equal(x, y), (where, name)
+    for ca, cb in zip(a.cands, b.cands):
+        assert all(torch.equal(x, y) for x, y in zip(ca, cb)), (where, "candidates")
+    _same_index(a.index, b.index, where)
+
+
+def _ids(gen, t, size, pool):
+    """Ids of table ``t``: a small pool of raw 63-bit values (repeats, returns after eviction), some near the
+    int64 limit and some with bit 62 set, none equal to the padding value (int64 max)."""
+    raw = torch.randint(0, pool, (size,), generator=gen)
+    near_top = TOP - 1 - raw * 7919                              # just below int64 max
+    high = (raw * 0x9E3779B97F4A7C1 + t) & (TOP >> 1) | (1 << 62)
+    pick = torch.randint(0, 3, (size,), generator=gen)
+    return torch.where(pick == 0, raw * (1 << 40) + t, torch.where(pick == 1, near_top, high))
+
+
+@needs_native
+@pytest.mark.parametrize("capacity, min_count, expire, steps", [
+    (8, 1, None, 1200), (5, 1, 3, 600), (12, 2, 4, 600), (40, 1, None, 800), (6, 3, None, 400), (64, 1, 9, 400)])
+def test_long_random_runs_give_identical_state_and_outputs(monkeypatch, capacity, min_count, expire, steps):
+    """Thousands of steps over 4 tables (random subsets in random order, unequal lengths, eviction, expiry,
+    candidates, pushes of the looked-up and of other ids, checkpoint restores mid-way): every output and every
+    state tensor of the compiled path equals the torch path's, the index's hash table and log included."""
+    spec = DynamicSpec(capacity, min_count, expire)
+    ta, tb = _groups(monkeypatch, 4, spec)
+    gen = torch.Generator().manual_seed(capacity * 31 + min_count)
+    saved = None
+    for step in range(steps):
+        perm = torch.randperm(4, generator=gen)[:1 + int(torch.randint(0, 4, (1,), generator=gen))].tolist()
+        sizes = [int(torch.randint(0, 3 * capacity, (1,), generator=gen)) for _ in perm]
+        ids = [_ids(gen, t, n, 3 * capacity) for t, n in zip(perm, sizes)]
+        ra, sa = ta[0].group.lookup(perm, ids)
+        rb, sb = tb[0].group.lookup(perm, ids)
+        for x, y, u, v in zip(ra, rb, sa, sb):
+            assert torch.equal(x, y) and torch.equal(u, v), step
+        grads = [torch.randn(n, 4, generator=gen) for n in sizes]
+        other = [i.flip(0) for i in ids] if step % 5 == 0 else ids      # a push of other ids probes again
+        assert ta[0].group.push(perm, other, grads) == tb[0].group.push(perm, other, grads)
+        if step % 4 == 0 or step > steps - 50:
+            _same(ta, tb, step)
+        if step % 97 == 50:
+            saved = [(t.state_dict(), u.state_dict()) for t, u in zip(ta, tb)]
+        if saved is not None and step % 211 == 100:                    # restore an older checkpoint: reindex
+            j = step % 4
+            ta[j].load_state_dict(saved[j][0])
+            tb[j].load_state_dict(saved[j][1])
+            _same(ta, tb, (step, "restored"))
+    counters = ta[0].group.counters.sum(0).tolist()
+    assert counters[1] > 0 and (counters[2] > 0 or counters[3] > 0)   # admitted, evicted or expired
+
+
+@needs_native
+def test_batched_inserts_with_colliding_homes_and_wrapping_rehashes_match(monkeypatch):
+    """Op by op on a bare index: ids sharing home entries inserted in one batch (claims decided round by round),
+    removals past ``H / 4`` (rehashes, wrapping at the end), victims, expiry and log compaction and growth."""
+    cap, tables = 16, 3
+    a, b = SlotIndex(tables, cap), NativeSlotIndex(tables, cap, load())
+    h = a.hsize
+    homes = mix64_torch(torch.arange(200_000)) & (h - 1)
+    end = torch.cat([(homes == x).nonzero().flatten()[:3] for x in (h - 2, h - 1, 0, 1)])   # clusters that wrap
+    slot_id = torch.full((tables, cap), -1, dtype=torch.int64)
+    last_seen = torch.zeros(tables, cap, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(1, 300):
+        t = step % tables
+        free = (slot_id[t] < 0).nonzero().flatten()
+        if free.numel() and step % 4:                               # a batch of new ids, many sharing homes
+            n = int(torch.randint(1, free.numel() + 1, (1,), generator=gen))
+            pool = torch.cat([end, torch.randint(0, 1 << 62, (8,), generator=gen)])
+            fresh = pool[torch.randperm(pool.numel(), generator=gen)]
+            fresh = fresh[~torch.isin(fresh, slot_id[t])].unique()[:n]
+            slots = free[:fresh.numel()]
+            slot_id[t, slots] = fresh
+            last_seen[t, slots] = step
+            for index in (a, b):
+                index.insert(torch.full_like(slots, t), slots, fresh)
+                index.append(torch.tensor([t]), (step * cap + slots).view(1, -1), torch.tensor([slots.numel()]),
+                             slot_id, last_seen)
+        else:                                                       # evict a few, expire the old
+            need = torch.tensor([int(torch.randint(1, 4, (1,), generator=gen))])
+            (va, na), (vb, nb) = [x.victims(torch.tensor([t]), need, slot_id, last_seen) for x in (a, b)]
+            assert torch.equal(va, vb) and torch.equal(na, nb)
+            gone = va[0, :int(na[0])]
+            (ea, sa), (eb, sb) = [x.expired(torch.tensor([t]), torch.tensor([step - 40]), slot_id, last_seen)
+                                  for x in (a, b)]
+            assert torch.equal(ea, eb) and torch.equal(sa, sb)
+            gone = torch.cat([gone, sa])
+            for index in (a, b):
+                index.remove(torch.full_like(gone, t), gone)
+            slot_id[t, gone] = -1
+        for index in (a, b):
+            index.maintain(slot_id)
+        _same_index(a, b, step)
+        q = torch.cat([slot_id.view(-1), end, torch.tensor([TOP, 0])])
+        tix = torch.arange(tables).repeat_interleave(cap)
+        tix = torch.cat([tix, torch.zeros(q.numel() - tix.numel(), dtype=torch.int64)])
+        assert torch.equal(a.find(slot_id, tix, q), b.find(slot_id, tix, q))
+    assert int(a.log.shape[1]) == int(b.log.shape[1])
+
+
+@needs_native
+@pytest.mark.parametrize("dim, bound", [(16, 3000 ** -0.5), (7, 1.0), (64, 1e6 ** -0.5)])
+def test_fresh_rows_are_bit_identical_to_initial_rows_keyed(dim, bound):
+    gen = torch.Generator().manual_seed(dim)
+    ids = torch.cat([torch.randint(-(1 << 63), TOP, (3000,), generator=gen), torch.tensor([TOP, -(1 << 63), 0])])
+    keys = torch.randint(-(1 << 63), TOP, (ids.numel(),), generator=gen)
+    got, want = initial_rows_native(load(), ids, keys, dim, bound), initial_rows_keyed(ids, keys, dim, bound)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+_CHILD = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+          "from scheduling.ps.dynamic_native import load; print('native' if load() else 'torch')")
+
+
+def _child(env_extra, cache):
+    env = {**os.environ, "FXDIST_NATIVE": "1", "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT), **env_extra}
+    return subprocess.Popen([sys.executable, "-c", _CHILD], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@needs_native
+def test_fresh_processes_build_once_under_the_lock_and_load_the_cached_library(tmp_path):
+    """Three processes starting together with an empty cache: all load the kernels, one library file is left
+    (no temporary ones), and a later process loads it without building."""
+    procs = [_child({}, tmp_path) for _ in range(3)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(o.strip().splitlines()[-1] == "native" for o in outs), outs
+    built = sorted(p.name for p in (tmp_path / "fxdist" / "native").iterdir() if not p.name.startswith(".build"))
+    assert len(built) == 1 and built[0].endswith(".so"), built
+    again = _child({"CXX": "/nonexistent/c++"}, tmp_path)                # cached: no compiler needed
+    assert again.communicate(timeout=120)[0].strip().splitlines()[-1] == "native"
+
+
+def test_without_a_compiler_or_when_switched_off_the_torch_index_is_used_and_says_why(tmp_path):
+    broken = _child({"CXX": "/nonexistent/c++"}, tmp_path)
+    out = broken.communicate(timeout=120)[0]
+    assert out.strip().splitlines()[-1] == "torch" and "compiled kernels unavailable" in out, out
+    off = _child({"FXDIST_NATIVE": "0"}, tmp_path)
+    out = off.communicate(timeout=120)[0]
+    assert out.strip().splitlines()[-1] == "torch" and "FXDIST_NATIVE=0" in out, out
