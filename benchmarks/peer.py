@@ -255,8 +255,9 @@ def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
     if not rows:
         return
     print(f"\nCPU per training step, all processes (/proc schedstat; median over rounds; ms): cpu = on a core, "
-          f"wait = runnable, waiting for a core\n{'system':<22} {'step':>6}  {'trainers cpu':>12} {'wait':>6}  "
-          f"{'servers cpu':>11} {'wait':>6}  {'total cpu':>9} {'cores':>5}")
+          f"wait = runnable, waiting for a core; faults = minor page faults\n{'system':<22} {'step':>6}  "
+          f"{'trainers cpu':>12} {'wait':>6} {'faults':>7}  {'servers cpu':>11} {'wait':>6} {'faults':>7}  "
+          f"{'total cpu':>9} {'cores':>5}")
     run_dir.mkdir(parents=True, exist_ok=True)
     for name, accs in rows.items():
         def med(kind: str, key: str, accs: list[dict] = accs) -> float | None:
