@@ -72,7 +72,13 @@ Run: ``.venv/bin/python benchmarks/peer.py [--rounds 3 --steps 60 --warmup 5 --s
 1000000x16 1000000x64] [--systems ...]``; ``--quick``: one size, one round, 8 steps (a smoke run). The 1e6-row
 sizes hold 26 x 1e6 x D float32 per copy (6.7 GB at D=64; ``ddp_local`` holds one per trainer).
 
-Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md).
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md) and
+``MALLOC_TRIM_THRESHOLD_=67108864`` (``--malloc-trim-threshold``), every process of every system alike. Fixing
+the mmap threshold turns off glibc's dynamic thresholds, which would also raise the trim threshold to twice the
+mmap threshold; left at glibc's 128 KiB, every free of a few hundred KB at the top of a thread's heap gave the
+memory back (``madvise``) and the next step faulted it in again: ``--cpu-account`` counted 1,000-1,900 minor
+page faults per step in the trainers and as many in fxdist's servers (36 % of a server's CPU in the kernel,
+``perf``); with 64 MiB, 10-120.
 
 Sources: torchrec ``DistributedModelParallel`` (torchrec/distributed/model_parallel.py) and
 ``TrainPipelineSparseDist`` (torchrec/distributed/train_pipeline/train_pipelines.py), torchrec 1.8.0;
@@ -312,6 +318,9 @@ def main() -> None:
     p.add_argument("--cpu-account", action="store_true",
                    help="account every process's CPU (trainers, servers, per thread) over the timed steps from "
                         "/proc (time on a core and run-queue wait per step) and print it per system; off by default")
+    p.add_argument("--malloc-trim-threshold", type=int, default=64 << 20, metavar="BYTES",
+                   help="glibc's MALLOC_TRIM_THRESHOLD_ for every process (default 64 MiB: twice the fixed mmap "
+                        "threshold, as glibc's dynamic rule would set it; 131072 is glibc's default)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where --profile and --cpu-account write their files (default runs/peer-<time>)")
     args = p.parse_args()
@@ -319,13 +328,14 @@ def main() -> None:
         args.run_dir = ROOT / "runs" / time.strftime("peer-%Y%m%d-%H%M%S")
     if args.quick:
         args.rounds, args.steps, args.warmup, args.sizes = 1, 8, 2, args.sizes[:1]
-    _bench.reexec_with_fixed_allocator()
+    _bench.reexec_with_fixed_allocator({"MALLOC_TRIM_THRESHOLD_": str(args.malloc_trim_threshold)})
     import torch
     import torchrec
 
     print(f"CPU: {cpu_isa()}; {os.cpu_count()} cores; load average at start {os.getloadavg()}")
     print(f"torch {torch.__version__}, torchrec {torchrec.__version__}, MALLOC_MMAP_THRESHOLD_="
-          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}; {systems.WORLD} trainers x batch {systems.BATCH}, "
+          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}, MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}; "
+          f"{systems.WORLD} trainers x batch {systems.BATCH}, "
           f"{systems.SERVERS} fxdist servers; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
           "steps); progress on stderr")
     for size in args.sizes:
