@@ -493,10 +493,16 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def server_main(rank: int, rpc_port: int) -> None:
-    """Parameter server ``ps<rank - WORLD>`` (ranks after the trainers'); serves until a trainer stops it."""
+def server_main(rank: int, rpc_port: int, nice: int = 0) -> None:
+    """Parameter server ``ps<rank - WORLD>`` (ranks after the trainers'); serves until a trainer stops it.
+    ``nice``: added to the process's nice value first (``os.nice``; a lower scheduling priority than the
+    trainers' for ``nice > 0``)."""
+    import os
+
     from scheduling.ps import start_server
 
+    if nice:
+        os.nice(nice)
     _quiet()
     start_server(f"ps{rank - WORLD}", rank, WORLD + SERVERS, master_port=rpc_port, timeout_s=120)
 

@@ -119,9 +119,11 @@ def cpu_isa() -> str:
     return f"{model} ({isa})"
 
 
-def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = False) -> tuple[dict[int, dict], float]:
+def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = False,
+             server_nice: int = 0) -> tuple[dict[int, dict], float]:
     """One (size, system) run in fresh processes: ``({rank: result}, wall seconds)``; ``cpu_account``: trainer 0
-    also accounts every process's CPU over the timed steps (its result's ``"cpu"``, ``_peer_cpu.account``)."""
+    also accounts every process's CPU over the timed steps (its result's ``"cpu"``, ``_peer_cpu.account``);
+    ``server_nice``: fxdist's server processes run at this nice value over the trainers'."""
     from scheduling.ps.ports import free_port
 
     ctx = mp.get_context("spawn")
@@ -132,7 +134,7 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     servers = systems.SERVERS if fx and not systems.in_trainers(setting.system) else 0
     pids = ctx.Array("i", systems.WORLD + servers) if cpu_account else None   # filled once all have started
     targets = [(systems.trainer_main, (r, setting, queue, pids)) for r in range(systems.WORLD)]
-    targets += [(systems.server_main, (systems.WORLD + i, setting.rpc_port)) for i in range(servers)]
+    targets += [(systems.server_main, (systems.WORLD + i, setting.rpc_port, server_nice)) for i in range(servers)]
     start = time.perf_counter()
     procs = [ctx.Process(target=t, args=a, daemon=True) for t, a in targets]
     for p in procs:
@@ -178,7 +180,7 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
             profile = args.profile if rnd == 0 else 0   # the first round only
             setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0, profile=profile,
                                       profile_file=str(args.run_dir / f"profile_{rows}x{dim}_{name}.txt"))
-            results, wall = run_once(setting, args.timeout, args.cpu_account)
+            results, wall = run_once(setting, args.timeout, args.cpu_account, args.server_nice)
             found[name].append({**summarize(results, args.steps), "wall": wall})
             r = found[name][-1]
             status = f"error: {r['error']}" if "error" in r else (
@@ -318,6 +320,8 @@ def main() -> None:
     p.add_argument("--cpu-account", action="store_true",
                    help="account every process's CPU (trainers, servers, per thread) over the timed steps from "
                         "/proc (time on a core and run-queue wait per step) and print it per system; off by default")
+    p.add_argument("--server-nice", type=int, default=0, metavar="N",
+                   help="run fxdist's server processes at nice N over the trainers' (os.nice; 0: the same)")
     p.add_argument("--malloc-trim-threshold", type=int, default=64 << 20, metavar="BYTES",
                    help="glibc's MALLOC_TRIM_THRESHOLD_ for every process (default 64 MiB: twice the fixed mmap "
                         "threshold, as glibc's dynamic rule would set it; 131072 is glibc's default)")
