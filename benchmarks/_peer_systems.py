@@ -115,6 +115,14 @@ def _bce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 _PROFILING = False
+_PIDS: list[Any] = []
+"""``--cpu-account``, trainer 0 only: the driver's shared array of the run's process ids (trainers, then servers)."""
+
+
+def _processes() -> dict[int, str]:
+    """``{pid: "trainer" | "server"}`` of the run (read from :data:`_PIDS` after the warm-up, when the driver has
+    long filled it); empty without ``--cpu-account`` and on other trainers."""
+    return {pid: "trainer" if i < WORLD else "server" for i, pid in enumerate(_PIDS[0][:]) if pid} if _PIDS else {}
 
 
 @contextlib.contextmanager
@@ -180,14 +188,21 @@ def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[],
     """Run ``step(0..warmup+steps-1)``; time the last ``steps`` between barriers (after ``finish()``); then, for
     small sizes, :func:`_table_change` of ``tables()`` (so every round compares the same steps); then
     :func:`_profiled` steps when ``s.profile``."""
+    import _peer_cpu
+
     losses = [float(step(i)) for i in range(s.warmup)]
     dist.barrier()
+    processes = _processes()
+    before = _peer_cpu.snapshot(processes) if processes else None
     start = time.perf_counter()
     for i in range(s.warmup, s.warmup + s.steps):
         losses.append(float(step(i)))
     finish()
     dist.barrier()
-    out: dict[str, Any] = {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": losses[-1]}
+    seconds = time.perf_counter() - start
+    out: dict[str, Any] = {"seconds": seconds, "first_loss": losses[0], "last_loss": losses[-1]}
+    if before is not None:
+        out["cpu"] = {**_peer_cpu.account(before, _peer_cpu.snapshot(processes), s.steps), "step_ms": seconds * 1e3 / s.steps}
     if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:   # before the profiled steps train on
         out["table_change"] = _table_change(tables(), s)
     if s.profile:
@@ -478,17 +493,27 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def server_main(rank: int, rpc_port: int) -> None:
-    """Parameter server ``ps<rank - WORLD>`` (ranks after the trainers'); serves until a trainer stops it."""
+def server_main(rank: int, rpc_port: int, nice: int = 0) -> None:
+    """Parameter server ``ps<rank - WORLD>`` (ranks after the trainers'); serves until a trainer stops it.
+    ``nice``: added to the process's nice value first (``os.nice``; a lower scheduling priority than the
+    trainers' for ``nice > 0``)."""
+    import os
+
     from scheduling.ps import start_server
 
+    if nice:
+        os.nice(nice)
     _quiet()
     start_server(f"ps{rank - WORLD}", rank, WORLD + SERVERS, master_port=rpc_port, timeout_s=120)
 
 
-def trainer_main(rank: int, s: Setting, queue: Any) -> None:
-    """Trainer ``rank`` of ``s.system``; puts ``(rank, result)`` on ``queue``."""
+def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
+    """Trainer ``rank`` of ``s.system``; puts ``(rank, result)`` on ``queue``. ``pids`` (``--cpu-account``): a
+    shared array of the run's process ids, trainers first (ranks ``0..WORLD-1``), then the servers; trainer 0
+    then accounts their CPU over the timed steps (``result["cpu"]``, :mod:`_peer_cpu`)."""
     torch.set_num_threads(1)
+    if pids is not None and rank == 0:
+        _PIDS.append(pids)
     _quiet()
     fx = s.system.startswith("fx_")
     try:

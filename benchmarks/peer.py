@@ -55,6 +55,15 @@ forward (fxdist's lookups, starts, waits and prefetches inside it as ``(lookup)`
 started from its hooks, as ``(push)``; DMP's fused table SGD), optimizer (dense SGD and ``zero_grad``) and other.
 ``dense_only``'s losses differ from the others' (no tables); its ``d loss`` columns are not a check.
 
+With ``--cpu-account`` (off by default) trainer 0 snapshots ``/proc`` of every process of the run (trainers and
+servers, every thread; ``benchmarks/_peer_cpu.py``) before and after the timed steps, and peer.py prints per
+system, per training step: CPU ms (time on a core, schedstat) and run-queue wait ms (runnable, waiting for a
+core) of the trainers and of the servers (each summed over the kind's processes), their minor page faults, the
+total CPU and the cores it kept busy (total / step); then the busiest thread groups (``main``,
+``pt_thread_pool``: RPC workers, ``TP_UV_loop``: TensorPipe, ``gloo_tcp_loop``...; all of them in
+``<--run-dir>/cpu_<size>_<system>.txt``). On a machine with fewer cores than busy threads the step is set by
+this total, so it is the figure to compare; it moves far less with other load than wall time does.
+
 Loss agreement is a weak check here: the labels are random and SGD at lr 0.05 hardly moves the tables
 (``|W-W0|`` ~ 5e-5 after 10 steps of 1e3-row tables), so the loss mostly reflects the dense part and the start;
 ``|W-W0|`` compares the tables' training itself.
@@ -63,7 +72,13 @@ Run: ``.venv/bin/python benchmarks/peer.py [--rounds 3 --steps 60 --warmup 5 --s
 1000000x16 1000000x64] [--systems ...]``; ``--quick``: one size, one round, 8 steps (a smoke run). The 1e6-row
 sizes hold 26 x 1e6 x D float32 per copy (6.7 GB at D=64; ``ddp_local`` holds one per trainer).
 
-Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md).
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md) and
+``MALLOC_TRIM_THRESHOLD_=67108864`` (``--malloc-trim-threshold``), every process of every system alike. Fixing
+the mmap threshold turns off glibc's dynamic thresholds, which would also raise the trim threshold to twice the
+mmap threshold; left at glibc's 128 KiB, every free of a few hundred KB at the top of a thread's heap gave the
+memory back (``madvise``) and the next step faulted it in again: ``--cpu-account`` counted 1,000-1,900 minor
+page faults per step in the trainers and as many in fxdist's servers (36 % of a server's CPU in the kernel,
+``perf``); with 64 MiB, 10-120.
 
 Sources: torchrec ``DistributedModelParallel`` (torchrec/distributed/model_parallel.py) and
 ``TrainPipelineSparseDist`` (torchrec/distributed/train_pipeline/train_pipelines.py), torchrec 1.8.0;
@@ -85,6 +100,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository's `scheduling` package, not benchmarks/scheduling.py
 
 import _bench  # noqa: E402  (benchmarks/ is sys.path[1])
+import _peer_cpu as cpu_account  # noqa: E402
 import _peer_systems as systems  # noqa: E402
 
 SIZES = ("10000x16", "10000x64", "1000000x16", "1000000x64")
@@ -103,8 +119,11 @@ def cpu_isa() -> str:
     return f"{model} ({isa})"
 
 
-def run_once(setting: systems.Setting, timeout_s: float) -> tuple[dict[int, dict], float]:
-    """One (size, system) run in fresh processes: ``({rank: result}, wall seconds)``."""
+def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = False,
+             server_nice: int = 0) -> tuple[dict[int, dict], float]:
+    """One (size, system) run in fresh processes: ``({rank: result}, wall seconds)``; ``cpu_account``: trainer 0
+    also accounts every process's CPU over the timed steps (its result's ``"cpu"``, ``_peer_cpu.account``);
+    ``server_nice``: fxdist's server processes run at this nice value over the trainers'."""
     from scheduling.ps.ports import free_port
 
     ctx = mp.get_context("spawn")
@@ -112,13 +131,16 @@ def run_once(setting: systems.Setting, timeout_s: float) -> tuple[dict[int, dict
     fx = setting.system.startswith("fx_")
     setting = systems.Setting(**{**setting.__dict__, "pg_port": free_port(), "rpc_port": free_port() if fx else 0,
                                  "group": f"peer-{uuid.uuid4().hex}"})
-    targets = [(systems.trainer_main, (r, setting, queue)) for r in range(systems.WORLD)]
-    if fx and not systems.in_trainers(setting.system):
-        targets += [(systems.server_main, (systems.WORLD + i, setting.rpc_port)) for i in range(systems.SERVERS)]
+    servers = systems.SERVERS if fx and not systems.in_trainers(setting.system) else 0
+    pids = ctx.Array("i", systems.WORLD + servers) if cpu_account else None   # filled once all have started
+    targets = [(systems.trainer_main, (r, setting, queue, pids)) for r in range(systems.WORLD)]
+    targets += [(systems.server_main, (systems.WORLD + i, setting.rpc_port, server_nice)) for i in range(servers)]
     start = time.perf_counter()
     procs = [ctx.Process(target=t, args=a, daemon=True) for t, a in targets]
     for p in procs:
         p.start()
+    if pids is not None:
+        pids[:] = [p.pid or 0 for p in procs]
     results: dict[int, dict] = {}
     try:
         for _ in range(systems.WORLD):
@@ -147,7 +169,7 @@ def summarize(results: dict[int, dict], steps: int) -> dict:
             "first_loss": statistics.mean(r["first_loss"] for r in results.values()),
             "last_loss": statistics.mean(r["last_loss"] for r in results.values()),
             "table_change": results[0].get("table_change"), "prefetch_hits": results[0].get("prefetch_hits"),
-            "profile": results[0].get("profile")}
+            "profile": results[0].get("profile"), "cpu": results[0].get("cpu")}
 
 
 def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -158,7 +180,7 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
             profile = args.profile if rnd == 0 else 0   # the first round only
             setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0, profile=profile,
                                       profile_file=str(args.run_dir / f"profile_{rows}x{dim}_{name}.txt"))
-            results, wall = run_once(setting, args.timeout)
+            results, wall = run_once(setting, args.timeout, args.cpu_account, args.server_nice)
             found[name].append({**summarize(results, args.steps), "wall": wall})
             r = found[name][-1]
             status = f"error: {r['error']}" if "error" in r else (
@@ -231,6 +253,40 @@ def profile_table(found: dict[str, list[dict]], run_dir: Path) -> None:
               f"{p['push']:>7.2f} {p['optimizer']:>9.2f} {other:>7.2f}")
 
 
+def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
+    """``--cpu-account``: per system, CPU ms, run-queue wait ms and minor page faults per training step of the
+    trainers and of the servers (each summed over the kind's processes and threads; median over rounds), the cores busy per step
+    (total CPU / trainer 0's ms per step); the first round's thread groups to ``<run_dir>/cpu_<size>_<system>.txt``
+    and the top 8 to stdout."""
+    rows = {n: [r["cpu"] for r in runs if r.get("cpu")] for n, runs in found.items()}
+    rows = {n: accs for n, accs in rows.items() if accs}
+    if not rows:
+        return
+    print(f"\nCPU per training step, all processes (/proc schedstat; median over rounds; ms): cpu = on a core, "
+          f"wait = runnable, waiting for a core; faults = minor page faults\n{'system':<22} {'step':>6}  "
+          f"{'trainers cpu':>12} {'wait':>6} {'faults':>7}  {'servers cpu':>11} {'wait':>6} {'faults':>7}  "
+          f"{'total cpu':>9} {'cores':>5}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, accs in rows.items():
+        def med(kind: str, key: str, accs: list[dict] = accs) -> float | None:
+            values = [a["kinds"][kind][key] for a in accs if kind in a["kinds"]]
+            return statistics.median(values) if values else None
+
+        step = statistics.median(a["step_ms"] for a in accs)
+        total = statistics.median(sum(k["cpu_ms"] for k in a["kinds"].values()) for a in accs)
+        print(f"{name:<22} {step:>6.1f}  {_fmt(med('trainer', 'cpu_ms'), '.1f', 12)} "
+              f"{_fmt(med('trainer', 'wait_ms'), '.1f', 6)} {_fmt(med('trainer', 'faults'), '.0f', 7)}  "
+              f"{_fmt(med('server', 'cpu_ms'), '.1f', 11)} {_fmt(med('server', 'wait_ms'), '.1f', 6)} "
+              f"{_fmt(med('server', 'faults'), '.0f', 7)}  {total:>9.1f} {total / step:>5.2f}")
+        lines = cpu_account.thread_table(accs[0], limit=100)
+        (run_dir / f"cpu_{size}_{name}.txt").write_text(
+            f"{name} {size}: first round, per training step, by thread group (kind, name with digits as #)\n"
+            + "\n".join(lines) + "\n")
+    for name, accs in rows.items():
+        print(f"  {name}, first round's busiest thread groups (per step):")
+        print("\n".join(cpu_account.thread_table(accs[0], limit=8)))
+
+
 def report(size: str, found: dict[str, list[dict]]) -> None:
     """The table of one size (columns: see the module docstring)."""
     base = found.get("dmp_tw", [])
@@ -261,20 +317,29 @@ def main() -> None:
     p.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="STEPS",
                    help="after the timed steps of the first round, profile STEPS (default 5) more on trainer 0 "
                         "(torch.profiler, CPU) and print where a step goes; off by default")
+    p.add_argument("--cpu-account", action="store_true",
+                   help="account every process's CPU (trainers, servers, per thread) over the timed steps from "
+                        "/proc (time on a core and run-queue wait per step) and print it per system; off by default")
+    p.add_argument("--server-nice", type=int, default=0, metavar="N",
+                   help="run fxdist's server processes at nice N over the trainers' (os.nice; 0: the same)")
+    p.add_argument("--malloc-trim-threshold", type=int, default=64 << 20, metavar="BYTES",
+                   help="glibc's MALLOC_TRIM_THRESHOLD_ for every process (default 64 MiB: twice the fixed mmap "
+                        "threshold, as glibc's dynamic rule would set it; 131072 is glibc's default)")
     p.add_argument("--run-dir", type=Path, default=None,
-                   help="where --profile writes its files (default runs/peer-<time>)")
+                   help="where --profile and --cpu-account write their files (default runs/peer-<time>)")
     args = p.parse_args()
     if args.run_dir is None:
         args.run_dir = ROOT / "runs" / time.strftime("peer-%Y%m%d-%H%M%S")
     if args.quick:
         args.rounds, args.steps, args.warmup, args.sizes = 1, 8, 2, args.sizes[:1]
-    _bench.reexec_with_fixed_allocator()
+    _bench.reexec_with_fixed_allocator({"MALLOC_TRIM_THRESHOLD_": str(args.malloc_trim_threshold)})
     import torch
     import torchrec
 
     print(f"CPU: {cpu_isa()}; {os.cpu_count()} cores; load average at start {os.getloadavg()}")
     print(f"torch {torch.__version__}, torchrec {torchrec.__version__}, MALLOC_MMAP_THRESHOLD_="
-          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}; {systems.WORLD} trainers x batch {systems.BATCH}, "
+          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}, MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}; "
+          f"{systems.WORLD} trainers x batch {systems.BATCH}, "
           f"{systems.SERVERS} fxdist servers; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
           "steps); progress on stderr")
     for size in args.sizes:
@@ -283,6 +348,7 @@ def main() -> None:
         report(size, found)
         ceiling(found)
         profile_table(found, args.run_dir)
+        cpu_table(size, found, args.run_dir)
     print(f"\nload average at end {os.getloadavg()}")
 
 

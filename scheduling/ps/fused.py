@@ -20,6 +20,7 @@ tables of a rank into one kernel call for the same reason.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -29,7 +30,13 @@ import torch
 from .shard_plan import ShardSpec
 from .storage import RowStore
 
-__all__ = ["FusedTables", "FusedIndex"]
+__all__ = ["FusedTables", "FusedIndex", "RECENT_INDEXES"]
+
+RECENT_INDEXES = 16
+"""How many recently resolved batches a :class:`FusedTables` keeps (:meth:`FusedTables.index`): a trainer's push
+carries the ids of a batch it looked up a step before, so its push reuses that lookup's :class:`FusedIndex`
+instead of resolving the same ids again (2 trainers with prefetch have at most 4 batches between a lookup and
+its push here; more trainers or staleness only miss, and a miss resolves as before)."""
 
 
 @dataclass
@@ -82,6 +89,12 @@ class FusedTables:
         self.features = [feat for _, feat in self.layout]
         self.lock = lock
         self._entry_of_key: dict[tuple[str, ...], torch.Tensor] = {}
+        self._recent: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, FusedIndex]] = (
+            OrderedDict())
+        self._recent_lock = threading.Lock()
+        self.index_hits = 0
+        """Batches :meth:`index` found among the recent ones (a push of a batch looked up here) instead of
+        resolving them again."""
         self.kernel: Any = None
         """FBGEMM's kernel owning :attr:`weight` and :attr:`state` (:meth:`use_kernel`), or None."""
 
@@ -143,12 +156,34 @@ class FusedTables:
 
     def index(self, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor,
               weights: torch.Tensor | None, where: str) -> FusedIndex:
-        """Resolve a key-major KJT ``(values (N,), lengths (K*B,), weights (N,) or None)``.
+        """Resolve a key-major KJT ``(values (N,), lengths (K*B,), weights (N,) or None)``; a batch equal to one
+        of the last :data:`RECENT_INDEXES` resolved here (same keys, ``torch.equal`` values, lengths and
+        weights: a push of a batch this server looked up) gets that batch's :class:`FusedIndex` back (the same
+        rows and bags, so the same numbers), counted in :attr:`index_hits`.
 
         Raises:
             ValueError: a feature of the layout is missing, or an id lies outside its table (the message
                 names ``where``, the feature, the id and the table).
         """
+        # a cheap key narrows the candidates; equality of the tensors decides
+        key = (keys, values.dtype, values.numel(), lengths.numel(), int(values.sum()), int(lengths.sum()),
+               weights is None)
+        with self._recent_lock:
+            seen = self._recent.get(key)
+        if (seen is not None and torch.equal(seen[0], values) and torch.equal(seen[1], lengths)
+                and (weights is None or torch.equal(cast(torch.Tensor, seen[2]), weights))):
+            self.index_hits += 1
+            return seen[3]
+        idx = self._resolve(keys, values, lengths, weights, where)
+        with self._recent_lock:
+            self._recent[key] = (values, lengths, weights, idx)
+            self._recent.move_to_end(key)
+            while len(self._recent) > RECENT_INDEXES:
+                self._recent.popitem(last=False)
+        return idx
+
+    def _resolve(self, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor,
+                 weights: torch.Tensor | None, where: str) -> FusedIndex:
         num_keys = len(keys)
         if num_keys == 0:
             raise ValueError(f"{where}: empty KeyedJaggedTensor")

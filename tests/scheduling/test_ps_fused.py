@@ -144,3 +144,62 @@ def test_client_pool_gather_equals_the_per_feature_path(mean):
         assert all(torch.equal(a, b) for a, b in zip(g_fast, g_slow))
     finally:
         client.close(flush=False)
+
+
+def _copy(batch):
+    """The batch as a new message delivers it: equal tensors, not the same objects."""
+    keys, values, lengths, weights = batch
+    return keys, values.clone(), lengths.clone(), None if weights is None else weights.clone()
+
+
+def test_a_push_reuses_its_lookups_index_and_trains_the_same(monkeypatch):
+    import scheduling.ps.fused as fused_module
+
+    tables = [TableSpec("a", 6, 2, ("fa",)), TableSpec("b", 5, 2, ("fb", "fc"))]
+    gen = torch.Generator().manual_seed(0)
+    batches = [(("fa", "fb", "fc"), torch.randint(0, 5, (6,), generator=gen), torch.tensor([1, 1, 2, 0, 1, 1],
+                dtype=torch.int32), w) for w in (None, torch.rand(6, generator=gen)) for _ in range(3)]
+    runs = []
+    for recent in (fused_module.RECENT_INDEXES, 0):   # with the recent indexes, and without (always resolved)
+        monkeypatch.setattr(fused_module, "RECENT_INDEXES", recent)
+        srv = _server(tables, "table_wise", 1, 0, optimizer="sgd")
+        outs = []
+        for batch in batches:
+            outs.append(srv.lookup("ns", _copy(batch)))
+            srv.push("ns", _copy(batch), torch.ones_like(outs[-1]))
+        runs.append((outs, srv.fused["ns"].weight.clone(), srv.fused["ns"].index_hits))
+    (outs, weight, hits), (outs0, weight0, hits0) = runs
+    assert hits == len(batches) and hits0 == 0     # every push found its lookup's index
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs0)) and torch.equal(weight, weight0)
+
+
+def test_only_an_equal_batch_reuses_an_index():
+    tables = [TableSpec("a", 6, 2, ("fa",)), TableSpec("b", 5, 2, ("fb",))]
+    fused = _server(tables, "table_wise", 1, 0).fused["ns"]
+    keys, lengths = ("fa", "fb"), torch.tensor([1, 2, 1, 0], dtype=torch.int32)
+    values = torch.tensor([1, 2, 3, 4])
+    first = fused.index(keys, values, lengths, None, where="t")
+    assert fused.index(keys, values.clone(), lengths.clone(), None, where="t") is first and fused.index_hits == 1
+    # the same sums of ids and of lengths, other batches: resolved anew, and right
+    for other_values, other_lengths, weights in [(torch.tensor([2, 1, 3, 4]), lengths, None),
+                                                 (values, torch.tensor([2, 1, 0, 1], dtype=torch.int32), None),
+                                                 (values, lengths, torch.ones(4))]:
+        idx = fused.index(keys, other_values, other_lengths, weights, where="t")
+        assert idx is not first and fused.index_hits == 1
+    assert fused.index(keys, values, lengths, torch.full((4,), 2.0), where="t").weights.tolist() == [2.0] * 4
+    bad = torch.tensor([1, 2, 3, 5])    # id 5 outside table b: raises every time, never kept
+    for _ in range(2):
+        with pytest.raises(ValueError, match="has id 5 outside table 'b'"):
+            fused.index(keys, bad, lengths, None, where="t")
+
+
+def test_recent_indexes_are_bounded():
+    import scheduling.ps.fused as fused_module
+
+    fused = _server([TableSpec("a", 100, 2, ("fa",))], "table_wise", 1, 0).fused["ns"]
+    lengths = torch.ones(1, dtype=torch.int32)
+    first = fused.index(("fa",), torch.tensor([0]), lengths, None, where="t")
+    for i in range(1, fused_module.RECENT_INDEXES + 1):
+        fused.index(("fa",), torch.tensor([i]), lengths, None, where="t")
+    assert len(fused._recent) == fused_module.RECENT_INDEXES
+    assert fused.index(("fa",), torch.tensor([0]), lengths, None, where="t") is not first   # pushed out
