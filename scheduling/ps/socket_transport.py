@@ -97,7 +97,10 @@ def _rebuild(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -
 def _reduce_tensor(t: torch.Tensor) -> Any:
     if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare: torch's own (in-band) pickling
-    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    flat = t.detach()
+    if flat.device.type != "cpu" or flat.is_conj() or flat.is_neg() or not flat.is_contiguous():  # else: no copy
+        flat = flat.cpu().resolve_conj().resolve_neg().contiguous()
+    flat = flat.view(-1).view(torch.uint8)
     return _rebuild, (pickle.PickleBuffer(cast(Any, flat.numpy())), t.dtype, tuple(t.shape))
 
 
