@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .endpoints import Endpoints, ServerEndpoints
-from .socket_transport import ANSWER, ERROR, REQUEST, WIRE_METHODS, Undecodable, dumps, recv_message, send_message
+from .socket_transport import ANSWER, ERROR, REQUEST, WIRE_METHODS, Undecodable, dumps, recv_message, send_message, tune
 
 __all__ = ["SocketServer", "SocketServers", "serve", "spawn_servers"]
 
@@ -79,7 +79,15 @@ class SocketServer:
 
     def __init__(self, endpoints: Endpoints, host: str = "127.0.0.1", port: int = 0) -> None:
         self.endpoints = endpoints
-        self.listener = socket.create_server((host, port), backlog=64)
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tune(self.listener)  # accepted connections inherit the buffers
+            self.listener.bind((host, port))
+            self.listener.listen(64)
+        except BaseException:
+            self.listener.close()
+            raise
         self.address = f"{host}:{self.listener.getsockname()[1]}"
         """``"host:port"`` clients connect to (the port actually bound)."""
         self.stopped = threading.Event()
@@ -97,7 +105,7 @@ class SocketServer:
                 sock, _ = self.listener.accept()
             except OSError:  # closed
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             peer = _Peer(sock)
             self._peers.append(peer)
             threading.Thread(target=self._serve, args=(peer,), name="fxdist-socket-peer", daemon=True).start()

@@ -44,7 +44,7 @@ import torch
 from .endpoints import METHODS
 
 __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
-           "dumps", "send_message", "recv_message", "Undecodable", "parse_address", "REQUEST", "ANSWER", "ERROR"]
+           "dumps", "send_message", "recv_message", "Undecodable", "tune", "SOCKET_BUFFER_BYTES", "parse_address", "REQUEST", "ANSWER", "ERROR"]
 
 WIRE_METHODS = (*METHODS, "stop")
 """Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop)."""
@@ -52,6 +52,16 @@ REQUEST, ANSWER, ERROR = 0, 1, 2
 """Message kinds: a request; its answer; the server's exception instead of an answer."""
 _HEADER = struct.Struct("<BBHIQ")
 _MAX_IOV = 512  # buffers per sendmsg call (the kernel's IOV_MAX is 1024)
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Send and receive buffer of every connection (``SO_SNDBUF``/``SO_RCVBUF``): a few steps' messages, so that a
+sender rarely waits in ``sendmsg`` for the other side to read (the kernel may cap it: ``net.core.wmem_max``)."""
+
+
+def tune(sock: socket.socket) -> None:
+    """``TCP_NODELAY`` and :data:`SOCKET_BUFFER_BYTES` buffers on ``sock`` (a listener: before ``listen``)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 _ADDRESSES: dict[str, str] = {}
 _ADDRESSES_LOCK = threading.Lock()
@@ -183,12 +193,15 @@ class _Connection:
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tune(self.sock)  # before connecting: the receive window is agreed then
         try:
-            self.sock = socket.create_connection(parse_address(address), timeout=timeout_s)
+            self.sock.settimeout(timeout_s)
+            self.sock.connect(parse_address(address))
         except OSError as e:
+            self.sock.close()
             raise RuntimeError(f"transport 'socket': cannot connect to server {address}: {e}") from e
         self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.pending: dict[int, torch.futures.Future] = {}
         self.dead: str | None = None
         self._ids = itertools.count()
