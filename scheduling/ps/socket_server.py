@@ -220,27 +220,46 @@ def spawn_servers(names: Sequence[str], ctx: Any = None, timeout_s: float = 60.0
             processes started are killed).
     """
     import multiprocessing as mp
-    import queue as queue_module
 
     ctx = ctx or mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_server_main, args=(n, i, queue, kwargs), daemon=True) for i, n in enumerate(names)]
     for p in procs:
         p.start()
-    addresses: dict[int, str] = {}
     try:
-        while len(addresses) < len(names):
-            index, address = queue.get(timeout=timeout_s)
-            if isinstance(address, BaseException):
-                raise RuntimeError(f"socket server {names[index]!r} failed to start: {address!r}")
-            addresses[index] = address
-    except BaseException as e:
+        addresses = _addresses(queue, procs, names, timeout_s)
+    except BaseException:
         for p in procs:
             p.kill()
-        if isinstance(e, queue_module.Empty):
-            raise RuntimeError(f"socket servers {list(names)}: not all listened within {timeout_s} s") from None
         raise
-    return procs, [addresses[i] for i in range(len(names))]
+    return procs, addresses
+
+
+def _addresses(queue: Any, procs: Sequence[Any], names: Sequence[str], timeout_s: float) -> list[str]:
+    """The address each server process publishes on ``queue`` (:func:`_server_main`), in name order.
+
+    Raises:
+        RuntimeError: a server failed, died, or did not listen within ``timeout_s``.
+    """
+    import queue as queue_module
+    import time as clock
+
+    found: dict[int, Any] = {}
+    deadline = clock.monotonic() + timeout_s
+    while len(found) < len(names):
+        try:
+            index, address = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            dead = [n for n, p in zip(names, procs) if p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"socket server(s) {dead} exited before listening") from None
+            if clock.monotonic() > deadline:
+                raise RuntimeError(f"socket servers {list(names)}: not all listened within {timeout_s} s") from None
+            continue
+        if isinstance(address, BaseException):
+            raise RuntimeError(f"socket server {names[index]!r} failed to start: {address!r}")
+        found[index] = address
+    return [found[i] for i in range(len(names))]
 
 
 class SocketServers:
@@ -284,27 +303,17 @@ class SocketServers:
         Raises:
             RuntimeError: a server did not listen within ``timeout_s`` (every server is killed).
         """
-        import queue as queue_module
-
         from .socket_transport import register_servers
 
         ready = ctx.Queue()
         keep = ("checkpoint", "fetch_delay_s", "push_delay_s")
         self.host.start(ctx, _server_main, [(n, i, ready, {k: kw[k] for k in keep if k in kw})
                                             for i, (n, kw) in enumerate(zip(self.names, kwargs))], self.names)
-        found: dict[int, Any] = {}
         try:
-            while len(found) < len(self.names):
-                index, address = ready.get(timeout=self.timeout_s)
-                if isinstance(address, BaseException):
-                    raise RuntimeError(f"socket server {self.names[index]!r} failed to start: {address!r}")
-                found[index] = address
-        except BaseException as e:
+            self.addresses = _addresses(ready, self.host.processes, self.names, self.timeout_s)
+        except BaseException:
             self.host.kill_all()
-            if isinstance(e, queue_module.Empty):
-                raise RuntimeError(f"socket servers {self.names}: not all listened within {self.timeout_s} s") from None
             raise
-        self.addresses = [found[i] for i in range(len(self.names))]
         register_servers(dict(zip(self.names, self.addresses)))
 
     def kill(self, index: int) -> None:

@@ -85,3 +85,8 @@ def test_a_killed_server_fails_the_requests_in_flight_with_a_transport_error():
     finally:
         client.close(flush=False)
         procs[0].kill()
+
+
+def test_a_server_that_fails_to_start_is_reported(tmp_path):
+    with pytest.raises(RuntimeError, match=r"socket server 'ps_bad' failed to start: FileNotFoundError"):
+        spawn_servers(["ps_bad"], checkpoint=str(tmp_path / "missing.pt"))
