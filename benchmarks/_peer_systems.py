@@ -43,11 +43,12 @@ CHECK_BYTES = 128 << 20
 trainer gathers every table from the servers for it."""
 SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
-           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms")
+           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms", "fx_socket_prefetch_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_stale1_0ms``: prefetch
 with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i`` inside
 trainer ``i``'s process (``scheduling.ps.in_trainers``: 2 processes instead of 4); ``fx_dynamic_*``: prefetch
-with the 26 tables dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids)."""
+with the 26 tables dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_socket_*``: the
+servers reached over the ``socket`` transport (``scheduling.ps.socket_transport``), no RPC group."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -70,6 +71,8 @@ class Setting:
     """Steps profiled (``torch.profiler``, trainer 0) after the timed ones; 0: none."""
     profile_file: str = ""
     """Where trainer 0 writes the profile's top ops (by self CPU time)."""
+    addresses: tuple[str, ...] = ()
+    """``fx_socket_*``: the servers' ``host:port``, in server order (each bound its port, then published it)."""
 
     @property
     def total(self) -> int:
@@ -408,9 +411,14 @@ def dynamic_tables(system: str) -> bool:
     return system.startswith("fx_dynamic_")
 
 
+def over_socket(system: str) -> bool:
+    """Whether fxdist system ``system`` reaches its servers over the ``socket`` transport (``fx_socket_*``)."""
+    return system.startswith("fx_socket_")
+
+
 def _fx_kind(system: str) -> str:
     """``blocking``, ``prefetch`` or ``stale<k>`` of an fxdist system name."""
-    return system.removeprefix("fx_").removeprefix("inproc_").removeprefix("dynamic_").split("_")[0]
+    return system.removeprefix("fx_").removeprefix("inproc_").removeprefix("dynamic_").removeprefix("socket_").split("_")[0]
 
 
 def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
@@ -507,6 +515,19 @@ def server_main(rank: int, rpc_port: int, nice: int = 0) -> None:
     start_server(f"ps{rank - WORLD}", rank, WORLD + SERVERS, master_port=rpc_port, timeout_s=120)
 
 
+def socket_server_main(index: int, queue: Any, nice: int = 0) -> None:
+    """Parameter server ``ps<index>`` over the ``socket`` transport: binds a free port, puts ``(index, "host:port")``
+    on ``queue``, serves until a trainer stops it. ``nice``: as :func:`server_main`'s."""
+    import os
+
+    from scheduling.ps.socket_server import serve
+
+    if nice:
+        os.nice(nice)
+    _quiet()
+    serve(f"ps{index}", on_ready=lambda address: queue.put((index, address)))
+
+
 def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
     """Trainer ``rank`` of ``s.system``; puts ``(rank, result)`` on ``queue``. ``pids`` (``--cpu-account``): a
     shared array of the run's process ids, trainers first (ranks ``0..WORLD-1``), then the servers; trainer 0
@@ -516,9 +537,14 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
         _PIDS.append(pids)
     _quiet()
     fx = s.system.startswith("fx_")
+    rpc_group = fx and not over_socket(s.system)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{s.pg_port}", rank=rank, world_size=WORLD)
-        if fx:
+        if over_socket(s.system):   # clients given these names pick the socket transport
+            from scheduling.ps.socket_transport import register_servers
+
+            register_servers({f"ps{i}": address for i, address in enumerate(s.addresses)})
+        if rpc_group:
             from scheduling.ps import init_trainer, serve_in_trainer
 
             if in_trainers(s.system):   # server `rank` in this process, before any request can reach it
@@ -532,7 +558,7 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
         queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
         raise
     finally:
-        if fx:
+        if rpc_group:
             from torch.distributed import rpc
 
             from scheduling.ps import stop_serving

@@ -23,6 +23,9 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_inproc_prefetch_0ms`` / ``fx_inproc_stale1_0ms``: the same with the servers inside the trainers'
   processes (``scheduling.ps.in_trainers``): trainer ``i`` also serves server ``i``'s tables on its RPC threads,
   and its requests to its own server skip RPC; 2 processes in all instead of 4;
+- ``fx_socket_prefetch_0ms``: ``fx_prefetch_0ms`` with the servers reached over the ``socket`` transport
+  (``scheduling.ps.socket_transport``: one TCP connection per trainer and server, tensors as raw buffers) instead of
+  ``torch.distributed.rpc``; the servers bind free ports and publish them before the trainers start;
 - ``fx_dynamic_prefetch_0ms``: ``fx_prefetch_0ms`` with the 26 tables dynamic (``parameter_servers(dynamic=...)``,
   collisionless, capacity = the size's rows, the same ids sent raw): the cost of dynamic tables against fixed
   ones of the same rows, as a ratio from the same run (its rows start as ``scheduling.ps.dynamic`` makes them,
@@ -129,16 +132,34 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     fx = setting.system.startswith("fx_")
-    setting = systems.Setting(**{**setting.__dict__, "pg_port": free_port(), "rpc_port": free_port() if fx else 0,
-                                 "group": f"peer-{uuid.uuid4().hex}"})
+    socket = systems.over_socket(setting.system)
+    setting = systems.Setting(**{**setting.__dict__, "pg_port": free_port(),
+                                 "rpc_port": free_port() if fx and not socket else 0, "group": f"peer-{uuid.uuid4().hex}"})
     servers = systems.SERVERS if fx and not systems.in_trainers(setting.system) else 0
     pids = ctx.Array("i", systems.WORLD + servers) if cpu_account else None   # filled once all have started
-    targets = [(systems.trainer_main, (r, setting, queue, pids)) for r in range(systems.WORLD)]
-    targets += [(systems.server_main, (systems.WORLD + i, setting.rpc_port, server_nice)) for i in range(servers)]
     start = time.perf_counter()
-    procs = [ctx.Process(target=t, args=a, daemon=True) for t, a in targets]
+    if socket:   # the servers first: each binds a free port and publishes it, then the trainers get the addresses
+        ready = ctx.Queue()
+        server_procs = [ctx.Process(target=systems.socket_server_main, args=(i, ready, server_nice), daemon=True)
+                        for i in range(servers)]
+        for p in server_procs:
+            p.start()
+        try:
+            found = dict(ready.get(timeout=120) for _ in range(servers))
+        except Exception as e:  # queue.Empty: a server died before listening
+            for p in server_procs:
+                p.kill()
+            return {-1: {"error": f"socket servers did not listen within 120 s ({type(e).__name__})"}}, 0.0
+        setting = systems.Setting(**{**setting.__dict__, "addresses": tuple(found[i] for i in range(servers))})
+    else:
+        server_procs = [ctx.Process(target=systems.server_main, args=(systems.WORLD + i, setting.rpc_port, server_nice),
+                                    daemon=True) for i in range(servers)]
+    trainer_procs = [ctx.Process(target=systems.trainer_main, args=(r, setting, queue, pids), daemon=True)
+                     for r in range(systems.WORLD)]
+    procs = trainer_procs + server_procs   # trainers first (the pids' order)
     for p in procs:
-        p.start()
+        if p.pid is None:
+            p.start()
     if pids is not None:
         pids[:] = [p.pid or 0 for p in procs]
     results: dict[int, dict] = {}
@@ -299,7 +320,11 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
     if loss is not None:
         print(f"max |fxdist final loss - dmp_tw final loss| = {loss:.2e} (over fxdist systems and rounds)"
               + ("" if change is None else f"; max | |W-W0| fxdist - |W-W0| dmp_tw | = {change:.2e}"))
-    dyn, fixed = found.get("fx_dynamic_prefetch_0ms"), found.get("fx_prefetch_0ms")
+    sock, fixed = found.get("fx_socket_prefetch_0ms"), found.get("fx_prefetch_0ms")
+    if sock and fixed and (ratios := _ratios(sock, fixed)):
+        print(f"socket / torch_rpc transport (fx_socket_prefetch_0ms / fx_prefetch_0ms, QPS per round): "
+              f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
+    dyn = found.get("fx_dynamic_prefetch_0ms")
     if dyn and fixed and (ratios := _ratios(dyn, fixed)):
         print(f"dynamic / fixed tables of the same rows (fx_dynamic_prefetch_0ms / fx_prefetch_0ms, QPS per round): "
               f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")

@@ -1,4 +1,4 @@
-"""Benchmark of the parameter-server transports: ``torch_rpc`` (TensorPipe, TCP) vs ``ray`` (actor calls).
+"""Benchmark of the parameter-server transports: ``torch_rpc`` (TensorPipe, TCP) vs ``ray`` and ``socket``.
 
 In one run, for each transport, against a :class:`scheduling.ps.LocalCluster` on loopback (no emulated
 latency unless ``--latency-ms``):
@@ -11,12 +11,14 @@ latency unless ``--latency-ms``):
    ``parameter_servers`` pass to 2 servers, one trainer, trained with blocking lookups and with
    ``async_rpc_prefetch``: QPS (samples/s) of each (the setup of benchmarks/placement.py).
 
-It prints one table: each number for both transports and the ratio ray / torch_rpc (for latencies lower is
-better, for MB/s and QPS higher is better).
+It prints one table: each number for every transport (``--transports``, default all three: ``ray`` is Ray actor
+calls, ``socket`` the lean TCP transport of ``scheduling.ps.socket_transport``) and the ratio of each other one
+to torch_rpc (for latencies lower is better, for MB/s and QPS higher is better).
 
 Usage::
 
     .venv/bin/python benchmarks/transport.py [--steps 40] [--batch 256] [--budget 2.0] [--latency-ms 0]
+        [--transports torch_rpc ray socket]
 
 Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md). One torch thread
 in the trainer and in each server.
@@ -33,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository's `scheduling` package, not benchmarks/scheduling.py
-TRANSPORTS = ("torch_rpc", "ray")
+TRANSPORTS = ("torch_rpc", "ray", "socket")
 MIB = 1 << 20
 
 
@@ -124,6 +126,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per latency / throughput measure")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="emulated network latency per lookup")
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS,
+                        help="which to measure (torch_rpc always, as the reference)")
     args = parser.parse_args()
     import _bench  # this folder is sys.path[0]
 
@@ -133,12 +137,15 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"2 parameter servers on loopback, emulated latency {args.latency_ms} ms per lookup, 1 torch thread; "
           f"job: torchrec DLRM, 26 tables 20000 x 16, batch {args.batch}, {args.steps} steps", flush=True)
-    results = {t: measure(t, args) for t in TRANSPORTS}
-    print(f"{'':<30}{'torch_rpc':>12}{'ray':>12}{'ray/torch_rpc':>15}")
+    names = ["torch_rpc"] + [t for t in args.transports if t != "torch_rpc"]
+    results = {t: measure(t, args) for t in names}
+    others = names[1:]
+    print(f"{'':<30}" + "".join(f"{t:>12}" for t in names) + "".join(f"{t + '/torch_rpc':>20}" for t in others))
     for key in results["torch_rpc"]:
-        a, b = results["torch_rpc"][key], results["ray"][key]
-        print(f"{key:<30}{a:>12.2f}{b:>12.2f}{b / a:>15.3f}")
-    for t in TRANSPORTS:
+        base = results["torch_rpc"][key]
+        print(f"{key:<30}" + "".join(f"{results[t][key]:>12.2f}" for t in names)
+              + "".join(f"{results[t][key] / base:>20.3f}" for t in others))
+    for t in names:
         r = results[t]
         print(f"{t}: prefetch/blocking {r['job QPS async_rpc_prefetch'] / r['job QPS blocking']:.3f}")
 

@@ -121,9 +121,9 @@ class PSClient(ClientState):
             initialized, see :func:`init_trainer`), or Ray actor handles / registered names (``ray``).
         options: a :class:`~scheduling.ps.client_options.ClientOptions` (None: the defaults); any of its fields
             given as a keyword (``name="ps"``, ``timeout_s=30`` ...) replaces that field. The fields:
-        transport: ``"torch_rpc"`` or ``"ray"`` (:mod:`scheduling.ps.transport`); None picks ``"ray"`` for
-            actor handles and names of Ray servers started here (``LocalCluster(transport="ray")``), else
-            the default.
+        transport: ``"torch_rpc"``, ``"ray"`` or ``"socket"`` (:mod:`scheduling.ps.transport`); None picks
+            ``"ray"`` for actor handles and names of Ray servers started here (``LocalCluster(transport="ray")``),
+            ``"socket"`` for names of socket servers registered here, else the default.
         sharding: ``"table_wise"``, ``"row_wise"`` or a mapping table name -> scheme.
         optimizer: ``"rowwise_adagrad"`` or ``"sgd"``, applied on the servers; ``optimizer_kwargs`` e.g.
             ``{"lr": 0.05}``.

@@ -186,9 +186,10 @@ class TorchRPCServers:
 
 
 SERVER_GROUPS = {"torch_rpc": "scheduling.ps.lifecycle:TorchRPCServers",
-                 "ray": "scheduling.ps.ray_transport:RayServers"}
-"""Transport name -> the class running its servers' lifecycle (start, reset/join, kill, stop); the ``ray`` one
-is imported only when asked for."""
+                 "ray": "scheduling.ps.ray_transport:RayServers",
+                 "socket": "scheduling.ps.socket_server:SocketServers"}
+"""Transport name -> the class running its servers' lifecycle (start, reset/join, kill, stop); the ``ray`` and
+``socket`` ones are imported only when asked for (``socket``: on one machine only, ``LocalCluster``)."""
 
 
 def server_group(name: str) -> type:

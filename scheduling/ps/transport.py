@@ -1,4 +1,4 @@
-"""How a :class:`~scheduling.ps.PSClient` reaches its servers: ``torch_rpc`` or ``ray``.
+"""How a :class:`~scheduling.ps.PSClient` reaches its servers: ``torch_rpc``, ``ray`` or ``socket``.
 
 A transport sends one request (a :data:`~scheduling.ps.endpoints.METHODS` name and its arguments) to
 server ``i`` of the client's list and returns a handle with ``wait()`` and ``done()``. Contract shared by
@@ -15,8 +15,13 @@ static group (rendezvous, no re-admission after a crash); a server may live in a
 ``ray`` (:mod:`scheduling.ps.ray_transport`, imported only when asked for): servers are Ray actors
 (``handle.lookup.remote(...)``, waited with ``ray.get``); no group, so a restarted server actor is reachable
 again through the same handle.
+``socket`` (:mod:`scheduling.ps.socket_transport`, imported only when asked for): one persistent TCP
+connection per (client process, server) to servers run by :mod:`scheduling.ps.socket_server`, tensors sent as
+raw buffers; servers named ``"host:port"`` or by names registered there (far less server CPU per request
+than ``torch_rpc``, issue 32).
 
-Source: torch.distributed.rpc (``rpc_async``); Ray actors (``ActorHandle.method.remote``, ``ray.get``).
+Source: torch.distributed.rpc (``rpc_async``); Ray actors (``ActorHandle.method.remote``, ``ray.get``);
+Python ``socket``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from . import in_trainers
 __all__ = ["TRANSPORTS", "DEFAULT_TRANSPORT", "TorchRPCTransport", "CLIENT_TRANSPORTS", "make_transport",
            "transport_of"]
 
-TRANSPORTS = ("torch_rpc", "ray")
+TRANSPORTS = ("torch_rpc", "ray", "socket")
 """The transports a client can use."""
 DEFAULT_TRANSPORT = "torch_rpc"
 """Used when nothing says otherwise (see benchmarks/transport.py and the README for why)."""
@@ -90,10 +95,14 @@ class TorchRPCTransport:
 def transport_of(servers: Sequence[Any]) -> str:
     """The transport for ``servers`` when the caller names none: ``"ray"`` for Ray actor handles or for names
     registered by :func:`scheduling.ps.ray_transport.register_servers` (a ``LocalCluster(transport="ray")``
-    or a job does that), else :data:`DEFAULT_TRANSPORT`."""
+    or a job does that), ``"socket"`` for names registered by
+    :func:`scheduling.ps.socket_transport.register_servers`, else :data:`DEFAULT_TRANSPORT`."""
     ray_transport = sys.modules.get("scheduling.ps.ray_transport")  # only loaded once Ray servers exist
     if ray_transport is not None and servers and all(ray_transport.is_ray_server(s) for s in servers):
         return "ray"
+    socket_transport = sys.modules.get("scheduling.ps.socket_transport")
+    if socket_transport is not None and servers and all(socket_transport.is_socket_server(s) for s in servers):
+        return "socket"
     return DEFAULT_TRANSPORT
 
 
@@ -108,9 +117,10 @@ def make_transport(name: str | None, servers: Sequence[Any]) -> Any:
 
 
 CLIENT_TRANSPORTS = {"torch_rpc": "scheduling.ps.transport:TorchRPCTransport",
-                     "ray": "scheduling.ps.ray_transport:RayTransport"}
-"""Transport name -> the class a client sends its requests with; the ``ray`` one is imported only when asked
-for."""
+                     "ray": "scheduling.ps.ray_transport:RayTransport",
+                     "socket": "scheduling.ps.socket_transport:SocketTransport"}
+"""Transport name -> the class a client sends its requests with; the ``ray`` and ``socket`` ones are imported
+only when asked for."""
 
 
 def _load(registry: dict[str, str], name: str) -> Any:

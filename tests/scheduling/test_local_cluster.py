@@ -43,7 +43,7 @@ def _step(lr: float, transport: str) -> tuple[dict[str, torch.Tensor], dict[str,
     return expected, scheduling.placement.table_state_dict(gm), names   # the clients are left open
 
 
-@pytest.mark.parametrize("transport", ["torch_rpc", "ray"])
+@pytest.mark.parametrize("transport", ["torch_rpc", "ray", "socket"])
 def test_a_second_local_cluster_trains_with_its_own_learning_rate(transport):
     if transport == "ray":
         pytest.importorskip("ray")
@@ -71,7 +71,7 @@ def test_an_unknown_transport_names_the_known_ones():
     for make in (lambda: LocalCluster(1, transport="grpc"), lambda: make_transport("grpc", ["ps0"]),
                  lambda: server_group("grpc")):
         with pytest.raises(ValueError, match=r"unknown parameter-server transport 'grpc'; known transports: "
-                                             r"ray, torch_rpc"):
+                                             r"ray, socket, torch_rpc"):
             make()
 
 

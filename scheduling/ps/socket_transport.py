@@ -1,0 +1,363 @@
+"""The ``socket`` transport: one persistent TCP connection per (client process, server), tensors sent raw.
+
+A lean alternative to ``torch_rpc`` (issue 32: on 2 cores TensorPipe's request handling, I/O loop and
+unpickling cost the server processes more CPU than the table work itself). A server
+(:mod:`scheduling.ps.socket_server`) listens on a TCP port; every :class:`SocketTransport` of a process shares
+one connection to it (``TCP_NODELAY``), opened on the first request. A message is
+
+- a 16-byte header ``<BBHIQ``: kind (request, answer, error), method (index in :data:`WIRE_METHODS`), the
+  number ``n`` of raw buffers, the length of the metadata, the request id;
+- ``n`` buffer lengths (``<nQ``), then the metadata: the arguments (or the answer, or the server's exception)
+  pickled with protocol 5, every dense CPU tensor replaced by an out-of-band buffer (:func:`dumps`);
+- the ``n`` buffers, each a tensor's bytes, sent with ``sendmsg`` from the tensor's own memory and received
+  with ``recv_into`` a fresh ``torch.empty`` (no per-element work, no copy beyond the kernel's).
+
+A reader thread per connection matches answers to requests by id and completes their
+``torch.futures.Future``; a process-wide watchdog thread fails those left unanswered after their
+``timeout_s``. The transport contract of :mod:`scheduling.ps.transport` holds: a request that cannot be sent
+raises ``RuntimeError``; ``wait()`` raises a plain ``RuntimeError`` for a transport failure (timeout,
+connection lost: a killed server fails its requests at once) and the server's own exception otherwise.
+
+Servers are named by ``"host:port"`` or by a name registered with :func:`register_servers` (clients given only
+registered names pick this transport, :func:`scheduling.ps.transport.transport_of`).
+
+Source: Python ``socket`` (``sendmsg``, ``recv_into``, ``TCP_NODELAY``); PEP 574 (pickle protocol 5,
+out-of-band buffers).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import heapq
+import io
+import itertools
+import pickle
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+
+from .endpoints import METHODS
+
+__all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
+           "dumps", "send_message", "recv_message", "Undecodable", "tune", "SOCKET_BUFFER_BYTES", "parse_address", "REQUEST", "ANSWER", "ERROR"]
+
+WIRE_METHODS = (*METHODS, "stop")
+"""Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop)."""
+REQUEST, ANSWER, ERROR = 0, 1, 2
+"""Message kinds: a request; its answer; the server's exception instead of an answer."""
+_HEADER = struct.Struct("<BBHIQ")
+_MAX_IOV = 512  # buffers per sendmsg call (the kernel's IOV_MAX is 1024)
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Send and receive buffer of every connection (``SO_SNDBUF``/``SO_RCVBUF``): a few steps' messages, so that a
+sender rarely waits in ``sendmsg`` for the other side to read (the kernel may cap it: ``net.core.wmem_max``)."""
+
+
+def tune(sock: socket.socket) -> None:
+    """``TCP_NODELAY`` and :data:`SOCKET_BUFFER_BYTES` buffers on ``sock`` (a listener: before ``listen``)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+_ADDRESSES: dict[str, str] = {}
+_ADDRESSES_LOCK = threading.Lock()
+
+
+def register_servers(addresses: Mapping[str, str]) -> None:
+    """Let clients of this process name socket servers by name: ``{name: "host:port"}`` (later ones win)."""
+    with _ADDRESSES_LOCK:
+        _ADDRESSES.update(addresses)
+
+
+def unregister_servers(names: Iterable[str]) -> None:
+    """Forget the names (connections already open stay until their server closes them)."""
+    with _ADDRESSES_LOCK:
+        for name in names:
+            _ADDRESSES.pop(name, None)
+
+
+def is_socket_server(server: Any) -> bool:
+    """Whether ``server`` is a name registered with :func:`register_servers`."""
+    return isinstance(server, str) and server in _ADDRESSES
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``.
+
+    Raises:
+        ValueError: not ``host:port`` with an integer port.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"transport 'socket': server address {address!r} is not 'host:port' (nor a name "
+                         f"registered with register_servers: {sorted(_ADDRESSES)})")
+    return host, int(port)
+
+
+# ---- the wire: pickle protocol 5 with tensors out of band -----------------------------------------------------
+def _rebuild(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over the received bytes ``buffer`` (uint8, its own memory): no copy."""
+    return buffer.view(dtype).view(shape)
+
+
+def _reduce_tensor(t: torch.Tensor) -> Any:
+    if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare: torch's own (in-band) pickling
+    flat = t.detach()
+    if flat.device.type != "cpu" or flat.is_conj() or flat.is_neg() or not flat.is_contiguous():  # else: no copy
+        flat = flat.cpu().resolve_conj().resolve_neg().contiguous()
+    flat = flat.view(-1).view(torch.uint8)
+    return _rebuild, (pickle.PickleBuffer(cast(Any, flat.numpy())), t.dtype, tuple(t.shape))
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+
+
+def dumps(obj: Any) -> tuple[bytes, list[Any]]:
+    """``(metadata, buffers)``: ``obj`` pickled (protocol 5), each plain ``torch.Tensor`` in it as one raw buffer
+    (its bytes, a view of the tensor's memory when it is contiguous on the CPU)."""
+    buffers: list[Any] = []
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+    return out.getvalue(), buffers
+
+
+def send_message(sock: socket.socket, kind: int, method: int, rid: int, meta: bytes, buffers: Sequence[Any]) -> None:
+    """Send one message (header, buffer lengths, metadata, buffers) with ``sendmsg``, however many calls it takes.
+
+    Raises:
+        OSError: the connection failed.
+    """
+    lengths = [memoryview(b).nbytes for b in buffers]
+    parts = [memoryview(_HEADER.pack(kind, method, len(buffers), len(meta), rid) + struct.pack(f"<{len(buffers)}Q", *lengths)
+                        + meta)]
+    parts += [memoryview(b).cast("B") for b, n in zip(buffers, lengths) if n]
+    while parts:
+        sent = sock.sendmsg(parts[:_MAX_IOV])
+        while parts and sent >= parts[0].nbytes:
+            sent -= parts[0].nbytes
+            parts.pop(0)
+        if sent:
+            parts[0] = parts[0][sent:]
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, size = 0, view.nbytes
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed by the peer")
+        got += n
+
+
+def recv_message(sock: socket.socket, header: bytearray) -> tuple[int, int, int, Any]:
+    """Receive one message: ``(kind, method, request id, the unpickled object)``; tensors land in fresh memory
+    (``recv_into`` a ``torch.empty``). ``header``: a reusable ``bytearray`` of the header's size.
+
+    Raises:
+        ConnectionError: the peer closed the connection; OSError: it failed.
+    """
+    _recv_into(sock, memoryview(header))
+    kind, method, count, meta_len, rid = _HEADER.unpack(header)
+    head = bytearray(8 * count + meta_len)
+    _recv_into(sock, memoryview(head))
+    lengths = struct.unpack_from(f"<{count}Q", head)
+    buffers = []
+    for n in lengths:
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            _recv_into(sock, memoryview(cast(Any, buf.numpy())))
+        buffers.append(buf)
+    try:
+        value = pickle.loads(memoryview(head)[8 * count:], buffers=buffers)
+    except Exception as e:  # noqa: BLE001  (the message was read whole: the connection goes on)
+        value = Undecodable(f"{type(e).__name__}: {e}")
+    return kind, method, rid, value
+
+
+class Undecodable:
+    """What :func:`recv_message` returns for a message whose metadata did not unpickle (``why`` says why)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+# ---- the client side -------------------------------------------------------------------------------------------
+class _Connection:
+    """One TCP connection to a server: requests sent under a lock, answers read by a daemon thread."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tune(self.sock)  # before connecting: the receive window is agreed then
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.connect(parse_address(address))
+        except OSError as e:
+            self.sock.close()
+            raise RuntimeError(f"transport 'socket': cannot connect to server {address}: {e}") from e
+        self.sock.settimeout(None)
+        self.pending: dict[int, torch.futures.Future] = {}
+        self.dead: str | None = None
+        self._ids = itertools.count()
+        self._send_lock = threading.Lock()
+        threading.Thread(target=self._read, name=f"fxdist-socket-{address}", daemon=True).start()
+
+    def call(self, method: str, args: tuple, timeout_s: float) -> torch.futures.Future:
+        meta, buffers = dumps(args)  # before the lock: pickling runs outside it
+        future: torch.futures.Future = torch.futures.Future()
+        rid = next(self._ids)
+        self.pending[rid] = future
+        try:
+            if self.dead is not None:
+                raise OSError(self.dead)
+            with self._send_lock:
+                send_message(self.sock, REQUEST, WIRE_METHODS.index(method), rid, meta, buffers)
+        except OSError as e:
+            self.pending.pop(rid, None)
+            self._fail(f"sending to server {self.address} failed: {e}")
+            raise RuntimeError(f"transport 'socket': sending {method} to server {self.address} failed: {e}") from e
+        _watch(self, rid, timeout_s)
+        return future
+
+    def _read(self) -> None:
+        header = bytearray(_HEADER.size)
+        try:
+            while True:
+                kind, _, rid, value = recv_message(self.sock, header)
+                future = self.pending.pop(rid, None)
+                if future is None:  # its wait ran out: dropped
+                    continue
+                if isinstance(value, Undecodable):
+                    future.set_exception(RuntimeError(f"transport 'socket': the answer of server {self.address} "
+                                                      f"could not be unpickled: {value.why}"))
+                elif kind == ERROR:
+                    future.set_exception(value)
+                else:
+                    future.set_result(value)
+        except Exception as e:  # noqa: BLE001  (EOF, reset, a broken message: the connection is done)
+            self._fail(f"connection to server {self.address} lost: {type(e).__name__}: {e}")
+        finally:
+            self.sock.close()
+
+    def _fail(self, why: str) -> None:
+        """Mark the connection dead and fail every request still waiting on it (a plain RuntimeError)."""
+        if self.dead is None:
+            self.dead = why
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for rid in list(self.pending):
+            future = self.pending.pop(rid, None)
+            if future is not None and not future.done():
+                future.set_exception(RuntimeError(f"transport 'socket': {self.dead}"))
+
+    def expire(self, rid: int, timeout_s: float) -> None:
+        future = self.pending.pop(rid, None)
+        if future is not None and not future.done():
+            future.set_exception(RuntimeError(f"transport 'socket': no answer from server {self.address} within "
+                                              f"{timeout_s} s"))
+
+
+_CONNECTIONS: dict[str, _Connection] = {}
+_CONNECTIONS_LOCK = threading.Lock()
+
+
+def _connection(address: str, timeout_s: float) -> _Connection:
+    """This process's connection to ``address``, opened (again, after it failed) when needed.
+
+    Raises:
+        RuntimeError: the server cannot be reached.
+    """
+    conn = _CONNECTIONS.get(address)
+    if conn is not None and conn.dead is None:
+        return conn
+    with _CONNECTIONS_LOCK:
+        conn = _CONNECTIONS.get(address)
+        if conn is None or conn.dead is not None:
+            conn = _CONNECTIONS[address] = _Connection(address, timeout_s)
+        return conn
+
+
+# ---- timeouts: one watchdog thread per process ------------------------------------------------------------------
+_DEADLINES: list[tuple[float, int, _Connection, int, float]] = []
+_WAKE = threading.Condition()
+_ORDER = itertools.count()
+_WATCHDOG: list[threading.Thread] = []
+
+
+def _watch(conn: _Connection, rid: int, timeout_s: float) -> None:
+    with _WAKE:
+        entry = (time.monotonic() + timeout_s, next(_ORDER), conn, rid, timeout_s)
+        heapq.heappush(_DEADLINES, entry)
+        if not _WATCHDOG or not _WATCHDOG[0].is_alive():
+            _WATCHDOG[:] = [threading.Thread(target=_expire_loop, name="fxdist-socket-watchdog", daemon=True)]
+            _WATCHDOG[0].start()
+        if _DEADLINES[0] is entry:  # a new earliest deadline: the watchdog sleeps until the old one
+            _WAKE.notify()
+
+
+def _expire_loop() -> None:
+    while True:
+        with _WAKE:
+            while not _DEADLINES or _DEADLINES[0][0] > time.monotonic():
+                _WAKE.wait(None if not _DEADLINES else _DEADLINES[0][0] - time.monotonic())
+            now, due = time.monotonic(), []
+            while _DEADLINES and _DEADLINES[0][0] <= now:
+                due.append(heapq.heappop(_DEADLINES))
+        for _, _, conn, rid, timeout_s in due:
+            conn.expire(rid, timeout_s)
+
+
+class SocketTransport:
+    """Requests over this process's connections to socket servers (:mod:`scheduling.ps.socket_server`).
+
+    Args:
+        servers: ``"host:port"`` addresses or names registered with :func:`register_servers`.
+
+    Raises:
+        ValueError: a server that is neither a registered name nor ``host:port``.
+    """
+
+    name = "socket"
+
+    def __init__(self, servers: Sequence[Any]) -> None:
+        self.names = list(servers)
+        self.addresses: list[str] = []
+        for s in servers:
+            address = _ADDRESSES.get(s, s) if isinstance(s, str) else s
+            if not isinstance(address, str):
+                raise ValueError(f"transport 'socket': servers are 'host:port' addresses or registered names, "
+                                 f"got {s!r}")
+            parse_address(address)
+            self.addresses.append(address)
+
+    def call_async(self, server: int, method: str, args: tuple, timeout_s: float) -> torch.futures.Future:
+        """Send ``method(*args)`` to server ``server``: a Future of its answer (``wait()`` raises the server's
+        exception, or a plain RuntimeError for a transport failure).
+
+        Raises:
+            RuntimeError: the server cannot be reached or the request not sent.
+        """
+        return _connection(self.addresses[server], timeout_s).call(method, args, timeout_s)
+
+    def stop(self, timeout_s: float, names: Sequence[str] | None = None) -> None:
+        """Ask every server (or those of ``names``) to leave its serving loop; best effort."""
+        futures = []
+        for name, address in zip(self.names, self.addresses):
+            if names is None or name in names:
+                try:
+                    futures.append(_connection(address, timeout_s).call("stop", (), timeout_s))
+                except RuntimeError:
+                    pass
+        for future in futures:
+            try:
+                future.wait()
+            except RuntimeError:
+                pass
