@@ -214,8 +214,9 @@ class ClusterSection:
     Ray's default scheduling) or "spread" (trainers SPREAD over nodes, servers round-robin over the nodes,
     those that cannot hold a trainer first). See jobs.cluster; results.json's "placement" says where each ran."""
     transport: str = "torch_rpc"
-    """How trainers reach the parameter servers: "torch_rpc" (a torch.distributed.rpc group per worker group)
-    or "ray" (the server actors' methods called directly; no rendezvous). See scheduling.ps.transport."""
+    """How trainers reach the parameter servers: "torch_rpc" (a torch.distributed.rpc group per worker group),
+    "ray" (the server actors' methods called directly; no rendezvous) or "socket" (one TCP connection per trainer
+    process and server actor, tensors as raw buffers). See scheduling.ps.transport."""
     server_threads: int = _key(16, 1, 1024)
     """Threads each parameter server runs requests on (a request waiting for its turn holds none)."""
     servers_in_trainers: bool | str = "auto"
@@ -391,8 +392,8 @@ class JobConfig:
         if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):
             errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be "fp32", "fp16" or '
                           '"fused8bit"')
-        if c.transport not in ("torch_rpc", "ray"):
-            errors.append(f'[cluster] transport = {c.transport!r}: must be "torch_rpc" or "ray"')
+        if c.transport not in ("torch_rpc", "ray", "socket"):
+            errors.append(f'[cluster] transport = {c.transport!r}: must be "torch_rpc", "ray" or "socket"')
         if c.placement not in ("pack", "spread"):
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
         errors += train_errors(self.train, self.model.plan, self.user_model)

@@ -64,11 +64,14 @@ def cpus_needed(cluster: Any) -> int:
 
 def needs_separate(config: Any) -> str | None:
     """Why ``config`` needs servers in processes of their own, or None: the ``ray`` transport (the trainers call
-    the server actors' methods), ``[faults] kill_server_at_step`` (it kills a server process), or more servers
-    than trainers (each trainer hosts at most one)."""
+    the server actors' methods) or the ``socket`` one (the server actors listen on sockets), ``[faults]
+    kill_server_at_step`` (it kills a server process), or more servers than trainers (each trainer hosts at most
+    one)."""
     c = config.cluster
     if c.transport == "ray":
         return '[cluster] transport = "ray" calls the server actors\' methods, so the servers are actors'
+    if c.transport == "socket":
+        return '[cluster] transport = "socket" has the server actors listen on sockets, so the servers are actors'
     if config.faults.kill_server_at_step != -1:
         return "[faults] kill_server_at_step kills a server process"
     if c.parameter_servers > c.trainers:

@@ -22,6 +22,13 @@ directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has t
 to an empty server instead of joining; the trainers then load the checkpoint's tables as above. A restarted
 server actor needs no re-admission: the same handles reach it.
 
+With ``[cluster] transport = "socket"`` each worker group's rank 0 has the server actors
+``PSActor.reset_socket()``: an empty server, served on a TCP socket of the actor's node (port 0), whose
+``host:port`` it broadcasts with the group key; every trainer registers those addresses under ``ps<i>``
+(``scheduling.ps.ray_transport.RaySocketServers``) and sends its requests there
+(``scheduling.ps.socket_transport``), not through Ray. A restarted server actor listens on a new port, which the
+next worker group's rank 0 takes again; the trainers then load the checkpoint's tables as above.
+
 With ``[cluster] servers_in_trainers`` (:mod:`jobs.hosting`) there are no server actors: trainer ``i``'s process
 serves server ``i`` and the RPC group holds the trainers only (:mod:`jobs.trainer.in_trainers`); a restarted worker
 group starts empty servers in its new processes and loads the last checkpoint's tables, as above.
@@ -242,7 +249,12 @@ class ServerGroup:
             from scheduling.ps import server_group
 
             self.servers = [f"ps{i}" for i in range(self.num_servers)]
-            self.lifecycle = server_group(c.transport)(self.servers, c.rpc_timeout_s)
+            lifecycle: Any = server_group(c.transport)
+            if c.transport == "socket":  # the server actors listen on sockets (not LocalCluster's processes)
+                from scheduling.ps.ray_transport import RaySocketServers
+
+                lifecycle = RaySocketServers
+            self.lifecycle = lifecycle(self.servers, c.rpc_timeout_s)
         """The transport's lifecycle object: how this group's servers are readied, joined and left."""
         self.state: Any = spec.state
         """The launcher's JobState actor (None in tests without one): rank 0 reports each phase's table layout."""

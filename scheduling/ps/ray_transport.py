@@ -45,7 +45,8 @@ from .endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
 from .server import PSServer
 
 __all__ = ["PSActor", "ActorHost", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "MAX_REQUESTS", "server_actor_class", "start_actors", "register_servers",
-           "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors", "RayServers", "wait_all"]
+           "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors", "RayServers", "RaySocketServers",
+           "wait_all"]
 
 MAX_REQUESTS = 100_000
 """Requests one server actor holds at once (Ray's ``max_concurrency`` of an asyncio actor), waiting ones
@@ -106,6 +107,7 @@ class PSActor(AsyncEndpoints):
         super().__init__(num_worker_threads=num_worker_threads)
         self.joined, self.groups, self.hooks = False, 0, hooks
         self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
+        self.socket: Any = None  # the socket transport's listener (reset_socket), kept across resets
         if hooks is not None:
             hooks.start()
         if not serve_at_start:
@@ -123,6 +125,22 @@ class PSActor(AsyncEndpoints):
         if checkpoint is not None:
             server.load_state_dict(torch.load(checkpoint, weights_only=False))
         return self._serve(server)
+
+    def reset_socket(self, host: str | None = None) -> dict[str, Any]:
+        """``socket`` transport: :meth:`reset`, and serve this actor's endpoints on a TCP socket
+        (:class:`scheduling.ps.socket_server.SocketServer`) bound on ``host`` (None: this node's Ray address), port
+        0 (a free one). The socket stays across resets; a restarted actor binds a new one. Returns :meth:`reset`'s
+        answer and ``"address"``: the ``"host:port"`` clients connect to.
+
+        Raises:
+            OSError: ``host`` cannot be bound.
+        """
+        answer: dict[str, Any] = dict(self.reset())
+        if self.socket is None:
+            from .socket_server import SocketServer
+
+            self.socket = SocketServer(self, host or ray.util.get_node_ip_address(), 0).start()
+        return {**answer, "address": self.socket.address}
 
     def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, int]:
         """``torch_rpc`` transport: leave the current RPC group if any, then join the one at ``addr:port`` as
@@ -176,6 +194,9 @@ class PSActor(AsyncEndpoints):
     def close(self) -> None:
         """Leave the group, drop the server and close the ``hooks`` (the owner then kills the actor)."""
         self.leave()
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
         self.server = None
         if self.hooks is not None:
             self.hooks.close()
@@ -420,4 +441,40 @@ class RayServers:
 
     def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:
         """Forget the servers' names: no group to leave, the launcher owns the actors."""
+        unregister_servers(self.names)
+
+
+class RaySocketServers(RayServers):
+    """The lifecycle of a job's ``socket`` parameter servers (``jobs.trainer.servers.ServerGroup`` with
+    ``[cluster] transport = "socket"``): the launcher's :class:`PSActor` actors, each serving its endpoints on a
+    TCP socket of its node (:meth:`PSActor.reset_socket`); the clients send to those addresses
+    (:mod:`scheduling.ps.socket_transport`), not through Ray. Rank 0 of each worker group resets the actors and
+    takes their addresses again (a restarted actor listens on a new port); the other trainers hear them with the
+    group key. Same methods as :class:`RayServers`.
+    """
+
+    name = "socket"
+
+    def rendezvous(self, host: str, actors: Sequence[Any]) -> list[str]:  # type: ignore[override]
+        """Rank 0 of a new trainer group: empty every server actor and have it listen (:meth:`PSActor.reset_socket`,
+        on its own node's address; ``host`` is not used); returns their ``"host:port"`` addresses, in order."""
+        self.host = ActorHost(actors)
+        self._answers = ray.get([a.reset_socket.remote() for a in actors], timeout=self.timeout_s)
+        return [answer["address"] for answer in self._answers]
+
+    def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: Any,
+             before_join: Any = None) -> list[dict[str, Any]]:
+        """Register the servers' addresses (``rendezvous``, rank 0's :meth:`rendezvous`) under :attr:`names` for
+        this process's clients (:func:`scheduling.ps.socket_transport.register_servers`); returns the servers'
+        answers to :meth:`rendezvous` (rank 0; ``[]`` elsewhere)."""
+        from .socket_transport import register_servers
+
+        self.host = ActorHost(actors)
+        register_servers(dict(zip(self.names, rendezvous)))
+        return self._answers if rank == 0 else []
+
+    def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:
+        """Forget the servers' names: no group to leave, the launcher owns the actors (and their sockets)."""
+        from .socket_transport import unregister_servers
+
         unregister_servers(self.names)

@@ -268,7 +268,8 @@ class SocketServers:
     (:class:`~scheduling.ps.hosts.ProcessHost`), each listening on a port it bound itself, registered under
     :attr:`names` for this process's clients (:func:`scheduling.ps.socket_transport.register_servers`). No
     group: nothing to join or leave, a client connects on its first request. Same methods as
-    :class:`scheduling.ps.lifecycle.TorchRPCServers` for one machine (jobs do not use this transport yet).
+    :class:`scheduling.ps.lifecycle.TorchRPCServers` for one machine (a job's server actors:
+    :class:`scheduling.ps.ray_transport.RaySocketServers`).
 
     Args:
         names: the names clients use for the servers (``ps<i>``); ``timeout_s``: how long a server may take to

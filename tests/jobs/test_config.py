@@ -38,6 +38,7 @@ def test_values_are_parsed_into_sections(tmp_path):
         ('[phases]\npasses = ["async_rpc", "fusee"]\n', r"\[phases\] passes: unknown pass 'fusee'; known passes: "
                                                         r"async_rpc, async_rpc_prefetch, dce, fuse, (\w+, )*reinplace"),
         ("[job]\nsteps = \n", r"invalid TOML"),
+        ('[cluster]\ntransport = "tcp"\n', r'\[cluster\] transport = \'tcp\': must be "torch_rpc", "ray" or "socket"'),
     ],
 )
 def test_errors_name_the_key(tmp_path, text, match):
