@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from scheduling.ps import init_trainer, serve_in_trainer, stop_serving, trainer_servers
+from scheduling.ps import serve_in_trainer, stop_serving, trainer_servers
 from scheduling.ps.lifecycle import TorchRPCServers
 
 __all__ = ["InTrainerServers", "in_trainer_names"]
@@ -79,12 +79,7 @@ class InTrainerServers(TorchRPCServers):
                                            own_requests="thread" if self.fetch_delay_s > 0 else "inline")
             if self.exporter is not None:
                 self.exporter.watch_server(self.server, rank=f"ps{rank}")
-        try:
-            init_trainer(f"trainer{rank}", rank, world, master_addr=host, master_port=port, timeout_s=self.timeout_s)
-        finally:  # rank 0's store has bound the port (or failed): the reservation has done its part
-            if self._reservation is not None:
-                self._reservation.close()
-                self._reservation = None
+        self.join_group(rank, world, host, port)
         return []
 
     def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:

@@ -162,13 +162,22 @@ class TorchRPCServers:
         if before_join is not None:
             before_join(host)
         joins = [a.join.remote(world + i, total, host, port) for i, a in enumerate(actors)] if rank == 0 else []
+        self.join_group(rank, total, host, port)
+        return wait_all(joins, None) if joins else []
+
+    def join_group(self, rank: int, world: int, host: str, port: int) -> None:
+        """This process joins the RPC group of ``world`` members at ``host:port`` as ``trainer<rank>``, then releases
+        the port reservation of :meth:`rendezvous` (rank 0's store has bound the port, or failed).
+
+        Raises:
+            scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
+        """
         try:
-            init_trainer(f"trainer{rank}", rank, total, master_addr=host, master_port=port, timeout_s=self.timeout_s)
-        finally:  # rank 0's store has bound the port (or failed): the reservation has done its part
+            init_trainer(f"trainer{rank}", rank, world, master_addr=host, master_port=port, timeout_s=self.timeout_s)
+        finally:
             if self._reservation is not None:
                 self._reservation.close()
                 self._reservation = None
-        return wait_all(joins, None) if joins else []
 
     def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:
         """Trainer ``rank`` leaves the group; with ``graceful`` on rank 0, the server ``actors`` leave it too
