@@ -27,6 +27,20 @@ Use (in every trainer process, before it joins the group; rank 0 hosts the rende
     ...
     stop_serving()                                        # after leaving the group
 
+Over the ``socket`` transport instead of RPC (:func:`serve_in_trainer_socket`): the same server also listens on a
+TCP port of its own (:class:`~scheduling.ps.socket_server.SocketServer` over the same endpoints, reader threads
+in this process), the trainers learn each other's addresses through their process group
+(:func:`share_addresses`), and the clients name the servers ``ps<i>``; this process's requests to its own
+server still skip the transport (its address is routed to :func:`call_local`,
+:func:`scheduling.ps.socket_transport.route_locally`)::
+
+    dist.init_process_group("gloo", ...)                  # the trainers' group
+    serve_in_trainer_socket(f"ps{rank}")                  # listens on a free port
+    share_addresses([f"ps{i}" for i in range(T)])         # every trainer: "ps<i>" -> trainer i's address
+    client = PSClient(tables, [f"ps{i}" for i in range(T)], ...)   # picks transport="socket"
+    ...
+    stop_serving()                                        # closes the socket too
+
 Source: torchrec ``DistributedModelParallel`` table-wise sharding (torchrec/distributed/sharding/tw_sharding.py:
 each table lives in one trainer); ``torch.distributed.rpc`` (each worker serves incoming requests on its own
 thread pool, ``TensorPipeRpcBackendOptions.num_worker_threads``).
@@ -40,12 +54,15 @@ import torch
 
 from .endpoints import Endpoints
 
-__all__ = ["serve_in_trainer", "stop_serving", "trainer_servers", "hosted_worker", "local_endpoints", "call_local"]
+__all__ = ["serve_in_trainer", "serve_in_trainer_socket", "share_addresses", "stop_serving", "trainer_servers",
+           "hosted_worker", "local_endpoints", "call_local"]
 
 _HOSTED: dict[str, tuple[Endpoints, bool]] = {}
 """This process's RPC worker name -> (the endpoints of the server it hosts, whether its own requests skip RPC)."""
 _OWN_THREAD: list[Any] = []
 """The one-thread executor running this process's own requests (``own_requests="thread"``), or empty."""
+_SOCKET: list[Any] = []
+"""The :class:`~scheduling.ps.socket_server.SocketServer` of :func:`serve_in_trainer_socket`, or empty."""
 OWN_REQUESTS = ("inline", "thread")
 """Where a trainer's direct requests to its own server run: on the calling thread, or on one server thread."""
 
@@ -114,12 +131,82 @@ def stop_serving() -> None:
     answered with an error); nothing when none runs."""
     from . import server as _srv
 
+    if _SOCKET:
+        from .socket_transport import route_locally
+
+        route_locally(_SOCKET[0].address, None)
+        _SOCKET[0].close()
+        _SOCKET.clear()
     if _HOSTED:
         _HOSTED.clear()
         _srv._ENDPOINTS.server = None
     for pool in _OWN_THREAD:
         pool.shutdown(wait=False)
     _OWN_THREAD.clear()
+
+
+def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> Any:
+    """:func:`serve_in_trainer` ``(name, **kwargs)`` for clients of the ``socket`` transport: the server also
+    listens on ``host:port`` (port 0: a free one, bound at once) for the other trainers' requests, served on
+    reader threads of this process (:class:`~scheduling.ps.socket_server.SocketServer` over the same endpoints);
+    with ``direct`` (the default) this process's own requests to ``name`` or to its address skip the socket.
+
+    Args:
+        name: the server's name (what the clients list, e.g. ``"ps0"``, registered by :func:`share_addresses`).
+        host: the address to listen on (``"127.0.0.1"``: this machine only; ``"0.0.0.0"``: every interface).
+        port: the TCP port, 0 for one the OS picks.
+        kwargs: :func:`serve_in_trainer`'s (``fetch_delay_s``, ``push_delay_s``, ``checkpoint``, ``direct``,
+            ``own_requests``).
+
+    Returns:
+        The :class:`~scheduling.ps.socket_server.SocketServer` (its ``address``: ``"host:port"`` as bound).
+
+    Raises:
+        RuntimeError: a parameter server already runs in this process.
+        ValueError: a bad ``own_requests``.
+        OSError: ``host:port`` cannot be bound (the server is dropped again).
+    """
+    import functools
+
+    from . import server as _srv
+    from .socket_server import SocketServer
+    from .socket_transport import route_locally
+
+    serve_in_trainer(name, **kwargs)
+    try:
+        listener = SocketServer(_srv._ENDPOINTS, host, port)
+    except BaseException:
+        stop_serving()
+        raise
+    _SOCKET[:] = [listener]
+    if _HOSTED[name][1]:
+        route_locally(listener.address, functools.partial(call_local, _srv._ENDPOINTS))
+    return listener.start()
+
+
+def share_addresses(names: list[str], group: Any = None) -> dict[str, str]:
+    """Tell every trainer of the process group ``group`` (default: the default group) where each trainer's
+    server listens: rank ``i`` of the group hosts ``names[i]`` (:func:`serve_in_trainer_socket`, called
+    before); a collective, every rank calls it. Registers the names for this process's socket clients
+    (:func:`scheduling.ps.socket_transport.register_servers`) and returns ``{name: "host:port"}``.
+
+    Raises:
+        RuntimeError: this process serves no socket server, or ``names`` does not have one name per rank.
+    """
+    import torch.distributed as dist
+
+    from .socket_transport import register_servers
+
+    if not _SOCKET:
+        raise RuntimeError("share_addresses: this process serves no socket server; call serve_in_trainer_socket first")
+    world = dist.get_world_size(group)
+    if len(names) != world:
+        raise RuntimeError(f"share_addresses: {len(names)} names {names} for a group of {world} trainers")
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, _SOCKET[0].address, group=group)
+    addresses = dict(zip(names, found))
+    register_servers(addresses)
+    return addresses
 
 
 def hosted_worker() -> str | None:
@@ -129,7 +216,8 @@ def hosted_worker() -> str | None:
 
 def local_endpoints(worker: str) -> Endpoints | None:
     """The endpoints to call directly for requests to ``worker``: this process's server when it hosts
-    ``worker``'s with ``direct``; else None (send them by RPC)."""
+    ``worker``'s with ``direct`` (``worker``: an RPC worker name, or a :func:`serve_in_trainer_socket` server's
+    name); else None (send them by the transport)."""
     hosted = _HOSTED.get(worker)
     return hosted[0] if hosted is not None and hosted[1] else None
 

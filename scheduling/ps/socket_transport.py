@@ -36,7 +36,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -44,7 +44,8 @@ import torch
 from .endpoints import METHODS
 
 __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
-           "dumps", "send_message", "recv_message", "Undecodable", "tune", "SOCKET_BUFFER_BYTES", "parse_address", "REQUEST", "ANSWER", "ERROR"]
+           "dumps", "send_message", "recv_message", "Undecodable", "tune", "SOCKET_BUFFER_BYTES", "parse_address", "REQUEST", "ANSWER", "ERROR",
+           "route_locally"]
 
 WIRE_METHODS = (*METHODS, "stop")
 """Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop)."""
@@ -65,6 +66,20 @@ def tune(sock: socket.socket) -> None:
 
 _ADDRESSES: dict[str, str] = {}
 _ADDRESSES_LOCK = threading.Lock()
+
+
+_LOCAL: dict[str, Callable[[str, tuple], torch.futures.Future]] = {}
+"""``"host:port"`` of a server this process hosts -> the function that calls it directly (:func:`route_locally`)."""
+
+
+def route_locally(address: str, call: Callable[[str, tuple], torch.futures.Future] | None) -> None:
+    """Send this process's requests to the server at ``address`` to ``call(method, args)`` (a Future of the
+    answer, as ``call_async`` returns; e.g. :func:`scheduling.ps.in_trainers.call_local` of a server this
+    process hosts) instead of over the socket; ``call=None`` ends that."""
+    if call is None:
+        _LOCAL.pop(address, None)
+    else:
+        _LOCAL[address] = call
 
 
 def register_servers(addresses: Mapping[str, str]) -> None:
@@ -342,10 +357,16 @@ class SocketTransport:
         """Send ``method(*args)`` to server ``server``: a Future of its answer (``wait()`` raises the server's
         exception, or a plain RuntimeError for a transport failure).
 
+        A server this process hosts (:func:`route_locally`) is called directly, without the socket.
+
         Raises:
             RuntimeError: the server cannot be reached or the request not sent.
         """
-        return _connection(self.addresses[server], timeout_s).call(method, args, timeout_s)
+        address = self.addresses[server]
+        local = _LOCAL.get(address)
+        if local is not None:
+            return local(method, args)
+        return _connection(address, timeout_s).call(method, args, timeout_s)
 
     def stop(self, timeout_s: float, names: Sequence[str] | None = None) -> None:
         """Ask every server (or those of ``names``) to leave its serving loop; best effort."""
