@@ -43,12 +43,15 @@ CHECK_BYTES = 128 << 20
 trainer gathers every table from the servers for it."""
 SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
-           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms", "fx_socket_prefetch_0ms")
+           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms", "fx_socket_prefetch_0ms",
+           "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_stale1_0ms``: prefetch
 with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i`` inside
 trainer ``i``'s process (``scheduling.ps.in_trainers``: 2 processes instead of 4); ``fx_dynamic_*``: prefetch
 with the 26 tables dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_socket_*``: the
-servers reached over the ``socket`` transport (``scheduling.ps.socket_transport``), no RPC group."""
+servers reached over the ``socket`` transport (``scheduling.ps.socket_transport``), no RPC group;
+``fx_inproc_socket_*``: server ``i`` inside trainer ``i`` (``in_trainers.serve_in_trainer_socket``), the other
+trainer's requests over its socket, its own called directly."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -412,8 +415,9 @@ def dynamic_tables(system: str) -> bool:
 
 
 def over_socket(system: str) -> bool:
-    """Whether fxdist system ``system`` reaches its servers over the ``socket`` transport (``fx_socket_*``)."""
-    return system.startswith("fx_socket_")
+    """Whether fxdist system ``system`` reaches its servers over the ``socket`` transport (``fx_socket_*``,
+    ``fx_inproc_socket_*``)."""
+    return system.startswith(("fx_socket_", "fx_inproc_socket_"))
 
 
 def _fx_kind(system: str) -> str:
@@ -429,7 +433,8 @@ def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
     import scheduling
     from scheduling.ps import trainer_servers
 
-    servers = trainer_servers(WORLD) if in_trainers(s.system) else [f"ps{i}" for i in range(SERVERS)]
+    rpc_in_trainers = in_trainers(s.system) and not over_socket(s.system)   # else registered socket names
+    servers = trainer_servers(WORLD) if rpc_in_trainers else [f"ps{i}" for i in range(SERVERS)]
     dynamic = {name: {"capacity": s.rows} for name in PLAN} if dynamic_tables(s.system) else None
     ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, rank=rank, world_size=WORLD,
                            group=s.group, verbose=False, plan=PLAN, servers=servers, seed=TABLE_SEED,
@@ -485,6 +490,8 @@ def run_fx(rank: int, s: Setting) -> dict:
     if rank == 0 and not in_trainers(s.system):   # servers in the trainers end with them
         get_client(names[0]).stop_servers()
     placement.close(gm)
+    if in_trainers(s.system):   # no trainer still sends to a server that ends with its trainer
+        dist.barrier()
     return result
 
 
@@ -540,7 +547,12 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
     rpc_group = fx and not over_socket(s.system)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{s.pg_port}", rank=rank, world_size=WORLD)
-        if over_socket(s.system):   # clients given these names pick the socket transport
+        if over_socket(s.system) and in_trainers(s.system):   # server `rank` here, then every trainer's address
+            from scheduling.ps.in_trainers import serve_in_trainer_socket, share_addresses
+
+            serve_in_trainer_socket(f"ps{rank}")
+            share_addresses([f"ps{i}" for i in range(WORLD)])   # registers the names: the clients pick socket
+        elif over_socket(s.system):   # clients given these names pick the socket transport
             from scheduling.ps.socket_transport import register_servers
 
             register_servers({f"ps{i}": address for i, address in enumerate(s.addresses)})
@@ -561,9 +573,9 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
         if rpc_group:
             from torch.distributed import rpc
 
-            from scheduling.ps import stop_serving
-
             rpc.shutdown(graceful=False)
-            stop_serving()
+        from scheduling.ps import stop_serving
+
+        stop_serving()   # nothing when this process serves none
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -26,6 +26,10 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_socket_prefetch_0ms``: ``fx_prefetch_0ms`` with the servers reached over the ``socket`` transport
   (``scheduling.ps.socket_transport``: one TCP connection per trainer and server, tensors as raw buffers) instead of
   ``torch.distributed.rpc``; the servers bind free ports and publish them before the trainers start;
+- ``fx_inproc_socket_prefetch_0ms`` / ``fx_inproc_socket_stale1_0ms``: both: server ``i`` inside trainer ``i``'s
+  process, listening on a free port of its own (``in_trainers.serve_in_trainer_socket``; the trainers share their
+  addresses over their gloo group), the other trainer's requests served on its socket reader threads, its own
+  called directly; 2 processes, no RPC group;
 - ``fx_dynamic_prefetch_0ms``: ``fx_prefetch_0ms`` with the 26 tables dynamic (``parameter_servers(dynamic=...)``,
   collisionless, capacity = the size's rows, the same ids sent raw): the cost of dynamic tables against fixed
   ones of the same rows, as a ratio from the same run (its rows start as ``scheduling.ps.dynamic`` makes them,
@@ -138,7 +142,7 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     servers = systems.SERVERS if fx and not systems.in_trainers(setting.system) else 0
     pids = ctx.Array("i", systems.WORLD + servers) if cpu_account else None   # filled once all have started
     start = time.perf_counter()
-    if socket:   # the servers first: each binds a free port and publishes it, then the trainers get the addresses
+    if socket and servers:   # the servers first: each binds a free port and publishes it, then the trainers get the addresses
         ready = ctx.Queue()
         server_procs = [ctx.Process(target=systems.socket_server_main, args=(i, ready, server_nice), daemon=True)
                         for i in range(servers)]
@@ -324,6 +328,12 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
     if sock and fixed and (ratios := _ratios(sock, fixed)):
         print(f"socket / torch_rpc transport (fx_socket_prefetch_0ms / fx_prefetch_0ms, QPS per round): "
               f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
+    inproc, both = found.get("fx_inproc_prefetch_0ms"), found.get("fx_inproc_socket_prefetch_0ms")
+    for name, runs, base_runs in (("fx_inproc_socket_prefetch_0ms / fx_inproc_prefetch_0ms", both, inproc),
+                                  ("fx_inproc_socket_prefetch_0ms / fx_socket_prefetch_0ms", both, sock)):
+        if runs and base_runs and (ratios := _ratios(runs, base_runs)):
+            print(f"{name} (QPS per round): median {statistics.median(ratios):.2f}x "
+                  f"({min(ratios):.2f}..{max(ratios):.2f})")
     dyn = found.get("fx_dynamic_prefetch_0ms")
     if dyn and fixed and (ratios := _ratios(dyn, fixed)):
         print(f"dynamic / fixed tables of the same rows (fx_dynamic_prefetch_0ms / fx_prefetch_0ms, QPS per round): "
