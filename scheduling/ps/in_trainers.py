@@ -153,7 +153,8 @@ def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *
 
     Args:
         name: the server's name (what the clients list, e.g. ``"ps0"``, registered by :func:`share_addresses`).
-        host: the address to listen on (``"127.0.0.1"``: this machine only; ``"0.0.0.0"``: every interface).
+        host: the address to listen on, which is also the one published (``"127.0.0.1"``: trainers of this
+            machine only; on a cluster, this node's address the other nodes reach).
         port: the TCP port, 0 for one the OS picks.
         kwargs: :func:`serve_in_trainer`'s (``fetch_delay_s``, ``push_delay_s``, ``checkpoint``, ``direct``,
             ``own_requests``).
@@ -185,25 +186,32 @@ def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *
 
 
 def share_addresses(names: list[str], group: Any = None) -> dict[str, str]:
-    """Tell every trainer of the process group ``group`` (default: the default group) where each trainer's
-    server listens: rank ``i`` of the group hosts ``names[i]`` (:func:`serve_in_trainer_socket`, called
-    before); a collective, every rank calls it. Registers the names for this process's socket clients
-    (:func:`scheduling.ps.socket_transport.register_servers`) and returns ``{name: "host:port"}``.
+    """Tell every trainer of the process group ``group`` (default: the default group; none initialised: this
+    process alone) where each server listens: rank ``i`` hosts ``names[i]`` (:func:`serve_in_trainer_socket`,
+    called before), ranks from ``len(names)`` on host none. A collective: every rank calls it. Registers the
+    names for this process's socket clients (:func:`scheduling.ps.socket_transport.register_servers`) and
+    returns ``{name: "host:port"}``.
 
     Raises:
-        RuntimeError: this process serves no socket server, or ``names`` does not have one name per rank.
+        RuntimeError: more names than ranks, or a rank that should host one serves no socket server (raised on
+            every rank).
     """
     import torch.distributed as dist
 
     from .socket_transport import register_servers
 
-    if not _SOCKET:
-        raise RuntimeError("share_addresses: this process serves no socket server; call serve_in_trainer_socket first")
-    world = dist.get_world_size(group)
-    if len(names) != world:
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if len(names) > world:
         raise RuntimeError(f"share_addresses: {len(names)} names {names} for a group of {world} trainers")
-    found: list[Any] = [None] * world
-    dist.all_gather_object(found, _SOCKET[0].address, group=group)
+    mine = _SOCKET[0].address if _SOCKET else None
+    found: list[Any] = [mine]
+    if dist.is_initialized():
+        found = [None] * world
+        dist.all_gather_object(found, mine, group=group)
+    missing = [f"rank {i} ({n})" for i, (n, a) in enumerate(zip(names, found)) if a is None]
+    if missing:
+        raise RuntimeError(f"share_addresses: {', '.join(missing)} serves no socket server; call "
+                           "serve_in_trainer_socket there first")
     addresses = dict(zip(names, found))
     register_servers(addresses)
     return addresses

@@ -74,16 +74,17 @@ def test_a_socket_server_that_cannot_bind_is_dropped_again():
         blocker.close()
 
 
-def test_share_addresses_needs_a_server_and_one_name_per_rank():
-    with pytest.raises(RuntimeError, match="serves no socket server; call serve_in_trainer_socket first"):
+def test_share_addresses_needs_a_server_per_name_and_no_more_names_than_ranks():
+    with pytest.raises(RuntimeError, match=r"rank 0 \(ps0\) serves no socket server; call serve_in_trainer_socket"):
         share_addresses(["ps0"])
-    serve_in_trainer_socket("ps0")
+    served = serve_in_trainer_socket("ps0")
     try:
+        assert share_addresses(["ps0"]) == {"ps0": served.address}   # alone: no process group needed
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         try:
             with pytest.raises(RuntimeError, match=r"2 names \['ps0', 'ps1'\] for a group of 1 trainers"):
                 share_addresses(["ps0", "ps1"])
-            assert share_addresses(["ps0"]) == {"ps0": st._ADDRESSES["ps0"]}
+            assert share_addresses(["ps0"]) == {"ps0": served.address} and st._ADDRESSES["ps0"] == served.address
         finally:
             dist.destroy_process_group()
     finally:
