@@ -7,12 +7,15 @@
 - ``true``: trainer ``i``'s process also serves server ``i`` for ``i < N`` (:mod:`scheduling.ps.in_trainers`,
   :class:`jobs.trainer.in_trainers.InTrainerServers`): ``T`` processes, no server actor. ``[cluster]
   parameter_servers`` keeps its meaning, the number of table shards, and must be ``<= trainers`` (trainers
-  ``N .. T-1`` serve nothing); a trainer's requests to its own shard skip RPC;
+  ``N .. T-1`` serve nothing); a trainer's requests to its own shard skip RPC. With ``[cluster] transport =
+  "socket"`` server ``i`` listens on a socket of trainer ``i``'s process instead of joining an RPC group
+  (:class:`jobs.trainer.in_trainers.InTrainerSocketServers`);
 - ``"auto"``: in the trainers when every trainer would host one server (``parameter_servers == trainers``) and
   the CPUs the job can use (Ray's ``CPU`` resources) are fewer than separate servers need to have a core each:
   ``ceil(trainers * cpus_per_trainer) + parameter_servers + 1`` (the ``+ 1``: the launcher, Ray's own processes
   and the RPC threads). Else separate processes; also when the config needs server processes
-  (:func:`needs_separate`).
+  (:func:`needs_separate`) or uses the ``socket`` transport (in the trainers over sockets is not measured in a
+  job yet: ``true`` asks for it).
 
 The rule comes from ``benchmarks/peer.py`` (2 trainers, 2 servers, ratio of QPS to torchrec's DMP): on 2 cores
 the servers in the trainers gave 0.99 / 1.02 (tables 1e4 x 64 / 1e6 x 16) against 0.92 / 0.98 for separate server
@@ -64,14 +67,11 @@ def cpus_needed(cluster: Any) -> int:
 
 def needs_separate(config: Any) -> str | None:
     """Why ``config`` needs servers in processes of their own, or None: the ``ray`` transport (the trainers call
-    the server actors' methods) or the ``socket`` one (the server actors listen on sockets), ``[faults]
-    kill_server_at_step`` (it kills a server process), or more servers than trainers (each trainer hosts at most
-    one)."""
+    the server actors' methods), ``[faults] kill_server_at_step`` (it kills a server process), or more servers
+    than trainers (each trainer hosts at most one)."""
     c = config.cluster
     if c.transport == "ray":
         return '[cluster] transport = "ray" calls the server actors\' methods, so the servers are actors'
-    if c.transport == "socket":
-        return '[cluster] transport = "socket" has the server actors listen on sockets, so the servers are actors'
     if config.faults.kill_server_at_step != -1:
         return "[faults] kill_server_at_step kills a server process"
     if c.parameter_servers > c.trainers:
@@ -113,6 +113,8 @@ def choose_hosting(config: Any, cpus: float | None) -> Hosting:
         where = "in the trainers" if setting else "in processes of their own"
         return Hosting(setting, setting, f"{KEY} = {str(setting).lower()}: the servers run {where}")
     why = needs_separate(config)
+    if why is None and c.transport == "socket":
+        why = '[cluster] transport = "socket" (servers in the trainers over sockets: only with true, not measured in a job)'
     if why is None and c.parameter_servers != c.trainers:
         why = (f"[cluster] parameter_servers = {c.parameter_servers} < trainers = {c.trainers} (the trainers hosting a "
                "server would also serve the others' lookups: measured slower)")

@@ -92,7 +92,8 @@ def reshard_plan(previous: dict[str, Any] | None, config: JobConfig, *,
         previous: the resumed run's results.json (its ``config`` and ``table_layout``: phase -> ``"<path>"`` ->
             ``servers``, ``table``, ``module``, ``rows``, ``dim``, ``dynamic``).
         config: the resumed run's config, with the new ``[cluster] parameter_servers``.
-        in_trainers: the new servers live in the trainers (:mod:`jobs.hosting`): named ``trainer<i>``, not ``ps<i>``.
+        in_trainers: the new servers live in the trainers (:mod:`jobs.hosting`): named ``trainer<i>``, not ``ps<i>``
+            (over ``[cluster] transport = "socket"`` they keep ``ps<i>``).
 
     Returns:
         ``{"from_servers", "to_servers", "tables": {phase: {"<path>": {"before": [names], "after": [names]}}}}``;
@@ -104,7 +105,8 @@ def reshard_plan(previous: dict[str, Any] | None, config: JobConfig, *,
     new = config.cluster.parameter_servers
     if old == new or not old or not new:
         return None
-    names = [f"{'trainer' if in_trainers else 'ps'}{i}" for i in range(new)]
+    rpc_names = in_trainers and config.cluster.transport != "socket"   # over sockets they stay ps<i>
+    names = [f"{'trainer' if rpc_names else 'ps'}{i}" for i in range(new)]
     tables = {}
     for phase, layout in ((previous or {}).get("table_layout") or {}).items():
         after = replan(layout, names)

@@ -11,6 +11,11 @@ trainer process of the new group starts an empty server and the trainers load th
 into them, as after a killed server actor (:mod:`jobs.trainer.servers`). There is no server process to kill alone
 (``[faults] kill_server_at_step`` is refused) and no server actor to call (the ``ray`` transport is refused).
 
+With ``[cluster] transport = "socket"`` (:class:`InTrainerSocketServers`) there is no RPC group: trainer ``i < N``
+serves ``ps<i>`` on a TCP socket of its node (:func:`scheduling.ps.in_trainers.serve_in_trainer_socket`, port 0),
+the trainers share the addresses over their ``torch.distributed`` process group
+(:func:`scheduling.ps.in_trainers.share_addresses`), and a trainer's requests to its own server skip the socket.
+
 Source: :mod:`scheduling.ps.in_trainers`; torchrec ``DistributedModelParallel`` table-wise sharding
 (torchrec/distributed/sharding/tw_sharding.py); torch.distributed.rpc (one static group, no re-admission).
 """
@@ -23,7 +28,7 @@ from typing import Any
 from scheduling.ps import serve_in_trainer, stop_serving, trainer_servers
 from scheduling.ps.lifecycle import TorchRPCServers
 
-__all__ = ["InTrainerServers", "in_trainer_names"]
+__all__ = ["InTrainerServers", "InTrainerSocketServers", "in_trainer_names"]
 
 
 def in_trainer_names(servers: int) -> list[str]:
@@ -97,3 +102,85 @@ class InTrainerServers(TorchRPCServers):
         """
         raise RuntimeError(f"server ps{index} runs inside trainer {index}'s process: kill the trainer instead "
                            "([faults] kill_trainer_at_step)")
+
+
+class InTrainerSocketServers:
+    """The ``socket`` lifecycle of servers hosted by the trainers (see the module docstring): :meth:`join` starts
+    this trainer's server ``ps<rank>`` (``rank < N``) on a socket, then every trainer learns every server's address;
+    :meth:`leave` drops it. Same methods as :class:`InTrainerServers`.
+
+    Args:
+        names: the servers' names ``ps<i>`` (what the clients list); ``timeout_s``: not used (no group to form);
+        fetch_delay_s: added latency per lookup, seconds; ``exporter``: as :class:`InTrainerServers`'s.
+    """
+
+    name = "socket"
+
+    def __init__(self, names: Sequence[str], timeout_s: float, *, fetch_delay_s: float = 0.0,
+                 exporter: Any = None) -> None:
+        self.names, self.timeout_s = list(names), timeout_s
+        self.fetch_delay_s, self.exporter = fetch_delay_s, exporter
+        self.server: Any = None
+        """The server this trainer hosts (a ``scheduling.ps.PSServer``), or None."""
+        self.world = 1
+
+    def rendezvous(self, host: str, actors: Sequence[Any]) -> str:
+        """Rank 0 of a new trainer group: the address the group binds to (``host``); a loopback one makes every
+        trainer listen on it, else each listens on its own node's Ray address."""
+        return host
+
+    def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: str,
+             before_join: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        """Trainer ``rank`` of ``world`` serves ``ps<rank>`` on a free port (``rank < N``), then takes every server's
+        address from the other trainers (a collective of the ``torch.distributed`` group; alone without one).
+        Returns ``[]``.
+
+        Raises:
+            ValueError: server actors were given.
+            RuntimeError: no ``torch.distributed`` group with ``world > 1``.
+            OSError: the address cannot be bound.
+        """
+        import torch.distributed as dist
+
+        from jobs.cluster import is_loopback, node_address
+        from scheduling.ps.in_trainers import serve_in_trainer_socket, share_addresses
+
+        if actors:
+            raise ValueError(f"InTrainerSocketServers.join: {len(actors)} server actors given; servers in the "
+                             "trainers have none")
+        if world > 1 and not dist.is_initialized():
+            raise RuntimeError(f"InTrainerSocketServers.join: {world} trainers without a torch.distributed group "
+                               "to share the servers' addresses over")
+        stop_serving()  # a reused process: its old server went with its old group
+        self.world = world
+        if rank < len(self.names):
+            host = rendezvous if is_loopback(rendezvous) else node_address()
+            listener = serve_in_trainer_socket(self.names[rank], host=host, fetch_delay_s=self.fetch_delay_s,
+                                               own_requests="thread" if self.fetch_delay_s > 0 else "inline")
+            self.server = listener.endpoints.server
+            if self.exporter is not None:
+                self.exporter.watch_server(self.server, rank=f"ps{rank}")
+        share_addresses(self.names)
+        return []
+
+    def leave(self, actors: Sequence[Any], rank: int, graceful: bool) -> None:
+        """Drop this trainer's server and forget the names; ``graceful``: first wait for every trainer (no one
+        still sends to it)."""
+        import torch.distributed as dist
+
+        from scheduling.ps.socket_transport import unregister_servers
+
+        if graceful and self.world > 1 and dist.is_initialized():
+            dist.barrier()
+        stop_serving()
+        unregister_servers(self.names)
+        self.server = None
+
+    def kill(self, index: int) -> None:
+        """Not possible: server ``index`` is trainer ``index``'s process (kill the trainer instead).
+
+        Raises:
+            RuntimeError: always.
+        """
+        InTrainerServers.kill(self, index)  # type: ignore[arg-type]
+

@@ -237,14 +237,15 @@ class ServerGroup:
         """The servers live in the trainers' processes (:mod:`jobs.trainer.in_trainers`), not in actors."""
         self.actors: list[Any] = list(spec.servers)
         if self.in_trainers:
-            from jobs.trainer.in_trainers import InTrainerServers, in_trainer_names
+            from jobs.trainer.in_trainers import InTrainerServers, InTrainerSocketServers, in_trainer_names
 
             if self.actors or self.num_servers > world:
                 raise RuntimeError(f"trainer {rank}: servers in the trainers with {len(self.actors)} server actors "
                                    f"and [cluster] parameter_servers = {self.num_servers} for {world} trainers")
-            self.servers = in_trainer_names(self.num_servers)
-            self.lifecycle: Any = InTrainerServers(self.servers, c.rpc_timeout_s, exporter=exporter,
-                                                   fetch_delay_s=c.server_fetch_delay_ms / 1e3)
+            socket = c.transport == "socket"  # no RPC group: server i listens on trainer i's socket, named ps<i>
+            self.servers = [f"ps{i}" for i in range(self.num_servers)] if socket else in_trainer_names(self.num_servers)
+            self.lifecycle: Any = (InTrainerSocketServers if socket else InTrainerServers)(
+                self.servers, c.rpc_timeout_s, exporter=exporter, fetch_delay_s=c.server_fetch_delay_ms / 1e3)
         else:
             from scheduling.ps import server_group
 

@@ -41,7 +41,7 @@ def test_auto_puts_the_servers_in_the_trainers_when_they_would_lack_cores(traine
 def test_auto_keeps_separate_servers_where_the_config_needs_them_or_a_trainer_would_serve_the_others():
     two = {"trainers": 2, "parameter_servers": 2}
     cases = [(_config(**two, transport="ray"), 'transport = "ray"'),
-             (_config(**two, transport="socket"), 'transport = "socket" has the server actors listen'),
+             (_config(**two, transport="socket"), 'transport = "socket" (servers in the trainers over sockets: only'),
              (JobConfig().replace(cluster=two, faults={"kill_server_at_step": 5}), "kill_server_at_step"),
              (_config(trainers=2, parameter_servers=3), "parameter_servers = 3 > trainers = 2"),
              (JobConfig(), "parameter_servers = 1 < trainers = 2 (the trainers hosting a server would also serve"),
@@ -67,8 +67,6 @@ def test_true_and_false_ignore_the_cpus():
      r"servers_in_trainers = true needs \[cluster\] parameter_servers >= 1"),
     ({"cluster": {"servers_in_trainers": True, "transport": "ray"}},
      r'servers_in_trainers = true: \[cluster\] transport = "ray" calls the server actors'),
-    ({"cluster": {"servers_in_trainers": True, "transport": "socket"}},
-     r'servers_in_trainers = true: \[cluster\] transport = "socket" has the server actors listen on sockets'),
     ({"cluster": {"servers_in_trainers": True}, "faults": {"kill_server_at_step": 3}},
      r"servers_in_trainers = true: \[faults\] kill_server_at_step kills a server process"),
     ({"cluster": {"servers_in_trainers": True, "trainers": 2, "parameter_servers": 3}},
@@ -87,3 +85,9 @@ def test_the_setting_may_change_on_resume_and_the_table_says_where_the_servers_r
     assert "1 parameter server, 4 steps" in table(results)
     results["servers_in_trainers"] = {"chosen": True, "setting": "auto", "reason": "r", "cpus": 2.0}
     assert "1 parameter server (in the trainers), 4 steps" in table(results)
+
+
+def test_true_puts_the_servers_in_the_trainers_over_sockets_too():
+    config = parse_config({"cluster": {"servers_in_trainers": True, "transport": "socket", "parameter_servers": 2}})
+    hosting = choose_hosting(config, None)
+    assert hosting.in_trainers and hosting.reason == "[cluster] servers_in_trainers = true: the servers run in the trainers"

@@ -1,7 +1,8 @@
 """Parameter servers inside the trainers' processes in a job (``[cluster] servers_in_trainers = true``, issue 32):
 the same checkpoints as separate server actors, also across a killed trainer (its server dies with it and the
-tables come back from the last checkpoint), then a resume onto two servers (resharding); and the lifecycle's
-refusals."""
+tables come back from the last checkpoint), then a resume onto two servers (resharding); the same over the
+``socket`` transport (``[cluster] transport = "socket"``: each trainer's server on a socket of its own); and the
+lifecycles' refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pytest
 
 from jobs.launcher.cli import main
-from jobs.trainer.in_trainers import InTrainerServers, in_trainer_names
+from jobs.trainer.in_trainers import InTrainerServers, InTrainerSocketServers, in_trainer_names
 from jobs.trainer.metrics import Exporter
 from scheduling.ps import PSServer
 
@@ -42,6 +43,26 @@ def test_the_lifecycle_refuses_actors_and_kills():
         group.kill(1)
 
 
+def test_the_socket_lifecycle_serves_ps_rank_on_a_socket_and_drops_it_on_leave():
+    from scheduling.ps import socket_transport
+    from scheduling.ps.in_trainers import hosted_worker
+
+    group = InTrainerSocketServers(["ps0"], 5.0)
+    with pytest.raises(ValueError, match="1 server actors given; servers in the trainers have none"):
+        group.join([object()], 0, 1, "127.0.0.1")
+    with pytest.raises(RuntimeError, match="2 trainers without a torch.distributed group"):
+        group.join([], 0, 2, "127.0.0.1")
+    with pytest.raises(RuntimeError, match=r"server ps0 runs inside trainer 0's process: kill the trainer instead"):
+        group.kill(0)
+    assert group.join([], 0, 1, "127.0.0.1") == []
+    try:
+        address = socket_transport._ADDRESSES["ps0"]
+        assert hosted_worker() == "ps0" and address.startswith("127.0.0.1:") and group.server.name == "ps0"
+    finally:
+        group.leave([], 0, graceful=True)
+    assert hosted_worker() is None and "ps0" not in socket_transport._ADDRESSES and group.server is None
+
+
 def test_a_trainer_exports_the_server_it_hosts_as_ps_i():
     e = Exporter("j", 0)
     e.watch_server(PSServer("ps0"), rank="ps0")
@@ -55,7 +76,9 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("in_trainers")
     return {"base": base,
             "separate": _launch(base / "separate", "cluster.servers_in_trainers=false"),
-            "in": _launch(base / "in", "cluster.servers_in_trainers=true", "faults.kill_trainer_at_step=6")}
+            "in": _launch(base / "in", "cluster.servers_in_trainers=true", "faults.kill_trainer_at_step=6"),
+            "in_socket": _launch(base / "in_socket", "cluster.servers_in_trainers=true", "cluster.transport=socket",
+                                 "faults.kill_trainer_at_step=6")}
 
 
 @pytest.mark.timeout(900)
@@ -99,3 +122,19 @@ def test_a_run_with_servers_in_the_trainers_resumes_onto_two_of_them(runs, capsy
     for r in done["restores"][-2:]:  # the step-8 tables, now on two in-trainer servers, read back whole
         assert (r["tables"], r["model"]) == saved[(r["phase"], r["step"])]
     assert ("optimized", 12) in saved and done["parity"]["ok"]
+
+
+@pytest.mark.timeout(900)
+def test_servers_in_the_trainers_over_sockets_train_exactly_like_separate_ones_across_a_killed_trainer(runs):
+    sep, inside = runs["separate"], runs["in_socket"]
+    assert inside["status"] == "completed" and inside["config"]["cluster"]["transport"] == "socket"
+    assert inside["servers_in_trainers"]["chosen"] and "ps0" not in inside["processes"]
+    assert inside["placement"]["ps0"]["in"] == "trainer0"
+    assert {s for layout in inside["table_layout"].values() for t in layout.values() for s in t["servers"]} == {"ps0"}
+    assert inside["faults_fired"] == ["trainer"] and inside["restarts"] == 1
+    saved = _saved(inside)
+    assert [(r["phase"], r["step"]) for r in inside["restores"]] == [("baseline", 4), ("optimized", 4)]
+    for r in inside["restores"]:   # the new group's new server (a new socket) got the step-4 tables back
+        assert (r["tables"], r["model"]) == saved[(r["phase"], r["step"])]
+    assert saved == _saved(sep)    # every checkpoint is the separate torch_rpc servers' one, bit for bit
+    assert inside["parity"]["ok"] and inside["parity"]["identical_losses"]
