@@ -211,7 +211,7 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
             status = f"error: {r['error']}" if "error" in r else (
                 f"{r['qps']:,.0f} samples/s, loss {r['first_loss']:.7f} -> {r['last_loss']:.7f}"
                 + ("" if r.get("prefetch_hits") is None else f", trainer 0's prefetch hits {r['prefetch_hits']}"))
-            print(f"  round {rnd + 1} {name:<22} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
+            print(f"  round {rnd + 1} {name:<30} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
     return found
 
 
@@ -230,14 +230,14 @@ def _row(name: str, runs: list[dict], base: list[dict]) -> str:
     """One system's line of the table."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
-        return f"{name:<22} FAILED: {runs[0]['error'][:300]}"
+        return f"{name:<30} FAILED: {runs[0]['error'][:300]}"
     qps = [r["qps"] for r in ok]
     ratios = _ratios(runs, base)
     ratio = (f"{min(ratios):>11.2f} {statistics.median(ratios):>5.2f} {max(ratios):>5.2f}" if ratios
              else f"{'-':>11} {'-':>5} {'-':>5}")
     errors = [r["error"] for r in runs if "error" in r]
     failed = f"  ({len(errors)} of {len(runs)} failed: {errors[0][:200]})" if errors else ""
-    return (f"{name:<22} {statistics.median(qps):>8,.0f} {min(qps):>7,.0f}..{max(qps):<6,.0f} {ratio} "
+    return (f"{name:<30} {statistics.median(qps):>8,.0f} {min(qps):>7,.0f}..{max(qps):<6,.0f} {ratio} "
             f"{ok[-1]['last_loss']:>10.7f} {_fmt(_max_diff(runs, base, 'last_loss'), '.1e', 8)} "
             f"{_fmt(_max_diff(runs, base, 'first_loss'), '.1e', 8)} {_fmt(ok[-1].get('table_change'), '.3e', 9)} "
             f"{statistics.median(r['wall'] for r in runs):>6.0f}{failed}")
@@ -258,7 +258,7 @@ def ceiling(found: dict[str, list[dict]]) -> None:
         if name != "dense_only" and (name.startswith("fx_") or name.startswith("dmp_")):
             f = _ratios(runs, top)
             if f:
-                lines.append(f"  {name:<22} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
+                lines.append(f"  {name:<30} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
     if lines:
         print("fraction of the ceiling (QPS / dense_only's, min med max over rounds):\n" + "\n".join(lines))
 
@@ -270,11 +270,11 @@ def profile_table(found: dict[str, list[dict]], run_dir: Path) -> None:
     if not rows:
         return
     print(f"\nprofile, trainer 0, ms per step (torch.profiler, CPU; top ops in {run_dir}/profile_*.txt)\n"
-          f"{'system':<22} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
+          f"{'system':<30} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
           f"{'optimizer':>9} {'other':>7}")
     for name, p in rows:
         other = p["step"] - p["forward"] - p["backward"] - p["optimizer"]
-        print(f"{name:<22} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
+        print(f"{name:<30} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
               f"{p['push']:>7.2f} {p['optimizer']:>9.2f} {other:>7.2f}")
 
 
@@ -288,7 +288,7 @@ def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
     if not rows:
         return
     print(f"\nCPU per training step, all processes (/proc schedstat; median over rounds; ms): cpu = on a core, "
-          f"wait = runnable, waiting for a core; faults = minor page faults\n{'system':<22} {'step':>6}  "
+          f"wait = runnable, waiting for a core; faults = minor page faults\n{'system':<30} {'step':>6}  "
           f"{'trainers cpu':>12} {'wait':>6} {'faults':>7}  {'servers cpu':>11} {'wait':>6} {'faults':>7}  "
           f"{'total cpu':>9} {'cores':>5}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -299,7 +299,7 @@ def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
 
         step = statistics.median(a["step_ms"] for a in accs)
         total = statistics.median(sum(k["cpu_ms"] for k in a["kinds"].values()) for a in accs)
-        print(f"{name:<22} {step:>6.1f}  {_fmt(med('trainer', 'cpu_ms'), '.1f', 12)} "
+        print(f"{name:<30} {step:>6.1f}  {_fmt(med('trainer', 'cpu_ms'), '.1f', 12)} "
               f"{_fmt(med('trainer', 'wait_ms'), '.1f', 6)} {_fmt(med('trainer', 'faults'), '.0f', 7)}  "
               f"{_fmt(med('server', 'cpu_ms'), '.1f', 11)} {_fmt(med('server', 'wait_ms'), '.1f', 6)} "
               f"{_fmt(med('server', 'faults'), '.0f', 7)}  {total:>9.1f} {total / step:>5.2f}")
@@ -315,7 +315,7 @@ def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
 def report(size: str, found: dict[str, list[dict]]) -> None:
     """The table of one size (columns: see the module docstring)."""
     base = found.get("dmp_tw", [])
-    print(f"\n{size} (rows x dim per table)\n{'system':<22} {'QPS':>8} {'min..max':>15} {'/dmp_tw min':>11} "
+    print(f"\n{size} (rows x dim per table)\n{'system':<30} {'QPS':>8} {'min..max':>15} {'/dmp_tw min':>11} "
           f"{'med':>5} {'max':>5} {'loss last':>10} {'d loss':>8} {'d loss0':>8} {'|W-W0|':>9} {'wall s':>6}")
     for name, runs in found.items():
         print(_row(name, runs, base))
