@@ -30,13 +30,18 @@ import torch
 from .shard_plan import ShardSpec
 from .storage import RowStore
 
-__all__ = ["FusedTables", "FusedIndex", "RECENT_INDEXES"]
+__all__ = ["FusedTables", "FusedIndex", "RECENT_INDEXES", "RECENT_STRUCTURES"]
 
 RECENT_INDEXES = 16
 """How many recently resolved batches a :class:`FusedTables` keeps (:meth:`FusedTables.index`): a trainer's push
 carries the ids of a batch it looked up a step before, so its push reuses that lookup's :class:`FusedIndex`
 instead of resolving the same ids again (2 trainers with prefetch have at most 4 batches between a lookup and
 its push here; more trainers or staleness only miss, and a miss resolves as before)."""
+
+RECENT_STRUCTURES = 4
+"""How many batch structures (what a batch's keys and lengths alone decide: which ids are pooled here, their
+valid ranges, stacked-row offsets and output bags) a :class:`FusedTables` keeps per key tuple, so that resolving a
+batch of known lengths is a few ops on its ids alone (fixed-size bags: every batch of a run)."""
 
 
 @dataclass
@@ -48,6 +53,25 @@ class FusedIndex:
     bags: torch.Tensor
     weights: torch.Tensor | None
     batch_size: int
+
+
+@dataclass
+class _Structure:
+    """A batch's keys and ``lengths`` resolved against a :class:`FusedTables`, ids aside: ``pos`` ``(N',)`` the
+    positions of the ids of pooled keys (None: all), and per such id its layout entry, valid ids ``[0, high)``,
+    shard rows ``[start, end)``, ``shift`` (its stacked row is ``id + shift``) and output bag; ``whole``: every
+    entry's shard holds its whole table."""
+
+    lengths: torch.Tensor
+    batch_size: int
+    pos: torch.Tensor | None
+    entry: torch.Tensor
+    high: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    shift: torch.Tensor
+    bags: torch.Tensor
+    whole: bool
 
 
 class FusedTables:
@@ -89,6 +113,7 @@ class FusedTables:
         self.features = [feat for _, feat in self.layout]
         self.lock = lock
         self._entry_of_key: dict[tuple[str, ...], torch.Tensor] = {}
+        self._structures: dict[tuple[str, ...], tuple[_Structure, ...]] = {}
         self._recent: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, FusedIndex]] = (
             OrderedDict())
         self._recent_lock = threading.Lock()
@@ -182,31 +207,53 @@ class FusedTables:
                 self._recent.popitem(last=False)
         return idx
 
-    def _resolve(self, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor,
-                 weights: torch.Tensor | None, where: str) -> FusedIndex:
+    def _structure(self, keys: tuple[str, ...], lengths: torch.Tensor, where: str) -> _Structure:
+        """What resolving a batch needs from its keys and lengths alone (not its ids): the last
+        :data:`RECENT_STRUCTURES` computed per key tuple are reused for equal lengths (same dtype, ``torch.equal``:
+        every step of fixed-size bags, whichever trainer sent it)."""
         num_keys = len(keys)
         if num_keys == 0:
             raise ValueError(f"{where}: empty KeyedJaggedTensor")
+        recent = self._structures.get(keys, ())
+        for seen in recent:
+            if seen.lengths.dtype == lengths.dtype and torch.equal(seen.lengths, lengths):
+                return seen
         batch_size = lengths.numel() // num_keys
         entry_of_key = self._entries(keys, where)
         flat_bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
         entry = entry_of_key.index_select(0, torch.div(flat_bag, batch_size, rounding_mode="floor"))
+        pooled = entry < len(self.layout)           # KJT keys this server pools; the others never match a row
+        pos = None if bool(pooled.all()) else pooled.nonzero().squeeze(1)
+        if pos is not None:
+            entry, flat_bag = entry.index_select(0, pos), flat_bag.index_select(0, pos)
+        _, high, start, end, base = self._meta.index_select(1, entry)     # (5, N'), see __init__
+        whole = bool(((start == 0) & (end == high)).all())  # no row-wise shard: every valid id is a row here
+        found = _Structure(lengths.clone(), batch_size, pos, entry, high, start, end, base - start,
+                           entry * batch_size + torch.remainder(flat_bag, batch_size), whole)
+        self._structures[keys] = (found, *recent[:RECENT_STRUCTURES - 1])  # one assignment: readers see either
+        return found
+
+    def _resolve(self, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor,
+                 weights: torch.Tensor | None, where: str) -> FusedIndex:
+        st = self._structure(keys, lengths, where)
         ids = values.long()
-        low, high, start, end, base = self._meta.index_select(1, entry)     # (5, N), see __init__
-        bad = (ids < low) | (ids >= high)
+        if st.pos is not None:  # the ids of the keys pooled here (the others are no row of this server)
+            ids = ids.index_select(0, st.pos)
+            weights = weights.index_select(0, st.pos) if weights is not None else None
+        bad = (ids < 0) | (ids >= st.high)
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
-            spec, feat = self.layout[int(entry[i])]
+            spec, feat = self.layout[int(st.entry[i])]
             raise ValueError(f"{where}: feature {feat!r} has id {int(ids[i])} outside table "
                              f"{spec.table.name!r} rows [0, {spec.table.num_embeddings})")
-        rows = ids - start + base
-        bags = entry * batch_size + torch.remainder(flat_bag, batch_size)
-        keep = (ids >= start) & (ids < end)      # on this server: a pooled feature, rows of this shard
-        if not bool(keep.all()):
-            sel = keep.nonzero().squeeze(1)
-            rows, bags = rows.index_select(0, sel), bags.index_select(0, sel)
-            weights = weights.index_select(0, sel) if weights is not None else None
-        return FusedIndex(rows, bags, weights, batch_size)
+        rows, bags = ids + st.shift, st.bags
+        if not st.whole:
+            keep = (ids >= st.start) & (ids < st.end)      # rows of this server's shard of a row-wise table
+            if not bool(keep.all()):
+                sel = keep.nonzero().squeeze(1)
+                rows, bags = rows.index_select(0, sel), bags.index_select(0, sel)
+                weights = weights.index_select(0, sel) if weights is not None else None
+        return FusedIndex(rows, bags, weights, st.batch_size)
 
     # ---- lookup and push --------------------------------------------------------------------------------
     def _local(self, idx: FusedIndex) -> torch.Tensor:
