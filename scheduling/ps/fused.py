@@ -47,20 +47,22 @@ batch of known lengths is a few ops on its ids alone (fixed-size bags: every bat
 @dataclass
 class FusedIndex:
     """A batch resolved against a :class:`FusedTables`: ``rows`` global row ids ``(N',)`` int64, ``bags``
-    output-bag ids ``(N',)`` (``entry * B + sample``), per-id ``weights`` ``(N',)`` or None, ``batch_size``."""
+    output-bag ids ``(N',)`` (``entry * B + sample``), per-id ``weights`` ``(N',)`` or None, ``batch_size``;
+    ``sample_bags`` ``(N',)``: the same bags numbered ``sample * J + entry`` (J entries), or None."""
 
     rows: torch.Tensor
     bags: torch.Tensor
     weights: torch.Tensor | None
     batch_size: int
+    sample_bags: torch.Tensor | None = None
 
 
 @dataclass
 class _Structure:
     """A batch's keys and ``lengths`` resolved against a :class:`FusedTables`, ids aside: ``pos`` ``(N',)`` the
     positions of the ids of pooled keys (None: all), and per such id its layout entry, valid ids ``[0, high)``,
-    shard rows ``[start, end)``, ``shift`` (its stacked row is ``id + shift``) and output bag; ``whole``: every
-    entry's shard holds its whole table."""
+    shard rows ``[start, end)``, ``shift`` (its stacked row is ``id + shift``) and output bag (numbered
+    ``entry * B + sample`` and ``sample * J + entry``); ``whole``: every entry's shard holds its whole table."""
 
     lengths: torch.Tensor
     batch_size: int
@@ -71,6 +73,7 @@ class _Structure:
     end: torch.Tensor
     shift: torch.Tensor
     bags: torch.Tensor
+    sample_bags: torch.Tensor
     whole: bool
 
 
@@ -228,8 +231,9 @@ class FusedTables:
             entry, flat_bag = entry.index_select(0, pos), flat_bag.index_select(0, pos)
         _, high, start, end, base = self._meta.index_select(1, entry)     # (5, N'), see __init__
         whole = bool(((start == 0) & (end == high)).all())  # no row-wise shard: every valid id is a row here
+        sample = torch.remainder(flat_bag, batch_size)
         found = _Structure(lengths.clone(), batch_size, pos, entry, high, start, end, base - start,
-                           entry * batch_size + torch.remainder(flat_bag, batch_size), whole)
+                           entry * batch_size + sample, sample * len(self.layout) + entry, whole)
         self._structures[keys] = (found, *recent[:RECENT_STRUCTURES - 1])  # one assignment: readers see either
         return found
 
@@ -246,14 +250,15 @@ class FusedTables:
             spec, feat = self.layout[int(st.entry[i])]
             raise ValueError(f"{where}: feature {feat!r} has id {int(ids[i])} outside table "
                              f"{spec.table.name!r} rows [0, {spec.table.num_embeddings})")
-        rows, bags = ids + st.shift, st.bags
+        rows, bags, sample_bags = ids + st.shift, st.bags, st.sample_bags
         if not st.whole:
             keep = (ids >= st.start) & (ids < st.end)      # rows of this server's shard of a row-wise table
             if not bool(keep.all()):
                 sel = keep.nonzero().squeeze(1)
                 rows, bags = rows.index_select(0, sel), bags.index_select(0, sel)
+                sample_bags = sample_bags.index_select(0, sel)
                 weights = weights.index_select(0, sel) if weights is not None else None
-        return FusedIndex(rows, bags, weights, st.batch_size)
+        return FusedIndex(rows, bags, weights, st.batch_size, sample_bags)
 
     # ---- lookup and push --------------------------------------------------------------------------------
     def _local(self, idx: FusedIndex) -> torch.Tensor:
@@ -281,6 +286,9 @@ class FusedTables:
         if idx.weights is not None:
             rows = rows * idx.weights.unsqueeze(1)
         num = len(self.layout)
+        if idx.sample_bags is not None:  # pooled sample-major: the answer's layout already, no transposed copy
+            pooled = torch.zeros(idx.batch_size * num, self.dim).index_add_(0, idx.sample_bags, rows)
+            return pooled.view(idx.batch_size, num * self.dim)
         pooled = torch.zeros(num * idx.batch_size, self.dim).index_add_(0, idx.bags, rows)
         return pooled.view(num, idx.batch_size, self.dim).transpose(0, 1).reshape(idx.batch_size, num * self.dim)
 
@@ -288,8 +296,11 @@ class FusedTables:
         """Unique global rows ``(U,)`` and their summed gradients ``(U, D)`` from the lookup's output
         gradient ``grad`` ``(B, J * D)``."""
         num = len(self.layout)
-        per_bag = grad.reshape(idx.batch_size, num, self.dim).transpose(0, 1).reshape(num * idx.batch_size, self.dim)
-        g = per_bag.index_select(0, idx.bags)
+        if idx.sample_bags is not None:  # the gradient's rows are sample-major bags already: no transposed copy
+            g = grad.reshape(idx.batch_size * num, self.dim).index_select(0, idx.sample_bags)
+        else:
+            per_bag = grad.reshape(idx.batch_size, num, self.dim).transpose(0, 1).reshape(num * idx.batch_size, self.dim)
+            g = per_bag.index_select(0, idx.bags)
         if idx.weights is not None:
             g = g * idx.weights.unsqueeze(1)
         uniq, inverse = torch.unique(idx.rows, return_inverse=True)
