@@ -57,7 +57,7 @@ class FusedIndex:
     sample_bags: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: part of the key of a recent index
 class _Structure:
     """A batch's keys and ``lengths`` resolved against a :class:`FusedTables`, ids aside: ``pos`` ``(N',)`` the
     positions of the ids of pooled keys (None: all), and per such id its layout entry, valid ids ``[0, high)``,
@@ -117,8 +117,7 @@ class FusedTables:
         self.lock = lock
         self._entry_of_key: dict[tuple[str, ...], torch.Tensor] = {}
         self._structures: dict[tuple[str, ...], tuple[_Structure, ...]] = {}
-        self._recent: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, FusedIndex]] = (
-            OrderedDict())
+        self._recent: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None, FusedIndex]] = OrderedDict()
         self._recent_lock = threading.Lock()
         self.index_hits = 0
         """Batches :meth:`index` found among the recent ones (a push of a batch looked up here) instead of
@@ -193,18 +192,18 @@ class FusedTables:
             ValueError: a feature of the layout is missing, or an id lies outside its table (the message
                 names ``where``, the feature, the id and the table).
         """
-        # a cheap key narrows the candidates; equality of the tensors decides
-        key = (keys, values.dtype, values.numel(), lengths.numel(), int(values.sum()), int(lengths.sum()),
-               weights is None)
+        # a cheap key narrows the candidates (equal keys and lengths: the same structure); equality decides
+        st = self._structure(keys, lengths, where)
+        key = (st, values.dtype, values.numel(), int(values.sum()), weights is None)
         with self._recent_lock:
             seen = self._recent.get(key)
-        if (seen is not None and torch.equal(seen[0], values) and torch.equal(seen[1], lengths)
-                and (weights is None or torch.equal(cast(torch.Tensor, seen[2]), weights))):
+        if (seen is not None and torch.equal(seen[0], values)
+                and (weights is None or torch.equal(cast(torch.Tensor, seen[1]), weights))):
             self.index_hits += 1
-            return seen[3]
-        idx = self._resolve(keys, values, lengths, weights, where)
+            return seen[2]
+        idx = self._resolve(keys, values, lengths, weights, where, st)
         with self._recent_lock:
-            self._recent[key] = (values, lengths, weights, idx)
+            self._recent[key] = (values, weights, idx)
             self._recent.move_to_end(key)
             while len(self._recent) > RECENT_INDEXES:
                 self._recent.popitem(last=False)
@@ -238,8 +237,8 @@ class FusedTables:
         return found
 
     def _resolve(self, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor,
-                 weights: torch.Tensor | None, where: str) -> FusedIndex:
-        st = self._structure(keys, lengths, where)
+                 weights: torch.Tensor | None, where: str, st: _Structure | None = None) -> FusedIndex:
+        st = st if st is not None else self._structure(keys, lengths, where)
         ids = values.long()
         if st.pos is not None:  # the ids of the keys pooled here (the others are no row of this server)
             ids = ids.index_select(0, st.pos)
