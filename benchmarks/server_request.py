@@ -121,7 +121,7 @@ def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: lis
         answers: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
 
         def order(r: int, seq: int, count: int) -> tuple:
-            return (keys[r], seq, timeout_s, (f"group/{NAMESPACE}", r, WORLD, count, 0))
+            return (keys[r], seq, args.timeout, (f"group/{NAMESPACE}", r, WORLD, count, 0))
 
         first = [conns[r].call("lookup", (NAMESPACE, batches[r][0], None, order(r, 0, 0)), timeout_s)
                  for r in range(WORLD)]
@@ -195,6 +195,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300, help="timed steps (2 push_lookup requests each)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="socket and direct runs, alternating (the first profiled)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="how long the server lets a request wait for its turn, seconds (the order's timeout_s; a run "
+                        "longer than it shows what the deadlines of past waits cost)")
     p.add_argument("--profile", default=None, help="directory for the server's cProfile stats")
     p.add_argument("--top", type=int, default=25, help="profile lines printed")
     args = p.parse_args()

@@ -8,6 +8,11 @@ trainer's compute. :class:`FusedTables` stacks the shards' rows into one ``(R, D
 whatever the number of tables. The shards keep *views* of these tensors, so checkpoints and tests still see
 per-shard weights.
 
+What a batch's keys and lengths alone decide (which ids this server pools, their valid ranges, stacked-row
+offsets and output bags) is computed once and reused while the lengths repeat (:data:`RECENT_STRUCTURES`;
+fixed-size bags: every step), so resolving a batch is a handful of ops on its ids; the bags are also numbered
+sample-major, the layout of the ``(B, J * D)`` answer and gradient, so neither is copied through a transpose.
+
 Applies when every shard of the namespace has the same embedding dimension and every feature is pooled by
 one shard on this server (the common case: table-wise or row-wise sharding, tables with one or more features);
 otherwise :meth:`FusedTables.build` returns None and the server uses its per-shard path. Both give the same
