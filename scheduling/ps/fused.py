@@ -8,6 +8,11 @@ trainer's compute. :class:`FusedTables` stacks the shards' rows into one ``(R, D
 whatever the number of tables. The shards keep *views* of these tensors, so checkpoints and tests still see
 per-shard weights.
 
+What a batch's keys and lengths alone decide (which ids this server pools, their valid ranges, stacked-row
+offsets and output bags) is computed once and reused while the lengths repeat (:data:`RECENT_STRUCTURES`;
+fixed-size bags: every step), so resolving a batch is a handful of ops on its ids; the bags are also numbered
+sample-major, the layout of the ``(B, J * D)`` answer and gradient, so neither is copied through a transpose.
+
 Applies when every shard of the namespace has the same embedding dimension and every feature is pooled by
 one shard on this server (the common case: table-wise or row-wise sharding, tables with one or more features);
 otherwise :meth:`FusedTables.build` returns None and the server uses its per-shard path. Both give the same
@@ -30,7 +35,7 @@ import torch
 from .shard_plan import ShardSpec
 from .storage import RowStore
 
-__all__ = ["FusedTables", "FusedIndex", "RECENT_INDEXES"]
+__all__ = ["FusedTables", "FusedIndex", "RECENT_INDEXES", "RECENT_STRUCTURES"]
 
 RECENT_INDEXES = 16
 """How many recently resolved batches a :class:`FusedTables` keeps (:meth:`FusedTables.index`): a trainer's push
@@ -38,16 +43,43 @@ carries the ids of a batch it looked up a step before, so its push reuses that l
 instead of resolving the same ids again (2 trainers with prefetch have at most 4 batches between a lookup and
 its push here; more trainers or staleness only miss, and a miss resolves as before)."""
 
+RECENT_STRUCTURES = 4
+"""How many batch structures (what a batch's keys and lengths alone decide: which ids are pooled here, their
+valid ranges, stacked-row offsets and output bags) a :class:`FusedTables` keeps per key tuple, so that resolving a
+batch of known lengths is a few ops on its ids alone (fixed-size bags: every batch of a run)."""
+
 
 @dataclass
 class FusedIndex:
     """A batch resolved against a :class:`FusedTables`: ``rows`` global row ids ``(N',)`` int64, ``bags``
-    output-bag ids ``(N',)`` (``entry * B + sample``), per-id ``weights`` ``(N',)`` or None, ``batch_size``."""
+    output-bag ids ``(N',)`` (``entry * B + sample``), per-id ``weights`` ``(N',)`` or None, ``batch_size``;
+    ``sample_bags`` ``(N',)``: the same bags numbered ``sample * J + entry`` (J entries), or None."""
 
     rows: torch.Tensor
     bags: torch.Tensor
     weights: torch.Tensor | None
     batch_size: int
+    sample_bags: torch.Tensor | None = None
+
+
+@dataclass(eq=False)  # hashed by identity: part of the key of a recent index
+class _Structure:
+    """A batch's keys and ``lengths`` resolved against a :class:`FusedTables`, ids aside: ``pos`` ``(N',)`` the
+    positions of the ids of pooled keys (None: all), and per such id its layout entry, valid ids ``[0, high)``,
+    shard rows ``[start, end)``, ``shift`` (its stacked row is ``id + shift``) and output bag (numbered
+    ``entry * B + sample`` and ``sample * J + entry``); ``whole``: every entry's shard holds its whole table."""
+
+    lengths: torch.Tensor
+    batch_size: int
+    pos: torch.Tensor | None
+    entry: torch.Tensor
+    high: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    shift: torch.Tensor
+    bags: torch.Tensor
+    sample_bags: torch.Tensor
+    whole: bool
 
 
 class FusedTables:
@@ -89,8 +121,8 @@ class FusedTables:
         self.features = [feat for _, feat in self.layout]
         self.lock = lock
         self._entry_of_key: dict[tuple[str, ...], torch.Tensor] = {}
-        self._recent: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, FusedIndex]] = (
-            OrderedDict())
+        self._structures: dict[tuple[str, ...], tuple[_Structure, ...]] = {}
+        self._recent: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None, FusedIndex]] = OrderedDict()
         self._recent_lock = threading.Lock()
         self.index_hits = 0
         """Batches :meth:`index` found among the recent ones (a push of a batch looked up here) instead of
@@ -165,48 +197,72 @@ class FusedTables:
             ValueError: a feature of the layout is missing, or an id lies outside its table (the message
                 names ``where``, the feature, the id and the table).
         """
-        # a cheap key narrows the candidates; equality of the tensors decides
-        key = (keys, values.dtype, values.numel(), lengths.numel(), int(values.sum()), int(lengths.sum()),
-               weights is None)
+        # a cheap key narrows the candidates (equal keys and lengths: the same structure); equality decides
+        st = self._structure(keys, lengths, where)
+        key = (st, values.dtype, values.numel(), int(values.sum()), weights is None)
         with self._recent_lock:
             seen = self._recent.get(key)
-        if (seen is not None and torch.equal(seen[0], values) and torch.equal(seen[1], lengths)
-                and (weights is None or torch.equal(cast(torch.Tensor, seen[2]), weights))):
+        if (seen is not None and torch.equal(seen[0], values)
+                and (weights is None or torch.equal(cast(torch.Tensor, seen[1]), weights))):
             self.index_hits += 1
-            return seen[3]
-        idx = self._resolve(keys, values, lengths, weights, where)
+            return seen[2]
+        idx = self._resolve(keys, values, lengths, weights, where, st)
         with self._recent_lock:
-            self._recent[key] = (values, lengths, weights, idx)
+            self._recent[key] = (values, weights, idx)
             self._recent.move_to_end(key)
             while len(self._recent) > RECENT_INDEXES:
                 self._recent.popitem(last=False)
         return idx
 
-    def _resolve(self, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor,
-                 weights: torch.Tensor | None, where: str) -> FusedIndex:
+    def _structure(self, keys: tuple[str, ...], lengths: torch.Tensor, where: str) -> _Structure:
+        """What resolving a batch needs from its keys and lengths alone (not its ids): the last
+        :data:`RECENT_STRUCTURES` computed per key tuple are reused for equal lengths (same dtype, ``torch.equal``:
+        every step of fixed-size bags, whichever trainer sent it)."""
         num_keys = len(keys)
         if num_keys == 0:
             raise ValueError(f"{where}: empty KeyedJaggedTensor")
+        recent = self._structures.get(keys, ())
+        for seen in recent:
+            if seen.lengths.dtype == lengths.dtype and torch.equal(seen.lengths, lengths):
+                return seen
         batch_size = lengths.numel() // num_keys
         entry_of_key = self._entries(keys, where)
         flat_bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long())
         entry = entry_of_key.index_select(0, torch.div(flat_bag, batch_size, rounding_mode="floor"))
+        pooled = entry < len(self.layout)           # KJT keys this server pools; the others never match a row
+        pos = None if bool(pooled.all()) else pooled.nonzero().squeeze(1)
+        if pos is not None:
+            entry, flat_bag = entry.index_select(0, pos), flat_bag.index_select(0, pos)
+        _, high, start, end, base = self._meta.index_select(1, entry)     # (5, N'), see __init__
+        whole = bool(((start == 0) & (end == high)).all())  # no row-wise shard: every valid id is a row here
+        sample = torch.remainder(flat_bag, batch_size)
+        found = _Structure(lengths.clone(), batch_size, pos, entry, high, start, end, base - start,
+                           entry * batch_size + sample, sample * len(self.layout) + entry, whole)
+        self._structures[keys] = (found, *recent[:RECENT_STRUCTURES - 1])  # one assignment: readers see either
+        return found
+
+    def _resolve(self, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor,
+                 weights: torch.Tensor | None, where: str, st: _Structure | None = None) -> FusedIndex:
+        st = st if st is not None else self._structure(keys, lengths, where)
         ids = values.long()
-        low, high, start, end, base = self._meta.index_select(1, entry)     # (5, N), see __init__
-        bad = (ids < low) | (ids >= high)
+        if st.pos is not None:  # the ids of the keys pooled here (the others are no row of this server)
+            ids = ids.index_select(0, st.pos)
+            weights = weights.index_select(0, st.pos) if weights is not None else None
+        bad = (ids < 0) | (ids >= st.high)
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
-            spec, feat = self.layout[int(entry[i])]
+            spec, feat = self.layout[int(st.entry[i])]
             raise ValueError(f"{where}: feature {feat!r} has id {int(ids[i])} outside table "
                              f"{spec.table.name!r} rows [0, {spec.table.num_embeddings})")
-        rows = ids - start + base
-        bags = entry * batch_size + torch.remainder(flat_bag, batch_size)
-        keep = (ids >= start) & (ids < end)      # on this server: a pooled feature, rows of this shard
-        if not bool(keep.all()):
-            sel = keep.nonzero().squeeze(1)
-            rows, bags = rows.index_select(0, sel), bags.index_select(0, sel)
-            weights = weights.index_select(0, sel) if weights is not None else None
-        return FusedIndex(rows, bags, weights, batch_size)
+        rows, bags, sample_bags = ids + st.shift, st.bags, st.sample_bags
+        if not st.whole:
+            keep = (ids >= st.start) & (ids < st.end)      # rows of this server's shard of a row-wise table
+            if not bool(keep.all()):
+                sel = keep.nonzero().squeeze(1)
+                rows, bags = rows.index_select(0, sel), bags.index_select(0, sel)
+                sample_bags = sample_bags.index_select(0, sel)
+                weights = weights.index_select(0, sel) if weights is not None else None
+        return FusedIndex(rows, bags, weights, st.batch_size, sample_bags)
 
     # ---- lookup and push --------------------------------------------------------------------------------
     def _local(self, idx: FusedIndex) -> torch.Tensor:
@@ -234,6 +290,9 @@ class FusedTables:
         if idx.weights is not None:
             rows = rows * idx.weights.unsqueeze(1)
         num = len(self.layout)
+        if idx.sample_bags is not None:  # pooled sample-major: the answer's layout already, no transposed copy
+            pooled = torch.zeros(idx.batch_size * num, self.dim).index_add_(0, idx.sample_bags, rows)
+            return pooled.view(idx.batch_size, num * self.dim)
         pooled = torch.zeros(num * idx.batch_size, self.dim).index_add_(0, idx.bags, rows)
         return pooled.view(num, idx.batch_size, self.dim).transpose(0, 1).reshape(idx.batch_size, num * self.dim)
 
@@ -241,8 +300,11 @@ class FusedTables:
         """Unique global rows ``(U,)`` and their summed gradients ``(U, D)`` from the lookup's output
         gradient ``grad`` ``(B, J * D)``."""
         num = len(self.layout)
-        per_bag = grad.reshape(idx.batch_size, num, self.dim).transpose(0, 1).reshape(num * idx.batch_size, self.dim)
-        g = per_bag.index_select(0, idx.bags)
+        if idx.sample_bags is not None:  # the gradient's rows are sample-major bags already: no transposed copy
+            g = grad.reshape(idx.batch_size * num, self.dim).index_select(0, idx.sample_bags)
+        else:
+            per_bag = grad.reshape(idx.batch_size, num, self.dim).transpose(0, 1).reshape(num * idx.batch_size, self.dim)
+            g = per_bag.index_select(0, idx.bags)
         if idx.weights is not None:
             g = g * idx.weights.unsqueeze(1)
         uniq, inverse = torch.unique(idx.rows, return_inverse=True)

@@ -170,9 +170,25 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view of ``views`` from the stream, in order: one ``recvmsg_into`` call when the bytes are there
+    (a scatter read), else as many as it takes."""
+    i = 0
+    while i < len(views):
+        n = sock.recvmsg_into(views[i:i + _MAX_IOV])[0]
+        if n == 0:
+            raise ConnectionError("connection closed by the peer")
+        while i < len(views) and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+
+
 def recv_message(sock: socket.socket, header: bytearray) -> tuple[int, int, int, Any]:
     """Receive one message: ``(kind, method, request id, the unpickled object)``; tensors land in fresh memory
-    (``recv_into`` a ``torch.empty``). ``header``: a reusable ``bytearray`` of the header's size.
+    (a ``torch.empty`` each, all filled by one scatter read). ``header``: a reusable ``bytearray`` of the
+    header's size.
 
     Raises:
         ConnectionError: the peer closed the connection; OSError: it failed.
@@ -182,12 +198,8 @@ def recv_message(sock: socket.socket, header: bytearray) -> tuple[int, int, int,
     head = bytearray(8 * count + meta_len)
     _recv_into(sock, memoryview(head))
     lengths = struct.unpack_from(f"<{count}Q", head)
-    buffers = []
-    for n in lengths:
-        buf = torch.empty(n, dtype=torch.uint8)
-        if n:
-            _recv_into(sock, memoryview(cast(Any, buf.numpy())))
-        buffers.append(buf)
+    buffers = [torch.empty(n, dtype=torch.uint8) for n in lengths]
+    _recv_all(sock, [memoryview(cast(Any, b.numpy())) for b, n in zip(buffers, lengths) if n])
     try:
         value = pickle.loads(memoryview(head)[8 * count:], buffers=buffers)
     except Exception as e:  # noqa: BLE001  (the message was read whole: the connection goes on)

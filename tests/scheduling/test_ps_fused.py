@@ -203,3 +203,41 @@ def test_recent_indexes_are_bounded():
         fused.index(("fa",), torch.tensor([i]), lengths, None, where="t")
     assert len(fused._recent) == fused_module.RECENT_INDEXES
     assert fused.index(("fa",), torch.tensor([0]), lengths, None, where="t") is not first   # pushed out
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_batches_of_known_lengths_reuse_their_structure_and_resolve_the_same(sharding):
+    import scheduling.ps.fused as fused_module
+
+    tables = [TableSpec("a", 7, 2, ("fa",)), TableSpec("b", 5, 2, ("fb",)), TableSpec("c", 6, 2, ("fc",))]
+    gen = torch.Generator().manual_seed(0)
+    for server in range(2):
+        fast = _server(tables, sharding, 2, server, optimizer="sgd")
+        slow = _server(tables, sharding, 2, server, optimizer="sgd", fused=False)
+        fused = fast.fused["ns"]
+        keys = ("fa", "fb", "fc", "other")    # a key of no table here: never a row
+        for step in range(4):
+            for dtype in (torch.int32, torch.long):   # equal lengths of another dtype: a structure of their own
+                lengths = torch.tensor([1, 2, 0, 1, 1, 3, 2, 1], dtype=dtype)
+                values = torch.cat([torch.randint(0, n, (int(k),), generator=gen)
+                                    for n, k in zip([7, 5, 6, 99], lengths.view(4, 2).sum(1))])
+                batch = (keys, values, lengths, torch.rand(values.numel(), generator=gen) if step % 2 else None)
+                out = fast.lookup("ns", batch)
+                assert torch.equal(out, slow.lookup("ns", batch))
+                grad = torch.randn(out.shape, generator=gen)
+                assert fast.push("ns", batch, grad) == slow.push("ns", batch, grad)
+        assert [s.lengths.dtype for s in fused._structures[keys]] == [torch.long, torch.int32]
+        for key, shard in fast.state_dict("ns").items():
+            assert torch.equal(shard["weight"], slow.state_dict("ns")[key]["weight"]), key
+        # a bad id in a batch of known lengths is still named (where this server pools its feature)
+        lengths = torch.tensor([1, 2, 0, 1, 1, 3, 2, 1])
+        values = torch.tensor([0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0])
+        if "fb" in fused.features:
+            with pytest.raises(ValueError, match=r"feature 'fb' has id 5 outside table 'b' rows \[0, 5\)"):
+                fast.lookup("ns", (keys, values, lengths, None))
+        else:
+            assert torch.equal(fast.lookup("ns", (keys, values, lengths, None)),
+                               slow.lookup("ns", (keys, values, lengths, None)))
+        for i in range(fused_module.RECENT_STRUCTURES + 1):   # bounded per key tuple
+            fused.index(keys, torch.zeros(i + 1, dtype=torch.long), torch.tensor([i + 1] + [0] * 7), None, where="t")
+        assert len(fused._structures[keys]) == fused_module.RECENT_STRUCTURES

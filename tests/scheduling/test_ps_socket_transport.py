@@ -129,6 +129,26 @@ def test_large_tensors_cross_bit_for_bit(server):
         client.close()
 
 
+def test_a_message_of_more_buffers_than_one_scatter_read_takes_arrives_whole():
+    from scheduling.ps.socket_transport import ANSWER, recv_message, send_message
+
+    gen = torch.Generator().manual_seed(3)
+    value = ([torch.randint(0, 9, (i % 7,), generator=gen) for i in range(700)],     # > 512 buffers, some empty
+             torch.randn(3_000_000, generator=gen), "meta")                           # > the socket buffers
+    a, b = socket.socketpair()
+    try:
+        sender = threading.Thread(target=lambda: send_message(a, ANSWER, 4, 11, *dumps(value)))
+        sender.start()
+        kind, method, rid, got = recv_message(b, bytearray(16))
+        sender.join()
+        assert (kind, method, rid, got[2]) == (ANSWER, 4, 11, "meta")
+        assert all(torch.equal(x, y) for x, y in zip(got[0], value[0])) and len(got[0]) == 700
+        assert torch.equal(got[1], value[1])
+    finally:
+        a.close()
+        b.close()
+
+
 def test_server_exceptions_are_raised_as_themselves_and_the_connection_goes_on(server):
     client = PSClient(_tables(), [server.address], transport="socket", name="errors")
     try:

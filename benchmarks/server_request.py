@@ -1,0 +1,237 @@
+"""A ``socket`` parameter server's CPU per ``push_lookup`` request, against the table work alone.
+
+The shape of ``benchmarks/peer.py``'s ``fx_socket_prefetch_0ms`` on one of its 2 servers: 26 tables of
+``--rows`` x ``--dim`` (one feature each, one id per table and sample) placed table-wise on 2 servers, of which
+this benchmark runs server 0 (13 tables) in a child process (:func:`scheduling.ps.socket_server.serve`, one torch
+thread) with SGD. Two trainers (ranks 0 and 1 of one group, each its own connection) send per step what a
+prefetching trainer sends: one ``push_lookup`` (the push of step ``k`` and the lookup of step ``k + 1``, the
+whole 26-key KeyedJaggedTensor of batch ``--batch``) with the client's order tuple, and wait for both answers.
+
+Measured:
+
+- **server**: the child's CPU time per request, summed over its threads (``/proc/<pid>/task/<tid>/schedstat``
+  field 1, ns: time on a CPU, whatever else loads the machine), over the timed steps;
+- **tables**: the same pushes and lookups called directly on a :class:`~scheduling.ps.fused.FusedTables` in this
+  process (the same weights: the same seed), their batches resolved to rows beforehand, ``time.process_time`` per
+  request: the table work itself (gather and pooling, unique and ``index_add_``, the SGD update); resolving a
+  batch (once per request on the server) is timed apart and counts as overhead.
+
+It prints both, the overhead (server - tables) and the ratios server/tables and overhead/tables (a peer measured
+in the same run), and checks that every lookup answered over the socket equals the direct one bit for bit.
+``--profile DIR``: the first round's server reader threads run under ``cProfile``; their merged stats go to
+``DIR/server.prof`` and the top functions (own time) are printed.
+
+Run: ``.venv/bin/python benchmarks/server_request.py [--rows 10000 --dim 64 --steps 300 --profile /tmp/p]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduling.ps.server import PSServer  # noqa: E402
+from scheduling.ps.shard_plan import TableSpec, plan_shards  # noqa: E402
+
+NAMESPACE, TABLES, SERVERS, WORLD = "emb", 26, 2, 2
+
+
+def _server_child(queue: Any, profile_dir: str | None) -> None:
+    """The server process: :func:`serve` until stopped; with ``profile_dir`` every reader thread runs under
+    cProfile and dumps ``reader_<tid>.prof`` there when its connection ends."""
+    import threading
+
+    from scheduling.ps import socket_server
+
+    readers: list[threading.Thread] = []
+    if profile_dir:
+        import cProfile
+
+        serve_connection = socket_server.SocketServer._serve
+
+        def profiled(self: Any, peer: Any) -> None:
+            readers.append(threading.current_thread())
+            prof = cProfile.Profile(time.thread_time)  # CPU time of this thread, not wall time
+            try:
+                prof.runcall(serve_connection, self, peer)
+            finally:
+                prof.dump_stats(os.path.join(profile_dir, f"reader_{threading.get_native_id()}.prof"))
+
+        socket_server.SocketServer._serve = profiled  # type: ignore[method-assign]
+    socket_server.serve("ps0", on_ready=lambda address: queue.put((os.getpid(), address)))
+    for thread in readers:  # closed by serve(): let each write its profile
+        thread.join(10)
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every live thread of process ``pid``, ns (schedstat field 1)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:  # the thread ended
+            pass
+    return total
+
+
+def user_sys_faults(pid: int) -> tuple[int, int, int]:
+    """``(user ticks, system ticks, minor page faults)`` of process ``pid`` (``/proc/<pid>/stat``)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # fields[0] is field 3 (state)
+    return int(fields[11]), int(fields[12]), int(fields[7])
+
+
+def _batches(rows: int, batch: int, count: int, seed: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(seed)
+    keys = tuple(f"C{i}" for i in range(TABLES))
+    return [(keys, torch.randint(0, rows, (TABLES * batch,), generator=gen),
+             torch.ones(TABLES * batch, dtype=torch.long), None) for _ in range(count)]
+
+
+def _configure_args(rows: int, dim: int) -> tuple:
+    tables = [TableSpec(f"t{i}", rows, dim, (f"C{i}",)) for i in range(TABLES)]
+    return (NAMESPACE, plan_shards(tables, SERVERS), 0, "sgd", {"lr": 0.01}, 0)
+
+
+def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor],
+                profile: str | None = None) -> tuple[float, list[list[torch.Tensor]]]:
+    """Serve the requests from a child process: (its CPU ms per push_lookup, the lookups answered per rank)."""
+    import multiprocessing as mp
+
+    from scheduling.ps.socket_transport import SocketTransport, _Connection
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_server_child, args=(queue, profile), daemon=True)
+    proc.start()
+    pid, address = queue.get(timeout=120)
+    timeout_s = 120.0
+    try:
+        conns = [_Connection(address, timeout_s) for _ in range(WORLD)]  # one per trainer, as in a job
+        conns[0].call("configure", _configure_args(args.rows, args.dim), timeout_s).wait()
+        keys = [f"{NAMESPACE}:trainer{r}" for r in range(WORLD)]
+        answers: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+
+        def order(r: int, seq: int, count: int) -> tuple:
+            return (keys[r], seq, args.timeout, (f"group/{NAMESPACE}", r, WORLD, count, 0))
+
+        first = [conns[r].call("lookup", (NAMESPACE, batches[r][0], None, order(r, 0, 0)), timeout_s)
+                 for r in range(WORLD)]
+        for r, f in enumerate(first):
+            answers[r].append(f.wait())
+        start, before = 0, (0, 0, 0)
+        for k in range(args.warmup + args.steps):
+            if k == args.warmup:
+                start, before = cpu_ns(pid), user_sys_faults(pid)
+            futs = [conns[r].call("push_lookup", (NAMESPACE, batches[r][k], grads[k], batches[r][k + 1], None,
+                                                  order(r, k + 1, k)), timeout_s) for r in range(WORLD)]
+            for r, f in enumerate(futs):
+                pushed, looked = f.wait()
+                answers[r].append(looked)
+        used = cpu_ns(pid) - start
+        after = user_sys_faults(pid)
+        SocketTransport([address]).stop(5.0)
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    n, tick_ms = args.steps * WORLD, 1e3 / os.sysconf("SC_CLK_TCK")
+    print(f"server per request: user {(after[0] - before[0]) * tick_ms / n:.3f} ms, system "
+          f"{(after[1] - before[1]) * tick_ms / n:.3f} ms (10 ms ticks), minor faults {(after[2] - before[2]) / n:.1f}")
+    return used / 1e6 / n, answers
+
+
+def direct(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor]
+           ) -> tuple[float, float, list[list[torch.Tensor]]]:
+    """The same pushes and lookups on the server's :class:`FusedTables`, in the order the server applies them
+    (rank 0's push, rank 1's, then the lookups), their batches resolved beforehand: (CPU ms per push + lookup,
+    CPU ms to resolve one batch (:meth:`FusedTables.index`, once per request on the server: its push reuses
+    its lookup's), the lookups per rank)."""
+    server = PSServer("ps0")
+    server.configure(*_configure_args(args.rows, args.dim))
+    fused, optimizer = server.fused[NAMESPACE], server.optimizer
+    assert fused is not None
+    count = args.warmup + args.steps + 1
+    start = time.process_time()
+    index = [[fused._resolve(*batches[r][k], where="ps0") for k in range(count)] for r in range(WORLD)]
+    index_ms = (time.process_time() - start) * 1e3 / (count * WORLD)
+    answers: list[list[torch.Tensor]] = [[fused.lookup(index[r][0])] for r in range(WORLD)]
+    for k in range(args.warmup + args.steps):
+        if k == args.warmup:
+            start = time.process_time()
+        for r in range(WORLD):
+            fused.push(index[r][k], grads[k], optimizer)
+        for r in range(WORLD):
+            answers[r].append(fused.lookup(index[r][k + 1]))
+    return (time.process_time() - start) * 1e3 / (args.steps * WORLD), index_ms, answers
+
+
+def _print_profile(directory: str, top: int) -> None:
+    import pstats
+
+    files = sorted(str(p) for p in Path(directory).glob("reader_*.prof"))
+    if not files:
+        print(f"no profile in {directory}")
+        return
+    stats = pstats.Stats(*files)
+    stats.dump_stats(os.path.join(directory, "server.prof"))
+    print(f"\nserver reader threads under cProfile (CPU time per thread; {len(files)} threads; own time, top {top}):")
+    stats.sort_stats("tottime").print_stats(top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=10_000, help="rows per table")
+    p.add_argument("--dim", type=int, default=64, help="embedding dimension")
+    p.add_argument("--batch", type=int, default=128, help="samples per trainer and step")
+    p.add_argument("--steps", type=int, default=300, help="timed steps (2 push_lookup requests each)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="socket and direct runs, alternating (the first profiled)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="how long the server lets a request wait for its turn, seconds (the order's timeout_s; a run "
+                        "longer than it shows what the deadlines of past waits cost)")
+    p.add_argument("--profile", default=None, help="directory for the server's cProfile stats")
+    p.add_argument("--top", type=int, default=25, help="profile lines printed")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    count = args.warmup + args.steps + 1
+    batches = [_batches(args.rows, args.batch, count, seed=r) for r in range(WORLD)]
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(args.batch, (TABLES // SERVERS) * args.dim, generator=gen) for _ in range(count)]
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        for old in Path(args.profile).glob("reader_*.prof"):
+            old.unlink()
+    runs = []
+    for i in range(args.rounds):  # alternating: both see the same load over time
+        server_ms, got = over_socket(args, batches, grads, profile=args.profile if i == 0 else None)
+        tables_ms, index_ms, want = direct(args, batches, grads)
+        same = all(torch.equal(a, b) for r in range(WORLD) for a, b in zip(got[r], want[r]))
+        runs.append((server_ms, tables_ms, index_ms, same))
+    server_ms, tables_ms, index_ms = (statistics.median(run[i] for run in runs) for i in range(3))
+    same = all(run[3] for run in runs)
+    over = server_ms - tables_ms
+    ratios = sorted(run[0] / run[1] for run in runs)
+    print(f"{TABLES // SERVERS} tables of {args.rows}x{args.dim} on this server, batch {args.batch}, SGD, {WORLD} "
+          f"trainers, {args.steps} steps x {args.rounds} rounds (medians); load {os.getloadavg()[0]:.2f}")
+    print(f"server CPU per push_lookup request:  {server_ms:7.3f} ms")
+    print(f"table work alone (FusedTables):      {tables_ms:7.3f} ms")
+    print(f"overhead (server - tables):          {over:7.3f} ms, of which resolving the batch (alone): {index_ms:.3f} ms")
+    print(f"server / tables: {server_ms / tables_ms:.2f}x (rounds {ratios[0]:.2f}..{ratios[-1]:.2f})   overhead / "
+          f"tables: {over / tables_ms:.2f}x   lookups bit-identical: {same}")
+    if args.profile:
+        _print_profile(args.profile, args.top)
+    if not same:
+        sys.exit("the socket server's lookups differ from the direct ones")
+
+
+if __name__ == "__main__":
+    main()
