@@ -122,7 +122,8 @@ class FusedTables:
         self.lock = lock
         self._entry_of_key: dict[tuple[str, ...], torch.Tensor] = {}
         self._structures: dict[tuple[str, ...], tuple[_Structure, ...]] = {}
-        self._recent: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None, FusedIndex]] = OrderedDict()
+        self._recent: OrderedDict[tuple, tuple[Any, ...]] = OrderedDict()
+        """Recent batches: key -> (values, weights, their version counters when kept, the FusedIndex)."""
         self._recent_lock = threading.Lock()
         self.index_hits = 0
         """Batches :meth:`index` found among the recent ones (a push of a batch looked up here) instead of
@@ -202,13 +203,16 @@ class FusedTables:
         key = (st, values.dtype, values.numel(), int(values.sum()), weights is None)
         with self._recent_lock:
             seen = self._recent.get(key)
-        if (seen is not None and torch.equal(seen[0], values)
-                and (weights is None or torch.equal(cast(torch.Tensor, seen[1]), weights))):
+        # the kept tensors are the sender's own (servers in the trainers get them uncopied): one changed in place
+        # since (its version counter moved) no longer shows the ids its index was resolved from
+        if (seen is not None and seen[0]._version == seen[2] and torch.equal(seen[0], values)
+                and (weights is None or (seen[1]._version == seen[3] and torch.equal(seen[1], weights)))):
             self.index_hits += 1
-            return seen[2]
+            return seen[4]
         idx = self._resolve(keys, values, lengths, weights, where, st)
         with self._recent_lock:
-            self._recent[key] = (values, weights, idx)
+            self._recent[key] = (values, weights, values._version, None if weights is None else weights._version,
+                                 idx)
             self._recent.move_to_end(key)
             while len(self._recent) > RECENT_INDEXES:
                 self._recent.popitem(last=False)

@@ -193,6 +193,18 @@ def test_only_an_equal_batch_reuses_an_index():
             fused.index(keys, bad, lengths, None, where="t")
 
 
+def test_a_batch_changed_in_place_is_resolved_anew():
+    # servers in the trainers keep the sender's own tensors: a caller reusing them must not get the old index
+    fused = _server([TableSpec("a", 6, 2, ("fa",))], "table_wise", 1, 0).fused["ns"]
+    keys, lengths = ("fa",), torch.ones(2, dtype=torch.int32)
+    values = torch.tensor([1, 4])
+    first = fused.index(keys, values, lengths, None, where="t")
+    values[0], values[1] = 4, 1     # the same sum of ids, other rows
+    again = fused.index(keys, values, lengths, None, where="t")
+    assert again is not first and fused.index_hits == 0
+    assert torch.equal(again.rows, fused.index(keys, values.clone(), lengths, None, where="t").rows)
+
+
 def test_recent_indexes_are_bounded():
     import scheduling.ps.fused as fused_module
 
