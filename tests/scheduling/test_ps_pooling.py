@@ -28,3 +28,36 @@ def test_row_wise_parts_are_added():
     client = _client({"a": [(0, 0, 2), (1, 0, 2)]}, widths=[2, 2])
     kt = pool(client, None, [torch.ones(3, 2), torch.full((3, 2), 2.0)])
     assert client._gather is False and torch.equal(kt.values(), torch.full((3, 2), 3.0))
+
+
+def _per_feature(client, parts):
+    """The per-column reference: each feature's slice of its server's answer, in feature order."""
+    by_server = dict(zip(client.servers_for(), parts))
+    return torch.cat([by_server[s][:, col:col + dim] for f in client.feature_names for s, col, dim in client._slots[f]],
+                     dim=1)
+
+
+def test_equal_dims_are_gathered_as_blocks_with_the_same_values_and_gradients():
+    # features interleaved across the servers (a on 0, b on 1, c on 0), all of dim 2: gathered by 2-wide blocks
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 2)], "c": [(0, 2, 2)]}, widths=[4, 2])
+    parts = [torch.randn(3, 4, requires_grad=True), torch.randn(3, 2, requires_grad=True)]
+    kt = pool(client, None, parts)
+    assert client._gather.block == 2 and kt.length_per_key() == [2, 2, 2]
+    ref = _per_feature(client, parts)
+    assert torch.equal(kt.values(), ref)
+    grad = torch.randn(3, 6)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(kt.values(), parts, grad),
+                                                 torch.autograd.grad(ref, parts, grad)))
+
+
+def test_mixed_dims_are_gathered_by_column():
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 3)], "c": [(0, 2, 1)]}, widths=[3, 3])
+    parts = [torch.randn(2, 3), torch.randn(2, 3)]
+    kt = pool(client, None, parts)
+    assert client._gather.block == 0 and torch.equal(kt.values(), _per_feature(client, parts))
+
+
+def test_an_empty_batch_pools_to_no_rows():
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 2)]}, widths=[2, 2])
+    kt = pool(client, None, [torch.ones(0, 2), torch.ones(0, 2)])
+    assert kt.values().shape == (0, 4)
