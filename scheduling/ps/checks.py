@@ -103,14 +103,16 @@ def _rows(tables: Sequence[Any]) -> dict[str, int]:
     return {f: t.num_embeddings for t in tables if t.dynamic is None for f in t.feature_names}
 
 
-_BOUNDS: dict[tuple, tuple[Any, torch.Tensor | None, torch.Tensor]] = {}
+_BOUNDS: dict[tuple, tuple[Any, torch.Tensor | None, torch.Tensor | int]] = {}
 _BOUNDS_MAX = 64
 
 
-def _bag_bounds(kjt: Any, keys: Sequence[str], tables: Sequence[Any]) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-    """Per bag (``(F * B,)``, key-major), the ids' lower bound (None: 0 for every bag) and upper bound (exclusive)
-    for a KJT of ``keys`` with the same number of bags per key; cached per ``(tables, keys, B, device)``, so a
-    batch of a layout seen before costs no Python per key. None for a variable number of bags per key."""
+def _bag_bounds(kjt: Any, keys: Sequence[str], tables: Sequence[Any],
+                ) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
+    """Per bag (``(F * B,)``, key-major), the ids' lower bound (None: 0 for every bag) and upper bound (exclusive;
+    an int when it is the same for every bag and the lower bound 0) for a KJT of ``keys`` with the same number of
+    bags per key; cached per ``(tables, keys, B, device)``, so a batch of a layout seen before costs no Python per
+    key. None for a variable number of bags per key."""
     lengths = kjt.lengths()
     if not keys or lengths.numel() % len(keys) or kjt.variable_stride_per_key():
         return None
@@ -122,7 +124,8 @@ def _bag_bounds(kjt: Any, keys: Sequence[str], tables: Sequence[Any]) -> tuple[t
     rows, limit = _rows(tables), torch.iinfo(torch.int64)
     hi = torch.tensor([rows.get(k, limit.max) for k in keys], dtype=torch.int64)
     lo = None if all(k in rows for k in keys) else torch.tensor([0 if k in rows else limit.min for k in keys])
-    hi = hi.repeat_interleave(stride).to(lengths.device)
+    uniform = lo is None and len({rows[k] for k in keys}) == 1
+    hi = rows[keys[0]] if uniform else hi.repeat_interleave(stride).to(lengths.device)
     lo = None if lo is None else lo.repeat_interleave(stride).to(lengths.device)
     if len(_BOUNDS) >= _BOUNDS_MAX:
         _BOUNDS.clear()
@@ -130,12 +133,16 @@ def _bag_bounds(kjt: Any, keys: Sequence[str], tables: Sequence[Any]) -> tuple[t
     return lo, hi
 
 
-def _out_of_bounds(values: torch.Tensor, lengths: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor) -> bool:
-    """Whether an id lies outside its bag's ``[lo, hi)`` (``lo`` None: 0); ``values`` ``(N,)``, ``lengths`` the
-    bags' id counts."""
+def _out_of_bounds(values: torch.Tensor, lengths: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | int,
+                   ) -> bool:
+    """Whether an id lies outside its bag's ``[lo, hi)`` (``lo`` None: 0; ``hi`` an int: the same for all);
+    ``values`` ``(N,)``, ``lengths`` the bags' id counts."""
     n = values.numel()
     if n == 0:
         return False
+    if isinstance(hi, int):   # every table of the same rows: the smallest and the largest id say it all
+        low, high = torch.aminmax(values.detach())
+        return bool(low < 0) or bool(high >= hi)
     ids, repeats = values.detach().long(), lengths.long()
     try:
         upper = hi.repeat_interleave(repeats)
