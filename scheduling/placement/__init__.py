@@ -312,6 +312,8 @@ def _rewrite_groups(gm: GraphModule, groups: list[list[Candidate]], clients: dic
             rewrite_group(gm, members, client, trainable[members[0].qualname])
         for c in members:
             _drop_module(gm, c.qualname)
+    by_name = {c.name: c for c in clients.values()}
+    fold_regroups(gm.graph, ops.ps_pool, lambda name: by_name[name].feature_names)  # SparseArch's split + cat
 
 
 # ---- the pass -------------------------------------------------------------------------------------------------
@@ -466,8 +468,6 @@ def parameter_servers(gm: Any, optimizer: str = "rowwise_adagrad", lr: float = 0
     clients = _make_clients(groups, tables, placed, names, client, optimizer, kwargs, timeout_s,
                             (rank, world_size, group), storage, seed, grad_reduction, _model_device(gm))
     _rewrite_groups(gm, groups, clients, trainable)
-    by_name = {c.name: c for c in clients.values()}
-    fold_regroups(gm.graph, ops.ps_pool, lambda name: by_name[name].feature_names)  # SparseArch's split + cat
     gm.graph.lint()
     gm.recompile()
     _announce(_record(gm, placements, names, clients, {"name": optimizer, **kwargs}, storage, local), verbose, file)
