@@ -43,11 +43,29 @@ def test_equal_dims_are_gathered_as_blocks_with_the_same_values_and_gradients():
     parts = [torch.randn(3, 4, requires_grad=True), torch.randn(3, 2, requires_grad=True)]
     kt = pool(client, None, parts)
     assert client._gather.block == 2 and kt.length_per_key() == [2, 2, 2]
+    assert client._gather.positions is not None          # each answer's gradient: one index_select
     ref = _per_feature(client, parts)
     assert torch.equal(kt.values(), ref)
     grad = torch.randn(3, 6)
-    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(kt.values(), parts, grad),
-                                                 torch.autograd.grad(ref, parts, grad)))
+    got = torch.autograd.grad(kt.values(), parts, grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
+    assert all(g.is_contiguous() for g in got)
+    with torch.no_grad():
+        assert torch.equal(pool(client, None, parts).values(), ref)
+
+
+def test_an_answer_block_that_is_no_feature_gets_a_zero_gradient():
+    # server 0 answers 3 blocks of 2 columns, only 2 of them features: gathered by blocks, backward index_add
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 2)], "c": [(0, 4, 2)]}, widths=[6, 2])
+    parts = [torch.randn(3, 6, requires_grad=True), torch.randn(3, 2, requires_grad=True)]
+    kt = pool(client, None, parts)
+    assert client._gather.block == 2 and client._gather.positions is None
+    ref = _per_feature(client, parts)
+    assert torch.equal(kt.values(), ref)
+    grad = torch.randn(3, 6)
+    got = torch.autograd.grad(kt.values(), parts, grad)
+    assert torch.equal(got[0][:, 2:4], torch.zeros(3, 2))
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
 
 
 def test_mixed_dims_are_gathered_by_column():
