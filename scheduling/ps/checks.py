@@ -122,10 +122,10 @@ def _bag_bounds(kjt: Any, keys: Sequence[str], tables: Sequence[Any],
     if cached is not None and cached[0] is tables:
         return cached[1], cached[2]
     rows, limit = _rows(tables), torch.iinfo(torch.int64)
-    hi = torch.tensor([rows.get(k, limit.max) for k in keys], dtype=torch.int64)
+    per_key = torch.tensor([rows.get(k, limit.max) for k in keys], dtype=torch.int64)
     lo = None if all(k in rows for k in keys) else torch.tensor([0 if k in rows else limit.min for k in keys])
     uniform = lo is None and len({rows[k] for k in keys}) == 1
-    hi = rows[keys[0]] if uniform else hi.repeat_interleave(stride).to(lengths.device)
+    hi: torch.Tensor | int = rows[keys[0]] if uniform else per_key.repeat_interleave(stride).to(lengths.device)
     lo = None if lo is None else lo.repeat_interleave(stride).to(lengths.device)
     if len(_BOUNDS) >= _BOUNDS_MAX:
         _BOUNDS.clear()

@@ -96,14 +96,14 @@ class _BlockGather(torch.autograd.Function):
     gradients as ``cat`` + ``index_select``."""
 
     @staticmethod
-    def forward(ctx: Any, gather: "_Gather", *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, gather: "_Gather", *parts: torch.Tensor) -> torch.Tensor:
         ctx.positions, ctx.block = gather.positions, gather.block
         blocks = _blocks(parts, gather.block)
         return blocks.index_select(1, gather.index).view(blocks.shape[0], len(gather.dims) * gather.block)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         rows = grad.shape[0]
         blocks = grad.reshape(rows, grad.shape[1] // ctx.block, ctx.block)
         return (None, *[blocks.index_select(1, pos).view(rows, pos.numel() * ctx.block) for pos in ctx.positions])
