@@ -14,6 +14,9 @@ can then schedule::
     ... one fetch + hook per server holding a shard ...
     %kt = ps_pool("ps:...", %sparse_features, %ps_push_in_backward, %ps_push_in_backward_1)
 
+A ``torch.cat`` of all of ``%kt``'s features in its key order (torchrec ``SparseArch``: ``to_dict()`` then ``cat``)
+becomes ``%kt.values()`` (:mod:`scheduling.placement.pooled`: no split and copy back, same values and gradients).
+
 ``nn.EmbeddingBag`` inputs ``(input, offsets)`` or 2-D ``input``, ``nn.Embedding`` index tensors and
 ``EmbeddingCollection`` inputs (each id a bag of its own) are turned into the servers' ``KeyedJaggedTensor`` format
 in the graph (:mod:`scheduling.placement.conversions`), and the lookup's result back into what the module returned
@@ -100,6 +103,7 @@ from .plan import (
     split_local,
     with_dynamic,
 )
+from .pooled import fold_regroups
 from .table_groups import group_candidates, group_label, rewrite_group
 
 __all__ = ["parameter_servers", "ParameterServers", "EmbeddingLeafTracer", "PlacementWarning", "flush", "close",
@@ -308,6 +312,8 @@ def _rewrite_groups(gm: GraphModule, groups: list[list[Candidate]], clients: dic
             rewrite_group(gm, members, client, trainable[members[0].qualname])
         for c in members:
             _drop_module(gm, c.qualname)
+    by_name = {c.name: c for c in clients.values()}
+    fold_regroups(gm.graph, ops.ps_pool, lambda name: by_name[name].feature_names)  # SparseArch's split + cat
 
 
 # ---- the pass -------------------------------------------------------------------------------------------------

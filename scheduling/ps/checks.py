@@ -81,16 +81,77 @@ def check_kjt(kjt: Any, tables: Sequence[Any], weighted: bool | None) -> None:
         kjt.weights()  # torchrec's own AssertionError: "This (Keyed)JaggedTensor doesn't have weights."
         raise AssertionError("This (Keyed)JaggedTensor doesn't have weights.")
     values, keys = kjt.values(), kjt.keys()
-    rows = {f: t.num_embeddings for t in tables if t.dynamic is None for f in t.feature_names}
     suspect = bad_id_dtype(values)
-    if not suspect and not _any_out_of_range(values, keys, kjt.length_per_key(), rows):
-        return
+    if not suspect:
+        bounds = _bag_bounds(kjt, keys, tables)
+        if bounds is not None:   # the usual case: one test of the ids against bounds cached per layout
+            if not _out_of_bounds(values, kjt.lengths(), *bounds):
+                return
+        elif not _any_out_of_range(values, keys, kjt.length_per_key(), _rows(tables)):
+            return
+    rows = _rows(tables)
     start = 0
     for key, n in zip(keys, kjt.length_per_key()):
         if suspect or (key in rows and ids_suspect(values[start:start + n], rows[key])):
             _raise_feature_error(kjt, key, rows.get(key, 1), {f: t.pooling for t in tables for f in t.feature_names},
                                  bool(weighted))
         start += n
+
+
+def _rows(tables: Sequence[Any]) -> dict[str, int]:
+    """Feature -> rows of its table, for the tables whose ids are checked (not dynamic)."""
+    return {f: t.num_embeddings for t in tables if t.dynamic is None for f in t.feature_names}
+
+
+_BOUNDS: dict[tuple, tuple[Any, torch.Tensor | None, torch.Tensor | int]] = {}
+_BOUNDS_MAX = 64
+
+
+def _bag_bounds(kjt: Any, keys: Sequence[str], tables: Sequence[Any],
+                ) -> tuple[torch.Tensor | None, torch.Tensor | int] | None:
+    """Per bag (``(F * B,)``, key-major), the ids' lower bound (None: 0 for every bag) and upper bound (exclusive;
+    an int when it is the same for every bag and the lower bound 0) for a KJT of ``keys`` with the same number of
+    bags per key; cached per ``(tables, keys, B, device)``, so a batch of a layout seen before costs no Python per
+    key. None for a variable number of bags per key."""
+    lengths = kjt.lengths()
+    if not keys or lengths.numel() % len(keys) or kjt.variable_stride_per_key():
+        return None
+    stride = lengths.numel() // len(keys)
+    key = (id(tables), tuple(keys), stride, lengths.device)
+    cached = _BOUNDS.get(key)
+    if cached is not None and cached[0] is tables:
+        return cached[1], cached[2]
+    rows, limit = _rows(tables), torch.iinfo(torch.int64)
+    per_key = torch.tensor([rows.get(k, limit.max) for k in keys], dtype=torch.int64)
+    lo = None if all(k in rows for k in keys) else torch.tensor([0 if k in rows else limit.min for k in keys])
+    uniform = lo is None and len({rows[k] for k in keys}) == 1
+    hi: torch.Tensor | int = rows[keys[0]] if uniform else per_key.repeat_interleave(stride).to(lengths.device)
+    lo = None if lo is None else lo.repeat_interleave(stride).to(lengths.device)
+    if len(_BOUNDS) >= _BOUNDS_MAX:
+        _BOUNDS.clear()
+    _BOUNDS[key] = (tables, lo, hi)
+    return lo, hi
+
+
+def _out_of_bounds(values: torch.Tensor, lengths: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | int,
+                   ) -> bool:
+    """Whether an id lies outside its bag's ``[lo, hi)`` (``lo`` None: 0; ``hi`` an int: the same for all);
+    ``values`` ``(N,)``, ``lengths`` the bags' id counts."""
+    n = values.numel()
+    if n == 0:
+        return False
+    if isinstance(hi, int):   # every table of the same rows: the smallest and the largest id say it all
+        low, high = torch.aminmax(values.detach())
+        return bool(low < 0) or bool(high >= hi)
+    ids, repeats = values.detach().long(), lengths.long()
+    try:
+        upper = hi.repeat_interleave(repeats)
+    except RuntimeError:   # negative lengths: the per-key test says what is wrong
+        return True
+    if upper.numel() != n:   # lengths that do not add up to the ids: likewise
+        return True
+    low = ids < 0 if lo is None else ids < lo.repeat_interleave(repeats)
+    return bool((low | (ids >= upper)).any())
 
 
 def _any_out_of_range(values: torch.Tensor, keys: Sequence[str], lengths: Sequence[int], rows: dict[str, int]) -> bool:

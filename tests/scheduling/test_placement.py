@@ -210,6 +210,10 @@ def test_torchrec_dlrm_trains_as_with_local_tables(cluster, make, plan):
     assert not any("embedding" in n for n, _ in gm.named_parameters())
     sharding = {t["table"]: t["sharding"] for t in gm.meta["fxdist"]["placement"]["tables"]}
     assert sharding == {"t0": "table_wise", "t1": "row_wise" if plan else "table_wise"}
+    # SparseArch's to_dict + cat of the pooled features became the KeyedTensor's values (scheduling.placement.pooled)
+    assert not gm.graph.find_nodes(op="call_method", target="to_dict")
+    pooled = gm.graph.find_nodes(op="call_function", target=ops.ps_pool)
+    assert [n.args[0] for n in gm.graph.find_nodes(op="call_method", target="values")] == pooled
 
 
 def test_plain_module_with_embedding_bags_trains_as_with_local_tables(cluster):

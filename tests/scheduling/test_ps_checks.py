@@ -254,3 +254,27 @@ def test_check_kjt_bounds_each_key_by_its_own_table_and_skips_dynamic_tables():
         check_kjt(kjt([5], [5], []), tables, False)                      # 5 is outside "small"
     with pytest.raises(RuntimeError, match=r"takes value 50 which is not in the valid range \[0, 50\)"):
         check_kjt(kjt([0], [50], []), tables, False)
+
+
+def test_check_kjt_bounds_cached_per_layout_follow_each_collections_tables():
+    """The per-bag bounds are cached per (tables, keys, bags per key): a second collection with the same keys but
+    other rows, and another batch size, get their own."""
+    from torchrec import KeyedJaggedTensor
+
+    from scheduling.ps.checks import check_kjt
+    from scheduling.ps.shard_plan import TableSpec
+
+    small, big = [TableSpec("t", 5, 4, ("a", "b"))], [TableSpec("t", 50, 4, ("a", "b"))]
+
+    def kjt(ids: list[int], bags: int) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor(ids),
+                                 lengths=torch.tensor([1] * len(ids) + [0] * (2 * bags - len(ids))))
+
+    for _ in range(2):   # the second round reads the cache
+        check_kjt(kjt([4, 4], 1), small, False)
+        check_kjt(kjt([49, 7], 1), big, False)
+        with pytest.raises(RuntimeError, match=r"takes value 7 which is not in the valid range \[0, 5\)"):
+            check_kjt(kjt([4, 7], 1), small, False)
+        with pytest.raises(RuntimeError):                    # torch's message for several bags differs
+            check_kjt(kjt([0, 1, 2, 7], 2), small, False)    # 2 bags per key: "b"'s second bag holds 7
+        check_kjt(kjt([0, 1, 2, 3], 2), small, False)

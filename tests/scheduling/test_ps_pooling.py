@@ -28,3 +28,54 @@ def test_row_wise_parts_are_added():
     client = _client({"a": [(0, 0, 2), (1, 0, 2)]}, widths=[2, 2])
     kt = pool(client, None, [torch.ones(3, 2), torch.full((3, 2), 2.0)])
     assert client._gather is False and torch.equal(kt.values(), torch.full((3, 2), 3.0))
+
+
+def _per_feature(client, parts):
+    """The per-column reference: each feature's slice of its server's answer, in feature order."""
+    by_server = dict(zip(client.servers_for(), parts))
+    return torch.cat([by_server[s][:, col:col + dim] for f in client.feature_names for s, col, dim in client._slots[f]],
+                     dim=1)
+
+
+def test_equal_dims_are_gathered_as_blocks_with_the_same_values_and_gradients():
+    # features interleaved across the servers (a on 0, b on 1, c on 0), all of dim 2: gathered by 2-wide blocks
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 2)], "c": [(0, 2, 2)]}, widths=[4, 2])
+    parts = [torch.randn(3, 4, requires_grad=True), torch.randn(3, 2, requires_grad=True)]
+    kt = pool(client, None, parts)
+    assert client._gather.block == 2 and kt.length_per_key() == [2, 2, 2]
+    assert client._gather.positions is not None          # each answer's gradient: one index_select
+    ref = _per_feature(client, parts)
+    assert torch.equal(kt.values(), ref)
+    grad = torch.randn(3, 6)
+    got = torch.autograd.grad(kt.values(), parts, grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
+    assert all(g.is_contiguous() for g in got)
+    with torch.no_grad():
+        assert torch.equal(pool(client, None, parts).values(), ref)
+
+
+def test_an_answer_block_that_is_no_feature_gets_a_zero_gradient():
+    # server 0 answers 3 blocks of 2 columns, only 2 of them features: gathered by blocks, backward index_add
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 2)], "c": [(0, 4, 2)]}, widths=[6, 2])
+    parts = [torch.randn(3, 6, requires_grad=True), torch.randn(3, 2, requires_grad=True)]
+    kt = pool(client, None, parts)
+    assert client._gather.block == 2 and client._gather.positions is None
+    ref = _per_feature(client, parts)
+    assert torch.equal(kt.values(), ref)
+    grad = torch.randn(3, 6)
+    got = torch.autograd.grad(kt.values(), parts, grad)
+    assert torch.equal(got[0][:, 2:4], torch.zeros(3, 2))
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
+
+
+def test_mixed_dims_are_gathered_by_column():
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 3)], "c": [(0, 2, 1)]}, widths=[3, 3])
+    parts = [torch.randn(2, 3), torch.randn(2, 3)]
+    kt = pool(client, None, parts)
+    assert client._gather.block == 0 and torch.equal(kt.values(), _per_feature(client, parts))
+
+
+def test_an_empty_batch_pools_to_no_rows():
+    client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 2)]}, widths=[2, 2])
+    kt = pool(client, None, [torch.ones(0, 2), torch.ones(0, 2)])
+    assert kt.values().shape == (0, 4)
