@@ -12,12 +12,6 @@ from jobs.launcher import runs
 from jobs.launcher.cli import main
 from jobs.launcher.plan import format_reshard, reshard_plan
 
-SMALL = ["job.steps=8", "job.batch_size=32", "job.checkpoint_every=4", "job.progress=false", "job.eval_epochs=0",
-         "model.table_size=500", "model.bottom_mlp=[16]", "model.top_mlp=[16]", "cluster.cpus_per_trainer=0.5",
-         "cluster.rpc_timeout_s=20.0", "cluster.parameter_servers=1", "quant.enabled=false",
-         "metrics.enabled=false", 'phases.parity="warn"', "data.synthetic_rows=4000",
-         "cluster.servers_in_trainers=false"]  # server actors (tests/jobs/test_trainer_in_trainers.py: in the trainers)
-
 
 def _sets(items: list[str]) -> list[str]:
     return [a for item in items for a in ("--set", item)]
@@ -61,11 +55,10 @@ def test_reshard_plan_uses_the_placement_rule_on_the_new_servers():
 
 
 @pytest.mark.timeout(600)
-def test_a_completed_run_continues_on_two_servers(tmp_path, capsys):
-    pytest.importorskip("ray")
-    run_dir = tmp_path / "run"
-    assert main(["launch", "--quiet", "--run-dir", str(run_dir), *_sets(SMALL)]) == 0, capsys.readouterr().err
-    first = json.loads((run_dir / "results.json").read_text())
+def test_a_completed_run_continues_on_two_servers(one_server_run, capsys):
+    """Resumes the 8-step run of ``one_server_run`` (tests/jobs/conftest.py: one server actor, checkpoints every
+    4 steps, parity "warn"), shared with test_trainer_in_trainers.py, which reads only its results as completed."""
+    run_dir, first = one_server_run["run_dir"], one_server_run["results"]
     assert first["status"] == "completed"
     assert {s for layout in first["table_layout"].values() for t in layout.values() for s in t["servers"]} == {"ps0"}
     final = {c["phase"]: c["tables"] for c in first["checkpoints"] if c["step"] == 8}
