@@ -5,6 +5,7 @@ as separate processes (functions sent to spawned processes must be importable): 
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -221,3 +222,41 @@ def leave_one_server_group(rank: int) -> None:
         except RuntimeError:
             pass
     rpc.shutdown(graceful=False)
+
+
+WORLD, NUM_SERVERS, STEPS = 2, 2, 8
+"""The groups of :func:`run_group`: 2 DDP trainers, 2 servers (separate processes or in the trainers), 8 steps."""
+
+RUNS = [("eager", "eager", True, 0.0), ("prefetch", "prefetch", True, 0.0),
+        ("eager_jitter", "eager", True, 0.02), ("prefetch_jitter", "prefetch", True, 0.02)]
+"""Fixed tables trained eagerly and with ``async_rpc_prefetch``, with and without random delays (``runs`` entries
+of :func:`trainer_main`: name, schedule, sync, jitter_s)."""
+
+DYNAMIC_RUNS = [(f"dyn_{s}{'_jitter' if j else ''}", s, True, j, True)
+                for s, j in itertools.product(("eager", "prefetch"), (0.0, 0.02))]
+"""The same four schedules and timings with the tables as :data:`DYNAMIC` ones."""
+
+GROUP_RUNS: dict[str | None, list[tuple]] = {None: RUNS + DYNAMIC_RUNS, "inline": RUNS + DYNAMIC_RUNS,
+                                             "thread": RUNS}
+"""What :func:`run_group` trains per place of the servers (None: separate processes; ``"inline"`` / ``"thread"``:
+in the trainers), shared by test_ps_group.py and test_ps_in_trainers.py (each group is spawned once a session:
+``trained_groups`` in conftest.py)."""
+
+
+def run_group(in_trainers: str | None) -> dict[int, dict[str, Any]]:
+    """Spawn :data:`WORLD` trainers (and, with ``in_trainers`` None, :data:`NUM_SERVERS` server processes), train
+    ``GROUP_RUNS[in_trainers]`` one after the other for :data:`STEPS` steps. Returns ``{rank: {run name: {"losses",
+    "tables" (rank 0), "hits"}}}``."""
+    import multiprocessing as mp
+
+    from scheduling.ps.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    rpc_port, pg_port = free_port(), free_port()
+    runs = GROUP_RUNS[in_trainers]
+    targets = [] if in_trainers else [(server_main, (WORLD + i, WORLD + NUM_SERVERS, rpc_port))
+                                      for i in range(NUM_SERVERS)]
+    targets += [(trainer_main, (r, WORLD, rpc_port, pg_port, NUM_SERVERS, runs, STEPS, queue, in_trainers))
+                for r in range(WORLD)]
+    return spawn_and_collect(ctx, targets, queue, WORLD)

@@ -26,3 +26,20 @@ def dynamic_backend(request, monkeypatch):
     if request.param == "native" and not native_available():
         pytest.skip("compiled dynamic-table kernels unavailable (no C++ compiler, or the build failed)")
     return request.param
+
+
+@pytest.fixture(scope="session")
+def trained_groups():
+    """``trained_groups(in_trainers)``: the results of ``_group.run_group(in_trainers)`` (None: separate server
+    processes; ``"inline"`` / ``"thread"``: servers in the trainers), each group spawned once a session and shared by
+    test_ps_group.py and test_ps_in_trainers.py."""
+    from tests.scheduling import _group
+
+    cache: dict = {}
+
+    def get(in_trainers):
+        if in_trainers not in cache:
+            cache[in_trainers] = _group.run_group(in_trainers)
+        return cache[in_trainers]
+
+    return get

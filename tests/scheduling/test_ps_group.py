@@ -9,15 +9,12 @@ between the trainers: the losses and the final tables must be bit-identical.
 
 from __future__ import annotations
 
-import itertools
-import multiprocessing as mp
 import threading
 import time
 
 import pytest
 
 from scheduling.ps.ordering import StepBarrier
-from scheduling.ps.ports import free_port
 from tests.scheduling import _group
 
 
@@ -55,17 +52,11 @@ def test_step_barrier_names_the_trainer_it_waits_for():
 
 
 @pytest.mark.timeout(300)
-def test_two_trainers_train_identically_under_every_schedule_and_timing():
-    world, num_servers, steps = 2, 2, 10
-    runs = [("eager", "eager", True, 0.0), ("prefetch", "prefetch", True, 0.0),
-            ("eager_jitter", "eager", True, 0.02), ("prefetch_jitter", "prefetch", True, 0.02)]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    rpc_port, pg_port = free_port(), free_port()
-    targets = [(_group.server_main, (world + i, world + num_servers, rpc_port)) for i in range(num_servers)]
-    targets += [(_group.trainer_main, (r, world, rpc_port, pg_port, num_servers, runs, steps, queue))
-                for r in range(world)]
-    results = _group.spawn_and_collect(ctx, targets, queue, world)
+def test_two_trainers_train_identically_under_every_schedule_and_timing(trained_groups):
+    """The group with separate server processes (``_group.run_group(None)``, spawned once a session: its fixed-table
+    runs here, its dynamic-table runs below, and test_ps_in_trainers.py's reference)."""
+    world, num_servers, steps, runs = _group.WORLD, _group.NUM_SERVERS, _group.STEPS, _group.RUNS
+    results = trained_groups(None)
     reference = {rank: results[rank]["eager"] for rank in range(world)}
     assert len(reference[0]["losses"]) == steps
     assert reference[0]["losses"] != reference[1]["losses"]  # the trainers saw different batches
@@ -82,20 +73,13 @@ def test_two_trainers_train_identically_under_every_schedule_and_timing():
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("in_trainers", [None, "inline"])
-def test_two_trainers_with_dynamic_tables_train_identically_under_every_schedule_and_timing(in_trainers):
+def test_two_trainers_with_dynamic_tables_train_identically_under_every_schedule_and_timing(in_trainers,
+                                                                                          trained_groups):
     """Dynamic tables small enough to evict (ordering rule 3): every schedule and timing gives the same losses,
-    rows, id maps, last-seen steps and counters; with the servers in separate processes or in the trainers."""
-    world, num_servers, steps = 2, 2, 8
-    runs = [(f"dyn_{s}{'_jitter' if j else ''}", s, True, j, True)
-            for s, j in itertools.product(("eager", "prefetch"), (0.0, 0.02))]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    rpc_port, pg_port = free_port(), free_port()
-    targets = [] if in_trainers else [(_group.server_main, (world + i, world + num_servers, rpc_port))
-                                      for i in range(num_servers)]
-    targets += [(_group.trainer_main, (r, world, rpc_port, pg_port, num_servers, runs, steps, queue, in_trainers))
-                for r in range(world)]
-    results = _group.spawn_and_collect(ctx, targets, queue, world)
+    rows, id maps, last-seen steps and counters; with the servers in separate processes or in the trainers (the
+    groups of ``_group.run_group``, which train the fixed-table runs too, each under its own client)."""
+    world, num_servers, steps, runs = _group.WORLD, _group.NUM_SERVERS, _group.STEPS, _group.DYNAMIC_RUNS
+    results = trained_groups(in_trainers)
 
     def tables(name: str) -> dict:  # the run's name taken out of the server-state keys
         return {k.replace(f"{name}/", ""): v for k, v in results[0][name]["tables"].items()}
@@ -106,6 +90,7 @@ def test_two_trainers_with_dynamic_tables_train_identically_under_every_schedule
     assert stats["t1"]["rows"] == len(reference["t1@0.dynamic"]["map_ids"]) and len(reference) == 7
     for name, schedule, *_ in runs[1:]:
         for rank in range(world):
+            assert len(results[rank][name]["losses"]) == steps
             assert results[rank][name]["losses"] == results[rank]["dyn_eager"]["losses"], (name, rank)
             if schedule == "prefetch":
                 assert results[rank][name]["hits"] == num_servers * (steps - 1)

@@ -9,7 +9,6 @@ unit tests drive a directly called server in this process (no RPC group needed).
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -95,20 +94,10 @@ def test_call_local_answers_a_batch_per_call_and_a_missing_server_as_unavailable
 
 
 @pytest.mark.timeout(400)
-def test_servers_in_trainers_train_exactly_as_separate_server_processes():
-    world, num_servers, steps = 2, 2, 6
-    runs = [("eager", "eager", True, 0.0), ("prefetch", "prefetch", True, 0.0),
-            ("prefetch_jitter", "prefetch", True, 0.02)]
-    ctx = mp.get_context("spawn")
-    found = {}
-    for in_trainers in (None, "inline", "thread"):
-        queue = ctx.Queue()
-        rpc_port, pg_port = free_port(), free_port()
-        targets = [] if in_trainers else [(_group.server_main, (world + i, world + num_servers, rpc_port))
-                                          for i in range(num_servers)]
-        targets += [(_group.trainer_main, (r, world, rpc_port, pg_port, num_servers, runs, steps, queue, in_trainers))
-                    for r in range(world)]
-        found[in_trainers] = _group.spawn_and_collect(ctx, targets, queue, world)
+def test_servers_in_trainers_train_exactly_as_separate_server_processes(trained_groups):
+    """The groups of ``_group.run_group`` (spawned once a session; the separate one is test_ps_group.py's too)."""
+    world, steps, runs = _group.WORLD, _group.STEPS, _group.RUNS
+    found = {in_trainers: trained_groups(in_trainers) for in_trainers in (None, "inline", "thread")}
     separate = found[None]
     assert separate[0]["eager"]["losses"] != separate[1]["eager"]["losses"]  # the trainers saw different batches
     for (name, schedule, _, _), own in itertools.product(runs, ("inline", "thread")):
