@@ -166,47 +166,60 @@ def one_server_main(port: int, world: int) -> None:
     start_server("ps0", world, world + 1, master_port=port, timeout_s=60)
 
 
-def ddp_trainer_main(rank: int, world: int, port: int, ddp_port: int, queue: Any, make_pass: Callable[[int], Any],
+def ddp_trainer_main(rank: int, world: int, port: int, ddp_port: int, queue: Any, make_pass: Callable[..., Any],
                      make_model: Callable[[], nn.Module], batches: Callable[[int], list[tuple]],
-                     loss: Callable[..., torch.Tensor], lr: float) -> None:
+                     loss: Callable[..., torch.Tensor], lr: float, variants: Sequence[Any] | None = None) -> None:
     """Trainer ``rank`` of ``world`` against :func:`one_server_main`: the pass ``make_pass(rank)`` moves the
     model's tables (rank 0 creates them first), the rest trains under DDP over gloo with SGD(``lr``) on
     ``batches(rank)`` (``(*inputs, target)``, ``loss(out, target)``). Puts ``(rank, state)`` on ``queue``: the
     dense state dict and the tables as lists, ``"local"`` the modules the pass kept on the trainer; or
-    ``(rank, {"error": ...})``."""
+    ``(rank, {"error": ...})``. With ``variants``, one such training per variant ``v``, one after the other in the
+    same group, with the pass ``make_pass(v, rank)`` (its own client names and group key), and ``(rank, {v: state})``
+    on ``queue``."""
 
-    import fxdist
-    from scheduling import placement
     from scheduling.ps import init_trainer
 
     torch.set_num_threads(1)
     init_trainer(f"trainer{rank}", rank, world + 1, master_port=port, timeout_s=60)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", rank=rank, world_size=world)
     try:
-        if rank != 0:
-            dist.barrier()                       # rank 0 has created the tables
-        gm = fxdist.optimize(make_model(), passes=(make_pass(rank),))
-        if rank == 0:
-            dist.barrier()
-        ddp = nn.parallel.DistributedDataParallel(gm)
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr)
-        for *inputs, target in batches(rank):
-            opt.zero_grad()
-            loss(ddp(*inputs), target).backward()
-            opt.step()
-        placement.flush(gm)
-        dist.barrier()                           # every trainer's last pushes are applied
-        state: dict[str, Any] = {k: v.clone().tolist() for k, v in gm.state_dict().items()}
-        state.update({k: v.tolist() for k, v in placement.table_state_dict(gm).items()})  # no shared memory
-        state["local"] = [x["module"] for x in gm.meta["fxdist"]["placement"].get("local", [])]
-        placement.close(gm)
-        queue.put((rank, state))
+        if variants is None:
+            out = _ddp_train(rank, make_pass(rank), make_model, batches, loss, lr)
+        else:
+            out = {v: _ddp_train(rank, make_pass(v, rank), make_model, batches, loss, lr) for v in variants}
+        queue.put((rank, out))
     except BaseException as e:
         queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
         raise
     finally:
         dist.destroy_process_group()
         leave_one_server_group(rank)
+
+
+def _ddp_train(rank: int, the_pass: Any, make_model: Callable[[], nn.Module], batches: Callable[[int], list[tuple]],
+               loss: Callable[..., torch.Tensor], lr: float) -> dict[str, Any]:
+    """One training of :func:`ddp_trainer_main`; returns its state (the tables closed on the trainer)."""
+    import fxdist
+    from scheduling import placement
+
+    if rank != 0:
+        dist.barrier()                       # rank 0 has created the tables
+    gm = fxdist.optimize(make_model(), passes=(the_pass,))
+    if rank == 0:
+        dist.barrier()
+    ddp = nn.parallel.DistributedDataParallel(gm)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    for *inputs, target in batches(rank):
+        opt.zero_grad()
+        loss(ddp(*inputs), target).backward()
+        opt.step()
+    placement.flush(gm)
+    dist.barrier()                           # every trainer's last pushes are applied
+    state: dict[str, Any] = {k: v.clone().tolist() for k, v in gm.state_dict().items()}
+    state.update({k: v.tolist() for k, v in placement.table_state_dict(gm).items()})  # no shared memory
+    state["local"] = [x["module"] for x in gm.meta["fxdist"]["placement"].get("local", [])]
+    placement.close(gm)
+    return state
 
 
 def leave_one_server_group(rank: int) -> None:

@@ -68,29 +68,35 @@ def _reference(table_factor: float) -> dict[str, torch.Tensor]:
 def _ddp_pass(reduction: str, rank: int):
     import scheduling
 
-    return functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, servers=["ps0"], client="avg",
-                             rank=rank, world_size=WORLD, group=f"g-{reduction}", timeout_s=60.0, verbose=False,
-                             grad_reduction=reduction)
+    return functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, servers=["ps0"],
+                             client=f"avg-{reduction}", rank=rank, world_size=WORLD, group=f"g-{reduction}",
+                             timeout_s=60.0, verbose=False, grad_reduction=reduction)
 
 
-def _run(reduction: str) -> dict[int, dict[str, torch.Tensor]]:
+REDUCTIONS = ("mean", "sum")
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+    """``{reduction: {rank: state}}``: one group (the server and 2 trainers) trains the model once per reduction,
+    one after the other, each under its own clients and group key."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port, ddp_port = free_port(), free_port()
-    make_pass = functools.partial(_ddp_pass, reduction)
     targets = [(one_server_main, (port, WORLD))] + [
-        (ddp_trainer_main, (r, WORLD, port, ddp_port, queue, make_pass, _model, _batches, _loss, LR))
+        (ddp_trainer_main, (r, WORLD, port, ddp_port, queue, _ddp_pass, _model, _batches, _loss, LR, REDUCTIONS))
         for r in range(WORLD)]
     results = spawn_and_collect(ctx, targets, queue, WORLD)
     errors = {r: res["error"] for r, res in results.items() if "error" in res}
     assert not errors, errors
-    return {r: {k: torch.tensor(v) for k, v in res.items() if k != "local"} for r, res in results.items()}
+    return {red: {r: {k: torch.tensor(v) for k, v in res[red].items() if k != "local"} for r, res in results.items()}
+            for red in REDUCTIONS}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("reduction,table_factor", [("mean", 1.0), ("sum", float(WORLD))])
-def test_two_trainers_on_servers_train_like_one_process_on_the_global_batch(reduction, table_factor):
-    results = _run(reduction)
+def test_two_trainers_on_servers_train_like_one_process_on_the_global_batch(trained, reduction, table_factor):
+    results = trained[reduction]
     want = _reference(table_factor)
     other = _reference(float(WORLD) if reduction == "mean" else 1.0)
     start = _model().state_dict()
