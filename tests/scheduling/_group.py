@@ -273,3 +273,22 @@ def run_group(in_trainers: str | None) -> dict[int, dict[str, Any]]:
     targets += [(trainer_main, (r, WORLD, rpc_port, pg_port, NUM_SERVERS, runs, STEPS, queue, in_trainers))
                 for r in range(WORLD)]
     return spawn_and_collect(ctx, targets, queue, WORLD)
+
+
+def assert_in_trainers_train_as_separate(found: dict, runs: Sequence[tuple], world: int, steps: int) -> None:
+    """``found[None]`` (separate servers) vs ``found["inline"]`` / ``found["thread"]`` (servers in the trainers):
+    every run's per-rank losses equal (and equal to the eager run's), all prefetches hit, the tables equal."""
+    separate = found[None]
+    assert separate[0]["eager"]["losses"] != separate[1]["eager"]["losses"]  # the trainers saw different batches
+    for (name, schedule, _, _), own in itertools.product(runs, ("inline", "thread")):
+        inside = found[own]
+        for rank in range(world):
+            assert len(inside[rank][name]["losses"]) == steps
+            assert inside[rank][name]["losses"] == separate[rank][name]["losses"], (name, own, rank)
+            assert inside[rank][name]["losses"] == separate[rank]["eager"]["losses"], (name, own, rank)
+            if schedule == "prefetch":
+                assert inside[rank][name]["hits"] == world * (steps - 1)
+        tables = inside[0][name]["tables"]
+        assert tables.keys() == separate[0][name]["tables"].keys()
+        for key, value in tables.items():
+            assert value == separate[0][name]["tables"][key], (name, own, key)

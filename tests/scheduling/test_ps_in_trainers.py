@@ -8,8 +8,6 @@ unit tests drive a directly called server in this process (no RPC group needed).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -98,20 +96,7 @@ def test_servers_in_trainers_train_exactly_as_separate_server_processes(trained_
     """The groups of ``_group.run_group`` (spawned once a session; the separate one is test_ps_group.py's too)."""
     world, steps, runs = _group.WORLD, _group.STEPS, _group.RUNS
     found = {in_trainers: trained_groups(in_trainers) for in_trainers in (None, "inline", "thread")}
-    separate = found[None]
-    assert separate[0]["eager"]["losses"] != separate[1]["eager"]["losses"]  # the trainers saw different batches
-    for (name, schedule, _, _), own in itertools.product(runs, ("inline", "thread")):
-        inside = found[own]
-        for rank in range(world):
-            assert len(inside[rank][name]["losses"]) == steps
-            assert inside[rank][name]["losses"] == separate[rank][name]["losses"], (name, own, rank)
-            assert inside[rank][name]["losses"] == separate[rank]["eager"]["losses"], (name, own, rank)
-            if schedule == "prefetch":
-                assert inside[rank][name]["hits"] == world * (steps - 1)
-        tables = inside[0][name]["tables"]
-        assert tables.keys() == separate[0][name]["tables"].keys()
-        for key, value in tables.items():
-            assert value == separate[0][name]["tables"][key], (name, own, key)
+    _group.assert_in_trainers_train_as_separate(found, runs, world, steps)
 
 
 def test_group_servers_lists_the_trainer_that_hosts_one():

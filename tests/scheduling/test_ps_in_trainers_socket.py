@@ -9,7 +9,6 @@ the losses and the final tables must be bit-identical. The unit tests drive a ho
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing as mp
 import socket
 import time
@@ -140,17 +139,4 @@ def test_socket_servers_in_trainers_train_exactly_as_separate_socket_servers():
             p.join(20)
             assert p.exitcode == 0          # the trainers' stop ended the separate servers
         assert all("error" not in found[own][r] for r in range(world)), found[own]
-    separate = found[None]
-    assert separate[0]["eager"]["losses"] != separate[1]["eager"]["losses"]  # the trainers saw different batches
-    for (name, schedule, _, _), own in itertools.product(runs, ("inline", "thread")):
-        inside = found[own]
-        for rank in range(world):
-            assert len(inside[rank][name]["losses"]) == steps
-            assert inside[rank][name]["losses"] == separate[rank][name]["losses"], (name, own, rank)
-            assert inside[rank][name]["losses"] == separate[rank]["eager"]["losses"], (name, own, rank)
-            if schedule == "prefetch":
-                assert inside[rank][name]["hits"] == world * (steps - 1)
-        tables = inside[0][name]["tables"]
-        assert tables.keys() == separate[0][name]["tables"].keys()
-        for key, value in tables.items():
-            assert value == separate[0][name]["tables"][key], (name, own, key)
+    _group.assert_in_trainers_train_as_separate(found, runs, world, steps)
