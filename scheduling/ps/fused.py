@@ -82,6 +82,11 @@ class _Structure:
     whole: bool
 
 
+
+def _sample_bags(idx: FusedIndex) -> torch.Tensor:
+    """``idx.sample_bags``, which :meth:`FusedTables.index` always sets (only dynamic tables' indexes lack it)."""
+    return cast(torch.Tensor, idx.sample_bags)
+
 class FusedTables:
     """The shards of one namespace on one server, stacked (see the module docstring).
 
@@ -294,21 +299,16 @@ class FusedTables:
         if idx.weights is not None:
             rows = rows * idx.weights.unsqueeze(1)
         num = len(self.layout)
-        if idx.sample_bags is not None:  # pooled sample-major: the answer's layout already, no transposed copy
-            pooled = torch.zeros(idx.batch_size * num, self.dim).index_add_(0, idx.sample_bags, rows)
-            return pooled.view(idx.batch_size, num * self.dim)
-        pooled = torch.zeros(num * idx.batch_size, self.dim).index_add_(0, idx.bags, rows)
-        return pooled.view(num, idx.batch_size, self.dim).transpose(0, 1).reshape(idx.batch_size, num * self.dim)
+        # pooled sample-major: the answer's layout already, no transposed copy
+        pooled = torch.zeros(idx.batch_size * num, self.dim).index_add_(0, _sample_bags(idx), rows)
+        return pooled.view(idx.batch_size, num * self.dim)
 
     def row_grads(self, idx: FusedIndex, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unique global rows ``(U,)`` and their summed gradients ``(U, D)`` from the lookup's output
         gradient ``grad`` ``(B, J * D)``."""
         num = len(self.layout)
-        if idx.sample_bags is not None:  # the gradient's rows are sample-major bags already: no transposed copy
-            g = grad.reshape(idx.batch_size * num, self.dim).index_select(0, idx.sample_bags)
-        else:
-            per_bag = grad.reshape(idx.batch_size, num, self.dim).transpose(0, 1).reshape(num * idx.batch_size, self.dim)
-            g = per_bag.index_select(0, idx.bags)
+        # the gradient's rows are sample-major bags already: no transposed copy
+        g = grad.reshape(idx.batch_size * num, self.dim).index_select(0, _sample_bags(idx))
         if idx.weights is not None:
             g = g * idx.weights.unsqueeze(1)
         uniq, inverse = torch.unique(idx.rows, return_inverse=True)
