@@ -98,8 +98,7 @@ class _BlockGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gather: "_Gather", *parts: torch.Tensor) -> torch.Tensor:
         ctx.positions, ctx.block = gather.positions, gather.block
-        blocks = _blocks(parts, gather.block)
-        return blocks.index_select(1, gather.index).view(blocks.shape[0], len(gather.dims) * gather.block)
+        return _gather_blocks(parts, gather)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -109,10 +108,13 @@ class _BlockGather(torch.autograd.Function):
         return (None, *[blocks.index_select(1, pos).view(rows, pos.numel() * ctx.block) for pos in ctx.positions])
 
 
-def _blocks(parts: Sequence[torch.Tensor], block: int) -> torch.Tensor:
-    """The answers as ``(B, sum D_s / D, D)`` blocks, concatenated."""
+def _gather_blocks(parts: Sequence[torch.Tensor], gather: "_Gather") -> torch.Tensor:
+    """The output ``(B, F * D)``: the answers as ``(B, sum D_s / D, D)`` blocks, concatenated, then the features'
+    blocks picked in output order."""
+    block = gather.block
     views = [p.reshape(p.shape[0], p.shape[1] // block, block) for p in parts]
-    return torch.cat(views, dim=1) if len(views) > 1 else views[0]
+    blocks = torch.cat(views, dim=1) if len(views) > 1 else views[0]
+    return blocks.index_select(1, gather.index).view(blocks.shape[0], len(gather.dims) * block)
 
 
 class _Gather:
@@ -147,8 +149,7 @@ def pool_gather(client: Any, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
     if gather.positions is not None and len(parts) == len(gather.positions):
         values = _BlockGather.apply(gather, *parts)
     elif gather.block:
-        blocks = _blocks(parts, gather.block)     # (B, sum D_s / D, D)
-        values = blocks.index_select(1, gather.index).view(blocks.shape[0], len(gather.dims) * gather.block)
+        values = _gather_blocks(parts, gather)
     else:
         values = torch.cat(list(parts), dim=1) if len(parts) > 1 else parts[0]
         values = values.index_select(1, gather.index)
