@@ -72,18 +72,11 @@ class InTrainerServers(TorchRPCServers):
             ValueError: server actors were given.
             scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
         """
-        if actors:
-            raise ValueError(f"InTrainerServers.join: {len(actors)} server actors given; servers in the trainers "
-                             "have none")
+        _no_actors(self, actors)
         host, port = rendezvous
         if before_join is not None:
             before_join(host)
-        stop_serving()  # a reused process: its old server went with its old group
-        if rank < len(self.names):
-            self.server = serve_in_trainer(self.names[rank], name=f"ps{rank}", fetch_delay_s=self.fetch_delay_s,
-                                           own_requests="thread" if self.fetch_delay_s > 0 else "inline")
-            if self.exporter is not None:
-                self.exporter.watch_server(self.server, rank=f"ps{rank}")
+        _host_server(self, rank, lambda **kw: serve_in_trainer(self.names[rank], name=f"ps{rank}", **kw))
         self.join_group(rank, world, host, port)
         return []
 
@@ -100,8 +93,7 @@ class InTrainerServers(TorchRPCServers):
         Raises:
             RuntimeError: always.
         """
-        raise RuntimeError(f"server ps{index} runs inside trainer {index}'s process: kill the trainer instead "
-                           "([faults] kill_trainer_at_step)")
+        _cannot_kill(index)
 
 
 class InTrainerSocketServers:
@@ -145,21 +137,17 @@ class InTrainerSocketServers:
         from jobs.cluster import is_loopback, node_address
         from scheduling.ps.in_trainers import serve_in_trainer_socket, share_addresses
 
-        if actors:
-            raise ValueError(f"InTrainerSocketServers.join: {len(actors)} server actors given; servers in the "
-                             "trainers have none")
+        _no_actors(self, actors)
         if world > 1 and not dist.is_initialized():
             raise RuntimeError(f"InTrainerSocketServers.join: {world} trainers without a torch.distributed group "
                                "to share the servers' addresses over")
-        stop_serving()  # a reused process: its old server went with its old group
         self.world = world
-        if rank < len(self.names):
+
+        def serve(**kw: Any) -> Any:
             host = rendezvous if is_loopback(rendezvous) else node_address()
-            listener = serve_in_trainer_socket(self.names[rank], host=host, fetch_delay_s=self.fetch_delay_s,
-                                               own_requests="thread" if self.fetch_delay_s > 0 else "inline")
-            self.server = listener.endpoints.server
-            if self.exporter is not None:
-                self.exporter.watch_server(self.server, rank=f"ps{rank}")
+            return serve_in_trainer_socket(self.names[rank], host=host, **kw).endpoints.server
+
+        _host_server(self, rank, serve)
         share_addresses(self.names)
         return []
 
@@ -182,5 +170,38 @@ class InTrainerSocketServers:
         Raises:
             RuntimeError: always.
         """
-        InTrainerServers.kill(self, index)  # type: ignore[arg-type]
+        _cannot_kill(index)
 
+
+def _no_actors(lifecycle: Any, actors: Sequence[Any]) -> None:
+    """Servers in the trainers have no server actors.
+
+    Raises:
+        ValueError: ``actors`` is not empty.
+    """
+    if actors:
+        raise ValueError(f"{type(lifecycle).__name__}.join: {len(actors)} server actors given; servers in the "
+                         "trainers have none")
+
+
+def _host_server(lifecycle: Any, rank: int, serve: Callable[..., Any]) -> None:
+    """Drop this process's old server (a reused process: it went with its old group), then, on trainer ``rank <
+    N``, start its server with ``serve(fetch_delay_s=..., own_requests=...)`` (returning the ``PSServer``) into
+    ``lifecycle.server`` and let the exporter watch it as ``ps<rank>`` (own requests on a server thread with a
+    lookup delay, see :meth:`InTrainerServers.join`)."""
+    stop_serving()
+    if rank < len(lifecycle.names):
+        lifecycle.server = serve(fetch_delay_s=lifecycle.fetch_delay_s,
+                                 own_requests="thread" if lifecycle.fetch_delay_s > 0 else "inline")
+        if lifecycle.exporter is not None:
+            lifecycle.exporter.watch_server(lifecycle.server, rank=f"ps{rank}")
+
+
+def _cannot_kill(index: int) -> None:
+    """Server ``index`` of servers in the trainers is trainer ``index``'s process.
+
+    Raises:
+        RuntimeError: always.
+    """
+    raise RuntimeError(f"server ps{index} runs inside trainer {index}'s process: kill the trainer instead "
+                       "([faults] kill_trainer_at_step)")
