@@ -111,6 +111,13 @@ import _peer_cpu as cpu_account  # noqa: E402
 import _peer_systems as systems  # noqa: E402
 
 SIZES = ("10000x16", "10000x64", "1000000x16", "1000000x64")
+NAME_WIDTH = 30
+"""Width of the system-name column (the longest name, ``fx_inproc_socket_prefetch_0ms``, is 29)."""
+PAIRS = (("socket / torch_rpc transport", "fx_socket_prefetch_0ms", "fx_prefetch_0ms"),
+         ("in the trainers, socket / torch_rpc", "fx_inproc_socket_prefetch_0ms", "fx_inproc_prefetch_0ms"),
+         ("socket, in the trainers / separate servers", "fx_inproc_socket_prefetch_0ms", "fx_socket_prefetch_0ms"),
+         ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"))
+"""(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
 
 
 def cpu_isa() -> str:
@@ -211,7 +218,7 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
             status = f"error: {r['error']}" if "error" in r else (
                 f"{r['qps']:,.0f} samples/s, loss {r['first_loss']:.7f} -> {r['last_loss']:.7f}"
                 + ("" if r.get("prefetch_hits") is None else f", trainer 0's prefetch hits {r['prefetch_hits']}"))
-            print(f"  round {rnd + 1} {name:<30} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
+            print(f"  round {rnd + 1} {name:<{NAME_WIDTH}} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
     return found
 
 
@@ -230,14 +237,14 @@ def _row(name: str, runs: list[dict], base: list[dict]) -> str:
     """One system's line of the table."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
-        return f"{name:<30} FAILED: {runs[0]['error'][:300]}"
+        return f"{name:<{NAME_WIDTH}} FAILED: {runs[0]['error'][:300]}"
     qps = [r["qps"] for r in ok]
     ratios = _ratios(runs, base)
     ratio = (f"{min(ratios):>11.2f} {statistics.median(ratios):>5.2f} {max(ratios):>5.2f}" if ratios
              else f"{'-':>11} {'-':>5} {'-':>5}")
     errors = [r["error"] for r in runs if "error" in r]
     failed = f"  ({len(errors)} of {len(runs)} failed: {errors[0][:200]})" if errors else ""
-    return (f"{name:<30} {statistics.median(qps):>8,.0f} {min(qps):>7,.0f}..{max(qps):<6,.0f} {ratio} "
+    return (f"{name:<{NAME_WIDTH}} {statistics.median(qps):>8,.0f} {min(qps):>7,.0f}..{max(qps):<6,.0f} {ratio} "
             f"{ok[-1]['last_loss']:>10.7f} {_fmt(_max_diff(runs, base, 'last_loss'), '.1e', 8)} "
             f"{_fmt(_max_diff(runs, base, 'first_loss'), '.1e', 8)} {_fmt(ok[-1].get('table_change'), '.3e', 9)} "
             f"{statistics.median(r['wall'] for r in runs):>6.0f}{failed}")
@@ -258,7 +265,7 @@ def ceiling(found: dict[str, list[dict]]) -> None:
         if name != "dense_only" and (name.startswith("fx_") or name.startswith("dmp_")):
             f = _ratios(runs, top)
             if f:
-                lines.append(f"  {name:<30} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
+                lines.append(f"  {name:<{NAME_WIDTH}} {min(f):.2f} {statistics.median(f):.2f} {max(f):.2f}")
     if lines:
         print("fraction of the ceiling (QPS / dense_only's, min med max over rounds):\n" + "\n".join(lines))
 
@@ -270,11 +277,11 @@ def profile_table(found: dict[str, list[dict]], run_dir: Path) -> None:
     if not rows:
         return
     print(f"\nprofile, trainer 0, ms per step (torch.profiler, CPU; top ops in {run_dir}/profile_*.txt)\n"
-          f"{'system':<30} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
+          f"{'system':<{NAME_WIDTH}} {'step':>7} {'forward':>8} {'(lookup)':>9} {'backward':>9} {'(push)':>7} "
           f"{'optimizer':>9} {'other':>7}")
     for name, p in rows:
         other = p["step"] - p["forward"] - p["backward"] - p["optimizer"]
-        print(f"{name:<30} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
+        print(f"{name:<{NAME_WIDTH}} {p['step']:>7.2f} {p['forward']:>8.2f} {p['lookup']:>9.2f} {p['backward']:>9.2f} "
               f"{p['push']:>7.2f} {p['optimizer']:>9.2f} {other:>7.2f}")
 
 
@@ -288,7 +295,7 @@ def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
     if not rows:
         return
     print(f"\nCPU per training step, all processes (/proc schedstat; median over rounds; ms): cpu = on a core, "
-          f"wait = runnable, waiting for a core; faults = minor page faults\n{'system':<30} {'step':>6}  "
+          f"wait = runnable, waiting for a core; faults = minor page faults\n{'system':<{NAME_WIDTH}} {'step':>6}  "
           f"{'trainers cpu':>12} {'wait':>6} {'faults':>7}  {'servers cpu':>11} {'wait':>6} {'faults':>7}  "
           f"{'total cpu':>9} {'cores':>5}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -299,7 +306,7 @@ def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
 
         step = statistics.median(a["step_ms"] for a in accs)
         total = statistics.median(sum(k["cpu_ms"] for k in a["kinds"].values()) for a in accs)
-        print(f"{name:<30} {step:>6.1f}  {_fmt(med('trainer', 'cpu_ms'), '.1f', 12)} "
+        print(f"{name:<{NAME_WIDTH}} {step:>6.1f}  {_fmt(med('trainer', 'cpu_ms'), '.1f', 12)} "
               f"{_fmt(med('trainer', 'wait_ms'), '.1f', 6)} {_fmt(med('trainer', 'faults'), '.0f', 7)}  "
               f"{_fmt(med('server', 'cpu_ms'), '.1f', 11)} {_fmt(med('server', 'wait_ms'), '.1f', 6)} "
               f"{_fmt(med('server', 'faults'), '.0f', 7)}  {total:>9.1f} {total / step:>5.2f}")
@@ -315,7 +322,7 @@ def cpu_table(size: str, found: dict[str, list[dict]], run_dir: Path) -> None:
 def report(size: str, found: dict[str, list[dict]]) -> None:
     """The table of one size (columns: see the module docstring)."""
     base = found.get("dmp_tw", [])
-    print(f"\n{size} (rows x dim per table)\n{'system':<30} {'QPS':>8} {'min..max':>15} {'/dmp_tw min':>11} "
+    print(f"\n{size} (rows x dim per table)\n{'system':<{NAME_WIDTH}} {'QPS':>8} {'min..max':>15} {'/dmp_tw min':>11} "
           f"{'med':>5} {'max':>5} {'loss last':>10} {'d loss':>8} {'d loss0':>8} {'|W-W0|':>9} {'wall s':>6}")
     for name, runs in found.items():
         print(_row(name, runs, base))
@@ -324,20 +331,11 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
     if loss is not None:
         print(f"max |fxdist final loss - dmp_tw final loss| = {loss:.2e} (over fxdist systems and rounds)"
               + ("" if change is None else f"; max | |W-W0| fxdist - |W-W0| dmp_tw | = {change:.2e}"))
-    sock, fixed = found.get("fx_socket_prefetch_0ms"), found.get("fx_prefetch_0ms")
-    if sock and fixed and (ratios := _ratios(sock, fixed)):
-        print(f"socket / torch_rpc transport (fx_socket_prefetch_0ms / fx_prefetch_0ms, QPS per round): "
-              f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
-    inproc, both = found.get("fx_inproc_prefetch_0ms"), found.get("fx_inproc_socket_prefetch_0ms")
-    for name, runs, base_runs in (("fx_inproc_socket_prefetch_0ms / fx_inproc_prefetch_0ms", both, inproc),
-                                  ("fx_inproc_socket_prefetch_0ms / fx_socket_prefetch_0ms", both, sock)):
+    for label, system, peer in PAIRS:
+        runs, base_runs = found.get(system), found.get(peer)
         if runs and base_runs and (ratios := _ratios(runs, base_runs)):
-            print(f"{name} (QPS per round): median {statistics.median(ratios):.2f}x "
-                  f"({min(ratios):.2f}..{max(ratios):.2f})")
-    dyn = found.get("fx_dynamic_prefetch_0ms")
-    if dyn and fixed and (ratios := _ratios(dyn, fixed)):
-        print(f"dynamic / fixed tables of the same rows (fx_dynamic_prefetch_0ms / fx_prefetch_0ms, QPS per round): "
-              f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
+            print(f"{label} ({system} / {peer}, QPS per round): "
+                  f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
 
 
 def main() -> None:
