@@ -43,3 +43,18 @@ def trained_groups():
         return cache[in_trainers]
 
     return get
+
+
+@pytest.fixture()
+def local_ray():
+    """A local Ray (2 CPUs, no dashboard) for the test, started unless one runs already (and then shut down
+    after it); the ``ray`` module. Skips without Ray."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()

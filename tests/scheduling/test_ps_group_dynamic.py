@@ -211,17 +211,9 @@ def test_stale_lookups_sent_before_the_push_are_ordered_too():
     _check([_run(_Local(), "stale", _rank_late(late)) for late in (0, 1)], _reference(stale=True))
 
 
-def test_dynamic_lookups_in_order_over_a_ray_actor():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        _check([_run(_Actor(), schedule, _rank_late(late)) for schedule, late in (("prefetch", 0), ("blocking", 1))],
-               _reference())
-    finally:
-        if started:
-            ray.shutdown()
+def test_dynamic_lookups_in_order_over_a_ray_actor(local_ray):
+    _check([_run(_Actor(), schedule, _rank_late(late)) for schedule, late in (("prefetch", 0), ("blocking", 1))],
+           _reference())
 
 
 def _order(group: str, rank: int, seq: int, count: int, index: int | None, timeout_s: float = 5.0) -> tuple:

@@ -198,23 +198,16 @@ def _ray_trainer(rank: int, server: Any, barrier: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(400)
-def test_sixty_modules_four_trainers_one_server_ray():
-    ray = pytest.importorskip("ray")
+def test_sixty_modules_four_trainers_one_server_ray(local_ray):
     from scheduling.ps.ray_transport import kill_actors, start_actors
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        (server,) = start_actors(["ps0"])                     # default num_worker_threads (16)
-        barrier = ray.remote(num_cpus=0)(_RayBarrier).remote(WORLD)
-        train = ray.remote(num_cpus=0, max_retries=0)(_ray_trainer)
-        refs = [train.remote(r, server, barrier) for r in range(WORLD)]
-        results = dict(enumerate(ray.get(refs, timeout=300)))
-        kill_actors([server, barrier], ["ps0"])
-    finally:
-        if started:
-            ray.shutdown()
+    ray = local_ray
+    (server,) = start_actors(["ps0"])                     # default num_worker_threads (16)
+    barrier = ray.remote(num_cpus=0)(_RayBarrier).remote(WORLD)
+    train = ray.remote(num_cpus=0, max_retries=0)(_ray_trainer)
+    refs = [train.remote(r, server, barrier) for r in range(WORLD)]
+    results = dict(enumerate(ray.get(refs, timeout=300)))
+    kill_actors([server, barrier], ["ps0"])
     _check(results)
 
 
