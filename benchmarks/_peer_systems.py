@@ -44,7 +44,7 @@ trainer gathers every table from the servers for it."""
 SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
            "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms", "fx_socket_prefetch_0ms",
-           "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms")
+           "fx_socket_stale1_0ms", "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_stale1_0ms``: prefetch
 with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i`` inside
 trainer ``i``'s process (``scheduling.ps.in_trainers``: 2 processes instead of 4); ``fx_dynamic_*``: prefetch
@@ -535,10 +535,12 @@ def socket_server_main(index: int, queue: Any, nice: int = 0) -> None:
     serve(f"ps{index}", on_ready=lambda address: queue.put((index, address)))
 
 
-def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
+def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses: Any = None) -> None:
     """Trainer ``rank`` of ``s.system``; puts ``(rank, result)`` on ``queue``. ``pids`` (``--cpu-account``): a
     shared array of the run's process ids, trainers first (ranks ``0..WORLD-1``), then the servers; trainer 0
-    then accounts their CPU over the timed steps (``result["cpu"]``, :mod:`_peer_cpu`)."""
+    then accounts their CPU over the timed steps (``result["cpu"]``, :mod:`_peer_cpu`). ``addresses``
+    (``fx_socket_*`` without ``s.addresses``): a queue that brings the servers' ``host:port`` tuple, in server order,
+    once they listen (the trainers start beside the servers instead of after them)."""
     torch.set_num_threads(1)
     if pids is not None and rank == 0:
         _PIDS.append(pids)
@@ -555,7 +557,8 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None) -> None:
         elif over_socket(s.system):   # clients given these names pick the socket transport
             from scheduling.ps.socket_transport import register_servers
 
-            register_servers({f"ps{i}": address for i, address in enumerate(s.addresses)})
+            found = s.addresses or addresses.get(timeout=120)
+            register_servers({f"ps{i}": address for i, address in enumerate(found)})
         if rpc_group:
             from scheduling.ps import init_trainer, serve_in_trainer
 

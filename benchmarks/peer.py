@@ -23,9 +23,10 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_inproc_prefetch_0ms`` / ``fx_inproc_stale1_0ms``: the same with the servers inside the trainers'
   processes (``scheduling.ps.in_trainers``): trainer ``i`` also serves server ``i``'s tables on its RPC threads,
   and its requests to its own server skip RPC; 2 processes in all instead of 4;
-- ``fx_socket_prefetch_0ms``: ``fx_prefetch_0ms`` with the servers reached over the ``socket`` transport
-  (``scheduling.ps.socket_transport``: one TCP connection per trainer and server, tensors as raw buffers) instead of
-  ``torch.distributed.rpc``; the servers bind free ports and publish them before the trainers start;
+- ``fx_socket_prefetch_0ms`` / ``fx_socket_stale1_0ms``: ``fx_prefetch_0ms`` / ``fx_stale1_0ms`` with the
+  servers reached over the ``socket`` transport (``scheduling.ps.socket_transport``: one TCP connection per trainer
+  and server, tensors as raw buffers) instead of ``torch.distributed.rpc``; the servers bind free ports and publish
+  them to the trainers, which start beside them;
 - ``fx_inproc_socket_prefetch_0ms`` / ``fx_inproc_socket_stale1_0ms``: both: server ``i`` inside trainer ``i``'s
   process, listening on a free port of its own (``in_trainers.serve_in_trainer_socket``; the trainers share their
   addresses over their gloo group), the other trainer's requests served on its socket reader threads, its own
@@ -149,23 +150,15 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     servers = systems.SERVERS if fx and not systems.in_trainers(setting.system) else 0
     pids = ctx.Array("i", systems.WORLD + servers) if cpu_account else None   # filled once all have started
     start = time.perf_counter()
-    if socket and servers:   # the servers first: each binds a free port and publishes it, then the trainers get the addresses
+    addresses = ctx.Queue() if socket and servers else None   # each server's "host:port", once it listens
+    if addresses is not None:   # servers and trainers start together; the trainers wait for the addresses
         ready = ctx.Queue()
         server_procs = [ctx.Process(target=systems.socket_server_main, args=(i, ready, server_nice), daemon=True)
                         for i in range(servers)]
-        for p in server_procs:
-            p.start()
-        try:
-            found = dict(ready.get(timeout=120) for _ in range(servers))
-        except Exception as e:  # queue.Empty: a server died before listening
-            for p in server_procs:
-                p.kill()
-            return {-1: {"error": f"socket servers did not listen within 120 s ({type(e).__name__})"}}, 0.0
-        setting = systems.Setting(**{**setting.__dict__, "addresses": tuple(found[i] for i in range(servers))})
     else:
         server_procs = [ctx.Process(target=systems.server_main, args=(systems.WORLD + i, setting.rpc_port, server_nice),
                                     daemon=True) for i in range(servers)]
-    trainer_procs = [ctx.Process(target=systems.trainer_main, args=(r, setting, queue, pids), daemon=True)
+    trainer_procs = [ctx.Process(target=systems.trainer_main, args=(r, setting, queue, pids, addresses), daemon=True)
                      for r in range(systems.WORLD)]
     procs = trainer_procs + server_procs   # trainers first (the pids' order)
     for p in procs:
@@ -175,6 +168,14 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
         pids[:] = [p.pid or 0 for p in procs]
     results: dict[int, dict] = {}
     try:
+        if addresses is not None:
+            try:
+                found = dict(ready.get(timeout=120) for _ in range(servers))
+            except Exception as e:  # queue.Empty: a server died before listening
+                results[-1] = {"error": f"socket servers did not listen within 120 s ({type(e).__name__})"}
+                return results, time.perf_counter() - start
+            for _ in range(systems.WORLD):
+                addresses.put(tuple(found[i] for i in range(servers)))
         for _ in range(systems.WORLD):
             rank, res = queue.get(timeout=timeout_s)
             results[rank] = res

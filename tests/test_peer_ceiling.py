@@ -60,7 +60,7 @@ def test_fx_system_names_give_the_schedule_and_where_the_servers_run():
     assert kinds["fx_inproc_prefetch_0ms"] == "prefetch" and kinds["fx_inproc_stale1_0ms"] == "stale1"
     assert [s for s in kinds if peer.in_trainers(s)] == ["fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms",
                                                          "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms"]
-    assert kinds["fx_socket_prefetch_0ms"] == "prefetch"
+    assert kinds["fx_socket_prefetch_0ms"] == "prefetch" and kinds["fx_socket_stale1_0ms"] == "stale1"
     assert kinds["fx_inproc_socket_prefetch_0ms"] == "prefetch" and kinds["fx_inproc_socket_stale1_0ms"] == "stale1"
-    assert [s for s in kinds if peer.over_socket(s)] == ["fx_socket_prefetch_0ms", "fx_inproc_socket_prefetch_0ms",
-                                                        "fx_inproc_socket_stale1_0ms"]
+    assert [s for s in kinds if peer.over_socket(s)] == ["fx_socket_prefetch_0ms", "fx_socket_stale1_0ms",
+                                                        "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms"]
