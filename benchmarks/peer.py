@@ -72,6 +72,9 @@ total CPU and the cores it kept busy (total / step); then the busiest thread gro
 ``<--run-dir>/cpu_<size>_<system>.txt``). On a machine with fewer cores than busy threads the step is set by
 this total, so it is the figure to compare; it moves far less with other load than wall time does.
 
+SIGTERM (``timeout``'s signal) stops peer.py between or inside runs: the run in flight is killed and the tables
+are printed from the runs finished so far (a system's rounds may then number one less than another's).
+
 Loss agreement is a weak check here: the labels are random and SGD at lr 0.05 hardly moves the tables
 (``|W-W0|`` ~ 5e-5 after 10 steps of 1e3-row tables), so the loss mostly reflects the dense part and the start;
 ``|W-W0|`` compares the tables' training itself.
@@ -98,6 +101,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import time
@@ -119,6 +123,23 @@ PAIRS = (("socket / torch_rpc transport", "fx_socket_prefetch_0ms", "fx_prefetch
          ("socket, in the trainers / separate servers", "fx_inproc_socket_prefetch_0ms", "fx_socket_prefetch_0ms"),
          ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived (:func:`_on_sigterm`): finish with the runs done so far (a BaseException, so that a run's
+    ``except Exception`` does not take it for a failed run)."""
+
+
+_STOPPING = False
+_MEASURING = False
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """Note the stop; inside :func:`measure`'s runs, stop them now (:class:`Stopped`), else after this table."""
+    global _STOPPING
+    _STOPPING = True
+    if _MEASURING:
+        raise Stopped
 
 
 def cpu_isa() -> str:
@@ -185,7 +206,7 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
         results.setdefault(-1, {"error": f"no result within {timeout_s:.0f} s ({type(e).__name__})"})
     finally:
         for p in procs:
-            p.join(30 if not any("error" in r for r in results.values()) else 5)
+            p.join(0.1 if _STOPPING else 30 if not any("error" in r for r in results.values()) else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -207,7 +228,22 @@ def summarize(results: dict[int, dict], steps: int) -> dict:
 
 def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
     """Per system, one summary per round (the systems take turns within a round)."""
+    global _MEASURING
     found: dict[str, list[dict]] = {n: [] for n in names}
+    _MEASURING = True
+    try:
+        if not _STOPPING:
+            _rounds(rows, dim, names, args, found)
+    except Stopped:
+        print("  stopped (SIGTERM): the run in flight was killed; the tables below cover the runs finished",
+              file=sys.stderr, flush=True)
+    finally:
+        _MEASURING = False
+    return {n: runs for n, runs in found.items() if runs}
+
+
+def _rounds(rows: int, dim: int, names: list[str], args: argparse.Namespace, found: dict[str, list[dict]]) -> None:
+    """:func:`measure`'s rounds, each run's summary appended to ``found[system]`` as it ends."""
     for rnd in range(args.rounds):
         for name in names:
             profile = args.profile if rnd == 0 else 0   # the first round only
@@ -220,7 +256,6 @@ def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> 
                 f"{r['qps']:,.0f} samples/s, loss {r['first_loss']:.7f} -> {r['last_loss']:.7f}"
                 + ("" if r.get("prefetch_hits") is None else f", trainer 0's prefetch hits {r['prefetch_hits']}"))
             print(f"  round {rnd + 1} {name:<{NAME_WIDTH}} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
-    return found
 
 
 def _max_diff(runs: list[dict], base: list[dict], key: str) -> float | None:
@@ -376,7 +411,10 @@ def main() -> None:
           f"{systems.WORLD} trainers x batch {systems.BATCH}, "
           f"{systems.SERVERS} fxdist servers; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
           "steps); progress on stderr")
+    signal.signal(signal.SIGTERM, _on_sigterm)
     for size in args.sizes:
+        if _STOPPING:
+            break
         rows, dim = (int(x) for x in size.lower().split("x"))
         found = measure(rows, dim, args.systems, args)
         report(size, found)

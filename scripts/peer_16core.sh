@@ -10,7 +10,8 @@
 # .whl/ first (torchrec 1.6.1, fbgemm-gpu-cpu 1.6.0, tensordict, iopath, pyvers for torch 2.11 / Python 3.12):
 # they are installed under /tmp/site. fxdist is installed editable without dependencies, so that its pass entry
 # points resolve. Output (the table, progress, the profiles) goes to $OUT (default /tmp/peer_16core).
-# PEER_TIMEOUT (seconds, default 320) bounds peer.py; each run is bounded by --timeout 120. PEER_CPUS (a taskset
+# PEER_TIMEOUT (seconds, default 320) bounds peer.py (its SIGTERM: peer.py kills the run in flight and prints the
+# tables of the runs finished); each run is bounded by --timeout 120. PEER_CPUS (a taskset
 # list, e.g. 0-1) pins peer.py and every process it starts to those cores: two or three pinned runs on disjoint
 # cores then measure side by side, e.g. a 2-core run beside a 12-core one.
 set -uo pipefail
@@ -31,5 +32,5 @@ timeout "${PEER_TIMEOUT:-320}" "${PIN[@]}" "$PY" benchmarks/peer.py --timeout 12
   2>"$OUT/peer_progress.txt" | tee "$OUT/peer.txt"
 rc=${PIPESTATUS[0]}
 grep '^  round' "$OUT/peer_progress.txt" | tail -20
-[ "$rc" = 124 ] && echo "peer.py stopped after ${PEER_TIMEOUT:-320} s (PEER_TIMEOUT); the rounds finished are above"
+[ "$rc" = 124 ] && echo "peer.py stopped after ${PEER_TIMEOUT:-320} s (PEER_TIMEOUT); its tables cover the runs finished"
 exit "$rc"
