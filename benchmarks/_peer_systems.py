@@ -3,8 +3,8 @@
 Every function here runs in a spawned process (it must be importable, so it lives outside the driver).
 A trainer joins a gloo process group of :data:`WORLD` trainers (fxdist's trainers also join the
 ``torch.distributed.rpc`` group of trainers and servers), builds its system, trains ``warmup + steps`` steps
-on its own seeded batches and puts ``(rank, {"seconds", "first_loss", "last_loss"})`` on the queue
-(``{"error": ...}`` on failure). ``seconds`` covers the ``steps`` timed steps, from a barrier after the warm-up
+on its own seeded batches and puts ``(rank, {"seconds", "first_loss", "last_loss", "ready_at"})`` on the queue
+(``{"error": ...}`` on failure; ``ready_at``: ``time.time()`` when its first warm-up step started). ``seconds`` covers the ``steps`` timed steps, from a barrier after the warm-up
 to a barrier after the last step (fxdist: after its last pushes are applied).
 
 Same start for every system: the dense and over arches from ``criteo_dlrm(seed=MODEL_SEED)``; table ``i`` from
@@ -196,6 +196,7 @@ def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[],
     :func:`_profiled` steps when ``s.profile``."""
     import _peer_cpu
 
+    ready_at = time.time()   # the run's set-up is over: processes, imports, groups, model, tables
     losses = [float(step(i)) for i in range(s.warmup)]
     dist.barrier()
     processes = _processes()
@@ -206,7 +207,7 @@ def _timed(step: Callable[[int], torch.Tensor], s: Setting, finish: Callable[[],
     finish()
     dist.barrier()
     seconds = time.perf_counter() - start
-    out: dict[str, Any] = {"seconds": seconds, "first_loss": losses[0], "last_loss": losses[-1]}
+    out: dict[str, Any] = {"seconds": seconds, "first_loss": losses[0], "last_loss": losses[-1], "ready_at": ready_at}
     if before is not None:
         out["cpu"] = {**_peer_cpu.account(before, _peer_cpu.snapshot(processes), s.steps), "step_ms": seconds * 1e3 / s.steps}
     if tables is not None and TABLES * s.rows * s.dim * 4 <= CHECK_BYTES:   # before the profiled steps train on

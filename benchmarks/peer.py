@@ -223,7 +223,8 @@ def summarize(results: dict[int, dict], steps: int) -> dict:
             "first_loss": statistics.mean(r["first_loss"] for r in results.values()),
             "last_loss": statistics.mean(r["last_loss"] for r in results.values()),
             "table_change": results[0].get("table_change"), "prefetch_hits": results[0].get("prefetch_hits"),
-            "profile": results[0].get("profile"), "cpu": results[0].get("cpu")}
+            "profile": results[0].get("profile"), "cpu": results[0].get("cpu"),
+            "ready_at": max(r.get("ready_at", 0.0) for r in results.values())}
 
 
 def measure(rows: int, dim: int, names: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -249,13 +250,16 @@ def _rounds(rows: int, dim: int, names: list[str], args: argparse.Namespace, fou
             profile = args.profile if rnd == 0 else 0   # the first round only
             setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0, profile=profile,
                                       profile_file=str(args.run_dir / f"profile_{rows}x{dim}_{name}.txt"))
+            started = time.time()
             results, wall = run_once(setting, args.timeout, args.cpu_account, args.server_nice)
             found[name].append({**summarize(results, args.steps), "wall": wall})
             r = found[name][-1]
+            set_up = f"{r['ready_at'] - started:.0f} s to the first step, " if r.get("ready_at") else ""
             status = f"error: {r['error']}" if "error" in r else (
                 f"{r['qps']:,.0f} samples/s, loss {r['first_loss']:.7f} -> {r['last_loss']:.7f}"
                 + ("" if r.get("prefetch_hits") is None else f", trainer 0's prefetch hits {r['prefetch_hits']}"))
-            print(f"  round {rnd + 1} {name:<{NAME_WIDTH}} {status} ({wall:.0f} s)", file=sys.stderr, flush=True)
+            print(f"  round {rnd + 1} {name:<{NAME_WIDTH}} {status} ({set_up}{wall:.0f} s in all)", file=sys.stderr,
+                  flush=True)
 
 
 def _max_diff(runs: list[dict], base: list[dict], key: str) -> float | None:
