@@ -49,6 +49,7 @@ __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_se
 
 WIRE_METHODS = (*METHODS, "stop")
 """Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop)."""
+_METHOD_NUMBERS = {m: i for i, m in enumerate(WIRE_METHODS)}
 REQUEST, ANSWER, ERROR = 0, 1, 2
 """Message kinds: a request; its answer; the server's exception instead of an answer."""
 _HEADER = struct.Struct("<BBHIQ")
@@ -120,6 +121,13 @@ def _rebuild(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -
 
 
 def _reduce_tensor(t: torch.Tensor) -> Any:
+    if type(t) is torch.Tensor:   # the usual case, a plain dense CPU tensor: its memory through numpy, no view ops
+        try:
+            array = t.detach().numpy()   # refuses other devices and layouts, quantized, conj/neg views, bfloat16
+        except (RuntimeError, TypeError):
+            array = None
+        if array is not None and array.flags.c_contiguous:
+            return _rebuild, (pickle.PickleBuffer(cast(Any, array)), t.dtype, tuple(t.shape))
     if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare: torch's own (in-band) pickling
     flat = t.detach()
@@ -236,6 +244,9 @@ class _Connection:
         threading.Thread(target=self._read, name=f"fxdist-socket-{address}", daemon=True).start()
 
     def call(self, method: str, args: tuple, timeout_s: float) -> torch.futures.Future:
+        number = _METHOD_NUMBERS.get(method)
+        if number is None:
+            raise ValueError(f"transport 'socket': unknown method {method!r} (known: {WIRE_METHODS})")
         meta, buffers = dumps(args)  # before the lock: pickling runs outside it
         future: torch.futures.Future = torch.futures.Future()
         rid = next(self._ids)
@@ -244,7 +255,7 @@ class _Connection:
             if self.dead is not None:
                 raise OSError(self.dead)
             with self._send_lock:
-                send_message(self.sock, REQUEST, WIRE_METHODS.index(method), rid, meta, buffers)
+                send_message(self.sock, REQUEST, number, rid, meta, buffers)
         except OSError as e:
             self.pending.pop(rid, None)
             self._fail(f"sending to server {self.address} failed: {e}")
