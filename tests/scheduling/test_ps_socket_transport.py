@@ -200,6 +200,20 @@ def test_a_server_that_never_answers_is_unavailable_after_the_timeout():
         assert type(info.value) is RuntimeError
 
 
+def test_a_short_timeout_sent_after_a_long_one_still_expires_first():
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        held: list = []
+        threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+        transport = SocketTransport([address])
+        slow = transport.call_async(0, "stats", (), 60.0)
+        fast = [transport.call_async(0, "stats", (), 0.3) for _ in range(3)]
+        for future in fast:
+            with pytest.raises(RuntimeError, match=rf"no answer from server {address} within 0.3 s"):
+                future.wait()
+        assert not slow.done()      # its own deadline is far: still waiting
+
+
 def test_a_refused_connection_raises_when_sending():
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
