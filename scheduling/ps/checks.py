@@ -142,7 +142,7 @@ def _out_of_bounds(values: torch.Tensor, lengths: torch.Tensor, lo: torch.Tensor
         return False
     if isinstance(hi, int):   # every table of the same rows: the smallest and the largest id say it all
         low, high = torch.aminmax(values.detach())
-        return bool(low < 0) or bool(high >= hi)
+        return int(low) < 0 or int(high) >= hi   # integer ids (the dtype is checked first): two item() reads
     ids, repeats = values.detach().long(), lengths.long()
     try:
         upper = hi.repeat_interleave(repeats)

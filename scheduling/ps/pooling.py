@@ -72,7 +72,23 @@ def column_gather(client: Any, ids: list[int]) -> Any:
     else:
         block = 0
         index = torch.tensor([start[s] + col + j for f in names for s, col, dim in client._slots[f] for j in range(dim)])
-    return _Gather(index, block, mean if bool(mean.any()) else None, dims, torch.tensor(dims), list(names), positions)
+    return _Gather(index, block, mean if bool(mean.any()) else None, dims, torch.tensor(dims), list(names), positions,
+                   _interleave(positions))
+
+
+def _interleave(positions: list[torch.Tensor] | None) -> list[int] | None:
+    """When answer ``s`` of ``P`` holds the output's blocks ``start_s, start_s + P, start_s + 2P, ...`` (tables dealt
+    round-robin to the servers): the answers' indices in order of ``start_s``, so the output is their blocks stacked
+    (``torch.stack(dim=2)``, autograd's own backward); None otherwise."""
+    if not positions:
+        return None
+    count, total = len(positions), sum(p.numel() for p in positions)
+    starts = [int(p[0]) if p.numel() else -1 for p in positions]
+    if sorted(starts) != list(range(count)) or any(p.numel() * count != total for p in positions):
+        return None
+    if not all(torch.equal(p, torch.arange(start, total, count)) for p, start in zip(positions, starts)):
+        return None
+    return sorted(range(count), key=starts.__getitem__)
 
 
 def _block_positions(client: Any, ids: list[int], names: list[str], block: int) -> list[torch.Tensor] | None:
@@ -123,30 +139,37 @@ class _Gather:
     features (None when all sum), the dims as a list and as a tensor, the output's keys, and (blocks only, when
     every block of every answer is a feature) each answer's blocks' output positions."""
 
-    __slots__ = ("index", "block", "mean", "dims", "repeats", "keys", "positions")
+    __slots__ = ("index", "block", "mean", "dims", "repeats", "keys", "positions", "interleave")
 
     def __init__(self, index: torch.Tensor, block: int, mean: torch.Tensor | None, dims: list[int],
-                 repeats: torch.Tensor, keys: list[str], positions: list[torch.Tensor] | None = None) -> None:
+                 repeats: torch.Tensor, keys: list[str], positions: list[torch.Tensor] | None = None,
+                 interleave: list[int] | None = None) -> None:
         self.index, self.block, self.mean, self.dims, self.repeats, self.keys = index, block, mean, dims, repeats, keys
-        self.positions = positions
+        self.positions, self.interleave = positions, interleave
 
     def to(self, device: torch.device) -> "_Gather":
         """The same gather with its tensors on ``device``."""
         return _Gather(self.index.to(device), self.block, None if self.mean is None else self.mean.to(device),
                        self.dims, self.repeats.to(device), self.keys,
-                       None if self.positions is None else [p.to(device) for p in self.positions])
+                       None if self.positions is None else [p.to(device) for p in self.positions], self.interleave)
 
 
 def pool_gather(client: Any, kjt: Any, parts: Sequence[torch.Tensor]) -> Any:
     """:func:`pool` in one ``index_select`` (one ``index_add`` backward) instead of a slice per feature; over
     ``D``-wide blocks when every feature has the same dim (a copy per block and row, not per column), and then,
-    when the answers hold nothing but the features, each answer's gradient one ``index_select`` (:class:`_BlockGather`)."""
+    when the answers hold nothing but the features, each answer's gradient one ``index_select`` (:class:`_BlockGather`),
+    or, when the tables were dealt round-robin to the servers, one ``torch.stack`` of the answers' blocks (its backward
+    autograd's own, no Python)."""
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
     gather = client._gather
     if gather.index.device != parts[0].device:  # rows on an accelerator: the index tensors follow once
         gather = client._gather = gather.to(parts[0].device)
-    if gather.positions is not None and len(parts) == len(gather.positions):
+    if gather.interleave is not None and len(parts) == len(gather.interleave):   # no Python in backward
+        rows, block = parts[0].shape[0], gather.block
+        values = torch.stack([parts[i].reshape(rows, parts[i].shape[1] // block, block) for i in gather.interleave],
+                             dim=2).view(rows, len(gather.dims) * block)
+    elif gather.positions is not None and len(parts) == len(gather.positions):
         values = _BlockGather.apply(gather, *parts)
     elif gather.block:
         values = _gather_blocks(parts, gather)

@@ -27,8 +27,8 @@ out-of-band buffers).
 
 from __future__ import annotations
 
+import collections
 import copyreg
-import heapq
 import io
 import itertools
 import pickle
@@ -49,6 +49,7 @@ __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_se
 
 WIRE_METHODS = (*METHODS, "stop")
 """Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop)."""
+_METHOD_NUMBERS = {m: i for i, m in enumerate(WIRE_METHODS)}
 REQUEST, ANSWER, ERROR = 0, 1, 2
 """Message kinds: a request; its answer; the server's exception instead of an answer."""
 _HEADER = struct.Struct("<BBHIQ")
@@ -120,6 +121,13 @@ def _rebuild(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -
 
 
 def _reduce_tensor(t: torch.Tensor) -> Any:
+    if type(t) is torch.Tensor:   # the usual case, a plain dense CPU tensor: its memory through numpy, no view ops
+        try:
+            array = t.detach().numpy()   # refuses other devices and layouts, quantized, conj/neg views, bfloat16
+        except (RuntimeError, TypeError):
+            array = None
+        if array is not None and array.flags.c_contiguous:
+            return _rebuild, (pickle.PickleBuffer(cast(Any, array)), t.dtype, tuple(t.shape))
     if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare: torch's own (in-band) pickling
     flat = t.detach()
@@ -230,12 +238,16 @@ class _Connection:
             raise RuntimeError(f"transport 'socket': cannot connect to server {address}: {e}") from e
         self.sock.settimeout(None)
         self.pending: dict[int, torch.futures.Future] = {}
+        self.deadlines: dict[float, collections.deque[tuple[float, int]]] = {}   # per timeout: see _watch
         self.dead: str | None = None
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         threading.Thread(target=self._read, name=f"fxdist-socket-{address}", daemon=True).start()
 
     def call(self, method: str, args: tuple, timeout_s: float) -> torch.futures.Future:
+        number = _METHOD_NUMBERS.get(method)
+        if number is None:
+            raise ValueError(f"transport 'socket': unknown method {method!r} (known: {WIRE_METHODS})")
         meta, buffers = dumps(args)  # before the lock: pickling runs outside it
         future: torch.futures.Future = torch.futures.Future()
         rid = next(self._ids)
@@ -244,7 +256,7 @@ class _Connection:
             if self.dead is not None:
                 raise OSError(self.dead)
             with self._send_lock:
-                send_message(self.sock, REQUEST, WIRE_METHODS.index(method), rid, meta, buffers)
+                send_message(self.sock, REQUEST, number, rid, meta, buffers)
         except OSError as e:
             self.pending.pop(rid, None)
             self._fail(f"sending to server {self.address} failed: {e}")
@@ -313,32 +325,70 @@ def _connection(address: str, timeout_s: float) -> _Connection:
 
 
 # ---- timeouts: one watchdog thread per process ------------------------------------------------------------------
-_DEADLINES: list[tuple[float, int, _Connection, int, float]] = []
+_QUEUES: list[tuple[_Connection, float, collections.deque[tuple[float, int]]]] = []
+"""Per connection and timeout: its requests' ``(deadline, request id)`` in the order sent (so deadlines ascend); the
+watchdog drops the answered ones when it next looks."""
 _WAKE = threading.Condition()
-_ORDER = itertools.count()
 _WATCHDOG: list[threading.Thread] = []
 
 
 def _watch(conn: _Connection, rid: int, timeout_s: float) -> None:
-    with _WAKE:
-        entry = (time.monotonic() + timeout_s, next(_ORDER), conn, rid, timeout_s)
-        heapq.heappush(_DEADLINES, entry)
-        if not _WATCHDOG or not _WATCHDOG[0].is_alive():
-            _WATCHDOG[:] = [threading.Thread(target=_expire_loop, name="fxdist-socket-watchdog", daemon=True)]
-            _WATCHDOG[0].start()
-        if _DEADLINES[0] is entry:  # a new earliest deadline: the watchdog sleeps until the old one
+    """Fail request ``rid`` of ``conn`` unless answered within ``timeout_s`` seconds: one append to its queue (no lock);
+    the watchdog is woken only when the queue was empty, as it may sleep past this deadline then."""
+    queue = conn.deadlines.get(timeout_s)
+    if queue is None:
+        queue = _new_queue(conn, timeout_s)
+    queue.append((time.monotonic() + timeout_s, rid))
+    if len(queue) == 1:
+        with _WAKE:
+            _start_watchdog()
             _WAKE.notify()
+
+
+def _new_queue(conn: _Connection, timeout_s: float) -> collections.deque[tuple[float, int]]:
+    with _WAKE:
+        queue = conn.deadlines.get(timeout_s)
+        if queue is None:
+            queue = conn.deadlines[timeout_s] = collections.deque()
+            _QUEUES.append((conn, timeout_s, queue))
+        return queue
+
+
+def _start_watchdog() -> None:
+    """Start the watchdog unless it runs (call under ``_WAKE``)."""
+    if not _WATCHDOG or not _WATCHDOG[0].is_alive():
+        _WATCHDOG[:] = [threading.Thread(target=_expire_loop, name="fxdist-socket-watchdog", daemon=True)]
+        _WATCHDOG[0].start()
+
+
+def _due(now: float) -> tuple[list[tuple[_Connection, int, float]], float | None]:
+    """The requests past their deadline (taken off their queues, with the answered ones before them) and the earliest
+    deadline left (None: nothing waits). Call under ``_WAKE``."""
+    due, earliest = [], None
+    for entry in list(_QUEUES):
+        conn, timeout_s, queue = entry
+        while queue and (queue[0][1] not in conn.pending or queue[0][0] <= now):
+            deadline, rid = queue.popleft()
+            if deadline <= now and rid in conn.pending:
+                due.append((conn, rid, timeout_s))
+        if queue:
+            earliest = queue[0][0] if earliest is None else min(earliest, queue[0][0])
+        elif conn.dead is not None:   # a failed connection takes no more requests
+            _QUEUES.remove(entry)
+            conn.deadlines.pop(timeout_s, None)
+    return due, earliest
 
 
 def _expire_loop() -> None:
     while True:
         with _WAKE:
-            while not _DEADLINES or _DEADLINES[0][0] > time.monotonic():
-                _WAKE.wait(None if not _DEADLINES else _DEADLINES[0][0] - time.monotonic())
-            now, due = time.monotonic(), []
-            while _DEADLINES and _DEADLINES[0][0] <= now:
-                due.append(heapq.heappop(_DEADLINES))
-        for _, _, conn, rid, timeout_s in due:
+            while True:
+                now = time.monotonic()
+                due, earliest = _due(now)
+                if due:
+                    break
+                _WAKE.wait(None if earliest is None else earliest - now)
+        for conn, rid, timeout_s in due:
             conn.expire(rid, timeout_s)
 
 

@@ -44,6 +44,7 @@ def test_equal_dims_are_gathered_as_blocks_with_the_same_values_and_gradients():
     kt = pool(client, None, parts)
     assert client._gather.block == 2 and kt.length_per_key() == [2, 2, 2]
     assert client._gather.positions is not None          # each answer's gradient: one index_select
+    assert client._gather.interleave is None             # 2 blocks on server 0, 1 on server 1: not dealt round-robin
     ref = _per_feature(client, parts)
     assert torch.equal(kt.values(), ref)
     grad = torch.randn(3, 6)
@@ -52,6 +53,23 @@ def test_equal_dims_are_gathered_as_blocks_with_the_same_values_and_gradients():
     assert all(g.is_contiguous() for g in got)
     with torch.no_grad():
         assert torch.equal(pool(client, None, parts).values(), ref)
+
+
+def test_tables_dealt_round_robin_are_stacked_with_the_same_values_and_gradients():
+    # 3 servers, 6 features of dim 2 dealt round-robin, server 1 first: output blocks 0, 3 from server 1, 1, 4 from
+    # server 0, 2, 5 from server 2
+    slots = {"a": [(1, 0, 2)], "b": [(0, 0, 2)], "c": [(2, 0, 2)], "d": [(1, 2, 2)], "e": [(0, 2, 2)], "f": [(2, 2, 2)]}
+    client = _client(slots, widths=[4, 4, 4])
+    parts = [torch.randn(3, 4, requires_grad=True) for _ in range(3)]
+    kt = pool(client, None, parts)
+    assert client._gather.interleave == [1, 0, 2] and kt.length_per_key() == [2] * 6
+    ref = _per_feature(client, parts)
+    assert torch.equal(kt.values(), ref)
+    grad = torch.randn(3, 12)
+    got = torch.autograd.grad(kt.values(), parts, grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
+    assert all(g.is_contiguous() for g in got)
+    assert pool(client, None, [torch.ones(0, 4)] * 3).values().shape == (0, 12)
 
 
 def test_an_answer_block_that_is_no_feature_gets_a_zero_gradient():

@@ -129,6 +129,31 @@ def test_large_tensors_cross_bit_for_bit(server):
         client.close()
 
 
+def test_every_kind_of_tensor_crosses_the_wire_as_it_was():
+    from scheduling.ps.socket_transport import ANSWER, recv_message, send_message
+
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(4, 5, dtype=torch.complex64, generator=gen)
+    value = [torch.randn(3, 4, generator=gen).t(), torch.tensor(2.5), torch.zeros(0, 4), torch.arange(10)[2:7],
+             torch.randn(3, generator=gen).to(torch.bfloat16), torch.randn(3, generator=gen, requires_grad=True),
+             z.conj(), torch._neg_view(z), torch.tensor([True, False]), torch.nn.Parameter(torch.randn(2, generator=gen)),
+             torch.randn(3, 3, generator=gen).to_sparse()]
+    a, b = socket.socketpair()
+    try:
+        sender = threading.Thread(target=lambda: send_message(a, ANSWER, 4, 12, *dumps(value)))
+        sender.start()
+        got = recv_message(b, bytearray(16))[3]
+        sender.join()
+        for sent, came in zip(value, got, strict=True):
+            sent = sent.detach().resolve_conj().resolve_neg()
+            assert came.dtype == sent.dtype and came.shape == sent.shape and came.layout == sent.layout
+            assert torch.equal(came.to_dense(), sent.to_dense())
+            assert not came.is_conj() and not came.is_neg()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_message_of_more_buffers_than_one_scatter_read_takes_arrives_whole():
     from scheduling.ps.socket_transport import ANSWER, recv_message, send_message
 
@@ -173,6 +198,20 @@ def test_a_server_that_never_answers_is_unavailable_after_the_timeout():
         with pytest.raises(RuntimeError, match=rf"no answer from server {address} within 0.3 s") as info:
             transport.call_async(0, "stats", (), 0.3).wait()
         assert type(info.value) is RuntimeError
+
+
+def test_a_short_timeout_sent_after_a_long_one_still_expires_first():
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        held: list = []
+        threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+        transport = SocketTransport([address])
+        slow = transport.call_async(0, "stats", (), 60.0)
+        fast = [transport.call_async(0, "stats", (), 0.3) for _ in range(3)]
+        for future in fast:
+            with pytest.raises(RuntimeError, match=rf"no answer from server {address} within 0.3 s"):
+                future.wait()
+        assert not slow.done()      # its own deadline is far: still waiting
 
 
 def test_a_refused_connection_raises_when_sending():
