@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.ps.fused import FusedTables
+from scheduling.ps.fused import FusedTables, unique_count, unique_inverse
 from scheduling.ps.server import PSServer, server_layout
 from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.tbe import KERNEL_ENV
@@ -253,3 +253,18 @@ def test_batches_of_known_lengths_reuse_their_structure_and_resolve_the_same(sha
         for i in range(fused_module.RECENT_STRUCTURES + 1):   # bounded per key tuple
             fused.index(keys, torch.zeros(i + 1, dtype=torch.long), torch.tensor([i + 1] + [0] * 7), None, where="t")
         assert len(fused._structures[keys]) == fused_module.RECENT_STRUCTURES
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(-(2**62), 2**62), max_size=300), spread=st.sampled_from([1, 3, 1000, None]))
+def test_unique_inverse_is_torch_unique(ids, spread):
+    """The NumPy-sorted distinct ids and inverse a push sums its gradients by are torch.unique's, bit for bit."""
+    rows = torch.tensor([i % spread if spread else i for i in ids], dtype=torch.int64)
+    want, want_inverse = torch.unique(rows, return_inverse=True)
+    got, got_inverse = unique_inverse(rows)
+    assert got.dtype == want.dtype and got_inverse.dtype == want_inverse.dtype
+    assert torch.equal(got, want) and torch.equal(got_inverse, want_inverse)
+    assert unique_count(rows) == want.numel()
+    small = rows.remainder(1000).int()  # another dtype: torch.unique itself
+    for got_t, want_t in zip(unique_inverse(small), torch.unique(small, return_inverse=True)):
+        assert got_t.dtype == want_t.dtype and torch.equal(got_t, want_t)
