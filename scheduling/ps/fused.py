@@ -54,13 +54,16 @@ batch of known lengths is a few ops on its ids alone (fixed-size bags: every bat
 class FusedIndex:
     """A batch resolved against a :class:`FusedTables`: ``rows`` global row ids ``(N',)`` int64, ``bags``
     output-bag ids ``(N',)`` (``entry * B + sample``), per-id ``weights`` ``(N',)`` or None, ``batch_size``;
-    ``sample_bags`` ``(N',)``: the same bags numbered ``sample * J + entry`` (J entries), or None."""
+    ``sample_bags`` ``(N',)``: the same bags numbered ``sample * J + entry`` (J entries), or None; ``order``
+    ``(B * J,)``: where every bag holds exactly one id, the ids' positions in bag order ``sample * J + entry``,
+    else None."""
 
     rows: torch.Tensor
     bags: torch.Tensor
     weights: torch.Tensor | None
     batch_size: int
     sample_bags: torch.Tensor | None = None
+    order: torch.Tensor | None = None
 
 
 @dataclass(eq=False)  # hashed by identity: part of the key of a recent index
@@ -68,7 +71,8 @@ class _Structure:
     """A batch's keys and ``lengths`` resolved against a :class:`FusedTables`, ids aside: ``pos`` ``(N',)`` the
     positions of the ids of pooled keys (None: all), and per such id its layout entry, valid ids ``[0, high)``,
     shard rows ``[start, end)``, ``shift`` (its stacked row is ``id + shift``) and output bag (numbered
-    ``entry * B + sample`` and ``sample * J + entry``); ``whole``: every entry's shard holds its whole table."""
+    ``entry * B + sample`` and ``sample * J + entry``); ``whole``: every entry's shard holds its whole table;
+    ``order``: :attr:`FusedIndex.order` (the positions sorting ``sample_bags``, when it numbers every bag once)."""
 
     lengths: torch.Tensor
     batch_size: int
@@ -81,6 +85,7 @@ class _Structure:
     bags: torch.Tensor
     sample_bags: torch.Tensor
     whole: bool
+    order: torch.Tensor | None
 
     def __post_init__(self) -> None:
         # NumPy views of the per-id bounds and shifts: a batch's checks and row ids in NumPy ops (~1 us each, a
@@ -286,8 +291,13 @@ class FusedTables:
         _, high, start, end, base = self._meta.index_select(1, entry)     # (5, N'), see __init__
         whole = bool(((start == 0) & (end == high)).all())  # no row-wise shard: every valid id is a row here
         sample = torch.remainder(flat_bag, batch_size)
+        sample_bags = sample * len(self.layout) + entry
+        bags = batch_size * len(self.layout)
+        order = None  # one id in every bag: bag order is a permutation of the ids (see lookup)
+        if sample_bags.numel() == bags and bool((torch.bincount(sample_bags, minlength=bags) == 1).all()):
+            order = torch.argsort(sample_bags)
         found = _Structure(lengths.clone(), batch_size, pos, entry, high, start, end, base - start,
-                           entry * batch_size + sample, sample * len(self.layout) + entry, whole)
+                           entry * batch_size + sample, sample_bags, whole, order)
         self._structures[keys] = (found, *recent[:RECENT_STRUCTURES - 1])  # one assignment: readers see either
         return found
 
@@ -307,7 +317,7 @@ class FusedTables:
                 raise ValueError(f"{where}: feature {feat!r} has id {int(ids[i])} outside table "
                                  f"{spec.table.name!r} rows [0, {spec.table.num_embeddings})")
         rows = ids + st.shift if flat is None else torch.from_numpy(flat + st.shift_np)  # the same int64 sums
-        bags, sample_bags = st.bags, st.sample_bags
+        bags, sample_bags, order = st.bags, st.sample_bags, st.order
         if not st.whole:
             keep = (ids >= st.start) & (ids < st.end)      # rows of this server's shard of a row-wise table
             if not bool(keep.all()):
@@ -315,7 +325,8 @@ class FusedTables:
                 rows, bags = rows.index_select(0, sel), bags.index_select(0, sel)
                 sample_bags = sample_bags.index_select(0, sel)
                 weights = weights.index_select(0, sel) if weights is not None else None
-        return FusedIndex(rows, bags, weights, st.batch_size, sample_bags)
+                order = None  # some bags lost their id here
+        return FusedIndex(rows, bags, weights, st.batch_size, sample_bags, order)
 
     # ---- lookup and push --------------------------------------------------------------------------------
     def _local(self, idx: FusedIndex) -> torch.Tensor:
@@ -339,10 +350,15 @@ class FusedTables:
         """Pooled sums ``(B, J * D)``, entry ``j``'s ``D`` columns at ``j * D`` (layout order)."""
         if self.kernel is not None:
             return self.kernel.lookup(self._local(idx), idx.bags, idx.weights, idx.batch_size)
+        num = len(self.layout)
+        if idx.order is not None and idx.weights is None:
+            # one id per bag: gathered in bag order, the rows are the answer; "+ 0.0" is what index_add_ into
+            # zeros adds (-0.0 becomes 0.0), so the bits are the general path's
+            rows = self.store.gather(self.weight, idx.rows.index_select(0, idx.order))  # a fresh tensor
+            return rows.add_(0.0).view(idx.batch_size, num * self.dim)
         rows = self.store.gather(self.weight, idx.rows)
         if idx.weights is not None:
             rows = rows * idx.weights.unsqueeze(1)
-        num = len(self.layout)
         # pooled sample-major: the answer's layout already, no transposed copy
         pooled = torch.zeros(idx.batch_size * num, self.dim).index_add_(0, _sample_bags(idx), rows)
         return pooled.view(idx.batch_size, num * self.dim)

@@ -268,3 +268,44 @@ def test_unique_inverse_is_torch_unique(ids, spread):
     small = rows.remainder(1000).int()  # another dtype: torch.unique itself
     for got_t, want_t in zip(unique_inverse(small), torch.unique(small, return_inverse=True)):
         assert got_t.dtype == want_t.dtype and torch.equal(got_t, want_t)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), num_servers=st.integers(1, 2), sharding=st.sampled_from(["table_wise", "row_wise"]),
+       optimizer=st.sampled_from(["rowwise_adagrad", "sgd"]), extra_key=st.booleans())
+def test_one_id_per_bag_takes_the_bag_order_path_with_the_same_bits(data, num_servers, sharding, optimizer,
+                                                                     extra_key):
+    """One id in every bag (the common KJT of a recommendation model): the lookup gathers the rows in bag order
+    (FusedIndex.order) instead of pooling into zeros, bit for bit the per-shard path, -0.0 included."""
+    dim = data.draw(st.sampled_from([1, 4]))
+    tables = [TableSpec(n, data.draw(st.integers(1, 6)), dim, (f"f{n}",)) for n in "abc"]
+    batch_size = data.draw(st.integers(1, 5))
+    keys = tuple(f"f{n}" for n in "abc") + (("other",) if extra_key else ())
+    used = 0
+    for server in range(num_servers):
+        fast = _server(tables, sharding, num_servers, server, optimizer)
+        slow = _server(tables, sharding, num_servers, server, optimizer, fused=False)
+        if not fast.layouts["ns"]:
+            continue
+        for srv in (fast, slow):  # a stored -0.0: index_add_ into zeros turns it into 0.0, so must the bag path
+            for shard in srv.shards.values():
+                shard.weight[0, 0] = -0.0
+        for _ in range(3):  # later lookups see the earlier pushes
+            values = torch.tensor([data.draw(st.integers(0, t.num_embeddings - 1)) for t in tables
+                                   for _ in range(batch_size)] + [0] * (batch_size if extra_key else 0))
+            batch = (keys, values, torch.ones(len(keys) * batch_size, dtype=torch.int32), None)
+            fused = fast.fused["ns"]
+            used += fused.index(*batch, where="test").order is not None
+            out = fast.lookup("ns", batch)
+            assert torch.equal(_bits(out), _bits(slow.lookup("ns", batch)))
+            grad = torch.randn_like(out)
+            assert fast.push("ns", batch, grad) == slow.push("ns", batch, grad)
+        a, b = fast.state_dict("ns"), slow.state_dict("ns")
+        for key in a:
+            assert torch.equal(_bits(a[key]["weight"]), _bits(b[key]["weight"])), key
+    if sharding == "table_wise" or num_servers == 1:
+        assert used  # the path under test ran
