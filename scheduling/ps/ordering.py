@@ -232,7 +232,9 @@ def submit(order: Order | None, what: str, server: str, done: Done, *, push: Cal
     key, seq, timeout_s, *rest = order
     sync: Sync | None = rest[0] if rest else None
     with _LOCK:
-        seqr = _SEQUENCERS.setdefault(key, Sequencer())
+        seqr = _SEQUENCERS.get(key)
+        if seqr is None:  # not setdefault: no Sequencer built per request
+            seqr = _SEQUENCERS[key] = Sequencer()
         barrier, rank, count, index = None, 0, 0, None
         if sync is not None:
             _, rank, world_size, count, *more = sync
