@@ -14,9 +14,14 @@ Measured:
 - **tables**: the same pushes and lookups called directly on a :class:`~scheduling.ps.fused.FusedTables` in this
   process (the same weights: the same seed), their batches resolved to rows beforehand, ``time.process_time`` per
   request: the table work itself (gather and pooling, unique and ``index_add_``, the SGD update); resolving a
-  batch (once per request on the server) is timed apart and counts as overhead.
+  batch (once per request on the server) is timed apart and counts as overhead;
+- **endpoints**: the same requests through the server's own request path in this process, without the socket
+  (:class:`~scheduling.ps.endpoints.ServerEndpoints` ``submit``, i.e. the ordering, the statistics, resolving the
+  batches and the tables, then pickling the answer as the socket server does before sending it), CPU per request:
+  server - endpoints is what the transport costs (reading and unpickling the request, sending the answer, the
+  reader threads), endpoints - tables what handling a request costs besides the table work.
 
-It prints both, the overhead (server - tables) and the ratios server/tables and overhead/tables (a peer measured
+It prints them, the overhead (server - tables) and the ratios server/tables and overhead/tables (a peer measured
 in the same run), and checks that every lookup answered over the socket equals the direct one bit for bit.
 ``--profile DIR``: the first round's server reader threads run under ``cProfile``; their merged stats go to
 ``DIR/server.prof`` and the top functions (own time) are printed.
@@ -27,6 +32,9 @@ Run: ``.venv/bin/python benchmarks/server_request.py [--rows 10000 --dim 64 --st
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
+import itertools
 import os
 import statistics
 import sys
@@ -174,6 +182,43 @@ def direct(args: argparse.Namespace, batches: list[list[tuple]], grads: list[tor
     return (time.process_time() - start) * 1e3 / (args.steps * WORLD), index_ms, answers
 
 
+_IN_PROCESS_RUNS = itertools.count()
+
+
+def in_process(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor]
+               ) -> tuple[float, list[list[torch.Tensor]]]:
+    """The same requests through :meth:`ServerEndpoints.submit` in this process, each answer pickled as the socket
+    server pickles it (:func:`dumps`): (CPU ms per push_lookup request, the lookups answered per rank)."""
+    from scheduling.ps.endpoints import ServerEndpoints
+    from scheduling.ps.socket_transport import dumps
+
+    endpoints = ServerEndpoints(PSServer("ps0"))
+    endpoints.configure(*_configure_args(args.rows, args.dim))
+    run = next(_IN_PROCESS_RUNS)  # fresh clients and group each run: sequence numbers and counts start at 0
+    keys = [f"{NAMESPACE}:inproc{run}/{r}" for r in range(WORLD)]
+    answers: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+
+    def order(r: int, seq: int, count: int) -> tuple:
+        return (keys[r], seq, args.timeout, (f"group/{NAMESPACE}/inproc{run}", r, WORLD, count, 0))
+
+    def done(r: int, value: Any, error: BaseException | None) -> None:
+        if error is not None:
+            raise error
+        dumps(value)
+        answers[r].append(value[1] if isinstance(value, tuple) else value)
+
+    for r in range(WORLD):
+        endpoints.submit("lookup", (NAMESPACE, batches[r][0], None, order(r, 0, 0)), functools.partial(done, r))
+    start = 0.0
+    for k in range(args.warmup + args.steps):
+        if k == args.warmup:
+            start = time.process_time()
+        for r in range(WORLD):
+            endpoints.submit("push_lookup", (NAMESPACE, batches[r][k], grads[k], batches[r][k + 1], None,
+                                             order(r, k + 1, k)), functools.partial(done, r))
+    return (time.process_time() - start) * 1e3 / (args.steps * WORLD), answers
+
+
 def _print_profile(directory: str, top: int) -> None:
     import pstats
 
@@ -210,14 +255,18 @@ def main() -> None:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         for old in Path(args.profile).glob("reader_*.prof"):
             old.unlink()
+    gc.collect()
+    gc.freeze()  # as the server process does (socket_server.serve)
     runs = []
-    for i in range(args.rounds):  # alternating: both see the same load over time
+    for i in range(args.rounds):  # alternating: all see the same load over time
         server_ms, got = over_socket(args, batches, grads, profile=args.profile if i == 0 else None)
         tables_ms, index_ms, want = direct(args, batches, grads)
+        endpoints_ms, handled = in_process(args, batches, grads)
         same = all(torch.equal(a, b) for r in range(WORLD) for a, b in zip(got[r], want[r]))
-        runs.append((server_ms, tables_ms, index_ms, same))
-    server_ms, tables_ms, index_ms = (statistics.median(run[i] for run in runs) for i in range(3))
-    same = all(run[3] for run in runs)
+        same = same and all(torch.equal(a, b) for r in range(WORLD) for a, b in zip(handled[r], want[r]))
+        runs.append((server_ms, tables_ms, index_ms, endpoints_ms, same))
+    server_ms, tables_ms, index_ms, endpoints_ms = (statistics.median(run[i] for run in runs) for i in range(4))
+    same = all(run[4] for run in runs)
     over = server_ms - tables_ms
     ratios = sorted(run[0] / run[1] for run in runs)
     print(f"{TABLES // SERVERS} tables of {args.rows}x{args.dim} on this server, batch {args.batch}, SGD, {WORLD} "
@@ -225,6 +274,10 @@ def main() -> None:
     print(f"server CPU per push_lookup request:  {server_ms:7.3f} ms")
     print(f"table work alone (FusedTables):      {tables_ms:7.3f} ms")
     print(f"overhead (server - tables):          {over:7.3f} ms, of which resolving the batch (alone): {index_ms:.3f} ms")
+    print(f"  endpoints in process, no socket:   {endpoints_ms:7.3f} ms: handling {endpoints_ms - tables_ms:.3f} ms "
+          f"(ordering, statistics, batches, pickling the answer), transport {server_ms - endpoints_ms:.3f} ms")
+    print("  per round (server / tables / endpoints, ms): "
+          + "  ".join(f"{run[0]:.3f}/{run[1]:.3f}/{run[3]:.3f}" for run in runs))
     print(f"server / tables: {server_ms / tables_ms:.2f}x (rounds {ratios[0]:.2f}..{ratios[-1]:.2f})   overhead / "
           f"tables: {over / tables_ms:.2f}x   lookups bit-identical: {same}")
     if args.profile:

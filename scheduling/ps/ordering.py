@@ -232,7 +232,9 @@ def submit(order: Order | None, what: str, server: str, done: Done, *, push: Cal
     key, seq, timeout_s, *rest = order
     sync: Sync | None = rest[0] if rest else None
     with _LOCK:
-        seqr = _SEQUENCERS.setdefault(key, Sequencer())
+        seqr = _SEQUENCERS.get(key)
+        if seqr is None:  # not setdefault: no Sequencer built per request
+            seqr = _SEQUENCERS[key] = Sequencer()
         barrier, rank, count, index = None, 0, 0, None
         if sync is not None:
             _, rank, world_size, count, *more = sync
@@ -288,6 +290,7 @@ def _try(req: _Request, ready: list[_Request]) -> None:
     if (req.stage == "plain" or (req.stage == "push" and barrier.push_ready(req.rank, req.count))
             or (req.stage == "lookup" and barrier.lookup_ready(req.lookup_count)
                 and (req.index is None or barrier.lookup_turn(req.rank, req.lookup_count, req.index)))):
+        req.deadline = None  # its wait (if any) is over: the deadline entry is stale (_drop_stale)
         ready.append(req)
         return
     barrier.parked.append(req)
@@ -352,6 +355,8 @@ def _after_work(req: _Request, stage: str, value: Any, error: BaseException | No
 def _finish(req: _Request, ready: list[_Request]) -> None:
     """Under ``_LOCK``: the client's next request may run (a request that failed counts as done)."""
     req.stage, req.push, req.lookup = "done", None, None  # drop the batches: a deadline entry may outlive it
+    req.deadline = None
+    _drop_stale()
     seqr = req.seqr
     if seqr is not None:
         seqr.next = max(seqr.next, req.seq + 1)
@@ -401,10 +406,22 @@ def _arm(req: _Request) -> None:
         _WAKE.notify()
 
 
+def _drop_stale() -> None:
+    """Under ``_LOCK``: pop the deadline entries at the top of the heap whose wait is over (the request ran or moved
+    on: its ``deadline`` is no longer the entry's). Requests leave their waits about in the order they entered them,
+    so this keeps the heap about as long as the requests waiting now, instead of one entry per past wait for
+    ``timeout_s`` (each a wake-up of the watchdog when it comes due, and objects the garbage collector walks)."""
+    while _DEADLINES and _DEADLINES[0][2].deadline != _DEADLINES[0][0]:
+        heapq.heappop(_DEADLINES)
+
+
 def _watch() -> None:
     while True:
         with _LOCK:
-            while not _DEADLINES or _DEADLINES[0][0] > time.monotonic():
+            while True:
+                _drop_stale()  # no wake-up for a wait that is over
+                if _DEADLINES and _DEADLINES[0][0] <= time.monotonic():
+                    break
                 _WAKE.wait(None if not _DEADLINES else _DEADLINES[0][0] - time.monotonic())
             failed: list[tuple[_Request, BaseException]] = []
             released: list[_Request] = []

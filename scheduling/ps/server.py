@@ -292,14 +292,16 @@ class PSServer(ServerState):
         if self.push_delay_s > 0:
             time.sleep(self.push_delay_s)
         layout = self._layout(namespace)
-        width = sum(spec.table.embedding_dim for spec, _ in layout)
+        fused = self.fused.get(namespace)
+        # the stacked tables' width without a sum over the layout per request
+        width = (fused.dim * len(fused.layout) if isinstance(fused, FusedTables)
+                 else sum(spec.table.embedding_dim for spec, _ in layout))
         keys, _, lengths, _ = batch
         batch_size = lengths.numel() // len(keys) if keys else 0
         if keys and tuple(grad.shape) != (batch_size, width):
             raise ValueError(f"server {self.name}: gradient shape {tuple(grad.shape)} != expected "
                              f"({batch_size}, {width})")
         assert self.optimizer is not None
-        fused = self.fused.get(namespace)
         if fused is None:
             touched = self._push_per_shard(namespace, batch, grad)
         else:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduling.ps.fused import FusedTables
+from scheduling.ps.fused import FusedTables, unique_count, unique_inverse
 from scheduling.ps.server import PSServer, server_layout
 from scheduling.ps.shard_plan import TableSpec, plan_shards
 from scheduling.ps.tbe import KERNEL_ENV
@@ -253,3 +253,59 @@ def test_batches_of_known_lengths_reuse_their_structure_and_resolve_the_same(sha
         for i in range(fused_module.RECENT_STRUCTURES + 1):   # bounded per key tuple
             fused.index(keys, torch.zeros(i + 1, dtype=torch.long), torch.tensor([i + 1] + [0] * 7), None, where="t")
         assert len(fused._structures[keys]) == fused_module.RECENT_STRUCTURES
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(-(2**62), 2**62), max_size=300), spread=st.sampled_from([1, 3, 1000, None]))
+def test_unique_inverse_is_torch_unique(ids, spread):
+    """The NumPy-sorted distinct ids and inverse a push sums its gradients by are torch.unique's, bit for bit."""
+    rows = torch.tensor([i % spread if spread else i for i in ids], dtype=torch.int64)
+    want, want_inverse = torch.unique(rows, return_inverse=True)
+    got, got_inverse = unique_inverse(rows)
+    assert got.dtype == want.dtype and got_inverse.dtype == want_inverse.dtype
+    assert torch.equal(got, want) and torch.equal(got_inverse, want_inverse)
+    assert unique_count(rows) == want.numel()
+    small = rows.remainder(1000).int()  # another dtype: torch.unique itself
+    for got_t, want_t in zip(unique_inverse(small), torch.unique(small, return_inverse=True)):
+        assert got_t.dtype == want_t.dtype and torch.equal(got_t, want_t)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), num_servers=st.integers(1, 2), sharding=st.sampled_from(["table_wise", "row_wise"]),
+       optimizer=st.sampled_from(["rowwise_adagrad", "sgd"]), extra_key=st.booleans())
+def test_one_id_per_bag_takes_the_bag_order_path_with_the_same_bits(data, num_servers, sharding, optimizer,
+                                                                     extra_key):
+    """One id in every bag (the common KJT of a recommendation model): the lookup gathers the rows in bag order
+    (FusedIndex.order) instead of pooling into zeros, bit for bit the per-shard path, -0.0 included."""
+    dim = data.draw(st.sampled_from([1, 4]))
+    tables = [TableSpec(n, data.draw(st.integers(1, 6)), dim, (f"f{n}",)) for n in "abc"]
+    batch_size = data.draw(st.integers(1, 5))
+    keys = tuple(f"f{n}" for n in "abc") + (("other",) if extra_key else ())
+    used = 0
+    for server in range(num_servers):
+        fast = _server(tables, sharding, num_servers, server, optimizer)
+        slow = _server(tables, sharding, num_servers, server, optimizer, fused=False)
+        if not fast.layouts["ns"]:
+            continue
+        for srv in (fast, slow):  # a stored -0.0: index_add_ into zeros turns it into 0.0, so must the bag path
+            for shard in srv.shards.values():
+                shard.weight[0, 0] = -0.0
+        for _ in range(3):  # later lookups see the earlier pushes
+            values = torch.tensor([data.draw(st.integers(0, t.num_embeddings - 1)) for t in tables
+                                   for _ in range(batch_size)] + [0] * (batch_size if extra_key else 0))
+            batch = (keys, values, torch.ones(len(keys) * batch_size, dtype=torch.int32), None)
+            fused = fast.fused["ns"]
+            used += fused.index(*batch, where="test").order is not None
+            out = fast.lookup("ns", batch)
+            assert torch.equal(_bits(out), _bits(slow.lookup("ns", batch)))
+            grad = torch.randn_like(out)
+            assert fast.push("ns", batch, grad) == slow.push("ns", batch, grad)
+        a, b = fast.state_dict("ns"), slow.state_dict("ns")
+        for key in a:
+            assert torch.equal(_bits(a[key]["weight"]), _bits(b[key]["weight"])), key
+    if sharding == "table_wise" or num_servers == 1:
+        assert used  # the path under test ran

@@ -73,3 +73,19 @@ def test_a_higher_ranks_earlier_lookup_is_named_when_it_never_comes():
     with pytest.raises(RuntimeError, match=r"lookup \(count 0, index 1\) of rank 0 waited 0.2 s for rank 1's lookup "
                                            r"\(count 0, index 0\)"):
         barrier.lookup(0, 0, 0.2, "lookup", lambda: None, "ps0", index=1)
+
+
+def test_waits_that_ended_leave_no_deadline_behind():
+    """A parked request's deadline entry goes once its wait is over, not after its timeout_s: the heap holds about
+    the requests waiting now (each stale entry was a watchdog wake-up and an object for the collector)."""
+    from scheduling.ps import ordering
+
+    answers: list[tuple] = []
+    for count in range(50):  # two trainers' pushes: rank 0's waits at the barrier for rank 1's
+        for rank in (0, 1):
+            order = (f"stale-{rank}", count, 60.0, ("stale-group", rank, 2, count))
+            ordering.submit(order, "push", "ps0", lambda v, e: answers.append((v, e)), push=lambda: 1)
+    assert answers == [(1, None)] * 100
+    with ordering._LOCK:
+        live = [entry for entry in ordering._DEADLINES if entry[2].deadline == entry[0]]
+        assert not live and len(ordering._DEADLINES) <= 1, len(ordering._DEADLINES)
