@@ -250,6 +250,23 @@ def test_deterministic_data_error_stops_on_the_first_attempt(tmp_path, capsys):
     assert len(errors) == 1 and errors[0].startswith("rank 1: DataError"), results["timeline"]
 
 
+AT_A_TERMINAL = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                 "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+"""``python -c AT_A_TERMINAL ARGS...`` runs ``python ARGS...`` in the same process with SIGINT unblocked and at its
+default action, as under a shell at a terminal, whatever this test process inherited or was left with by the tests
+before it (a blocked or ignored SIGINT passes to a child, and Python then installs no KeyboardInterrupt handler)."""
+
+
+def _sigint_state() -> str:
+    """This process's SIGINT state from /proc (blocked, ignored), for a failure's message."""
+    bit = 1 << (signal.SIGINT - 1)
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return ", ".join(f"{k} {'has' if int(fields[k], 16) & bit else 'lacks'} SIGINT" for k in ("SigBlk", "SigIgn"))
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -298,7 +315,7 @@ def test_interrupted_run_is_marked_and_resumed(tmp_path, capsys):
     pytest.importorskip("ray")
     run_dir = tmp_path / "run"
     base = free_port_block(3)
-    args = [sys.executable, "-m", "jobs.launcher.cli", "launch", "--run-dir", str(run_dir), *_sets(SMALL),
+    args = [sys.executable, "-c", AT_A_TERMINAL, "-m", "jobs.launcher.cli", "launch", "--run-dir", str(run_dir), *_sets(SMALL),
             *_sets([f"metrics.port={base}", "quant.enabled=false", "cluster.rpc_timeout_s=60.0",
                     f"faults.pause_at_step={PAUSE_AT}", "faults.pause_seconds=45"])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -330,7 +347,8 @@ def test_interrupted_run_is_marked_and_resumed(tmp_path, capsys):
         if proc.poll() is None:
             proc.kill()
     err = proc.stderr.read()
-    assert rc == 130, err
+    status = json.loads(results_path.read_text()).get("status") if results_path.exists() else None
+    assert rc == 130, f"exit {rc}, results.json status {status!r}; this test process: {_sigint_state()}\n{err}"
     assert "fxdist: interrupted" in err and f"fxdist launch --resume {run_dir}" in err
     interrupted = json.loads(results_path.read_text())
     assert interrupted["status"] == "interrupted" and interrupted["phases"] == {}
