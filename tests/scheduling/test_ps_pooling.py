@@ -37,6 +37,18 @@ def _per_feature(client, parts):
                      dim=1)
 
 
+def _same_values_and_gradients_as_per_feature(client, parts, kt) -> torch.Tensor:
+    """Assert the pooled ``kt`` equals the per-feature reference, and so do the gradients of ``parts`` (which come
+    out contiguous, for the push); returns the reference."""
+    ref = _per_feature(client, parts)
+    assert torch.equal(kt.values(), ref)
+    grad = torch.randn(ref.shape)
+    got = torch.autograd.grad(kt.values(), parts, grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
+    assert all(g.is_contiguous() for g in got)
+    return ref
+
+
 def test_equal_dims_are_gathered_as_blocks_with_the_same_values_and_gradients():
     # features interleaved across the servers (a on 0, b on 1, c on 0), all of dim 2: gathered by 2-wide blocks
     client = _client({"a": [(0, 0, 2)], "b": [(1, 0, 2)], "c": [(0, 2, 2)]}, widths=[4, 2])
@@ -45,12 +57,7 @@ def test_equal_dims_are_gathered_as_blocks_with_the_same_values_and_gradients():
     assert client._gather.block == 2 and kt.length_per_key() == [2, 2, 2]
     assert client._gather.positions is not None          # each answer's gradient: one index_select
     assert client._gather.interleave is None             # 2 blocks on server 0, 1 on server 1: not dealt round-robin
-    ref = _per_feature(client, parts)
-    assert torch.equal(kt.values(), ref)
-    grad = torch.randn(3, 6)
-    got = torch.autograd.grad(kt.values(), parts, grad)
-    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
-    assert all(g.is_contiguous() for g in got)
+    ref = _same_values_and_gradients_as_per_feature(client, parts, kt)
     with torch.no_grad():
         assert torch.equal(pool(client, None, parts).values(), ref)
 
@@ -63,12 +70,7 @@ def test_tables_dealt_round_robin_are_stacked_with_the_same_values_and_gradients
     parts = [torch.randn(3, 4, requires_grad=True) for _ in range(3)]
     kt = pool(client, None, parts)
     assert client._gather.interleave == [1, 0, 2] and kt.length_per_key() == [2] * 6
-    ref = _per_feature(client, parts)
-    assert torch.equal(kt.values(), ref)
-    grad = torch.randn(3, 12)
-    got = torch.autograd.grad(kt.values(), parts, grad)
-    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, parts, grad)))
-    assert all(g.is_contiguous() for g in got)
+    _same_values_and_gradients_as_per_feature(client, parts, kt)
     assert pool(client, None, [torch.ones(0, 4)] * 3).values().shape == (0, 12)
 
 
