@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import itertools
 import os
 import statistics
@@ -46,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduling.ps.server import PSServer  # noqa: E402
+from scheduling.ps.server import PSServer, freeze_process_objects  # noqa: E402
 from scheduling.ps.shard_plan import TableSpec, plan_shards  # noqa: E402
 
 NAMESPACE, TABLES, SERVERS, WORLD = "emb", 26, 2, 2
@@ -255,8 +254,7 @@ def main() -> None:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         for old in Path(args.profile).glob("reader_*.prof"):
             old.unlink()
-    gc.collect()
-    gc.freeze()  # as the server process does (socket_server.serve)
+    freeze_process_objects()  # as the server process does (socket_server.serve)
     runs = []
     for i in range(args.rounds):  # alternating: all see the same load over time
         server_ms, got = over_socket(args, batches, grads, profile=args.profile if i == 0 else None)

@@ -19,7 +19,6 @@ Learning with the Parameter Server", OSDI 2014, §3 (the ordering the endpoints 
 
 from __future__ import annotations
 
-import gc
 import logging
 import socket
 import threading
@@ -186,16 +185,13 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str 
     Raises:
         OSError: the address cannot be bound.
     """
-    from .server import PSServer
+    from .server import PSServer, freeze_process_objects
 
     torch.set_num_threads(num_threads)
     ps = PSServer(name, fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s)
     if checkpoint is not None:
         ps.load_state_dict(torch.load(checkpoint, weights_only=False))
-    # what this process holds by now (torch's modules, the server: ~170k objects) lives as long as it; a full
-    # collection, which the requests' allocations start now and then, would walk all of it (~0.1 s each time)
-    gc.collect()
-    gc.freeze()
+    freeze_process_objects()
     server = SocketServer(ServerEndpoints(ps), host, port).start()
     if on_ready is not None:
         on_ready(server.address)
