@@ -74,8 +74,6 @@ class Setting:
     """Steps profiled (``torch.profiler``, trainer 0) after the timed ones; 0: none."""
     profile_file: str = ""
     """Where trainer 0 writes the profile's top ops (by self CPU time)."""
-    addresses: tuple[str, ...] = ()
-    """``fx_socket_*``: the servers' ``host:port``, in server order (each bound its port, then published it)."""
 
     @property
     def total(self) -> int:
@@ -540,8 +538,8 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
     """Trainer ``rank`` of ``s.system``; puts ``(rank, result)`` on ``queue``. ``pids`` (``--cpu-account``): a
     shared array of the run's process ids, trainers first (ranks ``0..WORLD-1``), then the servers; trainer 0
     then accounts their CPU over the timed steps (``result["cpu"]``, :mod:`_peer_cpu`). ``addresses``
-    (``fx_socket_*`` without ``s.addresses``): a queue that brings the servers' ``host:port`` tuple, in server order,
-    once they listen (the trainers start beside the servers instead of after them)."""
+    (``fx_socket_*``): a queue that brings the servers' ``host:port`` tuple, in server order, once they listen (each
+    bound its port, then published it; the trainers start beside the servers instead of after them)."""
     torch.set_num_threads(1)
     if pids is not None and rank == 0:
         _PIDS.append(pids)
@@ -558,8 +556,7 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
         elif over_socket(s.system):   # clients given these names pick the socket transport
             from scheduling.ps.socket_transport import register_servers
 
-            found = s.addresses or addresses.get(timeout=120)
-            register_servers({f"ps{i}": address for i, address in enumerate(found)})
+            register_servers({f"ps{i}": address for i, address in enumerate(addresses.get(timeout=120))})
         if rpc_group:
             from scheduling.ps import init_trainer, serve_in_trainer
 
