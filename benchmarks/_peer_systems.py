@@ -8,7 +8,7 @@ on its own seeded batches and puts ``(rank, {"seconds", "first_loss", "last_loss
 to a barrier after the last step (fxdist: after its last pushes are applied).
 
 Same start for every system: the dense and over arches from ``criteo_dlrm(seed=MODEL_SEED)``; table ``i`` from
-:func:`initial_table` (the rows fxdist's servers create from :data:`TABLE_SEED` under :data:`PLAN`, copied
+:func:`initial_table` (the rows fxdist's servers create from :data:`TABLE_SEED` under :func:`plan`, copied
 into DMP's shards and into the local tables); the same batches (seeded by rank) and learning rate (SGD on
 the tables and on the dense part; table gradients averaged over the trainers in every system).
 """
@@ -29,15 +29,20 @@ import torch.nn.functional as F
 from torch import nn
 
 WORLD = 2          # trainers
-SERVERS = 2        # fxdist parameter servers
+SERVERS = 2        # fxdist parameter servers by default (peer.py --servers)
 BATCH = 128        # samples per trainer and step
 TABLES = 26
 LR = 0.05          # SGD, tables and dense part
 MODEL_SEED = 0     # the dense and over arches (criteo_dlrm(seed=...))
 TABLE_SEED = 0     # the servers' seed of the tables' initial rows
-PLAN = {f"t_C{i + 1}": i % SERVERS for i in range(TABLES)}
-"""fxdist's placement, pinned: table ``i`` (0-based) on server ``i % 2`` (what its balancing picks for 26 equal
-tables); :func:`initial_table` relies on it."""
+
+
+def plan(servers: int) -> dict[str, int]:
+    """fxdist's placement on ``servers`` servers, pinned: table ``i`` (0-based) on server ``i % servers`` (what its
+    balancing picks for 26 equal tables)."""
+    return {f"t_C{i + 1}": i % servers for i in range(TABLES)}
+
+
 CHECK_BYTES = 128 << 20
 """Sizes whose 26 tables hold at most this many bytes also get the table check (:func:`_table_change`): fxdist's
 trainer gathers every table from the servers for it."""
@@ -74,6 +79,13 @@ class Setting:
     """Steps profiled (``torch.profiler``, trainer 0) after the timed ones; 0: none."""
     profile_file: str = ""
     """Where trainer 0 writes the profile's top ops (by self CPU time)."""
+    servers: int = SERVERS
+    """fxdist: separate server processes (``fx_inproc_*``: one in each trainer, :data:`WORLD`, whatever this says)."""
+
+    @property
+    def num_servers(self) -> int:
+        """The servers an fxdist system of this setting runs: :attr:`servers`, or :data:`WORLD` in the trainers."""
+        return WORLD if in_trainers(self.system) else self.servers
 
     @property
     def total(self) -> int:
@@ -98,12 +110,12 @@ def batches(rank: int, count: int, rows: int) -> list[tuple[torch.Tensor, Any, t
 def initial_table(i: int, rows: int, dim: int) -> torch.Tensor:
     """Table ``i`` (0-based, feature ``C<i+1>``) ``(rows, dim)`` as fxdist's servers create it from
     :data:`TABLE_SEED` (uniform in ``±1/sqrt(rows)``, torchrec's default), with the servers' own function (one
-    shard of all its rows, under :data:`PLAN`; the rows depend on the seed, the table's name and the first row)."""
+    shard of all its rows; the rows depend on the seed, the table's name and the first row, not the server)."""
     from scheduling.ps.server import PSServer
     from scheduling.ps.shard_plan import ShardSpec, TableSpec
 
     spec = TableSpec(f"t_C{i + 1}", rows, dim, (f"C{i + 1}",))
-    return PSServer._init_weight(ShardSpec(spec, i % SERVERS, 0, rows), TABLE_SEED, None)
+    return PSServer._init_weight(ShardSpec(spec, 0, 0, rows), TABLE_SEED, None)
 
 
 def dlrm(rows: int, dim: int, tables_device: str | None = None, sparse_grad: bool = False) -> nn.Module:
@@ -433,10 +445,11 @@ def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
     from scheduling.ps import trainer_servers
 
     rpc_in_trainers = in_trainers(s.system) and not over_socket(s.system)   # else registered socket names
-    servers = trainer_servers(WORLD) if rpc_in_trainers else [f"ps{i}" for i in range(SERVERS)]
-    dynamic = {name: {"capacity": s.rows} for name in PLAN} if dynamic_tables(s.system) else None
+    servers = trainer_servers(WORLD) if rpc_in_trainers else [f"ps{i}" for i in range(s.num_servers)]
+    placed = plan(s.num_servers)
+    dynamic = {name: {"capacity": s.rows} for name in placed} if dynamic_tables(s.system) else None
     ps = functools.partial(scheduling.parameter_servers, optimizer="sgd", lr=LR, rank=rank, world_size=WORLD,
-                           group=s.group, verbose=False, plan=PLAN, servers=servers, seed=TABLE_SEED,
+                           group=s.group, verbose=False, plan=placed, servers=servers, seed=TABLE_SEED,
                            timeout_s=120.0, dynamic=dynamic)
     if rank != 0:
         dist.barrier()
@@ -450,7 +463,7 @@ def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
 
 
 def run_fx(rank: int, s: Setting) -> dict:
-    """``fx_{blocking,prefetch}_{0,1}ms``: tables on :data:`SERVERS` servers, with the emulated latency per
+    """``fx_{blocking,prefetch}_{0,1}ms``: tables on ``s.servers`` servers, with the emulated latency per
     lookup (``PSClient.set_delays``); the dense part DDP; SGD. ``fx_inproc_*``: the servers are the trainers."""
     from scheduling import placement
     from scheduling.ps import get_client
@@ -507,8 +520,9 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def server_main(rank: int, rpc_port: int, nice: int = 0) -> None:
-    """Parameter server ``ps<rank - WORLD>`` (ranks after the trainers'); serves until a trainer stops it.
+def server_main(rank: int, rpc_port: int, servers: int, nice: int = 0) -> None:
+    """Parameter server ``ps<rank - WORLD>`` of ``servers`` (ranks after the trainers'); serves until a trainer
+    stops it.
     ``nice``: added to the process's nice value first (``os.nice``; a lower scheduling priority than the
     trainers' for ``nice > 0``)."""
     import os
@@ -518,7 +532,7 @@ def server_main(rank: int, rpc_port: int, nice: int = 0) -> None:
     if nice:
         os.nice(nice)
     _quiet()
-    start_server(f"ps{rank - WORLD}", rank, WORLD + SERVERS, master_port=rpc_port, timeout_s=120)
+    start_server(f"ps{rank - WORLD}", rank, WORLD + servers, master_port=rpc_port, timeout_s=120)
 
 
 def socket_server_main(index: int, queue: Any, nice: int = 0) -> None:
@@ -562,7 +576,7 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
 
             if in_trainers(s.system):   # server `rank` in this process, before any request can reach it
                 serve_in_trainer(f"trainer{rank}", name=f"ps{rank}")
-            world = WORLD if in_trainers(s.system) else WORLD + SERVERS
+            world = WORLD if in_trainers(s.system) else WORLD + s.servers
             init_trainer(f"trainer{rank}", rank, world, master_port=s.rpc_port, timeout_s=120)
         run = (run_fx if fx else run_ddp_local if s.system == "ddp_local" else
                run_dense_only if s.system == "dense_only" else run_dmp)

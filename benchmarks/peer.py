@@ -14,8 +14,8 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``ddp_local``: the plain DLRM in every trainer, dense part in ``DistributedDataParallel``, the tables' sparse
   gradients averaged after backward (``jobs.trainer.sparse_grads``);
 - ``fx_blocking_{0,1}ms`` / ``fx_prefetch_{0,1}ms``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),
-  "async_rpc" | "async_rpc_prefetch"))``: the tables on 2 parameter-server processes (torch_rpc, TCP/uv
-  transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
+  "async_rpc" | "async_rpc_prefetch"))``: the tables on ``--servers`` parameter-server processes (default 2;
+  table ``i`` on server ``i % N``; torch_rpc, TCP/uv transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
   batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting buffers each step, as DMP
   wraps its dense part.
 - ``fx_stale1_0ms``: prefetch with ``max_staleness=1`` (``async_rpc(prefetch=True, max_staleness=1)``): a
@@ -71,6 +71,10 @@ total CPU and the cores it kept busy (total / step); then the busiest thread gro
 ``pt_thread_pool``: RPC workers, ``TP_UV_loop``: TensorPipe, ``gloo_tcp_loop``...; all of them in
 ``<--run-dir>/cpu_<size>_<system>.txt``). On a machine with fewer cores than busy threads the step is set by
 this total, so it is the figure to compare; it moves far less with other load than wall time does.
+
+TensorPipe's lines at an RPC group's shutdown ("RPC agent for ps0 encountered error when reading incoming request
+from trainer1: EOF", "pipe closed") are dropped from stderr (``recsys.quiet.filtered_stderr``, inherited by every
+run's processes); other lines pass at once.
 
 SIGTERM (``timeout``'s signal) stops peer.py between or inside runs: the run in flight is killed and the tables
 are printed from the runs finished so far (a system's rounds may then number one less than another's).
@@ -168,7 +172,7 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     socket = systems.over_socket(setting.system)
     setting = systems.Setting(**{**setting.__dict__, "pg_port": free_port(),
                                  "rpc_port": free_port() if fx and not socket else 0, "group": f"peer-{uuid.uuid4().hex}"})
-    servers = systems.SERVERS if fx and not systems.in_trainers(setting.system) else 0
+    servers = setting.servers if fx and not systems.in_trainers(setting.system) else 0
     pids = ctx.Array("i", systems.WORLD + servers) if cpu_account else None   # filled once all have started
     start = time.perf_counter()
     addresses = ctx.Queue() if socket and servers else None   # each server's "host:port", once it listens
@@ -177,7 +181,8 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
         server_procs = [ctx.Process(target=systems.socket_server_main, args=(i, ready, server_nice), daemon=True)
                         for i in range(servers)]
     else:
-        server_procs = [ctx.Process(target=systems.server_main, args=(systems.WORLD + i, setting.rpc_port, server_nice),
+        server_procs = [ctx.Process(target=systems.server_main, args=(systems.WORLD + i, setting.rpc_port, servers,
+                                                                             server_nice),
                                     daemon=True) for i in range(servers)]
     trainer_procs = [ctx.Process(target=systems.trainer_main, args=(r, setting, queue, pids, addresses), daemon=True)
                      for r in range(systems.WORLD)]
@@ -249,7 +254,7 @@ def _rounds(rows: int, dim: int, names: list[str], args: argparse.Namespace, fou
         for name in names:
             profile = args.profile if rnd == 0 else 0   # the first round only
             setting = systems.Setting(name, rows, dim, args.warmup, args.steps, pg_port=0, profile=profile,
-                                      profile_file=str(args.run_dir / f"profile_{rows}x{dim}_{name}.txt"))
+                                      servers=args.servers, profile_file=str(args.run_dir / f"profile_{rows}x{dim}_{name}.txt"))
             started = time.time()
             results, wall = run_once(setting, args.timeout, args.cpu_account, args.server_nice)
             found[name].append({**summarize(results, args.steps), "wall": wall})
@@ -393,6 +398,9 @@ def main() -> None:
     p.add_argument("--cpu-account", action="store_true",
                    help="account every process's CPU (trainers, servers, per thread) over the timed steps from "
                         "/proc (time on a core and run-queue wait per step) and print it per system; off by default")
+    p.add_argument("--servers", type=int, default=systems.SERVERS, metavar="N",
+                   help=f"fxdist's separate server processes (tables round-robin over them; default "
+                        f"{systems.SERVERS}); the fx_inproc_* systems always serve one in each trainer")
     p.add_argument("--server-nice", type=int, default=0, metavar="N",
                    help="run fxdist's server processes at nice N over the trainers' (os.nice; 0: the same)")
     p.add_argument("--malloc-trim-threshold", type=int, default=64 << 20, metavar="BYTES",
@@ -413,18 +421,21 @@ def main() -> None:
     print(f"torch {torch.__version__}, torchrec {torchrec.__version__}, MALLOC_MMAP_THRESHOLD_="
           f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}, MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}; "
           f"{systems.WORLD} trainers x batch {systems.BATCH}, "
-          f"{systems.SERVERS} fxdist servers; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
+          f"fxdist servers: {args.servers} (fx_inproc_*: {systems.WORLD}, in the trainers); {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
           "steps); progress on stderr")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    for size in args.sizes:
-        if _STOPPING:
-            break
-        rows, dim = (int(x) for x in size.lower().split("x"))
-        found = measure(rows, dim, args.systems, args)
-        report(size, found)
-        ceiling(found)
-        profile_table(found, args.run_dir)
-        cpu_table(size, found, args.run_dir)
+    from recsys.quiet import filtered_stderr
+
+    with filtered_stderr():   # the runs' processes inherit it: TensorPipe's shutdown lines are dropped
+        for size in args.sizes:
+            if _STOPPING:
+                break
+            rows, dim = (int(x) for x in size.lower().split("x"))
+            found = measure(rows, dim, args.systems, args)
+            report(size, found)
+            ceiling(found)
+            profile_table(found, args.run_dir)
+            cpu_table(size, found, args.run_dir)
     print(f"\nload average at end {os.getloadavg()}")
 
 
