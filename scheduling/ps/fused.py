@@ -24,6 +24,7 @@ tables of a rank into one kernel call for the same reason.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from .shard_plan import ShardSpec
-from .storage import RowStore
+from .storage import RowStore, empty_rows
 
 __all__ = ["FusedTables", "FusedIndex", "RECENT_INDEXES", "RECENT_STRUCTURES", "unique_inverse", "unique_count"]
 
@@ -128,6 +129,15 @@ def unique_count(rows: torch.Tensor) -> int:
     return int(ordered.size and 1 + np.count_nonzero(ordered[1:] != ordered[:-1]))
 
 
+def _stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` (each ``(n_i, ...)``, one dtype) into memory advised for huge pages
+    (:func:`~scheduling.ps.storage.empty_rows`): the stacked rows are read and written at random."""
+    rows, width = sum(p.shape[0] for p in parts), math.prod(parts[0].shape[1:])
+    out = empty_rows(rows, width, parts[0].dtype)
+    torch.cat([p.reshape(p.shape[0], width) for p in parts], out=out)
+    return out.view(rows, *parts[0].shape[1:])
+
+
 def _sample_bags(idx: FusedIndex) -> torch.Tensor:
     """``idx.sample_bags``, which :meth:`FusedTables.index` always sets (only dynamic tables' indexes lack it)."""
     return cast(torch.Tensor, idx.sample_bags)
@@ -155,10 +165,10 @@ class FusedTables:
         sizes = [weights[k].shape[0] for k in self.shard_keys]
         offset = dict(zip(self.shard_keys, [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]))
         self.base = torch.tensor([offset[spec.key] for spec, _ in self.layout])
-        self.weight = torch.cat([weights[k] for k in self.shard_keys])
+        self.weight = _stacked([weights[k] for k in self.shard_keys])
         has_state = all(states[k] is not None for k in self.shard_keys)
         # has_state: every shard has its state
-        self.state = torch.cat([cast(torch.Tensor, states[k]) for k in self.shard_keys]) if has_state else None
+        self.state = _stacked([cast(torch.Tensor, states[k]) for k in self.shard_keys]) if has_state else None
         self._offset = offset
         # per entry, and a last column for KJT keys this server does not pool: valid ids [low, high), this
         # shard's rows [start, end) (none for the last column), and the shard's first row in the stack

@@ -7,7 +7,7 @@ import torch
 
 from scheduling.ps.server import PSServer
 from scheduling.ps.shard_plan import TableSpec, plan_shards
-from scheduling.ps.storage import make_store
+from scheduling.ps.storage import HUGE_PAGE, copy_rows, empty_rows, make_store
 
 TABLES = [TableSpec("a", 50, 16, ("fa",)), TableSpec("b", 30, 16, ("fb", "fc"))]
 INIT = {"a": torch.randn(50, 16) * 0.1, "b": torch.randn(30, 16) * 0.1}
@@ -113,3 +113,69 @@ def test_rows_made_by_the_servers_depend_on_the_table_not_its_place():
     for name in ("a", "b"):
         torch.testing.assert_close(alone[name], rows[name], rtol=0, atol=0)
         assert float(alone[name].abs().max()) <= 40 ** -0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(40, 16), (40,)])
+def test_copy_rows_writes_the_bits_index_copy_writes(dtype, shape):
+    gen = torch.Generator().manual_seed(3)
+    stored = (torch.randn(shape, generator=gen) * 50).to(dtype)
+    rows = torch.randperm(40, generator=gen)[:17]
+    values = (torch.randn((17, *shape[1:]), generator=gen) * 50).to(dtype)
+    expected = stored.clone().index_copy_(0, rows, values)
+    copy_rows(stored, rows, values)
+    assert torch.equal(stored.view(torch.uint8) if dtype != torch.uint8 else stored,
+                       expected.view(torch.uint8) if dtype != torch.uint8 else expected)
+
+
+def test_copy_rows_on_a_strided_view_and_out_of_range_rows():
+    base = torch.zeros(10, 8)
+    view = base[:, ::2]                       # not contiguous: index_copy_'s path
+    copy_rows(view, torch.tensor([1, 3]), torch.ones(2, 4))
+    assert base[1, ::2].eq(1).all() and base[1, 1::2].eq(0).all() and base[3].sum() == 4
+    with pytest.raises(IndexError):
+        copy_rows(torch.zeros(4, 2), torch.tensor([4]), torch.ones(1, 2))
+    assert copy_rows.__module__ == "scheduling.ps.storage"
+
+
+def _huge_bytes_at(address: int) -> int | None:
+    """AnonHugePages (bytes) of this process's mapping holding ``address``; None without /proc/self/smaps."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def test_empty_rows_asks_for_huge_pages_where_the_kernel_offers_them():
+    rows = empty_rows(1 << 18, 64)           # 64 MiB: glibc maps it afresh (>= its 32 MiB mmap threshold at most)
+    assert rows.shape == (1 << 18, 64) and rows.dtype == torch.float32
+    small = empty_rows(3, 5, torch.float16)  # under a huge page: no advice, still a tensor
+    assert small.shape == (3, 5) and small.dtype == torch.float16
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this machine (/sys/kernel/mm/transparent_hugepage absent)")
+    if "[never]" in mode:
+        pytest.skip(f"transparent huge pages are off here ({mode.strip()})")
+    rows.fill_(1.0)                          # the first touch: the kernel picks the page size now
+    huge = _huge_bytes_at(rows.data_ptr() + rows.numel() * 2)   # the middle: the advice splits off the ends
+    if huge is None:
+        pytest.skip("no /proc/self/smaps")
+    assert huge >= HUGE_PAGE, f"no huge page backs the rows (THP mode {mode.strip()}, AnonHugePages {huge})"
+
+
+def test_stacked_tables_hold_the_shards_rows_in_order():
+    srv = _server("fp32", "rowwise_adagrad")
+    fused = srv.fused["ns"]
+    assert fused is not None and fused.state is not None
+    assert torch.equal(fused.weight, torch.cat([INIT["a"], INIT["b"]]))
+    assert fused.state.shape == (80,)
