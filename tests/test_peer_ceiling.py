@@ -64,3 +64,28 @@ def test_fx_system_names_give_the_schedule_and_where_the_servers_run():
     assert kinds["fx_inproc_socket_prefetch_0ms"] == "prefetch" and kinds["fx_inproc_socket_stale1_0ms"] == "stale1"
     assert [s for s in kinds if peer.over_socket(s)] == ["fx_socket_prefetch_0ms", "fx_socket_stale1_0ms",
                                                         "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms"]
+
+
+def test_the_placement_spreads_the_tables_over_the_servers_asked_for():
+    for servers in (1, 2, 3):
+        placed = peer.plan(servers)
+        assert sorted(placed) == sorted(f"t_C{i + 1}" for i in range(peer.TABLES))
+        counts = [list(placed.values()).count(s) for s in range(servers)]
+        assert sum(counts) == peer.TABLES and max(counts) - min(counts) <= 1
+    setting = peer.Setting("fx_socket_prefetch_0ms", ROWS, DIM, 1, 1, pg_port=0, servers=1)
+    assert setting.num_servers == 1
+    assert peer.Setting("fx_inproc_socket_prefetch_0ms", ROWS, DIM, 1, 1, pg_port=0, servers=1).num_servers == peer.WORLD
+
+
+def test_a_table_starts_from_the_same_rows_whichever_server_holds_it():
+    from scheduling.ps.server import PSServer
+    from scheduling.ps.shard_plan import TableSpec, plan_shards
+
+    tables = [TableSpec(f"t_C{i + 1}", ROWS, DIM, (f"C{i + 1}",)) for i in range(3)]
+    shards = plan_shards(tables, 2)   # t_C1 and t_C3 on server 0, t_C2 on server 1
+    for server, held_tables in ((0, (0, 2)), (1, (1,))):
+        srv = PSServer(f"ps{server}")
+        srv.configure("emb", shards, server, "sgd", {"lr": 0.1}, peer.TABLE_SEED)
+        held = srv.fused["emb"]
+        assert held is not None
+        assert torch.equal(held.weight, torch.cat([peer.initial_table(i, ROWS, DIM) for i in held_tables]))

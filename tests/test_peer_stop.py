@@ -23,7 +23,7 @@ def sigterm_to_peer():
 
 def _args(rounds: int) -> argparse.Namespace:
     return argparse.Namespace(rounds=rounds, warmup=1, steps=2, profile=0, run_dir=Path("unused"), timeout=5.0,
-                              cpu_account=False, server_nice=0)
+                              cpu_account=False, server_nice=0, servers=2)
 
 
 def test_sigterm_in_a_run_keeps_the_runs_finished_and_prints_their_table(monkeypatch, capsys, sigterm_to_peer):
