@@ -2,9 +2,11 @@
 // scheduling/ps/dynamic_group.py's DynamicTableGroup.lookup_padded: same data, same results, one call
 // instead of hundreds of small tensor ops. Plain C ABI over raw pointers of contiguous CPU tensors (no torch
 // headers); built and loaded by scheduling/ps/dynamic_native.py. The torch code is the reference: every
-// loop below mirrors one of its vectorised ops (named in the comments).
+// loop below mirrors one of its vectorised ops (named in the comments). Also every server's row gather and
+// scatter (fx_gather_rows, fx_scatter_rows: torch's index_select / index_copy_ on dim 0, with prefetching).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -70,7 +72,42 @@ struct Index {
   i64 T, C, H, L;
 };
 
-int fx_version() { return 1; }
+int fx_version() { return 2; }
+
+// Rows this far ahead are prefetched: a table's rows are read at random, nearly each one a cache miss; a
+// plain copy loop (index_select's) waits for each miss in turn, prefetching keeps many in flight.
+static inline i64 rows_ahead(i64 row_bytes) { return std::max<i64>(4, std::min<i64>(32, 8192 / row_bytes)); }
+
+// dst[i] = src[idx[i]] for rows of row_bytes bytes (torch.index_select(src, 0, idx)); returns the position of
+// the first index outside [0, rows) (nothing copied) or -1.
+i64 fx_gather_rows(const char* src, i64 rows, i64 row_bytes, i64 n, const i64* idx, char* dst) {
+  for (i64 i = 0; i < n; ++i)
+    if (idx[i] < 0 || idx[i] >= rows) return i;
+  const i64 ahead = rows_ahead(row_bytes);
+  for (i64 i = 0; i < n; ++i) {
+    if (i + ahead < n) {
+      const char* p = src + idx[i + ahead] * row_bytes;
+      for (i64 b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
+    }
+    std::memcpy(dst + i * row_bytes, src + idx[i] * row_bytes, row_bytes);
+  }
+  return -1;
+}
+
+// dst[idx[i]] = src[i] (dst.index_copy_(0, idx, src), idx without repeats); returns as fx_gather_rows.
+i64 fx_scatter_rows(char* dst, i64 rows, i64 row_bytes, i64 n, const i64* idx, const char* src) {
+  for (i64 i = 0; i < n; ++i)
+    if (idx[i] < 0 || idx[i] >= rows) return i;
+  const i64 ahead = rows_ahead(row_bytes);
+  for (i64 i = 0; i < n; ++i) {
+    if (i + ahead < n) {
+      char* p = dst + idx[i + ahead] * row_bytes;
+      for (i64 b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 1, 0);
+    }
+    std::memcpy(dst + idx[i] * row_bytes, src + i * row_bytes, row_bytes);
+  }
+  return -1;
+}
 
 // dynamic_group.initial_rows_keyed, bit for bit: element (i, j) is 53 bits of
 // mix64(mix64(ids[i] + keys[i]) + (j + 1) * golden) as a double u in [0, 1), then float((2u - 1) * bound)

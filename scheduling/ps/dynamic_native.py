@@ -1,4 +1,5 @@
-"""Compiled kernels for dynamic tables: :class:`NativeSlotIndex`, a :class:`~scheduling.ps.dynamic_index.SlotIndex`
+"""Compiled kernels: every server's row gather and scatter (:func:`gather_rows`, :func:`scatter_rows`: torch's
+``index_select`` / ``index_copy_`` on dim 0 with software prefetching), and for dynamic tables :class:`NativeSlotIndex`, a :class:`~scheduling.ps.dynamic_index.SlotIndex`
 whose per-step operations each run as one call into ``dynamic_kernels.cpp`` instead of hundreds of small tensor
 ops, plus the whole id -> slot step of ``DynamicTableGroup.lookup_padded`` for ``min_count == 1`` (:meth:`lookup_ids`).
 
@@ -32,11 +33,12 @@ import torch
 
 from .dynamic_index import SlotIndex
 
-__all__ = ["NativeSlotIndex", "initial_rows_native", "load", "make_slot_index", "native_available"]
+__all__ = ["NativeSlotIndex", "gather_rows", "initial_rows_native", "load", "make_slot_index", "native_available",
+           "scatter_rows"]
 
 SOURCE = Path(__file__).with_name("dynamic_kernels.cpp")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
-VERSION = 1
+VERSION = 2
 """``fx_version()`` of the kernels this module calls."""
 _log = logging.getLogger(__name__)
 _state: dict[str, object] = {}
@@ -47,7 +49,9 @@ _SIGNATURES = {
     "fx_expired": [_P, _I, _P, _P, _P, _P], "fx_append": [_P, _I, _P, _I, _P, _P],
     "fx_initial_rows": [_I, _P, _P, _I, ctypes.c_double, _P],
     "fx_lookup": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P],
+    "fx_gather_rows": [_P, _I, _I, _I, _P, _P], "fx_scatter_rows": [_P, _I, _I, _I, _P, _P],
 }
+_RETURNS_COUNT = ("fx_expired", "fx_append", "fx_lookup", "fx_gather_rows", "fx_scatter_rows")
 
 
 class _Index(ctypes.Structure):
@@ -91,7 +95,7 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError(f"{lib} has kernels version {dll.fx_version()}, expected {VERSION}")
     for name, args in _SIGNATURES.items():
         fn = getattr(dll, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int64 if name in ("fx_expired", "fx_append", "fx_lookup") else None
+        fn.argtypes, fn.restype = args, ctypes.c_int64 if name in _RETURNS_COUNT else None
     return dll
 
 
@@ -101,14 +105,15 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("FXDIST_NATIVE", "1") == "0":
         if not _state.get("said_off"):
             _state["said_off"] = True
-            _log.info("dynamic tables: FXDIST_NATIVE=0, using the torch SlotIndex")
+            _log.info("FXDIST_NATIVE=0: torch's row gather and scatter, the torch SlotIndex for dynamic tables")
         return None
     if "lib" not in _state:
         try:
             _state["lib"] = _build()
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             _state["lib"] = None
-            _log.warning("dynamic tables: compiled kernels unavailable (%s), using the torch SlotIndex", err)
+            _log.warning("compiled kernels unavailable (%s): torch's row gather and scatter, the torch SlotIndex for "
+                         "dynamic tables", err)
     lib = _state["lib"]
     return lib if isinstance(lib, ctypes.CDLL) else None
 
@@ -134,6 +139,54 @@ def initial_rows_native(lib: ctypes.CDLL, ids: torch.Tensor, keys: torch.Tensor,
     out = torch.empty(ids.numel(), dim, dtype=torch.float32)
     lib.fx_initial_rows(ids.numel(), _p(ids), _p(keys), dim, float(bound), _p(out))
     return out
+
+
+def _rows_args(table: torch.Tensor, rows: torch.Tensor) -> tuple[int, int] | None:
+    """``(row bytes, rows)`` where the kernels can index ``table`` ``(R, ...)`` by ``rows`` (a contiguous CPU table of
+    at least one row, int64 CPU rows), else None."""
+    if (table.device.type != "cpu" or rows.device.type != "cpu" or rows.dtype != torch.int64 or table.dim() < 1
+            or not table.is_contiguous() or table.shape[0] == 0):
+        return None
+    return table[0].numel() * table.element_size(), table.shape[0]
+
+
+def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``table.index_select(0, rows)``, the same bytes: ``table`` ``(R, ...)`` any dtype, ``rows`` ``(N,)`` int64 ->
+    ``(N, ...)``. On the compiled kernels where they load and apply (contiguous CPU tensors), rows prefetched
+    ahead of the copy (3,328 random rows of 64 B out of 26e6 on a 2-core AMD EPYC: 64-73 -> 24-28 us; of 256 B
+    out of 260e3: 94-131 -> 40 us); else torch's.
+
+    Raises:
+        IndexError: a row outside ``[0, R)`` (its position and value named).
+    """
+    args, lib = _rows_args(table, rows), load()
+    if args is None or lib is None:
+        return table.index_select(0, rows)
+    rows = rows.contiguous()
+    out = table.new_empty((rows.numel(), *table.shape[1:]))
+    bad = lib.fx_gather_rows(table.data_ptr(), args[1], args[0], rows.numel(), rows.data_ptr(), out.data_ptr())
+    if bad >= 0:
+        raise IndexError(f"gather_rows: row {int(rows[bad])} at position {bad} outside the table's {args[1]} rows")
+    return out
+
+
+def scatter_rows(table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``table.index_copy_(0, rows, values)`` for ``rows`` ``(N,)`` without repeats, ``values`` ``(N, ...)`` of
+    ``table``'s dtype: in place, on the compiled kernels where they apply, else by torch.
+
+    Raises:
+        IndexError: a row outside ``[0, R)``; nothing is written then.
+    """
+    args, lib = _rows_args(table, rows), load()
+    if args is None or lib is None or values.dtype != table.dtype or values.shape[1:] != table.shape[1:]:
+        table.index_copy_(0, rows, values)
+        return
+    rows, values = rows.contiguous(), values.contiguous()
+    if values.shape[0] != rows.numel():
+        raise IndexError(f"scatter_rows: {rows.numel()} rows but {values.shape[0]} values")
+    bad = lib.fx_scatter_rows(table.data_ptr(), args[1], args[0], rows.numel(), rows.data_ptr(), values.data_ptr())
+    if bad >= 0:
+        raise IndexError(f"scatter_rows: row {int(rows[bad])} at position {bad} outside the table's {args[1]} rows")
 
 
 def _p(t: torch.Tensor | None) -> int | None:

@@ -33,6 +33,8 @@ import sys
 
 import torch
 
+from .dynamic_native import gather_rows, scatter_rows
+
 __all__ = ["RowStore", "STORAGES", "make_store", "copy_rows", "empty_rows"]
 
 HUGE_PAGE = 2 << 20
@@ -41,19 +43,15 @@ _MADV_HUGEPAGE = 14   # <linux/mman.h>
 
 
 def copy_rows(stored: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """``stored[rows] = values`` in place: ``stored`` ``(R, ...)``, ``rows`` ``(U,)`` int64, ``values`` ``(U, ...)``
-    of ``stored``'s dtype. The same bits as ``stored.index_copy_(0, rows, values)``; for contiguous CPU tensors
-    through NumPy's fancy assignment, about twice as fast (3,300 rows of 64 float32: 45 vs 100 us; one copy per
-    row instead of an element-wise loop).
+    """``stored[rows] = values`` in place: ``stored`` ``(R, ...)``, ``rows`` ``(U,)`` int64 without repeats, ``values``
+    ``(U, ...)``. The bytes of ``stored.index_copy_(0, rows, values)``, written by the compiled kernels with
+    prefetching where they load (:func:`scheduling.ps.dynamic_native.scatter_rows`; about twice as fast as
+    ``index_copy_`` for 3,300 rows of 64 float32), else by ``index_copy_``.
 
     Raises:
-        IndexError: a row outside ``[-R, R)`` (NumPy's check; ``index_copy_``'s on other devices).
+        IndexError: a row outside ``[0, R)``.
     """
-    if (stored.device.type == "cpu" and stored.is_contiguous() and rows.device.type == "cpu"
-            and rows.dtype == torch.int64 and stored.dtype != torch.bfloat16 and stored.dtype == values.dtype):
-        stored.detach().numpy()[rows.numpy()] = values.detach().contiguous().numpy()
-    else:
-        stored.index_copy_(0, rows, values)
+    scatter_rows(stored, rows, values)
 
 
 def empty_rows(num_rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -102,8 +100,13 @@ class RowStore:
         return stored
 
     def gather(self, stored: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Float32 values ``(N, D)`` of rows ``rows`` ``(N,)`` int64."""
-        return self.decode(stored.index_select(0, rows))
+        """Float32 values ``(N, D)`` of rows ``rows`` ``(N,)`` int64 (the stored rows gathered with prefetching:
+        :func:`scheduling.ps.dynamic_native.gather_rows`, the bytes of ``index_select``).
+
+        Raises:
+            IndexError: a row outside the stored rows.
+        """
+        return self.decode(gather_rows(stored, rows))
 
     def apply(self, stored: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, lr: float) -> None:
         """``stored[rows] -= lr * update`` for unique ``rows`` ``(U,)``, ``update`` ``(U, D)`` float32: gather,

@@ -14,7 +14,14 @@ import torch
 from scheduling.ps.dynamic import DynamicSpec, DynamicTable, group_tables
 from scheduling.ps.dynamic_group import initial_rows_keyed
 from scheduling.ps.dynamic_index import SlotIndex, mix64_torch
-from scheduling.ps.dynamic_native import NativeSlotIndex, initial_rows_native, load, native_available
+from scheduling.ps.dynamic_native import (
+    NativeSlotIndex,
+    gather_rows,
+    initial_rows_native,
+    load,
+    native_available,
+    scatter_rows,
+)
 from scheduling.ps.optimizer import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,3 +196,36 @@ def test_without_a_compiler_or_when_switched_off_the_torch_index_is_used_and_say
     off = _child({"FXDIST_NATIVE": "0"}, tmp_path)
     out = off.communicate(timeout=120)[0]
     assert out.strip().splitlines()[-1] == "torch" and "FXDIST_NATIVE=0" in out, out
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+@pytest.mark.parametrize("dtype, shape", [(torch.float32, (300, 16)), (torch.float16, (300, 64)),
+                                          (torch.uint8, (300, 24)), (torch.float32, (300,)),
+                                          (torch.float32, (300, 600))])
+def test_row_gather_and_scatter_give_index_select_and_index_copy_bytes(monkeypatch, flag, dtype, shape):
+    """Compiled (``"1"``, where they load) and torch (``"0"``) alike; rows of 1 to 2,400 bytes (a prefetch distance
+    of 4 to 32 rows), fewer rows than the distance included."""
+    monkeypatch.setenv("FXDIST_NATIVE", flag)
+    gen = torch.Generator().manual_seed(shape[-1])
+    table = (torch.randn(shape, generator=gen) * 50).to(dtype)
+    for n in (0, 3, 257):
+        rows = torch.randint(0, shape[0], (n,), generator=gen)
+        assert torch.equal(gather_rows(table, rows), table.index_select(0, rows))
+        unique = torch.randperm(shape[0], generator=gen)[:n]
+        values = (torch.randn((n, *shape[1:]), generator=gen) * 50).to(dtype)
+        got, want = table.clone(), table.clone().index_copy_(0, unique, values)
+        scatter_rows(got, unique, values)
+        assert torch.equal(got, want)
+
+
+@needs_native
+def test_rows_outside_the_table_are_refused_before_any_copy():
+    table = torch.arange(12.0).view(6, 2)
+    with pytest.raises(IndexError, match="row 6 at position 2"):
+        gather_rows(table, torch.tensor([0, 5, 6]))
+    with pytest.raises(IndexError, match="row -1 at position 1"):
+        scatter_rows(table, torch.tensor([0, -1]), torch.zeros(2, 2))
+    assert torch.equal(table, torch.arange(12.0).view(6, 2))     # nothing written
+    strided = torch.zeros(6, 4)[:, ::2]                            # not contiguous: torch's index_copy_
+    scatter_rows(strided, torch.tensor([1]), torch.ones(1, 2))
+    assert strided[1].eq(1).all() and strided.sum() == 2

@@ -133,9 +133,21 @@ def test_copy_rows_on_a_strided_view_and_out_of_range_rows():
     view = base[:, ::2]                       # not contiguous: index_copy_'s path
     copy_rows(view, torch.tensor([1, 3]), torch.ones(2, 4))
     assert base[1, ::2].eq(1).all() and base[1, 1::2].eq(0).all() and base[3].sum() == 4
-    with pytest.raises(IndexError):
-        copy_rows(torch.zeros(4, 2), torch.tensor([4]), torch.ones(1, 2))
-    assert copy_rows.__module__ == "scheduling.ps.storage"
+    for bad in (4, -1):
+        stored = torch.zeros(4, 2)
+        with pytest.raises(IndexError):
+            copy_rows(stored, torch.tensor([0, bad]), torch.ones(2, 2))
+        assert stored.eq(0).all()    # nothing written
+
+
+@pytest.mark.parametrize("storage", ["fp32", "fp16", "fused8bit"])
+def test_a_stores_gather_returns_the_rows_index_select_returns(storage):
+    store = make_store(storage)
+    stored = store.encode(torch.randn(50, 16))
+    rows = torch.tensor([3, 49, 0, 3, 17])
+    assert torch.equal(store.gather(stored, rows), store.decode(stored.index_select(0, rows)))
+    with pytest.raises(IndexError, match="row 50 at position 1"):
+        store.gather(stored, torch.tensor([1, 50]))
 
 
 def _huge_bytes_at(address: int) -> int | None:
