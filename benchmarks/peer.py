@@ -14,8 +14,9 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``ddp_local``: the plain DLRM in every trainer, dense part in ``DistributedDataParallel``, the tables' sparse
   gradients averaged after backward (``jobs.trainer.sparse_grads``);
 - ``fx_blocking_{0,1}ms`` / ``fx_prefetch_{0,1}ms``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),
-  "async_rpc" | "async_rpc_prefetch"))``: the tables on ``--servers`` parameter-server processes (default 2;
-  table ``i`` on server ``i % N``; torch_rpc, TCP/uv transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
+  "async_rpc" | "async_rpc_prefetch"))``: the tables on ``--servers`` parameter-server processes (default 2
+  where the host has a core for each trainer and server, else 1: :func:`default_servers`; table ``i`` on server
+  ``i % N``; torch_rpc, TCP/uv transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
   batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting buffers each step, as DMP
   wraps its dense part.
 - ``fx_stale1_0ms``: prefetch with ``max_staleness=1`` (``async_rpc(prefetch=True, max_staleness=1)``): a
@@ -383,6 +384,14 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
                   f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
 
 
+def default_servers(cores: int) -> int:
+    """``--servers``'s default on a host of ``cores`` cores: :data:`systems.SERVERS` (2) where each trainer and
+    server has a core of its own, else 1. On 2 cores one server process took 1.5-1.8 ms less CPU per step than two
+    (fewer requests, each with all 26 tables, and one process fewer) and made ``fx_socket_prefetch_0ms`` 2-12 %
+    faster (README "Side by side with torchrec")."""
+    return systems.SERVERS if cores >= systems.WORLD + systems.SERVERS else 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=list(SIZES), help="ROWSxDIM, rows per table x embedding dim")
@@ -398,9 +407,10 @@ def main() -> None:
     p.add_argument("--cpu-account", action="store_true",
                    help="account every process's CPU (trainers, servers, per thread) over the timed steps from "
                         "/proc (time on a core and run-queue wait per step) and print it per system; off by default")
-    p.add_argument("--servers", type=int, default=systems.SERVERS, metavar="N",
-                   help=f"fxdist's separate server processes (tables round-robin over them; default "
-                        f"{systems.SERVERS}); the fx_inproc_* systems always serve one in each trainer")
+    p.add_argument("--servers", type=int, default=None, metavar="N",
+                   help=f"fxdist's separate server processes (tables round-robin over them; default: "
+                        f"{systems.SERVERS} where the host has a core for each trainer and server, else 1); the "
+                        "fx_inproc_* systems always serve one in each trainer")
     p.add_argument("--server-nice", type=int, default=0, metavar="N",
                    help="run fxdist's server processes at nice N over the trainers' (os.nice; 0: the same)")
     p.add_argument("--malloc-trim-threshold", type=int, default=64 << 20, metavar="BYTES",
@@ -411,6 +421,8 @@ def main() -> None:
     args = p.parse_args()
     if args.run_dir is None:
         args.run_dir = ROOT / "runs" / time.strftime("peer-%Y%m%d-%H%M%S")
+    if args.servers is None:
+        args.servers = default_servers(os.cpu_count() or 1)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.sizes = 1, 8, 2, args.sizes[:1]
     _bench.reexec_with_fixed_allocator({"MALLOC_TRIM_THRESHOLD_": str(args.malloc_trim_threshold)})

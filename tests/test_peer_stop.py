@@ -51,3 +51,8 @@ def test_sigterm_outside_the_runs_only_notes_the_stop(sigterm_to_peer):
     signal.raise_signal(signal.SIGTERM)   # e.g. while a table prints: no exception there
     assert peer._STOPPING
     assert peer.measure(10, 4, ["dmp_tw"], _args(rounds=1)) == {}   # and no new size starts
+
+
+def test_one_server_by_default_where_the_trainers_and_two_servers_lack_cores_of_their_own():
+    assert peer.default_servers(2) == 1 and peer.default_servers(3) == 1
+    assert peer.default_servers(4) == peer.default_servers(16) == 2
