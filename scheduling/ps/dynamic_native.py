@@ -143,11 +143,12 @@ def initial_rows_native(lib: ctypes.CDLL, ids: torch.Tensor, keys: torch.Tensor,
 
 def _rows_args(table: torch.Tensor, rows: torch.Tensor) -> tuple[int, int] | None:
     """``(row bytes, rows)`` where the kernels can index ``table`` ``(R, ...)`` by ``rows`` (a contiguous CPU table of
-    at least one row, int64 CPU rows), else None."""
+    at least one non-empty row that autograd does not track, int64 CPU rows), else None."""
     if (table.device.type != "cpu" or rows.device.type != "cpu" or rows.dtype != torch.int64 or table.dim() < 1
-            or not table.is_contiguous() or table.shape[0] == 0):
+            or not table.is_contiguous() or table.shape[0] == 0 or table.requires_grad):
         return None
-    return table[0].numel() * table.element_size(), table.shape[0]
+    row_bytes = table[0].numel() * table.element_size()
+    return (row_bytes, table.shape[0]) if row_bytes else None
 
 
 def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -229,3 +229,15 @@ def test_rows_outside_the_table_are_refused_before_any_copy():
     strided = torch.zeros(6, 4)[:, ::2]                            # not contiguous: torch's index_copy_
     scatter_rows(strided, torch.tensor([1]), torch.ones(1, 2))
     assert strided[1].eq(1).all() and strided.sum() == 2
+
+
+def test_tables_the_kernels_do_not_take_go_to_torch():
+    """Empty rows, a table autograd tracks (the gather keeps its graph) and int32 rows: torch's results."""
+    empty = torch.zeros(5, 0)
+    assert gather_rows(empty, torch.tensor([1, 4])).shape == (2, 0)
+    tracked = torch.randn(6, 3, requires_grad=True)
+    picked = gather_rows(tracked, torch.tensor([2, 2, 5]))
+    picked.sum().backward()
+    assert tracked.grad is not None and tracked.grad[2].eq(2).all() and tracked.grad[0].eq(0).all()
+    table = torch.randn(6, 3)
+    assert torch.equal(gather_rows(table, torch.tensor([5, 0], dtype=torch.int32)), table[[5, 0]])
