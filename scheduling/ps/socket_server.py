@@ -93,11 +93,18 @@ class SocketServer:
         self.stopped = threading.Event()
         """Set by a client's ``stop`` request (or :meth:`close`)."""
         self._peers: list[_Peer] = []
+        self._threads: list[threading.Thread] = []
+        """The accept thread and every reader thread (:meth:`close` joins them)."""
 
     def start(self) -> "SocketServer":
         """Accept connections on a daemon thread (each served by its own reader thread); returns self."""
-        threading.Thread(target=self._accept, name=f"fxdist-socket-accept-{self.address}", daemon=True).start()
+        self._thread(self._accept, f"fxdist-socket-accept-{self.address}")
         return self
+
+    def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _accept(self) -> None:
         while not self.stopped.is_set():
@@ -108,7 +115,7 @@ class SocketServer:
             tune(sock)
             peer = _Peer(sock)
             self._peers.append(peer)
-            threading.Thread(target=self._serve, args=(peer,), name="fxdist-socket-peer", daemon=True).start()
+            self._thread(self._serve, "fxdist-socket-peer", peer)
 
     def _serve(self, peer: _Peer) -> None:
         header = bytearray(16)
@@ -153,9 +160,18 @@ class SocketServer:
         except Exception as e:  # noqa: BLE001  (answered as the request's error, as torch_rpc does)
             done(None, e)
 
-    def close(self) -> None:
-        """Stop accepting and close every connection (their clients' requests fail at once)."""
+    def close(self, join_s: float = 5.0) -> None:
+        """Stop accepting, close every connection (their clients' requests fail at once) and wait up to ``join_s``
+        seconds for the accept and reader threads to end (a reader finishes the request it runs first).
+
+        Joining matters at a server process's exit: a reader thread still running Python while the interpreter
+        finalizes dies inside a tensor's C++ destructor when it asks for the GIL, and the process aborts
+        ("terminate called without an active exception", exit -6)."""
         self.stopped.set()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)   # wakes the accept thread (a close alone may not)
+        except OSError:
+            pass
         self.listener.close()
         for peer in list(self._peers):
             peer.closed = True
@@ -163,6 +179,10 @@ class SocketServer:
                 peer.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        deadline = time.monotonic() + join_s
+        for thread in list(self._threads):
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str | None = None,

@@ -18,7 +18,7 @@ import fxdist
 from scheduling import lookahead
 from scheduling.ps import LocalCluster, PSClient, PSUnavailableError
 from scheduling.ps.shard_plan import TableSpec
-from scheduling.ps.socket_server import spawn_servers
+from scheduling.ps.socket_server import serve, spawn_servers
 from scheduling.ps.socket_transport import SocketTransport
 
 from ._group import TABLES, TinyModel, batches
@@ -90,3 +90,24 @@ def test_a_killed_server_fails_the_requests_in_flight_with_a_transport_error():
 def test_a_server_that_fails_to_start_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match=r"socket server 'ps_bad' failed to start: FileNotFoundError"):
         spawn_servers(["ps_bad"], checkpoint=str(tmp_path / "missing.pt"))
+
+
+def test_close_ends_the_servers_threads_so_the_process_exits_cleanly():
+    """A reader thread left running while a server process finalizes aborted it (exit -6): close() joins them."""
+    import threading
+
+    server = serve("ps_join", block=False)
+    mine = set(threading.enumerate())
+    assert any(t.name == f"fxdist-socket-accept-{server.address}" for t in mine)
+    client = PSClient([TableSpec("t", 20, 4, ("f0", "f1", "f2"))], [server.address],
+                      name=f"join_{uuid.uuid4().hex[:6]}", transport="socket")
+    try:
+        assert client.lookup(0, _kjt()).shape == (2, 12)
+    finally:
+        client.close()
+    readers = [t for t in threading.enumerate() if t.name == "fxdist-socket-peer" and t not in mine]
+    assert readers, "the client's connection has a reader thread"
+    server.close()
+    alive = [t.name for t in threading.enumerate()
+             if t in readers or t.name == f"fxdist-socket-accept-{server.address}"]
+    assert alive == []
