@@ -45,8 +45,9 @@ _MADV_HUGEPAGE = 14   # <linux/mman.h>
 def copy_rows(stored: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """``stored[rows] = values`` in place: ``stored`` ``(R, ...)``, ``rows`` ``(U,)`` int64 without repeats, ``values``
     ``(U, ...)``. The bytes of ``stored.index_copy_(0, rows, values)``, written by the compiled kernels with
-    prefetching where they load (:func:`scheduling.ps.dynamic_native.scatter_rows`; about twice as fast as
-    ``index_copy_`` for 3,300 rows of 64 float32), else by ``index_copy_``.
+    prefetching where they load (:func:`scheduling.ps.dynamic_native.scatter_rows`; 3,300 random rows of 64
+    float32 into 260e3: 49 us against ``index_copy_``'s 222 on a 2-core AMD EPYC, under load), else by
+    ``index_copy_``.
 
     Raises:
         IndexError: a row outside ``[0, R)``.
