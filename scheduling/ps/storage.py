@@ -35,31 +35,18 @@ import torch
 
 from .dynamic_native import gather_rows, scatter_rows
 
-__all__ = ["RowStore", "STORAGES", "make_store", "copy_rows", "empty_rows"]
+__all__ = ["RowStore", "STORAGES", "make_store", "empty_rows"]
 
 HUGE_PAGE = 2 << 20
 """Bytes of one x86-64 transparent huge page (Linux THP)."""
 _MADV_HUGEPAGE = 14   # <linux/mman.h>
 
 
-def copy_rows(stored: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """``stored[rows] = values`` in place: ``stored`` ``(R, ...)``, ``rows`` ``(U,)`` int64 without repeats, ``values``
-    ``(U, ...)``. The bytes of ``stored.index_copy_(0, rows, values)``, written by the compiled kernels with
-    prefetching where they load (:func:`scheduling.ps.dynamic_native.scatter_rows`; 3,300 random rows of 64
-    float32 into 260e3: 49 us against ``index_copy_``'s 222 on a 2-core AMD EPYC, under load), else by
-    ``index_copy_``.
-
-    Raises:
-        IndexError: a row outside ``[0, R)``.
-    """
-    scatter_rows(stored, rows, values)
-
-
 def empty_rows(num_rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialized CPU tensor ``(num_rows, width)`` for a server's rows, its memory advised for transparent huge
     pages (Linux ``madvise(MADV_HUGEPAGE)`` on its 2 MiB-aligned interior, before any page of it is touched) where
-    it spans two huge pages or more (so that its interior holds one at least): a lookup or update touches rows at random, and with 4 KiB pages nearly every
-    row is a TLB miss (measured on a 2-core AMD EPYC, 26 x 1e6 x 16 float32 rows, 3,328 rows per request: gather
+    it spans two huge pages or more (so that its interior holds one at least): a lookup or update touches rows at
+    random, and with 4 KiB pages nearly every row is a TLB miss (measured on a 2-core AMD EPYC, 26 x 1e6 x 16 float32 rows, 3,328 rows per request: gather
     79 -> 60 us, SGD update 180 -> 120 us). The advice holds for pages not yet touched: all of them where the
     allocation is mapped afresh (glibc: from 32 MiB at most, its largest mmap threshold); memory reused from the
     heap keeps the pages it has. Where THP is off or unsupported the advice is a no-op.
@@ -113,7 +100,7 @@ class RowStore:
     def apply(self, stored: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, lr: float) -> None:
         """``stored[rows] -= lr * update`` for unique ``rows`` ``(U,)``, ``update`` ``(U, D)`` float32: gather,
         update in float32, scatter back (half the time of ``index_add_``, which also handles repeated rows)."""
-        copy_rows(stored, rows, self._reencode(self.gather(stored, rows).sub_(update, alpha=lr)))
+        scatter_rows(stored, rows, self._reencode(self.gather(stored, rows).sub_(update, alpha=lr)))
 
     def _reencode(self, rows: torch.Tensor) -> torch.Tensor:
         return self.encode(rows)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scheduling.ps.dynamic_native import scatter_rows
 from scheduling.ps.server import PSServer
 from scheduling.ps.shard_plan import TableSpec, plan_shards
-from scheduling.ps.storage import HUGE_PAGE, copy_rows, empty_rows, make_store
+from scheduling.ps.storage import HUGE_PAGE, empty_rows, make_store
 
 TABLES = [TableSpec("a", 50, 16, ("fa",)), TableSpec("b", 30, 16, ("fb", "fc"))]
 INIT = {"a": torch.randn(50, 16) * 0.1, "b": torch.randn(30, 16) * 0.1}
@@ -117,26 +118,26 @@ def test_rows_made_by_the_servers_depend_on_the_table_not_its_place():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(40, 16), (40,)])
-def test_copy_rows_writes_the_bits_index_copy_writes(dtype, shape):
+def test_the_row_scatter_writes_the_bits_index_copy_writes(dtype, shape):
     gen = torch.Generator().manual_seed(3)
     stored = (torch.randn(shape, generator=gen) * 50).to(dtype)
     rows = torch.randperm(40, generator=gen)[:17]
     values = (torch.randn((17, *shape[1:]), generator=gen) * 50).to(dtype)
     expected = stored.clone().index_copy_(0, rows, values)
-    copy_rows(stored, rows, values)
+    scatter_rows(stored, rows, values)
     assert torch.equal(stored.view(torch.uint8) if dtype != torch.uint8 else stored,
                        expected.view(torch.uint8) if dtype != torch.uint8 else expected)
 
 
-def test_copy_rows_on_a_strided_view_and_out_of_range_rows():
+def test_the_row_scatter_on_a_strided_view_and_out_of_range_rows():
     base = torch.zeros(10, 8)
     view = base[:, ::2]                       # not contiguous: index_copy_'s path
-    copy_rows(view, torch.tensor([1, 3]), torch.ones(2, 4))
+    scatter_rows(view, torch.tensor([1, 3]), torch.ones(2, 4))
     assert base[1, ::2].eq(1).all() and base[1, 1::2].eq(0).all() and base[3].sum() == 4
     for bad in (4, -1):
         stored = torch.zeros(4, 2)
         with pytest.raises(IndexError):
-            copy_rows(stored, torch.tensor([0, bad]), torch.ones(2, 2))
+            scatter_rows(stored, torch.tensor([0, bad]), torch.ones(2, 2))
         assert stored.eq(0).all()    # nothing written
 
 
