@@ -103,7 +103,8 @@ class SocketServer:
 
     def _thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads.append(thread)
+        # the readers of connections that ended are done: keep the list as long as the live ones
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
     def _accept(self) -> None:
