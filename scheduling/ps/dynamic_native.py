@@ -51,7 +51,7 @@ _SIGNATURES = {
     "fx_lookup": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P],
     "fx_gather_rows": [_P, _I, _I, _I, _P, _P], "fx_scatter_rows": [_P, _I, _I, _I, _P, _P],
 }
-_RETURNS_COUNT = ("fx_expired", "fx_append", "fx_lookup", "fx_gather_rows", "fx_scatter_rows")
+_RETURNS_INT64 = ("fx_expired", "fx_append", "fx_lookup", "fx_gather_rows", "fx_scatter_rows")
 
 
 class _Index(ctypes.Structure):
@@ -95,7 +95,7 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError(f"{lib} has kernels version {dll.fx_version()}, expected {VERSION}")
     for name, args in _SIGNATURES.items():
         fn = getattr(dll, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int64 if name in _RETURNS_COUNT else None
+        fn.argtypes, fn.restype = args, ctypes.c_int64 if name in _RETURNS_INT64 else None
     return dll
 
 
