@@ -107,6 +107,7 @@ class PSActor(AsyncEndpoints):
         super().__init__(num_worker_threads=num_worker_threads)
         self.joined, self.groups, self.hooks = False, 0, hooks
         self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
+        self.left = False  # whether the server left its RPC group since it last started serving
         self.socket: Any = None  # the socket transport's listener (reset_socket), kept across resets
         if hooks is not None:
             hooks.start()
@@ -161,7 +162,7 @@ class PSActor(AsyncEndpoints):
         return self._serve(server)
 
     def _serve(self, server: PSServer) -> dict[str, int]:
-        self.server = server
+        self.server, self.left = server, False
         self.groups += 1
         if self.hooks is not None:
             self.hooks.serving(server)
@@ -172,7 +173,7 @@ class PSActor(AsyncEndpoints):
         from .server import stop_server
 
         if self.joined:
-            self.joined = False
+            self.joined, self.left = False, True
             self.held = self.server.memory()
             stop_server()
 
@@ -184,11 +185,13 @@ class PSActor(AsyncEndpoints):
 
     def stats(self) -> dict[str, int]:
         """Without ``hooks``: lookups and pushes served, process id, rows and bytes held
-        (:meth:`ServerEndpoints.stats`). With one: ``{"pid", "rows", "bytes"}`` its server held in the group
-        it was in last (or is in now; ``PSServer.memory()``) and ``hooks.stats()``."""
+        (:meth:`ServerEndpoints.stats`). With one: ``{"pid", "rows", "bytes"}`` its server holds now
+        (``PSServer.memory()``; ``torch_rpc``: what it held when it left its last group) and ``hooks.stats()``."""
         if self.hooks is None:
             return super().stats()
-        held = self.server.memory() if self.joined else self.held
+        # a server that left its RPC group was measured then; one serving now (any transport) is measured now
+        live = self.server is not None and (self.joined or not self.left)
+        held = self.server.memory() if live else self.held
         return {"pid": os.getpid(), **self.hooks.stats(), **held}
 
     def close(self) -> None:

@@ -195,3 +195,25 @@ def test_ray_servers_kill_all_really_kills(ray_cluster):
                     time.sleep(0.2)
     finally:
         unregister_servers(["pskill0", "pskill1"])
+
+
+def test_an_actor_serving_over_ray_or_sockets_reports_the_rows_it_holds_now():
+    """``PSActor.stats`` with hooks (a job's server metrics): the tables its server holds. Over ``ray`` and
+    ``socket`` the server is reset, never leaves a group, so ``stats`` measures it live (it reported 0 rows)."""
+    from scheduling.ps.ray_transport import PSActor
+    from scheduling.ps.shard_plan import TableSpec, plan_shards
+
+    class Hooks:
+        def start(self): ...
+        def serving(self, server): ...
+        def stats(self): return {"lookups": 0}
+
+    actor = PSActor("ps0", serve_at_start=False, hooks=Hooks())
+    assert actor.stats()["rows"] == 0
+    actor.reset()
+    actor.configure("ns", plan_shards([TableSpec("t", 10, 4, ("f",)), TableSpec("u", 7, 4, ("g",))], 1), 0, "sgd",
+                    {"lr": 1.0}, seed=0)
+    stats = actor.stats()
+    assert stats["rows"] == 17 and stats["bytes"] >= 17 * 4 * 4 and stats["lookups"] == 0
+    actor.reset()   # the next worker group: an empty server
+    assert actor.stats()["rows"] == 0
