@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,15 +49,16 @@ CHECK_BYTES = 128 << 20
 trainer gathers every table from the servers for it."""
 SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
-           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms", "fx_socket_prefetch_0ms",
-           "fx_socket_stale1_0ms", "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms")
-"""``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_stale1_0ms``: prefetch
-with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i`` inside
-trainer ``i``'s process (``scheduling.ps.in_trainers``: 2 processes instead of 4); ``fx_dynamic_*``: prefetch
-with the 26 tables dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_socket_*``: the
-servers reached over the ``socket`` transport (``scheduling.ps.socket_transport``), no RPC group;
-``fx_inproc_socket_*``: server ``i`` inside trainer ``i`` (``in_trainers.serve_in_trainer_socket``), the other
-trainer's requests over its socket, its own called directly."""
+           "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms",
+           "fx_rpc_prefetch_0ms", "fx_rpc_stale1_0ms", "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms")
+"""``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_*``: fxdist over the
+``socket`` transport, the job's default (``scheduling.ps.socket_transport``; no RPC group); ``fx_stale1_0ms``:
+prefetch with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i``
+inside trainer ``i``'s process (``in_trainers.serve_in_trainer_socket``: 2 processes instead of 4; the other
+trainer's requests over its socket, its own called directly); ``fx_dynamic_*``: prefetch with the 26 tables
+dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_rpc_*``: the same over
+``torch.distributed.rpc`` (``[cluster] transport = "torch_rpc"``; ``fx_rpc_inproc_*``: ``scheduling.ps.in_trainers``
+over RPC)."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -415,25 +417,34 @@ def _regions_on_client(client: Any) -> None:
                 setattr(client, m, wrapped(kind, getattr(client, m)))
 
 
+_TAGS = ("rpc", "inproc", "dynamic")
+"""The words of an fxdist system's name between ``fx_`` and its schedule (``fx_rpc_inproc_prefetch_0ms``)."""
+
+
+def _tags(system: str) -> set[str]:
+    parts = system.split("_")[1:]
+    return set(itertools.takewhile(lambda p: p in _TAGS, parts))
+
+
 def in_trainers(system: str) -> bool:
-    """Whether fxdist system ``system`` keeps its servers inside the trainers (``fx_inproc_*``)."""
-    return system.startswith("fx_inproc_")
+    """Whether fxdist system ``system`` keeps its servers inside the trainers (``fx_inproc_*``, ``fx_rpc_inproc_*``)."""
+    return "inproc" in _tags(system)
 
 
 def dynamic_tables(system: str) -> bool:
     """Whether fxdist system ``system`` makes its tables dynamic (``fx_dynamic_*``)."""
-    return system.startswith("fx_dynamic_")
+    return "dynamic" in _tags(system)
 
 
 def over_socket(system: str) -> bool:
-    """Whether fxdist system ``system`` reaches its servers over the ``socket`` transport (``fx_socket_*``,
-    ``fx_inproc_socket_*``)."""
-    return system.startswith(("fx_socket_", "fx_inproc_socket_"))
+    """Whether fxdist system ``system`` reaches its servers over the ``socket`` transport: every ``fx_*`` but the
+    ``fx_rpc_*`` ones (``torch.distributed.rpc``)."""
+    return system.startswith("fx_") and "rpc" not in _tags(system)
 
 
 def _fx_kind(system: str) -> str:
     """``blocking``, ``prefetch`` or ``stale<k>`` of an fxdist system name."""
-    return system.removeprefix("fx_").removeprefix("inproc_").removeprefix("dynamic_").removeprefix("socket_").split("_")[0]
+    return system.split("_")[1 + len(_tags(system))]
 
 
 def _fx_model(rank: int, s: Setting, prefetch: bool) -> nn.Module:
@@ -552,7 +563,7 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
     """Trainer ``rank`` of ``s.system``; puts ``(rank, result)`` on ``queue``. ``pids`` (``--cpu-account``): a
     shared array of the run's process ids, trainers first (ranks ``0..WORLD-1``), then the servers; trainer 0
     then accounts their CPU over the timed steps (``result["cpu"]``, :mod:`_peer_cpu`). ``addresses``
-    (``fx_socket_*``): a queue that brings the servers' ``host:port`` tuple, in server order, once they listen (each
+    (socket systems): a queue that brings the servers' ``host:port`` tuple, in server order, once they listen (each
     bound its port, then published it; the trainers start beside the servers instead of after them)."""
     torch.set_num_threads(1)
     if pids is not None and rank == 0:

@@ -16,22 +16,20 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_blocking_{0,1}ms`` / ``fx_prefetch_{0,1}ms``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),
   "async_rpc" | "async_rpc_prefetch"))``: the tables on ``--servers`` parameter-server processes (default 2
   where the host has a core for each trainer and server, else 1: :func:`default_servers`; table ``i`` on server
-  ``i % N``; torch_rpc, TCP/uv transport), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``); prefetch passes the next
-  batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting buffers each step, as DMP
-  wraps its dense part.
+  ``i % N``), reached over the ``socket`` transport, the job's default (``scheduling.ps.socket_transport``: one TCP
+  connection per trainer and server, tensors as raw buffers; the servers bind free ports and publish them to the
+  trainers, which start beside them), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``);
+  prefetch passes the next batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting
+  buffers each step, as DMP wraps its dense part.
 - ``fx_stale1_0ms``: prefetch with ``max_staleness=1`` (``async_rpc(prefetch=True, max_staleness=1)``): a
   step's pushes may stay in flight while the next step's lookups run;
-- ``fx_inproc_prefetch_0ms`` / ``fx_inproc_stale1_0ms``: the same with the servers inside the trainers'
-  processes (``scheduling.ps.in_trainers``): trainer ``i`` also serves server ``i``'s tables on its RPC threads,
-  and its requests to its own server skip RPC; 2 processes in all instead of 4;
-- ``fx_socket_prefetch_0ms`` / ``fx_socket_stale1_0ms``: ``fx_prefetch_0ms`` / ``fx_stale1_0ms`` with the
-  servers reached over the ``socket`` transport (``scheduling.ps.socket_transport``: one TCP connection per trainer
-  and server, tensors as raw buffers) instead of ``torch.distributed.rpc``; the servers bind free ports and publish
-  them to the trainers, which start beside them;
-- ``fx_inproc_socket_prefetch_0ms`` / ``fx_inproc_socket_stale1_0ms``: both: server ``i`` inside trainer ``i``'s
+- ``fx_inproc_prefetch_0ms`` / ``fx_inproc_stale1_0ms``: the same with server ``i`` inside trainer ``i``'s
   process, listening on a free port of its own (``in_trainers.serve_in_trainer_socket``; the trainers share their
   addresses over their gloo group), the other trainer's requests served on its socket reader threads, its own
-  called directly; 2 processes, no RPC group;
+  called directly; 2 processes in all instead of 4;
+- ``fx_rpc_prefetch_0ms`` / ``fx_rpc_stale1_0ms`` / ``fx_rpc_inproc_*``: the same over ``torch.distributed.rpc``
+  (TensorPipe, TCP/uv; ``[cluster] transport = "torch_rpc"``), the servers inside the trainers through
+  ``scheduling.ps.in_trainers`` (their requests to their own server skip RPC);
 - ``fx_dynamic_prefetch_0ms``: ``fx_prefetch_0ms`` with the 26 tables dynamic (``parameter_servers(dynamic=...)``,
   collisionless, capacity = the size's rows, the same ids sent raw): the cost of dynamic tables against fixed
   ones of the same rows, as a ratio from the same run (its rows start as ``scheduling.ps.dynamic`` makes them,
@@ -122,10 +120,10 @@ import _peer_systems as systems  # noqa: E402
 
 SIZES = ("10000x16", "10000x64", "1000000x16", "1000000x64")
 NAME_WIDTH = 30
-"""Width of the system-name column (the longest name, ``fx_inproc_socket_prefetch_0ms``, is 29)."""
-PAIRS = (("socket / torch_rpc transport", "fx_socket_prefetch_0ms", "fx_prefetch_0ms"),
-         ("in the trainers, socket / torch_rpc", "fx_inproc_socket_prefetch_0ms", "fx_inproc_prefetch_0ms"),
-         ("socket, in the trainers / separate servers", "fx_inproc_socket_prefetch_0ms", "fx_socket_prefetch_0ms"),
+"""Width of the system-name column (the longest name, ``fx_rpc_inproc_prefetch_0ms``, is 26)."""
+PAIRS = (("socket / torch_rpc transport", "fx_prefetch_0ms", "fx_rpc_prefetch_0ms"),
+         ("in the trainers, socket / torch_rpc", "fx_inproc_prefetch_0ms", "fx_rpc_inproc_prefetch_0ms"),
+         ("in the trainers / separate servers", "fx_inproc_prefetch_0ms", "fx_prefetch_0ms"),
          ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
 
@@ -387,8 +385,8 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
 def default_servers(cores: int) -> int:
     """``--servers``'s default on a host of ``cores`` cores: :data:`systems.SERVERS` (2) where each trainer and
     server has a core of its own, else 1. On 2 cores one server process took 1.5-1.8 ms less CPU per step than two
-    (fewer requests, each with all 26 tables, and one process fewer) and made ``fx_socket_prefetch_0ms`` 2-12 %
-    faster (README "Side by side with torchrec")."""
+    (fewer requests, each with all 26 tables, and one process fewer) and made socket prefetch
+    (``fx_prefetch_0ms``) 2-12 % faster (README "Side by side with torchrec")."""
     return systems.SERVERS if cores >= systems.WORLD + systems.SERVERS else 1
 
 

@@ -1,6 +1,6 @@
 """A ``socket`` parameter server's CPU per ``push_lookup`` request, against the table work alone.
 
-The shape of ``benchmarks/peer.py``'s ``fx_socket_prefetch_0ms`` on one of its 2 servers: 26 tables of
+The shape of ``benchmarks/peer.py``'s ``fx_prefetch_0ms`` (socket) with 2 servers, one of them: 26 tables of
 ``--rows`` x ``--dim`` (one feature each, one id per table and sample) placed table-wise on 2 servers, of which
 this benchmark runs server 0 (13 tables) in a child process (:func:`scheduling.ps.socket_server.serve`, one torch
 thread) with SGD. Two trainers (ranks 0 and 1 of one group, each its own connection) send per step what a

@@ -213,10 +213,11 @@ class ClusterSection:
     """Where Ray puts trainers and parameter servers: "pack" (Ray Train's PACK placement group; servers by
     Ray's default scheduling) or "spread" (trainers SPREAD over nodes, servers round-robin over the nodes,
     those that cannot hold a trainer first). See jobs.cluster; results.json's "placement" says where each ran."""
-    transport: str = "torch_rpc"
-    """How trainers reach the parameter servers: "torch_rpc" (a torch.distributed.rpc group per worker group),
-    "ray" (the server actors' methods called directly; no rendezvous) or "socket" (one TCP connection per trainer
-    process and server actor, tensors as raw buffers). See scheduling.ps.transport."""
+    transport: str = "socket"
+    """How trainers reach the parameter servers: "socket" (one TCP connection per trainer process and server
+    actor, tensors as raw buffers; the fastest, see README "Parameter-server transport"), "torch_rpc" (a
+    torch.distributed.rpc group per worker group) or "ray" (the server actors' methods called directly). See
+    scheduling.ps.transport."""
     server_threads: int = _key(16, 1, 1024)
     """Threads each parameter server runs requests on (a request waiting for its turn holds none)."""
     servers_in_trainers: bool | str = "auto"

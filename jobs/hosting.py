@@ -10,12 +10,13 @@
   ``N .. T-1`` serve nothing); a trainer's requests to its own shard skip RPC. With ``[cluster] transport =
   "socket"`` server ``i`` listens on a socket of trainer ``i``'s process instead of joining an RPC group
   (:class:`jobs.trainer.in_trainers.InTrainerSocketServers`);
-- ``"auto"``: in the trainers when every trainer would host one server (``parameter_servers == trainers``) and
+- ``"auto"``: separate processes over the ``socket`` transport, the default (in the trainers over sockets the job
+  with 2 servers on 2 cores ran as fast as with separate servers, 0.96-1.00x: ``true`` asks for it). Over
+  ``torch_rpc``: in the trainers when every trainer would host one server (``parameter_servers == trainers``) and
   the CPUs the job can use (Ray's ``CPU`` resources) are fewer than separate servers need to have a core each:
   ``ceil(trainers * cpus_per_trainer) + parameter_servers + 1`` (the ``+ 1``: the launcher, Ray's own processes
   and the RPC threads). Else separate processes; also when the config needs server processes
-  (:func:`needs_separate`) or uses the ``socket`` transport (in the trainers over sockets the job with 2
-  servers on 2 cores ran as fast as with separate servers, 0.96-1.00x: ``true`` asks for it).
+  (:func:`needs_separate`).
 
 The rule comes from ``benchmarks/peer.py`` (2 trainers, 2 servers, ratio of QPS to torchrec's DMP): on 2 cores
 the servers in the trainers gave 0.99 / 1.02 (tables 1e4 x 64 / 1e6 x 16) against 0.92 / 0.98 for separate server
@@ -102,7 +103,7 @@ def choose_hosting(config: Any, cpus: float | None) -> Hosting:
     resources; consulted only for ``"auto"``, None = unknown: separate processes).
 
     >>> from jobs.config import JobConfig
-    >>> choose_hosting(JobConfig().replace(cluster={"parameter_servers": 2}), 2.0).reason
+    >>> choose_hosting(JobConfig().replace(cluster={"parameter_servers": 2, "transport": "torch_rpc"}), 2.0).reason
     '[cluster] servers_in_trainers = "auto": 2 CPUs < 5 (2 trainers x 1 CPU + 2 servers + 1): the servers run in the trainers, 2 processes instead of 4'
     """
     c = config.cluster
@@ -113,12 +114,12 @@ def choose_hosting(config: Any, cpus: float | None) -> Hosting:
         where = "in the trainers" if setting else "in processes of their own"
         return Hosting(setting, setting, f"{KEY} = {str(setting).lower()}: the servers run {where}")
     why = needs_separate(config)
-    if why is None and c.transport == "socket":
-        why = ('[cluster] transport = "socket" (servers in the trainers over sockets: only with true; the job with 2 '
-               "servers measured as fast either way)")
     if why is None and c.parameter_servers != c.trainers:
         why = (f"[cluster] parameter_servers = {c.parameter_servers} < trainers = {c.trainers} (the trainers hosting a "
                "server would also serve the others' lookups: measured slower)")
+    if why is None and c.transport == "socket":
+        why = ('[cluster] transport = "socket" (servers in the trainers over sockets: only with true; the job with 2 '
+               "servers measured as fast either way)")
     if why is not None:
         return Hosting(False, setting, f'{KEY} = "auto": {why}: separate server processes')
     if cpus is None:

@@ -53,17 +53,19 @@ def test_the_compared_systems_include_the_ceiling_and_staleness():
     assert {"dense_only", "dmp_tw", "fx_prefetch_0ms", "fx_stale1_0ms"} <= set(peer.SYSTEMS)
 
 
-def test_fx_system_names_give_the_schedule_and_where_the_servers_run():
-    assert {"fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms"} <= set(peer.SYSTEMS)
+def test_fx_system_names_give_the_schedule_the_transport_and_where_the_servers_run():
+    assert {"fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_rpc_prefetch_0ms"} <= set(peer.SYSTEMS)
     kinds = {s: peer._fx_kind(s) for s in peer.SYSTEMS if s.startswith("fx_")}
     assert kinds["fx_blocking_1ms"] == "blocking" and kinds["fx_prefetch_0ms"] == "prefetch"
     assert kinds["fx_inproc_prefetch_0ms"] == "prefetch" and kinds["fx_inproc_stale1_0ms"] == "stale1"
+    assert kinds["fx_rpc_inproc_stale1_0ms"] == "stale1" and kinds["fx_dynamic_prefetch_0ms"] == "prefetch"
     assert [s for s in kinds if peer.in_trainers(s)] == ["fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms",
-                                                         "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms"]
-    assert kinds["fx_socket_prefetch_0ms"] == "prefetch" and kinds["fx_socket_stale1_0ms"] == "stale1"
-    assert kinds["fx_inproc_socket_prefetch_0ms"] == "prefetch" and kinds["fx_inproc_socket_stale1_0ms"] == "stale1"
-    assert [s for s in kinds if peer.over_socket(s)] == ["fx_socket_prefetch_0ms", "fx_socket_stale1_0ms",
-                                                        "fx_inproc_socket_prefetch_0ms", "fx_inproc_socket_stale1_0ms"]
+                                                         "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms"]
+    # the job's default transport (socket) for every fxdist system but the fx_rpc_* ones
+    assert [s for s in kinds if not peer.over_socket(s)] == ["fx_rpc_prefetch_0ms", "fx_rpc_stale1_0ms",
+                                                            "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms"]
+    assert [s for s in kinds if peer.dynamic_tables(s)] == ["fx_dynamic_prefetch_0ms"]
+    assert not peer.over_socket("dmp_tw") and not peer.over_socket("dense_only")
 
 
 def test_the_placement_spreads_the_tables_over_the_servers_asked_for():
@@ -72,9 +74,9 @@ def test_the_placement_spreads_the_tables_over_the_servers_asked_for():
         assert sorted(placed) == sorted(f"t_C{i + 1}" for i in range(peer.TABLES))
         counts = [list(placed.values()).count(s) for s in range(servers)]
         assert sum(counts) == peer.TABLES and max(counts) - min(counts) <= 1
-    setting = peer.Setting("fx_socket_prefetch_0ms", ROWS, DIM, 1, 1, pg_port=0, servers=1)
+    setting = peer.Setting("fx_prefetch_0ms", ROWS, DIM, 1, 1, pg_port=0, servers=1)
     assert setting.num_servers == 1
-    assert peer.Setting("fx_inproc_socket_prefetch_0ms", ROWS, DIM, 1, 1, pg_port=0, servers=1).num_servers == peer.WORLD
+    assert peer.Setting("fx_inproc_prefetch_0ms", ROWS, DIM, 1, 1, pg_port=0, servers=1).num_servers == peer.WORLD
 
 
 def test_a_table_starts_from_the_same_rows_whichever_server_holds_it():

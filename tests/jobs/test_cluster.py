@@ -61,6 +61,9 @@ JOB = [
     'cluster.placement="spread"', 'metrics.host="node"', f"metrics.port={METRICS_PORT}",
     'phases.parity="warn"', "quant.enabled=false",
     "cluster.servers_in_trainers=false",  # server actors of their own, placed by "spread"
+    # 200 ms per lookup: the trainers train for seconds, not half of one (Prometheus applies new targets at most
+    # every 5 s, and the trainers' exporters must be scraped while they live)
+    "cluster.server_fetch_delay_ms=200",
 ]
 PAUSE_AT, CHECKPOINT = 15, 10  # the node dies after the optimized phase's checkpoint of step 10
 NODE_FAILURE = ["job.max_failures=2", f"faults.pause_at_step={PAUSE_AT}", "faults.pause_seconds=45"]
@@ -218,6 +221,18 @@ def _prometheus(cluster: NetnsCluster, run_dir: Path, tmp: Path) -> subprocess.P
     )
 
 
+def _ready(cluster: NetnsCluster, prom: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    """Wait until the head's Prometheus is ready (``/-/ready``): on 2 busy cores it takes seconds to start, and the
+    job's trainers may train for less than that (it picks up their targets, written at launch, within 1 s)."""
+    code = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9090/-/ready', timeout=5)"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and prom.poll() is None:
+        if cluster.exec(0, sys.executable, "-c", code, check=False, timeout=30).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the head's Prometheus was not ready within {timeout_s:.0f} s (exit {prom.poll()})")
+
+
 def _query(cluster: NetnsCluster, expr: str) -> list[dict]:
     """Run a PromQL instant query against the head namespace's Prometheus."""
     code = ("import json, sys, urllib.parse, urllib.request; "
@@ -280,6 +295,8 @@ def cluster_job(netns_cluster, tmp_path_factory):
     try:
         run_dir = tmp / "run"
         prom = _prometheus(cluster, run_dir, tmp)
+        if prom is not None:
+            _ready(cluster, prom)
         log = tmp / "launch"
         proc = _finish(_launch(cluster, run_dir, [*JOB, 'job.name="fxdist-cluster"'], log), log, 420)
         time.sleep(2)  # a last scrape

@@ -12,7 +12,8 @@ from jobs.launcher.report import table
 
 
 def _config(**cluster) -> JobConfig:
-    return JobConfig().replace(cluster=cluster)
+    """A config with ``cluster``'s keys, over ``torch_rpc`` unless it says (the CPU rule is torch_rpc's)."""
+    return JobConfig().replace(cluster={"transport": "torch_rpc", **cluster})
 
 
 @pytest.mark.parametrize("trainers, cpus_per_trainer, cpus, in_trainers", [
@@ -42,6 +43,7 @@ def test_auto_keeps_separate_servers_where_the_config_needs_them_or_a_trainer_wo
     two = {"trainers": 2, "parameter_servers": 2}
     cases = [(_config(**two, transport="ray"), 'transport = "ray"'),
              (_config(**two, transport="socket"), 'transport = "socket" (servers in the trainers over sockets: only'),
+             (JobConfig().replace(cluster=two), 'transport = "socket" (servers'),   # the default transport
              (JobConfig().replace(cluster=two, faults={"kill_server_at_step": 5}), "kill_server_at_step"),
              (_config(trainers=2, parameter_servers=3), "parameter_servers = 3 > trainers = 2"),
              (JobConfig(), "parameter_servers = 1 < trainers = 2 (the trainers hosting a server would also serve"),

@@ -235,8 +235,10 @@ def test_launcher_owns_the_server_actors(scraped_job, ray_session):
     joins = scraped_job["results"]["server_joins"]
     assert len(joins) == 3 and all(len(j) == 1 for j in joins)
     (first,), (after_trainer,), (after_server,) = joins
-    assert first["group"] == 1 and after_trainer == {"pid": first["pid"], "group": 2}
+    assert first["group"] == 1 and after_trainer == {"pid": first["pid"], "group": 2, "address": first["address"]}
     assert after_server["pid"] != first["pid"] and after_server["group"] == 1
+    # over sockets (the default transport): the same socket after the trainer fault, a new one after the server's
+    assert after_server["address"] != first["address"]
     alive = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
     assert not [name for name in alive if name.startswith("fxdist-test-ps")], alive
 

@@ -71,11 +71,12 @@ def test_a_trainer_exports_the_server_it_hosts_as_ps_i():
 @pytest.fixture(scope="module")
 def runs(ray_session, one_server_run, tmp_path_factory):
     """The same small job with separate server actors (``one_server_run``, tests/jobs/conftest.py, shared with
-    test_reshard_job.py) and with the servers in the trainers (over torch_rpc and over sockets), trainer 0 killed at
-    step 6; one Ray session."""
+    test_reshard_job.py; over sockets, the default transport) and with the servers in the trainers (over torch_rpc and
+    over sockets), trainer 0 killed at step 6; one Ray session."""
     base = tmp_path_factory.mktemp("in_trainers")
     return {"base": base, "separate": one_server_run["results"],
-            "in": _launch(base / "in", "cluster.servers_in_trainers=true", "faults.kill_trainer_at_step=6"),
+            "in": _launch(base / "in", "cluster.servers_in_trainers=true", "cluster.transport=torch_rpc",
+                          "faults.kill_trainer_at_step=6"),
             "in_socket": _launch(base / "in_socket", "cluster.servers_in_trainers=true", "cluster.transport=socket",
                                  "faults.kill_trainer_at_step=6")}
 
@@ -94,7 +95,7 @@ def test_servers_in_the_trainers_train_exactly_like_separate_ones_across_a_kille
     assert [(r["phase"], r["step"]) for r in inside["restores"]] == [("baseline", 4), ("optimized", 4)]
     for r in inside["restores"]:
         assert (r["tables"], r["model"]) == saved[(r["phase"], r["step"])]
-    # every checkpoint (tables and dense weights) is the separate servers' one, bit for bit
+    # every checkpoint (tables and dense weights) is the separate socket servers' one, bit for bit (across transports)
     assert saved == _saved(sep)
     assert inside["parity"]["ok"] and inside["parity"]["identical_losses"]
 
@@ -135,5 +136,5 @@ def test_servers_in_the_trainers_over_sockets_train_exactly_like_separate_ones_a
     assert [(r["phase"], r["step"]) for r in inside["restores"]] == [("baseline", 4), ("optimized", 4)]
     for r in inside["restores"]:   # the new group's new server (a new socket) got the step-4 tables back
         assert (r["tables"], r["model"]) == saved[(r["phase"], r["step"])]
-    assert saved == _saved(sep)    # every checkpoint is the separate torch_rpc servers' one, bit for bit
+    assert saved == _saved(sep)    # every checkpoint is the separate socket servers' one, bit for bit
     assert inside["parity"]["ok"] and inside["parity"]["identical_losses"]
