@@ -115,7 +115,8 @@ class SocketServer:
                 return
             tune(sock)
             peer = _Peer(sock)
-            self._peers.append(peer)
+            # the connections that ended are done (a server actor outlives many worker groups): keep the live ones
+            self._peers = [p for p in self._peers if not p.closed] + [peer]
             self._thread(self._serve, "fxdist-socket-peer", peer)
 
     def _serve(self, peer: _Peer) -> None:

@@ -8,6 +8,7 @@ and with ``async_rpc_prefetch`` pushes carrying the next lookup) trains bit for 
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -111,3 +112,23 @@ def test_close_ends_the_servers_threads_so_the_process_exits_cleanly():
     alive = [t.name for t in threading.enumerate()
              if t in readers or t.name == f"fxdist-socket-accept-{server.address}"]
     assert alive == []
+
+
+def test_a_server_keeps_only_its_live_connections():
+    """A server actor outlives many worker groups, each connecting anew: connections that ended are dropped."""
+    import socket
+
+    server = serve("ps_peers", block=False)
+    host, port = server.address.rsplit(":", 1)
+    try:
+        for _ in range(4):
+            with socket.create_connection((host, int(port)), timeout=10):
+                deadline = time.monotonic() + 10
+                while len([p for p in server._peers if not p.closed]) != 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)   # accepted
+            deadline = time.monotonic() + 10
+            while not all(p.closed for p in server._peers) and time.monotonic() < deadline:
+                time.sleep(0.01)   # its reader saw the EOF
+            assert len(server._peers) == 1 and server._peers[0].closed   # the earlier ones went when it connected
+    finally:
+        server.close()
