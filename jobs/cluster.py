@@ -2,8 +2,9 @@
 
 Every address a job uses comes from where a process actually runs, never from the launcher's host name:
 
-- the ``torch.distributed.rpc`` rendezvous is hosted by trainer rank 0 on its node's Ray address
-  (``ray.util.get_node_ip_address()``), on a port picked there (:class:`jobs.trainer.servers.ServerTables`);
+- a server actor's socket (the ``socket`` transport, the default) binds on its node's Ray address
+  (``ray.util.get_node_ip_address()``), port 0; over ``torch_rpc`` the ``torch.distributed.rpc`` rendezvous is
+  hosted by trainer rank 0 there, on a port picked there (:class:`jobs.trainer.servers.ServerTables`);
 - each metrics exporter binds on its own node (:func:`serve_exporter`): on ``127.0.0.1`` by default, or on
   the node's Ray address with ``[metrics] host = "node"``; it reports the (address, port) it really bound to
   (:func:`where`), and the launcher rewrites Prometheus' file-SD ``targets.json`` with them;

@@ -266,7 +266,8 @@ class JobResults(_Result):
     starts: list[list[Any]] | Absent = ABSENT
     """[(phase, step)] of every phase start (restarts included)."""
     server_joins: list[Any] | Absent = ABSENT
-    """Per worker group, the servers that joined its RPC group: ``pid``, ``group``."""
+    """Per worker group, the servers it readied: ``pid``, ``group`` (joins and resets so far), and over the
+    ``socket`` transport ``address`` (the ``host:port`` it serves on)."""
     placement: dict[str, Any] | Absent = ABSENT
     """``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``, ``hostname``, ``pid``, ``metrics``
     (:func:`jobs.cluster.where`); a server inside a trainer's process also ``in`` (``trainer<i>``)."""

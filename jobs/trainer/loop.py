@@ -7,7 +7,7 @@
 1. reads its shard of the data (:mod:`jobs.trainer.workload`: the Criteo reader, or your ``[data] batches``) and
    starts its metrics exporter;
 2. sets up the embedding tables: in the trainer (DDP, sparse gradients) or on the parameter servers
-   (``jobs.trainer.servers.ServerTables``, over ``torch.distributed.rpc``: the ``parameter_servers`` pass moves the
+   (``jobs.trainer.servers.ServerTables``, over ``[cluster] transport``: the ``parameter_servers`` pass moves the
    tables of each phase's model, the built-in torchrec DLRM or yours, there);
 3. trains both phases over the same batches, interleaved (:mod:`jobs.trainer.phases`; each phase's step loop is a
    :class:`jobs.trainer.pipeline.TrainPipeline`): ``baseline`` trains the eager module (on servers:

@@ -2,9 +2,10 @@
 
 The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHooks`, no CPU
 reserved) that the launcher creates before the trainers start and kills when the job ends (:func:`start_servers`,
-:func:`stop_servers`); they do not share the fate of the trainers' worker group. Each worker group forms one static
-``torch.distributed.rpc`` group of the ``T`` trainers (ranks ``0..T-1``, named ``trainer<r>``; rank 0
-hosts the rendezvous store) and the ``N`` servers (ranks ``T..T+N-1``, named ``ps<i>``): rank 0 picks
+:func:`stop_servers`); they do not share the fate of the trainers' worker group. With ``[cluster] transport =
+"torch_rpc"`` each worker group forms one static ``torch.distributed.rpc`` group of the ``T`` trainers (ranks
+``0..T-1``, named ``trainer<r>``; rank 0 hosts the rendezvous store) and the ``N`` servers (ranks ``T..T+N-1``,
+named ``ps<i>``): rank 0 picks
 the rendezvous port and asks every server actor to ``PSActor.join()`` it. ``torch.distributed.rpc``
 cannot re-admit a member into a live group, so when Ray Train restarts the worker group after a failure,
 the new rank 0 makes the servers leave the broken group and join a new one (an empty server each), and
