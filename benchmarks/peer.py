@@ -72,7 +72,8 @@ total CPU and the cores it kept busy (total / step); then the busiest thread gro
 this total, so it is the figure to compare; it moves far less with other load than wall time does.
 
 TensorPipe's lines at an RPC group's shutdown ("RPC agent for ps0 encountered error when reading incoming request
-from trainer1: EOF", "pipe closed") are dropped from stderr (``recsys.quiet.filtered_stderr``, inherited by every
+from trainer1: EOF", "pipe closed") and, with ``--profile``, the profiler's "USDT: ... profiler_start" /
+"profiler_stop" lines are dropped from stderr (:data:`NOISE`, ``recsys.quiet.filtered_stderr``, inherited by every
 run's processes); other lines pass at once.
 
 SIGTERM (``timeout``'s signal) stops peer.py between or inside runs: the run in flight is killed and the tables
@@ -104,6 +105,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import re
 import signal
 import statistics
 import sys
@@ -118,6 +120,8 @@ import _bench  # noqa: E402  (benchmarks/ is sys.path[1])
 import _peer_cpu as cpu_account  # noqa: E402
 import _peer_systems as systems  # noqa: E402
 
+from recsys.quiet import TENSORPIPE_SHUTDOWN, filtered_stderr  # noqa: E402
+
 SIZES = ("10000x16", "10000x64", "1000000x16", "1000000x64")
 NAME_WIDTH = 30
 """Width of the system-name column (the longest name, ``fx_rpc_inproc_prefetch_0ms``, is 26)."""
@@ -126,6 +130,10 @@ PAIRS = (("socket / torch_rpc transport", "fx_prefetch_0ms", "fx_rpc_prefetch_0m
          ("in the trainers / separate servers", "fx_inproc_prefetch_0ms", "fx_prefetch_0ms"),
          ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
+NOISE = re.compile(f"{TENSORPIPE_SHUTDOWN.pattern}|"
+                   r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$")
+"""The stderr lines peer.py drops: TensorPipe's at an RPC group's shutdown, and the ones torch.profiler's Kineto
+writes when a profile starts and stops (``--profile``)."""
 
 
 class Stopped(BaseException):
@@ -434,9 +442,7 @@ def main() -> None:
           f"fxdist servers: {args.servers} (fx_inproc_*: {systems.WORLD}, in the trainers); {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
           "steps); progress on stderr")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from recsys.quiet import filtered_stderr
-
-    with filtered_stderr():   # the runs' processes inherit it: TensorPipe's shutdown lines are dropped
+    with filtered_stderr(NOISE):   # the runs' processes inherit it
         for size in args.sizes:
             if _STOPPING:
                 break

@@ -56,3 +56,14 @@ def test_sigterm_outside_the_runs_only_notes_the_stop(sigterm_to_peer):
 def test_one_server_by_default_where_the_trainers_and_two_servers_lack_cores_of_their_own():
     assert peer.default_servers(2) == 1 and peer.default_servers(3) == 1
     assert peer.default_servers(4) == peer.default_servers(16) == 2
+
+
+def test_peer_drops_the_profilers_and_tensorpipes_lines_from_stderr_and_nothing_else():
+    noise = ["USDT:2026-11-27 08:08:15 27787:27787 SyncActivityProfilerHandler.cpp:52] profiler_start\n",
+             "USDT:2026-11-27 08:08:15 27787:27787 SyncActivityProfilerHandler.cpp:59] profiler_stop\n",
+             "[W1127 tensorpipe_agent.cpp:726] RPC agent for ps0 encountered error when reading incoming request from "
+             "trainer1: EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)\n"]
+    kept = ["RuntimeError: the server failed\n", "USDT: a line torch may print one day\n",
+            "  round 1 dmp_tw   13,564 samples/s\n"]
+    assert all(peer.NOISE.search(line) for line in noise)
+    assert not any(peer.NOISE.search(line) for line in kept)
