@@ -91,3 +91,24 @@ def test_a_table_starts_from_the_same_rows_whichever_server_holds_it():
         held = srv.fused["emb"]
         assert held is not None
         assert torch.equal(held.weight, torch.cat([peer.initial_table(i, ROWS, DIM) for i in held_tables]))
+
+
+def test_the_ceiling_with_embedding_grads_differs_from_the_ceiling_only_by_that_gradient():
+    """``benchmarks/trainer_step.py``'s ``ceiling_grad``: the same outputs as the ceiling, and backward reaches the
+    constant pooled embeddings (a fresh leaf each step), which the ceiling's never do."""
+    import trainer_step
+
+    dense, kjt = _inputs()
+    ceiling = peer.dense_only_model(ROWS, DIM, batch=B)
+    with_grad = peer.dense_only_model(ROWS, DIM, batch=B)
+    with_grad.sparse_arch = trainer_step._PooledWithGrad(B, peer.TABLES, ROWS, DIM)
+    with_grad.load_state_dict(ceiling.state_dict())
+    torch.testing.assert_close(with_grad(dense, kjt), ceiling(dense, kjt), rtol=0, atol=0)
+    first, second = with_grad.sparse_arch(kjt), with_grad.sparse_arch(kjt)
+    assert first.is_leaf and first.requires_grad and first is not second
+    torch.testing.assert_close(first, ceiling.sparse_arch(kjt), rtol=0, atol=0)
+    pooled = with_grad.sparse_arch(kjt)
+    with_grad.sparse_arch.forward = lambda features: pooled   # capture the leaf this step uses
+    with_grad(dense, kjt).sum().backward()
+    assert pooled.grad is not None and pooled.grad.shape == (B, peer.TABLES, DIM) and pooled.grad.abs().sum() > 0
+    assert not ceiling.sparse_arch(kjt).requires_grad
