@@ -106,8 +106,7 @@ class PSActor(AsyncEndpoints):
         self.name, self.delays, self.timeout_s = name, (fetch_delay_s, push_delay_s), timeout_s
         super().__init__(num_worker_threads=num_worker_threads)
         self.joined, self.groups, self.hooks = False, 0, hooks
-        self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group
-        self.left = False  # whether the server left its RPC group since it last started serving
+        self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group (what close() reports)
         self.socket: Any = None  # the socket transport's listener (reset_socket), kept across resets
         if hooks is not None:
             hooks.start()
@@ -162,7 +161,7 @@ class PSActor(AsyncEndpoints):
         return self._serve(server)
 
     def _serve(self, server: PSServer) -> dict[str, int]:
-        self.server, self.left = server, False
+        self.server = server
         self.groups += 1
         if self.hooks is not None:
             self.hooks.serving(server)
@@ -173,7 +172,7 @@ class PSActor(AsyncEndpoints):
         from .server import stop_server
 
         if self.joined:
-            self.joined, self.left = False, True
+            self.joined = False
             self.held = self.server.memory()
             stop_server()
 
@@ -189,9 +188,8 @@ class PSActor(AsyncEndpoints):
         (``PSServer.memory()``; ``torch_rpc``: what it held when it left its last group) and ``hooks.stats()``."""
         if self.hooks is None:
             return super().stats()
-        # a server that left its RPC group was measured then; one serving now (any transport) is measured now
-        live = self.server is not None and (self.joined or not self.left)
-        held = self.server.memory() if live else self.held
+        # a server that left its RPC group keeps its tables (no request reaches it): measured as it was then
+        held = self.server.memory() if self.server is not None else self.held
         return {"pid": os.getpid(), **self.hooks.stats(), **held}
 
     def close(self) -> None:
