@@ -4,7 +4,7 @@ The model and batches of ``benchmarks/peer.py`` (torchrec's DLRM over 26 tables 
 128, SGD): the ceiling is its ``dense_only`` model (the sparse arch a constant: no lookups, no table gradients);
 fxdist is the same DLRM through ``fxdist.optimize(model, passes=(parameter_servers(sgd), "async_rpc_prefetch"))``
 with its tables on one ``socket`` server in a child process (the job's default transport), each step passing the
-next batch (``next_sparse_features``). Both train in this process with one torch thread, without DDP (one
+next batch (``next_sparse_features``). All train in this process with one torch thread, without DDP (one
 trainer), so each step's CPU is the trainer's own: forward, backward (with fxdist's push and the next lookup) and
 the optimizer step. A third system, ``ceiling_grad``, is the ceiling whose constant sparse output is a fresh leaf
 that requires grad each step (as fxdist's fetched rows are): backward then also computes the gradient of the 26
@@ -117,12 +117,9 @@ def main() -> None:
             k = offset[system] + i
             dense, kjt, labels = data[k]
             if system in models:
-                forward = functools.partial(lambda m, d, f, y: peer._bce(m(d, f), y), models[system], dense, kjt,
-                                            labels)
-            else:
-                forward = functools.partial(lambda d, f, y, nxt: peer._bce(gm(d, f, next_sparse_features=nxt), y),
-                                            dense, kjt, labels, data[k + 1][1])
-            return peer._sgd_step(forward, opts[system])
+                return peer._sgd_step(lambda: peer._bce(models[system](dense, kjt), labels), opts[system])
+            return peer._sgd_step(lambda: peer._bce(gm(dense, kjt, next_sparse_features=data[k + 1][1]), labels),
+                                  opts[system])
 
         steps = {name: [] for name in offset}   # per system: CPU ms of every timed step
         reader, losses = 0.0, {}
