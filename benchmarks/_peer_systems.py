@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ trainer gathers every table from the servers for it."""
 SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
            "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms",
-           "fx_rpc_prefetch_0ms", "fx_rpc_stale1_0ms", "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms")
+           "fx_rpc_prefetch_0ms", "fx_rpc_stale1_0ms", "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms",
+           "fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_*``: fxdist over the
 ``socket`` transport, the job's default (``scheduling.ps.socket_transport``; no RPC group); ``fx_stale1_0ms``:
 prefetch with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i``
@@ -58,7 +60,8 @@ inside trainer ``i``'s process (``in_trainers.serve_in_trainer_socket``: 2 proce
 trainer's requests over its socket, its own called directly); ``fx_dynamic_*``: prefetch with the 26 tables
 dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_rpc_*``: the same over
 ``torch.distributed.rpc`` (``[cluster] transport = "torch_rpc"``; ``fx_rpc_inproc_*``: ``scheduling.ps.in_trainers``
-over RPC)."""
+over RPC); ``fx_nice<N>_*``: the separate servers at nice ``N`` (a lower CPU priority than the trainers',
+:func:`server_nice`), the others at the trainers' own."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -418,12 +421,22 @@ def _regions_on_client(client: Any) -> None:
 
 
 _TAGS = ("rpc", "inproc", "dynamic")
-"""The words of an fxdist system's name between ``fx_`` and its schedule (``fx_rpc_inproc_prefetch_0ms``)."""
+"""The words of an fxdist system's name between ``fx_`` and its schedule (``fx_rpc_inproc_prefetch_0ms``); besides
+them ``nice<N>`` (:func:`server_nice`)."""
 
 
 def _tags(system: str) -> set[str]:
     parts = system.split("_")[1:]
-    return set(itertools.takewhile(lambda p: p in _TAGS, parts))
+    return set(itertools.takewhile(lambda p: p in _TAGS or re.fullmatch(r"nice\d+", p) is not None, parts))
+
+
+def server_nice(system: str, default: int = 0) -> int:
+    """The nice value of fxdist system ``system``'s separate server processes: ``N`` for ``fx_nice<N>_*``, else
+    ``default`` (``--server-nice``; 0: the trainers' priority)."""
+    for tag in _tags(system):
+        if tag.startswith("nice"):
+            return int(tag[len("nice"):])
+    return default
 
 
 def in_trainers(system: str) -> bool:

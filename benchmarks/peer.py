@@ -34,6 +34,10 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
   collisionless, capacity = the size's rows, the same ids sent raw): the cost of dynamic tables against fixed
   ones of the same rows, as a ratio from the same run (its rows start as ``scheduling.ps.dynamic`` makes them,
   so its losses and ``|W-W0|`` are not compared);
+- ``fx_nice19_prefetch_0ms`` / ``fx_nice19_stale1_0ms`` / ``fx_nice4_prefetch_0ms``: the same with the separate
+  server processes at nice 19 (or 4), a lower CPU priority than the trainers' (``os.nice``), so that on shared
+  cores a server runs when a trainer blocks instead of preempting it; any ``fx_nice<N>_<schedule>`` name works the
+  same way (a Ray job's workers, trainers and servers alike, run at Ray's worker niceness, 15);
 - ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
   tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
@@ -128,7 +132,9 @@ NAME_WIDTH = 30
 PAIRS = (("socket / torch_rpc transport", "fx_prefetch_0ms", "fx_rpc_prefetch_0ms"),
          ("in the trainers, socket / torch_rpc", "fx_inproc_prefetch_0ms", "fx_rpc_inproc_prefetch_0ms"),
          ("in the trainers / separate servers", "fx_inproc_prefetch_0ms", "fx_prefetch_0ms"),
-         ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"))
+         ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"),
+         ("servers at nice 19 / at the trainers' priority", "fx_nice19_prefetch_0ms", "fx_prefetch_0ms"),
+         ("staleness 1, servers at nice 19 / at the trainers'", "fx_nice19_stale1_0ms", "fx_stale1_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
 NOISE = re.compile(f"{TENSORPIPE_SHUTDOWN.pattern}|"
                    r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$")
@@ -170,7 +176,8 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
              server_nice: int = 0) -> tuple[dict[int, dict], float]:
     """One (size, system) run in fresh processes: ``({rank: result}, wall seconds)``; ``cpu_account``: trainer 0
     also accounts every process's CPU over the timed steps (its result's ``"cpu"``, ``_peer_cpu.account``);
-    ``server_nice``: fxdist's server processes run at this nice value over the trainers'."""
+    ``server_nice``: fxdist's server processes run at this nice value over the trainers' (``fx_nice<N>_*``: at ``N``,
+    :func:`systems.server_nice`)."""
     from scheduling.ps.ports import free_port
 
     ctx = mp.get_context("spawn")
@@ -180,6 +187,7 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     setting = systems.Setting(**{**setting.__dict__, "pg_port": free_port(),
                                  "rpc_port": free_port() if fx and not socket else 0, "group": f"peer-{uuid.uuid4().hex}"})
     servers = setting.servers if fx and not systems.in_trainers(setting.system) else 0
+    server_nice = systems.server_nice(setting.system, server_nice)
     pids = ctx.Array("i", systems.WORLD + servers) if cpu_account else None   # filled once all have started
     start = time.perf_counter()
     addresses = ctx.Queue() if socket and servers else None   # each server's "host:port", once it listens
@@ -418,7 +426,8 @@ def main() -> None:
                         f"{systems.SERVERS} where the host has a core for each trainer and server, else 1); the "
                         "fx_inproc_* systems always serve one in each trainer")
     p.add_argument("--server-nice", type=int, default=0, metavar="N",
-                   help="run fxdist's server processes at nice N over the trainers' (os.nice; 0: the same)")
+                   help="run fxdist's server processes at nice N over the trainers' (os.nice; 0: the same); the "
+                        "fx_nice<N>_* systems run theirs at N whatever this says")
     p.add_argument("--malloc-trim-threshold", type=int, default=64 << 20, metavar="BYTES",
                    help="glibc's MALLOC_TRIM_THRESHOLD_ for every process (default 64 MiB: twice the fixed mmap "
                         "threshold, as glibc's dynamic rule would set it; 131072 is glibc's default)")
@@ -439,7 +448,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, torchrec {torchrec.__version__}, MALLOC_MMAP_THRESHOLD_="
           f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}, MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}; "
           f"{systems.WORLD} trainers x batch {systems.BATCH}, "
-          f"fxdist servers: {args.servers} (fx_inproc_*: {systems.WORLD}, in the trainers); {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
+          f"fxdist servers: {args.servers} at nice {args.server_nice} (fx_nice<N>_*: N; fx_inproc_*: {systems.WORLD}, "
+          f"in the trainers); {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
           "steps); progress on stderr")
     signal.signal(signal.SIGTERM, _on_sigterm)
     with filtered_stderr(NOISE):   # the runs' processes inherit it
