@@ -62,6 +62,8 @@ dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_r
 ``torch.distributed.rpc`` (``[cluster] transport = "torch_rpc"``; ``fx_rpc_inproc_*``: ``scheduling.ps.in_trainers``
 over RPC); ``fx_nice<N>_*``: the separate servers at nice ``N`` (a lower CPU priority than the trainers',
 :func:`server_nice`), the others at the trainers' own."""
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if "_nice" not in s)
+"""peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*`` comparisons."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""

@@ -116,6 +116,8 @@ def test_the_ceiling_with_embedding_grads_differs_from_the_ceiling_only_by_that_
 
 def test_fx_nice_systems_name_their_servers_nice_value_and_the_others_keep_the_trainers_priority():
     assert {"fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms"} <= set(peer.SYSTEMS)
+    assert set(peer.SYSTEMS) - set(peer.DEFAULT_SYSTEMS) == {"fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms",
+                                                             "fx_nice4_prefetch_0ms"}   # on demand only
     assert peer._fx_kind("fx_nice19_prefetch_0ms") == "prefetch" and peer._fx_kind("fx_nice19_stale1_0ms") == "stale1"
     assert peer.server_nice("fx_nice19_prefetch_0ms") == 19 and peer.server_nice("fx_nice4_prefetch_0ms", 7) == 4
     assert peer.server_nice("fx_prefetch_0ms") == 0 and peer.server_nice("fx_stale1_0ms", 5) == 5  # --server-nice
