@@ -62,7 +62,9 @@ dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_r
 ``torch.distributed.rpc`` (``[cluster] transport = "torch_rpc"``; ``fx_rpc_inproc_*``: ``scheduling.ps.in_trainers``
 over RPC); ``fx_nice<N>_*``: the separate servers at nice ``N`` (a lower CPU priority than the trainers',
 :func:`server_nice`), the others at the trainers' own."""
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if "_nice" not in s)
+NICE_TAG = re.compile(r"nice(\d+)")
+"""The word of an fxdist system's name that sets its servers' nice value (``fx_nice19_prefetch_0ms``: 19)."""
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not any(NICE_TAG.fullmatch(p) for p in s.split("_")))
 """peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*`` comparisons."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
@@ -429,15 +431,15 @@ them ``nice<N>`` (:func:`server_nice`)."""
 
 def _tags(system: str) -> set[str]:
     parts = system.split("_")[1:]
-    return set(itertools.takewhile(lambda p: p in _TAGS or re.fullmatch(r"nice\d+", p) is not None, parts))
+    return set(itertools.takewhile(lambda p: p in _TAGS or NICE_TAG.fullmatch(p) is not None, parts))
 
 
 def server_nice(system: str, default: int = 0) -> int:
     """The nice value of fxdist system ``system``'s separate server processes: ``N`` for ``fx_nice<N>_*``, else
     ``default`` (``--server-nice``; 0: the trainers' priority)."""
     for tag in _tags(system):
-        if tag.startswith("nice"):
-            return int(tag[len("nice"):])
+        if (nice := NICE_TAG.fullmatch(tag)) is not None:
+            return int(nice.group(1))
     return default
 
 
