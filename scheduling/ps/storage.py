@@ -47,9 +47,10 @@ def empty_rows(num_rows: int, width: int, dtype: torch.dtype = torch.float32) ->
     pages (Linux ``madvise(MADV_HUGEPAGE)`` on its 2 MiB-aligned interior, before any page of it is touched) where
     it spans two huge pages or more (so that its interior holds one at least): a lookup or update touches rows at
     random, and with 4 KiB pages nearly every row is a TLB miss (measured on a 2-core AMD EPYC, 26 x 1e6 x 16
-    float32 rows, 3,328 rows per request: gather 79 -> 60 us, SGD update 180 -> 120 us). The advice holds for pages not yet touched: all of them where the
-    allocation is mapped afresh (glibc: from 32 MiB at most, its largest mmap threshold); memory reused from the
-    heap keeps the pages it has. Where THP is off or unsupported the advice is a no-op.
+    float32 rows, 3,328 rows per request: gather 79 -> 60 us, SGD update 180 -> 120 us). The advice holds for pages
+    not yet touched: all of them where the allocation is mapped afresh (glibc: from 32 MiB at most, its largest mmap
+    threshold); memory reused from the heap keeps the pages it has. Where THP is off or unsupported the advice is a
+    no-op.
 
     Source: Linux ``madvise(2)``; torch's own ``THP_MEM_ALLOC_ENABLE`` (c10/core/alloc_cpu.cpp) advises every
     large allocation of a process the same way, from the environment at start-up.
