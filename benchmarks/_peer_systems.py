@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -52,7 +53,8 @@ SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_blocking_0ms", "fx_prefetch_0ms", "fx_stale1_0ms", "fx_blocking_1ms", "fx_prefetch_1ms",
            "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms",
            "fx_rpc_prefetch_0ms", "fx_rpc_stale1_0ms", "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms",
-           "fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms")
+           "fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms",
+           "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_*``: fxdist over the
 ``socket`` transport, the job's default (``scheduling.ps.socket_transport``; no RPC group); ``fx_stale1_0ms``:
 prefetch with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i``
@@ -61,11 +63,17 @@ trainer's requests over its socket, its own called directly); ``fx_dynamic_*``: 
 dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_rpc_*``: the same over
 ``torch.distributed.rpc`` (``[cluster] transport = "torch_rpc"``; ``fx_rpc_inproc_*``: ``scheduling.ps.in_trainers``
 over RPC); ``fx_nice<N>_*``: the separate servers at nice ``N`` (a lower CPU priority than the trainers',
-:func:`server_nice`), the others at the trainers' own."""
+:func:`server_nice`), the others at the trainers' own; ``fx_send1_*`` / ``fx_send0_*``: the trainers' pushes sent
+by each connection's sender thread / by the thread that makes them (``FXDIST_SOCKET_SEND_THREAD``, see
+``scheduling.ps.socket_transport.send_thread``), the others as that setting's ``auto`` picks (on from 8 CPUs)."""
 NICE_TAG = re.compile(r"nice(\d+)")
 """The word of an fxdist system's name that sets its servers' nice value (``fx_nice19_prefetch_0ms``: 19)."""
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not any(NICE_TAG.fullmatch(p) for p in s.split("_")))
-"""peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*`` comparisons."""
+SEND_TAG = re.compile(r"send([01])")
+"""The word of an fxdist system's name that sets its trainers' ``FXDIST_SOCKET_SEND_THREAD`` (``fx_send1_*``: 1)."""
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS
+                        if not any(NICE_TAG.fullmatch(p) or SEND_TAG.fullmatch(p) for p in s.split("_")))
+"""peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*`` and ``fx_send<0|1>_*``
+comparisons."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -426,12 +434,22 @@ def _regions_on_client(client: Any) -> None:
 
 _TAGS = ("rpc", "inproc", "dynamic")
 """The words of an fxdist system's name between ``fx_`` and its schedule (``fx_rpc_inproc_prefetch_0ms``); besides
-them ``nice<N>`` (:func:`server_nice`)."""
+them ``nice<N>`` (:func:`server_nice`) and ``send<0|1>`` (:func:`send_thread_setting`)."""
 
 
 def _tags(system: str) -> set[str]:
     parts = system.split("_")[1:]
-    return set(itertools.takewhile(lambda p: p in _TAGS or NICE_TAG.fullmatch(p) is not None, parts))
+    return set(itertools.takewhile(
+        lambda p: p in _TAGS or NICE_TAG.fullmatch(p) is not None or SEND_TAG.fullmatch(p) is not None, parts))
+
+
+def send_thread_setting(system: str) -> str | None:
+    """``FXDIST_SOCKET_SEND_THREAD`` for fxdist system ``system``'s trainers: ``"1"`` for ``fx_send1_*``, ``"0"``
+    for ``fx_send0_*``, None (the environment's, by default ``auto``) otherwise."""
+    for tag in _tags(system):
+        if (send := SEND_TAG.fullmatch(tag)) is not None:
+            return send.group(1)
+    return None
 
 
 def server_nice(system: str, default: int = 0) -> int:
@@ -583,6 +601,8 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
     (socket systems): a queue that brings the servers' ``host:port`` tuple, in server order, once they listen (each
     bound its port, then published it; the trainers start beside the servers instead of after them)."""
     torch.set_num_threads(1)
+    if (send := send_thread_setting(s.system)) is not None:   # before the first connection opens
+        os.environ["FXDIST_SOCKET_SEND_THREAD"] = send
     if pids is not None and rank == 0:
         _PIDS.append(pids)
     _quiet()

@@ -38,6 +38,9 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
   server processes at nice 19 (or 4), a lower CPU priority than the trainers' (``os.nice``), so that on shared
   cores a server runs when a trainer blocks instead of preempting it; any ``fx_nice<N>_<schedule>`` name works the
   same way (a Ray job's workers, trainers and servers alike, run at Ray's worker niceness, 15);
+- ``fx_send1_prefetch_0ms`` / ``fx_send0_prefetch_0ms``: exact prefetch with the trainers' pushes pickled and sent
+  by a sender thread of each socket connection / by the trainer's main thread in its backward hook
+  (``FXDIST_SOCKET_SEND_THREAD=1`` / ``0``); the other ``fx_*`` systems take the setting's ``auto`` (on from 8 CPUs);
 - ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
   tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
@@ -134,7 +137,8 @@ PAIRS = (("socket / torch_rpc transport", "fx_prefetch_0ms", "fx_rpc_prefetch_0m
          ("in the trainers / separate servers", "fx_inproc_prefetch_0ms", "fx_prefetch_0ms"),
          ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"),
          ("servers at nice 19 / at the trainers' priority", "fx_nice19_prefetch_0ms", "fx_prefetch_0ms"),
-         ("staleness 1, servers at nice 19 / at the trainers'", "fx_nice19_stale1_0ms", "fx_stale1_0ms"))
+         ("staleness 1, servers at nice 19 / at the trainers'", "fx_nice19_stale1_0ms", "fx_stale1_0ms"),
+         ("pushes sent by a sender thread / by the main thread", "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
 NOISE = re.compile(f"{TENSORPIPE_SHUTDOWN.pattern}|"
                    r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$")

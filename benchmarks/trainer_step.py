@@ -68,16 +68,23 @@ class _PooledWithGrad(peer.ConstantPooled):
         return self.value.detach().requires_grad_()
 
 
-def _run(step, count: int) -> tuple[list[float], float, float]:
-    """(main-thread CPU ms of each of ``count`` steps, reader threads' CPU ms, the last loss)."""
+SOCKET_THREADS = "fxdist-socket-"
+"""Name prefix of the socket transport's threads: a connection's reader and, when on, its sender
+(``fxdist-socket-send-``)."""
+
+
+def _run(step, count: int) -> tuple[list[float], float, float, float]:
+    """(main-thread CPU ms of each of ``count`` steps, the socket threads' CPU ms, of which the sender threads', the
+    last loss)."""
     cpu = []
-    reader0 = _thread_cpu_ms("fxdist-socket-")
+    threads0, sender0 = _thread_cpu_ms(SOCKET_THREADS), _thread_cpu_ms(SOCKET_THREADS + "send-")
     loss = torch.zeros(())
     for i in range(count):
         t0 = time.thread_time()
         loss = step(i)
         cpu.append((time.thread_time() - t0) * 1e3)
-    return cpu, _thread_cpu_ms("fxdist-socket-") - reader0, float(loss)
+    return (cpu, _thread_cpu_ms(SOCKET_THREADS) - threads0, _thread_cpu_ms(SOCKET_THREADS + "send-") - sender0,
+            float(loss))
 
 
 def main() -> None:
@@ -94,7 +101,7 @@ def main() -> None:
     import scheduling
     from scheduling import placement
     from scheduling.ps.socket_server import spawn_servers
-    from scheduling.ps.socket_transport import register_servers
+    from scheduling.ps.socket_transport import register_servers, send_thread
 
     procs, addresses = spawn_servers(["ps0"])
     register_servers({"ps0": addresses[0]})
@@ -122,15 +129,16 @@ def main() -> None:
                                   opts[system])
 
         steps = {name: [] for name in offset}   # per system: CPU ms of every timed step
-        reader, losses = 0.0, {}
+        threads, sender, losses = 0.0, 0.0, {}
         for name in offset:   # warm-up
             _run(functools.partial(step, name), args.warmup)
             offset[name] += args.warmup
         for _ in range(args.rounds * args.steps // CHUNK):   # the systems take turns every CHUNK steps
             for name in offset:
-                cpu, read, losses[name] = _run(functools.partial(step, name), CHUNK)
+                cpu, both, send, losses[name] = _run(functools.partial(step, name), CHUNK)
                 steps[name] += cpu
-                reader += read if name == "fxdist" else 0.0
+                if name == "fxdist":
+                    threads, sender = threads + both, sender + send
                 offset[name] += CHUNK
         placement.flush(gm)
         placement.close(gm)
@@ -144,7 +152,7 @@ def main() -> None:
                 proc.kill()
 
     med = {name: statistics.median(cpu) for name, cpu in steps.items()}
-    reader_ms = reader / len(steps["fxdist"])
+    threads_ms, sender_ms = threads / len(steps["fxdist"]), sender / len(steps["fxdist"])
     print(f"{args.rows} x {args.dim}, batch {peer.BATCH}, {len(steps['fxdist'])} steps a system in turns of {CHUNK} "
           f"(+{args.warmup} warm-up), 1 torch thread, load average {os.getloadavg()[0]:.1f}; main thread CPU ms a "
           "step (median; quartiles):")
@@ -152,13 +160,14 @@ def main() -> None:
               "fxdist": "fxdist exact prefetch"}
     for name, cpu in steps.items():
         q1, _, q3 = statistics.quantiles(cpu, n=4)
-        extra = f"; socket reader thread {reader_ms:.3f} ms a step" if name == "fxdist" else ""
+        extra = (f"; socket threads {threads_ms:.3f} ms a step (reader {threads_ms - sender_ms:.3f}, sender "
+                 f"{sender_ms:.3f}: {'on' if send_thread() else 'off'})" if name == "fxdist" else "")
         print(f"  {labels[name]:<26} {med[name]:7.3f} ({q1:.3f}-{q3:.3f}), loss {losses[name]:.5f}{extra}")
-    fx = med["fxdist"] + reader_ms
+    fx = med["fxdist"] + threads_ms
     print(f"the embeddings' gradient (ceiling_grad - ceiling): {med['ceiling_grad'] - med['ceiling']:+.3f} ms a step; "
-          f"fxdist's own (fxdist + reader - ceiling_grad): {fx - med['ceiling_grad']:+.3f} ms a step")
-    print(f"ceiling / fxdist (main + reader): {med['ceiling'] / fx:.3f}; ceiling_grad / fxdist: "
-          f"{med['ceiling_grad'] / fx:.3f}")
+          f"fxdist's own (fxdist + socket threads - ceiling_grad): {fx - med['ceiling_grad']:+.3f} ms a step")
+    print(f"ceiling / fxdist (main + socket threads): {med['ceiling'] / fx:.3f}; ceiling_grad / fxdist: "
+          f"{med['ceiling_grad'] / fx:.3f}; main threads alone, ceiling / fxdist: {med['ceiling'] / med['fxdist']:.3f}")
 
 
 if __name__ == "__main__":

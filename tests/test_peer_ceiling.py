@@ -117,9 +117,19 @@ def test_the_ceiling_with_embedding_grads_differs_from_the_ceiling_only_by_that_
 def test_fx_nice_systems_name_their_servers_nice_value_and_the_others_keep_the_trainers_priority():
     assert {"fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms"} <= set(peer.SYSTEMS)
     assert set(peer.SYSTEMS) - set(peer.DEFAULT_SYSTEMS) == {"fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms",
-                                                             "fx_nice4_prefetch_0ms"}   # on demand only
+                                                             "fx_nice4_prefetch_0ms", "fx_send1_prefetch_0ms",
+                                                             "fx_send0_prefetch_0ms"}   # on demand only
     assert peer._fx_kind("fx_nice19_prefetch_0ms") == "prefetch" and peer._fx_kind("fx_nice19_stale1_0ms") == "stale1"
     assert peer.server_nice("fx_nice19_prefetch_0ms") == 19 and peer.server_nice("fx_nice4_prefetch_0ms", 7) == 4
     assert peer.server_nice("fx_prefetch_0ms") == 0 and peer.server_nice("fx_stale1_0ms", 5) == 5  # --server-nice
     assert peer.over_socket("fx_nice19_prefetch_0ms") and not peer.in_trainers("fx_nice19_prefetch_0ms")
     assert peer.server_nice("fx_rpc_nice3_prefetch_0ms") == 3 and not peer.over_socket("fx_rpc_nice3_prefetch_0ms")
+
+
+def test_fx_send_systems_set_their_trainers_send_thread_and_the_others_leave_it_to_the_environment():
+    assert peer.send_thread_setting("fx_send1_prefetch_0ms") == "1"
+    assert peer.send_thread_setting("fx_send0_prefetch_0ms") == "0"
+    assert peer.send_thread_setting("fx_prefetch_0ms") is None and peer.send_thread_setting("fx_nice19_stale1_0ms") is None
+    assert peer._fx_kind("fx_send1_prefetch_0ms") == "prefetch" and peer._fx_kind("fx_nice19_send0_stale1_0ms") == "stale1"
+    assert peer.over_socket("fx_send1_prefetch_0ms") and not peer.in_trainers("fx_send1_prefetch_0ms")
+    assert peer.server_nice("fx_send1_prefetch_0ms", 3) == 3 and peer.server_nice("fx_send0_nice7_prefetch_0ms") == 7

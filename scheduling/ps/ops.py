@@ -109,6 +109,14 @@ class _PushInBackward:
         ps = get_client(self.client)
         ps.defer_push(self.server, ps.push_grad_async(self.server, self.kjt, grad, self.next_kjt))
 
+    def after_accumulate(self, leaf: torch.Tensor) -> None:
+        """As a leaf's post-accumulate-grad hook: push ``leaf.grad`` and drop it from the leaf. The gradient reaches
+        ``.grad`` before the push holds it, so autograd stores it without a copy, even when the push is sent later
+        by another thread (``scheduling.ps.socket_transport.send_thread``)."""
+        grad, leaf.grad = leaf.grad, None
+        if grad is not None:
+            self(grad)
+
 
 @has_side_effect
 def ps_push_in_backward(client: str, server: int, kjt: Any, part: torch.Tensor, next_kjt: Any = None,
@@ -122,7 +130,11 @@ def ps_push_in_backward(client: str, server: int, kjt: Any, part: torch.Tensor, 
     next batch's lookup (``PSClient.push_grad_async``).
     """
     if isinstance(part, torch.Tensor) and part.requires_grad:
-        part.register_hook(_PushInBackward(client, server, kjt, next_kjt))
+        hook = _PushInBackward(client, server, kjt, next_kjt)
+        if part.is_leaf:   # a lookup's answer: push what autograd stored in .grad
+            part.register_post_accumulate_grad_hook(hook.after_accumulate)
+        else:
+            part.register_hook(hook)
         batcher = get_client(client).batcher
         if batcher is not None:  # the model's pushes to this server go as one message once all are queued
             batcher.expect(server)

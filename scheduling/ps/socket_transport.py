@@ -13,7 +13,11 @@ one connection to it (``TCP_NODELAY``), opened on the first request. A message i
   with ``recv_into`` a fresh ``torch.empty`` (no per-element work, no copy beyond the kernel's).
 
 A reader thread per connection matches answers to requests by id and completes their
-``torch.futures.Future``; a process-wide watchdog thread fails those left unanswered after their
+``torch.futures.Future``. Pushes (:data:`BACKGROUND_METHODS`, sent from autograd hooks in backward) may be pickled
+and sent by a sender thread of the connection instead of the calling thread (:func:`send_thread`): where the
+trainer's main thread bounds the step (servers on cores of their own) that takes a push's pickling and its
+``sendmsg`` (~0.2-0.4 ms a step at 13-26 tables x 128 ids x 64 floats) off it; every other request first sends
+the ones queued before it, so a connection's requests leave in the order they were made; a process-wide watchdog thread fails those left unanswered after their
 ``timeout_s``. The transport contract of :mod:`scheduling.ps.transport` holds: a request that cannot be sent
 raises ``RuntimeError``; ``wait()`` raises a plain ``RuntimeError`` for a transport failure (timeout,
 connection lost: a killed server fails its requests at once) and the server's own exception otherwise.
@@ -31,6 +35,7 @@ import collections
 import copyreg
 import io
 import itertools
+import os
 import pickle
 import socket
 import struct
@@ -45,7 +50,7 @@ from .endpoints import METHODS
 
 __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
            "dumps", "send_message", "recv_message", "Undecodable", "tune", "SOCKET_BUFFER_BYTES", "parse_address", "REQUEST", "ANSWER", "ERROR",
-           "route_locally"]
+           "route_locally", "send_thread", "BACKGROUND_METHODS"]
 
 WIRE_METHODS = (*METHODS, "stop")
 """Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop)."""
@@ -57,6 +62,33 @@ _MAX_IOV = 512  # buffers per sendmsg call (the kernel's IOV_MAX is 1024)
 SOCKET_BUFFER_BYTES = 4 << 20
 """Send and receive buffer of every connection (``SO_SNDBUF``/``SO_RCVBUF``): a few steps' messages, so that a
 sender rarely waits in ``sendmsg`` for the other side to read (the kernel may cap it: ``net.core.wmem_max``)."""
+
+
+BACKGROUND_METHODS = frozenset({"push", "push_lookup", "batch"})
+"""Requests a connection's sender thread may send (when :func:`send_thread` is on): a client's pushes, alone
+(``push``), with the next lookup (``push_lookup``) or coalesced (``batch``); their arguments are fresh objects
+the caller no longer changes."""
+SEND_THREAD_MIN_CPUS = 8
+"""``FXDIST_SOCKET_SEND_THREAD=auto`` (the default) turns the sender thread on where this process may run on at
+least this many CPUs: a host with cores to spare beside its trainers and servers. Below it (2 cores shared by two
+trainers and a server) the thread would only add a hand-over to the same CPU work."""
+
+
+def send_thread() -> bool:
+    """Whether this process's connections send pushes from a sender thread: ``FXDIST_SOCKET_SEND_THREAD`` =
+    ``1`` (yes), ``0`` (no) or ``auto`` (the default: yes with at least :data:`SEND_THREAD_MIN_CPUS` CPUs
+    available to the process, ``os.sched_getaffinity``). Read when a connection opens.
+
+    Raises:
+        ValueError: any other value of ``FXDIST_SOCKET_SEND_THREAD``.
+    """
+    value = os.environ.get("FXDIST_SOCKET_SEND_THREAD", "auto").strip().lower()
+    if value in ("1", "0"):
+        return value == "1"
+    if value != "auto":
+        raise ValueError(f"FXDIST_SOCKET_SEND_THREAD={value!r}: expected 1, 0 or auto")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus >= SEND_THREAD_MIN_CPUS
 
 
 def tune(sock: socket.socket) -> None:
@@ -224,7 +256,8 @@ class Undecodable:
 
 # ---- the client side -------------------------------------------------------------------------------------------
 class _Connection:
-    """One TCP connection to a server: requests sent under a lock, answers read by a daemon thread."""
+    """One TCP connection to a server: requests sent under a lock (pushes possibly by a sender thread, see
+    :func:`send_thread`), answers read by a daemon thread."""
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
@@ -242,20 +275,38 @@ class _Connection:
         self.dead: str | None = None
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
+        self._outbox: collections.deque[tuple[int, int, str, tuple]] = collections.deque()  # (rid, number, method, args)
+        self._outbox_wake = threading.Condition()
+        self.background = send_thread()
         threading.Thread(target=self._read, name=f"fxdist-socket-{address}", daemon=True).start()
+        if self.background:
+            threading.Thread(target=self._send_loop, name=f"fxdist-socket-send-{address}", daemon=True).start()
 
     def call(self, method: str, args: tuple, timeout_s: float) -> torch.futures.Future:
         number = _METHOD_NUMBERS.get(method)
         if number is None:
             raise ValueError(f"transport 'socket': unknown method {method!r} (known: {WIRE_METHODS})")
-        meta, buffers = dumps(args)  # before the lock: pickling runs outside it
         future: torch.futures.Future = torch.futures.Future()
+        if self.background and method in BACKGROUND_METHODS:   # pickled and sent by the sender thread
+            rid = next(self._ids)
+            self.pending[rid] = future
+            with self._outbox_wake:
+                self._outbox.append((rid, number, method, args))
+                self._outbox_wake.notify()
+            if self.dead is not None:   # failed before it could be sent (else _fail fails its Future)
+                self.pending.pop(rid, None)
+                raise RuntimeError(f"transport 'socket': sending {method} to server {self.address} failed: "
+                                   f"{self.dead}")
+            _watch(self, rid, timeout_s)
+            return future
+        meta, buffers = dumps(args)  # before the lock: pickling runs outside it
         rid = next(self._ids)
         self.pending[rid] = future
         try:
             if self.dead is not None:
                 raise OSError(self.dead)
             with self._send_lock:
+                self._send_outbox()   # the pushes queued before this request leave first
                 send_message(self.sock, REQUEST, number, rid, meta, buffers)
         except OSError as e:
             self.pending.pop(rid, None)
@@ -263,6 +314,37 @@ class _Connection:
             raise RuntimeError(f"transport 'socket': sending {method} to server {self.address} failed: {e}") from e
         _watch(self, rid, timeout_s)
         return future
+
+    def _send_outbox(self) -> None:
+        """Pickle and send the queued pushes, oldest first (call under ``_send_lock``). A push that does not pickle
+        fails its own Future; a send that fails raises ``OSError`` (the caller fails the connection).
+
+        Raises:
+            OSError: the connection failed.
+        """
+        while self._outbox:
+            rid, number, method, args = self._outbox.popleft()
+            try:
+                meta, buffers = dumps(args)
+            except Exception as e:  # noqa: BLE001  (this request alone is lost: it fails, the connection goes on)
+                future = self.pending.pop(rid, None)
+                if future is not None and not future.done():
+                    future.set_exception(RuntimeError(f"transport 'socket': {method} to server {self.address} "
+                                                      f"could not be pickled: {type(e).__name__}: {e}"))
+                continue
+            send_message(self.sock, REQUEST, number, rid, meta, buffers)
+
+    def _send_loop(self) -> None:
+        """The sender thread: sends what :meth:`call` queues until the connection fails."""
+        while self.dead is None:
+            with self._outbox_wake:
+                while not self._outbox and self.dead is None:
+                    self._outbox_wake.wait()
+            try:
+                with self._send_lock:
+                    self._send_outbox()
+            except OSError as e:
+                self._fail(f"sending to server {self.address} failed: {e}")
 
     def _read(self) -> None:
         header = bytearray(_HEADER.size)
@@ -288,6 +370,9 @@ class _Connection:
         """Mark the connection dead and fail every request still waiting on it (a plain RuntimeError)."""
         if self.dead is None:
             self.dead = why
+        with self._outbox_wake:   # queued pushes are failed below with the rest; the sender thread ends
+            self._outbox.clear()
+            self._outbox_wake.notify()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

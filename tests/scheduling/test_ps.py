@@ -370,3 +370,26 @@ def test_prefetch_rides_on_pushes_made_in_backward_hooks(cluster):
         assert torch.equal(fast[1][key], base[1][key]), key       # same tables
     assert fast[2] == base[2] == 8                                 # no extra lookups ...
     assert (fast[4], base[4]) == (6, 0)                            # ... and all but the first rode on a push
+
+
+def test_a_push_from_backward_takes_the_lookups_grad_and_leaves_none_behind(cluster):
+    """``ps_push_in_backward`` on a lookup's answer (a leaf) pushes what autograd stored in ``.grad`` (then drops it:
+    no copy kept alive, none made for a push still being sent) and trains as an explicit push of that gradient."""
+    hooked = PSClient(_tables(), cluster.server_names, optimizer="sgd", name="leaf_hook", seed=8)
+    explicit = PSClient(_tables(), cluster.server_names, optimizer="sgd", name="leaf_explicit", seed=8)
+    try:
+        kjt, initial = _kjt(), hooked.state_dict()["t0.weight"]
+        part = hooked.lookup(0, kjt)
+        assert part.is_leaf and part.requires_grad
+        ops.ps_push_in_backward("leaf_hook", 0, kjt, part).pow(2).sum().backward()
+        assert part.grad is None
+        hooked.flush()
+        reference = explicit.lookup(0, kjt)
+        reference.pow(2).sum().backward()
+        explicit.push(0, kjt, reference)
+        after, expected = hooked.state_dict(), explicit.state_dict()
+        assert not torch.equal(after["t0.weight"], initial)
+        assert all(torch.equal(after[k], expected[k]) for k in expected)
+    finally:
+        hooked.close()
+        explicit.close()
