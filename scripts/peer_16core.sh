@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # benchmarks/peer.py on the GPU host's 16 CPU cores, in one command of at most 6 minutes (the GPU is not used):
 # the ceiling (dense_only), torchrec DMP table-wise and fxdist's servers with prefetch over sockets (separate
-# processes, exact and with max_staleness=1, and inside the trainers), 3 interleaved rounds x 40 steps at 1e6 x 16, plus where a
-# step goes (--profile).
+# processes, exact and with max_staleness=1; on 16 cores the trainers' pushes go from a sender thread, and
+# fx_send0_prefetch_0ms is exact prefetch with them sent from the main thread instead), 3 interleaved rounds x 40
+# steps at 1e6 x 16, plus where a step goes (--profile).
 #
 #   bash scripts/peer_16core.sh [peer.py arguments, replacing the defaults below]
 #
@@ -26,7 +27,7 @@ PIN=()
   uptime; } | tee -a "$OUT/device.txt"
 if [ $# -eq 0 ]; then
   set -- --sizes 1000000x16 --rounds 3 --steps 40 --warmup 5 \
-    --systems dense_only dmp_tw fx_prefetch_0ms fx_stale1_0ms fx_inproc_prefetch_0ms --profile 5
+    --systems dense_only dmp_tw fx_prefetch_0ms fx_stale1_0ms fx_send0_prefetch_0ms --profile 5
 fi
 timeout "${PEER_TIMEOUT:-320}" "${PIN[@]}" "$PY" benchmarks/peer.py --timeout 120 --run-dir "$OUT/peer" "$@" \
   2>"$OUT/peer_progress.txt" | tee "$OUT/peer.txt"
