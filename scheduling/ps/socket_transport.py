@@ -16,10 +16,11 @@ A reader thread per connection matches answers to requests by id and completes t
 ``torch.futures.Future``. Pushes (:data:`BACKGROUND_METHODS`, sent from autograd hooks in backward) may be pickled
 and sent by a sender thread of the connection instead of the calling thread (:func:`send_thread`): where the
 trainer's main thread bounds the step (servers on cores of their own) that takes a push's pickling and its
-``sendmsg`` (~0.2-0.4 ms a step at 13-26 tables x 128 ids x 64 floats) off it; every other request first sends
-the ones queued before it, so a connection's requests leave in the order they were made; a process-wide watchdog thread fails those left unanswered after their
-``timeout_s``. The transport contract of :mod:`scheduling.ps.transport` holds: a request that cannot be sent
-raises ``RuntimeError``; ``wait()`` raises a plain ``RuntimeError`` for a transport failure (timeout,
+``sendmsg`` off it (0.1-0.35 ms a step of a trainer's main thread at 26 tables x 128 ids x 16-64 floats,
+``benchmarks/trainer_step.py``); every other request first sends the ones queued before it, so a connection's
+requests leave in the order they were made. A process-wide watchdog thread fails the requests left unanswered after
+their ``timeout_s``. The transport contract of :mod:`scheduling.ps.transport` holds: a request that cannot be sent
+raises ``RuntimeError`` (a push left to the sender thread, from its ``wait()``); ``wait()`` raises a plain ``RuntimeError`` for a transport failure (timeout,
 connection lost: a killed server fails its requests at once) and the server's own exception otherwise.
 
 Servers are named by ``"host:port"`` or by a name registered with :func:`register_servers` (clients given only
@@ -343,8 +344,8 @@ class _Connection:
             try:
                 with self._send_lock:
                     self._send_outbox()
-            except OSError as e:
-                self._fail(f"sending to server {self.address} failed: {e}")
+            except Exception as e:  # noqa: BLE001  (OSError, or a message cut short: the connection is done)
+                self._fail(f"sending to server {self.address} failed: {type(e).__name__}: {e}")
 
     def _read(self) -> None:
         header = bytearray(_HEADER.size)
