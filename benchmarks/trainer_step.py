@@ -14,13 +14,17 @@ lookups, the pooling, the push and the graph).
 
 Measured: the main thread's CPU time of every step (``time.thread_time``), the systems taking turns every
 :data:`CHUNK` steps (so the machine's slow drifts reach all three alike), ``--rounds`` x ``--steps`` steps each;
-the socket's reader thread apart (its ``/proc/self/task`` entry). It prints each system's median and quartiles,
-the two differences and the ratios ceiling / fxdist and ceiling_grad / fxdist (fxdist with its reader thread):
-where a server runs on cores of its own (16 cores) the step follows the trainers' main threads, so this bounds
-the fraction of ``peer.py``'s ceiling a trainer can reach (on 2 shared cores the server's CPU comes on top). The
-losses are printed as a sanity check that each trained (the ceilings have no tables, so theirs differ).
+the socket's threads apart (the connection's reader and, with ``FXDIST_SOCKET_SEND_THREAD`` on, its sender; their
+``/proc/self/task`` entries). It prints each system's median and quartiles, the two differences and the ratios
+ceiling / fxdist and ceiling_grad / fxdist, fxdist with its socket threads and with its main thread alone: where a
+server runs on cores of its own (16 cores) the step follows the trainers' main threads, so the main-thread ratio
+bounds the fraction of ``peer.py``'s ceiling a trainer can reach (on 2 shared cores the server's CPU and the
+socket threads' come on top). The losses are printed as a sanity check that each trained (the ceilings have no
+tables, so theirs differ).
 
-Run: ``.venv/bin/python benchmarks/trainer_step.py [--rows 1000000 --dim 16 --steps 200 --rounds 3]``.
+Run: ``.venv/bin/python benchmarks/trainer_step.py [--rows 1000000 --dim 16 --steps 200 --rounds 3]``
+(``FXDIST_SOCKET_SEND_THREAD=1`` / ``0`` in the environment: the pushes sent by a sender thread / by the main thread;
+by default ``auto``, off below 8 CPUs).
 """
 
 from __future__ import annotations
