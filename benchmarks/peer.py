@@ -138,7 +138,8 @@ PAIRS = (("socket / torch_rpc transport", "fx_prefetch_0ms", "fx_rpc_prefetch_0m
          ("dynamic / fixed tables of the same rows", "fx_dynamic_prefetch_0ms", "fx_prefetch_0ms"),
          ("servers at nice 19 / at the trainers' priority", "fx_nice19_prefetch_0ms", "fx_prefetch_0ms"),
          ("staleness 1, servers at nice 19 / at the trainers'", "fx_nice19_stale1_0ms", "fx_stale1_0ms"),
-         ("pushes sent by a sender thread / by the main thread", "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms"))
+         ("pushes sent by a sender thread / by the main thread", "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms"),
+         ("pushes as auto picks / by the main thread", "fx_prefetch_0ms", "fx_send0_prefetch_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
 NOISE = re.compile(f"{TENSORPIPE_SHUTDOWN.pattern}|"
                    r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$")

@@ -67,3 +67,9 @@ def test_peer_drops_the_profilers_and_tensorpipes_lines_from_stderr_and_nothing_
             "  round 1 dmp_tw   13,564 samples/s\n"]
     assert all(peer.NOISE.search(line) for line in noise)
     assert not any(peer.NOISE.search(line) for line in kept)
+
+
+def test_every_pair_peer_py_compares_names_two_of_its_systems():
+    names = set(peer.systems.SYSTEMS)
+    assert all(system in names and other in names and system != other for _, system, other in peer.PAIRS)
+    assert ("pushes as auto picks / by the main thread", "fx_prefetch_0ms", "fx_send0_prefetch_0ms") in peer.PAIRS
