@@ -70,8 +70,9 @@ NICE_TAG = re.compile(r"nice(\d+)")
 """The word of an fxdist system's name that sets its servers' nice value (``fx_nice19_prefetch_0ms``: 19)."""
 SEND_TAG = re.compile(r"send([01])")
 """The word of an fxdist system's name that sets its trainers' ``FXDIST_SOCKET_SEND_THREAD`` (``fx_send1_*``: 1)."""
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS
-                        if not any(NICE_TAG.fullmatch(p) or SEND_TAG.fullmatch(p) for p in s.split("_")))
+_VALUED_TAGS = (NICE_TAG, SEND_TAG)
+"""The tags of an fxdist system's name that carry a value (:func:`_tag_value`)."""
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not any(t.fullmatch(p) for t in _VALUED_TAGS for p in s.split("_")))
 """peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*`` and ``fx_send<0|1>_*``
 comparisons."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
@@ -439,26 +440,28 @@ them ``nice<N>`` (:func:`server_nice`) and ``send<0|1>`` (:func:`send_thread_set
 
 def _tags(system: str) -> set[str]:
     parts = system.split("_")[1:]
-    return set(itertools.takewhile(
-        lambda p: p in _TAGS or NICE_TAG.fullmatch(p) is not None or SEND_TAG.fullmatch(p) is not None, parts))
+    return set(itertools.takewhile(lambda p: p in _TAGS or any(t.fullmatch(p) for t in _VALUED_TAGS), parts))
+
+
+def _tag_value(system: str, tag: re.Pattern[str]) -> str | None:
+    """The value a tag of :data:`_VALUED_TAGS` gives in ``system``'s name (``nice19``: ``"19"``), None without it."""
+    for word in _tags(system):
+        if (found := tag.fullmatch(word)) is not None:
+            return found.group(1)
+    return None
 
 
 def send_thread_setting(system: str) -> str | None:
     """``FXDIST_SOCKET_SEND_THREAD`` for fxdist system ``system``'s trainers: ``"1"`` for ``fx_send1_*``, ``"0"``
     for ``fx_send0_*``, None (the environment's, by default ``auto``) otherwise."""
-    for tag in _tags(system):
-        if (send := SEND_TAG.fullmatch(tag)) is not None:
-            return send.group(1)
-    return None
+    return _tag_value(system, SEND_TAG)
 
 
 def server_nice(system: str, default: int = 0) -> int:
     """The nice value of fxdist system ``system``'s separate server processes: ``N`` for ``fx_nice<N>_*``, else
     ``default`` (``--server-nice``; 0: the trainers' priority)."""
-    for tag in _tags(system):
-        if (nice := NICE_TAG.fullmatch(tag)) is not None:
-            return int(nice.group(1))
-    return default
+    nice = _tag_value(system, NICE_TAG)
+    return default if nice is None else int(nice)
 
 
 def in_trainers(system: str) -> bool:

@@ -415,7 +415,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=list(SIZES), help="ROWSxDIM, rows per table x embedding dim")
     p.add_argument("--systems", nargs="+", default=list(systems.DEFAULT_SYSTEMS), choices=systems.SYSTEMS,
-                   help="default: all but the fx_nice<N>_* ones")
+                   help="default: all but the fx_nice<N>_* and fx_send<0|1>_* ones")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
