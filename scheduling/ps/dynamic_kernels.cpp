@@ -3,8 +3,10 @@
 // instead of hundreds of small tensor ops. Plain C ABI over raw pointers of contiguous CPU tensors (no torch
 // headers); built and loaded by scheduling/ps/dynamic_native.py. The torch code is the reference: every
 // loop below mirrors one of its vectorised ops (named in the comments). Also every server's row gather and
-// scatter (fx_gather_rows, fx_scatter_rows: torch's index_select / index_copy_ on dim 0, with prefetching).
+// scatter (fx_gather_rows, fx_scatter_rows: torch's index_select / index_copy_ on dim 0, with prefetching), and
+// a push's plain SGD over float32 rows in one pass (fx_sgd_rows).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -72,7 +74,7 @@ struct Index {
   i64 T, C, H, L;
 };
 
-int fx_version() { return 2; }
+int fx_version() { return 3; }
 
 // Rows this far ahead are prefetched: a table's rows are read at random, nearly each one a cache miss; a
 // plain copy loop (index_select's) waits for each miss in turn, prefetching keeps many in flight.
@@ -107,6 +109,57 @@ i64 fx_scatter_rows(char* dst, i64 rows, i64 row_bytes, i64 n, const i64* idx, c
     std::memcpy(dst + idx[i] * row_bytes, src + i * row_bytes, row_bytes);
   }
   return -1;
+}
+
+// w = fma(s, neg_lr, w) over one row's dim floats: one rounding, as torch's vectorised add with alpha
+// (Vectorized<float>::fmadd, what RowStore.apply's sub_(update, alpha=lr) runs in its AVX2 and AVX-512 builds;
+// dynamic_native.sgd_rows calls this kernel only under those).
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("fma"), optimize("O3"))) static void fma_row_hw(float* w, const float* s, i64 dim,
+                                                                       float neg_lr) {
+  for (i64 j = 0; j < dim; ++j) w[j] = __builtin_fmaf(s[j], neg_lr, w[j]);
+}
+#endif
+__attribute__((optimize("O3"))) static void fma_row_sw(float* w, const float* s, i64 dim, float neg_lr) {
+  for (i64 j = 0; j < dim; ++j) w[j] = std::fmaf(s[j], neg_lr, w[j]);
+}
+
+// Plain SGD on a push's rows in one pass (FusedTables.row_grads, then RowWiseSGD over float32 rows): the
+// gradient rows grad[grad_row[i]] of the ids whose table row is idx[i] are summed per distinct row in the
+// order of i (index_add_ into zeros), then table[r] += neg_lr * sum with one rounding. table (rows, dim)
+// float32, grad (grad_rows, dim) float32. Returns the number of distinct rows, or -1 - i for the first i whose
+// idx or grad_row is out of range (nothing written).
+__attribute__((optimize("O3"))) i64 fx_sgd_rows(float* table, i64 rows, i64 dim, i64 n, const i64* idx,
+                                                 const float* grad, i64 grad_rows, const i64* grad_row,
+                                                 float neg_lr) {
+  for (i64 i = 0; i < n; ++i)
+    if (idx[i] < 0 || idx[i] >= rows || grad_row[i] < 0 || grad_row[i] >= grad_rows) return -1 - i;
+  std::vector<KV> order(n), tmp;
+  for (i64 i = 0; i < n; ++i) order[i] = KV{(uint64_t)idx[i], i};
+  radix_sort(order, tmp);  // stable: a row's ids stay in the order of i
+#if defined(__x86_64__) || defined(__i386__)
+  void (*fma_row)(float*, const float*, i64, float) = __builtin_cpu_supports("fma") ? fma_row_hw : fma_row_sw;
+#else
+  void (*fma_row)(float*, const float*, i64, float) = fma_row_sw;
+#endif
+  std::vector<float> sum(dim);
+  const i64 ahead = rows_ahead(dim * (i64)sizeof(float));
+  i64 distinct = 0;
+  for (i64 g = 0; g < n;) {
+    const i64 r = (i64)order[g].key;
+    if (g + ahead < n) {
+      const char* p = (const char*)(table + order[g + ahead].key * dim);
+      for (i64 b = 0; b < dim * (i64)sizeof(float); b += 64) __builtin_prefetch(p + b, 1, 0);
+    }
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (; g < n && (i64)order[g].key == r; ++g) {
+      const float* src = grad + grad_row[order[g].pos] * dim;
+      for (i64 j = 0; j < dim; ++j) sum[j] += src[j];
+    }
+    fma_row(table + r * dim, sum.data(), dim, neg_lr);
+    ++distinct;
+  }
+  return distinct;
 }
 
 // dynamic_group.initial_rows_keyed, bit for bit: element (i, j) is 53 bits of

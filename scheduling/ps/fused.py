@@ -34,6 +34,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from .dynamic_native import sgd_rows
+from .optimizer import RowWiseSGD
 from .shard_plan import ShardSpec
 from .storage import RowStore, empty_rows
 
@@ -345,11 +347,19 @@ class FusedTables:
 
     def push(self, idx: FusedIndex, grad: torch.Tensor, optimizer: Any) -> int:
         """Apply the lookup output's gradient ``grad`` ``(B, J * D)`` with ``optimizer`` (FBGEMM's fused one when
-        :attr:`kernel` is set); returns the number of rows updated."""
+        :attr:`kernel` is set; plain SGD on float32 rows without per-id weights in one pass of the compiled
+        kernels where they apply, :func:`~scheduling.ps.dynamic_native.sgd_rows`, the same bits); returns the
+        number of rows updated."""
         if self.kernel is not None:
             with self.lock:
                 self.kernel.push(self._local(idx), idx.bags, idx.weights, idx.batch_size, grad)
             return unique_count(idx.rows)
+        if idx.weights is None and type(optimizer) is RowWiseSGD and type(self.store) is RowStore:
+            bags = grad.reshape(idx.batch_size * len(self.layout), self.dim)  # sample-major, as row_grads reads it
+            with self.lock:
+                touched = sgd_rows(self.weight, idx.rows, bags, _sample_bags(idx), optimizer.lr)
+            if touched is not None:
+                return touched
         rows, summed = self.row_grads(idx, grad)
         if rows.numel():
             with self.lock:

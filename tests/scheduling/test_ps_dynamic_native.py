@@ -21,8 +21,10 @@ from scheduling.ps.dynamic_native import (
     load,
     native_available,
     scatter_rows,
+    sgd_rows,
 )
-from scheduling.ps.optimizer import make_optimizer
+from scheduling.ps.fused import unique_inverse
+from scheduling.ps.optimizer import RowWiseSGD, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_native = pytest.mark.skipif(not native_available(),
@@ -241,3 +243,51 @@ def test_tables_the_kernels_do_not_take_go_to_torch():
     assert tracked.grad is not None and tracked.grad[2].eq(2).all() and tracked.grad[0].eq(0).all()
     table = torch.randn(6, 3)
     assert torch.equal(gather_rows(table, torch.tensor([5, 0], dtype=torch.int32)), table[[5, 0]])
+
+
+def _sgd_by_torch(table, rows, grads, grad_rows, lr):
+    """The torch reference of ``sgd_rows``: ``FusedTables.row_grads`` (unique, ``index_add_`` into zeros), then
+    ``RowWiseSGD`` on float32 rows."""
+    unique, inverse = unique_inverse(rows)
+    summed = torch.zeros(unique.numel(), table.shape[1]).index_add_(0, inverse, grads.index_select(0, grad_rows))
+    RowWiseSGD(lr=lr).step(table, None, unique, summed)
+    return unique.numel()
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [1, 3, 16, 17, 64, 130])
+def test_the_sgd_kernel_writes_the_bits_of_unique_index_add_and_sub(dim):
+    """Repeated rows summed in id order, one rounding for ``w - lr * s``: bit for bit torch's ops, for widths with
+    and without a vector tail, gradients of magnitudes 1e-6 to 1e2, -0.0 in the table and the gradients."""
+    gen = torch.Generator().manual_seed(dim)
+    if not sgd_rows(torch.zeros(1, dim), torch.zeros(1, dtype=torch.long), torch.zeros(1, dim),
+                    torch.zeros(1, dtype=torch.long), 0.1) == 1:
+        pytest.skip("torch's CPU kernels here do not round a + alpha * b once (no AVX2 / AVX-512 build)")
+    for n_rows, n_ids, lr in ((5, 40, 0.1), (1000, 300, 0.01), (300_000, 3328, 0.37)):
+        table = torch.randn(n_rows, dim, generator=gen)
+        table[0] = -0.0
+        rows = torch.randint(0, n_rows, (n_ids,), generator=gen)
+        rows[: n_ids // 4] = rows[0]       # many repeats of one row: a long sum in id order
+        grads = torch.randn(n_ids + 7, dim, generator=gen) * 10.0 ** torch.randint(-6, 3, (n_ids + 7, 1),
+                                                                                  generator=gen)
+        grads[1] = -0.0
+        grad_rows = torch.randperm(n_ids + 7, generator=gen)[:n_ids]
+        want, got = table.clone(), table.clone()
+        assert sgd_rows(got, rows, grads, grad_rows, lr) == _sgd_by_torch(want, rows, grads, grad_rows, lr)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@needs_native
+def test_the_sgd_kernel_refuses_bad_rows_before_writing_and_leaves_other_tensors_to_torch(monkeypatch):
+    table = torch.arange(12.0).view(6, 2)
+    with pytest.raises(IndexError, match="id 1 has row 6"):
+        sgd_rows(table, torch.tensor([0, 6]), torch.ones(2, 2), torch.tensor([0, 1]), 0.1)
+    with pytest.raises(IndexError, match="gradient row 2"):
+        sgd_rows(table, torch.tensor([0, 1]), torch.ones(2, 2), torch.tensor([0, 2]), 0.1)
+    assert torch.equal(table, torch.arange(12.0).view(6, 2))    # nothing written
+    ids = torch.tensor([1, 1])
+    assert sgd_rows(table.double(), ids, torch.ones(2, 2).double(), ids, 0.1) is None     # float64
+    assert sgd_rows(torch.zeros(6, 4)[:, ::2], ids, torch.ones(2, 2), ids, 0.1) is None   # strided table
+    assert sgd_rows(table.requires_grad_(), ids, torch.ones(2, 2), ids, 0.1) is None      # tracked by autograd
+    monkeypatch.setenv("FXDIST_NATIVE", "0")
+    assert sgd_rows(torch.zeros(6, 2), ids, torch.ones(2, 2), ids, 0.1) is None
