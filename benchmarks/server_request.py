@@ -1,19 +1,20 @@
 """A ``socket`` parameter server's CPU per ``push_lookup`` request, against the table work alone.
 
-The shape of ``benchmarks/peer.py``'s ``fx_prefetch_0ms`` (socket) with 2 servers, one of them: 26 tables of
-``--rows`` x ``--dim`` (one feature each, one id per table and sample) placed table-wise on 2 servers, of which
-this benchmark runs server 0 (13 tables) in a child process (:func:`scheduling.ps.socket_server.serve`, one torch
-thread) with SGD. Two trainers (ranks 0 and 1 of one group, each its own connection) send per step what a
-prefetching trainer sends: one ``push_lookup`` (the push of step ``k`` and the lookup of step ``k + 1``, the
-whole 26-key KeyedJaggedTensor of batch ``--batch``) with the client's order tuple, and wait for both answers.
+The shape of ``benchmarks/peer.py``'s ``fx_prefetch_0ms`` (socket): 26 tables of ``--rows`` x ``--dim`` (one
+feature each, one id per table and sample) placed table-wise on ``--servers`` servers (peer.py's default: 1 on
+fewer than 4 cores, else 2), of which this benchmark runs server 0 (all 26 tables, or 13 of 2 servers) in a child
+process (:func:`scheduling.ps.socket_server.serve`, one torch thread) with SGD. Two trainers (ranks 0 and 1 of one
+group, each its own connection) send per step what a prefetching trainer sends: one ``push_lookup`` (the push of
+step ``k`` and the lookup of step ``k + 1``, the whole 26-key KeyedJaggedTensor of batch ``--batch``) with the
+client's order tuple, and wait for both answers.
 
 Measured:
 
 - **server**: the child's CPU time per request, summed over its threads (``/proc/<pid>/task/<tid>/schedstat``
   field 1, ns: time on a CPU, whatever else loads the machine), over the timed steps;
 - **tables**: the same pushes and lookups called directly on a :class:`~scheduling.ps.fused.FusedTables` in this
-  process (the same weights: the same seed), their batches resolved to rows beforehand, ``time.process_time`` per
-  request: the table work itself (gather and pooling, unique and ``index_add_``, the SGD update); resolving a
+  process (the same weights: the same seed), their batches resolved to rows beforehand, ``time.thread_time`` of
+  the pushes and lookups alone per request: the table work itself (gather and pooling, unique and ``index_add_``, the SGD update); resolving a
   batch (once per request on the server) is timed apart and counts as overhead;
 - **endpoints**: the same requests through the server's own request path in this process, without the socket
   (:class:`~scheduling.ps.endpoints.ServerEndpoints` ``submit``, i.e. the ordering, the statistics, resolving the
@@ -22,7 +23,8 @@ Measured:
   reader threads), endpoints - tables what handling a request costs besides the table work.
 
 It prints them, the overhead (server - tables) and the ratios server/tables and overhead/tables (a peer measured
-in the same run), and checks that every lookup answered over the socket equals the direct one bit for bit.
+in the same run), and checks that every lookup answered over the socket equals the direct one bit for bit (by a
+checksum of each: the answers are not kept, whose fresh pages would be counted as table work).
 ``--profile DIR``: the first round's server reader threads run under ``cProfile``; their merged stats go to
 ``DIR/server.prof`` and the top functions (own time) are printed.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import itertools
 import os
 import statistics
@@ -48,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scheduling.ps.server import PSServer, freeze_process_objects  # noqa: E402
 from scheduling.ps.shard_plan import TableSpec, plan_shards  # noqa: E402
 
-NAMESPACE, TABLES, SERVERS, WORLD = "emb", 26, 2, 2
+NAMESPACE, TABLES, WORLD = "emb", 26, 2
 
 
 def _server_child(queue: Any, profile_dir: str | None) -> None:
@@ -103,13 +106,30 @@ def _batches(rows: int, batch: int, count: int, seed: int) -> list[tuple]:
              torch.ones(TABLES * batch, dtype=torch.long), None) for _ in range(count)]
 
 
-def _configure_args(rows: int, dim: int) -> tuple:
-    tables = [TableSpec(f"t{i}", rows, dim, (f"C{i}",)) for i in range(TABLES)]
-    return (NAMESPACE, plan_shards(tables, SERVERS), 0, "sgd", {"lr": 0.01}, 0)
+def _configure_args(args: argparse.Namespace) -> tuple:
+    tables = [TableSpec(f"t{i}", args.rows, args.dim, (f"C{i}",)) for i in range(TABLES)]
+    return (NAMESPACE, plan_shards(tables, args.servers), 0, "sgd", {"lr": 0.01}, 0)
+
+
+class _Answers:
+    """The lookups of one run per rank, kept as checksums: keeping thousands of answers (0.4-0.85 MB each) made
+    every step fault in fresh pages, which the direct run's CPU time then counted as table work. ``compare``:
+    the checksums of a run to check against (None: this run is the reference)."""
+
+    def __init__(self, compare: "_Answers | None" = None) -> None:
+        self.sums: list[list[bytes]] = [[] for _ in range(WORLD)]
+        self.compare, self.same = compare, True
+
+    def add(self, rank: int, answer: torch.Tensor) -> None:
+        digest = hashlib.blake2b(answer.contiguous().numpy().tobytes(), digest_size=16).digest()
+        k = len(self.sums[rank])
+        self.sums[rank].append(digest)
+        if self.compare is not None and (k >= len(self.compare.sums[rank]) or self.compare.sums[rank][k] != digest):
+            self.same = False
 
 
 def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor],
-                profile: str | None = None) -> tuple[float, list[list[torch.Tensor]]]:
+                profile: str | None = None) -> tuple[float, _Answers]:
     """Serve the requests from a child process: (its CPU ms per push_lookup, the lookups answered per rank)."""
     import multiprocessing as mp
 
@@ -123,9 +143,9 @@ def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: lis
     timeout_s = 120.0
     try:
         conns = [_Connection(address, timeout_s) for _ in range(WORLD)]  # one per trainer, as in a job
-        conns[0].call("configure", _configure_args(args.rows, args.dim), timeout_s).wait()
+        conns[0].call("configure", _configure_args(args), timeout_s).wait()
         keys = [f"{NAMESPACE}:trainer{r}" for r in range(WORLD)]
-        answers: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+        answers = _Answers()
 
         def order(r: int, seq: int, count: int) -> tuple:
             return (keys[r], seq, args.timeout, (f"group/{NAMESPACE}", r, WORLD, count, 0))
@@ -133,7 +153,7 @@ def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: lis
         first = [conns[r].call("lookup", (NAMESPACE, batches[r][0], None, order(r, 0, 0)), timeout_s)
                  for r in range(WORLD)]
         for r, f in enumerate(first):
-            answers[r].append(f.wait())
+            answers.add(r, f.wait())
         start, before = 0, (0, 0, 0)
         for k in range(args.warmup + args.steps):
             if k == args.warmup:
@@ -142,7 +162,7 @@ def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: lis
                                                   order(r, k + 1, k)), timeout_s) for r in range(WORLD)]
             for r, f in enumerate(futs):
                 pushed, looked = f.wait()
-                answers[r].append(looked)
+                answers.add(r, looked)
         used = cpu_ns(pid) - start
         after = user_sys_faults(pid)
         SocketTransport([address]).stop(5.0)
@@ -156,46 +176,53 @@ def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: lis
     return used / 1e6 / n, answers
 
 
-def direct(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor]
-           ) -> tuple[float, float, list[list[torch.Tensor]]]:
+def direct(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor], reference: _Answers
+           ) -> tuple[float, float, _Answers]:
     """The same pushes and lookups on the server's :class:`FusedTables`, in the order the server applies them
     (rank 0's push, rank 1's, then the lookups), their batches resolved beforehand: (CPU ms per push + lookup,
     CPU ms to resolve one batch (:meth:`FusedTables.index`, once per request on the server: its push reuses
-    its lookup's), the lookups per rank)."""
+    its lookup's), the lookups' checksums, compared with ``reference``'s). Only the pushes and lookups are
+    timed (this thread's CPU time), not the checksums."""
     server = PSServer("ps0")
-    server.configure(*_configure_args(args.rows, args.dim))
+    server.configure(*_configure_args(args))
     fused, optimizer = server.fused[NAMESPACE], server.optimizer
     assert fused is not None
     count = args.warmup + args.steps + 1
     start = time.process_time()
     index = [[fused._resolve(*batches[r][k], where="ps0") for k in range(count)] for r in range(WORLD)]
     index_ms = (time.process_time() - start) * 1e3 / (count * WORLD)
-    answers: list[list[torch.Tensor]] = [[fused.lookup(index[r][0])] for r in range(WORLD)]
+    answers = _Answers(reference)
+    for r in range(WORLD):
+        answers.add(r, fused.lookup(index[r][0]))
+    used = 0.0
     for k in range(args.warmup + args.steps):
-        if k == args.warmup:
-            start = time.process_time()
+        start = time.thread_time()
         for r in range(WORLD):
             fused.push(index[r][k], grads[k], optimizer)
+        looked = [fused.lookup(index[r][k + 1]) for r in range(WORLD)]
+        used += (time.thread_time() - start) if k >= args.warmup else 0.0
         for r in range(WORLD):
-            answers[r].append(fused.lookup(index[r][k + 1]))
-    return (time.process_time() - start) * 1e3 / (args.steps * WORLD), index_ms, answers
+            answers.add(r, looked[r])
+    return used * 1e3 / (args.steps * WORLD), index_ms, answers
 
 
 _IN_PROCESS_RUNS = itertools.count()
 
 
-def in_process(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor]
-               ) -> tuple[float, list[list[torch.Tensor]]]:
+def in_process(args: argparse.Namespace, batches: list[list[tuple]], grads: list[torch.Tensor], reference: _Answers
+               ) -> tuple[float, _Answers]:
     """The same requests through :meth:`ServerEndpoints.submit` in this process, each answer pickled as the socket
-    server pickles it (:func:`dumps`): (CPU ms per push_lookup request, the lookups answered per rank)."""
+    server pickles it (:func:`dumps`): (CPU ms per push_lookup request, the lookups' checksums, compared with
+    ``reference``'s; this thread's CPU time, the checksums not counted)."""
     from scheduling.ps.endpoints import ServerEndpoints
     from scheduling.ps.socket_transport import dumps
 
     endpoints = ServerEndpoints(PSServer("ps0"))
-    endpoints.configure(*_configure_args(args.rows, args.dim))
+    endpoints.configure(*_configure_args(args))
     run = next(_IN_PROCESS_RUNS)  # fresh clients and group each run: sequence numbers and counts start at 0
     keys = [f"{NAMESPACE}:inproc{run}/{r}" for r in range(WORLD)]
-    answers: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+    answers = _Answers(reference)
+    untimed = [0.0]   # CPU time of the checksums, taken off
 
     def order(r: int, seq: int, count: int) -> tuple:
         return (keys[r], seq, args.timeout, (f"group/{NAMESPACE}/inproc{run}", r, WORLD, count, 0))
@@ -204,18 +231,20 @@ def in_process(args: argparse.Namespace, batches: list[list[tuple]], grads: list
         if error is not None:
             raise error
         dumps(value)
-        answers[r].append(value[1] if isinstance(value, tuple) else value)
+        start = time.thread_time()
+        answers.add(r, value[1] if isinstance(value, tuple) else value)
+        untimed[0] += time.thread_time() - start
 
     for r in range(WORLD):
         endpoints.submit("lookup", (NAMESPACE, batches[r][0], None, order(r, 0, 0)), functools.partial(done, r))
     start = 0.0
     for k in range(args.warmup + args.steps):
         if k == args.warmup:
-            start = time.process_time()
+            start, untimed[0] = time.thread_time(), 0.0
         for r in range(WORLD):
             endpoints.submit("push_lookup", (NAMESPACE, batches[r][k], grads[k], batches[r][k + 1], None,
                                              order(r, k + 1, k)), functools.partial(done, r))
-    return (time.process_time() - start) * 1e3 / (args.steps * WORLD), answers
+    return (time.thread_time() - start - untimed[0]) * 1e3 / (args.steps * WORLD), answers
 
 
 def _print_profile(directory: str, top: int) -> None:
@@ -244,12 +273,17 @@ def main() -> None:
                         "longer than it shows what the deadlines of past waits cost)")
     p.add_argument("--profile", default=None, help="directory for the server's cProfile stats")
     p.add_argument("--top", type=int, default=25, help="profile lines printed")
+    p.add_argument("--servers", type=int, default=1 if (os.cpu_count() or 1) < 4 else 2,
+                   help="servers the 26 tables are placed on, table-wise; this benchmark runs the first (default: "
+                        "peer.py's, 1 on fewer than 4 cores, else 2)")
     args = p.parse_args()
     torch.set_num_threads(1)
     count = args.warmup + args.steps + 1
     batches = [_batches(args.rows, args.batch, count, seed=r) for r in range(WORLD)]
     gen = torch.Generator().manual_seed(7)
-    grads = [torch.randn(args.batch, (TABLES // SERVERS) * args.dim, generator=gen) for _ in range(count)]
+    plan = plan_shards([TableSpec(f"t{i}", args.rows, args.dim, (f"C{i}",)) for i in range(TABLES)], args.servers)
+    width = sum(spec.server == 0 for spec in plan) * args.dim   # server 0's tables (table-wise: one feature each)
+    grads = [torch.randn(args.batch, width, generator=gen) for _ in range(count)]
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         for old in Path(args.profile).glob("reader_*.prof"):
@@ -258,16 +292,16 @@ def main() -> None:
     runs = []
     for i in range(args.rounds):  # alternating: all see the same load over time
         server_ms, got = over_socket(args, batches, grads, profile=args.profile if i == 0 else None)
-        tables_ms, index_ms, want = direct(args, batches, grads)
-        endpoints_ms, handled = in_process(args, batches, grads)
-        same = all(torch.equal(a, b) for r in range(WORLD) for a, b in zip(got[r], want[r]))
-        same = same and all(torch.equal(a, b) for r in range(WORLD) for a, b in zip(handled[r], want[r]))
+        tables_ms, index_ms, want = direct(args, batches, grads, got)
+        endpoints_ms, handled = in_process(args, batches, grads, got)
+        same = want.same and handled.same and all(len(a) == len(b) == len(c) for a, b, c in
+                                                    zip(got.sums, want.sums, handled.sums))
         runs.append((server_ms, tables_ms, index_ms, endpoints_ms, same))
     server_ms, tables_ms, index_ms, endpoints_ms = (statistics.median(run[i] for run in runs) for i in range(4))
     same = all(run[4] for run in runs)
     over = server_ms - tables_ms
     ratios = sorted(run[0] / run[1] for run in runs)
-    print(f"{TABLES // SERVERS} tables of {args.rows}x{args.dim} on this server, batch {args.batch}, SGD, {WORLD} "
+    print(f"{width // args.dim} of {TABLES} tables of {args.rows}x{args.dim} on this server, batch {args.batch}, SGD, {WORLD} "
           f"trainers, {args.steps} steps x {args.rounds} rounds (medians); load {os.getloadavg()[0]:.2f}")
     print(f"server CPU per push_lookup request:  {server_ms:7.3f} ms")
     print(f"table work alone (FusedTables):      {tables_ms:7.3f} ms")
