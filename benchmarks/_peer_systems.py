@@ -40,6 +40,15 @@ MODEL_SEED = 0     # the dense and over arches (criteo_dlrm(seed=...))
 TABLE_SEED = 0     # the servers' seed of the tables' initial rows
 
 
+def default_servers(cores: int) -> int:
+    """``--servers``'s default on a host of ``cores`` cores: :data:`SERVERS` (2) where each trainer and
+    server has a core of its own, else 1. On 2 cores one server process took 1.5-1.8 ms less CPU per step than two
+    (fewer requests, each with all 26 tables, and one process fewer) and made socket prefetch
+    (``fx_prefetch_0ms``) 2-12 % faster (README "Side by side with torchrec"); ``benchmarks/server_request.py``
+    takes the same default."""
+    return SERVERS if cores >= WORLD + SERVERS else 1
+
+
 def plan(servers: int) -> dict[str, int]:
     """fxdist's placement on ``servers`` servers, pinned: table ``i`` (0-based) on server ``i % servers`` (what its
     balancing picks for 26 equal tables)."""

@@ -403,12 +403,8 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
                   f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
 
 
-def default_servers(cores: int) -> int:
-    """``--servers``'s default on a host of ``cores`` cores: :data:`systems.SERVERS` (2) where each trainer and
-    server has a core of its own, else 1. On 2 cores one server process took 1.5-1.8 ms less CPU per step than two
-    (fewer requests, each with all 26 tables, and one process fewer) and made socket prefetch
-    (``fx_prefetch_0ms``) 2-12 % faster (README "Side by side with torchrec")."""
-    return systems.SERVERS if cores >= systems.WORLD + systems.SERVERS else 1
+default_servers = systems.default_servers
+"""``--servers``'s default (:func:`_peer_systems.default_servers`)."""
 
 
 def main() -> None:

@@ -48,10 +48,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _peer_systems as peer  # noqa: E402  (benchmarks/ is sys.path[1] when run as a script)
+
 from scheduling.ps.server import PSServer, freeze_process_objects  # noqa: E402
 from scheduling.ps.shard_plan import TableSpec, plan_shards  # noqa: E402
 
-NAMESPACE, TABLES, WORLD = "emb", 26, 2
+NAMESPACE, TABLES, WORLD = "emb", peer.TABLES, peer.WORLD   # peer.py's 26 tables and 2 trainers
 
 
 def _server_child(queue: Any, profile_dir: str | None) -> None:
@@ -273,7 +275,7 @@ def main() -> None:
                         "longer than it shows what the deadlines of past waits cost)")
     p.add_argument("--profile", default=None, help="directory for the server's cProfile stats")
     p.add_argument("--top", type=int, default=25, help="profile lines printed")
-    p.add_argument("--servers", type=int, default=1 if (os.cpu_count() or 1) < 4 else 2,
+    p.add_argument("--servers", type=int, default=peer.default_servers(os.cpu_count() or 1),
                    help="servers the 26 tables are placed on, table-wise; this benchmark runs the first (default: "
                         "peer.py's, 1 on fewer than 4 cores, else 2)")
     args = p.parse_args()
@@ -281,7 +283,7 @@ def main() -> None:
     count = args.warmup + args.steps + 1
     batches = [_batches(args.rows, args.batch, count, seed=r) for r in range(WORLD)]
     gen = torch.Generator().manual_seed(7)
-    plan = plan_shards([TableSpec(f"t{i}", args.rows, args.dim, (f"C{i}",)) for i in range(TABLES)], args.servers)
+    plan = _configure_args(args)[1]
     width = sum(spec.server == 0 for spec in plan) * args.dim   # server 0's tables (table-wise: one feature each)
     grads = [torch.randn(args.batch, width, generator=gen) for _ in range(count)]
     if args.profile:
