@@ -331,6 +331,7 @@ TESTED_ELSEWHERE = {
     "scheduling.ps.client_state": "tests/scheduling/test_ps_dynamic.py",      # PSClient.server_states, load_server_states
     "scheduling.placement.after": "tests/scheduling/test_placement.py",       # table_state_dict, load_table_state_dict
     "scheduling.ps.ebc": "tests/scheduling/test_ps.py",
+    "scheduling.ps.socket_wire": "tests/scheduling/test_ps_socket_transport.py",  # dumps, send_message, recv_message
     "scheduling.ps.endpoints": "tests/scheduling/test_ps_coalesce.py",
     "scheduling.ps.lifecycle": "tests/scheduling/test_local_cluster.py",
     "scheduling.ps.ops": "tests/scheduling/test_ps.py",

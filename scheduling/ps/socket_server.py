@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from .endpoints import Endpoints, ServerEndpoints
-from .socket_transport import ANSWER, ERROR, REQUEST, WIRE_METHODS, Undecodable, dumps, recv_message, send_message, tune
+from .shm_arena import MIN_MESSAGE_BYTES, Arena, block_bytes
+from .socket_transport import WIRE_METHODS
+from .socket_wire import ANSWER, ERROR, REQUEST, Undecodable, dumps, recv_frame, send_message, tune
 
 __all__ = ["SocketServer", "SocketServers", "serve", "spawn_servers"]
 
@@ -43,10 +45,14 @@ class _Peer:
         self.sock = sock
         self.lock = threading.Lock()
         self.closed = False
+        self.arena: Arena | None = None
+        """The client's shared-memory arena, once it asked (``attach_shm``) and it could be mapped."""
 
-    def answer(self, method: int, rid: int, value: Any, error: BaseException | None) -> None:
+    def answer(self, method: int, rid: int, value: Any, error: BaseException | None,
+               reply: tuple[int, int] | None = None) -> None:
         """Send ``value`` (or the server's ``error``) as the answer to request ``rid``; a closed connection
-        drops it (its client is gone)."""
+        drops it (its client is gone). ``reply``: the request's arena block ``(offset, capacity)``, where the
+        answer's buffers go when they fill at least ``MIN_MESSAGE_BYTES`` and fit."""
         try:
             meta, buffers = dumps(error if error is not None else value)
             kind = ERROR if error is not None else ANSWER
@@ -54,9 +60,16 @@ class _Peer:
             meta, buffers = dumps(TypeError(f"the server could not send its answer: {type(e).__name__}: {e}; "
                                             f"{'error' if error is not None else 'answer'}: {error or value!r:.200}"))
             kind = ERROR
+        placed, arena = None, self.arena
+        if reply is not None and arena is not None:
+            lengths = [memoryview(b).nbytes for b in buffers]
+            first, capacity = reply
+            if (sum(lengths) >= MIN_MESSAGE_BYTES and block_bytes(lengths) <= capacity and first > 0
+                    and first + capacity <= arena.size):
+                placed = arena.put(first, buffers)   # the client's block for this request alone
         try:
             with self.lock:
-                send_message(self.sock, kind, method, rid, meta, buffers)
+                send_message(self.sock, kind, method, rid, meta, buffers, placed=placed)
         except OSError:  # half a message may have left: the stream is unusable, its reader ends
             self.closed = True
             try:
@@ -123,9 +136,9 @@ class SocketServer:
         header = bytearray(16)
         try:
             while not peer.closed:
-                kind, method, rid, args = recv_message(peer.sock, header)
+                kind, method, rid, args, reply, _, _ = recv_frame(peer.sock, header, peer.arena)
                 if kind == REQUEST:
-                    self._start(peer, method, rid, args)
+                    self._start(peer, method, rid, args, reply)
         except OSError:  # the client left (EOF, reset) or close()
             pass
         except Exception:  # a broken message: the stream cannot be read on
@@ -134,11 +147,11 @@ class SocketServer:
             peer.closed = True
             peer.sock.close()
 
-    def _start(self, peer: _Peer, method: int, rid: int, args: Any) -> None:
+    def _start(self, peer: _Peer, method: int, rid: int, args: Any, reply: tuple[int, int] | None = None) -> None:
         """Start request ``rid``: ordered ones through the endpoints' ``submit`` (answered by their callback),
         the others here."""
         def done(value: Any, error: BaseException | None) -> None:
-            peer.answer(method, rid, value, error)
+            peer.answer(method, rid, value, error, reply)
 
         name = WIRE_METHODS[method] if method < len(WIRE_METHODS) else f"#{method}"
         try:
@@ -155,6 +168,12 @@ class SocketServer:
             elif name == "stop":
                 done(True, None)
                 self.stopped.set()
+            elif name == "attach_shm":   # in this reader thread: mapped before the client's next request is read
+                path, nbytes, token = args
+                arena = Arena.attach(path, nbytes, token)
+                if arena is not None:
+                    peer.arena = arena
+                done(arena is not None, None)
             elif name in WIRE_METHODS:
                 done(getattr(self.endpoints, name)(*args), None)
             else:

@@ -3,14 +3,16 @@
 A lean alternative to ``torch_rpc`` (issue 32: on 2 cores TensorPipe's request handling, I/O loop and
 unpickling cost the server processes more CPU than the table work itself). A server
 (:mod:`scheduling.ps.socket_server`) listens on a TCP port; every :class:`SocketTransport` of a process shares
-one connection to it (``TCP_NODELAY``), opened on the first request. A message is
+one connection to it (``TCP_NODELAY``), opened on the first request. A message (:mod:`scheduling.ps.socket_wire`)
+is a 16-byte header, the buffer lengths, the arguments pickled with protocol 5 and every dense CPU tensor in them
+as a raw buffer, sent with ``sendmsg`` from the tensor's own memory and received with ``recv_into`` a fresh
+``torch.empty`` (no per-element work, no copy beyond the kernel's).
 
-- a 16-byte header ``<BBHIQ``: kind (request, answer, error), method (index in :data:`WIRE_METHODS`), the
-  number ``n`` of raw buffers, the length of the metadata, the request id;
-- ``n`` buffer lengths (``<nQ``), then the metadata: the arguments (or the answer, or the server's exception)
-  pickled with protocol 5, every dense CPU tensor replaced by an out-of-band buffer (:func:`dumps`);
-- the ``n`` buffers, each a tensor's bytes, sent with ``sendmsg`` from the tensor's own memory and received
-  with ``recv_into`` a fresh ``torch.empty`` (no per-element work, no copy beyond the kernel's).
+Where the server runs on the client's host, the connection also has a shared-memory arena
+(:mod:`scheduling.ps.shm_arena`; ``FXDIST_SOCKET_SHM_BYTES``, 0: off): a message whose buffers hold at least
+64 KiB (a push's gradients) has them copied into it and sends their offsets instead (``socket_wire.SHM_DATA``);
+a request carries a block for its answer (``SHM_REPLY``, sized by the method's last answer), into which the
+server copies a large answer, which the client then uses where it lies. Anything that does not fit goes inline.
 
 A reader thread per connection matches answers to requests by id and completes their
 ``torch.futures.Future``. Pushes (:data:`BACKGROUND_METHODS`, sent from autograd hooks in backward) may be pickled
@@ -27,19 +29,15 @@ Servers are named by ``"host:port"`` or by a name registered with :func:`registe
 registered names pick this transport, :func:`scheduling.ps.transport.transport_of`).
 
 Source: Python ``socket`` (``sendmsg``, ``recv_into``, ``TCP_NODELAY``); PEP 574 (pickle protocol 5,
-out-of-band buffers).
+out-of-band buffers); TensorPipe's ``shm`` channel for the arena.
 """
 
 from __future__ import annotations
 
 import collections
-import copyreg
-import io
 import itertools
 import os
-import pickle
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,23 +46,32 @@ from typing import Any, cast
 import torch
 
 from .endpoints import METHODS
+from .shm_arena import MIN_MESSAGE_BYTES, Arena, arena_bytes, block_bytes
+from .socket_wire import (
+    ANSWER,
+    ERROR,
+    HEADER,
+    REQUEST,
+    SOCKET_BUFFER_BYTES,
+    Frame,
+    Undecodable,
+    dumps,
+    recv_frame,
+    recv_message,
+    send_message,
+    tune,
+)
 
 __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
-           "dumps", "send_message", "recv_message", "Undecodable", "tune", "SOCKET_BUFFER_BYTES", "parse_address", "REQUEST", "ANSWER", "ERROR",
-           "route_locally", "send_thread", "BACKGROUND_METHODS"]
+           "parse_address", "route_locally", "send_thread", "BACKGROUND_METHODS",
+           # the wire (scheduling.ps.socket_wire), re-exported
+           "dumps", "send_message", "recv_message", "recv_frame", "Frame", "Undecodable", "tune",
+           "SOCKET_BUFFER_BYTES", "REQUEST", "ANSWER", "ERROR"]
 
-WIRE_METHODS = (*METHODS, "stop")
-"""Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop)."""
+WIRE_METHODS = (*METHODS, "stop", "attach_shm")
+"""Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop) and
+``attach_shm`` (the server maps the client's shared-memory arena, :mod:`scheduling.ps.shm_arena`)."""
 _METHOD_NUMBERS = {m: i for i, m in enumerate(WIRE_METHODS)}
-REQUEST, ANSWER, ERROR = 0, 1, 2
-"""Message kinds: a request; its answer; the server's exception instead of an answer."""
-_HEADER = struct.Struct("<BBHIQ")
-_MAX_IOV = 512  # buffers per sendmsg call (the kernel's IOV_MAX is 1024)
-SOCKET_BUFFER_BYTES = 4 << 20
-"""Send and receive buffer of every connection (``SO_SNDBUF``/``SO_RCVBUF``): a few steps' messages, so that a
-sender rarely waits in ``sendmsg`` for the other side to read (the kernel may cap it: ``net.core.wmem_max``)."""
-
-
 BACKGROUND_METHODS = frozenset({"push", "push_lookup", "batch"})
 """Requests a connection's sender thread may send (when :func:`send_thread` is on): a client's pushes, alone
 (``push``), with the next lookup (``push_lookup``) or coalesced (``batch``); their arguments are fresh objects
@@ -91,12 +98,6 @@ def send_thread() -> bool:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cpus >= SEND_THREAD_MIN_CPUS
 
-
-def tune(sock: socket.socket) -> None:
-    """``TCP_NODELAY`` and :data:`SOCKET_BUFFER_BYTES` buffers on ``sock`` (a listener: before ``listen``)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 _ADDRESSES: dict[str, str] = {}
 _ADDRESSES_LOCK = threading.Lock()
@@ -147,114 +148,6 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-# ---- the wire: pickle protocol 5 with tensors out of band -----------------------------------------------------
-def _rebuild(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over the received bytes ``buffer`` (uint8, its own memory): no copy."""
-    return buffer.view(dtype).view(shape)
-
-
-def _reduce_tensor(t: torch.Tensor) -> Any:
-    if type(t) is torch.Tensor:   # the usual case, a plain dense CPU tensor: its memory through numpy, no view ops
-        try:
-            array = t.detach().numpy()   # refuses other devices and layouts, quantized, conj/neg views, bfloat16
-        except (RuntimeError, TypeError):
-            array = None
-        if array is not None and array.flags.c_contiguous:
-            return _rebuild, (pickle.PickleBuffer(cast(Any, array)), t.dtype, tuple(t.shape))
-    if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
-        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare: torch's own (in-band) pickling
-    flat = t.detach()
-    if flat.device.type != "cpu" or flat.is_conj() or flat.is_neg() or not flat.is_contiguous():  # else: no copy
-        flat = flat.cpu().resolve_conj().resolve_neg().contiguous()
-    flat = flat.view(-1).view(torch.uint8)
-    return _rebuild, (pickle.PickleBuffer(cast(Any, flat.numpy())), t.dtype, tuple(t.shape))
-
-
-class _Pickler(pickle.Pickler):
-    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
-
-
-def dumps(obj: Any) -> tuple[bytes, list[Any]]:
-    """``(metadata, buffers)``: ``obj`` pickled (protocol 5), each plain ``torch.Tensor`` in it as one raw buffer
-    (its bytes, a view of the tensor's memory when it is contiguous on the CPU)."""
-    buffers: list[Any] = []
-    out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
-    return out.getvalue(), buffers
-
-
-def send_message(sock: socket.socket, kind: int, method: int, rid: int, meta: bytes, buffers: Sequence[Any]) -> None:
-    """Send one message (header, buffer lengths, metadata, buffers) with ``sendmsg``, however many calls it takes.
-
-    Raises:
-        OSError: the connection failed.
-    """
-    lengths = [memoryview(b).nbytes for b in buffers]
-    parts = [memoryview(_HEADER.pack(kind, method, len(buffers), len(meta), rid) + struct.pack(f"<{len(buffers)}Q", *lengths)
-                        + meta)]
-    parts += [memoryview(b).cast("B") for b, n in zip(buffers, lengths) if n]
-    while parts:
-        sent = sock.sendmsg(parts[:_MAX_IOV])
-        while parts and sent >= parts[0].nbytes:
-            sent -= parts[0].nbytes
-            parts.pop(0)
-        if sent:
-            parts[0] = parts[0][sent:]
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got, size = 0, view.nbytes
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("connection closed by the peer")
-        got += n
-
-
-def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill every view of ``views`` from the stream, in order: one ``recvmsg_into`` call when the bytes are there
-    (a scatter read), else as many as it takes."""
-    i = 0
-    while i < len(views):
-        n = sock.recvmsg_into(views[i:i + _MAX_IOV])[0]
-        if n == 0:
-            raise ConnectionError("connection closed by the peer")
-        while i < len(views) and n >= views[i].nbytes:
-            n -= views[i].nbytes
-            i += 1
-        if n:
-            views[i] = views[i][n:]
-
-
-def recv_message(sock: socket.socket, header: bytearray) -> tuple[int, int, int, Any]:
-    """Receive one message: ``(kind, method, request id, the unpickled object)``; tensors land in fresh memory
-    (a ``torch.empty`` each, all filled by one scatter read). ``header``: a reusable ``bytearray`` of the
-    header's size.
-
-    Raises:
-        ConnectionError: the peer closed the connection; OSError: it failed.
-    """
-    _recv_into(sock, memoryview(header))
-    kind, method, count, meta_len, rid = _HEADER.unpack(header)
-    head = bytearray(8 * count + meta_len)
-    _recv_into(sock, memoryview(head))
-    lengths = struct.unpack_from(f"<{count}Q", head)
-    buffers = [torch.empty(n, dtype=torch.uint8) for n in lengths]
-    _recv_all(sock, [memoryview(cast(Any, b.numpy())) for b, n in zip(buffers, lengths) if n])
-    try:
-        value = pickle.loads(memoryview(head)[8 * count:], buffers=buffers)
-    except Exception as e:  # noqa: BLE001  (the message was read whole: the connection goes on)
-        value = Undecodable(f"{type(e).__name__}: {e}")
-    return kind, method, rid, value
-
-
-class Undecodable:
-    """What :func:`recv_message` returns for a message whose metadata did not unpickle (``why`` says why)."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
 # ---- the client side -------------------------------------------------------------------------------------------
 class _Connection:
     """One TCP connection to a server: requests sent under a lock (pushes possibly by a sender thread, see
@@ -279,9 +172,64 @@ class _Connection:
         self._outbox: collections.deque[tuple[int, int, str, tuple]] = collections.deque()  # (rid, number, method, args)
         self._outbox_wake = threading.Condition()
         self.background = send_thread()
+        self.arena: Arena | None = None
+        """The shared-memory arena the server mapped (same host), None: every message inline."""
+        self._blocks: dict[int, list[int | None]] = {}   # request id -> [its buffers' arena block, its answer's]
+        self._reply_bytes: dict[int, int] = {}    # method number -> the block its last answer took in the arena
+        self.shm_requests = self.shm_answers = 0
+        """Requests sent and answers read with their buffers in the arena."""
         threading.Thread(target=self._read, name=f"fxdist-socket-{address}", daemon=True).start()
         if self.background:
             threading.Thread(target=self._send_loop, name=f"fxdist-socket-send-{address}", daemon=True).start()
+        self._attach_shm(timeout_s)
+
+    def _attach_shm(self, timeout_s: float) -> None:
+        """Where the server runs on this host: create an arena, have the server map it, unlink its name (both keep
+        their mappings). Any failure leaves ``arena`` None (messages inline).
+
+        Raises:
+            ValueError: ``FXDIST_SOCKET_SHM_BYTES`` is not a number of bytes.
+        """
+        nbytes = arena_bytes()
+        try:
+            same_host = self.sock.getpeername()[0] == self.sock.getsockname()[0]
+        except OSError:
+            same_host = False
+        arena = Arena.create(nbytes) if nbytes and same_host else None
+        if arena is None:
+            return
+        try:
+            mapped = self.call("attach_shm", (arena.path, arena.size, arena.token), timeout_s).wait() is True
+        except Exception:  # noqa: BLE001  (the server could not map it, or the connection failed: inline it is)
+            mapped = False
+        finally:
+            arena.unlink()
+        if mapped:
+            self.arena = arena
+        else:
+            arena.close()
+
+    def _send(self, number: int, rid: int, meta: bytes, buffers: Sequence[Any]) -> None:
+        """Send request ``rid`` (call under ``_send_lock``): its buffers through the arena when they hold at least
+        ``MIN_MESSAGE_BYTES`` and fit, with a block for the answer when the last answer of this method took one.
+
+        Raises:
+            OSError: the connection failed.
+        """
+        arena, placed, reply = self.arena, None, None
+        if arena is not None and arena.ring is not None:
+            lengths = [memoryview(b).nbytes for b in buffers]
+            data = arena.ring.alloc(block_bytes(lengths)) if sum(lengths) >= MIN_MESSAGE_BYTES else None
+            if data is not None:
+                placed = arena.put(data, buffers)
+                self.shm_requests += 1
+            capacity = self._reply_bytes.get(number, 0)
+            answer = arena.ring.alloc(capacity) if capacity else None
+            if answer is not None:
+                reply = (answer, capacity)
+            if data is not None or answer is not None:
+                self._blocks[rid] = [data, answer]   # before sending: the answer may come before sendmsg returns
+        send_message(self.sock, REQUEST, number, rid, meta, buffers, placed=placed, reply=reply)
 
     def call(self, method: str, args: tuple, timeout_s: float) -> torch.futures.Future:
         number = _METHOD_NUMBERS.get(method)
@@ -308,7 +256,7 @@ class _Connection:
                 raise OSError(self.dead)
             with self._send_lock:
                 self._send_outbox()   # the pushes queued before this request leave first
-                send_message(self.sock, REQUEST, number, rid, meta, buffers)
+                self._send(number, rid, meta, buffers)
         except OSError as e:
             self.pending.pop(rid, None)
             self._fail(f"sending to server {self.address} failed: {e}")
@@ -333,7 +281,7 @@ class _Connection:
                     future.set_exception(RuntimeError(f"transport 'socket': {method} to server {self.address} "
                                                       f"could not be pickled: {type(e).__name__}: {e}"))
                 continue
-            send_message(self.sock, REQUEST, number, rid, meta, buffers)
+            self._send(number, rid, meta, buffers)
 
     def _send_loop(self) -> None:
         """The sender thread: sends what :meth:`call` queues until the connection fails."""
@@ -348,10 +296,13 @@ class _Connection:
                 self._fail(f"sending to server {self.address} failed: {type(e).__name__}: {e}")
 
     def _read(self) -> None:
-        header = bytearray(_HEADER.size)
+        header = bytearray(HEADER.size)
         try:
             while True:
-                kind, _, rid, value = recv_message(self.sock, header)
+                kind, method, rid, value, _, nbytes, shared = recv_frame(self.sock, header, self.arena, self._lent)
+                if self.arena is not None:
+                    self._release(rid, method, nbytes)
+                    self.shm_answers += shared
                 future = self.pending.pop(rid, None)
                 if future is None:  # its wait ran out: dropped
                     continue
@@ -366,6 +317,25 @@ class _Connection:
             self._fail(f"connection to server {self.address} lost: {type(e).__name__}: {e}")
         finally:
             self.sock.close()
+
+    def _lent(self, rid: int) -> int | None:
+        """The answer block of request ``rid``, taken off its blocks: the answer's tensors, which view it, free it
+        when they are gone (``Arena.lend``)."""
+        blocks = self._blocks.get(rid)
+        if blocks is None:
+            return None
+        answer, blocks[1] = blocks[1], None
+        return answer
+
+    def _release(self, rid: int, method: int, nbytes: int) -> None:
+        """Request ``rid`` is answered: free its arena blocks but a lent answer block (the server read the
+        request's when it came; an answer block it did not use is free again) and size the next answer block of
+        ``method`` to this answer."""
+        ring = cast(Any, cast(Arena, self.arena).ring)
+        for first in self._blocks.pop(rid, ()):
+            if first is not None:
+                ring.free(first)
+        self._reply_bytes[method] = nbytes if nbytes >= MIN_MESSAGE_BYTES else 0
 
     def _fail(self, why: str) -> None:
         """Mark the connection dead and fail every request still waiting on it (a plain RuntimeError)."""

@@ -1,0 +1,229 @@
+"""The ``socket`` transport's wire format: one message = header, buffer lengths, metadata, raw buffers.
+
+A message is
+
+- a 16-byte header ``<BBHIQ``: kind (request, answer, error; with the shared-memory flags :data:`SHM_DATA`,
+  :data:`SHM_REPLY`), method (index in ``socket_transport.WIRE_METHODS``), the number ``n`` of raw buffers, the
+  length of the metadata, the request id;
+- ``n`` buffer lengths (``<nQ``); with :data:`SHM_DATA`, ``n`` offsets into the connection's shared-memory arena
+  (``<nQ``, the buffers are there and not on the stream); with :data:`SHM_REPLY`, the ``(offset, capacity)`` of
+  the arena block the answer may go into (``<2Q``); then the metadata: the arguments (or the answer, or the
+  server's exception) pickled with protocol 5, every dense CPU tensor replaced by an out-of-band buffer
+  (:func:`dumps`);
+- the ``n`` buffers (unless in the arena), each a tensor's bytes, sent with ``sendmsg`` from the tensor's own
+  memory and received with ``recv_into`` a fresh ``torch.empty`` (no per-element work, no copy beyond the kernel's).
+
+Used by both ends: the client connections (:mod:`scheduling.ps.socket_transport`) and the server
+(:mod:`scheduling.ps.socket_server`).
+
+Source: Python ``socket`` (``sendmsg``, ``recv_into``, ``TCP_NODELAY``); PEP 574 (pickle protocol 5,
+out-of-band buffers).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+import socket
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from .shm_arena import block_bytes
+
+__all__ = ["REQUEST", "ANSWER", "ERROR", "SHM_DATA", "SHM_REPLY", "HEADER", "SOCKET_BUFFER_BYTES", "tune", "dumps",
+           "send_message", "recv_frame", "recv_message", "Frame", "Undecodable"]
+
+REQUEST, ANSWER, ERROR = 0, 1, 2
+"""Message kinds: a request; its answer; the server's exception instead of an answer."""
+SHM_DATA, SHM_REPLY = 0x10, 0x20
+"""Flags on a header's kind: the buffers are in the client's shared-memory arena (their offsets follow the
+lengths); the request carries the arena block its answer may be written into."""
+_KIND_MASK = 0x0F
+HEADER = _HEADER = struct.Struct("<BBHIQ")
+"""A message's fixed header: kind (with flags), method, buffer count, metadata length, request id."""
+_MAX_IOV = 512  # buffers per sendmsg call (the kernel's IOV_MAX is 1024)
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Send and receive buffer of every connection (``SO_SNDBUF``/``SO_RCVBUF``): a few steps' messages, so that a
+sender rarely waits in ``sendmsg`` for the other side to read (the kernel may cap it: ``net.core.wmem_max``)."""
+
+
+def tune(sock: socket.socket) -> None:
+    """``TCP_NODELAY`` and :data:`SOCKET_BUFFER_BYTES` buffers on ``sock`` (a listener: before ``listen``)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+# ---- the wire: pickle protocol 5 with tensors out of band -----------------------------------------------------
+def _rebuild(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over the received bytes ``buffer`` (uint8, its own memory): no copy."""
+    return buffer.view(dtype).view(shape)
+
+
+def _reduce_tensor(t: torch.Tensor) -> Any:
+    if type(t) is torch.Tensor:   # the usual case, a plain dense CPU tensor: its memory through numpy, no view ops
+        try:
+            array = t.detach().numpy()   # refuses other devices and layouts, quantized, conj/neg views, bfloat16
+        except (RuntimeError, TypeError):
+            array = None
+        if array is not None and array.flags.c_contiguous:
+            return _rebuild, (pickle.PickleBuffer(cast(Any, array)), t.dtype, tuple(t.shape))
+    if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # rare: torch's own (in-band) pickling
+    flat = t.detach()
+    if flat.device.type != "cpu" or flat.is_conj() or flat.is_neg() or not flat.is_contiguous():  # else: no copy
+        flat = flat.cpu().resolve_conj().resolve_neg().contiguous()
+    flat = flat.view(-1).view(torch.uint8)
+    return _rebuild, (pickle.PickleBuffer(cast(Any, flat.numpy())), t.dtype, tuple(t.shape))
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+
+
+def dumps(obj: Any) -> tuple[bytes, list[Any]]:
+    """``(metadata, buffers)``: ``obj`` pickled (protocol 5), each plain ``torch.Tensor`` in it as one raw buffer
+    (its bytes, a view of the tensor's memory when it is contiguous on the CPU)."""
+    buffers: list[Any] = []
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+    return out.getvalue(), buffers
+
+
+def send_message(sock: socket.socket, kind: int, method: int, rid: int, meta: bytes, buffers: Sequence[Any], *,
+                 placed: Sequence[int] | None = None, reply: tuple[int, int] | None = None) -> None:
+    """Send one message (header, buffer lengths, metadata, buffers) with ``sendmsg``, however many calls it takes.
+
+    ``placed``: the buffers were copied into the connection's shared-memory arena at these offsets
+    (:mod:`scheduling.ps.shm_arena`): only their lengths and offsets are sent. ``reply`` (a request's): the
+    ``(offset, capacity)`` of the arena block the server may write the answer's buffers into.
+
+    Raises:
+        OSError: the connection failed.
+    """
+    lengths = [memoryview(b).nbytes for b in buffers]
+    flags = (SHM_DATA if placed is not None else 0) | (SHM_REPLY if reply is not None else 0)
+    head = _HEADER.pack(kind | flags, method, len(buffers), len(meta), rid) + struct.pack(f"<{len(buffers)}Q", *lengths)
+    if placed is not None:
+        head += struct.pack(f"<{len(placed)}Q", *placed)
+    if reply is not None:
+        head += struct.pack("<2Q", *reply)
+    parts = [memoryview(head + meta)]
+    if placed is None:
+        parts += [memoryview(b).cast("B") for b, n in zip(buffers, lengths) if n]
+    while parts:
+        sent = sock.sendmsg(parts[:_MAX_IOV])
+        while parts and sent >= parts[0].nbytes:
+            sent -= parts[0].nbytes
+            parts.pop(0)
+        if sent:
+            parts[0] = parts[0][sent:]
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, size = 0, view.nbytes
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed by the peer")
+        got += n
+
+
+def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view of ``views`` from the stream, in order: one ``recvmsg_into`` call when the bytes are there
+    (a scatter read), else as many as it takes."""
+    i = 0
+    while i < len(views):
+        n = sock.recvmsg_into(views[i:i + _MAX_IOV])[0]
+        if n == 0:
+            raise ConnectionError("connection closed by the peer")
+        while i < len(views) and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+
+
+class Frame(NamedTuple):
+    """One received message: its kind (:data:`REQUEST`, :data:`ANSWER`, :data:`ERROR`), method number, request id,
+    the unpickled object (or :class:`Undecodable`), the ``(offset, capacity)`` of the arena block a request's
+    answer may go into (None), the bytes its buffers take in an arena block (``shm_arena.block_bytes``) and
+    whether they came through the arena."""
+
+    kind: int
+    method: int
+    rid: int
+    value: Any
+    reply: tuple[int, int] | None
+    nbytes: int
+    shared: bool
+
+
+def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
+               lent: Callable[[int], int | None] | None = None) -> Frame:
+    """Receive one message; tensors land in fresh memory (a ``torch.empty`` each, all filled by one scatter read,
+    or copied out of ``arena``, the connection's :class:`~scheduling.ps.shm_arena.Arena`, where the sender placed
+    them there). ``lent(rid)``: the arena block this side gave request ``rid`` for its answer, or None; an answer
+    placed there is not copied: its tensors view the block, freed once they are gone (``Arena.lend``).
+    ``header``: a reusable ``bytearray`` of the header's size. A message whose metadata does not
+    unpickle, or whose buffers are in an arena this side does not have, comes as :class:`Undecodable` (the
+    stream goes on).
+
+    Raises:
+        ConnectionError: the peer closed the connection; OSError: it failed.
+    """
+    _recv_into(sock, memoryview(header))
+    flagged, method, count, meta_len, rid = _HEADER.unpack(header)
+    placed, replied = flagged & SHM_DATA, flagged & SHM_REPLY
+    head = bytearray(8 * count * (2 if placed else 1) + (16 if replied else 0) + meta_len)
+    _recv_into(sock, memoryview(head))
+    lengths = struct.unpack_from(f"<{count}Q", head)
+    at = 8 * count
+    offsets = struct.unpack_from(f"<{count}Q", head, at) if placed else ()
+    at += 8 * count if placed else 0
+    reply = cast(tuple[int, int], struct.unpack_from("<2Q", head, at)) if replied else None
+    at += 16 if replied else 0
+    value: Any = None
+    if placed:
+        try:
+            if arena is None:
+                raise ValueError("its buffers are in a shared-memory arena this side has not mapped")
+            block = lent(rid) if lent is not None and offsets else None
+            try:
+                buffers = arena.take(offsets, lengths) if block is None else arena.lend(block, offsets, lengths)
+            except ValueError:
+                if block is not None:
+                    arena.ring.free(block)
+                raise
+        except ValueError as e:
+            value, buffers = Undecodable(str(e)), []
+    else:
+        buffers = [torch.empty(n, dtype=torch.uint8) for n in lengths]
+        _recv_all(sock, [memoryview(cast(Any, b.numpy())) for b, n in zip(buffers, lengths) if n])
+    if value is None:
+        try:
+            value = pickle.loads(memoryview(head)[at:], buffers=buffers)
+        except Exception as e:  # noqa: BLE001  (the message was read whole: the connection goes on)
+            value = Undecodable(f"{type(e).__name__}: {e}")
+    return Frame(flagged & _KIND_MASK, method, rid, value, reply, block_bytes(lengths), bool(placed))
+
+
+def recv_message(sock: socket.socket, header: bytearray) -> tuple[int, int, int, Any]:
+    """``(kind, method, request id, the unpickled object)`` of one message without an arena (:func:`recv_frame`).
+
+    Raises:
+        ConnectionError: the peer closed the connection; OSError: it failed.
+    """
+    frame = recv_frame(sock, header)
+    return frame.kind, frame.method, frame.rid, frame.value
+
+
+class Undecodable:
+    """What :func:`recv_message` returns for a message whose metadata did not unpickle (``why`` says why)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
