@@ -63,7 +63,7 @@ SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms",
            "fx_rpc_prefetch_0ms", "fx_rpc_stale1_0ms", "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms",
            "fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms",
-           "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms")
+           "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms", "fx_shm0_prefetch_0ms", "fx_shm0_stale1_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_*``: fxdist over the
 ``socket`` transport, the job's default (``scheduling.ps.socket_transport``; no RPC group); ``fx_stale1_0ms``:
 prefetch with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i``
@@ -74,16 +74,20 @@ dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_r
 over RPC); ``fx_nice<N>_*``: the separate servers at nice ``N`` (a lower CPU priority than the trainers',
 :func:`server_nice`), the others at the trainers' own; ``fx_send1_*`` / ``fx_send0_*``: the trainers' pushes sent
 by each connection's sender thread / by the thread that makes them (``FXDIST_SOCKET_SEND_THREAD``, see
-``scheduling.ps.socket_transport.send_thread``), the others as that setting's ``auto`` picks (on from 8 CPUs)."""
+``scheduling.ps.socket_transport.send_thread``), the others as that setting's ``auto`` picks (on from 8 CPUs);
+``fx_shm0_*``: every message over the socket (``FXDIST_SOCKET_SHM_BYTES=0``), where the others pass large buffers
+through a shared-memory arena per connection (``scheduling.ps.shm_arena``; trainers and servers share a host)."""
 NICE_TAG = re.compile(r"nice(\d+)")
 """The word of an fxdist system's name that sets its servers' nice value (``fx_nice19_prefetch_0ms``: 19)."""
 SEND_TAG = re.compile(r"send([01])")
 """The word of an fxdist system's name that sets its trainers' ``FXDIST_SOCKET_SEND_THREAD`` (``fx_send1_*``: 1)."""
-_VALUED_TAGS = (NICE_TAG, SEND_TAG)
+SHM_TAG = re.compile(r"shm(0)")
+"""The word of an fxdist system's name that turns its trainers' shared-memory arenas off (``fx_shm0_*``)."""
+_VALUED_TAGS = (NICE_TAG, SEND_TAG, SHM_TAG)
 """The tags of an fxdist system's name that carry a value (:func:`_tag_value`)."""
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not any(t.fullmatch(p) for t in _VALUED_TAGS for p in s.split("_")))
-"""peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*`` and ``fx_send<0|1>_*``
-comparisons."""
+"""peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*``, ``fx_send<0|1>_*`` and
+``fx_shm0_*`` comparisons."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -444,7 +448,8 @@ def _regions_on_client(client: Any) -> None:
 
 _TAGS = ("rpc", "inproc", "dynamic")
 """The words of an fxdist system's name between ``fx_`` and its schedule (``fx_rpc_inproc_prefetch_0ms``); besides
-them ``nice<N>`` (:func:`server_nice`) and ``send<0|1>`` (:func:`send_thread_setting`)."""
+them ``nice<N>`` (:func:`server_nice`), ``send<0|1>`` (:func:`send_thread_setting`) and ``shm0``
+(:func:`shm_setting`)."""
 
 
 def _tags(system: str) -> set[str]:
@@ -464,6 +469,12 @@ def send_thread_setting(system: str) -> str | None:
     """``FXDIST_SOCKET_SEND_THREAD`` for fxdist system ``system``'s trainers: ``"1"`` for ``fx_send1_*``, ``"0"``
     for ``fx_send0_*``, None (the environment's, by default ``auto``) otherwise."""
     return _tag_value(system, SEND_TAG)
+
+
+def shm_setting(system: str) -> str | None:
+    """``FXDIST_SOCKET_SHM_BYTES`` for fxdist system ``system``'s trainers: ``"0"`` (no arena) for ``fx_shm0_*``,
+    None (the environment's, by default an arena per connection) otherwise."""
+    return _tag_value(system, SHM_TAG)
 
 
 def server_nice(system: str, default: int = 0) -> int:
@@ -615,6 +626,8 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
     torch.set_num_threads(1)
     if (send := send_thread_setting(s.system)) is not None:   # before the first connection opens
         os.environ["FXDIST_SOCKET_SEND_THREAD"] = send
+    if (shm := shm_setting(s.system)) is not None:
+        os.environ["FXDIST_SOCKET_SHM_BYTES"] = shm
     if pids is not None and rank == 0:
         _PIDS.append(pids)
     _quiet()

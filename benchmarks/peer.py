@@ -41,6 +41,9 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_send1_prefetch_0ms`` / ``fx_send0_prefetch_0ms``: exact prefetch with the trainers' pushes pickled and sent
   by a sender thread of each socket connection / by the trainer's main thread in its backward hook
   (``FXDIST_SOCKET_SEND_THREAD=1`` / ``0``); the other ``fx_*`` systems take the setting's ``auto`` (on from 8 CPUs);
+- ``fx_shm0_prefetch_0ms`` / ``fx_shm0_stale1_0ms``: the same with every message over the socket
+  (``FXDIST_SOCKET_SHM_BYTES=0``); the other ``fx_*`` systems pass a message's large buffers (a push's gradients, a
+  lookup's answer) through a shared-memory arena of each trainer's connection (``scheduling.ps.shm_arena``);
 - ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
   tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
@@ -139,7 +142,9 @@ PAIRS = (("socket / torch_rpc transport", "fx_prefetch_0ms", "fx_rpc_prefetch_0m
          ("servers at nice 19 / at the trainers' priority", "fx_nice19_prefetch_0ms", "fx_prefetch_0ms"),
          ("staleness 1, servers at nice 19 / at the trainers'", "fx_nice19_stale1_0ms", "fx_stale1_0ms"),
          ("pushes sent by a sender thread / by the main thread", "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms"),
-         ("pushes as auto picks / by the main thread", "fx_prefetch_0ms", "fx_send0_prefetch_0ms"))
+         ("pushes as auto picks / by the main thread", "fx_prefetch_0ms", "fx_send0_prefetch_0ms"),
+         ("large buffers through shared memory / all over the socket", "fx_prefetch_0ms", "fx_shm0_prefetch_0ms"),
+         ("staleness 1, shared memory / all over the socket", "fx_stale1_0ms", "fx_shm0_stale1_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
 NOISE = re.compile(f"{TENSORPIPE_SHUTDOWN.pattern}|"
                    r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$")

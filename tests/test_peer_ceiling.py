@@ -118,7 +118,8 @@ def test_fx_nice_systems_name_their_servers_nice_value_and_the_others_keep_the_t
     assert {"fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms"} <= set(peer.SYSTEMS)
     assert set(peer.SYSTEMS) - set(peer.DEFAULT_SYSTEMS) == {"fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms",
                                                              "fx_nice4_prefetch_0ms", "fx_send1_prefetch_0ms",
-                                                             "fx_send0_prefetch_0ms"}   # on demand only
+                                                             "fx_send0_prefetch_0ms", "fx_shm0_prefetch_0ms",
+                                                             "fx_shm0_stale1_0ms"}   # on demand only
     assert peer._fx_kind("fx_nice19_prefetch_0ms") == "prefetch" and peer._fx_kind("fx_nice19_stale1_0ms") == "stale1"
     assert peer.server_nice("fx_nice19_prefetch_0ms") == 19 and peer.server_nice("fx_nice4_prefetch_0ms", 7) == 4
     assert peer.server_nice("fx_prefetch_0ms") == 0 and peer.server_nice("fx_stale1_0ms", 5) == 5  # --server-nice
@@ -133,3 +134,10 @@ def test_fx_send_systems_set_their_trainers_send_thread_and_the_others_leave_it_
     assert peer._fx_kind("fx_send1_prefetch_0ms") == "prefetch" and peer._fx_kind("fx_nice19_send0_stale1_0ms") == "stale1"
     assert peer.over_socket("fx_send1_prefetch_0ms") and not peer.in_trainers("fx_send1_prefetch_0ms")
     assert peer.server_nice("fx_send1_prefetch_0ms", 3) == 3 and peer.server_nice("fx_send0_nice7_prefetch_0ms") == 7
+
+
+def test_fx_shm0_systems_turn_their_trainers_arenas_off_and_the_others_leave_it_to_the_environment():
+    assert peer.shm_setting("fx_shm0_prefetch_0ms") == "0" and peer.shm_setting("fx_shm0_stale1_0ms") == "0"
+    assert peer.shm_setting("fx_prefetch_0ms") is None and peer.shm_setting("fx_send0_prefetch_0ms") is None
+    assert peer._fx_kind("fx_shm0_stale1_0ms") == "stale1" and peer.send_thread_setting("fx_shm0_send1_prefetch_0ms") == "1"
+    assert peer.over_socket("fx_shm0_prefetch_0ms") and not peer.in_trainers("fx_shm0_prefetch_0ms")
