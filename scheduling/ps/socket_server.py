@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .endpoints import Endpoints, ServerEndpoints
-from .shm_arena import MIN_MESSAGE_BYTES, Arena, block_bytes
+from .shm_arena import ALIGN, MIN_MESSAGE_BYTES, Arena, block_bytes
 from .socket_transport import WIRE_METHODS
 from .socket_wire import ANSWER, ERROR, REQUEST, Undecodable, dumps, recv_frame, send_message, tune
 
@@ -64,7 +64,7 @@ class _Peer:
         if reply is not None and arena is not None:
             lengths = [memoryview(b).nbytes for b in buffers]
             first, capacity = reply
-            if (sum(lengths) >= MIN_MESSAGE_BYTES and block_bytes(lengths) <= capacity and first > 0
+            if (sum(lengths) >= MIN_MESSAGE_BYTES and block_bytes(lengths) <= capacity and first >= ALIGN
                     and first + capacity <= arena.size):
                 placed = arena.put(first, buffers)   # the client's block for this request alone
         try:
