@@ -221,7 +221,10 @@ class Arena:
             raise ValueError(f"shared-memory buffers [{first}, {end}) outside the arena of {self.size} bytes")
         block = numpy.frombuffer(self._map, dtype=numpy.uint8, count=end - first, offset=first)
         weakref.finalize(block, cast(Ring, self.ring).free, first)   # its slices (and their tensors) hold it
-        return [torch.from_numpy(block[at - first:at - first + n]) for at, n in zip(offsets, lengths)]
+        # an empty buffer shares its offset with the next one (``put`` lays it out in no bytes): a view there
+        # would give two tensors of different dtypes one address, which ``torch.save`` refuses
+        return [torch.from_numpy(block[at - first:at - first + n]) if n else torch.empty(0, dtype=torch.uint8)
+                for at, n in zip(offsets, lengths)]
 
     def close(self) -> None:
         """Unmap (the views handed out by :meth:`take` are copies, unaffected)."""

@@ -63,7 +63,7 @@ from .socket_wire import (
 )
 
 __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
-           "parse_address", "route_locally", "send_thread", "BACKGROUND_METHODS",
+           "parse_address", "route_locally", "send_thread", "BACKGROUND_METHODS", "LENT_METHODS",
            # the wire (scheduling.ps.socket_wire), re-exported
            "dumps", "send_message", "recv_message", "recv_frame", "Frame", "Undecodable", "tune",
            "SOCKET_BUFFER_BYTES", "REQUEST", "ANSWER", "ERROR"]
@@ -76,6 +76,9 @@ BACKGROUND_METHODS = frozenset({"push", "push_lookup", "batch"})
 """Requests a connection's sender thread may send (when :func:`send_thread` is on): a client's pushes, alone
 (``push``), with the next lookup (``push_lookup``) or coalesced (``batch``); their arguments are fresh objects
 the caller no longer changes."""
+LENT_METHODS = frozenset({"lookup", "push_lookup", "batch"})
+"""Requests whose answers, when they come through the shared-memory arena, are used where they lie instead of
+copied out: lookups, whose rows the client pools into new tensors at once (or uses within the step)."""
 SEND_THREAD_MIN_CPUS = 8
 """``FXDIST_SOCKET_SEND_THREAD=auto`` (the default) turns the sender thread on where this process may run on at
 least this many CPUs: a host with cores to spare beside its trainers and servers. Below it (2 cores shared by two
@@ -318,11 +321,12 @@ class _Connection:
         finally:
             self.sock.close()
 
-    def _lent(self, rid: int) -> int | None:
-        """The answer block of request ``rid``, taken off its blocks: the answer's tensors, which view it, free it
-        when they are gone (``Arena.lend``)."""
+    def _lent(self, rid: int, method: int) -> int | None:
+        """The answer block of request ``rid``, taken off its blocks, where its answer is a lookup's
+        (:data:`LENT_METHODS`): the answer's tensors view the block and free it when they are gone
+        (``Arena.lend``). Other answers (a ``state_dict`` one may keep for long, holding the ring) are copied out."""
         blocks = self._blocks.get(rid)
-        if blocks is None:
+        if blocks is None or method >= len(WIRE_METHODS) or WIRE_METHODS[method] not in LENT_METHODS:
             return None
         answer, blocks[1] = blocks[1], None
         return answer

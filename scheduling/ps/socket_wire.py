@@ -164,10 +164,10 @@ class Frame(NamedTuple):
 
 
 def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
-               lent: Callable[[int], int | None] | None = None) -> Frame:
+               lent: Callable[[int, int], int | None] | None = None) -> Frame:
     """Receive one message; tensors land in fresh memory (a ``torch.empty`` each, all filled by one scatter read,
     or copied out of ``arena``, the connection's :class:`~scheduling.ps.shm_arena.Arena`, where the sender placed
-    them there). ``lent(rid)``: the arena block this side gave request ``rid`` for its answer, or None; an answer
+    them there). ``lent(rid, method)``: the arena block this side gave request ``rid`` for its answer to keep, or None; an answer
     placed there is not copied: its tensors view the block, freed once they are gone (``Arena.lend``).
     ``header``: a reusable ``bytearray`` of the header's size. A message whose metadata does not
     unpickle, or whose buffers are in an arena this side does not have, comes as :class:`Undecodable` (the
@@ -192,7 +192,7 @@ def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
         try:
             if arena is None:
                 raise ValueError("its buffers are in a shared-memory arena this side has not mapped")
-            block = lent(rid) if lent is not None and offsets else None
+            block = lent(rid, method) if lent is not None and offsets else None
             try:
                 buffers = arena.take(offsets, lengths) if block is None else arena.lend(block, offsets, lengths)
             except ValueError:

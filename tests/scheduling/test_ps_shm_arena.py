@@ -12,7 +12,9 @@ process (spawned) maps it as well.
 from __future__ import annotations
 
 import gc
+import io
 import os
+import pickle
 import uuid
 
 import pytest
@@ -88,6 +90,30 @@ def test_a_server_maps_only_the_clients_own_arena():
         assert torch.equal(got[0].view(torch.int32), torch.arange(700, dtype=torch.int32)) and bytes(got[1]) == b"xyz"
         with pytest.raises(ValueError, match="outside the arena"):
             other.take([arena.size - 8], [16])
+    finally:
+        arena.unlink()
+
+
+def test_lent_buffers_unpickle_to_tensors_torch_save_takes():
+    """Empty tensors beside others (a dynamic table's state, a checkpoint's) come back savable: no two lent
+    tensors share an address."""
+    from scheduling.ps.shm_arena import block_bytes
+    from scheduling.ps.socket_wire import dumps
+
+    arena = Arena.create(1 << 20)
+    assert arena is not None
+    try:
+        value = (torch.zeros(0, dtype=torch.int64), torch.ones(70_000), torch.zeros(0), torch.arange(5))
+        meta, buffers = dumps(value)
+        lengths = [memoryview(b).nbytes for b in buffers]
+        first = arena.ring.alloc(block_bytes(lengths))
+        got = pickle.loads(meta, buffers=arena.lend(first, arena.put(first, buffers), lengths))
+        torch.save(got, io.BytesIO())
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, value, strict=True))
+        assert arena.ring.live() == [(first, first + block_bytes(lengths))]
+        del got
+        gc.collect()
+        assert arena.ring.live() == []
     finally:
         arena.unlink()
 
@@ -193,6 +219,11 @@ def test_answers_kept_alive_hold_their_blocks_and_the_rest_goes_inline(monkeypat
         assert conn.arena.ring.live() == []              # the answers gone, their blocks free
         third = _raw_lookups(client, 3, keep)
         assert conn.shm_answers == 6
+        keep.clear()
+        gc.collect()
+        states = [client.state_dict() for _ in range(3)]   # 512 KB: the first inline, then through the arena
+        assert conn.shm_answers == 8 and conn.arena.ring.live() == []   # copied out: held states hold no block
+        assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
     finally:
         client.close()
         server.close()
