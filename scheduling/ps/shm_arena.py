@@ -13,7 +13,8 @@ client asks (:meth:`Arena.attach`, which checks a random token the client wrote 
 another host, or in another container, cannot map the same file and answers no), then the client unlinks the name
 (nothing is left in ``/dev/shm`` once both have mapped it). The client alone allocates in it (:class:`Ring`): per
 request a block for the request's buffers and one the server writes the answer's into; both are freed when the
-answer arrives, whenever that is. A request that is never answered keeps its blocks, the ring then fills up, and
+answer arrives, whenever that is, except a lookup's answer block, which the answer's tensors view and free when
+they are gone (:meth:`Arena.lend`). A request that is never answered keeps its blocks, the ring then fills up, and
 messages go inline over the socket again, as they do when a message does not fit.
 
 Source: POSIX shared memory (``/dev/shm``, ``mmap``, ``posix_fallocate``); the idea of passing large payloads

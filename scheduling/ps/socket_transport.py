@@ -12,7 +12,8 @@ Where the server runs on the client's host, the connection also has a shared-mem
 (:mod:`scheduling.ps.shm_arena`; ``FXDIST_SOCKET_SHM_BYTES``, 0: off): a message whose buffers hold at least
 64 KiB (a push's gradients) has them copied into it and sends their offsets instead (``socket_wire.SHM_DATA``);
 a request carries a block for its answer (``SHM_REPLY``, sized by the method's last answer), into which the
-server copies a large answer, which the client then uses where it lies. Anything that does not fit goes inline.
+server copies a large answer (a lookup's the client then uses where it lies, :data:`LENT_METHODS`; others it copies
+out). Anything that does not fit goes inline.
 
 A reader thread per connection matches answers to requests by id and completes their
 ``torch.futures.Future``. Pushes (:data:`BACKGROUND_METHODS`, sent from autograd hooks in backward) may be pickled
