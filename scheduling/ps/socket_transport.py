@@ -10,7 +10,7 @@ as a raw buffer, sent with ``sendmsg`` from the tensor's own memory and received
 
 Where the server runs on the client's host, the connection also has a shared-memory arena
 (:mod:`scheduling.ps.shm_arena`; ``FXDIST_SOCKET_SHM_BYTES``, 0: off): a message whose buffers hold at least
-64 KiB (a push's gradients) has them copied into it and sends their offsets instead (``socket_wire.SHM_DATA``);
+512 KiB (a push's gradients) has them copied into it and sends their offsets instead (``socket_wire.SHM_DATA``);
 a request carries a block for its answer (``SHM_REPLY``, sized by the method's last answer), into which the
 server copies a large answer (a lookup's the client then uses where it lies, :data:`LENT_METHODS`; others it copies
 out). Anything that does not fit goes inline.

@@ -33,7 +33,7 @@ from scheduling.ps.socket_transport import _CONNECTIONS, SocketTransport
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(shm_arena.SHM_DIR), reason="no /dev/shm on this machine")
 
-FEATURES, DIM, ROWS = 4, 64, 500
+FEATURES, DIM, ROWS = 4, 64, 1000
 
 
 # ---- the ring -----------------------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def _client(address: str, name: str) -> PSClient:
 
 
 def test_answers_and_tables_through_the_arena_are_those_over_the_socket(monkeypatch):
-    batches = [512, 16, 512, 1024, 128, 512, 512]   # the push of 16 x 4 x 64 floats and 512 samples' ids: inline
+    batches = [512, 16, 512, 1024, 128, 512, 512]   # pushes of 16 or 128 x 4 x 64 floats (< 512 KiB): inline
     servers = [_server(), _server()]
     results = {}
     try:
@@ -186,9 +186,9 @@ def test_answers_and_tables_through_the_arena_are_those_over_the_socket(monkeypa
     assert on_tables.keys() == off_tables.keys() and all(torch.equal(on_tables[k], off_tables[k]) for k in on_tables)
     assert off_conn.arena is None and off_conn.shm_requests == off_conn.shm_answers == 0
     assert on_conn.arena is not None
-    # every push but the 16-sample one went through the arena; an answer where the method's last answer was as
-    # large (the first of each method, a 512-sample answer after a 128-sample one, ... went over the socket)
-    assert on_conn.shm_requests == len(batches) - 1 and 3 <= on_conn.shm_answers < len(batches)
+    # every push but the 16- and 128-sample ones went through the arena; an answer where the method's last answer
+    # was as large (the first of each method, a 512-sample answer after a 128-sample one, ... went over the socket)
+    assert on_conn.shm_requests == len(batches) - 2 and 2 <= on_conn.shm_answers < len(batches)
     assert not os.path.exists(on_conn.arena.path)   # unlinked once mapped
 
 
@@ -221,7 +221,7 @@ def test_answers_kept_alive_hold_their_blocks_and_the_rest_goes_inline(monkeypat
         assert conn.shm_answers == 6
         keep.clear()
         gc.collect()
-        states = [client.state_dict() for _ in range(3)]   # 512 KB: the first inline, then through the arena
+        states = [client.state_dict() for _ in range(3)]   # 1 MB: the first inline, then through the arena
         assert conn.shm_answers == 8 and conn.arena.ring.live() == []   # copied out: held states hold no block
         assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
     finally:
