@@ -43,7 +43,7 @@ SHM_DATA, SHM_REPLY = 0x10, 0x20
 """Flags on a header's kind: the buffers are in the client's shared-memory arena (their offsets follow the
 lengths); the request carries the arena block its answer may be written into."""
 _KIND_MASK = 0x0F
-HEADER = _HEADER = struct.Struct("<BBHIQ")
+HEADER = struct.Struct("<BBHIQ")
 """A message's fixed header: kind (with flags), method, buffer count, metadata length, request id."""
 _MAX_IOV = 512  # buffers per sendmsg call (the kernel's IOV_MAX is 1024)
 SOCKET_BUFFER_BYTES = 4 << 20
@@ -60,7 +60,8 @@ def tune(sock: socket.socket) -> None:
 
 # ---- the wire: pickle protocol 5 with tensors out of band -----------------------------------------------------
 def _rebuild(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over the received bytes ``buffer`` (uint8, its own memory): no copy."""
+    """A tensor over the received bytes ``buffer`` (uint8: its own memory, or a lookup's answer block in the
+    shared-memory arena, ``Arena.lend``): no copy."""
     return buffer.view(dtype).view(shape)
 
 
@@ -107,7 +108,7 @@ def send_message(sock: socket.socket, kind: int, method: int, rid: int, meta: by
     """
     lengths = [memoryview(b).nbytes for b in buffers]
     flags = (SHM_DATA if placed is not None else 0) | (SHM_REPLY if reply is not None else 0)
-    head = _HEADER.pack(kind | flags, method, len(buffers), len(meta), rid) + struct.pack(f"<{len(buffers)}Q", *lengths)
+    head = HEADER.pack(kind | flags, method, len(buffers), len(meta), rid) + struct.pack(f"<{len(buffers)}Q", *lengths)
     if placed is not None:
         head += struct.pack(f"<{len(placed)}Q", *placed)
     if reply is not None:
@@ -177,7 +178,7 @@ def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
         ConnectionError: the peer closed the connection; OSError: it failed.
     """
     _recv_into(sock, memoryview(header))
-    flagged, method, count, meta_len, rid = _HEADER.unpack(header)
+    flagged, method, count, meta_len, rid = HEADER.unpack(header)
     placed, replied = flagged & SHM_DATA, flagged & SHM_REPLY
     head = bytearray(8 * count * (2 if placed else 1) + (16 if replied else 0) + meta_len)
     _recv_into(sock, memoryview(head))
