@@ -189,18 +189,15 @@ def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
     reply = cast(tuple[int, int], struct.unpack_from("<2Q", head, at)) if replied else None
     at += 16 if replied else 0
     value: Any = None
-    if placed:
+    if placed and arena is None:
+        value, buffers = Undecodable("its buffers are in a shared-memory arena this side has not mapped"), []
+    elif placed:
+        block = lent(rid, method) if lent is not None and offsets else None
         try:
-            if arena is None:
-                raise ValueError("its buffers are in a shared-memory arena this side has not mapped")
-            block = lent(rid, method) if lent is not None and offsets else None
-            try:
-                buffers = arena.take(offsets, lengths) if block is None else arena.lend(block, offsets, lengths)
-            except ValueError:
-                if block is not None:
-                    arena.ring.free(block)
-                raise
-        except ValueError as e:
+            buffers = arena.take(offsets, lengths) if block is None else arena.lend(block, offsets, lengths)
+        except ValueError as e:   # a buffer outside the arena: the answer's block (if lent) is free again
+            if block is not None:
+                arena.ring.free(block)
             value, buffers = Undecodable(str(e)), []
     else:
         buffers = [torch.empty(n, dtype=torch.uint8) for n in lengths]
