@@ -11,7 +11,8 @@ The arena belongs to the client's connection (:class:`Arena` ``create``): one fi
 refuses it at once instead of killing the process with ``SIGBUS`` on a later write. The server maps it when the
 client asks (:meth:`Arena.attach`, which checks a random token the client wrote at its start: a server on
 another host, or in another container, cannot map the same file and answers no), then the client unlinks the name
-(nothing is left in ``/dev/shm`` once both have mapped it). The client alone allocates in it (:class:`Ring`): per
+(nothing is left in ``/dev/shm`` once both have mapped it). The client does not wait for the answer: its messages go
+inline until it comes (``socket_transport._Connection._attach_shm``). The client alone allocates in it (:class:`Ring`): per
 request a block for the request's buffers and one the server writes the answer's into; both are freed when the
 answer arrives, whenever that is, except a lookup's answer block, which the answer's tensors view and free when
 they are gone (:meth:`Arena.lend`). A request that is never answered keeps its blocks, the ring then fills up, and

@@ -86,6 +86,11 @@ least this many CPUs: a host with cores to spare beside its trainers and servers
 trainers and a server) the thread would only add a hand-over to the same CPU work."""
 
 
+ATTACH_TIMEOUT_S = 5.0
+"""Seconds a connection waits at most for the server to map its shared-memory arena (or the request's timeout, if
+shorter); a live server answers within milliseconds. Past it the connection stays inline and the file is removed."""
+
+
 def send_thread() -> bool:
     """Whether this process's connections send pushes from a sender thread: ``FXDIST_SOCKET_SEND_THREAD`` =
     ``1`` (yes), ``0`` (no) or ``auto`` (the default: yes with at least :data:`SEND_THREAD_MIN_CPUS` CPUs
@@ -182,14 +187,21 @@ class _Connection:
         self._reply_bytes: dict[int, int] = {}    # method number -> the block its last answer took in the arena
         self.shm_requests = self.shm_answers = 0
         """Requests sent and answers read with their buffers in the arena."""
+        self.attached: torch.futures.Future | None = None
+        """The ``attach_shm`` request's Future (True: the server mapped the arena), None where none was sent."""
         threading.Thread(target=self._read, name=f"fxdist-socket-{address}", daemon=True).start()
         if self.background:
             threading.Thread(target=self._send_loop, name=f"fxdist-socket-send-{address}", daemon=True).start()
         self._attach_shm(timeout_s)
 
     def _attach_shm(self, timeout_s: float) -> None:
-        """Where the server runs on this host: create an arena, have the server map it, unlink its name (both keep
-        their mappings). Any failure leaves ``arena`` None (messages inline).
+        """Where the server runs on this host: create an arena and ask the server to map it, without waiting (a
+        server that is slow to answer, or busy, must not hold up this connection's first request): messages go
+        inline until the answer comes. Its answer precedes the answers of every later request (the server maps in
+        its reader thread), and the reader thread, on reading it, unlinks the arena's name (both sides keep their
+        mappings) and sets ``arena``; where the server cannot map it, the connection fails or the request times
+        out (:data:`ATTACH_TIMEOUT_S`: till then the arena's file is in ``/dev/shm``), the arena is closed and
+        ``arena`` stays None (messages inline). ``attached``: that request's Future.
 
         Raises:
             ValueError: ``FXDIST_SOCKET_SHM_BYTES`` is not a number of bytes.
@@ -202,16 +214,26 @@ class _Connection:
         arena = Arena.create(nbytes) if nbytes and same_host else None
         if arena is None:
             return
-        try:
-            mapped = self.call("attach_shm", (arena.path, arena.size, arena.token), timeout_s).wait() is True
-        except Exception:  # noqa: BLE001  (the server could not map it, or the connection failed: inline it is)
-            mapped = False
-        finally:
+
+        def answered(future: torch.futures.Future) -> None:
+            try:
+                mapped = future.value() is True
+            except Exception:  # noqa: BLE001  (the server could not map it, or the connection failed: inline it is)
+                mapped = False
             arena.unlink()
-        if mapped:
-            self.arena = arena
-        else:
+            if mapped and self.dead is None:
+                self.arena = arena
+            else:
+                arena.close()
+
+        try:
+            self.attached = self.call("attach_shm", (arena.path, arena.size, arena.token),
+                                      min(timeout_s, ATTACH_TIMEOUT_S))
+        except Exception:  # noqa: BLE001  (the connection failed at once: inline, and the next call says why)
+            arena.unlink()
             arena.close()
+            return
+        self.attached.add_done_callback(answered)
 
     def _send(self, number: int, rid: int, meta: bytes, buffers: Sequence[Any]) -> None:
         """Send request ``rid`` (call under ``_send_lock``): its buffers through the arena when they hold at least

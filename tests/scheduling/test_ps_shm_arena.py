@@ -15,6 +15,7 @@ import gc
 import io
 import os
 import pickle
+import time
 import uuid
 
 import pytest
@@ -280,3 +281,35 @@ def test_a_server_in_another_process_maps_the_arena(monkeypatch):
         reference.close()
         server.close()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
+    """The connection asks the server to map its arena without waiting: against a server that accepts and never
+    answers, the first request is sent at once (the attach still pending), and once the attach's own time is up
+    the file is gone and the connection stays inline."""
+    import socket
+    import threading
+
+    from scheduling.ps import socket_transport
+
+    monkeypatch.delenv("FXDIST_SOCKET_SHM_BYTES", raising=False)
+    monkeypatch.setattr(socket_transport, "ATTACH_TIMEOUT_S", 0.2)
+    before = set(os.listdir(shm_arena.SHM_DIR))
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        held: list = []
+        threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+        future = SocketTransport([address]).call_async(0, "stats", (), 30.0)
+        conn = _CONNECTIONS[address]
+        assert conn.attached is not None and not conn.attached.done()   # the request did not wait for it
+        assert not future.done()
+        with pytest.raises(RuntimeError, match="within 0.2 s"):
+            conn.attached.wait()
+        left = lambda: {f for f in set(os.listdir(shm_arena.SHM_DIR)) - before if f.startswith("fxdist-socket-")}  # noqa: E731
+        deadline = time.monotonic() + 10.0   # the Future's callbacks (unlink, close) may still be running
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not left() and conn.arena is None
+        conn._fail("test over")
+        with pytest.raises(RuntimeError):
+            future.wait()
