@@ -12,7 +12,8 @@ refuses it at once instead of killing the process with ``SIGBUS`` on a later wri
 client asks (:meth:`Arena.attach`, which checks a random token the client wrote at its start: a server on
 another host, or in another container, cannot map the same file and answers no), then the client unlinks the name
 (nothing is left in ``/dev/shm`` once both have mapped it). The client does not wait for the answer: its messages go
-inline until it comes (``socket_transport._Connection._attach_shm``). The client alone allocates in it (:class:`Ring`): per
+inline until it comes (``socket_transport._Connection._attach_shm``); a process that exits normally before then
+removes its file at exit. The client alone allocates in it (:class:`Ring`): per
 request a block for the request's buffers and one the server writes the answer's into; both are freed when the
 answer arrives, whenever that is, except a lookup's answer block, which the answer's tensors view and free when
 they are gone (:meth:`Arena.lend`). A request that is never answered keeps its blocks, the ring then fills up, and
@@ -24,6 +25,7 @@ beside a socket's control messages is TensorPipe's ``shm`` channel (``tensorpipe
 
 from __future__ import annotations
 
+import atexit
 import collections
 import mmap
 import os
@@ -155,6 +157,7 @@ class Arena:
         os.close(fd)
         token = secrets.token_bytes(_TOKEN)
         mapped[:_TOKEN] = token
+        _NAMED.add(path)   # until unlinked; removed at this process's exit if still there
         return cls(mapped, path, token, owner=True)
 
     @classmethod
@@ -251,8 +254,21 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
+_NAMED: set[str] = set()
+"""The files this process created and has not unlinked yet (an arena whose server has not answered)."""
+
+
 def _unlink(path: str) -> None:
+    _NAMED.discard(path)
     try:
         os.unlink(path)
     except OSError:
         pass
+
+
+@atexit.register
+def _unlink_named() -> None:
+    """At a normal exit, remove the files of arenas still waiting for their server's answer (a process killed
+    leaves them, as any ``/dev/shm`` file)."""
+    for path in list(_NAMED):
+        _unlink(path)

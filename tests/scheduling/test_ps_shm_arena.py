@@ -313,3 +313,18 @@ def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
         conn._fail("test over")
         with pytest.raises(RuntimeError):
             future.wait()
+
+
+def test_a_process_that_exits_before_its_server_answers_leaves_no_file():
+    """An arena not yet unlinked (its server has not answered) is removed when the process exits normally."""
+    import subprocess
+    import sys
+
+    code = ("from scheduling.ps.shm_arena import Arena\n"
+            "arena = Arena.create(1 << 20)\n"
+            "print(arena.path)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    path = out.stdout.strip()
+    assert path.startswith(os.path.join(shm_arena.SHM_DIR, "fxdist-socket-")), out
+    assert not os.path.exists(path)
