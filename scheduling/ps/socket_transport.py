@@ -80,6 +80,7 @@ the caller no longer changes."""
 LENT_METHODS = frozenset({"lookup", "push_lookup", "batch"})
 """Requests whose answers, when they come through the shared-memory arena, are used where they lie instead of
 copied out: lookups, whose rows the client pools into new tensors at once (or uses within the step)."""
+_LENT_NUMBERS = frozenset(_METHOD_NUMBERS[m] for m in LENT_METHODS)
 SEND_THREAD_MIN_CPUS = 8
 """``FXDIST_SOCKET_SEND_THREAD=auto`` (the default) turns the sender thread on where this process may run on at
 least this many CPUs: a host with cores to spare beside its trainers and servers. Below it (2 cores shared by two
@@ -349,7 +350,7 @@ class _Connection:
         (:data:`LENT_METHODS`): the answer's tensors view the block and free it when they are gone
         (``Arena.lend``). Other answers (a ``state_dict`` one may keep for long, holding the ring) are copied out."""
         blocks = self._blocks.get(rid)
-        if blocks is None or method >= len(WIRE_METHODS) or WIRE_METHODS[method] not in LENT_METHODS:
+        if blocks is None or method not in _LENT_NUMBERS:
             return None
         answer, blocks[1] = blocks[1], None
         return answer

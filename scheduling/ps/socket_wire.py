@@ -168,8 +168,9 @@ def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
                lent: Callable[[int, int], int | None] | None = None) -> Frame:
     """Receive one message; tensors land in fresh memory (a ``torch.empty`` each, all filled by one scatter read,
     or copied out of ``arena``, the connection's :class:`~scheduling.ps.shm_arena.Arena`, where the sender placed
-    them there). ``lent(rid, method)``: the arena block this side gave request ``rid`` for its answer to keep, or None; an answer
-    placed there is not copied: its tensors view the block, freed once they are gone (``Arena.lend``).
+    them there). ``lent(rid, method)``: the arena block this side gave request ``rid`` for its answer to keep, or
+    None; an answer placed there is not copied: its tensors view the block, freed once they are gone
+    (``Arena.lend``).
     ``header``: a reusable ``bytearray`` of the header's size. A message whose metadata does not
     unpickle, or whose buffers are in an arena this side does not have, comes as :class:`Undecodable` (the
     stream goes on).

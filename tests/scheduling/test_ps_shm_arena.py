@@ -193,6 +193,11 @@ def test_answers_and_tables_through_the_arena_are_those_over_the_socket(monkeypa
     assert not os.path.exists(on_conn.arena.path)   # unlinked once mapped
 
 
+def _arena_files(before: set[str]) -> set[str]:
+    """The arena files in :data:`SHM_DIR` not in ``before`` (a listing taken earlier)."""
+    return {f for f in set(os.listdir(shm_arena.SHM_DIR)) - before if f.startswith("fxdist-socket-")}
+
+
 def _raw_lookups(client: PSClient, count: int, keep: list) -> list[torch.Tensor]:
     """``count`` lookups of 512-sample batches through the transport itself: its answers (kept in ``keep``: the
     client's own lookups pool them into new tensors at once) and their copies."""
@@ -252,7 +257,7 @@ def test_a_server_that_cannot_map_the_arena_leaves_the_connection_inline(monkeyp
     finally:
         client.close()
         server.close()
-    assert not {f for f in set(os.listdir(shm_arena.SHM_DIR)) - before if f.startswith("fxdist-socket-")}
+    assert not _arena_files(before)
 
 
 def test_a_server_in_another_process_maps_the_arena(monkeypatch):
@@ -305,11 +310,10 @@ def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
         assert not future.done()
         with pytest.raises(RuntimeError, match="within 0.2 s"):
             conn.attached.wait()
-        left = lambda: {f for f in set(os.listdir(shm_arena.SHM_DIR)) - before if f.startswith("fxdist-socket-")}  # noqa: E731
         deadline = time.monotonic() + 10.0   # the Future's callbacks (unlink, close) may still be running
-        while left() and time.monotonic() < deadline:
+        while _arena_files(before) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not left() and conn.arena is None
+        assert not _arena_files(before) and conn.arena is None
         conn._fail("test over")
         with pytest.raises(RuntimeError):
             future.wait()
