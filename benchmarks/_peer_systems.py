@@ -65,7 +65,7 @@ SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms",
            "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms", "fx_shm0_prefetch_0ms", "fx_shm0_stale1_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_*``: fxdist over the
-``socket`` transport, the job's default (``scheduling.ps.socket_transport``; no RPC group); ``fx_stale1_0ms``:
+``socket`` transport, the job's default (``scheduling.ps.transport.socket_transport``; no RPC group); ``fx_stale1_0ms``:
 prefetch with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i``
 inside trainer ``i``'s process (``in_trainers.serve_in_trainer_socket``: 2 processes instead of 4; the other
 trainer's requests over its socket, its own called directly); ``fx_dynamic_*``: prefetch with the 26 tables
@@ -74,9 +74,9 @@ dynamic (``scheduling.ps.dynamic``, capacity = the size's rows, raw ids); ``fx_r
 over RPC); ``fx_nice<N>_*``: the separate servers at nice ``N`` (a lower CPU priority than the trainers',
 :func:`server_nice`), the others at the trainers' own; ``fx_send1_*`` / ``fx_send0_*``: the trainers' pushes sent
 by each connection's sender thread / by the thread that makes them (``FXDIST_SOCKET_SEND_THREAD``, see
-``scheduling.ps.socket_transport.send_thread``), the others as that setting's ``auto`` picks (on from 8 CPUs);
+``scheduling.ps.transport.socket_transport.send_thread``), the others as that setting's ``auto`` picks (on from 8 CPUs);
 ``fx_shm0_*``: every message over the socket (``FXDIST_SOCKET_SHM_BYTES=0``), where the others pass large buffers
-through a shared-memory arena per connection (``scheduling.ps.shm_arena``; trainers and servers share a host)."""
+through a shared-memory arena per connection (``scheduling.ps.transport.shm_arena``; trainers and servers share a host)."""
 NICE_TAG = re.compile(r"nice(\d+)")
 """The word of an fxdist system's name that sets its servers' nice value (``fx_nice19_prefetch_0ms``: 19)."""
 SEND_TAG = re.compile(r"send([01])")
@@ -609,7 +609,7 @@ def socket_server_main(index: int, queue: Any, nice: int = 0) -> None:
     on ``queue``, serves until a trainer stops it. ``nice``: as :func:`server_main`'s."""
     import os
 
-    from scheduling.ps.socket_server import serve
+    from scheduling.ps.transport.socket_server import serve
 
     if nice:
         os.nice(nice)
@@ -641,7 +641,7 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
             serve_in_trainer_socket(f"ps{rank}")
             share_addresses([f"ps{i}" for i in range(WORLD)])   # registers the names: the clients pick socket
         elif over_socket(s.system):   # clients given these names pick the socket transport
-            from scheduling.ps.socket_transport import register_servers
+            from scheduling.ps.transport.socket_transport import register_servers
 
             register_servers({f"ps{i}": address for i, address in enumerate(addresses.get(timeout=120))})
         if rpc_group:

@@ -53,7 +53,7 @@ def load_batch_size() -> int:
 def run_job(steps: int) -> dict:
     from jobs.config import load_config
     from jobs.launcher.launch import launch
-    from scheduling.ps.ports import free_port_block
+    from scheduling.ps.transport.ports import free_port_block
 
     config = load_config().replace(job={"steps": steps, "progress": False, "checkpoint_every": 0,
                                         "run_dir": str(ROOT / "runs")},

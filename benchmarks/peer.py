@@ -16,7 +16,7 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_blocking_{0,1}ms`` / ``fx_prefetch_{0,1}ms``: ``fxdist.optimize(model, passes=(parameter_servers(sgd),
   "async_rpc" | "async_rpc_prefetch"))``: the tables on ``--servers`` parameter-server processes (default 2
   where the host has a core for each trainer and server, else 1: :func:`default_servers`; table ``i`` on server
-  ``i % N``), reached over the ``socket`` transport, the job's default (``scheduling.ps.socket_transport``: one TCP
+  ``i % N``), reached over the ``socket`` transport, the job's default (``scheduling.ps.transport.socket_transport``: one TCP
   connection per trainer and server, tensors as raw buffers; the servers bind free ports and publish them to the
   trainers, which start beside them), 0 or 1 ms added server latency per lookup (``PSClient.set_delays``);
   prefetch passes the next batch (``next_sparse_features``); dense part DDP over gloo, without broadcasting
@@ -43,7 +43,7 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
   (``FXDIST_SOCKET_SEND_THREAD=1`` / ``0``); the other ``fx_*`` systems take the setting's ``auto`` (on from 8 CPUs);
 - ``fx_shm0_prefetch_0ms`` / ``fx_shm0_stale1_0ms``: the same with every message over the socket
   (``FXDIST_SOCKET_SHM_BYTES=0``); the other ``fx_*`` systems pass a message's large buffers (a push's gradients, a
-  lookup's answer) through a shared-memory arena of each trainer's connection (``scheduling.ps.shm_arena``);
+  lookup's answer) through a shared-memory arena of each trainer's connection (``scheduling.ps.transport.shm_arena``);
 - ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
   tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
@@ -188,7 +188,7 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     also accounts every process's CPU over the timed steps (its result's ``"cpu"``, ``_peer_cpu.account``);
     ``server_nice``: fxdist's server processes run at this nice value over the trainers' (``fx_nice<N>_*``: at ``N``,
     :func:`systems.server_nice`)."""
-    from scheduling.ps.ports import free_port
+    from scheduling.ps.transport.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

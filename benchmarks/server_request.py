@@ -3,7 +3,7 @@
 The shape of ``benchmarks/peer.py``'s ``fx_prefetch_0ms`` (socket): 26 tables of ``--rows`` x ``--dim`` (one
 feature each, one id per table and sample) placed table-wise on ``--servers`` servers (peer.py's default: 1 on
 fewer than 4 cores, else 2), of which this benchmark runs server 0 (all 26 tables, or 13 of 2 servers) in a child
-process (:func:`scheduling.ps.socket_server.serve`, one torch thread) with SGD. Two trainers (ranks 0 and 1 of one
+process (:func:`scheduling.ps.transport.socket_server.serve`, one torch thread) with SGD. Two trainers (ranks 0 and 1 of one
 group, each its own connection) send per step what a prefetching trainer sends: one ``push_lookup`` (the push of
 step ``k`` and the lookup of step ``k + 1``, the whole 26-key KeyedJaggedTensor of batch ``--batch``) with the
 client's order tuple, and wait for both answers.
@@ -61,7 +61,7 @@ def _server_child(queue: Any, profile_dir: str | None) -> None:
     cProfile and dumps ``reader_<tid>.prof`` there when its connection ends."""
     import threading
 
-    from scheduling.ps import socket_server
+    from scheduling.ps.transport import socket_server
 
     readers: list[threading.Thread] = []
     if profile_dir:
@@ -135,7 +135,7 @@ def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: lis
     """Serve the requests from a child process: (its CPU ms per push_lookup, the lookups answered per rank)."""
     import multiprocessing as mp
 
-    from scheduling.ps.socket_transport import SocketTransport, _Connection
+    from scheduling.ps.transport.socket_transport import SocketTransport, _Connection
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -217,7 +217,7 @@ def in_process(args: argparse.Namespace, batches: list[list[tuple]], grads: list
     server pickles it (:func:`dumps`): (CPU ms per push_lookup request, the lookups' checksums, compared with
     ``reference``'s; this thread's CPU time, the checksums not counted)."""
     from scheduling.ps.endpoints import ServerEndpoints
-    from scheduling.ps.socket_transport import dumps
+    from scheduling.ps.transport.socket_transport import dumps
 
     endpoints = ServerEndpoints(PSServer("ps0"))
     endpoints.configure(*_configure_args(args))

@@ -104,8 +104,8 @@ def main() -> None:
     import fxdist
     import scheduling
     from scheduling import placement
-    from scheduling.ps.socket_server import spawn_servers
-    from scheduling.ps.socket_transport import register_servers, send_thread
+    from scheduling.ps.transport.socket_server import spawn_servers
+    from scheduling.ps.transport.socket_transport import register_servers, send_thread
 
     procs, addresses = spawn_servers(["ps0"])
     register_servers({"ps0": addresses[0]})
@@ -147,7 +147,7 @@ def main() -> None:
         placement.flush(gm)
         placement.close(gm)
     finally:
-        from scheduling.ps.socket_transport import SocketTransport
+        from scheduling.ps.transport.socket_transport import SocketTransport
 
         SocketTransport(addresses).stop(5.0)
         for proc in procs:

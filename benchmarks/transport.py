@@ -12,7 +12,7 @@ latency unless ``--latency-ms``):
    ``async_rpc_prefetch``: QPS (samples/s) of each (the setup of benchmarks/placement.py).
 
 It prints one table: each number for every transport (``--transports``, default all three: ``ray`` is Ray actor
-calls, ``socket`` the lean TCP transport of ``scheduling.ps.socket_transport``) and the ratio of each other one
+calls, ``socket`` the lean TCP transport of ``scheduling.ps.transport.socket_transport``) and the ratio of each other one
 to torch_rpc (for latencies lower is better, for MB/s and QPS higher is better).
 
 Usage::

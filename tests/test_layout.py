@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fxdist", "recsys", "scheduling", "quant", "jobs")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
-RAY_MODULES = {"scheduling.ps.ray_transport", "scheduling.ray_calls"}
+RAY_MODULES = {"scheduling.ps.transport.ray_transport", "scheduling.ray_calls"}
 """The only modules of scheduling/ that import Ray: the ``ray`` transport and the Ray calls of traced models,
 each imported only by code that asks for Ray (ray_calls registers its async pair when imported)."""
 IR_MODULES = {"fxdist.node", "fxdist.graph", "fxdist.codegen", "fxdist._namespace", "fxdist._impure",
@@ -324,19 +324,19 @@ TESTED_ELSEWHERE = {
     "scheduling.placement.eval_mode": "tests/scheduling/test_ps_peek.py",
     "scheduling.placement.find": "tests/scheduling/test_placement_table_groups.py",
     "scheduling.placement.plan": "tests/scheduling/test_placement.py",
-    "scheduling.ray_calls": "tests/scheduling/test_ray_transport.py",
-    "scheduling.async_pairs": "tests/scheduling/test_ray_transport.py",
+    "scheduling.ray_calls": "tests/scheduling/transport/test_ray_transport.py",
+    "scheduling.async_pairs": "tests/scheduling/transport/test_ray_transport.py",
     "scheduling.timeline": "tests/scheduling/test_prefetch.py",
     "scheduling.ps.client": "tests/scheduling/test_ps.py",
     "scheduling.ps.client_state": "tests/scheduling/test_ps_dynamic.py",      # PSClient.server_states, load_server_states
     "scheduling.placement.after": "tests/scheduling/test_placement.py",       # table_state_dict, load_table_state_dict
     "scheduling.ps.ebc": "tests/scheduling/test_ps.py",
-    "scheduling.ps.socket_wire": "tests/scheduling/test_ps_socket_transport.py",  # dumps, send_message, recv_message
+    "scheduling.ps.transport.socket_wire": "tests/scheduling/transport/test_socket_transport.py",  # dumps, send_message, recv_message
     "scheduling.ps.endpoints": "tests/scheduling/test_ps_coalesce.py",
     "scheduling.ps.lifecycle": "tests/scheduling/test_local_cluster.py",
     "scheduling.ps.ops": "tests/scheduling/test_ps.py",
     "scheduling.ps.optimizer": "tests/scheduling/test_sgd_exactness.py",
-    "scheduling.ps.transport": "tests/scheduling/test_local_cluster.py",
+    "scheduling.ps.transport.registry": "tests/scheduling/test_local_cluster.py",
     # quant: the PTQ steps, tested end to end, and the case-study models
     "quant.convert": "tests/quant/test_ptq.py",
     "quant.prepare": "tests/quant/test_ptq.py",

@@ -508,7 +508,7 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: Job
 
 
 def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:
-    """Each server's :meth:`scheduling.ps.ray_transport.PSActor.stats` (with :class:`jobs.trainer.servers.ServerHooks`)
+    """Each server's :meth:`scheduling.ps.transport.ray_transport.PSActor.stats` (with :class:`jobs.trainer.servers.ServerHooks`)
     into the JobState (``ps<i>``); skipped when a server does not answer (a dead one has nothing to report)."""
     import ray
 

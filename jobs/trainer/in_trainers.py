@@ -156,7 +156,7 @@ class InTrainerSocketServers:
         still sends to it)."""
         import torch.distributed as dist
 
-        from scheduling.ps.socket_transport import unregister_servers
+        from scheduling.ps.transport.socket_transport import unregister_servers
 
         if graceful and self.world > 1 and dist.is_initialized():
             dist.barrier()

@@ -38,7 +38,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from scheduling.ps.ports import free_port, free_port_block  # one free_port for the project (re-exported here)
+from scheduling.ps.transport.ports import free_port, free_port_block  # one free_port for the project (re-exported here)
 
 __all__ = ["LABELS", "DEPRECATED_ALIASES", "STEP_BUCKETS", "LOOKUP_BUCKETS", "Exporter", "free_port", "free_port_block"]
 

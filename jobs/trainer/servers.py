@@ -1,6 +1,6 @@
 """Embedding tables on parameter servers: Ray actors running ``scheduling.ps`` servers, and the trainer side.
 
-The servers are Ray actors (``scheduling.ps.ray_transport.PSActor`` with a :class:`ServerHooks`, no CPU
+The servers are Ray actors (``scheduling.ps.transport.ray_transport.PSActor`` with a :class:`ServerHooks`, no CPU
 reserved) that the launcher creates before the trainers start and kills when the job ends (:func:`start_servers`,
 :func:`stop_servers`); they do not share the fate of the trainers' worker group. With ``[cluster] transport =
 "torch_rpc"`` each worker group forms one static ``torch.distributed.rpc`` group of the ``T`` trainers (ranks
@@ -19,15 +19,15 @@ the trainers load the tables of the last checkpoint into them:
   :mod:`jobs.cluster`), and the new rank 0 waits for them (:func:`wait_for_servers`) before they join.
 
 With ``[cluster] transport = "ray"`` there is no RPC group: the trainers call the server actors' methods
-directly (``scheduling.ps.ray_transport``), and each worker group's rank 0 has them ``PSActor.reset()``
+directly (``scheduling.ps.transport.ray_transport``), and each worker group's rank 0 has them ``PSActor.reset()``
 to an empty server instead of joining; the trainers then load the checkpoint's tables as above. A restarted
 server actor needs no re-admission: the same handles reach it.
 
 With ``[cluster] transport = "socket"`` each worker group's rank 0 has the server actors
 ``PSActor.reset_socket()``: an empty server, served on a TCP socket of the actor's node (port 0), whose
 ``host:port`` it broadcasts with the group key; every trainer registers those addresses under ``ps<i>``
-(``scheduling.ps.ray_transport.RaySocketServers``) and sends its requests there
-(``scheduling.ps.socket_transport``), not through Ray. A restarted server actor listens on a new port, which the
+(``scheduling.ps.transport.ray_transport.RaySocketServers``) and sends its requests there
+(``scheduling.ps.transport.socket_transport``), not through Ray. A restarted server actor listens on a new port, which the
 next worker group's rank 0 takes again; the trainers then load the checkpoint's tables as above.
 
 With ``[cluster] servers_in_trainers`` (:mod:`jobs.hosting`) there are no server actors: trainer ``i``'s process
@@ -83,7 +83,7 @@ def _natural(name: str) -> tuple[str, int]:
 
 
 class ServerHooks:
-    """What a job's server actor (``scheduling.ps.ray_transport.PSActor``, its ``hooks``) adds: its metrics
+    """What a job's server actor (``scheduling.ps.transport.ray_transport.PSActor``, its ``hooks``) adds: its metrics
     exporter (the server's own metrics, read at each scrape), where it runs, its peak RSS, and this node's network
     interface before joining a non-loopback RPC group.
 
@@ -141,8 +141,8 @@ class ServerHooks:
 def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
                  timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> Any:
     """Start one server actor of ``cls`` (:func:`scheduling.ps.server_actor_class`, with its ``.options``) for a job: no
-    server until a worker group's rank 0 has it :meth:`~scheduling.ps.ray_transport.PSActor.join` (``torch_rpc``)
-    or :meth:`~scheduling.ps.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says."""
+    server until a worker group's rank 0 has it :meth:`~scheduling.ps.transport.ray_transport.PSActor.join` (``torch_rpc``)
+    or :meth:`~scheduling.ps.transport.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says."""
     return cls.remote(name, fetch_delay_s=fetch_delay_s, num_threads=None, num_worker_threads=num_worker_threads,
                       timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics))
 
@@ -253,7 +253,7 @@ class ServerGroup:
             self.servers = [f"ps{i}" for i in range(self.num_servers)]
             lifecycle: Any = server_group(c.transport)
             if c.transport == "socket":  # the server actors listen on sockets (not LocalCluster's processes)
-                from scheduling.ps.ray_transport import RaySocketServers
+                from scheduling.ps.transport.ray_transport import RaySocketServers
 
                 lifecycle = RaySocketServers
             self.lifecycle = lifecycle(self.servers, c.rpc_timeout_s)
@@ -281,7 +281,7 @@ class ServerGroup:
         RPC group; ``ray``: empties every server) before the other trainers hear the group key; then every
         trainer joins (``torch_rpc``: rank 0 has the servers join too; ``ray``: registers the actors under
         ``ps<i>`` for its clients). Returns the servers' answers on rank 0
-        (:class:`scheduling.ps.lifecycle.TorchRPCServers`, :class:`scheduling.ps.ray_transport.RayServers`)."""
+        (:class:`scheduling.ps.lifecycle.TorchRPCServers`, :class:`scheduling.ps.transport.ray_transport.RayServers`)."""
         from jobs.cluster import is_loopback, set_socket_ifnames
 
         def before_join(host: str) -> None:  # TensorPipe listens on and advertises this node's interface

@@ -36,7 +36,7 @@ the trainer. When traced
 (:mod:`scheduling.ps.ops`), which :func:`scheduling.async_rpc` splits into start/wait pairs.
 
 Transports (:mod:`scheduling.ps.transport`): the above is ``torch_rpc``. With ``ray`` the servers are Ray
-actors (:class:`~scheduling.ps.ray_transport.PSActor`), called as ``handle.lookup.remote(...)`` and waited
+actors (:class:`~scheduling.ps.transport.ray_transport.PSActor`), called as ``handle.lookup.remote(...)`` and waited
 with ``ray.get``; no group, no rendezvous::
 
     with LocalCluster(num_servers=2, transport="ray") as cluster:   # actors registered as "ps0", "ps1"
@@ -63,13 +63,13 @@ _EXPORTS = {
     "RowWiseSGD": "optimizer", "RowWiseAdagrad": "optimizer", "make_optimizer": "optimizer",
     "PSServer": "server", "start_server": "server", "stop_server": "server",
     "PSClient": "client", "ClientOptions": "client_options", "PSUnavailableError": "client", "get_client": "client", "init_trainer": "client",
-    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "local_cluster", "free_port": "ports", "free_port_block": "ports",
+    "PSEmbeddingBagCollection": "ebc", "LocalCluster": "local_cluster", "free_port": "transport.ports", "free_port_block": "transport.ports",
     "group_servers": "local_cluster", "NoGroupError": "local_cluster",
     "ps_lookup": "ops", "ps_push": "ops", "ps_pool": "ops", "ps_backward": "ops",
     "ServerEndpoints": "endpoints", "TRANSPORTS": "transport", "make_transport": "transport",
     "server_group": "lifecycle", "SERVER_GROUPS": "lifecycle", "DEFAULT_WORKER_THREADS": "endpoints",
-    "ProcessHost": "hosts", "ActorHost": "ray_transport", "server_actor_class": "ray_transport", "PSActor": "ray_transport",
-    "wait_all": "ray_transport", "is_bind_failure": "ports",
+    "ProcessHost": "hosts", "ActorHost": "transport.ray_transport", "server_actor_class": "transport.ray_transport", "PSActor": "transport.ray_transport",
+    "wait_all": "transport.ray_transport", "is_bind_failure": "transport.ports",
     "serve_in_trainer": "in_trainers", "stop_serving": "in_trainers", "trainer_servers": "in_trainers",
 }
 __all__ = sorted(_EXPORTS)

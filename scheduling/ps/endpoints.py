@@ -14,7 +14,7 @@ for its turn, so that a waiting request holds none of the server's threads:
 - ``torch_rpc``: the module-level ``_rpc_<method>`` functions of :mod:`scheduling.ps.server` call the
   process-wide endpoints (:func:`scheduling.ps.start_server` sets their server); the ordered ones are
   ``async_execution`` functions answering with a ``torch.futures.Future``;
-- ``ray``: :class:`AsyncEndpoints` is the Ray actor (:mod:`scheduling.ps.ray_transport`), an asyncio actor
+- ``ray``: :class:`AsyncEndpoints` is the Ray actor (:mod:`scheduling.ps.transport.ray_transport`), an asyncio actor
   whose ordered requests are coroutines; a client calls ``handle.lookup.remote(...)`` and waits with
   ``ray.get``.
 

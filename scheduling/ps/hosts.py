@@ -2,8 +2,8 @@
 
 A server group (:mod:`scheduling.ps.lifecycle`) is cut along two axes: the *transport* (``torch_rpc`` or
 ``ray``: how the group meets, joins and leaves, how clients reach the servers; :class:`~scheduling.ps.lifecycle.TorchRPCServers`,
-:class:`~scheduling.ps.ray_transport.RayServers`) and the *host* here: :class:`ProcessHost` (child processes
-of this process, a ``LocalCluster`` with ``torch_rpc``) or :class:`scheduling.ps.ray_transport.ActorHost` (Ray
+:class:`~scheduling.ps.transport.ray_transport.RayServers`) and the *host* here: :class:`ProcessHost` (child processes
+of this process, a ``LocalCluster`` with ``torch_rpc``) or :class:`scheduling.ps.transport.ray_transport.ActorHost` (Ray
 actors, a ``LocalCluster`` with ``ray`` and every job; there, since only the Ray modules of ``scheduling`` import
 Ray, docs/CONTRACTS.md). Both have ``kill(index)`` and ``kill_all()``. Every kill goes through a host: :meth:`kill` is a crash of one server (restarted
 where the host restarts it: a Ray actor with ``max_restarts`` left), :meth:`kill_all` ends every server for

@@ -28,11 +28,11 @@ Use (in every trainer process, before it joins the group; rank 0 hosts the rende
     stop_serving()                                        # after leaving the group
 
 Over the ``socket`` transport instead of RPC (:func:`serve_in_trainer_socket`): the same server also listens on a
-TCP port of its own (:class:`~scheduling.ps.socket_server.SocketServer` over the same endpoints, reader threads
+TCP port of its own (:class:`~scheduling.ps.transport.socket_server.SocketServer` over the same endpoints, reader threads
 in this process), the trainers learn each other's addresses through their process group
 (:func:`share_addresses`), and the clients name the servers ``ps<i>``; this process's requests to its own
 server still skip the transport (its address is routed to :func:`call_local`,
-:func:`scheduling.ps.socket_transport.route_locally`)::
+:func:`scheduling.ps.transport.socket_transport.route_locally`)::
 
     dist.init_process_group("gloo", ...)                  # the trainers' group
     serve_in_trainer_socket(f"ps{rank}")                  # listens on a free port
@@ -62,7 +62,7 @@ _HOSTED: dict[str, tuple[Endpoints, bool]] = {}
 _OWN_THREAD: list[Any] = []
 """The one-thread executor running this process's own requests (``own_requests="thread"``), or empty."""
 _SOCKET: list[Any] = []
-"""The :class:`~scheduling.ps.socket_server.SocketServer` of :func:`serve_in_trainer_socket`, or empty."""
+"""The :class:`~scheduling.ps.transport.socket_server.SocketServer` of :func:`serve_in_trainer_socket`, or empty."""
 OWN_REQUESTS = ("inline", "thread")
 """Where a trainer's direct requests to its own server run: on the calling thread, or on one server thread."""
 
@@ -132,7 +132,7 @@ def stop_serving() -> None:
     from . import server as _srv
 
     if _SOCKET:
-        from .socket_transport import route_locally
+        from .transport.socket_transport import route_locally
 
         route_locally(_SOCKET[0].address, None)
         _SOCKET[0].close()
@@ -148,7 +148,7 @@ def stop_serving() -> None:
 def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> Any:
     """:func:`serve_in_trainer` ``(name, **kwargs)`` for clients of the ``socket`` transport: the server also
     listens on ``host:port`` (port 0: a free one, bound at once) for the other trainers' requests, served on
-    reader threads of this process (:class:`~scheduling.ps.socket_server.SocketServer` over the same endpoints);
+    reader threads of this process (:class:`~scheduling.ps.transport.socket_server.SocketServer` over the same endpoints);
     with ``direct`` (the default) this process's own requests to ``name`` or to its address skip the socket.
 
     Args:
@@ -160,7 +160,7 @@ def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *
             ``own_requests``).
 
     Returns:
-        The :class:`~scheduling.ps.socket_server.SocketServer` (its ``address``: ``"host:port"`` as bound).
+        The :class:`~scheduling.ps.transport.socket_server.SocketServer` (its ``address``: ``"host:port"`` as bound).
 
     Raises:
         RuntimeError: a parameter server already runs in this process.
@@ -170,8 +170,8 @@ def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *
     import functools
 
     from . import server as _srv
-    from .socket_server import SocketServer
-    from .socket_transport import route_locally
+    from .transport.socket_server import SocketServer
+    from .transport.socket_transport import route_locally
 
     serve_in_trainer(name, **kwargs)
     try:
@@ -189,7 +189,7 @@ def share_addresses(names: list[str], group: Any = None) -> dict[str, str]:
     """Tell every trainer of the process group ``group`` (default: the default group; none initialised: this
     process alone) where each server listens: rank ``i`` hosts ``names[i]`` (:func:`serve_in_trainer_socket`,
     called before), ranks from ``len(names)`` on host none. A collective: every rank calls it. Registers the
-    names for this process's socket clients (:func:`scheduling.ps.socket_transport.register_servers`) and
+    names for this process's socket clients (:func:`scheduling.ps.transport.socket_transport.register_servers`) and
     returns ``{name: "host:port"}``.
 
     Raises:
@@ -198,7 +198,7 @@ def share_addresses(names: list[str], group: Any = None) -> dict[str, str]:
     """
     import torch.distributed as dist
 
-    from .socket_transport import register_servers
+    from .transport.socket_transport import register_servers
 
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if len(names) > world:

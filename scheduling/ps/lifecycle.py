@@ -1,10 +1,10 @@
 """Running a group of parameter servers: start, kill, stop, and a job's rendezvous, join and leave.
 
 A server group is cut along two axes. The *transport* axis is this module: one lifecycle class per transport,
-named in :data:`SERVER_GROUPS` (:class:`TorchRPCServers` here, :class:`scheduling.ps.ray_transport.RayServers`),
+named in :data:`SERVER_GROUPS` (:class:`TorchRPCServers` here, :class:`scheduling.ps.transport.ray_transport.RayServers`),
 for how the group meets, joins and leaves; how a client sends its requests is :mod:`scheduling.ps.transport`'s
 part. The *host* axis is where the servers run, the lifecycle's ``host``: child processes
-(:class:`scheduling.ps.hosts.ProcessHost`) or Ray actors (:class:`scheduling.ps.ray_transport.ActorHost`);
+(:class:`scheduling.ps.hosts.ProcessHost`) or Ray actors (:class:`scheduling.ps.transport.ray_transport.ActorHost`);
 every kill goes through it (``kill(index)``, restarted where the host restarts; ``kill_all()``, for good).
 :class:`scheduling.ps.LocalCluster` and a job's worker group (``jobs.trainer.servers.ServerGroup``) hold one lifecycle
 object and call the same methods, so neither branches on the transport.
@@ -21,8 +21,9 @@ from typing import Any
 
 from .client import init_trainer
 from .hosts import ProcessHost
-from .ports import BIND_ATTEMPTS, free_port, is_bind_failure, reserve_port
-from .transport import TorchRPCTransport, _load
+from .transport.ports import BIND_ATTEMPTS, free_port, is_bind_failure, reserve_port
+from .transport.registry import load_class
+from .transport.torch_rpc import TorchRPCTransport
 
 __all__ = ["TorchRPCServers", "SERVER_GROUPS", "server_group"]
 
@@ -71,7 +72,7 @@ class TorchRPCServers:
     def start(self, kwargs: Sequence[dict[str, Any]], *, port: int, trainer_name: str, ctx: Any) -> int:
         """Start one server process per name (``kwargs[i]`` to its ``start_server``; rank ``i + 1``) and join
         their group as rank 0, ``trainer_name``, hosting the rendezvous on loopback ``port``. When that port was
-        taken before the rendezvous bound it (:func:`scheduling.ps.ports.is_bind_failure`), the servers are
+        taken before the rendezvous bound it (:func:`scheduling.ps.transport.ports.is_bind_failure`), the servers are
         killed and the group starts again on a new free port, up to ``BIND_ATTEMPTS`` ports in all. Returns the
         port the group met on.
 
@@ -99,7 +100,7 @@ class TorchRPCServers:
 
     def kill(self, index: int) -> None:
         """Kill server ``index`` (a crash: no goodbye to the group): its process with SIGKILL, or in a job its
-        actor, which Ray restarts while it has restarts left (:meth:`scheduling.ps.ray_transport.ActorHost.kill`)."""
+        actor, which Ray restarts while it has restarts left (:meth:`scheduling.ps.transport.ray_transport.ActorHost.kill`)."""
         self.host.kill(index)
 
     def kill_all(self) -> None:
@@ -135,7 +136,7 @@ class TorchRPCServers:
     # ---- in a job: the launcher's server actors (jobs.trainer.servers) ----
     def rendezvous(self, host: str, actors: Sequence[Any]) -> tuple[str, int]:
         """Rank 0 of a new trainer group: where the new RPC group meets, ``(host, a free port of host)``. The
-        port stays reserved (:func:`scheduling.ps.ports.reserve_port`) until rank 0's :meth:`join` has bound it,
+        port stays reserved (:func:`scheduling.ps.transport.ports.reserve_port`) until rank 0's :meth:`join` has bound it,
         so no other process is handed it in between (issue 32).
 
         Raises:
@@ -154,7 +155,7 @@ class TorchRPCServers:
         Raises:
             scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s``.
         """
-        from .ray_transport import ActorHost, wait_all
+        from .transport.ray_transport import ActorHost, wait_all
 
         self.host = ActorHost(actors)
         host, port = rendezvous
@@ -189,14 +190,14 @@ class TorchRPCServers:
         with filtered_stderr():  # TensorPipe's lines as members leave (recsys.quiet.TENSORPIPE_SHUTDOWN)
             rpc.shutdown(graceful=False)
         if graceful and rank == 0 and actors:
-            from .ray_transport import wait_all
+            from .transport.ray_transport import wait_all
 
             wait_all([a.leave.remote() for a in actors], self.timeout_s)
 
 
 SERVER_GROUPS = {"torch_rpc": "scheduling.ps.lifecycle:TorchRPCServers",
-                 "ray": "scheduling.ps.ray_transport:RayServers",
-                 "socket": "scheduling.ps.socket_server:SocketServers"}
+                 "ray": "scheduling.ps.transport.ray_transport:RayServers",
+                 "socket": "scheduling.ps.transport.socket_server:SocketServers"}
 """Transport name -> the class running its servers' lifecycle (start, reset/join, kill, stop); the ``ray`` and
 ``socket`` ones are imported only when asked for (``socket``: on one machine only, ``LocalCluster``)."""
 
@@ -207,4 +208,4 @@ def server_group(name: str) -> type:
     Raises:
         ValueError: an unknown transport; the message lists the known ones.
     """
-    return _load(SERVER_GROUPS, name)
+    return load_class(SERVER_GROUPS, name)

@@ -1,6 +1,6 @@
 """Start a small parameter-server group on this machine: N server processes plus this process as trainer.
 
-With ``transport="ray"`` the servers are Ray actors (:mod:`scheduling.ps.ray_transport`) of this process's
+With ``transport="ray"`` the servers are Ray actors (:mod:`scheduling.ps.transport.ray_transport`) of this process's
 Ray session (a local one is started if none runs) and there is no RPC group.
 
 Used by the tests, the benchmark and the Criteo example; :func:`group_servers` finds the servers of the group
@@ -17,7 +17,7 @@ from typing import Any
 
 from .endpoints import DEFAULT_WORKER_THREADS
 from .lifecycle import server_group
-from .ports import free_port
+from .transport.ports import free_port
 
 __all__ = ["LocalCluster", "group_servers", "NoGroupError"]
 

@@ -112,7 +112,7 @@ class _PushInBackward:
     def after_accumulate(self, leaf: torch.Tensor) -> None:
         """As a leaf's post-accumulate-grad hook: push ``leaf.grad`` and drop it from the leaf. The gradient reaches
         ``.grad`` before the push holds it, so autograd stores it without a copy, even when the push is sent later
-        by another thread (``scheduling.ps.socket_transport.send_thread``)."""
+        by another thread (``scheduling.ps.transport.socket_transport.send_thread``)."""
         grad, leaf.grad = leaf.grad, None
         if grad is not None:
             self(grad)

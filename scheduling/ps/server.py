@@ -4,7 +4,7 @@ A server process calls :func:`start_server`, which creates the process-wide :cla
 RPC group. Clients then call the module-level ``_rpc_*`` functions below by RPC (they must be importable
 by the server, so they live here, never in ``__main__``); each hands the request to the transport-independent
 :class:`~scheduling.ps.endpoints.ServerEndpoints`, which with the ``ray`` transport is the Ray actor itself
-(:mod:`scheduling.ps.ray_transport`). The lookups and pushes are ``async_execution`` functions: they return a
+(:mod:`scheduling.ps.transport.ray_transport`). The lookups and pushes are ``async_execution`` functions: they return a
 ``torch.futures.Future`` at once, so a request that waits for its turn (:mod:`scheduling.ps.ordering`) holds
 none of the ``num_worker_threads`` TensorPipe threads. The shards themselves are created by the first
 client that connects (:meth:`PSServer.configure`) or loaded from a checkpoint given to :func:`start_server`.
@@ -36,12 +36,12 @@ from .dynamic_fused import group_shards
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
 from .fused import FusedTables
 from .optimizer import RowWiseOptimizer, make_optimizer
-from .rendezvous import rpc_backend_options
 from .server_state import ServerState
 from .server_state import Shard as _Shard
 from .server_stats import ServerStats
 from .shard_plan import ShardSpec
 from .storage import RowStore, make_store
+from .transport.rendezvous import rpc_backend_options
 
 __all__ = ["PSServer", "start_server", "stop_server", "server_layout", "rpc_backend_options", "Batch",
            "reset_rpc_process_state", "freeze_process_objects"]

@@ -42,8 +42,8 @@ def test_the_lifecycle_refuses_actors_and_kills():
 
 
 def test_the_socket_lifecycle_serves_ps_rank_on_a_socket_and_drops_it_on_leave():
-    from scheduling.ps import socket_transport
     from scheduling.ps.in_trainers import hosted_worker
+    from scheduling.ps.transport import socket_transport
 
     group = InTrainerSocketServers(["ps0"], 5.0)
     with pytest.raises(ValueError, match="1 server actors given; servers in the trainers have none"):

@@ -105,7 +105,7 @@ def _query(port: int, expr: str) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_prometheus_scrapes_the_new_metrics_from_a_server_actors_exporter(tmp_path):
     from jobs.trainer.servers import ServerHooks
-    from scheduling.ps.ray_transport import PSActor
+    from scheduling.ps.transport.ray_transport import PSActor
 
     binary = _prometheus()
     actor = PSActor("ps0", num_threads=None, serve_at_start=False,

@@ -262,7 +262,7 @@ def run_group(in_trainers: str | None) -> dict[int, dict[str, Any]]:
     "tables" (rank 0), "hits"}}}``."""
     import multiprocessing as mp
 
-    from scheduling.ps.ports import free_port
+    from scheduling.ps.transport.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

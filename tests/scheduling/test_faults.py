@@ -9,7 +9,7 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, PSUnavailableError, init_trainer
-from scheduling.ps.ports import free_port
+from scheduling.ps.transport.ports import free_port
 
 
 def test_unreachable_servers_fail_within_the_timeout():

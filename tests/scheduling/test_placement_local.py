@@ -23,8 +23,8 @@ import scheduling
 from scheduling import placement
 from scheduling.placement.plan import TableInfo, split_local
 from scheduling.ps import LocalCluster
-from scheduling.ps.ports import free_port
 from scheduling.ps.shard_plan import TableSpec
+from scheduling.ps.transport.ports import free_port
 from tests.scheduling._group import ddp_trainer_main, one_server_main, spawn_and_collect
 
 LR, STEPS, BATCH, L, WORLD = 0.5, 4, 6, 5, 2

@@ -76,7 +76,7 @@ class _Actor:
     def __init__(self) -> None:
         import ray
 
-        from scheduling.ps.ray_transport import server_actor_class
+        from scheduling.ps.transport.ray_transport import server_actor_class
 
         self.ray = ray
         self.actor = server_actor_class().remote("ps0")

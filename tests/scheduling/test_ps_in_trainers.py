@@ -13,8 +13,8 @@ import torch
 
 from scheduling.ps import PSClient, get_client, serve_in_trainer, stop_serving, trainer_servers
 from scheduling.ps.in_trainers import call_local, hosted_worker, local_endpoints
-from scheduling.ps.ports import free_port
 from scheduling.ps.shard_plan import TableSpec
+from scheduling.ps.transport.ports import free_port
 from tests.scheduling import _group
 
 

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from scheduling.ps import PSClient, stop_serving
-from scheduling.ps import socket_transport as st
 from scheduling.ps.in_trainers import hosted_worker, local_endpoints, serve_in_trainer_socket, share_addresses
-from scheduling.ps.ports import free_port
 from scheduling.ps.shard_plan import TableSpec
+from scheduling.ps.transport import socket_transport as st
+from scheduling.ps.transport.ports import free_port
 from tests.scheduling import _group
 
 from .test_ps_in_trainers import _kjt
@@ -122,7 +122,7 @@ def _trainer(rank: int, world: int, pg_port: int, addresses: list[str], own: str
 
 @pytest.mark.timeout(400)
 def test_socket_servers_in_trainers_train_exactly_as_separate_socket_servers():
-    from scheduling.ps.socket_server import spawn_servers
+    from scheduling.ps.transport.socket_server import spawn_servers
 
     world, steps = 2, 6
     runs = [("eager", "eager", True, 0.0), ("prefetch", "prefetch", True, 0.0),

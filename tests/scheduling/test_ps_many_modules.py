@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from scheduling.ps import ordering
-from scheduling.ps.ports import free_port
+from scheduling.ps.transport.ports import free_port
 from tests.scheduling._group import leave_one_server_group, spawn_and_collect
 
 NUM_MODULES, WORLD, STEPS, BATCH, BAG, LR = 60, 4, 3, 4, 3, 0.5
@@ -191,7 +191,7 @@ class _BarrierClient:
 
 
 def _ray_trainer(rank: int, server: Any, barrier: Any) -> dict[str, Any]:
-    from scheduling.ps.ray_transport import register_servers
+    from scheduling.ps.transport.ray_transport import register_servers
 
     register_servers({"ps0": server})
     return _train(rank, ["ps0"], "g-ray", "many", _BarrierClient(barrier))
@@ -199,7 +199,7 @@ def _ray_trainer(rank: int, server: Any, barrier: Any) -> dict[str, Any]:
 
 @pytest.mark.timeout(400)
 def test_sixty_modules_four_trainers_one_server_ray(local_ray):
-    from scheduling.ps.ray_transport import kill_actors, start_actors
+    from scheduling.ps.transport.ray_transport import kill_actors, start_actors
 
     ray = local_ray
     (server,) = start_actors(["ps0"])                     # default num_worker_threads (16)

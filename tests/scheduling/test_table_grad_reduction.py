@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from scheduling.ps.ports import free_port
+from scheduling.ps.transport.ports import free_port
 from tests.scheduling._group import ddp_trainer_main, one_server_main, spawn_and_collect
 
 WORLD, STEPS, BATCH, LR = 2, 4, 8, 0.5

@@ -1,4 +1,4 @@
-"""The socket transport's sender thread (``FXDIST_SOCKET_SEND_THREAD``, scheduling/ps/socket_transport.py).
+"""The socket transport's sender thread (``FXDIST_SOCKET_SEND_THREAD``, scheduling/ps/transport/socket_transport.py).
 
 With it on, a connection's pushes are pickled and sent by a thread of their own; every other request first sends
 the pushes queued before it. Differential: a client that pushes and at once looks up, many times, over a connection
@@ -18,11 +18,11 @@ import torch
 from scheduling.ps import PSClient
 from scheduling.ps.endpoints import ServerEndpoints
 from scheduling.ps.server import PSServer
-from scheduling.ps.socket_server import SocketServer
-from scheduling.ps.socket_transport import BACKGROUND_METHODS, SocketTransport, send_thread
+from scheduling.ps.transport.socket_server import SocketServer
+from scheduling.ps.transport.socket_transport import BACKGROUND_METHODS, SocketTransport, send_thread
 
-from .test_ps import _kjt, _tables
-from .test_ps_socket_transport import _Direct
+from ..test_ps import _kjt, _tables
+from .test_socket_transport import _Direct
 
 
 @pytest.fixture()
@@ -59,7 +59,7 @@ def test_a_lookup_leaves_after_the_pushes_queued_before_it(server, sender_thread
     ref.transport = _Direct(ServerEndpoints(PSServer("send0")))
     ref.configure()
     try:
-        from scheduling.ps.socket_transport import _CONNECTIONS
+        from scheduling.ps.transport.socket_transport import _CONNECTIONS
 
         assert _CONNECTIONS[server.address].background
         assert any(t.name == f"fxdist-socket-send-{server.address}" for t in threading.enumerate())

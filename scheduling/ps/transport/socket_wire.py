@@ -13,8 +13,8 @@ A message is
 - the ``n`` buffers (unless in the arena), each a tensor's bytes, sent with ``sendmsg`` from the tensor's own
   memory and received with ``recv_into`` a fresh ``torch.empty`` (no per-element work, no copy beyond the kernel's).
 
-Used by both ends: the client connections (:mod:`scheduling.ps.socket_transport`) and the server
-(:mod:`scheduling.ps.socket_server`).
+Used by both ends: the client connections (:mod:`scheduling.ps.transport.socket_transport`) and the server
+(:mod:`scheduling.ps.transport.socket_server`).
 
 Source: Python ``socket`` (``sendmsg``, ``recv_into``, ``TCP_NODELAY``); PEP 574 (pickle protocol 5,
 out-of-band buffers).
@@ -100,7 +100,7 @@ def send_message(sock: socket.socket, kind: int, method: int, rid: int, meta: by
     """Send one message (header, buffer lengths, metadata, buffers) with ``sendmsg``, however many calls it takes.
 
     ``placed``: the buffers were copied into the connection's shared-memory arena at these offsets
-    (:mod:`scheduling.ps.shm_arena`): only their lengths and offsets are sent. ``reply`` (a request's): the
+    (:mod:`scheduling.ps.transport.shm_arena`): only their lengths and offsets are sent. ``reply`` (a request's): the
     ``(offset, capacity)`` of the arena block the server may write the answer's buffers into.
 
     Raises:
@@ -167,7 +167,7 @@ class Frame(NamedTuple):
 def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
                lent: Callable[[int, int], int | None] | None = None) -> Frame:
     """Receive one message; tensors land in fresh memory (a ``torch.empty`` each, all filled by one scatter read,
-    or copied out of ``arena``, the connection's :class:`~scheduling.ps.shm_arena.Arena`, where the sender placed
+    or copied out of ``arena``, the connection's :class:`~scheduling.ps.transport.shm_arena.Arena`, where the sender placed
     them there). ``lent(rid, method)``: the arena block this side gave request ``rid`` for its answer to keep, or
     None; an answer placed there is not copied: its tensors view the block, freed once they are gone
     (``Arena.lend``).

@@ -1,4 +1,4 @@
-"""scheduling.ps.ports: free ports, and a server group that still assembles when its port is taken first
+"""scheduling.ps.transport.ports: free ports, and a server group that still assembles when its port is taken first
 (issue 32)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from scheduling.ps import LocalCluster
-from scheduling.ps.ports import free_port, free_port_block, is_bind_failure
+from scheduling.ps.transport.ports import free_port, free_port_block, is_bind_failure
 
 
 def test_free_port_is_bindable():
@@ -57,7 +57,7 @@ def test_a_reserved_port_is_refused_to_others_but_the_rendezvous_store_binds_it(
 
     import torch.distributed as dist
 
-    from scheduling.ps.ports import reserve_port
+    from scheduling.ps.transport.ports import reserve_port
 
     port, held = reserve_port()
     try:

@@ -1,4 +1,4 @@
-"""The server side of the ``socket`` transport (:mod:`scheduling.ps.socket_transport`).
+"""The server side of the ``socket`` transport (:mod:`scheduling.ps.transport.socket_transport`).
 
 :class:`SocketServer` listens on a TCP port (port 0: the OS picks a free one, bound at once, so it cannot be
 taken between choosing and binding; :attr:`SocketServer.address` is the real one) and serves one
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .endpoints import Endpoints, ServerEndpoints
+from ..endpoints import Endpoints, ServerEndpoints
 from .shm_arena import ALIGN, MIN_MESSAGE_BYTES, Arena, block_bytes
 from .socket_transport import WIRE_METHODS
 from .socket_wire import ANSWER, ERROR, REQUEST, Undecodable, dumps, recv_frame, send_message, tune
@@ -226,7 +226,7 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str 
     Raises:
         OSError: the address cannot be bound.
     """
-    from .server import PSServer, freeze_process_objects
+    from ..server import PSServer, freeze_process_objects
 
     torch.set_num_threads(num_threads)
     ps = PSServer(name, fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s)
@@ -308,10 +308,10 @@ class SocketServers:
     """The lifecycle of a group of ``socket`` parameter servers (the ``transport`` object of
     :class:`~scheduling.ps.LocalCluster` with ``transport="socket"``): child processes
     (:class:`~scheduling.ps.hosts.ProcessHost`), each listening on a port it bound itself, registered under
-    :attr:`names` for this process's clients (:func:`scheduling.ps.socket_transport.register_servers`). No
+    :attr:`names` for this process's clients (:func:`scheduling.ps.transport.socket_transport.register_servers`). No
     group: nothing to join or leave, a client connects on its first request. Same methods as
     :class:`scheduling.ps.lifecycle.TorchRPCServers` for one machine (a job's server actors:
-    :class:`scheduling.ps.ray_transport.RaySocketServers`).
+    :class:`scheduling.ps.transport.ray_transport.RaySocketServers`).
 
     Args:
         names: the names clients use for the servers (``ps<i>``); ``timeout_s``: how long a server may take to
@@ -321,7 +321,7 @@ class SocketServers:
     name = "socket"
 
     def __init__(self, names: Sequence[str], timeout_s: float) -> None:
-        from .hosts import ProcessHost
+        from ..hosts import ProcessHost
 
         self.names, self.timeout_s = list(names), timeout_s
         self.host = ProcessHost()

@@ -41,8 +41,8 @@ import ray.exceptions as rex
 import torch
 from ray.actor import ActorHandle
 
-from .endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
-from .server import PSServer
+from ..endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
+from ..server import PSServer
 
 __all__ = ["PSActor", "ActorHost", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "MAX_REQUESTS", "server_actor_class", "start_actors", "register_servers",
            "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors", "RayServers", "RaySocketServers",
@@ -128,7 +128,7 @@ class PSActor(AsyncEndpoints):
 
     def reset_socket(self, host: str | None = None) -> dict[str, Any]:
         """``socket`` transport: :meth:`reset`, and serve this actor's endpoints on a TCP socket
-        (:class:`scheduling.ps.socket_server.SocketServer`) bound on ``host`` (None: this node's Ray address), port
+        (:class:`scheduling.ps.transport.socket_server.SocketServer`) bound on ``host`` (None: this node's Ray address), port
         0 (a free one). The socket stays across resets; a restarted actor binds a new one. Returns :meth:`reset`'s
         answer and ``"address"``: the ``"host:port"`` clients connect to.
 
@@ -149,7 +149,7 @@ class PSActor(AsyncEndpoints):
         Raises:
             RuntimeError: the group did not assemble within ``timeout_s`` (from ``torch.distributed.rpc``).
         """
-        from .server import start_server
+        from ..server import start_server
 
         self.leave()
         if self.hooks is not None:
@@ -169,7 +169,7 @@ class PSActor(AsyncEndpoints):
 
     def leave(self) -> None:
         """Leave the RPC group, if in one (at once: ``scheduling.ps.stop_server`` never waits for the others)."""
-        from .server import stop_server
+        from ..server import stop_server
 
         if self.joined:
             self.joined = False
@@ -209,7 +209,7 @@ def _actor_key(handle: ActorHandle) -> str:
 
 
 class ActorHost:
-    """Servers as Ray actors (``scheduling.ps.ray_transport.PSActor``); Ray restarts a killed one while its
+    """Servers as Ray actors (``scheduling.ps.transport.ray_transport.PSActor``); Ray restarts a killed one while its
     ``max_restarts`` (:data:`ACTOR_OPTIONS`) allow. The host axis's Ray half (:mod:`scheduling.ps.hosts`).
 
     Attributes: ``actors``, the actor handles, in server order (set by whoever created or was given them).
@@ -449,7 +449,7 @@ class RaySocketServers(RayServers):
     """The lifecycle of a job's ``socket`` parameter servers (``jobs.trainer.servers.ServerGroup`` with
     ``[cluster] transport = "socket"``): the launcher's :class:`PSActor` actors, each serving its endpoints on a
     TCP socket of its node (:meth:`PSActor.reset_socket`); the clients send to those addresses
-    (:mod:`scheduling.ps.socket_transport`), not through Ray. Rank 0 of each worker group resets the actors and
+    (:mod:`scheduling.ps.transport.socket_transport`), not through Ray. Rank 0 of each worker group resets the actors and
     takes their addresses again (a restarted actor listens on a new port); the other trainers hear them with the
     group key. Same methods as :class:`RayServers`.
     """
@@ -466,7 +466,7 @@ class RaySocketServers(RayServers):
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: Any,
              before_join: Any = None) -> list[dict[str, Any]]:
         """Register the servers' addresses (``rendezvous``, rank 0's :meth:`rendezvous`) under :attr:`names` for
-        this process's clients (:func:`scheduling.ps.socket_transport.register_servers`); returns the servers'
+        this process's clients (:func:`scheduling.ps.transport.socket_transport.register_servers`); returns the servers'
         answers to :meth:`rendezvous` (rank 0; ``[]`` elsewhere)."""
         from .socket_transport import register_servers
 

@@ -21,9 +21,9 @@ from torch import nn
 import scheduling
 from scheduling.ps import LocalCluster, PSClient, PSEmbeddingBagCollection, PSUnavailableError
 
-from .test_placement import _dlrm, _kjt_batches, _train_local, _train_on_servers
-from .test_ps import _kjt, _tables
-from .test_ps import _train as _train_dlrm_on_ps
+from ..test_placement import _dlrm, _kjt_batches, _train_local, _train_on_servers
+from ..test_ps import _kjt, _tables
+from ..test_ps import _train as _train_dlrm_on_ps
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def test_async_rpc_and_prefetch_train_exactly_the_blocking_baseline(ray_cluster,
 
 
 def test_dead_actor_is_unavailable_and_a_restarted_one_reloads_the_checkpoint(ray_cluster, tmp_path):
-    from scheduling.ps.ray_transport import register_servers, server_actor_class, unregister_servers
+    from scheduling.ps.transport.ray_transport import register_servers, server_actor_class, unregister_servers
 
     actor = server_actor_class(max_restarts=1).remote("psr")
     register_servers({"psr": actor})
@@ -181,7 +181,7 @@ def test_the_passes_do_not_import_ray():
 
 def test_ray_servers_kill_all_really_kills(ray_cluster):
     """RayServers.kill_all ends every actor for good (it used to do nothing)."""
-    from scheduling.ps.ray_transport import RayServers, start_actors, unregister_servers
+    from scheduling.ps.transport.ray_transport import RayServers, start_actors, unregister_servers
 
     servers = RayServers(["pskill0", "pskill1"], timeout_s=20)
     servers.host.actors = start_actors(["pskill0", "pskill1"])
@@ -200,8 +200,8 @@ def test_ray_servers_kill_all_really_kills(ray_cluster):
 def test_an_actor_serving_over_ray_or_sockets_reports_the_rows_it_holds_now():
     """``PSActor.stats`` with hooks (a job's server metrics): the tables its server holds. Over ``ray`` and
     ``socket`` the server is reset, never leaves a group, so ``stats`` measures it live (it reported 0 rows)."""
-    from scheduling.ps.ray_transport import PSActor
     from scheduling.ps.shard_plan import TableSpec, plan_shards
+    from scheduling.ps.transport.ray_transport import PSActor
 
     class Hooks:
         def start(self): ...

@@ -1,4 +1,4 @@
-"""The ``socket`` transport (scheduling/ps/socket_transport.py) against a server in this process.
+"""The ``socket`` transport (scheduling/ps/transport/socket_transport.py) against a server in this process.
 
 Differential: every endpoint answers over the socket exactly what the same request answers when called directly
 (``in_trainers.call_local``, no transport) on a second server given the same requests; the wire keeps tensors
@@ -22,8 +22,9 @@ from scheduling.ps import PSClient, PSUnavailableError
 from scheduling.ps.endpoints import ServerEndpoints
 from scheduling.ps.in_trainers import call_local
 from scheduling.ps.server import PSServer
-from scheduling.ps.socket_server import SocketServer
-from scheduling.ps.socket_transport import (
+from scheduling.ps.transport import transport_of
+from scheduling.ps.transport.socket_server import SocketServer
+from scheduling.ps.transport.socket_transport import (
     SocketTransport,
     dumps,
     is_socket_server,
@@ -31,9 +32,8 @@ from scheduling.ps.socket_transport import (
     register_servers,
     unregister_servers,
 )
-from scheduling.ps.transport import transport_of
 
-from .test_ps import _kjt, _tables
+from ..test_ps import _kjt, _tables
 
 
 class _Direct:
@@ -130,7 +130,7 @@ def test_large_tensors_cross_bit_for_bit(server):
 
 
 def test_every_kind_of_tensor_crosses_the_wire_as_it_was():
-    from scheduling.ps.socket_transport import ANSWER, recv_message, send_message
+    from scheduling.ps.transport.socket_transport import ANSWER, recv_message, send_message
 
     gen = torch.Generator().manual_seed(4)
     z = torch.randn(4, 5, dtype=torch.complex64, generator=gen)
@@ -155,7 +155,7 @@ def test_every_kind_of_tensor_crosses_the_wire_as_it_was():
 
 
 def test_a_message_of_more_buffers_than_one_scatter_read_takes_arrives_whole():
-    from scheduling.ps.socket_transport import ANSWER, recv_message, send_message
+    from scheduling.ps.transport.socket_transport import ANSWER, recv_message, send_message
 
     gen = torch.Generator().manual_seed(3)
     value = ([torch.randint(0, 9, (i % 7,), generator=gen) for i in range(700)],     # > 512 buffers, some empty

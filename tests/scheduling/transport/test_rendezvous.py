@@ -1,9 +1,9 @@
-"""TensorPipe options (timeouts, threads) and the timed ``tcp://`` rendezvous of a PS group (:mod:`scheduling.ps.rendezvous`)."""
+"""TensorPipe options (timeouts, threads) and the timed ``tcp://`` rendezvous of a PS group (:mod:`scheduling.ps.transport.rendezvous`)."""
 
 from __future__ import annotations
 
 from scheduling.ps import server
-from scheduling.ps.rendezvous import rpc_backend_options
+from scheduling.ps.transport.rendezvous import rpc_backend_options
 
 
 def test_tcp_rendezvous_goes_through_the_timed_handler_and_tcp_transport_only():

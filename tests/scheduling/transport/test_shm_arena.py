@@ -1,4 +1,4 @@
-"""The socket transport's shared-memory arena (scheduling/ps/shm_arena.py, socket_transport.py, socket_server.py).
+"""The socket transport's shared-memory arena (scheduling/ps/transport/shm_arena.py, socket_transport.py, socket_server.py).
 
 The ring allocator against a model of its blocks (hypothesis): live blocks never overlap, stay inside the range
 and aligned, and freed space comes back once every older block is freed. The arena: a server maps only the
@@ -25,12 +25,13 @@ from hypothesis import strategies as st
 from torchrec import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from scheduling.ps import PSClient, shm_arena
+from scheduling.ps import PSClient
 from scheduling.ps.endpoints import ServerEndpoints
 from scheduling.ps.server import PSServer
-from scheduling.ps.shm_arena import ALIGN, Arena, Ring, arena_bytes
-from scheduling.ps.socket_server import SocketServer, spawn_servers
-from scheduling.ps.socket_transport import _CONNECTIONS, SocketTransport
+from scheduling.ps.transport import shm_arena
+from scheduling.ps.transport.shm_arena import ALIGN, Arena, Ring, arena_bytes
+from scheduling.ps.transport.socket_server import SocketServer, spawn_servers
+from scheduling.ps.transport.socket_transport import _CONNECTIONS, SocketTransport
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(shm_arena.SHM_DIR), reason="no /dev/shm on this machine")
 
@@ -98,8 +99,8 @@ def test_a_server_maps_only_the_clients_own_arena():
 def test_lent_buffers_unpickle_to_tensors_torch_save_takes():
     """Empty tensors beside others (a dynamic table's state, a checkpoint's) come back savable: no two lent
     tensors share an address."""
-    from scheduling.ps.shm_arena import block_bytes
-    from scheduling.ps.socket_wire import dumps
+    from scheduling.ps.transport.shm_arena import block_bytes
+    from scheduling.ps.transport.socket_wire import dumps
 
     arena = Arena.create(1 << 20)
     assert arena is not None
@@ -295,7 +296,7 @@ def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
     import socket
     import threading
 
-    from scheduling.ps import socket_transport
+    from scheduling.ps.transport import socket_transport
 
     monkeypatch.delenv("FXDIST_SOCKET_SHM_BYTES", raising=False)
     monkeypatch.setattr(socket_transport, "ATTACH_TIMEOUT_S", 0.2)
@@ -324,7 +325,7 @@ def test_a_process_that_exits_before_its_server_answers_leaves_no_file():
     import subprocess
     import sys
 
-    code = ("from scheduling.ps.shm_arena import Arena\n"
+    code = ("from scheduling.ps.transport.shm_arena import Arena\n"
             "arena = Arena.create(1 << 20)\n"
             "print(arena.path)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,

@@ -2,14 +2,14 @@
 
 A lean alternative to ``torch_rpc`` (issue 32: on 2 cores TensorPipe's request handling, I/O loop and
 unpickling cost the server processes more CPU than the table work itself). A server
-(:mod:`scheduling.ps.socket_server`) listens on a TCP port; every :class:`SocketTransport` of a process shares
-one connection to it (``TCP_NODELAY``), opened on the first request. A message (:mod:`scheduling.ps.socket_wire`)
+(:mod:`scheduling.ps.transport.socket_server`) listens on a TCP port; every :class:`SocketTransport` of a process shares
+one connection to it (``TCP_NODELAY``), opened on the first request. A message (:mod:`scheduling.ps.transport.socket_wire`)
 is a 16-byte header, the buffer lengths, the arguments pickled with protocol 5 and every dense CPU tensor in them
 as a raw buffer, sent with ``sendmsg`` from the tensor's own memory and received with ``recv_into`` a fresh
 ``torch.empty`` (no per-element work, no copy beyond the kernel's).
 
 Where the server runs on the client's host, the connection also has a shared-memory arena
-(:mod:`scheduling.ps.shm_arena`; ``FXDIST_SOCKET_SHM_BYTES``, 0: off): a message whose buffers hold at least
+(:mod:`scheduling.ps.transport.shm_arena`; ``FXDIST_SOCKET_SHM_BYTES``, 0: off): a message whose buffers hold at least
 512 KiB (a push's gradients) has them copied into it and sends their offsets instead (``socket_wire.SHM_DATA``);
 a request carries a block for its answer (``SHM_REPLY``, sized by the method's last answer), into which the
 server copies a large answer (a lookup's the client then uses where it lies, :data:`LENT_METHODS`; others it copies
@@ -46,7 +46,7 @@ from typing import Any, cast
 
 import torch
 
-from .endpoints import METHODS
+from ..endpoints import METHODS
 from .shm_arena import MIN_MESSAGE_BYTES, Arena, arena_bytes, block_bytes
 from .socket_wire import (
     ANSWER,
@@ -65,13 +65,13 @@ from .socket_wire import (
 
 __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
            "parse_address", "route_locally", "send_thread", "BACKGROUND_METHODS", "LENT_METHODS",
-           # the wire (scheduling.ps.socket_wire), re-exported
+           # the wire (scheduling.ps.transport.socket_wire), re-exported
            "dumps", "send_message", "recv_message", "recv_frame", "Frame", "Undecodable", "tune",
            "SOCKET_BUFFER_BYTES", "REQUEST", "ANSWER", "ERROR"]
 
 WIRE_METHODS = (*METHODS, "stop", "attach_shm")
 """Method numbers on the wire: the endpoints' requests, then ``stop`` (the server leaves its serving loop) and
-``attach_shm`` (the server maps the client's shared-memory arena, :mod:`scheduling.ps.shm_arena`)."""
+``attach_shm`` (the server maps the client's shared-memory arena, :mod:`scheduling.ps.transport.shm_arena`)."""
 _METHOD_NUMBERS = {m: i for i, m in enumerate(WIRE_METHODS)}
 BACKGROUND_METHODS = frozenset({"push", "push_lookup", "batch"})
 """Requests a connection's sender thread may send (when :func:`send_thread` is on): a client's pushes, alone
@@ -477,7 +477,7 @@ def _expire_loop() -> None:
 
 
 class SocketTransport:
-    """Requests over this process's connections to socket servers (:mod:`scheduling.ps.socket_server`).
+    """Requests over this process's connections to socket servers (:mod:`scheduling.ps.transport.socket_server`).
 
     Args:
         servers: ``"host:port"`` addresses or names registered with :func:`register_servers`.

@@ -1,4 +1,4 @@
-"""Socket parameter servers in their own processes (scheduling/ps/socket_server.py).
+"""Socket parameter servers in their own processes (scheduling/ps/transport/socket_server.py).
 
 Differential: a small model (tests/scheduling/_group.py's ``TinyModel``: lookups, pushes from backward hooks,
 and with ``async_rpc_prefetch`` pushes carrying the next lookup) trains bit for bit as over ``torch_rpc``
@@ -19,11 +19,11 @@ import fxdist
 from scheduling import lookahead
 from scheduling.ps import LocalCluster, PSClient, PSUnavailableError
 from scheduling.ps.shard_plan import TableSpec
-from scheduling.ps.socket_server import serve, spawn_servers
-from scheduling.ps.socket_transport import SocketTransport
+from scheduling.ps.transport.socket_server import serve, spawn_servers
+from scheduling.ps.transport.socket_transport import SocketTransport
 
-from ._group import TABLES, TinyModel, batches
-from .test_ps import _kjt, _tables
+from .._group import TABLES, TinyModel, batches
+from ..test_ps import _kjt, _tables
 
 
 def _train(servers: list[str], name: str, schedule: str, transport: str | None, steps: int = 5):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from .endpoints import DEFAULT_WORKER_THREADS
+from ..endpoints import DEFAULT_WORKER_THREADS
 
 __all__ = ["rpc_backend_options"]
 
