@@ -26,6 +26,7 @@ import copyreg
 import io
 import pickle
 import socket
+import ssl
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -116,6 +117,10 @@ def send_message(sock: socket.socket, kind: int, method: int, rid: int, meta: by
     parts = [memoryview(head + meta)]
     if placed is None:
         parts += [memoryview(b).cast("B") for b, n in zip(buffers, lengths) if n]
+    if isinstance(sock, ssl.SSLSocket):   # TLS (tls.py): no sendmsg; each part through the TLS layer
+        for part in parts:
+            sock.sendall(part)
+        return
     while parts:
         sent = sock.sendmsg(parts[:_MAX_IOV])
         while parts and sent >= parts[0].nbytes:
@@ -137,6 +142,10 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every view of ``views`` from the stream, in order: one ``recvmsg_into`` call when the bytes are there
     (a scatter read), else as many as it takes."""
+    if isinstance(sock, ssl.SSLSocket):   # TLS (tls.py): no recvmsg_into
+        for view in views:
+            _recv_into(sock, view)
+        return
     i = 0
     while i < len(views):
         n = sock.recvmsg_into(views[i:i + _MAX_IOV])[0]
