@@ -10,6 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+__version__ = "0.2.0"
+"""The release: the one place it is written (pyproject.toml reads it; ``fxdist --version`` prints it)."""
+
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
     "Node": "node",

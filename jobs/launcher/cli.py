@@ -2,6 +2,7 @@
 
 Usage::
 
+    fxdist --version
     fxdist launch [CONFIG.toml] [--set TABLE.KEY=VALUE ...] [--run-dir DIR] [--quiet]
     fxdist launch --resume RUN_DIR [--set TABLE.KEY=VALUE ...] [--quiet]
     fxdist config [CONFIG.toml]          # print the effective config as TOML-like text
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fxdist import __version__
 from jobs.config import ConfigError, JobConfig, load_config, to_dict
 
 __all__ = ["main", "apply_overrides"]
@@ -67,6 +69,7 @@ def apply_overrides(config: JobConfig, overrides: Sequence[str]) -> JobConfig:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxdist", description="fxdist jobs: optimized distributed training")
+    parser.add_argument("--version", action="version", version=f"fxdist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser("launch", help="run a job (default: the bundled DLRM-on-Criteo job)")
     launch.add_argument("config", nargs="?", help="job config (TOML); default: jobs/default.toml")
