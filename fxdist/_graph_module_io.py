@@ -10,11 +10,15 @@ as its own ``.pt`` file (torch.fx prints ``repr`` for a few module types, which 
 breaks for string options such as ``padding_mode``); file paths are computed relative to
 ``module.py`` (the folder can be moved); every name written into the source is ``repr``-escaped or a
 verified identifier; objects the code uses that cannot be imported by name go to ``globals.pt``;
-non-persistent buffers keep their values (``buffers.pt``).
+non-persistent buffers keep their values (``buffers.pt``); the generated ``_load`` reads each ``.pt`` file with
+``torch.load(weights_only=True)``, allowing only the types ``to_folder`` found in the files it wrote (listed in
+``_SAFE_GLOBALS``, read back with ``torch.serialization.get_unsafe_globals_in_checkpoint``), so a swapped file cannot
+run code on import (PyTorch SECURITY.md; ``torch.serialization.safe_globals``).
 """
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +149,7 @@ _HEADER = '''\
 import importlib
 import operator
 import os
+import pickle
 from math import inf, nan
 
 import torch
@@ -153,10 +158,23 @@ from torch import device
 
 NoneType = type(None)
 _HERE = os.path.dirname(os.path.abspath(__file__))
+'''
+
+_LOADER = '''
+_SAFE_GLOBALS = [{safe}]
+"""What this folder's .pt files hold besides tensors and plain containers: allowed for torch.load(weights_only=True)."""
 
 
 def _load(name):
-    return torch.load(os.path.join(_HERE, name), weights_only=False)
+    # weights_only: a .pt file is a pickle, and a full unpickle runs whatever it names (PyTorch SECURITY.md)
+    path = os.path.join(_HERE, name)
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        said = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).strip())
+        raise pickle.UnpicklingError(f"{{path}}: not loaded: it holds a type this folder's module.py does not list "
+                                     f"in _SAFE_GLOBALS (torch: {{said}})") from None
 
 '''
 
@@ -176,6 +194,40 @@ def _import_lines(globals_: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         else:
             lines.append(f"from {path[0]} import {path[1]} as {name}")
     return lines, pickled
+
+
+def _safe_globals_text(folder: Path) -> str:
+    """The generated ``_SAFE_GLOBALS`` items: every global the folder's ``.pt`` files name beyond torch's weights-only
+    defaults (``torch.serialization.get_unsafe_globals_in_checkpoint``, which reads the pickles and runs nothing),
+    each spelled by its import path. They were just pickled from live objects, so their modules are loaded.
+
+    Raises:
+        ValueError: a global that has no import path (see :func:`write_folder`).
+    """
+    texts: dict[str, str] = {}
+    for pt in sorted(folder.glob("*.pt")):
+        for name in torch.serialization.get_unsafe_globals_in_checkpoint(str(pt)):
+            path = _loaded_path(name)
+            if path is None:
+                raise ValueError(f"to_folder: {pt.name} holds {name}, which has no import path, so the generated "
+                                 "module could not allow it for torch.load(weights_only=True)")
+            texts[name] = f"importlib.import_module({path[0]!r}).{path[1]}"
+    return "".join(f"\n    {texts[n]}," for n in sorted(texts)) + ("\n" if texts else "")
+
+
+def _loaded_path(name: str) -> tuple[str, str] | None:
+    """``(module, qualname)`` of the pickled global ``name`` (``"pkg.mod.Class"``, ``"pkg.mod.Outer.Inner"``): the
+    longest prefix that is a loaded module (nothing is imported), then attributes; None if that finds nothing."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        obj: Any = module
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        return importable_path(obj) if obj is not None else None
+    return None
 
 
 def _dtype_text(t: torch.Tensor) -> str:
@@ -219,18 +271,20 @@ def write_folder(gm: GraphModule, folder: Path, module_name: str, code: PythonCo
     """Write ``gm`` to ``folder`` as a package exporting class ``module_name`` (see the module doc).
 
     Raises:
-        ValueError: ``module_name`` is not an identifier.
+        ValueError: ``module_name`` is not an identifier, or a ``.pt`` file holds an object whose type cannot be
+            named by an import path (e.g. one defined in ``__main__``), which ``_load`` could not allow.
     """
     if not is_plain_ident(module_name):
         raise ValueError(f"to_folder: module_name must be a Python identifier, got {module_name!r}")
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(gm.state_dict(), folder / "state_dict.pt")
     imports, pickled = _import_lines(code.globals)
-    parts = [_HEADER.format(module_name=module_name), *imports]
     if pickled:
         torch.save(pickled, folder / "globals.pt")
-        parts.append("globals().update(_load('globals.pt'))")
     init = textwrap.indent("\n".join(_init_lines(gm, folder)), " " * 8)
+    parts = [_HEADER.format(module_name=module_name), *imports, _LOADER.format(safe=_safe_globals_text(folder))]
+    if pickled:
+        parts.append("globals().update(_load('globals.pt'))")
     parts.append(f"\n\nclass {module_name}(torch.nn.Module):\n    def __init__(self):\n{init}\n")
     parts.append(textwrap.indent(code.src.strip("\n"), " " * 4).rstrip() + "\n")
     (folder / "module.py").write_text("\n".join(parts))

@@ -45,8 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
 from jobs.hosting import Hosting
@@ -58,6 +56,7 @@ from jobs.results import InferenceResult, JobResults, PhaseResult
 from jobs.stats import peak_rss_bytes
 from jobs.trainer.spec import JobPlan, TrainerSpec
 from recsys.criteo_format import DataError
+from scheduling.ps.safe_load import safe_load
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases"]
 
@@ -525,4 +524,4 @@ def _final_state(result) -> dict[str, Any]:
         raise RuntimeError("the training run ended without a checkpoint; see Ray's logs "
                            "(/tmp/ray/session_latest/logs on the head node)")
     with checkpoint.as_directory() as d:  # mapped, not read: only what the int8 comparison uses is paged in
-        return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False, mmap=True)
+        return safe_load(os.path.join(d, "state.pt"), map_location="cpu", mmap=True)

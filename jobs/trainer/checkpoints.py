@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from scheduling.ps.safe_load import safe_load
+
 if TYPE_CHECKING:
     from jobs.trainer.pipeline import TrainPipeline
 
@@ -72,11 +74,18 @@ def save_checkpoint(step: int, trainers: dict[str, TrainPipeline], early: dict[s
 
 
 def load_checkpoint() -> dict | None:
+    """The checkpoint Ray Train restores this worker group from (``fxdist launch --resume DIR``, or a restart after a
+    failure), or None: read with :func:`scheduling.ps.safe_load.safe_load` (``weights_only=True``).
+
+    Raises:
+        scheduling.ps.safe_load.CheckpointRefused: ``state.pt`` holds a type other than those a job's checkpoint
+            holds (the file is not loaded; the job stops without a retry, :func:`jobs.trainer.loop.train_loop`).
+    """
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as d:
-        return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
+        return safe_load(os.path.join(d, "state.pt"), map_location="cpu")
 

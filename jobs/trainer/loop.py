@@ -50,8 +50,9 @@ def _deterministic_errors() -> dict[type, str]:
     from fxdist.errors import TraceError
     from jobs.config import ConfigError
     from recsys.criteo_format import DataError
+    from scheduling.ps.safe_load import CheckpointRefused
 
-    return {ConfigError: "config", DataError: "data", TraceError: "job"}
+    return {ConfigError: "config", DataError: "data", TraceError: "job", CheckpointRefused: "job"}
 
 
 def train_loop(loop_config: dict[str, TrainerSpec]) -> None:

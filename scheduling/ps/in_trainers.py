@@ -115,7 +115,9 @@ def serve_in_trainer(worker: str, name: str | None = None, *, fetch_delay_s: flo
                            "runs in this process; call stop_serving() first")
     server = _srv.PSServer(name or worker, fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s)
     if checkpoint is not None:
-        server.load_state_dict(torch.load(checkpoint, weights_only=False))
+        from .safe_load import safe_load
+
+        server.load_state_dict(safe_load(checkpoint))
     _srv._ENDPOINTS.server = server
     _HOSTED.clear()
     _HOSTED[worker] = (_srv._ENDPOINTS, direct)

@@ -499,7 +499,9 @@ def start_server(name: str, rank: int, world_size: int, *, master_addr: str = "1
     torch.set_num_threads(num_threads)
     server = PSServer(name, fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s)
     if checkpoint is not None:
-        server.load_state_dict(torch.load(checkpoint, weights_only=False))
+        from .safe_load import safe_load
+
+        server.load_state_dict(safe_load(checkpoint))
     _ENDPOINTS.server = server
     reset_rpc_process_state()
     from recsys.quiet import rpc_init_warnings_filtered

@@ -212,6 +212,60 @@ def test_to_folder_is_importable_and_computes_the_same(net: Net, tmp_path: Path,
         gm.to_folder(tmp_path / "other", "not valid")
 
 
+def _write_marker(path: str) -> None:
+    Path(path).write_text("code ran")
+
+
+class _Planted:
+    """Pickles as a call of :func:`_write_marker`: unpickling it with ``weights_only=False`` writes the marker."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_write_marker, (str(self.marker),))
+
+
+class _Local(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def test_to_folder_loads_its_files_weights_only(net: Net, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """module.py reads its .pt files with torch.load(weights_only=True), allowing only the types it wrote (listed
+    in _SAFE_GLOBALS): a child file swapped for a pickle that names another callable is refused, naming the file
+    and that callable, and the callable never runs."""
+    gm = fx.symbolic_trace(net)
+    gm.to_folder(tmp_path / "fxdist_planted_net", "PlantedNet")
+    source = (tmp_path / "fxdist_planted_net" / "module.py").read_text()
+    assert "weights_only=True" in source and "weights_only=False" not in source
+    assert "importlib.import_module('torch.nn.modules.linear').Linear," in source
+    marker = tmp_path / "marker"
+    child = next((tmp_path / "fxdist_planted_net").glob("000_*.pt"))
+    torch.save({"weight": torch.zeros(2), "hook": _Planted(marker)}, child)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        module = importlib.import_module("fxdist_planted_net")
+        refused = rf"(?s){child.name}: not loaded: .*GLOBAL tests\.fx\.test_graph_module\._write_marker"
+        with pytest.raises(pickle.UnpicklingError, match=refused):
+            module.PlantedNet()
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fxdist_planted_net")]:
+            del sys.modules[name]
+    assert not marker.exists()
+
+    class KeepLocal(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return isinstance(m, _Local) or super().is_leaf_module(m, qualname)
+
+    root = nn.Sequential(_Local())
+    main_gm = GraphModule(root, KeepLocal().trace(root))
+    monkeypatch.setattr(_Local, "__module__", "__main__")  # defined in a script: picklable, but no import path
+    monkeypatch.setattr(sys.modules["__main__"], "_Local", _Local, raising=False)
+    with pytest.raises(ValueError, match=r"000_+0.pt holds __main__\._Local, which has no import path"):
+        main_gm.to_folder(tmp_path / "other", "Other")
+
+
 def _roundtrip_checks(gm: GraphModule, new: GraphModule, x: torch.Tensor) -> None:
     assert torch.allclose(new(x), gm(x))
     assert type(new).__name__ == type(gm).__name__ and type(new) is not type(gm)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +190,69 @@ def test_no_rank_leaves_a_checkpoint_before_rank_0_has_saved_it(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     done = float((tmp_path / "report_done").read_text())
     assert float((tmp_path / "returned1").read_text()) >= done
+
+
+def _write_marker(path: str) -> None:
+    Path(path).write_text("code ran")
+
+
+class _Planted:
+    """Pickles as a call of :func:`_write_marker`: a full unpickle (``weights_only=False``) writes the marker."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_write_marker, (str(self.marker),))
+
+
+def _restored_from(folder: Path, monkeypatch) -> dict | None:
+    """What the trainers' resume path (Ray Train's ``get_checkpoint()``, as ``fxdist launch --resume DIR`` restores
+    it from ``DIR/ray``) reads from the checkpoint folder ``folder``."""
+    import ray.train
+
+    from jobs.trainer import checkpoints
+
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray.train.Checkpoint.from_directory(str(folder)))
+    return checkpoints.load_checkpoint()
+
+
+def test_resume_loads_a_checkpoint_the_job_wrote(tmp_path, monkeypatch):
+    """save_checkpoint's state.pt (dense weights, optimizer state, the evaluated model) loads weights-only."""
+    import ray.train
+
+    from jobs.trainer import checkpoints
+
+    model = build_model(CONFIG)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    kept = tmp_path / "kept"
+
+    def report(metrics, checkpoint=None):
+        if checkpoint is not None:
+            shutil.copytree(checkpoint.path, kept)
+
+    monkeypatch.setattr(ray.train, "report", report)
+    early = {"optimized": {"step": 4, "quality": {"auc": 0.5}, "model": model.state_dict(),
+                           "optim": optimizer.state_dict()}}
+    checkpoints.save_checkpoint(4, {}, early, 0, final=False)
+    restored = _restored_from(kept, monkeypatch)
+    assert restored["step"] == 4 and restored["eval"]["optimized"]["quality"] == {"auc": 0.5}
+    assert checkpoints.digest(restored["eval"]["optimized"]["model"]) == checkpoints.digest(model.state_dict())
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, monkeypatch):
+    """A state.pt holding a pickle that calls a function is not loaded: the error names the file and the function,
+    the function never runs, and the trainers stop without a retry (a deterministic error)."""
+    from jobs.trainer.loop import _deterministic_errors
+    from scheduling.ps.safe_load import CheckpointRefused
+
+    folder, marker = tmp_path / "checkpoint_000001", tmp_path / "marker"
+    folder.mkdir()
+    torch.save({"step": 4, "final": False, "models": {}, "tables": {}, "optim": {},
+                "eval": {"baseline": {"hook": _Planted(marker)}}}, folder / "state.pt")
+    with pytest.raises(CheckpointRefused) as refused:
+        _restored_from(folder, monkeypatch)
+    assert refused.value.types == [f"{__name__}._write_marker"]
+    assert str(refused.value).startswith(f"{folder / 'state.pt'}: checkpoint not loaded: it holds {__name__}._write_marker")
+    assert not marker.exists()
+    assert _deterministic_errors()[CheckpointRefused] == "job"

@@ -123,7 +123,9 @@ class PSActor(AsyncEndpoints):
         on: ``{"pid", "group": resets and joins so far}``."""
         server = PSServer(self.name, *self.delays)
         if checkpoint is not None:
-            server.load_state_dict(torch.load(checkpoint, weights_only=False))
+            from ..safe_load import safe_load
+
+            server.load_state_dict(safe_load(checkpoint))
         return self._serve(server)
 
     def reset_socket(self, host: str | None = None) -> dict[str, Any]:

@@ -231,7 +231,9 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str 
     torch.set_num_threads(num_threads)
     ps = PSServer(name, fetch_delay_s=fetch_delay_s, push_delay_s=push_delay_s)
     if checkpoint is not None:
-        ps.load_state_dict(torch.load(checkpoint, weights_only=False))
+        from ..safe_load import safe_load
+
+        ps.load_state_dict(safe_load(checkpoint))
     freeze_process_objects()
     server = SocketServer(ServerEndpoints(ps), host, port).start()
     if on_ready is not None:
