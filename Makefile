@@ -1,5 +1,5 @@
 # The two set-up commands of the README. Each installs what it needs (scripts/bootstrap.sh is idempotent).
-.PHONY: job test setup lint ruff mypy
+.PHONY: job test setup lint ruff mypy docs
 # ruff checks PACKAGES and tests/; mypy checks PACKAGES.
 PACKAGES = fxdist recsys quant scheduling jobs
 
@@ -17,5 +17,9 @@ mypy: setup
 
 lint: ruff mypy
 
-test: setup lint
+# The docs site (mkdocs.yml, strict) into build/site; its reference pages are generated from the code.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --quiet
+
+test: setup lint docs
 	.venv/bin/python -m pytest

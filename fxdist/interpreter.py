@@ -125,8 +125,8 @@ class Interpreter:
             The output node's value, or None if the graph has no output node.
 
         Raises:
-            Whatever a node raises, with a note ``While executing %name : ... = op[target=...](...)``
-            (and the node's recorded stack trace, if any).
+            Exception: whatever a node raises, with a note ``While executing %name : ... = op[target=...](...)``
+                (and the node's recorded stack trace, if any).
         """
         self.env = initial_env if initial_env is not None else {}
         if enable_io_processing:

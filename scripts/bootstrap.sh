@@ -13,6 +13,7 @@ need_apt=()
 command -v dot >/dev/null 2>&1 || need_apt+=(graphviz)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)  # tests/jobs/test_cluster.py: network namespaces
 command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ] || need_apt+=(prometheus)
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)  # tests/test_docs_site.py: the built site, headless
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "bootstrap: installing Debian packages: ${need_apt[*]}"

@@ -1,46 +1,24 @@
-"""The README's Python examples run exactly as printed (each block in a fresh namespace, as a script).
-
-Blocks that train on parameter servers start their own ``LocalCluster`` (two local server processes), so none
-needs data or a cluster from outside.
-"""
+"""The README stays short and points into the docs: at most 150 lines, a runnable example (run by
+``tests/test_docs.py`` with the docs' examples), and every relative link names a file the repository holds."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import pytest
-
 README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.MULTILINE | re.DOTALL)
 
 
-def test_the_readme_has_python_examples():
-    assert len(BLOCKS) >= 3
-    assert any("parameter_servers" in b for b in BLOCKS) and any("next_sparse_features=" in b for b in BLOCKS)
+def test_the_readme_is_short_and_has_a_runnable_example():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    assert re.search(r"^```python\n.*parameter_servers.*?^```", text, flags=re.MULTILINE | re.DOTALL)
+    assert "make job" in text and "make test" in text
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index, capsys, monkeypatch):
-    from scheduling.ps.client import PSClient
-
-    created: list[PSClient] = []   # a LocalCluster closes its clients with it: keep them to read their counters
-    init = PSClient.__init__
-
-    def recording_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        created.append(self)
-
-    monkeypatch.setattr(PSClient, "__init__", recording_init)
-    namespace = {"__name__": "__main__"}
-    try:
-        exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), namespace)
-        out = capsys.readouterr().out
-        if "table_state_dict" in BLOCKS[index]:
-            assert "['item.weight', 'user.weight']" in out and "parameter_servers plan: 2 tables" in out
-            assert {c.prefetch_hits for c in created} == {9}  # steps 2..10 prefetched
-        if "next_sparse_features=" in BLOCKS[index]:  # torchrec's DLRM: 4 tables, 2 on each server
-            assert {c.prefetch_hits for c in created} == {2 * 4}  # steps 2..5
-    finally:  # clients a block left open outside a LocalCluster
-        for client in created:
-            client.close(flush=False)
+def test_the_readme_links_resolve():
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert local, "the README links into the docs"
+    missing = [link for link in local if not (README.parent / link).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
