@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 VENV=.venv
 STAMP=$VENV/.fxdist-installed
-want=$(cat requirements.txt pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt pyproject.toml setup.py scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
 
 # Debian packages used by the tests: graphviz's `dot` (graph drawing) and a Prometheus server.
 need_apt=()
@@ -35,6 +35,8 @@ pip install -q torch==2.13.0
 pip install -q -r requirements.txt
 # torchrec 1.8.0 names the CUDA fbgemm-gpu; we use fbgemm-gpu-cpu instead.
 pip install -q --no-deps torchrec==1.8.0
-# setuptools warns that an editable install is one (BuildBackendWarning, a UserWarning): expected here
-PYTHONWARNINGS=ignore::UserWarning pip install -q --no-deps -e .
+# setuptools warns that an editable install is one (BuildBackendWarning, a UserWarning): expected here. Built with
+# the venv's pinned setuptools (no isolated build env to download); the compiled kernels are not built for it
+# (setup.py: the source tree compiles them at first use).
+PYTHONWARNINGS=ignore::UserWarning pip install -q --no-deps --no-build-isolation -e .
 echo "$want" > "$STAMP"

@@ -10,7 +10,10 @@ contiguous CPU tensors (no torch headers): :func:`load` compiles it once with th
 (``$CXX``, else ``g++``/``c++``; ``-O2 -shared -fPIC``, about a second) into
 ``$XDG_CACHE_HOME/fxdist/native`` (else ``~/.cache/fxdist/native``), named by the hash of the source and the
 flags, under a file lock (several worker processes may start at once) and atomically (a temporary name, then
-``os.replace``), and loads it with :mod:`ctypes`. Without a compiler, when the build fails, or with
+``os.replace``), and loads it with :mod:`ctypes`. A wheel carries that file already built (``setup.py``, same
+compiler choice, flags and name) next to this module: it is loaded instead, without a compiler, when its name matches
+this source and flags and neither it nor its folder can be written by another user (:func:`packaged_library`).
+Without a compiler, when the build fails, or with
 ``FXDIST_NATIVE=0`` in the environment, :func:`make_slot_index` gives the torch :class:`SlotIndex` and one line
 is logged saying why.
 
@@ -35,7 +38,7 @@ import torch
 from .dynamic_index import SlotIndex
 
 __all__ = ["NativeSlotIndex", "gather_rows", "initial_rows_native", "load", "make_slot_index", "native_available",
-           "scatter_rows", "sgd_rows"]
+           "packaged_library", "scatter_rows", "sgd_rows"]
 
 SOURCE = Path(__file__).with_name("dynamic_kernels.cpp")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
@@ -68,6 +71,22 @@ def _cache_dir() -> Path:
     return Path(base) / "fxdist" / "native"
 
 
+def packaged_library(digest: str) -> Path | None:
+    """The kernels a wheel carries next to this module (``dynamic_kernels-<digest>.so``, built by ``setup.py``) when
+    they are this source built with these flags (``digest``: the sha256 of both, as the cache names them) and
+    neither the file nor its folder is writable by anyone but its owner, root or this user; else None (the cache
+    build then)."""
+    lib = SOURCE.with_name(f"dynamic_kernels-{digest}.so")
+    try:
+        stats = [lib.stat(), lib.parent.stat()]
+    except OSError:
+        return None
+    if lib.is_file() and all(s.st_uid in (0, os.getuid()) and not s.st_mode & 0o022 for s in stats):
+        return lib
+    _log.warning("not loading %s: it or its folder is writable by another user", lib)
+    return None
+
+
 def _build() -> ctypes.CDLL:
     """Compile (once per source hash) and load the kernels.
 
@@ -76,7 +95,7 @@ def _build() -> ctypes.CDLL:
     """
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     folder = _cache_dir()
-    lib = folder / f"dynamic_kernels-{digest}.so"
+    lib = packaged_library(digest) or folder / f"dynamic_kernels-{digest}.so"
     if not lib.exists():
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
         if not cxx:

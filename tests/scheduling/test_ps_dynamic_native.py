@@ -200,6 +200,37 @@ def test_without_a_compiler_or_when_switched_off_the_torch_index_is_used_and_say
     assert out.strip().splitlines()[-1] == "torch" and "FXDIST_NATIVE=0" in out, out
 
 
+@needs_native
+def test_a_packaged_library_is_loaded_without_a_compiler_and_only_when_safe(tmp_path, monkeypatch):
+    """The library a wheel carries next to the module (setup.py) loads with no compiler and an empty cache; one
+    built from another source (another name) or writable by others is not used."""
+    import hashlib
+    import shutil
+
+    from scheduling.ps import dynamic_native as dn
+
+    source = tmp_path / "pkg" / "dynamic_kernels.cpp"
+    source.parent.mkdir()
+    shutil.copy(dn.SOURCE, source)
+    digest = hashlib.sha256(source.read_bytes() + " ".join(dn.FLAGS).encode()).hexdigest()[:16]
+    packaged = source.with_name(f"dynamic_kernels-{digest}.so")
+    subprocess.run([shutil.which("g++") or shutil.which("c++") or "c++", *dn.FLAGS, "-o", str(packaged), str(source)],
+                   check=True, timeout=300)
+    packaged.chmod(0o755)
+    source.parent.chmod(0o755)
+    monkeypatch.setattr(dn, "SOURCE", source)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(dn, "_state", {})
+    lib = dn.load()
+    assert lib is not None and Path(lib._name) == packaged and not (tmp_path / "cache").exists()
+    assert dn.packaged_library("0" * 16) is None                       # another source or flags: another name
+    packaged.chmod(0o777)
+    assert dn.packaged_library(digest) is None                         # writable by others: the cache build then
+    monkeypatch.setattr(dn, "_state", {})
+    assert dn.load() is None                                           # ... which needs the (missing) compiler
+
+
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("dtype, shape", [(torch.float32, (300, 16)), (torch.float16, (300, 64)),
                                           (torch.uint8, (300, 24)), (torch.float32, (300,)),
