@@ -3,7 +3,7 @@
 Both libraries build the *same* graph through the same public API (placeholder, call_function,
 call_method, call_module, get_attr, output), then generate code for it and recompile a GraphModule
 holding it. The phases are timed alternately (fxdist, torch.fx, fxdist, ...) and the median of the
-repetitions is reported with the ratio fxdist / torch.fx (goal from issue 2: <= 1.0 per phase).
+repetitions is reported with the ratio fxdist / torch.fx (goal: <= 1.0 per phase, no slower than torch.fx).
 
 "construction (gc off)" repeats construction with the cyclic garbage collector disabled: a single
 full collection of the whole process heap (torch included) can land inside one library's build

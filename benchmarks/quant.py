@@ -10,7 +10,7 @@ the median per-call time (ms) over rounds is reported. Other engineers' jobs sha
 speedups are medians of per-round paired ratios (all variants timed back to back in each round). Each row prints speedup = fp32 / fxdist int8 and ratio = torch.ao /
 fxdist int8 (> 1: fxdist is faster).
 
-Per-layer selection (issue #14): int8 pays on CPUs with AVX-512 VNNI, far less on AVX2-only ones. The script
+Per-layer selection: int8 pays on CPUs with AVX-512 VNNI, far less on AVX2-only ones. The script
 prints the ISA seen (:func:`quant.cpu_isa`) and, per model, :func:`quant.select_int8`'s per-layer choice (fp32 and
 int8 µs per call on the calibration batch of 64 rows, speed-up, chosen), and times the selected module as a fourth
 variant ("selected": fp32 where no layer pays); selected = fp32 / selected latency.

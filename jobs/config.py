@@ -215,7 +215,7 @@ class ClusterSection:
     those that cannot hold a trainer first). See jobs.cluster; results.json's "placement" says where each ran."""
     transport: str = "socket"
     """How trainers reach the parameter servers: "socket" (one TCP connection per trainer process and server
-    actor, tensors as raw buffers; the fastest, see README "Parameter-server transport"), "torch_rpc" (a
+    actor, tensors as raw buffers; the fastest, see docs/history.md "Parameter-server transports"), "torch_rpc" (a
     torch.distributed.rpc group per worker group) or "ray" (the server actors' methods called directly). See
     scheduling.ps.transport."""
     server_threads: int = _key(16, 1, 1024)

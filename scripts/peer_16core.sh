@@ -2,7 +2,7 @@
 # benchmarks/peer.py on the GPU host's 16 CPU cores, in one command of at most 6 minutes (the GPU is not used):
 # the ceiling (dense_only), torchrec DMP table-wise and fxdist's servers with prefetch over sockets (separate
 # processes, exact and with max_staleness=1; on 16 cores the trainers' pushes go from a sender thread, and
-# the issue-32 systems, 3 interleaved rounds x 200 steps at 1e6 x 16 (about 280 s there), plus where a step goes
+# the four systems of the DMP comparison, 3 interleaved rounds x 200 steps at 1e6 x 16 (about 280 s there), plus where a step goes
 # (--profile) and every process's CPU a step (--cpu-account).
 #
 #   bash scripts/peer_16core.sh [peer.py arguments, replacing the defaults below]

@@ -137,7 +137,7 @@ class TorchRPCServers:
     def rendezvous(self, host: str, actors: Sequence[Any]) -> tuple[str, int]:
         """Rank 0 of a new trainer group: where the new RPC group meets, ``(host, a free port of host)``. The
         port stays reserved (:func:`scheduling.ps.transport.ports.reserve_port`) until rank 0's :meth:`join` has bound it,
-        so no other process is handed it in between (issue 32).
+        so no other process is handed it in between (it could bind the port first).
 
         Raises:
             OSError: ``host`` is not an address of this machine.

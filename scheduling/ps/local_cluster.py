@@ -103,7 +103,7 @@ class LocalCluster:
             scheduling.ps.PSUnavailableError: the group did not assemble within ``timeout_s`` seconds.
         """
         port = self.servers.start(self._kwargs, port=self.port, trainer_name=self.trainer_name, ctx=self._ctx)
-        self.port = port if port is not None else self.port  # a new one when the first was taken (issue 32)
+        self.port = port if port is not None else self.port  # a new one when the first was taken (a race for the port)
         self._rpc_up = True
         _ACTIVE.append(self)
         return self

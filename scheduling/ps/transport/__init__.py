@@ -18,7 +18,7 @@ again through the same handle.
 ``socket`` (:mod:`scheduling.ps.transport.socket_transport`, imported only when asked for): one persistent TCP
 connection per (client process, server) to servers run by :mod:`scheduling.ps.transport.socket_server`, tensors sent as
 raw buffers; servers named ``"host:port"`` or by names registered there (far less server CPU per request
-than ``torch_rpc``, issue 32).
+than ``torch_rpc``).
 
 Source: torch.distributed.rpc (``rpc_async``); Ray actors (``ActorHandle.method.remote``, ``ray.get``);
 Python ``socket``.

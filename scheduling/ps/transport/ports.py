@@ -1,7 +1,7 @@
 """Free TCP ports, and telling a rendezvous whose port was taken before it bound.
 
-A port found free here may be taken by another process before the group binds it (issue 32: the
-rendezvous then failed with "The server socket has failed to listen on any local network address").
+A port found free here may be taken by another process before the group binds it (the
+rendezvous then fails with "The server socket has failed to listen on any local network address").
 Callers that choose a port with :func:`free_port` retry with a new one when :func:`is_bind_failure` says the
 bind failed (:meth:`scheduling.ps.lifecycle.TorchRPCServers.start` does, up to :data:`BIND_ATTEMPTS` times). A
 job's rendezvous, which cannot simply retry (the other trainers and the servers already head for the port),

@@ -2,8 +2,8 @@
 
 On one host, a tensor sent over loopback TCP is copied into the kernel by ``sendmsg`` and out again by the reader,
 with the TCP stack's per-segment work on both sides: per 852 KB message (26 tables x 128 ids x 64 floats, a
-push's gradients or a lookup's answer) about 0.15 ms of CPU more than two ``memcpy`` (issue 32's
-``benchmarks/server_request.py`` runs). With an arena, a large message's buffers are copied into a shared file
+push's gradients or a lookup's answer) about 0.15 ms of CPU more than two ``memcpy`` (measured with
+``benchmarks/server_request.py``). With an arena, a large message's buffers are copied into a shared file
 mapped by both processes and only the header and the metadata go over the socket.
 
 The arena belongs to the client's connection (:class:`Arena` ``create``): one file in ``/dev/shm`` of

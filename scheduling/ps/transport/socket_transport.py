@@ -1,6 +1,6 @@
 """The ``socket`` transport: one persistent TCP connection per (client process, server), tensors sent raw.
 
-A lean alternative to ``torch_rpc`` (issue 32: on 2 cores TensorPipe's request handling, I/O loop and
+A lean alternative to ``torch_rpc`` (made because on 2 cores TensorPipe's request handling, I/O loop and
 unpickling cost the server processes more CPU than the table work itself). A server
 (:mod:`scheduling.ps.transport.socket_server`) listens on a TCP port; every :class:`SocketTransport` of a process shares
 one connection to it (``TCP_NODELAY``), opened on the first request. A message (:mod:`scheduling.ps.transport.socket_wire`)
