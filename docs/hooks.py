@@ -1,8 +1,11 @@
 """MkDocs hooks of the docs site (``hooks:`` in mkdocs.yml).
 
-``on_files`` adds the generated reference pages (``docs/gen_reference.py``: the job config keys, the command
-line, the Prometheus metrics, the results.json keys) to the site as generated files, so they are made from the
-code at every build and never stored in ``docs/``.
+* ``on_files`` adds the generated reference pages (``docs/gen_reference.py``: the job config keys, the command
+  line, the Prometheus metrics, the results.json keys, the exceptions) to the site as generated files, so they are
+  made from the code at every build and never stored in ``docs/``.
+* ``on_config`` and ``on_page_markdown`` put the security pages other engineers write
+  (:data:`SECURITY_PAGES`) under "Security" in the navigation and link them from ``security.md`` as soon as each
+  file exists; until then the strict build does not fail on a missing page.
 """
 
 from __future__ import annotations
@@ -17,8 +20,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gen_reference  # noqa: E402
 
+SECURITY_PAGES = {"security-transport.md": "Transports", "security-files-and-exposure.md": "Files and exposure"}
+
+
+def _security_pages(config: Any) -> dict[str, str]:
+    return {name: title for name, title in SECURITY_PAGES.items() if (Path(config["docs_dir"]) / name).is_file()}
+
+
+def on_config(config: Any) -> Any:
+    pages = _security_pages(config)
+    for i, item in enumerate(config["nav"] or []):
+        if isinstance(item, dict) and item.get("Security") == "security.md" and pages:
+            config["nav"][i] = {"Security": [{"Threat model": "security.md"},
+                                             *({title: name} for name, title in pages.items())]}
+    return config
+
 
 def on_files(files: Files, config: Any) -> Files:
     for path, text in gen_reference.pages().items():
         files.append(File.generated(config, path, content=text))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    if page.file.src_uri != "security.md":
+        return markdown
+    pages = _security_pages(config)
+    if not pages:
+        return markdown
+    links = "\n".join(f"- [{title}]({name})" for name, title in pages.items())
+    return f"{markdown}\n\n## More\n\n{links}\n"
