@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..endpoints import Endpoints, ServerEndpoints
-from .shm_arena import ALIGN, MIN_MESSAGE_BYTES, Arena, block_bytes
+from .shm_arena import ALIGN, MIN_MESSAGE_BYTES, Arena, FdChannel, block_bytes
 from .socket_transport import WIRE_METHODS
 from .socket_wire import ANSWER, ERROR, REQUEST, Undecodable, dumps, recv_frame, send_message, tune
 
@@ -46,7 +46,13 @@ class _Peer:
         self.lock = threading.Lock()
         self.closed = False
         self.arena: Arena | None = None
-        """The client's shared-memory arena, once it asked (``attach_shm``) and it could be mapped."""
+        """The client's shared-memory arena, once it handed it over (``attach_shm``) and it could be mapped."""
+
+    def close_arena(self) -> None:
+        """Unmap the client's arena (its connection ended); answers still to come go inline."""
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            arena.close()
 
     def answer(self, method: int, rid: int, value: Any, error: BaseException | None,
                reply: tuple[int, int] | None = None) -> None:
@@ -66,7 +72,10 @@ class _Peer:
             first, capacity = reply
             if (sum(lengths) >= MIN_MESSAGE_BYTES and block_bytes(lengths) <= capacity and first >= ALIGN
                     and first + capacity <= arena.size):
-                placed = arena.put(first, buffers)   # the client's block for this request alone
+                try:
+                    placed = arena.put(first, buffers)   # the client's block for this request alone
+                except ValueError:   # unmapped meanwhile (the connection ended): inline
+                    placed = None
         try:
             with self.lock:
                 send_message(self.sock, kind, method, rid, meta, buffers, placed=placed)
@@ -106,6 +115,9 @@ class SocketServer:
         self.stopped = threading.Event()
         """Set by a client's ``stop`` request (or :meth:`close`)."""
         self._peers: list[_Peer] = []
+        self._fd_channel: FdChannel | None = None
+        """Where same-host clients hand over their arenas' descriptors (opened on the first ``attach_shm``)."""
+        self._fd_channel_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         """The accept thread and every reader thread (:meth:`close` joins them)."""
 
@@ -146,6 +158,7 @@ class SocketServer:
         finally:
             peer.closed = True
             peer.sock.close()
+            peer.close_arena()
 
     def _start(self, peer: _Peer, method: int, rid: int, args: Any, reply: tuple[int, int] | None = None) -> None:
         """Start request ``rid``: ordered ones through the endpoints' ``submit`` (answered by their callback),
@@ -168,18 +181,43 @@ class SocketServer:
             elif name == "stop":
                 done(True, None)
                 self.stopped.set()
-            elif name == "attach_shm":   # in this reader thread: mapped before the client's next request is read
-                path, nbytes, token = args
-                arena = Arena.attach(path, nbytes, token)
-                if arena is not None:
-                    peer.arena = arena
-                done(arena is not None, None)
+            elif name == "attach_shm":   # in this reader thread: installed before the client's next request is read
+                done(self._attach_shm(peer, args), None)
             elif name in WIRE_METHODS:
                 done(getattr(self.endpoints, name)(*args), None)
             else:
                 raise ValueError(f"server: unknown request method number {method}")
         except Exception as e:  # noqa: BLE001  (answered as the request's error, as torch_rpc does)
             done(None, e)
+
+    def _attach_shm(self, peer: _Peer, args: Any) -> Any:
+        """A client's ``attach_shm`` request, one of two steps (:mod:`scheduling.ps.transport.shm_arena`).
+        ``("channel", nbytes)``: the address of this server's :class:`~scheduling.ps.transport.shm_arena.FdChannel`
+        and a one-time token for ``peer``'s arena of ``nbytes``, or None where the channel cannot be opened (the
+        client stays inline). ``("install", token)``: the arena handed over on the channel with ``token`` becomes
+        ``peer``'s (True), or there is none (False).
+
+        Raises:
+            ValueError: another step (a file named by the client is never opened).
+        """
+        step, value = args if isinstance(args, tuple) and len(args) == 2 else (None, None)
+        if step == "channel" and isinstance(value, int):
+            with self._fd_channel_lock:
+                if self._fd_channel is None and not self.stopped.is_set():
+                    try:
+                        self._fd_channel = FdChannel()
+                    except OSError as e:   # no abstract Unix sockets here: every client inline
+                        logger.warning("socket server %s: no shared-memory hand-over socket: %s", self.address, e)
+                channel = self._fd_channel
+            return None if channel is None else (channel.name, channel.expect(peer, value))
+        if step == "install" and isinstance(value, bytes):
+            channel = self._fd_channel
+            arena = channel.claim(peer, value) if channel is not None and peer.arena is None else None
+            if arena is not None:
+                peer.arena = arena
+            return arena is not None
+        raise ValueError(f"server: attach_shm takes ('channel', bytes) or ('install', token), not {args!r:.200}: a "
+                         f"shared-memory arena is handed over as a descriptor, never by name")
 
     def close(self, join_s: float = 5.0) -> None:
         """Stop accepting, close every connection (their clients' requests fail at once) and wait up to ``join_s``
@@ -194,6 +232,9 @@ class SocketServer:
         except OSError:
             pass
         self.listener.close()
+        with self._fd_channel_lock:
+            if self._fd_channel is not None:
+                self._fd_channel.close()
         for peer in list(self._peers):
             peer.closed = True
             try:

@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 
 from ..endpoints import METHODS
-from .shm_arena import MIN_MESSAGE_BYTES, Arena, arena_bytes, block_bytes
+from .shm_arena import MIN_MESSAGE_BYTES, Arena, arena_bytes, block_bytes, hand_over
 from .socket_wire import (
     ANSWER,
     ERROR,
@@ -88,8 +88,9 @@ trainers and a server) the thread would only add a hand-over to the same CPU wor
 
 
 ATTACH_TIMEOUT_S = 5.0
-"""Seconds a connection waits at most for the server to map its shared-memory arena (or the request's timeout, if
-shorter); a live server answers within milliseconds. Past it the connection stays inline and the file is removed."""
+"""Seconds each step of handing a connection's shared-memory arena to its server may take (or the request's
+timeout, if shorter); a live server answers within milliseconds. Past it the connection stays inline and the arena
+is unmapped."""
 
 
 def send_thread() -> bool:
@@ -196,13 +197,14 @@ class _Connection:
         self._attach_shm(timeout_s)
 
     def _attach_shm(self, timeout_s: float) -> None:
-        """Where the server runs on this host: create an arena and ask the server to map it, without waiting (a
-        server that is slow to answer, or busy, must not hold up this connection's first request): messages go
-        inline until the answer comes. Its answer precedes the answers of every later request (the server maps in
-        its reader thread), and the reader thread, on reading it, unlinks the arena's name (both sides keep their
-        mappings) and sets ``arena``; where the server cannot map it, the connection fails or the request times
-        out (:data:`ATTACH_TIMEOUT_S`: till then the arena's file is in ``/dev/shm``), the arena is closed and
-        ``arena`` stays None (messages inline). ``attached``: that request's Future.
+        """Where the server runs on this host: create an arena (an anonymous file whose size is sealed) and hand
+        it to the server (``shm_arena.hand_over``: its descriptor over a Unix socket, never a name), without waiting
+        (a server that is slow to answer, or busy, must not hold up this connection's first request): messages go
+        inline until it is mapped. The last step's answer precedes the answers of every later request (the server
+        installs the arena in its reader thread), and the reader thread, on reading it, sets ``arena``; where a
+        step fails (refused, another host, past :data:`ATTACH_TIMEOUT_S`, the connection lost) the arena is
+        closed and ``arena`` stays None (messages inline). ``attached``: a Future of the outcome (True: mapped;
+        its ``wait()`` raises a RuntimeError saying why where a step failed).
 
         Raises:
             ValueError: ``FXDIST_SOCKET_SHM_BYTES`` is not a number of bytes.
@@ -216,25 +218,18 @@ class _Connection:
         if arena is None:
             return
 
-        def answered(future: torch.futures.Future) -> None:
+        def installed(future: torch.futures.Future) -> bool:
+            mapped = False
             try:
-                mapped = future.value() is True
-            except Exception:  # noqa: BLE001  (the server could not map it, or the connection failed: inline it is)
-                mapped = False
-            arena.unlink()
-            if mapped and self.dead is None:
-                self.arena = arena
-            else:
-                arena.close()
+                mapped = future.value() is True and self.dead is None   # raises why it failed
+            finally:
+                if mapped:
+                    self.arena = arena
+                else:
+                    arena.close()
+            return mapped
 
-        try:
-            self.attached = self.call("attach_shm", (arena.path, arena.size, arena.token),
-                                      min(timeout_s, ATTACH_TIMEOUT_S))
-        except Exception:  # noqa: BLE001  (the connection failed at once: inline, and the next call says why)
-            arena.unlink()
-            arena.close()
-            return
-        self.attached.add_done_callback(answered)
+        self.attached = hand_over(arena, self.call, min(timeout_s, ATTACH_TIMEOUT_S)).then(installed)
 
     def _send(self, number: int, rid: int, meta: bytes, buffers: Sequence[Any]) -> None:
         """Send request ``rid`` (call under ``_send_lock``): its buffers through the arena when they hold at least

@@ -1,20 +1,28 @@
 """The socket transport's shared-memory arena (scheduling/ps/transport/shm_arena.py, socket_transport.py, socket_server.py).
 
 The ring allocator against a model of its blocks (hypothesis): live blocks never overlap, stay inside the range
-and aligned, and freed space comes back once every older block is freed. The arena: a server maps only the
-client's own file (token, size, directory). Differential: a client whose large buffers go through the arena
-gets, step after step, bit for bit the answers and tables of a client whose messages all go over the socket,
-with the arena in use (counted) and messages that do not fit going inline; answers kept alive hold their blocks
-until they are gone; a server that cannot map the arena leaves the connection inline; and a server in another
-process (spawned) maps it as well.
+and aligned, and freed space comes back once every older block is freed. The arena: an anonymous file whose size
+is sealed, handed over as a descriptor; a server maps only such a file of the announced size (not a named file,
+not an unsealed one), refuses an attach that names a file (or a symlink to one) and a descriptor whose size is not
+sealed, and a client cannot shrink its arena under the server's mapping (no SIGBUS: the server answers on).
+Differential: a client whose large buffers go through the arena gets, step after step, bit for bit the answers and
+tables of a client whose messages all go over the socket, with the arena in use (counted) and messages that do not
+fit going inline; answers kept alive hold their blocks until they are gone; a server that cannot map the arena
+leaves the connection inline; a server in another process (spawned) maps it as well; and nothing is left behind
+(no file anywhere, the descriptors and mappings of arenas not used closed).
 """
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import io
 import os
 import pickle
+import secrets
+import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -29,11 +37,22 @@ from scheduling.ps import PSClient
 from scheduling.ps.endpoints import ServerEndpoints
 from scheduling.ps.server import PSServer
 from scheduling.ps.transport import shm_arena
-from scheduling.ps.transport.shm_arena import ALIGN, Arena, Ring, arena_bytes
+from scheduling.ps.transport.shm_arena import ALIGN, MEMFD_NAME, Arena, FdChannel, Ring, arena_bytes, send_fd
 from scheduling.ps.transport.socket_server import SocketServer, spawn_servers
 from scheduling.ps.transport.socket_transport import _CONNECTIONS, SocketTransport
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(shm_arena.SHM_DIR), reason="no /dev/shm on this machine")
+
+def _sealable() -> bool:
+    arena = Arena.create(1 << 20)
+    if arena is not None:
+        arena.close()
+    return arena is not None
+
+
+pytestmark = pytest.mark.skipif(not _sealable(), reason="no memfd_create with file seals here")
+
+SHM_DIR = "/dev/shm"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 FEATURES, DIM, ROWS = 4, 64, 1000
 
@@ -75,25 +94,78 @@ def test_freed_space_comes_back_only_after_the_older_blocks():
 
 
 # ---- the arena ----------------------------------------------------------------------------------------------------
-def test_a_server_maps_only_the_clients_own_arena():
+def _arena_handles() -> tuple[int, int]:
+    """This process's open descriptors and mappings of arena files (``/proc/self/fd``, ``/proc/self/maps``)."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{MEMFD_NAME}")
+        except OSError:   # the listing's own descriptor, closed meanwhile
+            pass
+    with open("/proc/self/maps") as maps:
+        return fds, sum(f"/memfd:{MEMFD_NAME}" in line for line in maps)
+
+
+def _until(condition, timeout_s: float = 10.0) -> bool:
+    """Wait for ``condition()`` (a Future's callbacks may still be running on another thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_an_arena_is_an_anonymous_file_whose_size_is_sealed():
+    before, names = _arena_handles(), set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
+    arena = Arena.create(1 << 20)
+    assert arena is not None and arena.fd is not None
+    try:
+        info = os.fstat(arena.fd)
+        assert info.st_nlink == 0 and info.st_size == arena.size == 1 << 20    # no name anywhere
+        assert not os.path.isdir(SHM_DIR) or set(os.listdir(SHM_DIR)) == names
+        fds, maps = _arena_handles()
+        assert fds > before[0] and maps == before[1] + 1    # (Python's mmap holds a descriptor of its own)
+        seals = fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS)
+        assert seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) == (
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        for size in (0, arena.size // 2, arena.size * 2):
+            with pytest.raises(PermissionError):          # EPERM: the seals
+                os.ftruncate(arena.fd, size)
+    finally:
+        arena.close()
+    assert arena.fd is None and _arena_handles() == before   # closed: nothing left, by name or otherwise
+
+
+def test_a_server_maps_only_an_unnamed_file_whose_size_is_sealed(tmp_path):
     arena = Arena.create(1 << 20)
     assert arena is not None
+    unsealed = os.memfd_create("fxdist-test-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    grow_only = os.memfd_create("fxdist-test-grow", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    named = os.open(tmp_path / "arena", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        assert Arena.attach(arena.path, arena.size, bytes(16)) is None                 # another token
-        assert Arena.attach(arena.path, arena.size + 4096, arena.token) is None        # another size
-        assert Arena.attach("/tmp/" + os.path.basename(arena.path), arena.size, arena.token) is None  # not /dev/shm
-        other = Arena.attach(arena.path, arena.size, arena.token)
-        assert other is not None and other.ring is None
-        arena.unlink()
-        assert not os.path.exists(arena.path)       # the name is gone, both mappings stay
+        for fd in (unsealed, grow_only, named):
+            os.ftruncate(fd, arena.size)
+        fcntl.fcntl(grow_only, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+        with pytest.raises(ValueError, match="size is not sealed"):
+            Arena.attach(unsealed, arena.size)
+        with pytest.raises(ValueError, match="size is not sealed"):
+            Arena.attach(grow_only, arena.size)             # shrinking still possible
+        with pytest.raises(ValueError, match="cannot be sealed|not sealed"):
+            Arena.attach(named, arena.size)                 # a file with a name
+        with pytest.raises(ValueError, match="holds 1048576 bytes, not the 1052672"):
+            Arena.attach(arena.fd, arena.size + 4096)
+        other = Arena.attach(arena.fd, arena.size)
+        assert other.ring is None and other.fd is None
         first = arena.ring.alloc(3000)
         offsets = arena.put(first, [torch.arange(700, dtype=torch.int32).numpy(), b"xyz"])
         got = other.take(offsets, [2800, 3])
         assert torch.equal(got[0].view(torch.int32), torch.arange(700, dtype=torch.int32)) and bytes(got[1]) == b"xyz"
         with pytest.raises(ValueError, match="outside the arena"):
             other.take([arena.size - 8], [16])
+        other.close()
     finally:
-        arena.unlink()
+        for fd in (unsealed, grow_only, named):
+            os.close(fd)
+        arena.close()
 
 
 def test_lent_buffers_unpickle_to_tensors_torch_save_takes():
@@ -117,7 +189,7 @@ def test_lent_buffers_unpickle_to_tensors_torch_save_takes():
         gc.collect()
         assert arena.ring.live() == []
     finally:
-        arena.unlink()
+        arena.close()
 
 
 def test_the_arena_size_setting(monkeypatch):
@@ -163,9 +235,15 @@ def _steps(client: PSClient, batches: list[int], keep: list | None = None) -> li
     return out
 
 
-def _client(address: str, name: str) -> PSClient:
-    return PSClient(_tables(), [address], transport="socket", name=name, seed=11, optimizer="adagrad",
-                    optimizer_kwargs={"lr": 0.05})
+def _client(address: str, name: str, attached: bool = True) -> PSClient:
+    """A client of the server at ``address``; ``attached``: once its connection's arena, if it asked for one, is
+    mapped (the hand-over does not hold up requests: the first ones would go inline, and the counts vary)."""
+    client = PSClient(_tables(), [address], transport="socket", name=name, seed=11, optimizer="adagrad",
+                      optimizer_kwargs={"lr": 0.05})
+    conn = _CONNECTIONS.get(address)
+    if attached and conn is not None and conn.attached is not None:
+        assert conn.attached.wait() is True
+    return client
 
 
 def test_answers_and_tables_through_the_arena_are_those_over_the_socket(monkeypatch):
@@ -191,12 +269,7 @@ def test_answers_and_tables_through_the_arena_are_those_over_the_socket(monkeypa
     # every push but the 16- and 128-sample ones went through the arena; an answer where the method's last answer
     # was as large (the first of each method, a 512-sample answer after a 128-sample one, ... went over the socket)
     assert on_conn.shm_requests == len(batches) - 2 and 2 <= on_conn.shm_answers < len(batches)
-    assert not os.path.exists(on_conn.arena.path)   # unlinked once mapped
-
-
-def _arena_files(before: set[str]) -> set[str]:
-    """The arena files in :data:`SHM_DIR` not in ``before`` (a listing taken earlier)."""
-    return {f for f in set(os.listdir(shm_arena.SHM_DIR)) - before if f.startswith("fxdist-socket-")}
+    assert on_conn.arena.fd is None   # the server has it: the client's descriptor closed, the mapping kept
 
 
 def _raw_lookups(client: PSClient, count: int, keep: list) -> list[torch.Tensor]:
@@ -246,19 +319,24 @@ def test_answers_kept_alive_hold_their_blocks_and_the_rest_goes_inline(monkeypat
 
 
 def test_a_server_that_cannot_map_the_arena_leaves_the_connection_inline(monkeypatch):
+    def refuse(cls, fd, nbytes):
+        raise ValueError("refused for the test")
+
     monkeypatch.delenv("FXDIST_SOCKET_SHM_BYTES", raising=False)
-    monkeypatch.setattr(Arena, "attach", classmethod(lambda cls, *a: None))   # as on another host
-    before = set(os.listdir(shm_arena.SHM_DIR))
+    monkeypatch.setattr(Arena, "attach", classmethod(refuse))
+    before = _arena_handles()
     server = _server()
-    client = _client(server.address, "nomap")
+    client = _client(server.address, "nomap", attached=False)
     try:
-        out = _steps(client, [512, 512])
         conn = _CONNECTIONS[server.address]
+        with pytest.raises(RuntimeError, match="the server refused the shared-memory arena: refused for the test"):
+            conn.attached.wait()
+        out = _steps(client, [512, 512])
         assert conn.arena is None and conn.shm_requests == conn.shm_answers == 0 and len(out) == 4
+        assert _until(lambda: _arena_handles() == before)   # the arena closed: no descriptor, no mapping
     finally:
         client.close()
         server.close()
-    assert not _arena_files(before)
 
 
 def test_a_server_in_another_process_maps_the_arena(monkeypatch):
@@ -292,15 +370,14 @@ def test_a_server_in_another_process_maps_the_arena(monkeypatch):
 def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
     """The connection asks the server to map its arena without waiting: against a server that accepts and never
     answers, the first request is sent at once (the attach still pending), and once the attach's own time is up
-    the file is gone and the connection stays inline."""
-    import socket
+    the arena is closed (no descriptor, no mapping left) and the connection stays inline."""
     import threading
 
     from scheduling.ps.transport import socket_transport
 
     monkeypatch.delenv("FXDIST_SOCKET_SHM_BYTES", raising=False)
     monkeypatch.setattr(socket_transport, "ATTACH_TIMEOUT_S", 0.2)
-    before = set(os.listdir(shm_arena.SHM_DIR))
+    before = _arena_handles()
     with socket.create_server(("127.0.0.1", 0)) as silent:
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         held: list = []
@@ -311,25 +388,130 @@ def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
         assert not future.done()
         with pytest.raises(RuntimeError, match="within 0.2 s"):
             conn.attached.wait()
-        deadline = time.monotonic() + 10.0   # the Future's callbacks (unlink, close) may still be running
-        while _arena_files(before) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not _arena_files(before) and conn.arena is None
+        assert _until(lambda: _arena_handles() == before) and conn.arena is None
         conn._fail("test over")
         with pytest.raises(RuntimeError):
             future.wait()
 
 
-def test_a_process_that_exits_before_its_server_answers_leaves_no_file():
-    """An arena not yet unlinked (its server has not answered) is removed when the process exits normally."""
-    import subprocess
-    import sys
+def _victim(tmp_path) -> tuple[str, str, bytes]:
+    """A file in /dev/shm (or ``tmp_path`` where there is none) named like an arena and a symlink to it: their
+    paths and the file's bytes (its first 16: what a server of the old design checked as the arena's token)."""
+    where = SHM_DIR if os.path.isdir(SHM_DIR) else str(tmp_path)
+    path = os.path.join(where, f"fxdist-socket-{os.getpid()}-{uuid.uuid4().hex}")
+    data = secrets.token_bytes(1 << 20)
+    with open(path, "wb") as f:
+        f.write(data)
+    os.symlink(path, path + "-link")
+    return path, path + "-link", data
 
-    code = ("from scheduling.ps.transport.shm_arena import Arena\n"
-            "arena = Arena.create(1 << 20)\n"
-            "print(arena.path)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    path = out.stdout.strip()
-    assert path.startswith(os.path.join(shm_arena.SHM_DIR, "fxdist-socket-")), out
-    assert not os.path.exists(path)
+
+def test_an_attach_that_names_a_file_maps_nothing(monkeypatch, tmp_path):
+    """A forged ``attach_shm`` naming a /dev/shm file, or a symlink to one (with the right size and token, as the
+    old design wanted), is refused: the server maps nothing, the file is untouched, the connection works on."""
+    monkeypatch.setenv("FXDIST_SOCKET_SHM_BYTES", "0")   # this connection hands over no arena of its own
+    path, link, data = _victim(tmp_path)
+    stamp = os.stat(path)
+    server = _server()
+    client = _client(server.address, "forged")
+    try:
+        conn = _CONNECTIONS[server.address]
+        for name in (path, link):
+            with pytest.raises(ValueError, match="handed over as a descriptor, never by name"):
+                conn.call("attach_shm", (name, len(data), data[:16]), 5.0).wait()
+            assert conn.call("attach_shm", ("install", data[:16]), 5.0).wait() is False   # no such token
+        assert all(peer.arena is None for peer in server._peers)
+        with open("/proc/self/maps") as maps:
+            assert not any(path in line for line in maps)
+        out = _steps(client, [512, 512])
+        assert len(out) == 4 and conn.dead is None and conn.shm_requests == conn.shm_answers == 0
+    finally:
+        client.close()
+        server.close()
+        after = os.stat(path)
+        with open(path, "rb") as f:
+            unchanged = f.read() == data
+        os.unlink(link)
+        os.unlink(path)
+    assert unchanged and (after.st_size, after.st_mtime_ns) == (stamp.st_size, stamp.st_mtime_ns)
+
+
+def test_a_descriptor_whose_size_is_not_sealed_is_refused(monkeypatch, tmp_path):
+    """Over the server's own hand-over socket, with a valid token: an unsealed memfd, one sealed against growing
+    only, and a named file's descriptor are refused (the token is spent), and the connection stays inline."""
+    monkeypatch.setenv("FXDIST_SOCKET_SHM_BYTES", "0")
+    path, link, _ = _victim(tmp_path)
+    server = _server()
+    client = _client(server.address, "unsealed")
+    fds = [os.memfd_create("fxdist-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING) for _ in range(2)]
+    fds.append(os.open(path, os.O_RDWR))
+    try:
+        os.ftruncate(fds[0], 1 << 20)
+        os.ftruncate(fds[1], 1 << 20)
+        fcntl.fcntl(fds[1], fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+        conn = _CONNECTIONS[server.address]
+        for fd in fds:
+            name, token = conn.call("attach_shm", ("channel", 1 << 20), 5.0).wait()
+            with pytest.raises(ValueError, match="server refused the shared-memory arena: .*(not sealed|cannot be)"):
+                send_fd(name, token, fd)
+            assert conn.call("attach_shm", ("install", token), 5.0).wait() is False
+            with pytest.raises(ValueError, match="unknown, used or expired token"):   # one time only
+                send_fd(name, token, fd)
+        assert all(peer.arena is None for peer in server._peers)
+        assert len(_steps(client, [512])) == 2 and conn.shm_requests == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+        client.close()
+        server.close()
+        os.unlink(link)
+        os.unlink(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+def test_a_peer_of_another_uid_hands_over_nothing():
+    channel = FdChannel()
+    token = channel.expect("owner", 1 << 20)
+    code = ("import os, socket\n"
+            "os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            f"s.connect({channel.name!r})\n"
+            "print(s.recv(200).decode())\n")   # refused before it reads anything
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        assert out.stdout.startswith("peer uid 65534 is not the server's (0)"), out
+        assert channel.claim("owner", token) is None
+    finally:
+        channel.close()
+
+
+def test_a_client_cannot_shrink_its_arena_under_the_server(monkeypatch):
+    """The client keeps its arena's descriptor (for the test) and tries to shrink the file once the server (in
+    another process) mapped it: the seals refuse (EPERM), and the server answers on through the arena (on a
+    file shrunk under its mapping, its next write there would kill it with SIGBUS)."""
+    monkeypatch.delenv("FXDIST_SOCKET_SHM_BYTES", raising=False)
+    monkeypatch.setattr(Arena, "close_fd", lambda self: None)   # the descriptor stays open (closed below)
+    procs, addresses = spawn_servers([f"shm_shrink_{uuid.uuid4().hex[:6]}"])
+    fd = None
+    try:
+        client = _client(addresses[0], "shrink")
+        try:
+            conn = _CONNECTIONS[addresses[0]]
+            fd = conn.arena.fd
+            for size in (0, ALIGN, conn.arena.size - 4096):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, size)
+            assert os.fstat(fd).st_size == conn.arena.size
+            got = _steps(client, [512, 1024, 512, 512])
+            assert len(got) == 8 and conn.shm_requests >= 3 and conn.shm_answers >= 3 and procs[0].is_alive()
+        finally:
+            client.close()
+        SocketTransport(addresses).stop(5.0)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    assert procs[0].exitcode == 0
