@@ -3,8 +3,9 @@ new virtual environment and its command line, its imports, its compiled kernels 
 from there.
 
 Offline and quick: the build runs without isolation (the bootstrap's pinned setuptools), the wheel is installed
-with ``--no-index --no-deps``, and the new environment reuses the bootstrap's installed dependencies (torch...)
-through a ``.pth`` line naming ``.venv``'s site-packages, instead of installing them again. Such a line only adds
+with ``--no-index`` and the lock as constraints, and the new environment reuses the bootstrap's installed
+dependencies (torch...) through a ``.pth`` line naming ``.venv``'s site-packages, instead of installing them again:
+pip finds them already there, so the ranges of the wheel's metadata are checked against the lock's versions. Such a line only adds
 the folder to ``sys.path`` (the ``.pth`` files inside it, among them the editable install's finder, are not run),
 and the new environment's own site-packages comes first: the checks assert that every module comes from there,
 never from the repository.
@@ -82,6 +83,13 @@ def test_the_wheel_carries_the_kernels_and_the_metadata(dist):
     assert "fxdist = jobs.launcher.cli:main" in entry_points and "fuse = quant:fuse" in entry_points
 
 
+def test_the_lock_pins_every_line_so_it_serves_as_constraints():
+    """``pip install -c requirements.txt`` (docs/install.md) accepts only ``name==version``: no extras, no ranges."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    bad = [line for line in lines if line and not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+", line)]
+    assert not bad, f"requirements.txt lines a constraints file refuses: {bad}"
+
+
 def _fresh_venv(root: Path) -> tuple[Path, Path]:
     """A new virtual environment without pip whose ``sys.path`` ends with the bootstrap's site-packages.
     Returns (its python, its site-packages)."""
@@ -97,8 +105,12 @@ def _fresh_venv(root: Path) -> tuple[Path, Path]:
 def test_the_wheel_installs_and_runs_from_a_new_environment(dist, tmp_path):
     (wheel,) = dist.glob("*.whl")
     python, site = _fresh_venv(tmp_path)
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
-         cwd=tmp_path)
+    # with its dependencies, offline: the resolver finds each range of the base and of fxdist[all] met by the lock's
+    # pinned set (-c requirements.txt), already installed by the bootstrap, so it installs the wheel alone
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "-q", "-c",
+          str(ROOT / "requirements.txt"), f"fxdist[all] @ {wheel.as_uri()}"], cwd=tmp_path)
+    assert sorted(p.name for p in site.iterdir() if not p.name.startswith(("_", "."))) == [
+        "fxdist", f"fxdist-{fxdist.__version__}.dist-info", "jobs", "quant", "recsys", "scheduling"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), CXX="/nonexistent/c++", FXDIST_NATIVE="1",
                PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
