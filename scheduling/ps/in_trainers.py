@@ -147,7 +147,8 @@ def stop_serving() -> None:
     _OWN_THREAD.clear()
 
 
-def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> Any:
+def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *, auth_key: bytes | None = None,
+                            save_root: str | None = None, **kwargs: Any) -> Any:
     """:func:`serve_in_trainer` ``(name, **kwargs)`` for clients of the ``socket`` transport: the server also
     listens on ``host:port`` (port 0: a free one, bound at once) for the other trainers' requests, served on
     reader threads of this process (:class:`~scheduling.ps.transport.socket_server.SocketServer` over the same endpoints);
@@ -158,6 +159,10 @@ def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *
         host: the address to listen on, which is also the one published (``"127.0.0.1"``: trainers of this
             machine only; on a cluster, this node's address the other nodes reach).
         port: the TCP port, 0 for one the OS picks.
+        auth_key: the job key the other trainers prove they hold (the handshake of
+            :mod:`scheduling.ps.transport.auth`); None: this process's (``auth.job_key``, drawn when none: then only
+            this process and those it starts afterwards hold it).
+        save_root: the directory a ``save`` request may write under (None: ``save`` refused over the socket).
         kwargs: :func:`serve_in_trainer`'s (``fetch_delay_s``, ``push_delay_s``, ``checkpoint``, ``direct``,
             ``own_requests``).
 
@@ -168,6 +173,7 @@ def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *
         RuntimeError: a parameter server already runs in this process.
         ValueError: a bad ``own_requests``.
         OSError: ``host:port`` cannot be bound (the server is dropped again).
+        ValueError: a malformed job key; PermissionError: a key file readable by others.
     """
     import functools
 
@@ -177,7 +183,7 @@ def serve_in_trainer_socket(name: str, host: str = "127.0.0.1", port: int = 0, *
 
     serve_in_trainer(name, **kwargs)
     try:
-        listener = SocketServer(_srv._ENDPOINTS, host, port)
+        listener = SocketServer(_srv._ENDPOINTS, host, port, auth_key=auth_key, save_root=save_root)
     except BaseException:
         stop_serving()
         raise

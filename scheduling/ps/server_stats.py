@@ -6,7 +6,9 @@ Each :class:`~scheduling.ps.server.PSServer` owns a :class:`ServerStats` (its ``
 - the seconds each lookup and each push spends being served (the work itself, not the wait for its turn in
   :mod:`scheduling.ps.ordering`), per request (never per row) and per namespace (the client's table set), in
   fixed-bucket histograms: two ``perf_counter`` calls, a ``bisect`` and a lock per request;
-- the requests pending: received and not answered yet (waiting for their turn or running).
+- the requests pending: received and not answered yet (waiting for their turn or running);
+- the connections its socket listener refused, per reason (:data:`REJECT_REASONS`;
+  :mod:`scheduling.ps.transport.socket_server` counts them here).
 
 The rows, bytes and dynamic-table counters per table are not kept here: :func:`table_stats` reads them
 from the server's shards when asked. An exporter reads :meth:`ServerStats.snapshot` and :func:`table_stats`
@@ -25,12 +27,15 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ServerStats", "KINDS", "BUCKETS", "table_stats", "dynamic_stats"]
+__all__ = ["ServerStats", "KINDS", "BUCKETS", "REJECT_REASONS", "table_stats", "dynamic_stats"]
 
 KINDS = ("lookup", "push")
 """The timed kinds of work (a push+lookup request is timed as one push and one lookup)."""
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.5)
 """Upper bounds (seconds) of the timing buckets; a last ``+Inf`` bucket is implied."""
+REJECT_REASONS = ("bad_auth", "handshake_timeout", "too_many_connections", "bad_frame", "over_limit", "frame_timeout")
+"""Why a socket server refused a connection: a wrong key (or none), no handshake in time, the connection cap, a
+malformed message, a message over the frame limits, a message stalled past the read timeout."""
 
 
 class ServerStats:
@@ -57,6 +62,7 @@ class ServerStats:
         self._lock = threading.Lock()
         self._timings: dict[tuple[str, str], list[Any]] = {}  # (kind, namespace) -> [counts per bucket, sum, count]
         self._pending = 0
+        self._rejected = dict.fromkeys(REJECT_REASONS, 0)
 
     # ---- updates (per request) -----------------------------------------------------------------------------
     def observe(self, kind: str, namespace: str, seconds: float) -> None:
@@ -94,6 +100,11 @@ class ServerStats:
             done(value, error)
         return finished
 
+    def reject(self, reason: str) -> None:
+        """Count one connection refused for ``reason`` (one of :data:`REJECT_REASONS`, or another word)."""
+        with self._lock:
+            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
     # ---- reads (per scrape) ---------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
@@ -102,10 +113,12 @@ class ServerStats:
 
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy: ``{"pending": int, "timings": {(kind, namespace): {"buckets": [(upper bound
-        in seconds, cumulative count), ..., (inf, count)], "sum": seconds, "count": int}}}``."""
+        in seconds, cumulative count), ..., (inf, count)], "sum": seconds, "count": int}}, "rejected": {reason:
+        connections refused}}``."""
         with self._lock:
             raw = {k: (list(t[0]), t[1], t[2]) for k, t in self._timings.items()}
             pending = self._pending
+            rejected = dict(self._rejected)
         timings = {}
         for key, (counts, total, count) in raw.items():
             cumulative, acc = [], 0
@@ -113,7 +126,7 @@ class ServerStats:
                 acc += c
                 cumulative.append((bound, acc))
             timings[key] = {"buckets": cumulative, "sum": total, "count": count}
-        return {"pending": pending, "timings": timings}
+        return {"pending": pending, "timings": timings, "rejected": rejected}
 
 
 def table_stats(server: Any) -> list[dict[str, Any]]:

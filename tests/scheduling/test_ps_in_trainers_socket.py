@@ -21,6 +21,7 @@ import torch.distributed as dist
 from scheduling.ps import PSClient, stop_serving
 from scheduling.ps.in_trainers import hosted_worker, local_endpoints, serve_in_trainer_socket, share_addresses
 from scheduling.ps.shard_plan import TableSpec
+from scheduling.ps.transport import auth
 from scheduling.ps.transport import socket_transport as st
 from scheduling.ps.transport.ports import free_port
 from tests.scheduling import _group
@@ -125,6 +126,7 @@ def test_socket_servers_in_trainers_train_exactly_as_separate_socket_servers():
     from scheduling.ps.transport.socket_server import spawn_servers
 
     world, steps = 2, 6
+    auth.job_key(create=True)   # before spawning: every trainer (and server) inherits the job key
     runs = [("eager", "eager", True, 0.0), ("prefetch", "prefetch", True, 0.0),
             ("prefetch_jitter", "prefetch", True, 0.02)]
     ctx = mp.get_context("spawn")

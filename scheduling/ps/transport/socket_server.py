@@ -9,6 +9,16 @@ that reads a request and starts it. The ordered requests (``lookup``, ``peek``, 
 ``done(value, error)`` callback, on whichever thread runs it, writes the answer under the connection's send
 lock. The other requests (``configure``, ``state_dict``...) run on the reader thread.
 
+Every connection first proves it holds the job's key (:mod:`scheduling.ps.transport.auth`, a mutual HMAC
+handshake with a deadline) before a single message is parsed; messages are then read under
+:class:`~scheduling.ps.transport.socket_wire.FrameLimits` and decoded by the restricted unpickler
+(:mod:`scheduling.ps.transport.safe_pickle`). A server holds at most ``max_connections`` connections. A refused
+connection (wrong key, handshake timeout, too many connections, a malformed or oversized message, a message stalled
+past the read timeout) is closed, logged once per peer address and counted (:attr:`SocketServer.rejected`, and
+the served ``PSServer``'s stats: ``fxdist_ps_rejected_connections_total``). Every authenticated peer is the job's
+owner (the trainers need ``configure``, ``state_dict``, ``load_state_dict``; the owner ``stop``), but ``save``
+writes only under the ``save_root`` the server was started with (none: refused).
+
 :func:`serve` runs a server in this process until a client sends ``stop`` (``SocketTransport.stop``);
 :func:`spawn_servers` starts server processes and returns their addresses, which each child publishes
 through a pipe once it listens (no port is chosen before it is bound).
@@ -19,8 +29,11 @@ Learning with the Parameter Server", OSDI 2014, §3 (the ordering the endpoints 
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,11 +42,30 @@ from typing import Any
 import torch
 
 from ..endpoints import Endpoints, ServerEndpoints
+from . import auth
 from .shm_arena import ALIGN, MIN_MESSAGE_BYTES, Arena, FdChannel, block_bytes
 from .socket_transport import WIRE_METHODS
-from .socket_wire import ANSWER, ERROR, REQUEST, Undecodable, dumps, recv_frame, send_message, tune
+from .socket_wire import (
+    ANSWER,
+    ERROR,
+    REQUEST,
+    FrameLimits,
+    FrameRejected,
+    Undecodable,
+    dumps,
+    recv_frame,
+    send_message,
+    tune,
+)
 
-__all__ = ["SocketServer", "SocketServers", "serve", "spawn_servers"]
+__all__ = ["SocketServer", "SocketServers", "serve", "spawn_servers", "MAX_CONNECTIONS"]
+
+MAX_CONNECTIONS = 256
+"""Default cap on a server's open connections (authenticated or still in their handshake)."""
+_WARNED_HOSTS = 4096
+"""Peer addresses whose refusals are remembered as logged (beyond: counted, not logged)."""
+_STALLED = (BlockingIOError, TimeoutError, InterruptedError)
+"""What a read raises once the connection's read timeout (``SO_RCVTIMEO``) passed in the middle of a message."""
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +126,32 @@ class SocketServer:
         endpoints: the request handlers (their ``server`` a :class:`~scheduling.ps.server.PSServer`).
         host: the address to listen on (``"127.0.0.1"``: this machine only; ``"0.0.0.0"``: every interface).
         port: the TCP port, 0 for one the OS picks.
+        auth_key: the job key clients must prove they hold (None: :func:`scheduling.ps.transport.auth.job_key`,
+            drawn when nothing provides one, ``create=True``).
+        limits: what a request may declare and how long it may stall (None: ``FrameLimits.from_env()``).
+        max_connections: open connections at most (:data:`MAX_CONNECTIONS`); more are refused.
+        handshake_timeout_s: seconds a new connection has to authenticate (``auth.HANDSHAKE_TIMEOUT_S``).
+        save_root: the directory ``save`` may write under (after ``os.path.realpath``); None: ``save`` refused.
 
     Raises:
         OSError: the address cannot be bound.
+        ValueError: a malformed job key; PermissionError: a key file readable by others.
     """
 
-    def __init__(self, endpoints: Endpoints, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, endpoints: Endpoints, host: str = "127.0.0.1", port: int = 0, *,
+                 auth_key: bytes | None = None, limits: FrameLimits | None = None,
+                 max_connections: int = MAX_CONNECTIONS, handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S,
+                 save_root: str | None = None) -> None:
         self.endpoints = endpoints
+        self.key = auth.require_key(auth_key, create=True)
+        self.limits = limits if limits is not None else FrameLimits.from_env()
+        self.max_connections, self.handshake_timeout_s = max_connections, handshake_timeout_s
+        self.save_root = None if save_root is None else os.path.realpath(save_root)
+        self.rejected: collections.Counter[str] = collections.Counter()
+        """Connections refused, per reason (``bad_auth``, ``handshake_timeout``, ``too_many_connections``,
+        ``bad_frame``, ``over_limit``, ``frame_timeout``)."""
+        self._warned: set[str] = set()
+        self._reject_lock = threading.Lock()
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -135,26 +186,59 @@ class SocketServer:
     def _accept(self) -> None:
         while not self.stopped.is_set():
             try:
-                sock, _ = self.listener.accept()
+                sock, where = self.listener.accept()
             except OSError:  # closed
                 return
+            # the connections that ended are done (a server actor outlives many worker groups): keep the live ones
+            live = [p for p in self._peers if not p.closed]
+            if len(live) >= self.max_connections:
+                self._peers = live
+                sock.close()
+                self._reject(where[0], "too_many_connections", f"{len(live)} connections open already")
+                continue
             tune(sock)
             peer = _Peer(sock)
-            # the connections that ended are done (a server actor outlives many worker groups): keep the live ones
-            self._peers = [p for p in self._peers if not p.closed] + [peer]
-            self._thread(self._serve, "fxdist-socket-peer", peer)
+            self._peers = live + [peer]
+            self._thread(self._serve, "fxdist-socket-peer", peer, str(where[0]))
 
-    def _serve(self, peer: _Peer) -> None:
+    def _handshake(self, peer: _Peer, host: str) -> bool:
+        """Whether the peer proved it holds the key (else counted, logged once, and the caller closes it); then
+        the connection's read and send timeouts (a message stalled past them drops the connection)."""
+        try:
+            auth.server_handshake(peer.sock, self.key, self.handshake_timeout_s)
+        except TimeoutError:
+            self._reject(host, "handshake_timeout", f"no handshake within {self.handshake_timeout_s} s")
+            return False
+        except OSError as e:   # a wrong proof (AuthenticationError), or a peer gone before proving anything
+            self._reject(host, "bad_auth", str(e) or type(e).__name__)
+            return False
+        seconds = self.limits.read_timeout_s
+        timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        return True
+
+    def _serve(self, peer: _Peer, host: str = "?") -> None:
         header = bytearray(16)
         try:
+            if not self._handshake(peer, host):
+                return
             while not peer.closed:
-                kind, method, rid, args, reply, _, _ = recv_frame(peer.sock, header, peer.arena)
-                if kind == REQUEST:
-                    self._start(peer, method, rid, args, reply)
+                kind, method, rid, args, reply, _, _ = recv_frame(peer.sock, header, peer.arena, limits=self.limits)
+                if kind != REQUEST:
+                    raise FrameRejected("bad_frame", f"a message of kind {kind} (a client sends requests only)")
+                self._start(peer, method, rid, args, reply)
+                if isinstance(args, Undecodable):   # answered with why; a peer sending those is read no further
+                    raise FrameRejected("bad_frame", f"request #{method} undecodable: {args.why}")
+        except FrameRejected as e:
+            self._reject(host, e.reason, str(e))
+        except _STALLED:
+            if not peer.closed:
+                self._reject(host, "frame_timeout", f"a message stalled over {self.limits.read_timeout_s} s")
         except OSError:  # the client left (EOF, reset) or close()
             pass
-        except Exception:  # a broken message: the stream cannot be read on
-            logger.exception("socket server %s: dropping a connection", self.address)
+        except Exception as e:  # noqa: BLE001  (a broken message: the stream cannot be read on)
+            self._reject(host, "bad_frame", f"{type(e).__name__}: {e}")
         finally:
             peer.closed = True
             peer.sock.close()
@@ -181,6 +265,8 @@ class SocketServer:
             elif name == "stop":
                 done(True, None)
                 self.stopped.set()
+            elif name == "save":   # only under the save root
+                done(self.endpoints.save(self._save_path(args)), None)
             elif name == "attach_shm":   # in this reader thread: installed before the client's next request is read
                 done(self._attach_shm(peer, args), None)
             elif name in WIRE_METHODS:
@@ -219,6 +305,40 @@ class SocketServer:
         raise ValueError(f"server: attach_shm takes ('channel', bytes) or ('install', token), not {args!r:.200}: a "
                          f"shared-memory arena is handed over as a descriptor, never by name")
 
+    def _save_path(self, args: Any) -> str:
+        """The directory of a ``save`` request, resolved (``os.path.realpath``) and under :attr:`save_root`.
+
+        Raises:
+            PermissionError: no save root, or the directory resolves outside it.
+            ValueError: not one directory argument.
+        """
+        if not isinstance(args, tuple) or len(args) != 1 or not isinstance(args[0], str):
+            raise ValueError(f"server {self.address}: save takes one directory, got {args!r:.200}")
+        real = os.path.realpath(args[0])
+        root = self.save_root
+        if root is None:
+            raise PermissionError(f"server {self.address}: save({args[0]!r}) refused: this server was started "
+                                  "without a save root (SocketServer / serve save_root=)")
+        if os.path.commonpath([real, root]) != root:
+            raise PermissionError(f"server {self.address}: save({args[0]!r}) refused: {real} is outside the save "
+                                  f"root {root} (the directory this server was started with)")
+        return real
+
+    def _reject(self, host: str, reason: str, detail: str) -> None:
+        """Count a refused connection under ``reason`` (here and in the served ``PSServer``'s stats) and log the
+        first one from ``host``."""
+        with self._reject_lock:
+            self.rejected[reason] += 1
+            first = host not in self._warned and len(self._warned) < _WARNED_HOSTS
+            if first:
+                self._warned.add(host)
+        stats = getattr(getattr(self.endpoints, "server", None), "stats", None)
+        if stats is not None and hasattr(stats, "reject"):
+            stats.reject(reason)
+        if first:
+            logger.warning("socket server %s: refused a connection from %s (%s: %s); later refusals of %s are "
+                           "counted, not logged", self.address, host, reason, detail, host)
+
     def close(self, join_s: float = 5.0) -> None:
         """Stop accepting, close every connection (their clients' requests fail at once) and wait up to ``join_s``
         seconds for the accept and reader threads to end (a reader finishes the request it runs first).
@@ -249,7 +369,8 @@ class SocketServer:
 
 def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str | None = None,
           fetch_delay_s: float = 0.0, push_delay_s: float = 0.0, num_threads: int = 1,
-          on_ready: Callable[[str], None] | None = None, block: bool = True) -> SocketServer:
+          on_ready: Callable[[str], None] | None = None, block: bool = True, auth_key: bytes | None = None,
+          save_root: str | None = None) -> SocketServer:
     """Run parameter server ``name`` in this process on ``host:port`` (port 0: a free one).
 
     Args:
@@ -260,6 +381,7 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str 
         on_ready: called with the address (``"host:port"``) once the server listens.
         block: serve until a client sends ``stop``, then close and return; False: return at once (the
             server runs on daemon threads; :meth:`SocketServer.close` ends it).
+        auth_key, save_root: :class:`SocketServer`'s (None: this process's job key, drawn if none; no ``save``).
 
     Returns:
         The :class:`SocketServer` (closed when ``block``).
@@ -276,7 +398,7 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str 
 
         ps.load_state_dict(safe_load(checkpoint))
     freeze_process_objects()
-    server = SocketServer(ServerEndpoints(ps), host, port).start()
+    server = SocketServer(ServerEndpoints(ps), host, port, auth_key=auth_key, save_root=save_root).start()
     if on_ready is not None:
         on_ready(server.address)
     if block:
@@ -298,7 +420,9 @@ def _server_main(name: str, index: int, queue: Any, kwargs: dict[str, Any]) -> N
 def spawn_servers(names: Sequence[str], ctx: Any = None, timeout_s: float = 60.0,
                   **kwargs: Any) -> tuple[list[Any], list[str]]:
     """Start one server process per name (``kwargs`` to :func:`serve`; ``ctx``: a multiprocessing context,
-    default spawn) and wait until each listens. Returns ``(processes, addresses)`` in name order.
+    default spawn) and wait until each listens. Returns ``(processes, addresses)`` in name order. The servers
+    take ``kwargs["auth_key"]``, else this process's job key (drawn now if none: ``auth.job_key(create=True)``),
+    passed to each child explicitly; this process's clients use it.
 
     Raises:
         RuntimeError: a server did not report its address within ``timeout_s`` or failed to start (the
@@ -307,6 +431,7 @@ def spawn_servers(names: Sequence[str], ctx: Any = None, timeout_s: float = 60.0
     import multiprocessing as mp
 
     ctx = ctx or mp.get_context("spawn")
+    kwargs = {**kwargs, "auth_key": auth.require_key(kwargs.get("auth_key"), create=True)}
     queue = ctx.Queue()
     procs = [ctx.Process(target=_server_main, args=(n, i, queue, kwargs), daemon=True) for i, n in enumerate(names)]
     for p in procs:
@@ -393,7 +518,8 @@ class SocketServers:
 
         ready = ctx.Queue()
         keep = ("checkpoint", "fetch_delay_s", "push_delay_s")
-        self.host.start(ctx, _server_main, [(n, i, ready, {k: kw[k] for k in keep if k in kw})
+        key = auth.require_key(create=True)   # this process's (drawn if none): its clients use it too
+        self.host.start(ctx, _server_main, [(n, i, ready, {"auth_key": key, **{k: kw[k] for k in keep if k in kw}})
                                             for i, (n, kw) in enumerate(zip(self.names, kwargs))], self.names)
         try:
             self.addresses = _addresses(ready, self.host.processes, self.names, self.timeout_s)

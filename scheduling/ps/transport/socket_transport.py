@@ -26,6 +26,11 @@ their ``timeout_s``. The transport contract of :mod:`scheduling.ps.transport` ho
 raises ``RuntimeError`` (a push left to the sender thread, from its ``wait()``); ``wait()`` raises a plain ``RuntimeError`` for a transport failure (timeout,
 connection lost: a killed server fails its requests at once) and the server's own exception otherwise.
 
+Each connection opens with the mutual handshake of :mod:`scheduling.ps.transport.auth`: the client proves it holds
+the job key and refuses a server that does not (the key given to :func:`register_servers` for that address, else
+the process's, ``auth.job_key()``; none: the connection is not opened). Requests that carry tables
+(``configure``, ``load_state_dict``) are checked against the servers' frame limits before they leave.
+
 Servers are named by ``"host:port"`` or by a name registered with :func:`register_servers` (clients given only
 registered names pick this transport, :func:`scheduling.ps.transport.transport_of`).
 
@@ -47,6 +52,7 @@ from typing import Any, cast
 import torch
 
 from ..endpoints import METHODS
+from . import auth
 from .shm_arena import MIN_MESSAGE_BYTES, Arena, arena_bytes, block_bytes, hand_over
 from .socket_wire import (
     ANSWER,
@@ -55,6 +61,7 @@ from .socket_wire import (
     REQUEST,
     SOCKET_BUFFER_BYTES,
     Frame,
+    FrameLimits,
     Undecodable,
     dumps,
     recv_frame,
@@ -112,6 +119,10 @@ def send_thread() -> bool:
 
 _ADDRESSES: dict[str, str] = {}
 _ADDRESSES_LOCK = threading.Lock()
+_KEYS: dict[str, bytes] = {}
+"""``"host:port"`` -> the job key its server holds, where :func:`register_servers` was given one."""
+_CHECKED_METHODS = frozenset({"configure", "load_state_dict"})
+"""Requests that may carry whole tables: their size is checked against ``FrameLimits.from_env()`` before sending."""
 
 
 _LOCAL: dict[str, Callable[[str, tuple], torch.futures.Future]] = {}
@@ -128,10 +139,19 @@ def route_locally(address: str, call: Callable[[str, tuple], torch.futures.Futur
         _LOCAL[address] = call
 
 
-def register_servers(addresses: Mapping[str, str]) -> None:
-    """Let clients of this process name socket servers by name: ``{name: "host:port"}`` (later ones win)."""
+def register_servers(addresses: Mapping[str, str], auth_key: bytes | None = None) -> None:
+    """Let clients of this process name socket servers by name: ``{name: "host:port"}`` (later ones win);
+    ``auth_key``: the job key those servers hold (None: the process's, :func:`scheduling.ps.transport.auth.job_key`).
+
+    Raises:
+        ValueError: an ``auth_key`` shorter than ``auth.MIN_KEY_BYTES``.
+    """
+    key = None if auth_key is None else auth.require_key(auth_key)
     with _ADDRESSES_LOCK:
         _ADDRESSES.update(addresses)
+        for address in addresses.values():
+            if key is not None:
+                _KEYS[address] = key
 
 
 def unregister_servers(names: Iterable[str]) -> None:
@@ -166,11 +186,13 @@ class _Connection:
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
+        key = _KEYS.get(address) or auth.require_key()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         tune(self.sock)  # before connecting: the receive window is agreed then
         try:
             self.sock.settimeout(timeout_s)
             self.sock.connect(parse_address(address))
+            auth.client_handshake(self.sock, key, min(timeout_s, auth.HANDSHAKE_TIMEOUT_S), address)
         except OSError as e:
             self.sock.close()
             raise RuntimeError(f"transport 'socket': cannot connect to server {address}: {e}") from e
@@ -271,6 +293,11 @@ class _Connection:
             _watch(self, rid, timeout_s)
             return future
         meta, buffers = dumps(args)  # before the lock: pickling runs outside it
+        if method in _CHECKED_METHODS:   # a clear error here rather than a connection the server drops
+            try:
+                FrameLimits.from_env().check_size(len(meta), [memoryview(b).nbytes for b in buffers])
+            except ValueError as e:
+                raise ValueError(f"transport 'socket': {method} to server {self.address}: {e}") from None
         rid = next(self._ids)
         self.pending[rid] = future
         try:

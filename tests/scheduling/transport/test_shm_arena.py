@@ -20,7 +20,6 @@ import io
 import os
 import pickle
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -151,6 +150,15 @@ def test_a_server_maps_only_an_unnamed_file_whose_size_is_sealed(tmp_path):
             Arena.attach(grow_only, arena.size)             # shrinking still possible
         with pytest.raises(ValueError, match="cannot be sealed|not sealed"):
             Arena.attach(named, arena.size)                 # a file with a name
+        try:
+            huge = os.memfd_create("fxdist-test-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+        except OSError:   # no huge pages here
+            huge = None
+        if huge is not None:
+            fcntl.fcntl(huge, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            with pytest.raises(ValueError, match="huge pages"):
+                Arena.attach(huge, 2 * ALIGN)     # refused before its size is looked at
+            os.close(huge)
         with pytest.raises(ValueError, match="holds 1048576 bytes, not the 1052672"):
             Arena.attach(arena.fd, arena.size + 4096)
         other = Arena.attach(arena.fd, arena.size)
@@ -248,6 +256,7 @@ def _client(address: str, name: str, attached: bool = True) -> PSClient:
 
 def test_answers_and_tables_through_the_arena_are_those_over_the_socket(monkeypatch):
     batches = [512, 16, 512, 1024, 128, 512, 512]   # pushes of 16 or 128 x 4 x 64 floats (< 512 KiB): inline
+    before = _arena_handles()
     servers = [_server(), _server()]
     results = {}
     try:
@@ -270,6 +279,7 @@ def test_answers_and_tables_through_the_arena_are_those_over_the_socket(monkeypa
     # was as large (the first of each method, a 512-sample answer after a 128-sample one, ... went over the socket)
     assert on_conn.shm_requests == len(batches) - 2 and 2 <= on_conn.shm_answers < len(batches)
     assert on_conn.arena.fd is None   # the server has it: the client's descriptor closed, the mapping kept
+    assert _until(lambda: _arena_handles()[1] == before[1] + 1)   # the server's side unmapped with its connection
 
 
 def _raw_lookups(client: PSClient, count: int, keep: list) -> list[torch.Tensor]:
@@ -371,17 +381,14 @@ def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
     """The connection asks the server to map its arena without waiting: against a server that accepts and never
     answers, the first request is sent at once (the attach still pending), and once the attach's own time is up
     the arena is closed (no descriptor, no mapping left) and the connection stays inline."""
-    import threading
-
     from scheduling.ps.transport import socket_transport
+
+    from ._peers import silent_server
 
     monkeypatch.delenv("FXDIST_SOCKET_SHM_BYTES", raising=False)
     monkeypatch.setattr(socket_transport, "ATTACH_TIMEOUT_S", 0.2)
     before = _arena_handles()
-    with socket.create_server(("127.0.0.1", 0)) as silent:
-        address = f"127.0.0.1:{silent.getsockname()[1]}"
-        held: list = []
-        threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+    with silent_server() as address:   # authenticates, then never answers
         future = SocketTransport([address]).call_async(0, "stats", (), 30.0)
         conn = _CONNECTIONS[address]
         assert conn.attached is not None and not conn.attached.done()   # the request did not wait for it

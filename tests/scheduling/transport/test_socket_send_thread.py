@@ -18,6 +18,7 @@ import torch
 from scheduling.ps import PSClient
 from scheduling.ps.endpoints import ServerEndpoints
 from scheduling.ps.server import PSServer
+from scheduling.ps.transport import auth
 from scheduling.ps.transport.socket_server import SocketServer
 from scheduling.ps.transport.socket_transport import BACKGROUND_METHODS, SocketTransport, send_thread
 
@@ -95,7 +96,14 @@ def test_a_lost_connection_fails_the_pushes_still_queued(sender_thread):
     with socket.create_server(("127.0.0.1", 0)) as listener:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         accepted: list = []
-        threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+        key = auth.require_key(create=True)
+
+        def accept() -> None:   # authenticates, then never reads
+            sock = listener.accept()[0]
+            auth.server_handshake(sock, key)
+            accepted.append(sock)
+
+        threading.Thread(target=accept, daemon=True).start()
         transport = SocketTransport([address])
         # 50 pushes of 256 KiB, never read: the sender thread blocks once the socket buffers are full
         futures = [transport.call_async(0, "push", ("c", torch.zeros(1 << 16)), 30.0) for _ in range(50)]

@@ -34,6 +34,7 @@ from scheduling.ps.transport.socket_transport import (
 )
 
 from ..test_ps import _kjt, _tables
+from ._peers import silent_server
 
 
 class _Direct:
@@ -49,8 +50,8 @@ class _Direct:
 
 
 @pytest.fixture()
-def server():
-    srv = SocketServer(ServerEndpoints(PSServer("sock0"))).start()
+def server(tmp_path):
+    srv = SocketServer(ServerEndpoints(PSServer("sock0")), save_root=str(tmp_path)).start()
     yield srv
     srv.close()
 
@@ -190,10 +191,7 @@ def test_server_exceptions_are_raised_as_themselves_and_the_connection_goes_on(s
 
 
 def test_a_server_that_never_answers_is_unavailable_after_the_timeout():
-    with socket.create_server(("127.0.0.1", 0)) as silent:
-        address = f"127.0.0.1:{silent.getsockname()[1]}"
-        held: list = []                             # the accepted connection stays open, unanswered
-        threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+    with silent_server() as address:                # authenticates, then the connection stays open, unanswered
         transport = SocketTransport([address])
         with pytest.raises(RuntimeError, match=rf"no answer from server {address} within 0.3 s") as info:
             transport.call_async(0, "stats", (), 0.3).wait()
@@ -201,10 +199,7 @@ def test_a_server_that_never_answers_is_unavailable_after_the_timeout():
 
 
 def test_a_short_timeout_sent_after_a_long_one_still_expires_first():
-    with socket.create_server(("127.0.0.1", 0)) as silent:
-        address = f"127.0.0.1:{silent.getsockname()[1]}"
-        held: list = []
-        threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+    with silent_server() as address:
         transport = SocketTransport([address])
         slow = transport.call_async(0, "stats", (), 60.0)
         fast = [transport.call_async(0, "stats", (), 0.3) for _ in range(3)]
