@@ -186,8 +186,8 @@ class Arena:
         Only a file whose size cannot change is mapped: shrunk under the mapping, the next access to a page past
         its end would kill this process with ``SIGBUS``. So ``fd`` must carry the seals ``F_SEAL_SHRINK`` and
         ``F_SEAL_GROW`` (``fcntl(2)``; only a ``memfd_create(2)`` file can: a file opened by name in ``/dev/shm``
-        or anywhere else cannot be sealed), be a regular file with no name (``st_nlink == 0``) and hold
-        ``nbytes``.
+        or anywhere else cannot be sealed), be a regular file with no name (``st_nlink == 0``) of ordinary pages
+        (not ``MFD_HUGETLB``'s, where a fault finding no huge page free is a ``SIGBUS`` too) and hold ``nbytes``.
 
         Raises:
             ValueError: ``fd`` is not such a file (the message says what it lacks).
@@ -208,6 +208,8 @@ class Arena:
         info = os.fstat(fd)   # after the seals: the size cannot change any more
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 0:
             raise ValueError("the arena's file is not an anonymous regular file (memfd_create)")
+        if info.st_blksize != mmap.PAGESIZE:
+            raise ValueError(f"the arena's file has pages of {info.st_blksize} bytes, not {mmap.PAGESIZE} (huge pages)")
         if info.st_size != nbytes:
             raise ValueError(f"the arena's file holds {info.st_size} bytes, not the {nbytes} announced")
         return cls(_map(fd, nbytes), owner=False)
