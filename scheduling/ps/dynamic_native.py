@@ -17,6 +17,12 @@ Without a compiler, when the build fails, or with
 ``FXDIST_NATIVE=0`` in the environment, :func:`make_slot_index` gives the torch :class:`SlotIndex` and one line
 is logged saying why.
 
+The cache folder holds code this process runs, so it is created with mode 0700 and used only while it is this user's
+directory and not writable by group or others (:func:`private_folder`; else the torch path, one logged line saying
+why). Each library's sha256 is recorded beside it when it is built (``<name>.so.sha256``, written atomically, under
+the lock), and a cached library is loaded only when its bytes match that record; a file without a record or with
+another hash is not loaded: it is rebuilt (a logged line says why), or without a compiler the torch path is used.
+
 Source: Python's ``ctypes`` documentation (foreign functions over C pointers); the algorithms are those of
 :mod:`scheduling.ps.dynamic_index` (Knuth, TAOCP Vol. 3, §6.4).
 """
@@ -29,6 +35,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +45,7 @@ import torch
 from .dynamic_index import SlotIndex
 
 __all__ = ["NativeSlotIndex", "gather_rows", "initial_rows_native", "load", "make_slot_index", "native_available",
-           "packaged_library", "scatter_rows", "sgd_rows"]
+           "packaged_library", "private_folder", "scatter_rows", "sgd_rows"]
 
 SOURCE = Path(__file__).with_name("dynamic_kernels.cpp")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
@@ -87,6 +94,83 @@ def packaged_library(digest: str) -> Path | None:
     return None
 
 
+def _cached_library(digest: str) -> Path:
+    """The kernels in the cache folder (:func:`private_folder`), built there when missing or when the file's sha256
+    is not the one recorded beside it at its build (``<name>.so.sha256``, written atomically): a file that does not
+    match is never loaded; it is rebuilt, with a logged line saying why. Checked, built and recorded under the
+    folder's lock, so concurrent processes build once.
+
+    Raises:
+        RuntimeError: the folder is refused (:func:`private_folder`), there is no C++ compiler, or the build failed.
+    """
+    folder = _cache_dir()
+    private_folder(folder)
+    lib = folder / f"dynamic_kernels-{digest}.so"
+    with open(folder / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                     # one build; the others wait and load it
+        why = _unverified(lib)
+        if why is None:
+            return lib
+        if lib.exists():
+            _log.warning("not loading %s: %s; rebuilding it", lib, why)
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        if not cxx:
+            raise RuntimeError("no C++ compiler ($CXX, g++ or c++) on PATH")
+        tmp = folder / f".{lib.name}.{os.getpid()}.tmp"
+        done = subprocess.run([cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        record = folder / f".{lib.name}.sha256.{os.getpid()}.tmp"
+        record.write_text(f"{_sha256(tmp)}  {lib.name}\n")
+        os.replace(record, _record_of(lib))
+        os.replace(tmp, lib)
+    return lib
+
+
+def private_folder(folder: Path) -> None:
+    """Create ``folder`` (mode 0700, its missing parents as the umask says) unless it exists, then check that it is a
+    directory (not a symbolic link) owned by this user and not writable by group or others: anyone else who can
+    write there could plant a library that this process would load and run.
+
+    Raises:
+        RuntimeError: the folder fails a check (the message says which, and how to fix it).
+    """
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"{folder} is not a directory (a symbolic link?): not building or loading kernels there")
+    if st.st_uid != os.getuid():
+        raise RuntimeError(f"{folder} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): not building "
+                           "or loading kernels there; remove it, or set XDG_CACHE_HOME to a folder of your own")
+    if st.st_mode & 0o022:
+        raise RuntimeError(f"{folder} has mode {stat.S_IMODE(st.st_mode):04o}, writable by group or others, so a "
+                           f"library there may have been planted: not building or loading kernels there (chmod 700 "
+                           "it, or remove it)")
+
+
+def _record_of(lib: Path) -> Path:
+    """Where the sha256 of ``lib`` is recorded when it is built: ``<lib>.sha256`` (sha256sum's format)."""
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _unverified(lib: Path) -> str | None:
+    """Why ``lib`` may not be loaded (missing, no recorded sha256, or another one), or None when it matches."""
+    if not lib.exists():
+        return "not built yet"
+    try:
+        recorded = _record_of(lib).read_text().split()[0]
+    except (OSError, IndexError):
+        return f"no sha256 recorded for it ({_record_of(lib).name} missing or empty)"
+    actual = _sha256(lib)
+    return None if actual == recorded else f"its sha256 {actual[:16]}... is not the one recorded at its build " \
+                                           f"({recorded[:16]}...)"
+
+
 def _build() -> ctypes.CDLL:
     """Compile (once per source hash) and load the kernels.
 
@@ -94,23 +178,7 @@ def _build() -> ctypes.CDLL:
         RuntimeError: no C++ compiler, or the build failed (its stderr's tail in the message).
     """
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    folder = _cache_dir()
-    lib = packaged_library(digest) or folder / f"dynamic_kernels-{digest}.so"
-    if not lib.exists():
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-        if not cxx:
-            raise RuntimeError("no C++ compiler ($CXX, g++ or c++) on PATH")
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".build.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)                 # one build; the others wait and load it
-            if not lib.exists():
-                tmp = folder / f".{lib.name}.{os.getpid()}.tmp"
-                done = subprocess.run([cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
-                                      timeout=300)
-                if done.returncode:
-                    tmp.unlink(missing_ok=True)
-                    raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-                os.replace(tmp, lib)
+    lib = packaged_library(digest) or _cached_library(digest)
     dll = ctypes.CDLL(str(lib))
     if dll.fx_version() != VERSION:
         raise RuntimeError(f"{lib} has kernels version {dll.fx_version()}, expected {VERSION}")

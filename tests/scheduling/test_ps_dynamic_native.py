@@ -180,13 +180,19 @@ def _child(env_extra, cache):
 
 @needs_native
 def test_fresh_processes_build_once_under_the_lock_and_load_the_cached_library(tmp_path):
-    """Three processes starting together with an empty cache: all load the kernels, one library file is left
-    (no temporary ones), and a later process loads it without building."""
+    """Three processes starting together with an empty cache: all load the kernels, one library file and its
+    recorded sha256 are left (no temporary ones) in a folder of mode 0700, and a later process loads it without
+    building."""
+    import hashlib
+
     procs = [_child({}, tmp_path) for _ in range(3)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(o.strip().splitlines()[-1] == "native" for o in outs), outs
-    built = sorted(p.name for p in (tmp_path / "fxdist" / "native").iterdir() if not p.name.startswith(".build"))
-    assert len(built) == 1 and built[0].endswith(".so"), built
+    folder = tmp_path / "fxdist" / "native"
+    built = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".build"))
+    assert len(built) == 2 and built[0].endswith(".so") and built[1] == built[0] + ".sha256", built
+    assert (folder / built[1]).read_text() == f"{hashlib.sha256((folder / built[0]).read_bytes()).hexdigest()}  {built[0]}\n"
+    assert folder.stat().st_mode & 0o777 == 0o700
     again = _child({"CXX": "/nonexistent/c++"}, tmp_path)                # cached: no compiler needed
     assert again.communicate(timeout=120)[0].strip().splitlines()[-1] == "native"
 
@@ -229,6 +235,105 @@ def test_a_packaged_library_is_loaded_without_a_compiler_and_only_when_safe(tmp_
     assert dn.packaged_library(digest) is None                         # writable by others: the cache build then
     monkeypatch.setattr(dn, "_state", {})
     assert dn.load() is None                                           # ... which needs the (missing) compiler
+
+
+_PLANTED = """#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen(MARKER, "w"); if (f) fclose(f); }
+long fx_version(void) { return VERSION; }
+"""
+
+
+def _planted_cache(tmp_path, monkeypatch, mode: int = 0o700, record: str | None = None) -> tuple[Path, Path]:
+    """A cache folder (``XDG_CACHE_HOME`` = tmp_path/cache) holding, under the kernels' name, a library whose loading
+    writes a marker file; ``record``: the sha256 line written beside it (None: none). Returns (library, marker)."""
+    import hashlib
+    import shutil
+
+    from scheduling.ps import dynamic_native as dn
+
+    cxx = shutil.which("gcc") or shutil.which("cc")
+    if cxx is None:
+        pytest.skip("no C compiler to build the planted library")
+    folder, marker = tmp_path / "cache" / "fxdist" / "native", tmp_path / "marker"
+    folder.mkdir(parents=True)
+    digest = hashlib.sha256(dn.SOURCE.read_bytes() + " ".join(dn.FLAGS).encode()).hexdigest()[:16]
+    planted, source = folder / f"dynamic_kernels-{digest}.so", tmp_path / "planted.c"
+    source.write_text(_PLANTED)
+    subprocess.run([cxx, "-shared", "-fPIC", f'-DMARKER="{marker}"', f"-DVERSION={dn.VERSION}", "-o", str(planted),
+                    str(source)], check=True, timeout=120)
+    if record is not None:
+        planted.with_name(planted.name + ".sha256").write_text(record)
+    folder.chmod(mode)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("FXDIST_NATIVE", "1")
+    monkeypatch.setattr(dn, "_state", {})
+    monkeypatch.setattr(dn, "packaged_library", lambda digest: None)  # no wheel's library: the cache decides
+    return planted, marker
+
+
+@pytest.mark.parametrize("record", [None, "0" * 64 + "  planted.so\n"])
+def test_a_library_planted_in_the_cache_without_its_recorded_hash_is_not_loaded(tmp_path, monkeypatch, caplog,
+                                                                                  record):
+    """No sha256 recorded, or another one: the file is not loaded (its constructor would write the marker); without
+    a compiler to rebuild it the torch path is used, and the log says why."""
+    from scheduling.ps import dynamic_native as dn
+
+    planted, marker = _planted_cache(tmp_path, monkeypatch, record=record)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with caplog.at_level("INFO", logger=dn.__name__):
+        assert dn.load() is None and dn.make_slot_index(1, 8).__class__ is SlotIndex
+    assert not marker.exists()
+    said = caplog.text
+    assert f"not loading {planted}" in said and ("no sha256 recorded" if record is None else "is not the one") in said
+    assert "compiled kernels unavailable" in said
+
+
+@needs_native
+def test_a_planted_library_is_replaced_by_a_build_that_records_its_hash(tmp_path, monkeypatch, caplog):
+    """With a compiler the unverified file is rebuilt from the source and the rebuilt one (hash recorded) loads."""
+    from scheduling.ps import dynamic_native as dn
+
+    planted, marker = _planted_cache(tmp_path, monkeypatch)
+    monkeypatch.delenv("CXX", raising=False)
+    with caplog.at_level("WARNING", logger=dn.__name__):
+        lib = dn.load()
+    assert lib is not None and Path(lib._name) == planted and not marker.exists()
+    assert "no sha256 recorded" in caplog.text and "rebuilding" in caplog.text
+    assert dn._unverified(planted) is None
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_cache_folder_others_can_write_is_not_used(tmp_path, monkeypatch, caplog, mode):
+    """A folder writable by group or others is refused before anything in it is loaded or built, even a library
+    with a matching recorded hash; the torch path is used, and one logged line says why."""
+    import hashlib
+
+    from scheduling.ps import dynamic_native as dn
+
+    planted, marker = _planted_cache(tmp_path, monkeypatch, mode=0o700)
+    planted.with_name(planted.name + ".sha256").write_text(hashlib.sha256(planted.read_bytes()).hexdigest())
+    planted.parent.chmod(mode)
+    with caplog.at_level("INFO", logger=dn.__name__):
+        assert dn.load() is None
+    assert not marker.exists()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"has mode {mode:04o}, writable by group or others" in lines[0], lines
+    assert "compiled kernels unavailable" in lines[0]
+
+
+def test_the_cache_folder_is_made_private_and_must_be_this_users(tmp_path, monkeypatch):
+    from scheduling.ps.dynamic_native import private_folder
+
+    folder = tmp_path / "a" / "native"
+    private_folder(folder)
+    assert folder.stat().st_mode & 0o777 == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    with pytest.raises(RuntimeError, match="not a directory"):
+        private_folder(link)
+    monkeypatch.setattr(os, "getuid", lambda: folder.stat().st_uid + 1)
+    with pytest.raises(RuntimeError, match=r"belongs to uid \d+, not to this user"):
+        private_folder(folder)
 
 
 @pytest.mark.parametrize("flag", ["1", "0"])
