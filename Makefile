@@ -1,5 +1,5 @@
 # The two set-up commands of the README. Each installs what it needs (scripts/bootstrap.sh is idempotent).
-.PHONY: job test setup lint ruff mypy docs
+.PHONY: job test setup lint ruff mypy docs dist
 # ruff checks PACKAGES and tests/; mypy checks PACKAGES.
 PACKAGES = fxdist recsys quant scheduling jobs
 
@@ -20,6 +20,10 @@ lint: ruff mypy
 # The docs site (mkdocs.yml, strict) into build/site; its reference pages are generated from the code.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --quiet
+
+# The sdist and the wheel (with the compiled kernels) into dist/, offline: docs/install.md.
+dist: setup
+	.venv/bin/python -m build --no-isolation --outdir dist .
 
 test: setup lint docs
 	.venv/bin/python -m pytest
