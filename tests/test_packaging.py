@@ -144,3 +144,28 @@ def test_the_wheel_installs_and_runs_from_a_new_environment(dist, tmp_path):
         assert where[1] == str(site / "scheduling" / "ps" / _kernels_name()), where  # the wheel's, no compiler run
     assert not (tmp_path / "cache" / "fxdist").exists()                         # nothing compiled
     assert all(Path(f).is_relative_to(site) for f in where[2:]), where
+
+
+EXTRAS_MODULES = ("torchrec", "fbgemm_gpu", "tensordict", "torchmetrics", "pyre_extensions", "ray", "prometheus_client",
+                  "psutil", "tqdm", "matplotlib", "pyarrow", "cryptography", "sklearn", "transformers")
+"""What the extras bring (pyproject.toml), by import name: the base install has none of them."""
+
+
+def test_the_base_install_imports_without_the_extras():
+    """pyproject.toml's base dependencies are the truth: ``import fxdist, recsys, scheduling, quant, jobs`` (and
+    ``fxdist.passes``, ``fxdist launch --help``) work with every extra's module unimportable."""
+    code = (
+        "import importlib.abc, sys\n"
+        f"BLOCKED = {EXTRAS_MODULES!r}\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            raise ImportError(f'{name} belongs to an extra')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import fxdist, fxdist.passes, recsys, scheduling, quant, jobs\n"
+        "from jobs.launcher.cli import main\n"
+        "try:\n"
+        "    main(['launch', '--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n")
+    assert "--resume" in _run([sys.executable, "-c", code], cwd=ROOT)
