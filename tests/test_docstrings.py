@@ -1,4 +1,4 @@
-"""Public functions that raise say so: at least 90 % of them have a ``Raises:`` section (issue 33).
+"""Public functions that raise say so: at least 90 % of them have a ``Raises:`` section (so a caller knows what to catch).
 
 "Public": a function or method whose name has no leading underscore (``__init__`` and ``__call__`` count), in a
 public class, in a module with no private path segment, under fxdist/, recsys/, scheduling/, quant/ and jobs/.

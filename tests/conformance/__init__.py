@@ -1,2 +1,2 @@
 """torch.fx conformance: the same program run with ``torch.fx`` and ``fxdist`` gives the same graph,
-result, printed text and exception class (issue #11)."""
+result, printed text and exception class (fxdist is a drop-in for torch.fx)."""

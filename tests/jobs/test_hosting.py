@@ -1,4 +1,4 @@
-"""``[cluster] servers_in_trainers`` (issue 32): the config's refusals and ``"auto"``'s rule on CPU counts
+"""``[cluster] servers_in_trainers``: the config's refusals and ``"auto"``'s rule on CPU counts
 (:mod:`jobs.hosting`); no Ray."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 30: the stages after training take whatever training took.
+"""The stages after training take whatever training took.
 
 A model returning a tuple or a dict, an ``nn.TransformerEncoder`` (its eval-mode fast path made nested tensors
 FakeTensor cannot describe), a model that does not trace: the int8 comparison compares outputs leaf by leaf, or
@@ -204,7 +204,7 @@ def test_max_abs_diff_flattens_any_structure_and_refuses_a_different_one():
 
 
 def test_layers_are_module_paths_in_the_note_and_the_selection():
-    """Issue 30 item 2: the "kept fp32" note named node names (``over_arch_model_0__mlp_0__linear``) while the
+    """The bug this guards against: the "kept fp32" note named node names (``over_arch_model_0__mlp_0__linear``) while the
     layer list above it gave module paths."""
 
     def faster_alone(subject, variant, run):  # each layer faster in int8, the module with them not

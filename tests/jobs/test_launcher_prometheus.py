@@ -27,7 +27,7 @@ def test_targets_follow_the_reported_addresses(tmp_path, monkeypatch):
     assert [(g["targets"], g["labels"]["node"]) for g in groups] == [
         (["127.0.0.1:19000"], "10.0.0.1"), (["127.0.0.1:40000"], "10.0.0.1")]
     assert cluster.loopback_elsewhere(placement, "10.0.0.1") == ["ps0"]
-    node = config.replace(metrics={"host": "node"})
+    node = config.replace(metrics={"host": "node", "expose": True})
     write_prometheus_files(node, tmp_path)  # addresses not known yet
     assert json.loads((tmp_path / "prometheus" / "targets.json").read_text()) == []
     placement["ps0"] = _where("10.0.0.2", ("10.0.0.2", 19002))
@@ -38,7 +38,7 @@ def test_targets_follow_the_reported_addresses(tmp_path, monkeypatch):
 
 
 def test_servers_in_the_trainers_get_no_target_of_their_own(tmp_path):
-    """Their trainer's exporter exports them (``rank="ps<i>"``): a ps target would only be down (issue 32)."""
+    """Their trainer's exporter exports them (``rank="ps<i>"``): a ps target would only be down."""
     config = load_config().replace(metrics={"port": 19000}, job={"name": "t"})
     write_prometheus_files(config, tmp_path, in_trainers=True)
     groups = json.loads((tmp_path / "prometheus" / "targets.json").read_text())

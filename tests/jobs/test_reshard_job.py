@@ -1,4 +1,4 @@
-"""``fxdist launch --resume RUN --set cluster.parameter_servers=M --set job.steps=N`` (issue 31): a completed run on
+"""``fxdist launch --resume RUN --set cluster.parameter_servers=M --set job.steps=N``: a completed run on
 one server continues on two, its tables resharded exactly; and the refusals that need no Ray."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Parameter servers inside the trainers' processes in a job (``[cluster] servers_in_trainers = true``, issue 32):
+"""Parameter servers inside the trainers' processes in a job (``[cluster] servers_in_trainers = true``):
 the same checkpoints as separate server actors, also across a killed trainer (its server dies with it and the
 tables come back from the last checkpoint), then a resume onto two servers (resharding); the same over the
 ``socket`` transport (``[cluster] transport = "socket"``: each trainer's server on a socket of its own); and the

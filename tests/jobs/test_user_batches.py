@@ -1,4 +1,4 @@
-"""Unseen models through the job (issue 30): a batch of any type, a loss preflight runs backward on, and whose
+"""Unseen models through the job: a batch of any type, a loss preflight runs backward on, and whose
 errors the job retries.
 
 A torchrec ``Batch`` (a dataclass of dense features, a KeyedJaggedTensor and labels) reaches ``train_step`` as it

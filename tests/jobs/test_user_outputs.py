@@ -1,6 +1,6 @@
 """Your model in the job: any output structure, a forward run once in preflight, your optimizers as keys.
 
-Issue 21: a model returning a tuple trained both phases, then crashed at evaluation; a shape error showed only
+The bugs this guards against: a model returning a tuple trained both phases, then crashed at evaluation; a shape error showed only
 inside the trainers. Preflight now runs the first batch (exit 2 with your file and line), built-in losses state
 their rule for non-tensor outputs, evaluation keeps any output structure, and ``[train] optimizer`` /
 ``table_optimizer`` / ``[cluster] server_threads`` / ``[model] plan`` are config keys. No test here starts Ray.

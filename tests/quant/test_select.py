@@ -228,7 +228,7 @@ def _encoder_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def test_the_cost_model_runs_on_a_transformer_encoder_with_a_padding_mask():
-    """Issue 30: eval mode + a padding mask took TransformerEncoder's fast path (nested tensors), which
+    """The bug this guards against: eval mode + a padding mask took TransformerEncoder's fast path (nested tensors), which
     FakeTensor cannot describe: ShapeProp now runs with ``torch.backends.mha`` fast path off."""
     torch.manual_seed(0)
     model = _Encoder().eval()

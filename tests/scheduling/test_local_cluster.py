@@ -1,4 +1,4 @@
-"""``LocalCluster`` used twice in one process (issue 21): the second cluster, with another learning rate, trains
+"""``LocalCluster`` used twice in one process: the second cluster, with another learning rate, trains
 with its own optimizer although the first cluster's clients were never closed by the user.
 
 The first cluster's clients are closed with it (their servers are gone; the second cluster's servers have

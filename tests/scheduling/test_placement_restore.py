@@ -1,6 +1,7 @@
-"""Whole-table checkpoints of the ``parameter_servers`` pass restored on other servers (issue 31,
-:mod:`scheduling.placement.restore`): a model trained on 2 servers, then resharded to 3, then to 1, trains exactly
-as on 2 servers throughout (losses, tables, optimizer state, a dynamic table's map and counters, dense weights)."""
+"""Whole-table checkpoints of the ``parameter_servers`` pass restored on other servers (to resume a run on
+another number of servers, :mod:`scheduling.placement.restore`): a model trained on 2 servers, then resharded to 3,
+then to 1, trains exactly as on 2 servers throughout (losses, tables, optimizer state, a dynamic table's map and
+counters, dense weights)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A moved embedding module refuses what the local module refuses, with the same error, before sending anything.
 
-Issue 21: after ``parameter_servers`` float ids were silently truncated and a weighted EBC fed a KJT without
+The bug this guards against: after ``parameter_servers`` float ids were silently truncated and a weighted EBC fed a KJT without
 weights ran unweighted. Each case runs the local model and the moved one on the same bad input and compares
 the exception class and message; the servers' tables must be unchanged afterwards. ``padding_idx`` and an
 unweighted collection given weights must give the local module's results.

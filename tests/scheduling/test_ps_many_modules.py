@@ -1,6 +1,6 @@
 """Many embedding modules, several trainers, one server: no request waiting for the step order holds a thread.
 
-Issue 21: with more embedding modules on one server than its 16 worker threads and 2 trainers, training hung:
+The hang this guards against: with more embedding modules on one server than its 16 worker threads and 2 trainers, training hung:
 every thread was held by a request waiting at the step barrier, so the push that would release them was
 never served. Here 60 modules (``nn.EmbeddingBag`` and ``nn.Embedding``) go to 1 server shared by 4 trainers,
 on both transports, with the default thread count; the trainers must finish within the clients' timeout and

@@ -1,4 +1,4 @@
-"""Resharding (issue 31): server checkpoints gathered and scattered onto another number of servers
+"""Resharding (a run resumed on another number of servers): server checkpoints gathered and scattered onto another number of servers
 (:mod:`scheduling.ps.reshard`); servers loaded with them train on exactly as the original ones. A model through
 the pass on 2, 3, then 1 servers: tests/scheduling/test_placement_restore.py."""
 

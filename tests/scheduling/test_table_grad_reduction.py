@@ -1,6 +1,6 @@
 """Table gradients are averaged across trainers by default, as DDP averages the dense ones.
 
-Issue 21: the servers applied every trainer's push as computed, so with N trainers the tables saw N times the
+The bug this guards against: the servers applied every trainer's push as computed, so with N trainers the tables saw N times the
 learning rate the dense part (DDP: gradients divided by the world size) saw. With the default
 ``grad_reduction="mean"`` two trainers on a server (tables there, dense part under DDP over gloo) must train
 like one process on the global batch; ``"sum"`` keeps the old behaviour (table gradients summed).

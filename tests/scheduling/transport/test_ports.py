@@ -1,5 +1,5 @@
 """scheduling.ps.transport.ports: free ports, and a server group that still assembles when its port is taken first
-(issue 32)."""
+(another process can bind a port found free before the group does)."""
 
 from __future__ import annotations
 
