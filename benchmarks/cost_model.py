@@ -5,7 +5,7 @@ is traced with fxdist, the roofline model predicts each node's time on this CPU'
 timing Interpreter measures each node (median of REPS runs). Prints both per node (the slowest ones), and
 the Pearson correlation of log times and the Spearman rank correlation over all compute nodes.
 
-Run: .venv/bin/python benchmarks/cost_model.py   (re-executes itself with MALLOC_MMAP_THRESHOLD_ fixed, see FACTS.md)
+Run: .venv/bin/python benchmarks/cost_model.py   (re-executes itself with MALLOC_MMAP_THRESHOLD_ fixed)
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ share these cores, so latency reductions are medians of per-round paired ratios,
 Each row prints "lower latency" = 1 - fused / eager for both fusers, and torch.fx fused / fxdist fused (> 1:
 fxdist is faster). Outputs of all variants are checked against eager first (max abs diff printed).
 
-Allocator: re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (FACTS.md) and prints it.
+Allocator: re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (glibc's defaults added
+11-14 % to eager batch-8 latency in page faults) and prints it.
 
 Run: .venv/bin/python benchmarks/fusion.py [--rounds 7] [--threads 1,2] [--batches 1,8]
 """

@@ -6,7 +6,7 @@ time (ms) of ``Interpreter(gm).run(x)``, ``ShapeProp(gm).propagate(x)`` and a re
 ``replace_pattern`` on a fresh trace, for fxdist and torch.fx, and the ratio fxdist / torch.fx
 (< 1 means fxdist is faster). The two are run alternately, REPS times each.
 
-Run: .venv/bin/python benchmarks/interpreter.py   (MALLOC_MMAP_THRESHOLD_ is fixed below, see FACTS.md)
+Run: .venv/bin/python benchmarks/interpreter.py   (MALLOC_MMAP_THRESHOLD_ is fixed below)
 """
 
 from __future__ import annotations

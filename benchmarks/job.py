@@ -21,7 +21,8 @@ Usage::
 
     .venv/bin/python benchmarks/job.py [--steps 200] [--runs 3] [--trials 7] [--skip-job]
 
-Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself to set it; see FACTS.md).
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself to set it;
+glibc's defaults page-fault on every batch).
 Goals: optimized/baseline QPS >= 1 + the scheduling benchmark's gain; export overhead < 1%.
 """
 

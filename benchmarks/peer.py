@@ -97,7 +97,7 @@ Run: ``.venv/bin/python benchmarks/peer.py [--rounds 3 --steps 60 --warmup 5 --s
 1000000x16 1000000x64] [--systems ...]``; ``--quick``: one size, one round, 8 steps (a smoke run). The 1e6-row
 sizes hold 26 x 1e6 x D float32 per copy (6.7 GB at D=64; ``ddp_local`` holds one per trainer).
 
-Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md) and
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; fewer page faults) and
 ``MALLOC_TRIM_THRESHOLD_=67108864`` (``--malloc-trim-threshold``), every process of every system alike. Fixing
 the mmap threshold turns off glibc's dynamic thresholds, which would also raise the trim threshold to twice the
 mmap threshold; left at glibc's 128 KiB, every free of a few hundred KB at the top of a thread's heap gave the

@@ -19,7 +19,8 @@ Usage::
 
     .venv/bin/python benchmarks/placement.py [--steps 60] [--batch 256] [--latency-ms 1.0]
 
-Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md). One torch thread.
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; glibc's defaults
+page-fault on every batch). One torch thread.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ prints the ISA seen (:func:`quant.cpu_isa`) and, per model, :func:`quant.select_
 int8 µs per call on the calibration batch of 64 rows, speed-up, chosen), and times the selected module as a fourth
 variant ("selected": fp32 where no layer pays); selected = fp32 / selected latency.
 
-Allocator: the script re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (FACTS.md: glibc's default returns
+Allocator: the script re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (glibc's default returns
 large blocks to the OS and page-faults on every batch) and prints it.
 
 Run: .venv/bin/python benchmarks/quant.py [--epochs 8] [--rounds 7] [--items 1682,17768]

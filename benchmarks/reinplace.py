@@ -13,8 +13,8 @@ counted by a TorchDispatchMode (every ATen op's fresh output storages; freed whe
 dies). Time = median of REPS calls (perf_counter). Prints bytes, seconds and the ratios after/before and
 after/eager, measured in the same run.
 
-Allocator: glibc's malloc returns large blocks to the OS with default settings (FACTS.md); the script
-re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (32 MiB > one tensor) and 1 intra-op thread.
+Allocator: glibc's malloc returns large blocks to the OS with default settings (page faults on every batch); the
+script re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (32 MiB > one tensor) and 1 intra-op thread.
 
 Run: .venv/bin/python benchmarks/reinplace.py
 """

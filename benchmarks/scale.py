@@ -36,8 +36,8 @@ Usage::
 
     .venv/bin/python benchmarks/scale.py [--quick] [--steps N] [--metrics-port 9520] [--keep]
 
-Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself to set it; see FACTS.md); the
-job's processes inherit it.
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself to set it: glibc's
+defaults page-fault on every batch); the job's processes inherit it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ Usage::
     .venv/bin/python benchmarks/transport.py [--steps 40] [--batch 256] [--budget 2.0] [--latency-ms 0]
         [--transports torch_rpc ray socket]
 
-Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; see FACTS.md). One torch thread
+Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; glibc's defaults
+page-fault on every batch). One torch thread
 in the trainer and in each server.
 """
 

@@ -10,8 +10,8 @@ The user-frame helpers find the first stack frame outside fxdist (and outside to
 and describe it as ``path/to/model.py:87 in forward: `if dense.sum() > 0:```. Passes use
 :func:`location_of_stack_trace` to say the same about a node from its ``meta["stack_trace"]``.
 
-Source: torch/fx/proxy.py (``TraceError``, ``TracerBase._find_user_frame``); fxdist STYLE.md (errors name
-the user's frame, never fxdist internals; context goes into ``add_note``).
+Source: torch/fx/proxy.py (``TraceError``, ``TracerBase._find_user_frame``). Errors name
+the user's frame, never fxdist internals; context goes into ``add_note``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ everything else stays in float. ``quant.convert`` first turns every observer int
 :data:`RULES` until none fires. Each rule is one local rewrite, documented as ``# before -> after``
 (``q`` = ``quantize_per_tensor(-, scale, zero_point, dtype)``, ``dq`` = ``.dequantize()``).
 
-Source: torch.fx paper §6.2.1; torch/ao/quantization/fx (pattern tables); tinygrad's rule tables (STYLE.md).
+Source: torch.fx paper §6.2.1; torch/ao/quantization/fx (pattern tables); tinygrad's rule tables (``PatternMatcher``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``SelectInt8``: quantize only the layers that run faster in int8 on this CPU (measured); keep the rest fp32.
 
 FBGEMM's int8 kernels are 4-6x fp32 on CPUs with AVX-512 VNNI, about 1.2x on AVX2-only parts, and slower than
-fp32 for small layers there (FACTS.md: the job's dense DLRM at batch 256 ran at 0.62-0.85x fp32). Static PTQ
-(:func:`quant.prepare` -> :func:`quant.calibrate` -> :func:`quant.convert`) quantizes every layer it can; this
-pass measures each one on the machine at hand, on the calibration inputs, and keeps only those that pay.
+fp32 for small layers there (measured on an AVX2-only AMD EPYC: the job's dense DLRM at batch 256 ran at
+0.62-0.85x fp32). Static PTQ (:func:`quant.prepare` -> :func:`quant.calibrate` -> :func:`quant.convert`)
+quantizes every layer it can; this pass measures each one on the machine at hand, on the calibration inputs, and
+keeps only those that pay.
 
 Steps (one function each):
  1. Prepare and calibrate the whole module and convert it: the "all int8" module (plain static PTQ), whose

@@ -47,7 +47,7 @@ def forward(self, x):
 False
 
 Source: torch/fx/passes/infra/pass_base.py and pass_manager.py (PassResult, PassManager);
-xDSL's ModulePass (a frozen dataclass with a name); STYLE.md, "A pass looks like this".
+xDSL's ModulePass (a frozen dataclass with a name).
 """
 
 from __future__ import annotations

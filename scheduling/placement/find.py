@@ -20,7 +20,7 @@ Rules, one check each (:data:`CHECKS`), in the order they are tried::
 
 Embedding modules inside another leaf module (called as one node) are reported too: they cannot be reached.
 
-Source: torch.fx paper §6 (matchers that return None for "no match"); STYLE.md (matchers are pure).
+Source: torch.fx paper §6 (matchers that return None for "no match"). Matchers are pure.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def rpc_backend_options(init_method: str, timeout_s: float, num_worker_threads: 
     """TensorPipe options used by every member of a PS group: TCP ("uv") transport only.
 
     The shared-memory transport starves a 2-core machine (requests reach the server only after the
-    trainer's compute ends; see FACTS.md), so it is disabled. A ``tcp://host:port`` rendezvous is
-    routed through a handler that waits at most ``timeout_s`` for the other members.
+    trainer's compute ends: 2.5 ms from issue to start, 1.0 ms over ``uv``), so it is disabled. A
+    ``tcp://host:port`` rendezvous is routed through a handler that waits at most ``timeout_s`` for the other members.
     """
     import importlib
 
