@@ -464,12 +464,15 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: Job
         state = ray.remote(num_cpus=0, **here_options())(JobState).remote(watch.previous)
         if on_cluster:
             watch.nodes = NodeWatch()
+        from scheduling.ps.transport.auth import new_key
+
+        key = new_key()   # the job's socket-transport key: to the server actors and trainers through Ray only
         if config.cluster.parameter_servers and not in_trainers:
             from jobs.trainer.servers import start_servers
 
-            servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8])
+            servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8], auth_key=key, save_root=str(run_dir))
         spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1",
-                           servers_in_trainers=in_trainers)
+                           servers_in_trainers=in_trainers, auth_key=key)
         trainer = _trainer(config, spec, run_dir)
         from jobs.launcher.report import counted
 

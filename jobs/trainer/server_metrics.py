@@ -19,6 +19,10 @@ namespace ``fxdist-job-<phase>:<module path>`` of the table set; ``table`` is th
 ``fxdist_ps_pending_requests``      gauge      requests received and not answered yet (waiting or running)
 ==================================  =========  =============================================================
 
+and ``fxdist_ps_rejected_connections_total`` (counter, + ``reason``): connections the server's ``socket`` listener
+refused (``bad_auth``, ``handshake_timeout``, ``too_many_connections``, ``bad_frame``, ``over_limit``,
+``frame_timeout``: :mod:`scheduling.ps.transport.socket_server`), every reason exported from 0 on.
+
 Trainer side (:class:`StalenessCollector`, labels ``job``, ``phase``, ``rank``): ``fxdist_ps_staleness_steps``,
 a histogram of the pushes of the same client to the same server still in flight when a lookup was sent (only
 with ``max_staleness``; the steps the rows may lag).
@@ -44,7 +48,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16)
 """Upper bounds (pushes in flight, i.e. steps) of ``fxdist_ps_staleness_steps``; ``+Inf`` is implied."""
 SERVER_METRICS = ("fxdist_ps_server_lookup_seconds", "fxdist_ps_server_push_seconds", "fxdist_ps_rows",
                   "fxdist_ps_bytes", "fxdist_ps_inserts_total", "fxdist_ps_evictions_total",
-                  "fxdist_ps_pending_requests")
+                  "fxdist_ps_pending_requests", "fxdist_ps_rejected_connections_total")
 """The metric names a server's :class:`ServerCollector` exports (counters with their ``_total``)."""
 
 
@@ -111,6 +115,12 @@ class ServerCollector:
                                     labels=("job", "rank"))
         pending.add_metric([job, rank], snap["pending"])
         yield pending
+        rejected = CounterMetricFamily("fxdist_ps_rejected_connections_total", "Connections a parameter server's "
+                                       "socket listener refused (closed before or while reading a request), per "
+                                       "reason.", labels=("job", "rank", "reason"))
+        for reason, count in sorted(snap.get("rejected", {}).items()):
+            rejected.add_metric([job, rank, reason], count)
+        yield rejected
 
 
 class StalenessCollector:

@@ -89,11 +89,12 @@ class ServerHooks:
 
     Args:
         job: The ``job`` label of its metrics; ``name``: the server's (``ps<i>``); ``metrics``: (host, port) of
-            its exporter, or None. The exporter starts in the actor (:meth:`start`), again when Ray restarted it.
+            its exporter, or None; ``tls``: its HTTPS options (:func:`jobs.trainer.metrics.tls_options`), or None.
+            The exporter starts in the actor (:meth:`start`), again when Ray restarted it.
     """
 
-    def __init__(self, job: str, name: str, metrics: tuple[str, int] | None) -> None:
-        self.job, self.name, self.address = job, name, metrics
+    def __init__(self, job: str, name: str, metrics: tuple[str, int] | None, tls: dict[str, Any] | None = None) -> None:
+        self.job, self.name, self.address, self.tls = job, name, metrics, tls
         self.exporter: Any = None
         self.metrics: tuple[str, int] | None = None
 
@@ -104,7 +105,7 @@ class ServerHooks:
             from jobs.trainer.metrics import Exporter
 
             self.exporter = Exporter(self.job, self.name)
-            self.metrics = serve_exporter(self.exporter, self.address[0], self.address[1])
+            self.metrics = serve_exporter(self.exporter, self.address[0], self.address[1], self.tls)
 
     def before_join(self, addr: str) -> None:
         """When ``addr`` is not loopback, TensorPipe first gets this node's interface
@@ -139,22 +140,27 @@ class ServerHooks:
 
 
 def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
-                 timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS) -> Any:
+                 timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS, auth_key: bytes | None = None,
+                 save_root: str | None = None) -> Any:
     """Start one server actor of ``cls`` (:func:`scheduling.ps.server_actor_class`, with its ``.options``) for a job: no
     server until a worker group's rank 0 has it :meth:`~scheduling.ps.transport.ray_transport.PSActor.join` (``torch_rpc``)
-    or :meth:`~scheduling.ps.transport.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says."""
+    or :meth:`~scheduling.ps.transport.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says;
+    ``auth_key`` (the job's key, through Ray) and ``save_root`` (the run folder) for its ``socket`` listener."""
     return cls.remote(name, fetch_delay_s=fetch_delay_s, num_threads=None, num_worker_threads=num_worker_threads,
-                      timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics))
+                      timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics),
+                      auth_key=auth_key, save_root=save_root)
 
 
-def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
+def start_servers(config: Any, metrics_port: int | None, tag: str, *, auth_key: bytes | None = None,
+                  save_root: str | None = None) -> list[Any]:
     """Create the job's ``[cluster] parameter_servers`` server actors (``PSActor``) (the launcher's job).
 
     Actor ``i`` is named ``<job>-ps<i>-<tag>``, reserves no CPU and is restarted by Ray up to
     ``[job] max_failures`` times after its process dies; it exports metrics on
     ``metrics_port + trainers + i`` of its node (None: no exporter; another free port of its node when that
     one is taken there). ``[cluster] placement`` picks its node (:func:`jobs.cluster.server_options`).
-    Returns the handles (for the trainers' :class:`jobs.trainer.spec.TrainerSpec`).
+    ``auth_key``: the job's key (``scheduling.ps.transport.auth``) its ``socket`` clients must hold, handed over
+    through Ray; ``save_root``: where a ``save`` request may write (the run folder). Returns the handles (for the trainers' :class:`jobs.trainer.spec.TrainerSpec`).
     """
     from jobs.cluster import server_options
     from scheduling.ps import server_actor_class
@@ -166,7 +172,8 @@ def start_servers(config: Any, metrics_port: int | None, tag: str) -> list[Any]:
         metrics = (config.metrics.host, metrics_port + c.trainers + i) if metrics_port is not None else None
         actors.append(server_actor(cls.options(name=f"{config.job.name}-ps{i}-{tag}", **options), f"ps{i}",
                                    job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
-                                   timeout_s=c.rpc_timeout_s, num_worker_threads=c.server_threads))
+                                   timeout_s=c.rpc_timeout_s, num_worker_threads=c.server_threads,
+                                   auth_key=auth_key, save_root=save_root))
     return actors
 
 
@@ -232,6 +239,10 @@ class ServerGroup:
     def __init__(self, config: Any, rank: int, world: int, spec: Any, exporter: Any = None) -> None:
         c = config.cluster
         self.rank, self.world, self.config = rank, world, config
+        if getattr(spec, "auth_key", None) is not None:   # the job's key, through Ray: for this process's socket
+            from scheduling.ps.transport.auth import set_job_key  # clients and the servers it hosts
+
+            set_job_key(spec.auth_key)
         self.transport = c.transport
         self.num_servers = c.parameter_servers
         self.in_trainers = bool(getattr(spec, "servers_in_trainers", False))

@@ -63,7 +63,9 @@ class TrainerSpec:
     :func:`jobs.trainer.servers.start_servers`; empty without servers); ``metrics_port``: the exporters' base port
     (trainer rank ``r`` exports on ``metrics_port + r``), None without metrics; ``rpc_host``: the address the RPC
     group's rendezvous binds to, None to use the node's Ray address (on a cluster); ``servers_in_trainers``: the
-    launcher chose servers inside the trainers' processes (:func:`jobs.hosting.choose_hosting`; ``servers`` is empty).
+    launcher chose servers inside the trainers' processes (:func:`jobs.hosting.choose_hosting`; ``servers`` is empty);
+    ``auth_key``: the job's key for the ``socket`` transport's handshake (``scheduling.ps.transport.auth``), drawn by
+    the launcher and handed over through Ray (kept out of the repr), None: the trainers' own.
     """
 
     plan: JobPlan
@@ -72,6 +74,7 @@ class TrainerSpec:
     metrics_port: int | None = None
     rpc_host: str | None = None
     servers_in_trainers: bool = False
+    auth_key: bytes | None = field(default=None, repr=False)
 
     @property
     def config(self) -> JobConfig:

@@ -72,6 +72,37 @@ def test_server_metrics_per_table_and_request_read_at_scrape():
     assert get("fxdist_ps_rows", fixed) is None and get("fxdist_ps_server_lookup_seconds_count", server) is None
 
 
+def test_refused_socket_connections_are_counted_per_reason():
+    """A socket listener's refusals (``ServerStats.reject``, called by ``scheduling.ps.transport.socket_server``)
+    are ``fxdist_ps_rejected_connections_total{reason}``, every reason from 0."""
+    import socket as socket_module
+
+    from scheduling.ps.endpoints import ServerEndpoints
+    from scheduling.ps.server_stats import REJECT_REASONS
+    from scheduling.ps.transport.socket_server import SocketServer
+
+    srv, e = _server(), Exporter("j", "ps0")
+    e.watch_server(srv)
+    listener = SocketServer(ServerEndpoints(srv), handshake_timeout_s=5.0).start()
+    try:
+        host, _, port = listener.address.rpartition(":")
+        with socket_module.create_connection((host, int(port))) as sock:
+            sock.recv(48)
+            sock.sendall(bytes(64))                      # a wrong proof
+            sock.settimeout(5.0)
+            assert sock.recv(1) == b""
+        deadline = time.monotonic() + 5.0
+        while not listener.rejected and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        listener.close()
+    get = e.registry.get_sample_value
+    labels = {"job": "j", "rank": "ps0"}
+    assert get("fxdist_ps_rejected_connections_total", {**labels, "reason": "bad_auth"}) == 1
+    assert all(get("fxdist_ps_rejected_connections_total", {**labels, "reason": r}) == 0
+               for r in REJECT_REASONS if r != "bad_auth")
+
+
 def test_staleness_histogram_per_phase_from_the_clients_counts():
     e = Exporter("j", "1")
     counts = {"optimized": collections.Counter({0: 3, 1: 5, 5: 1}), "baseline": collections.Counter()}

@@ -145,7 +145,7 @@ def test_idle_and_half_sent_connections_do_not_hold_up_a_real_client(server):
     client = _client(server, "beside_idle")
     try:
         t0 = time.monotonic()
-        for step in range(5):
+        for _ in range(5):
             client.lookup(0, _kjt())
         assert time.monotonic() - t0 < 3.0
         assert _until(lambda: server.rejected["handshake_timeout"] == 200, 10.0), server.rejected
