@@ -48,8 +48,13 @@ def dist(tmp_path_factory) -> Path:
         import build  # noqa: F401
     except ImportError:
         pytest.skip("the 'build' package is not installed (requirements.txt pins it: run scripts/bootstrap.sh)")
+    # from a copy of the tree, so that the build's own files (fxdist.egg-info) never land in the repository, where
+    # another run of this test may be building at the same time
+    source = tmp_path_factory.mktemp("source") / "fxdist"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"))
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)], cwd=out, timeout=300)
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)], cwd=out, timeout=300)
     return out
 
 
