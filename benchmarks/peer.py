@@ -188,8 +188,10 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     also accounts every process's CPU over the timed steps (its result's ``"cpu"``, ``_peer_cpu.account``);
     ``server_nice``: fxdist's server processes run at this nice value over the trainers' (``fx_nice<N>_*``: at ``N``,
     :func:`systems.server_nice`)."""
+    from scheduling.ps.transport.auth import job_key
     from scheduling.ps.transport.ports import free_port
 
+    job_key(create=True)   # the socket transport's key, before spawning: every server and trainer inherits it
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     fx = setting.system.startswith("fx_")

@@ -135,8 +135,10 @@ def over_socket(args: argparse.Namespace, batches: list[list[tuple]], grads: lis
     """Serve the requests from a child process: (its CPU ms per push_lookup, the lookups answered per rank)."""
     import multiprocessing as mp
 
+    from scheduling.ps.transport.auth import job_key
     from scheduling.ps.transport.socket_transport import SocketTransport, _Connection
 
+    job_key(create=True)   # the socket transport's key, before spawning: the server inherits it
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_server_child, args=(queue, profile), daemon=True)
