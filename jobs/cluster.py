@@ -2,9 +2,12 @@
 
 Every address a job uses comes from where a process actually runs, never from the launcher's host name:
 
-- a server actor's socket (the ``socket`` transport, the default) binds on its node's Ray address
-  (``ray.util.get_node_ip_address()``), port 0; over ``torch_rpc`` the ``torch.distributed.rpc`` rendezvous is
-  hosted by trainer rank 0 there, on a port picked there (:class:`jobs.trainer.servers.ServerTables`);
+- a server actor's socket (the ``socket`` transport, the default) binds on port 0 of ``127.0.0.1`` in a job on
+  a local Ray session (the launcher's rule: neither ``[cluster] address`` nor ``$RAY_ADDRESS``, or a Ray session
+  already started with one node; nothing of the job listens beyond loopback), and on a cluster on its node's Ray
+  address (``ray.util.get_node_ip_address()``, the LAN address even for a local ``ray.init()``, hence the rule);
+  over ``torch_rpc`` the ``torch.distributed.rpc`` rendezvous is hosted by trainer rank 0 there, on a port picked
+  there (:class:`jobs.trainer.servers.ServerTables`);
 - each metrics exporter binds on its own node (:func:`serve_exporter`): on ``127.0.0.1`` by default, or on
   the node's Ray address with ``[metrics] host = "node"``; it reports the (address, port) it really bound to
   (:func:`where`), and the launcher rewrites Prometheus' file-SD ``targets.json`` with them;
@@ -134,17 +137,18 @@ def set_socket_ifnames(address: str | None = None) -> str | None:
     return name
 
 
-def serve_exporter(exporter: Any, host: str, port: int) -> tuple[str, int]:
+def serve_exporter(exporter: Any, host: str, port: int, tls: dict[str, Any] | None = None) -> tuple[str, int]:
     """Serve ``exporter`` (:class:`jobs.trainer.metrics.Exporter`) on this node and return the (address, port) bound.
 
     ``host``: ``[metrics] host``; ``"node"`` means this node's Ray address. ``port`` is tried first; when
     it is taken on this node (the launcher checked only its own), a free port of this node is used instead.
+    ``tls``: :func:`jobs.trainer.metrics.tls_options` (HTTPS), or None.
     """
     address = node_address() if host == "node" else host
     try:
-        bound = exporter.serve(port, address)
+        bound = exporter.serve(port, address, tls)
     except OSError:
-        bound = exporter.serve(0, address)
+        bound = exporter.serve(0, address, tls)
     return address, bound
 
 

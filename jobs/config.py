@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobs.config_rules import dynamic_errors, train_errors
+from jobs.config_rules import dynamic_errors, exposure_errors, train_errors
 from jobs.hosting import in_trainer_errors
 from jobs.staleness import staleness_errors
 
@@ -230,6 +230,9 @@ class ClusterSection:
     server_fetch_delay_ms: float = _key(1.0, 0, 10_000)
     """Added latency per parameter-server lookup, milliseconds: emulates the network round trip to a
     remote server, which a one-machine job does not have (0 = none)."""
+    allow_unauthenticated: bool = False
+    """Let ``transport = "torch_rpc"`` run on a cluster: torch.distributed.rpc has no authentication and its
+    rendezvous store listens on every interface (:func:`jobs.config_rules.torch_rpc_error`)."""
 
 
 @dataclass(frozen=True)
@@ -259,10 +262,21 @@ class MetricsSection:
     """Export Prometheus metrics from every trainer and server."""
     host: str = "127.0.0.1"
     """Address the exporters bind to, on the node where each runs: loopback by default; "node" = the node's
-    Ray address (reachable from other hosts, for a Prometheus elsewhere on a cluster)."""
+    Ray address (reachable from other hosts, for a Prometheus elsewhere on a cluster). Any address but loopback
+    needs ``expose = true``."""
     port: int = _key(9400, 1, 65535)
     """Base port: trainer rank r uses port + r, server i uses port + trainers + i; the whole range
     port .. port + trainers + parameter_servers - 1 must be <= 65535."""
+    expose: bool = False
+    """Allow a non-loopback ``host`` ("node", "0.0.0.0", an address): the metrics are then served to the network."""
+    certfile: str = ""
+    """With ``keyfile``: serve HTTPS with this PEM certificate (prometheus_client's TLS); "" = plain HTTP."""
+    keyfile: str = ""
+    """The PEM private key of ``certfile``."""
+    client_cafile: str = ""
+    """PEM CA file that client certificates are checked against (with ``certfile``)."""
+    client_auth_required: bool = False
+    """Refuse scrapers without a client certificate signed by ``client_cafile`` (mutual TLS)."""
 
 
 @dataclass(frozen=True)
@@ -399,7 +413,7 @@ class JobConfig:
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
         errors += train_errors(self.train, self.model.plan, self.user_model)
         errors += dynamic_errors(self.model, c, self.user_model)
-        errors += in_trainer_errors(self)
+        errors += in_trainer_errors(self) + exposure_errors(m)
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')
         errors += self._entry_point_errors()

@@ -1,15 +1,21 @@
 """The config checks between keys that concern one feature each (:meth:`jobs.config.JobConfig.validate` calls
 them and raises ``ConfigError`` with the config file's name in front of each message): the table optimizer keys and
-``[model] plan`` (:func:`train_errors`), and dynamic tables (:func:`dynamic_errors`).
+``[model] plan`` (:func:`train_errors`), dynamic tables (:func:`dynamic_errors`), and what a job serves to the network:
+the metrics exporters (:func:`exposure_errors`) and, once the launcher knows the job runs on a cluster, the
+``torch_rpc`` transport (:func:`torch_rpc_error`).
 
-Source: the ``[model]`` / ``[train]`` / ``[cluster]`` keys of :mod:`jobs.config`.
+Source: the ``[model]`` / ``[train]`` / ``[cluster]`` / ``[metrics]`` keys of :mod:`jobs.config`; prometheus
+client_python's ``start_http_server`` (``certfile``, ``keyfile``, ``client_cafile``, ``client_auth_required``); the
+PyTorch documentation of ``torch.distributed.rpc`` and ``TCPStore`` (no authentication).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["train_errors", "dynamic_errors"]
+from jobs.cluster import is_loopback
+
+__all__ = ["train_errors", "dynamic_errors", "exposure_errors", "torch_rpc_error"]
 
 
 def train_errors(t: Any, plan: dict, user_model: bool = True) -> list[str]:
@@ -57,3 +63,40 @@ def dynamic_errors(m: Any, c: Any, user_model: bool) -> list[str]:
         errors.append(f'[model] plan: {rows[0]} = "row_wise": dynamic tables ([model] table_sizes = "dynamic") are '
                       "placed table-wise only (raw ids have no row ranges)")
     return errors
+
+
+def exposure_errors(m: Any) -> list[str]:
+    """The ``[metrics]`` section ``m``: a ``host`` other than loopback (``"node"``, ``"0.0.0.0"``, an address or a
+    name) serves every exporter's metrics to the network, without authentication unless TLS with client certificates
+    is on, so it needs ``expose = true``; ``certfile`` and ``keyfile`` go together, ``client_cafile`` needs them, and
+    ``client_auth_required`` needs ``client_cafile``. (HTTP basic auth is not offered: ``start_http_server`` has none.)"""
+    if not m.enabled:
+        return []
+    errors = []
+    if not is_loopback(m.host) and not m.expose:
+        errors.append(f"[metrics] host = {m.host!r} is not a loopback address: every trainer and server would serve its "
+                      "metrics to the network, to anyone who connects; set [metrics] expose = true to allow it (and "
+                      "consider certfile/keyfile and client_cafile with client_auth_required = true: HTTPS with client "
+                      'certificates), or keep host = "127.0.0.1"')
+    if bool(m.certfile) != bool(m.keyfile):
+        errors.append("[metrics] certfile and keyfile go together (HTTPS needs the certificate and its key); got "
+                      f"certfile = {m.certfile!r}, keyfile = {m.keyfile!r}")
+    if m.client_cafile and not m.certfile:
+        errors.append("[metrics] client_cafile needs certfile and keyfile: client certificates are checked over HTTPS")
+    if m.client_auth_required and not m.client_cafile:
+        errors.append("[metrics] client_auth_required = true needs client_cafile (the CA that signs the scrapers' "
+                      "certificates)")
+    return errors
+
+
+def torch_rpc_error(c: Any, on_cluster: bool) -> str | None:
+    """Why the ``[cluster]`` section ``c`` may not run on a cluster (``on_cluster``: the launcher's rule), or None:
+    ``transport = "torch_rpc"`` with parameter servers needs ``allow_unauthenticated = true`` there, since
+    ``torch.distributed.rpc`` authenticates nobody and its rendezvous store (a ``TCPStore``) listens on every
+    interface, so any host that reaches the nodes could join the group or call the servers."""
+    if not on_cluster or c.transport != "torch_rpc" or not c.parameter_servers or c.allow_unauthenticated:
+        return None
+    return ('[cluster] transport = "torch_rpc" on a Ray cluster: torch.distributed.rpc has no authentication, and its '
+            "rendezvous store listens on every interface of trainer rank 0's node, so anyone on the network could "
+            'join the group or call the parameter servers. Use transport = "socket" (authenticated connections) or '
+            '"ray", or set [cluster] allow_unauthenticated = true if the network is trusted and you accept the risk')

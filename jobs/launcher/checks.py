@@ -26,6 +26,7 @@ from typing import Any
 
 from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig
+from jobs.config_rules import torch_rpc_error
 from jobs.launcher.data import locate_data
 from recsys.criteo_format import NUM_DENSE, NUM_SPARSE
 
@@ -65,10 +66,14 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
         The data file, or None when synthetic data is to be generated or the job reads your batches.
 
     Raises:
-        ConfigError: a pass or entry point that does not resolve, bad batches, a taken port, or not enough
-            memory (the memory estimate is the built-in DLRM's; your model's is not estimated).
+        ConfigError: a pass or entry point that does not resolve, bad batches, a taken port, not enough
+            memory (the memory estimate is the built-in DLRM's; your model's is not estimated), or the
+            unauthenticated ``torch_rpc`` transport on a cluster (:func:`jobs.config_rules.torch_rpc_error`).
         recsys.criteo_format.DataError: the data file cannot be used.
     """
+    unsafe = torch_rpc_error(config.cluster, on_cluster=not local)
+    if unsafe:
+        raise ConfigError(f"{config.source}: {unsafe}")
     check_passes(config)
     import torch
 

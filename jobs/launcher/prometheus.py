@@ -34,7 +34,7 @@ def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any]
     r at ``host:port + r`` and parameter server i at ``host:port + trainers + i`` (left out with
     ``[metrics] host = "node"``, whose address is known only once the exporter runs). An exporter bound to
     loopback on another node than the launcher's cannot be scraped from here: it is left out (see
-    :func:`file_sd_groups`). Servers inside the trainers (``in_trainers``, :mod:`jobs.hosting`) have no exporter of
+    :func:`file_sd_groups`). With ``[metrics] certfile`` the scrape job uses HTTPS and trusts that certificate. Servers inside the trainers (``in_trainers``, :mod:`jobs.hosting`) have no exporter of
     their own: their trainer's exports their metrics. The file is replaced atomically (Prometheus re-reads it).
     Returns the prometheus.yml path.
     """
@@ -46,6 +46,11 @@ def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any]
     tmp.replace(out / "targets.json")
     template = (DASHBOARDS / "prometheus.yml").read_text()
     rendered = template.replace("{{TARGETS_DIR}}", str(out)).replace("{{RULES}}", str(DASHBOARDS / "rules.yml"))
+    if config.metrics.certfile:  # the exporters serve HTTPS: trust their certificate (itself, when self-signed)
+        tls = f'    scheme: https\n    tls_config:\n      ca_file: "{config.metrics.certfile}"\n'
+        if config.metrics.client_cafile:
+            tls += "      # cert_file, key_file: a client certificate signed by [metrics] client_cafile\n"
+        rendered = rendered.replace("    honor_labels: true\n", "    honor_labels: true\n" + tls)
     (out / "prometheus.yml").write_text(rendered)
     return out / "prometheus.yml"
 
@@ -90,4 +95,5 @@ def retarget(config: Any, run_dir: Path, placement: dict[str, Any], log: Any, wa
         if name not in warned:
             warned.add(name)
             log(f"{name}'s metrics exporter listens on 127.0.0.1 of node {placement[name].get('address')}: "
-                'left out of targets.json (set [metrics] host = "node" to scrape it from another host)')
+                'left out of targets.json (set [metrics] host = "node" and expose = true to scrape it from another '
+                "host)")

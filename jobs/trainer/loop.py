@@ -37,7 +37,7 @@ import torch
 
 from jobs.stats import peak_rss_bytes
 from jobs.trainer.checkpoints import load_checkpoint
-from jobs.trainer.metrics import Exporter
+from jobs.trainer.metrics import Exporter, tls_options
 from jobs.trainer.phases import run_phases
 from jobs.trainer.pipeline import PHASES
 from jobs.trainer.spec import TrainerSpec
@@ -106,7 +106,7 @@ def _train_loop(spec: TrainerSpec) -> None:
     if spec.metrics_port is not None:
         exporter = Exporter(config.job.name, rank)
         exporter.touch(PHASES)
-        bound = serve_exporter(exporter, config.metrics.host, spec.metrics_port + rank)
+        bound = serve_exporter(exporter, config.metrics.host, spec.metrics_port + rank, tls_options(config.metrics))
     state.placed.remote(f"trainer{rank}", where(bound))  # where this trainer and its exporter run
     workload = make_workload(config, rank, world, str(spec.plan.data_path or ""), plan=spec.plan.data_plan,
                              exporter=exporter)

@@ -2,7 +2,9 @@
 
 Every trainer and server process owns one :class:`Exporter`: a fresh registry (never the global one,
 so Ray's and other libraries' metrics are left as they are and tests can build as many as they like)
-served over HTTP by ``prometheus_client.start_http_server`` on ``127.0.0.1`` unless told otherwise.
+served over HTTP by ``prometheus_client.start_http_server`` on ``127.0.0.1`` unless told otherwise (another address
+needs ``[metrics] expose = true``; ``certfile``/``keyfile`` serve HTTPS, ``client_cafile`` with
+``client_auth_required`` admits only scrapers with a client certificate: :func:`tls_options`).
 
 Metrics (labels ``job``, ``phase`` = baseline | optimized, ``rank``; servers use ``rank = "ps<i>"``):
 
@@ -40,7 +42,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from scheduling.ps.transport.ports import free_port, free_port_block  # one free_port for the project (re-exported here)
 
-__all__ = ["LABELS", "DEPRECATED_ALIASES", "STEP_BUCKETS", "LOOKUP_BUCKETS", "Exporter", "free_port", "free_port_block"]
+__all__ = ["LABELS", "DEPRECATED_ALIASES", "STEP_BUCKETS", "LOOKUP_BUCKETS", "Exporter", "free_port", "free_port_block",
+           "tls_options"]
 
 LABELS = ("job", "phase", "rank")
 DEPRECATED_ALIASES = {"fxdist_rpc_fetch_seconds": "fxdist_ps_lookup_seconds"}
@@ -49,6 +52,16 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.0
 """Step latency buckets, seconds."""
 LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.5)
 """Embedding fetch latency buckets, seconds."""
+
+
+def tls_options(metrics: Any) -> dict[str, Any] | None:
+    """``start_http_server``'s TLS keyword arguments from the ``[metrics]`` section ``metrics`` (``certfile``,
+    ``keyfile``, ``client_cafile``, ``client_auth_required``), or None when ``certfile`` is "" (plain HTTP).
+    prometheus_client has no HTTP basic auth; client certificates are how a scraper is authenticated."""
+    if not metrics.certfile:
+        return None
+    return {"certfile": metrics.certfile, "keyfile": metrics.keyfile, "client_cafile": metrics.client_cafile or None,
+            "client_auth_required": metrics.client_auth_required}
 
 
 class Exporter:
@@ -171,19 +184,21 @@ class Exporter:
         """Record one served (server) or issued (trainer) embedding lookup, ``seconds`` long."""
         self._children(phase)[2].observe(seconds)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``host:port`` in a daemon thread; ``port=0`` picks a free port.
+    def serve(self, port: int, host: str = "127.0.0.1", tls: Mapping[str, Any] | None = None) -> int:
+        """Serve ``/metrics`` on ``host:port`` in a daemon thread; ``port=0`` picks a free port. ``tls``:
+        :func:`tls_options` (HTTPS, client certificates checked when it says so), or None for plain HTTP.
 
         Returns:
             The bound port.
 
         Raises:
-            OSError: the port is taken (the message names host and port).
+            OSError: the port is taken, or a TLS file cannot be read (the message names host and port).
         """
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as e:
-            raise OSError(f"metrics exporter of rank {self.rank}: cannot bind {host}:{port}: {e}") from e
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry, **(tls or {}))
+        except OSError as e:  # ssl.SSLError is an OSError too
+            raise OSError(f"metrics exporter of rank {self.rank}: cannot bind {host}:{port}"
+                          f"{' or read its TLS files' if tls else ''}: {e}") from e
         self.port = self._server.server_port
         return self.port
 

@@ -141,13 +141,13 @@ class ServerHooks:
 
 def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
                  timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS, auth_key: bytes | None = None,
-                 save_root: str | None = None) -> Any:
+                 save_root: str | None = None, tls: dict[str, Any] | None = None) -> Any:
     """Start one server actor of ``cls`` (:func:`scheduling.ps.server_actor_class`, with its ``.options``) for a job: no
     server until a worker group's rank 0 has it :meth:`~scheduling.ps.transport.ray_transport.PSActor.join` (``torch_rpc``)
     or :meth:`~scheduling.ps.transport.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says;
     ``auth_key`` (the job's key, through Ray) and ``save_root`` (the run folder) for its ``socket`` listener."""
     return cls.remote(name, fetch_delay_s=fetch_delay_s, num_threads=None, num_worker_threads=num_worker_threads,
-                      timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics),
+                      timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics, tls),
                       auth_key=auth_key, save_root=save_root)
 
 
@@ -163,6 +163,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str, *, auth_key: 
     through Ray; ``save_root``: where a ``save`` request may write (the run folder). Returns the handles (for the trainers' :class:`jobs.trainer.spec.TrainerSpec`).
     """
     from jobs.cluster import server_options
+    from jobs.trainer.metrics import tls_options
     from scheduling.ps import server_actor_class
 
     c = config.cluster
@@ -173,7 +174,7 @@ def start_servers(config: Any, metrics_port: int | None, tag: str, *, auth_key: 
         actors.append(server_actor(cls.options(name=f"{config.job.name}-ps{i}-{tag}", **options), f"ps{i}",
                                    job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
                                    timeout_s=c.rpc_timeout_s, num_worker_threads=c.server_threads,
-                                   auth_key=auth_key, save_root=save_root))
+                                   auth_key=auth_key, save_root=save_root, tls=tls_options(config.metrics)))
     return actors
 
 

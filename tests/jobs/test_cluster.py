@@ -58,7 +58,7 @@ JOB = [
     "job.steps=20", "job.batch_size=64", "job.checkpoint_every=10", "job.progress=false", "job.eval_epochs=0",
     "model.table_size=2000", "model.bottom_mlp=[32]", "model.top_mlp=[32]", "data.synthetic_rows=4000",
     "cluster.trainers=2", "cluster.parameter_servers=2", "cluster.cpus_per_trainer=1.0", "cluster.rpc_timeout_s=60",
-    'cluster.placement="spread"', 'metrics.host="node"', f"metrics.port={METRICS_PORT}",
+    'cluster.placement="spread"', 'metrics.host="node"', "metrics.expose=true", f"metrics.port={METRICS_PORT}",
     'phases.parity="warn"', "quant.enabled=false",
     "cluster.servers_in_trainers=false",  # server actors of their own, placed by "spread"
     # 200 ms per lookup: the trainers train for seconds, not half of one (Prometheus applies new targets at most
@@ -209,7 +209,7 @@ def _prometheus(cluster: NetnsCluster, run_dir: Path, tmp: Path) -> subprocess.P
     binary = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
     if binary is None:
         return None
-    config = load_config().replace(metrics={"port": METRICS_PORT, "host": "node"}, job={"name": "fxdist-cluster"},
+    config = load_config().replace(metrics={"port": METRICS_PORT, "host": "node", "expose": True}, job={"name": "fxdist-cluster"},
                                    cluster={"placement": "spread", "parameter_servers": 2})
     prom_yml = write_prometheus_files(config, run_dir)  # the files `fxdist launch` writes, before it runs
     fast = tmp / "prometheus.yml"

@@ -221,3 +221,68 @@ def test_edges_of_the_ranges_are_accepted():
     assert config.metrics.port == 65533 and config.job.name == "a.b_c-1"
     # with metrics off, the port range does not matter
     assert JobConfig().replace(metrics={"enabled": False, "port": 65535}).metrics.port == 65535
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "node", "192.0.2.7", "::", "myhost.example"])
+def test_a_metrics_host_beyond_loopback_needs_expose(host):
+    """A non-loopback [metrics] host serves every exporter to the network: refused unless expose = true."""
+    with pytest.raises(ConfigError, match=rf"\[metrics\] host = '{host}' is not a loopback address: .*set "
+                                          r"\[metrics\] expose = true"):
+        JobConfig().replace(metrics={"host": host})
+    assert JobConfig().replace(metrics={"host": host, "expose": True}).metrics.expose
+    assert JobConfig().replace(metrics={"host": host, "enabled": False}).metrics.host == host  # nothing served
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_metrics_hosts_need_nothing(host):
+    assert JobConfig().replace(metrics={"host": host}).metrics.expose is False
+
+
+def test_defaults_of_the_exposure_keys():
+    m, c = load_config().metrics, load_config().cluster
+    assert (m.host, m.expose, m.certfile, m.keyfile, m.client_cafile, m.client_auth_required) == (
+        "127.0.0.1", False, "", "", "", False)
+    assert c.allow_unauthenticated is False
+
+
+@pytest.mark.parametrize("metrics, match", [
+    ({"certfile": "c.pem"}, r"certfile and keyfile go together"),
+    ({"keyfile": "k.pem"}, r"certfile and keyfile go together"),
+    ({"client_cafile": "ca.pem"}, r"client_cafile needs certfile and keyfile"),
+    ({"certfile": "c.pem", "keyfile": "k.pem", "client_auth_required": True}, r"client_auth_required = true needs "
+                                                                                r"client_cafile"),
+    ({"expose": "yes"}, r"\[metrics\] expose: expected bool"),
+])
+def test_the_tls_keys_go_together(metrics, match):
+    with pytest.raises(ConfigError, match=match):
+        JobConfig().replace(metrics=metrics)
+
+
+def test_tls_options_are_start_http_servers_keywords():
+    from jobs.trainer.metrics import tls_options
+
+    assert tls_options(JobConfig().metrics) is None
+    m = JobConfig().replace(metrics={"certfile": "c.pem", "keyfile": "k.pem", "client_cafile": "ca.pem",
+                                     "client_auth_required": True}).metrics
+    assert tls_options(m) == {"certfile": "c.pem", "keyfile": "k.pem", "client_cafile": "ca.pem",
+                              "client_auth_required": True}
+
+
+def test_torch_rpc_on_a_cluster_needs_allow_unauthenticated():
+    """The launcher's checks (before Ray starts) refuse torch_rpc when the job runs on a cluster, saying why."""
+    from jobs.launcher.checks import check
+
+    config = JobConfig().replace(cluster={"transport": "torch_rpc"})
+    with pytest.raises(ConfigError, match=r'(?s)transport = "torch_rpc" on a Ray cluster: torch.distributed.rpc has no '
+                                          r"authentication, and its rendezvous store listens on every interface.*"
+                                          r'Use transport = "socket".*allow_unauthenticated = true'):
+        check(config, local=False)
+    with pytest.raises(ConfigError, match=r"\[cluster\] allow_unauthenticated: expected bool"):
+        JobConfig().replace(cluster={"allow_unauthenticated": 1})
+    from jobs.config_rules import torch_rpc_error
+
+    allowed = config.replace(cluster={"allow_unauthenticated": True}).cluster
+    assert torch_rpc_error(allowed, on_cluster=True) is None                          # the risk accepted
+    assert torch_rpc_error(config.cluster, on_cluster=False) is None                  # one host, loopback rendezvous
+    assert torch_rpc_error(JobConfig().cluster, on_cluster=True) is None              # socket: authenticated
+    assert torch_rpc_error(config.replace(cluster={"parameter_servers": 0}).cluster, on_cluster=True) is None

@@ -47,3 +47,11 @@ def test_servers_in_the_trainers_get_no_target_of_their_own(tmp_path):
     placement = {"ps0": {**_where("10.0.0.1", None), "in": "trainer0"}}  # as a trainer hosting ps0 reports it
     write_prometheus_files(config, tmp_path, placement)
     assert len(json.loads((tmp_path / "prometheus" / "targets.json").read_text())) == 2
+
+
+def test_https_exporters_are_scraped_over_https(tmp_path):
+    """[metrics] certfile: the scrape job uses HTTPS and trusts that certificate; plain HTTP otherwise."""
+    config = load_config().replace(metrics={"port": 19000, "certfile": "/etc/fx/c.pem", "keyfile": "/etc/fx/k.pem"})
+    text = write_prometheus_files(config, tmp_path).read_text()
+    assert '    honor_labels: true\n    scheme: https\n    tls_config:\n      ca_file: "/etc/fx/c.pem"\n' in text
+    assert "scheme" not in write_prometheus_files(load_config(), tmp_path / "plain").read_text()

@@ -82,3 +82,50 @@ def test_percentile_series_gain():
     assert all(q == pytest.approx(1000.0) for _, q in series)
     assert gain_percent(100.0, 110.0) == pytest.approx(10.0)
     assert math.isnan(gain_percent(0.0, 1.0))
+
+
+def _self_signed(folder, name: str) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files), made with the ``openssl`` command (the
+    ``cryptography`` package is not a dependency); skips the test without it."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a self-signed certificate (and no cryptography package)")
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def test_an_exporter_serves_https_and_can_require_client_certificates(tmp_path):
+    """[metrics] certfile/keyfile: HTTPS on 127.0.0.1; with client_cafile and client_auth_required a scraper
+    without a certificate signed by that CA is refused (prometheus_client has no basic auth: this is the lock)."""
+    import ssl
+    import urllib.error
+
+    from jobs.config import JobConfig
+    from jobs.trainer.metrics import tls_options
+
+    cert, key = _self_signed(tmp_path, "server")
+    client_cert, client_key = _self_signed(tmp_path, "scraper")
+    m = JobConfig().replace(metrics={"certfile": cert, "keyfile": key, "client_cafile": client_cert,
+                                     "client_auth_required": True}).metrics
+    e = Exporter("j", "0")
+    e.touch(["baseline"])
+    port = e.serve(0, "127.0.0.1", tls_options(m))
+    url = f"https://127.0.0.1:{port}/metrics"
+    try:
+        trusting = ssl.create_default_context(cafile=cert)
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):   # no client certificate
+            urllib.request.urlopen(url, timeout=5, context=trusting).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):                  # plain HTTP: no answer
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        trusting.load_cert_chain(client_cert, client_key)
+        body = urllib.request.urlopen(url, timeout=5, context=trusting).read().decode()
+    finally:
+        e.close()
+    assert 'fxdist_samples_total{job="j",phase="baseline",rank="0"} 0.0' in body
+    with pytest.raises(OSError, match=r"cannot bind 127.0.0.1:0 or read its TLS files"):
+        Exporter("j", "1").serve(0, "127.0.0.1", {**tls_options(m), "certfile": str(tmp_path / "missing.pem")})
