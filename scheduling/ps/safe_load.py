@@ -50,7 +50,7 @@ class CheckpointRefused(pickle.UnpicklingError):
             f"torch: {_reason(detail)}")
 
 
-def safe_globals() -> list[type]:
+def safe_globals() -> list[Any]:
     """The classes of :data:`SAFE_GLOBALS`, imported."""
     from .dynamic import DynamicSpec
     from .shard_plan import ShardSpec, TableSpec
