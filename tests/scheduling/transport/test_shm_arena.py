@@ -405,23 +405,27 @@ def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
             future.wait()
 
 
-def _victim(tmp_path) -> tuple[str, str, bytes]:
+@pytest.fixture
+def victim(tmp_path):
     """A file in /dev/shm (or ``tmp_path`` where there is none) named like an arena and a symlink to it: their
-    paths and the file's bytes (its first 16: what a server of the old design checked as the arena's token)."""
+    paths and the file's bytes (its first 16: what a server of the old design checked as the arena's token);
+    removed after the test."""
     where = SHM_DIR if os.path.isdir(SHM_DIR) else str(tmp_path)
     path = os.path.join(where, f"fxdist-socket-{os.getpid()}-{uuid.uuid4().hex}")
     data = secrets.token_bytes(1 << 20)
     with open(path, "wb") as f:
         f.write(data)
     os.symlink(path, path + "-link")
-    return path, path + "-link", data
+    yield path, path + "-link", data
+    for name in (path + "-link", path):
+        os.unlink(name)
 
 
-def test_an_attach_that_names_a_file_maps_nothing(monkeypatch, tmp_path):
+def test_an_attach_that_names_a_file_maps_nothing(monkeypatch, victim):
     """A forged ``attach_shm`` naming a /dev/shm file, or a symlink to one (with the right size and token, as the
     old design wanted), is refused: the server maps nothing, the file is untouched, the connection works on."""
     monkeypatch.setenv("FXDIST_SOCKET_SHM_BYTES", "0")   # this connection hands over no arena of its own
-    path, link, data = _victim(tmp_path)
+    path, link, data = victim
     stamp = os.stat(path)
     server = _server()
     client = _client(server.address, "forged")
@@ -439,19 +443,17 @@ def test_an_attach_that_names_a_file_maps_nothing(monkeypatch, tmp_path):
     finally:
         client.close()
         server.close()
-        after = os.stat(path)
-        with open(path, "rb") as f:
-            unchanged = f.read() == data
-        os.unlink(link)
-        os.unlink(path)
-    assert unchanged and (after.st_size, after.st_mtime_ns) == (stamp.st_size, stamp.st_mtime_ns)
+    after = os.stat(path)
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert (after.st_size, after.st_mtime_ns) == (stamp.st_size, stamp.st_mtime_ns)
 
 
-def test_a_descriptor_whose_size_is_not_sealed_is_refused(monkeypatch, tmp_path):
+def test_a_descriptor_whose_size_is_not_sealed_is_refused(monkeypatch, victim):
     """Over the server's own hand-over socket, with a valid token: an unsealed memfd, one sealed against growing
     only, and a named file's descriptor are refused (the token is spent), and the connection stays inline."""
     monkeypatch.setenv("FXDIST_SOCKET_SHM_BYTES", "0")
-    path, link, _ = _victim(tmp_path)
+    path = victim[0]
     server = _server()
     client = _client(server.address, "unsealed")
     fds = [os.memfd_create("fxdist-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING) for _ in range(2)]
@@ -475,8 +477,6 @@ def test_a_descriptor_whose_size_is_not_sealed_is_refused(monkeypatch, tmp_path)
             os.close(fd)
         client.close()
         server.close()
-        os.unlink(link)
-        os.unlink(path)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
