@@ -15,6 +15,7 @@ import math
 import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -76,6 +77,44 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise TimeoutError(f"prometheus not ready on 127.0.0.1:{port} after {timeout} s")
 
 
+class _Listeners:
+    """While a job runs, every 0.5 s, the listening TCP sockets (``psutil.net_connections(kind="inet")``) of the job's
+    processes: those of this test's process tree (the Ray session it started) whose title names a trainer or a
+    server actor (``ray::RayTrainWorker...``, ``ray::PSActor...``), not Ray's own daemons and agents. ``seen``:
+    ``{(pid, address, port)}``."""
+
+    JOB_TITLES = ("RayTrainWorker", "PSActor")
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.psutil, self.seen, self.job_pids = psutil, set(), set()
+        self._all: set[tuple[int, str, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _Listeners:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.seen = {entry for entry in self._all if entry[0] in self.job_pids}
+
+    def _run(self) -> None:
+        me = self.psutil.Process()
+        while not self._stop.wait(0.5):
+            for child in me.children(recursive=True):
+                try:
+                    if any(t in " ".join(child.cmdline()) for t in self.JOB_TITLES):
+                        self.job_pids.add(child.pid)
+                except self.psutil.Error:
+                    continue
+            self._all |= {(c.pid, c.laddr.ip, c.laddr.port) for c in self.psutil.net_connections(kind="inet")
+                          if c.status == self.psutil.CONN_LISTEN and c.pid is not None}
+
+
 @pytest.fixture(scope="module")
 def scraped_job(ray_session, tmp_path_factory):
     """Run the default job, shortened, through the CLI while Prometheus scrapes it.
@@ -104,11 +143,13 @@ def scraped_job(ray_session, tmp_path_factory):
     try:
         _wait_ready(web, proc)
         start = time.time()
-        rc = main(args)
+        with _Listeners() as listening:
+            rc = main(args)
         time.sleep(3)  # a last scrape and rule evaluation
         end = time.time()
         results = json.loads((run_dir / "results.json").read_text()) if rc == 0 else None
-        yield {"rc": rc, "results": results, "run_dir": run_dir, "prom": web, "start": start, "end": end}
+        yield {"rc": rc, "results": results, "run_dir": run_dir, "prom": web, "start": start, "end": end,
+               "listening": listening.seen}
     finally:
         proc.terminate()
         try:
@@ -237,10 +278,35 @@ def test_launcher_owns_the_server_actors(scraped_job, ray_session):
     (first,), (after_trainer,), (after_server,) = joins
     assert first["group"] == 1 and after_trainer == {"pid": first["pid"], "group": 2, "address": first["address"]}
     assert after_server["pid"] != first["pid"] and after_server["group"] == 1
-    # over sockets (the default transport): the same socket after the trainer fault, a new one after the server's
-    assert after_server["address"] != first["address"]
+    # over sockets (the default transport): the same socket after the trainer fault; after the server's, the new
+    # process listens anew (the OS may give it the old port again, so the address may be the same) and serves: the
+    # launcher's statistics at the end of the job came from it, and it holds the tables the trainers created on it
+    # after the restart (a restarted server starts empty), so they reached it
+    ps0 = scraped_job["results"]["processes"]["ps0"]
+    assert ps0["pid"] == after_server["pid"] and ps0["rows"] > 0
+    assert after_server["address"].rpartition(":")[2].isdigit()
     alive = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
     assert not [name for name in alive if name.startswith("fxdist-test-ps")], alive
+
+
+def test_a_local_jobs_servers_listen_on_loopback_only(scraped_job):
+    """A job on a local Ray session binds its own servers on 127.0.0.1 (jobs.cluster): the server actors' sockets
+    (also the restarted one's) and every metrics exporter, as read from the kernel while the job ran; no process of
+    the job listens on a non-loopback address of its own. (The wildcard listeners left are not the job's: each Ray
+    worker's gRPC server and the torch.distributed store of Ray Train's gloo group.)"""
+    r, listening = scraped_job["results"], scraped_job["listening"]
+    joins = [j for group in r["server_joins"] for j in group]
+    assert joins and all(j["address"].startswith("127.0.0.1:") for j in joins), joins
+    sockets = {(j["pid"], int(j["address"].rpartition(":")[2])) for j in joins}
+    exporters = {p["metrics"][1] for p in r["placement"].values() if p.get("metrics")}
+    assert len(exporters) == 3  # 2 trainers, 1 server
+    ours = {(pid, ip, port) for pid, ip, port in listening if (pid, port) in sockets or port in exporters}
+    assert {(pid, port) for pid, _, port in ours} >= sockets, (sockets, sorted(listening))  # each seen listening
+    assert {port for _, _, port in ours} >= exporters, (exporters, sorted(listening))
+    assert {ip for _, ip, _ in ours} == {"127.0.0.1"}, sorted(ours)
+    own_addresses = sorted((pid, ip, port) for pid, ip, port in listening if ip not in ("127.0.0.1", "::1", "::",
+                                                                                         "0.0.0.0"))
+    assert not own_addresses, own_addresses
 
 
 def test_failed_job_still_kills_its_server_actors(ray_session, tmp_path, monkeypatch):

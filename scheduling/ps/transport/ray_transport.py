@@ -465,10 +465,12 @@ class RaySocketServers(RayServers):
     name = "socket"
 
     def rendezvous(self, host: str, actors: Sequence[Any]) -> list[str]:  # type: ignore[override]
-        """Rank 0 of a new trainer group: empty every server actor and have it listen (:meth:`PSActor.reset_socket`,
-        on its own node's address; ``host`` is not used); returns their ``"host:port"`` addresses, in order."""
+        """Rank 0 of a new trainer group: empty every server actor and have it listen (:meth:`PSActor.reset_socket`):
+        on ``host`` when it is a loopback address (a job on one host: nothing listens beyond it), else on each actor's
+        own node's address (a cluster); returns their ``"host:port"`` addresses, in order."""
         self.host = ActorHost(actors)
-        self._answers = ray.get([a.reset_socket.remote() for a in actors], timeout=self.timeout_s)
+        bind = host if host == "localhost" or host.startswith("127.") or host == "::1" else None
+        self._answers = ray.get([a.reset_socket.remote(bind) for a in actors], timeout=self.timeout_s)
         return [answer["address"] for answer in self._answers]
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: Any,
