@@ -7,6 +7,7 @@ Usage::
     fxdist launch --resume RUN_DIR [--set TABLE.KEY=VALUE ...] [--quiet]
     fxdist config [CONFIG.toml]          # print the effective config as TOML-like text
     fxdist data synth --lines N --out DIR [--files K] [--gzip] [--seed S] [--max-cardinality C]
+    fxdist export RUN_DIR [--checkpoint PATH]   # rebuild RUN_DIR/model/ (the trained model) from a checkpoint
 
 Without ``CONFIG`` the bundled ``jobs/default.toml`` runs: DLRM on the Criteo sample
 (../shared/data/criteo/train_examples.txt, or generated Criteo-format data when absent), 2 trainers,
@@ -84,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the effective job config")
     show.add_argument("config", nargs="?")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    export = sub.add_parser("export", help="rebuild RUN_DIR/model/ (state_dict.pt, model.pt2, model.json) from "
+                                           "the run's latest checkpoint, without Ray")
+    export.add_argument("run", metavar="RUN_DIR", help="a run folder of fxdist launch")
+    export.add_argument("--checkpoint", metavar="PATH", help="a checkpoint of the run (a state.pt, or the "
+                                                            "ray/train/checkpoint_* folder holding one); default: "
+                                                            "the latest")
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write synthetic Criteo-format data (Zipf ids, Criteo Kaggle's "
                                           "per-feature cardinalities, learnable labels; see recsys/criteo_synth.py)")
@@ -143,6 +150,23 @@ def _data_synth(lines: int, out: str, *, files: int = 1, gzip_output: bool = Fal
     return 0
 
 
+def _export(run: str, checkpoint: str | None) -> int:
+    """``fxdist export``: :func:`jobs.launcher.model_export.export_run`; 2 for a folder or checkpoint it cannot use,
+    1 when the model cannot be rebuilt from it."""
+    from jobs.launcher.model_export import ExportError, export_run
+    from scheduling.ps.safe_load import CheckpointRefused
+
+    try:
+        export_run(run, checkpoint)
+    except (ExportError, ConfigError, CheckpointRefused, OSError) as e:
+        _error(e)
+        return 2
+    except Exception as e:
+        _error(e, f"export failed: {type(e).__name__}: ")
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fxdist`` console script (exit status: see the module docstring)."""
     from recsys.criteo_format import DataError
@@ -155,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             _error(e)
             return 2
+    if args.command == "export":
+        return _export(args.run, args.checkpoint)
     try:
         config = _config(args)
     except (ConfigError, FileNotFoundError) as e:

@@ -202,7 +202,7 @@ def _best_qps(models: dict[str, nn.Module], inputs: list[tuple[Any, ...]], rows:
 
 
 def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | None = None, *,
-            timer: Any = None) -> InferenceResult:
+            timer: Any = None, keep: dict[str, Any] | None = None) -> InferenceResult:
     """fp32 vs int8 inference QPS and quality of the trained model on the held-out batches
     (:func:`jobs.trainer.workload.inference_batches`: the Criteo held-out rows, or your "eval" split).
 
@@ -210,6 +210,8 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
         state: ``{"model": dense weights, "tables": the servers' tables (or {})}`` from a checkpoint.
         data_path: the Criteo file (the built-in model; unused for yours).
         timer: passed to :func:`quantize` (tests inject one); None: measured on this CPU.
+        keep: when given, receives ``"int8"``: the int8 module when it is the model chosen (not ``kept_fp32``), for
+            the model folder (:mod:`jobs.launcher.model_export`).
 
     Returns:
         An :class:`jobs.results.InferenceResult` (units: its fields): :func:`quantize`'s info plus ``rows``,
@@ -236,7 +238,7 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
             return InferenceResult(skipped="no held-out batch (the eval split is empty)")
         torch.set_num_threads(1)
         with torch.no_grad():
-            return _compare(config, rebuild_model(config, state), held_out, calibration, timer)
+            return _compare(config, rebuild_model(config, state), held_out, calibration, timer, keep)
     except Exception as e:  # noqa: BLE001 - recorded as the stage's skip reason, never the job's failure
         return InferenceResult(skipped=f"failed: {_describe(e)}")
     finally:
@@ -250,7 +252,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibration: list[Any],
-             timer: Any) -> InferenceResult:
+             timer: Any, keep: dict[str, Any] | None = None) -> InferenceResult:
     if not any(isinstance(m, QUANTIZABLE) for m in model.modules()):
         return InferenceResult(skipped=f"{type(model).__name__} has no nn.Linear or nn.Conv layer to quantize")
     batches = [entry.split_batch(b, forward=model.forward) for b in held_out]
@@ -277,6 +279,8 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
         measured = {"qps": qps["int8"], **entry.quality(config, int8_out, labels)}
         if measured["qps"] > fp32["qps"]:
             int8 = measured
+            if keep is not None:
+                keep["int8"] = int8_model
         else:  # the selected layers were faster, the whole model with its lookups is not: keep fp32
             info.update(kept_fp32=True, int8_measured=measured, quantized_modules=0,
                         layers=[{**x, "chosen": False} for x in info["layers"]],

@@ -21,7 +21,9 @@
 5. quantizes the dense layers of the last phase's model that the AUC refers to (after ``[job] eval_epochs``,
    see :func:`jobs.trainer.evaluation.eval_step`) and compares fp32 with int8 (:mod:`jobs.launcher.inference`:
    ``quant.select_int8`` for the built-in DLRM and for your model alike);
-6. writes ``results.json`` and ``qps.png`` and prints the results table (:mod:`jobs.launcher.report`).
+6. writes the trained model into ``model/`` (:mod:`jobs.launcher.model_export`: its state dict, torch.export
+   programs, a sample input and ``model.json``), then ``results.json`` and ``qps.png``, and prints the results table
+   (:mod:`jobs.launcher.report`).
 
 A deterministic error in a trainer (bad config or data, a model that does not trace) is recorded on the
 :class:`JobState` actor and ends the job on the first attempt (:func:`jobs.trainer.loop.train_loop`); the
@@ -275,8 +277,7 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
         results = with_snapshot(results, snap)
         results.update(status="completed", train_seconds=train_seconds)
         results.update(compare_phases(config, results["phases"]))
-        if config.quant.enabled:
-            results["inference"] = _quantize(config, final, data_path, log)
+        _after_training(config, final, results, run_dir, data_path, log)  # the int8 stage, then RUN_DIR/model/
         results["processes"]["launcher"] = {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}
     except BaseException as e:
         if run_dir.is_dir():
@@ -407,8 +408,22 @@ def _record_end(run_dir: Path, results: dict[str, Any], watch: JobStateWatch, er
     error.add_note(f"run folder: {run_dir} ({out['status']}); continue it with `{out['resume']}`")
 
 
-def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path | None, log: Any) -> InferenceResult:
-    """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.launcher.inference`)."""
+def _after_training(config: JobConfig, final: dict[str, Any], results: dict[str, Any], run_dir: Path,
+                    data_path: Path | None, log: Any) -> None:
+    """With ``[quant] enabled``, the int8 stage into ``results["inference"]`` (:func:`_quantize`); then the trained
+    model into ``run_dir/model/`` (:func:`jobs.launcher.model_export.after_job`, with the int8 model when chosen)."""
+    from jobs.launcher.model_export import after_job
+
+    int8: dict[str, Any] = {}
+    if config.quant.enabled:
+        results["inference"] = _quantize(config, final, data_path, log, int8)
+    after_job(config, final, results, run_dir, data_path, int8.get("int8"), log)
+
+
+def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path | None, log: Any,
+              keep: dict[str, Any] | None = None) -> InferenceResult:
+    """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.launcher.inference`); ``keep``
+    receives the int8 module when it is chosen (``"int8"``)."""
     from jobs.launcher import inference
 
     log("post-training quantization of the dense layers: fp32 vs int8")
@@ -417,7 +432,7 @@ def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path | None, 
     evaluated = (final.get("eval") or {}).get(last) or {}
     model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
         "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
-    out = inference.compare(config, model_state, data_path)
+    out = inference.compare(config, model_state, data_path, keep=keep)
     return dataclasses.replace(out, model_step=evaluated.get("step", final.get("step")),
                                seconds=time.perf_counter() - t_quant)
 

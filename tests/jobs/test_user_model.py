@@ -210,6 +210,33 @@ def test_user_model_restarts_from_its_checkpoint(user_job):
     assert r["phases"]["optimized"]["resumed_from_step"] == 10
 
 
+def test_user_model_leaves_a_model_folder_that_loads_into_a_fresh_model(user_job):
+    """``RUN_DIR/model/``: the state dict under TinyRecommender's own names (its two server tables gathered) loads
+    strictly into a model from ``make_model``; the exported program (KJT input) scores the held-out sample as the
+    loaded model, bit for bit; model.json names the entry point and the int8 stage's outcome."""
+    from jobs.config import parse_config
+    from jobs.launcher.model_export import load_sample_input
+
+    folder = Path(user_job["results"]["run_dir"]) / "model"
+    record = json.loads((folder / "model.json").read_text())
+    assert record["entry_point"]["factory"] == f"{HERE}:make_model" and record["step"] == 20
+    assert record["metrics"]["held_out"]["auc"] == user_job["results"]["phases"]["optimized"]["quality"]["auc"]
+    model = make_model(parse_config(user_job["results"]["config"])).eval()  # embedding_dim = 8
+    state = torch.load(folder / "state_dict.pt", weights_only=True)
+    model.load_state_dict(state, strict=True)
+    assert set(state) == {"ebc.embedding_bags.t_cat.weight", "tags.weight", "slot.weight", "dense.weight",
+                          "dense.bias", "top.weight", "top.bias"}
+    assert record["exports"]["fp32"]["max_abs_diff"] == 0.0
+    sample = load_sample_input(folder / "sample_input.pt")
+    with torch.no_grad():
+        assert torch.equal(torch.export.load(folder / "model.pt2").module()(*sample), model(*sample))
+    int8 = record["exports"]["int8"]
+    if user_job["results"]["inference"]["kept_fp32"]:
+        assert int8["error"]["type"] == "no int8 model" and "model_int8.pt2" not in record["files"]
+    else:  # FBGEMM's packed weights are TorchScript objects torch.export cannot trace (torch 2.13)
+        assert ("file" in int8) == ("model_int8.pt2" in record["files"]), int8
+
+
 def test_user_model_results_table(user_job):
     text = user_job["stdout"]
     assert re.search(r"^phase .* loss\s+AUC\s+logloss$", text, re.M)
