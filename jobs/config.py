@@ -233,6 +233,9 @@ class ClusterSection:
     allow_unauthenticated: bool = False
     """Let ``transport = "torch_rpc"`` run on a cluster: torch.distributed.rpc has no authentication and its
     rendezvous store listens on every interface (:func:`jobs.config_rules.torch_rpc_error`)."""
+    tls: bool = False
+    """TLS 1.3 around every ``socket``-transport connection, with a per-job authority handed out through Ray
+    (scheduling.ps.transport.tls): for traffic between hosts. Needs ``transport = "socket"``."""
 
 
 @dataclass(frozen=True)
@@ -405,10 +408,11 @@ class JobConfig:
         if isinstance(sizes, str) and sizes not in ("uniform", "data", "dynamic"):
             errors.append(f'[model] table_sizes = {sizes!r}: must be "uniform", "data", "dynamic" or a list of 26 sizes')
         if self.model.server_storage not in ("fp32", "fp16", "fused8bit"):
-            errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be "fp32", "fp16" or '
-                          '"fused8bit"')
+            errors.append(f'[model] server_storage = {self.model.server_storage!r}: must be fp32, fp16 or fused8bit')
         if c.transport not in ("torch_rpc", "ray", "socket"):
             errors.append(f'[cluster] transport = {c.transport!r}: must be "torch_rpc", "ray" or "socket"')
+        elif c.tls and c.transport != "socket":
+            errors.append(f'[cluster] tls = true needs transport = "socket" (not {c.transport!r}), or tls = false')
         if c.placement not in ("pack", "spread"):
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
         errors += train_errors(self.train, self.model.plan, self.user_model)

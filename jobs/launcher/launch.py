@@ -479,15 +479,14 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: Job
         state = ray.remote(num_cpus=0, **here_options())(JobState).remote(watch.previous)
         if on_cluster:
             watch.nodes = NodeWatch()
-        from scheduling.ps.transport.auth import new_key
-
-        key = new_key()   # the job's socket-transport key: to the server actors and trainers through Ray only
+        key, transport_tls = _job_secrets(config)
         if config.cluster.parameter_servers and not in_trainers:
             from jobs.trainer.servers import start_servers
 
-            servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8], auth_key=key, save_root=str(run_dir))
+            servers = start_servers(config, metrics_port, uuid.uuid4().hex[:8], auth_key=key, save_root=str(run_dir),
+                                    transport_tls=transport_tls)
         spec = TrainerSpec(plan, state, tuple(servers), metrics_port, rpc_host=None if on_cluster else "127.0.0.1",
-                           servers_in_trainers=in_trainers, auth_key=key)
+                           servers_in_trainers=in_trainers, auth_key=key, transport_tls=transport_tls)
         trainer = _trainer(config, spec, run_dir)
         from jobs.launcher.report import counted
 
@@ -522,6 +521,18 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: Job
             from jobs.trainer.servers import stop_servers
 
             stop_servers(servers)
+
+
+def _job_secrets(config: JobConfig) -> tuple[bytes, Any]:
+    """The job's socket-transport key and, with ``[cluster] tls``, its TLS credentials (a fresh authority's;
+    None without): drawn here, handed to the server actors and trainers through Ray only."""
+    from scheduling.ps.transport.auth import new_key
+
+    if not config.cluster.tls:
+        return new_key(), None
+    from scheduling.ps.transport.tls import job_credentials
+
+    return new_key(), job_credentials(f"fxdist-{config.job.name}")
 
 
 def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> None:

@@ -45,7 +45,7 @@ RESUMABLE_KEYS = frozenset({
     "job.max_failures", "job.progress", "job.checkpoint_every", "job.run_dir", "job.allow_eager_fallback",
     "cluster.address", "cluster.rpc_timeout_s", "cluster.cpus_per_trainer", "cluster.use_gpu",
     "metrics.enabled", "metrics.host", "metrics.port", "metrics.expose", "metrics.certfile", "metrics.keyfile",
-    "metrics.client_cafile", "metrics.client_auth_required", "cluster.allow_unauthenticated",
+    "metrics.client_cafile", "metrics.client_auth_required", "cluster.allow_unauthenticated", "cluster.tls",
     "quant.enabled", "quant.calibration_batches", "quant.eval_batch_size", "data.reader_workers",
     "faults.kill_trainer_at_step", "faults.kill_server_at_step",
     "cluster.parameter_servers", "job.steps", "cluster.servers_in_trainers",

@@ -20,7 +20,7 @@ namespace ``fxdist-job-<phase>:<module path>`` of the table set; ``table`` is th
 ==================================  =========  =============================================================
 
 and ``fxdist_ps_rejected_connections_total`` (counter, + ``reason``): connections the server's ``socket`` listener
-refused (``bad_auth``, ``handshake_timeout``, ``too_many_connections``, ``bad_frame``, ``over_limit``,
+refused (``bad_auth``, ``bad_tls``, ``handshake_timeout``, ``too_many_connections``, ``bad_frame``, ``over_limit``,
 ``frame_timeout``: :mod:`scheduling.ps.transport.socket_server`), every reason exported from 0 on.
 
 Trainer side (:class:`StalenessCollector`, labels ``job``, ``phase``, ``rank``): ``fxdist_ps_staleness_steps``,

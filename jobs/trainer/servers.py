@@ -141,18 +141,19 @@ class ServerHooks:
 
 def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
                  timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS, auth_key: bytes | None = None,
-                 save_root: str | None = None, tls: dict[str, Any] | None = None) -> Any:
+                 save_root: str | None = None, tls: dict[str, Any] | None = None, transport_tls: Any = None) -> Any:
     """Start one server actor of ``cls`` (:func:`scheduling.ps.server_actor_class`, with its ``.options``) for a job: no
     server until a worker group's rank 0 has it :meth:`~scheduling.ps.transport.ray_transport.PSActor.join` (``torch_rpc``)
     or :meth:`~scheduling.ps.transport.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says;
-    ``auth_key`` (the job's key, through Ray) and ``save_root`` (the run folder) for its ``socket`` listener."""
+    ``auth_key`` (the job's key, through Ray), ``save_root`` (the run folder) and ``transport_tls`` (the job's TLS
+    credentials, or None) for its ``socket`` listener."""
     return cls.remote(name, fetch_delay_s=fetch_delay_s, num_threads=None, num_worker_threads=num_worker_threads,
                       timeout_s=timeout_s, serve_at_start=False, hooks=ServerHooks(job, name, metrics, tls),
-                      auth_key=auth_key, save_root=save_root)
+                      auth_key=auth_key, save_root=save_root, tls_credentials=transport_tls)
 
 
 def start_servers(config: Any, metrics_port: int | None, tag: str, *, auth_key: bytes | None = None,
-                  save_root: str | None = None) -> list[Any]:
+                  save_root: str | None = None, transport_tls: Any = None) -> list[Any]:
     """Create the job's ``[cluster] parameter_servers`` server actors (``PSActor``) (the launcher's job).
 
     Actor ``i`` is named ``<job>-ps<i>-<tag>``, reserves no CPU and is restarted by Ray up to
@@ -160,7 +161,8 @@ def start_servers(config: Any, metrics_port: int | None, tag: str, *, auth_key: 
     ``metrics_port + trainers + i`` of its node (None: no exporter; another free port of its node when that
     one is taken there). ``[cluster] placement`` picks its node (:func:`jobs.cluster.server_options`).
     ``auth_key``: the job's key (``scheduling.ps.transport.auth``) its ``socket`` clients must hold, handed over
-    through Ray; ``save_root``: where a ``save`` request may write (the run folder). Returns the handles (for the trainers' :class:`jobs.trainer.spec.TrainerSpec`).
+    through Ray; ``save_root``: where a ``save`` request may write (the run folder); ``transport_tls``: the job's TLS
+    credentials (``[cluster] tls``), None: plain TCP. Returns the handles (for the trainers' :class:`jobs.trainer.spec.TrainerSpec`).
     """
     from jobs.cluster import server_options
     from jobs.trainer.metrics import tls_options
@@ -174,7 +176,8 @@ def start_servers(config: Any, metrics_port: int | None, tag: str, *, auth_key: 
         actors.append(server_actor(cls.options(name=f"{config.job.name}-ps{i}-{tag}", **options), f"ps{i}",
                                    job=config.job.name, metrics=metrics, fetch_delay_s=c.server_fetch_delay_ms / 1e3,
                                    timeout_s=c.rpc_timeout_s, num_worker_threads=c.server_threads,
-                                   auth_key=auth_key, save_root=save_root, tls=tls_options(config.metrics)))
+                                   auth_key=auth_key, save_root=save_root, tls=tls_options(config.metrics),
+                                   transport_tls=transport_tls))
     return actors
 
 
@@ -244,6 +247,10 @@ class ServerGroup:
             from scheduling.ps.transport.auth import set_job_key  # clients and the servers it hosts
 
             set_job_key(spec.auth_key)
+        if getattr(spec, "transport_tls", None) is not None:   # [cluster] tls: this process's connections too
+            from scheduling.ps.transport.tls import set_job_tls
+
+            set_job_tls(spec.transport_tls)
         self.transport = c.transport
         self.num_servers = c.parameter_servers
         self.in_trainers = bool(getattr(spec, "servers_in_trainers", False))

@@ -65,7 +65,8 @@ class TrainerSpec:
     group's rendezvous binds to, None to use the node's Ray address (on a cluster); ``servers_in_trainers``: the
     launcher chose servers inside the trainers' processes (:func:`jobs.hosting.choose_hosting`; ``servers`` is empty);
     ``auth_key``: the job's key for the ``socket`` transport's handshake (``scheduling.ps.transport.auth``), drawn by
-    the launcher and handed over through Ray (kept out of the repr), None: the trainers' own.
+    the launcher and handed over through Ray (kept out of the repr), None: the trainers' own; ``transport_tls``: the
+    job's TLS credentials (``scheduling.ps.transport.tls.TLSCredentials``, ``[cluster] tls``), None: plain TCP.
     """
 
     plan: JobPlan
@@ -75,6 +76,7 @@ class TrainerSpec:
     rpc_host: str | None = None
     servers_in_trainers: bool = False
     auth_key: bytes | None = field(default=None, repr=False)
+    transport_tls: Any = field(default=None, repr=False)
 
     @property
     def config(self) -> JobConfig:

@@ -33,7 +33,8 @@ KINDS = ("lookup", "push")
 """The timed kinds of work (a push+lookup request is timed as one push and one lookup)."""
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.5)
 """Upper bounds (seconds) of the timing buckets; a last ``+Inf`` bucket is implied."""
-REJECT_REASONS = ("bad_auth", "handshake_timeout", "too_many_connections", "bad_frame", "over_limit", "frame_timeout")
+REJECT_REASONS = ("bad_auth", "bad_tls", "handshake_timeout", "too_many_connections", "bad_frame", "over_limit",
+                  "frame_timeout")
 """Why a socket server refused a connection: a wrong key (or none), no handshake in time, the connection cap, a
 malformed message, a message over the frame limits, a message stalled past the read timeout."""
 

@@ -286,3 +286,12 @@ def test_torch_rpc_on_a_cluster_needs_allow_unauthenticated():
     assert torch_rpc_error(config.cluster, on_cluster=False) is None                  # one host, loopback rendezvous
     assert torch_rpc_error(JobConfig().cluster, on_cluster=True) is None              # socket: authenticated
     assert torch_rpc_error(config.replace(cluster={"parameter_servers": 0}).cluster, on_cluster=True) is None
+
+
+def test_tls_is_off_by_default_and_needs_the_socket_transport():
+    assert JobConfig().cluster.tls is False
+    assert JobConfig().replace(cluster={"tls": True}).cluster.tls is True     # socket, the default transport
+    for transport in ("ray", "torch_rpc"):
+        with pytest.raises(ConfigError, match=rf'\[cluster\] tls = true needs transport = "socket" \(not '
+                                              rf"'{transport}'\)"):
+            JobConfig().replace(cluster={"tls": True, "transport": transport})

@@ -98,13 +98,15 @@ class PSActor(AsyncEndpoints):
         auth_key: the job key the ``socket`` transport's clients must prove they hold
             (:mod:`scheduling.ps.transport.auth`; the launcher passes the job's through Ray); None: this process's.
         save_root: the directory a ``save`` request over the socket may write under (the run's); None: refused.
+        tls_credentials: TLS around the ``socket`` listener's connections (:mod:`scheduling.ps.transport.tls`, the
+            job's authority, through Ray); None: plain TCP.
     """
 
     def __init__(self, name: str, fetch_delay_s: float = 0.0, push_delay_s: float = 0.0,
                  checkpoint: str | None = None, num_threads: int | None = 1,
                  num_worker_threads: int = DEFAULT_WORKER_THREADS, *, timeout_s: float = 20.0,
                  serve_at_start: bool = True, hooks: Any = None, auth_key: bytes | None = None,
-                 save_root: str | None = None) -> None:
+                 save_root: str | None = None, tls_credentials: Any = None) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.name, self.delays, self.timeout_s = name, (fetch_delay_s, push_delay_s), timeout_s
@@ -112,7 +114,7 @@ class PSActor(AsyncEndpoints):
         self.joined, self.groups, self.hooks = False, 0, hooks
         self.held = {"rows": 0, "bytes": 0}  # PSServer.memory() when it last left a group (what close() reports)
         self.socket: Any = None  # the socket transport's listener (reset_socket), kept across resets
-        self.auth_key, self.save_root = auth_key, save_root
+        self.auth_key, self.save_root, self.tls_credentials = auth_key, save_root, tls_credentials
         if hooks is not None:
             hooks.start()
         if not serve_at_start:
@@ -147,7 +149,7 @@ class PSActor(AsyncEndpoints):
             from .socket_server import SocketServer
 
             self.socket = SocketServer(self, host or ray.util.get_node_ip_address(), 0, auth_key=self.auth_key,
-                                       save_root=self.save_root).start()
+                                       save_root=self.save_root, tls_credentials=self.tls_credentials).start()
         return {**answer, "address": self.socket.address}
 
     def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, int]:

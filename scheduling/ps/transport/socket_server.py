@@ -33,6 +33,7 @@ import collections
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -57,6 +58,7 @@ from .socket_wire import (
     send_message,
     tune,
 )
+from .tls import TLSCredentials, job_tls, wrap_server
 
 __all__ = ["SocketServer", "SocketServers", "serve", "spawn_servers", "MAX_CONNECTIONS"]
 
@@ -132,6 +134,8 @@ class SocketServer:
         max_connections: open connections at most (:data:`MAX_CONNECTIONS`); more are refused.
         handshake_timeout_s: seconds a new connection has to authenticate (``auth.HANDSHAKE_TIMEOUT_S``).
         save_root: the directory ``save`` may write under (after ``os.path.realpath``); None: ``save`` refused.
+        tls_credentials: TLS (mutual, the job's authority: :mod:`scheduling.ps.transport.tls`) around every
+            connection; None: this process's (``tls.job_tls()``), plain TCP when it has none.
 
     Raises:
         OSError: the address cannot be bound.
@@ -141,14 +145,16 @@ class SocketServer:
     def __init__(self, endpoints: Endpoints, host: str = "127.0.0.1", port: int = 0, *,
                  auth_key: bytes | None = None, limits: FrameLimits | None = None,
                  max_connections: int = MAX_CONNECTIONS, handshake_timeout_s: float = auth.HANDSHAKE_TIMEOUT_S,
-                 save_root: str | None = None) -> None:
+                 save_root: str | None = None, tls_credentials: TLSCredentials | None = None) -> None:
         self.endpoints = endpoints
         self.key = auth.require_key(auth_key, create=True)
+        self.tls = tls_credentials if tls_credentials is not None else job_tls()
+        """TLS credentials every connection is wrapped with before the handshake (None: plain TCP)."""
         self.limits = limits if limits is not None else FrameLimits.from_env()
         self.max_connections, self.handshake_timeout_s = max_connections, handshake_timeout_s
         self.save_root = None if save_root is None else os.path.realpath(save_root)
         self.rejected: collections.Counter[str] = collections.Counter()
-        """Connections refused, per reason (``bad_auth``, ``handshake_timeout``, ``too_many_connections``,
+        """Connections refused, per reason (``bad_auth``, ``bad_tls``, ``handshake_timeout``, ``too_many_connections``,
         ``bad_frame``, ``over_limit``, ``frame_timeout``)."""
         self._warned: set[str] = set()
         self._reject_lock = threading.Lock()
@@ -205,7 +211,12 @@ class SocketServer:
         """Whether the peer proved it holds the key (else counted, logged once, and the caller closes it); then
         the connection's read and send timeouts (a message stalled past them drops the connection)."""
         try:
+            if self.tls is not None:
+                peer.sock = wrap_server(peer.sock, self.tls, self.handshake_timeout_s)
             auth.server_handshake(peer.sock, self.key, self.handshake_timeout_s)
+        except ssl.SSLError as e:   # no certificate of the job's authority, or not TLS at all
+            self._reject(host, "bad_tls", f"{type(e).__name__}: {e}")
+            return False
         except TimeoutError:
             self._reject(host, "handshake_timeout", f"no handshake within {self.handshake_timeout_s} s")
             return False

@@ -69,6 +69,7 @@ from .socket_wire import (
     send_message,
     tune,
 )
+from .tls import job_tls, wrap_client
 
 __all__ = ["SocketTransport", "WIRE_METHODS", "register_servers", "unregister_servers", "is_socket_server",
            "parse_address", "route_locally", "send_thread", "BACKGROUND_METHODS", "LENT_METHODS",
@@ -192,6 +193,9 @@ class _Connection:
         try:
             self.sock.settimeout(timeout_s)
             self.sock.connect(parse_address(address))
+            creds = job_tls()
+            if creds is not None:   # TLS first: the handshake and every message inside it
+                self.sock = wrap_client(self.sock, creds, min(timeout_s, auth.HANDSHAKE_TIMEOUT_S))
             auth.client_handshake(self.sock, key, min(timeout_s, auth.HANDSHAKE_TIMEOUT_S), address)
         except OSError as e:
             self.sock.close()

@@ -28,7 +28,8 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 
-__all__ = ["TLSCredentials", "job_credentials", "server_context", "client_context", "wrap_server", "wrap_client"]
+__all__ = ["TLSCredentials", "job_credentials", "server_context", "client_context", "wrap_server", "wrap_client",
+           "set_job_tls", "job_tls"]
 
 VALID_DAYS = 30
 """How long a job's certificates are valid (a job longer than this needs new credentials)."""
@@ -85,6 +86,31 @@ def job_credentials(common_name: str = "fxdist-job") -> TLSCredentials:
         key_pem=key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
+_JOB_TLS: TLSCredentials | None = None
+_CONTEXTS: dict[tuple[int, bool], ssl.SSLContext] = {}
+
+
+def set_job_tls(creds: TLSCredentials | None) -> None:
+    """Make ``creds`` this process's TLS credentials (None: no TLS): the socket servers it starts afterwards and
+    its clients' new connections use them. A job's trainers get them from the launcher, through Ray."""
+    global _JOB_TLS
+    _JOB_TLS = creds
+
+
+def job_tls() -> TLSCredentials | None:
+    """This process's TLS credentials (:func:`set_job_tls`), or None when its connections are plain TCP."""
+    return _JOB_TLS
+
+
+def _cached(creds: TLSCredentials, server: bool) -> ssl.SSLContext:
+    """One context per credentials and side (building one writes and reads its key: not per connection)."""
+    key = (id(creds), server)
+    ctx = _CONTEXTS.get(key)
+    if ctx is None:
+        ctx = _CONTEXTS[key] = server_context(creds) if server else client_context(creds)
+    return ctx
+
+
 def _context(purpose: ssl.Purpose, creds: TLSCredentials) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if purpose is ssl.Purpose.CLIENT_AUTH else ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -120,25 +146,28 @@ def client_context(creds: TLSCredentials) -> ssl.SSLContext:
     return _context(ssl.Purpose.SERVER_AUTH, creds)
 
 
-def wrap_server(sock: object, ctx: ssl.SSLContext, timeout_s: float) -> ssl.SSLSocket:
-    """``sock`` (an accepted ``socket.socket``) wrapped and its TLS handshake done within ``timeout_s``;
+def wrap_server(sock: object, ctx: ssl.SSLContext | TLSCredentials, timeout_s: float) -> ssl.SSLSocket:
+    """``sock`` (an accepted ``socket.socket``) wrapped with ``ctx`` (a context, or credentials whose server
+    context is built once and kept) and its TLS handshake done within ``timeout_s``;
     the socket is left blocking, with no timeout, as the transport's reader threads expect.
 
     Raises:
         ssl.SSLError: the peer's certificate is not the job's, or the handshake failed;
         OSError: the connection failed or timed out (``TimeoutError``).
     """
-    return _wrap(ctx, sock, timeout_s, server_side=True)
+    return _wrap(ctx if isinstance(ctx, ssl.SSLContext) else _cached(ctx, True), sock, timeout_s, server_side=True)
 
 
-def wrap_client(sock: object, ctx: ssl.SSLContext, timeout_s: float) -> ssl.SSLSocket:
-    """``sock`` (a connected ``socket.socket``) wrapped as a TLS client, handshake done within ``timeout_s``.
+def wrap_client(sock: object, ctx: ssl.SSLContext | TLSCredentials, timeout_s: float) -> ssl.SSLSocket:
+    """``sock`` (a connected ``socket.socket``) wrapped as a TLS client with ``ctx`` (a context, or credentials),
+    handshake done within ``timeout_s``.
 
     Raises:
         ssl.SSLError: the server's certificate is not the job's, or the handshake failed;
         OSError: the connection failed or timed out (``TimeoutError``).
     """
-    return _wrap(ctx, sock, timeout_s, server_side=False)
+    return _wrap(ctx if isinstance(ctx, ssl.SSLContext) else _cached(ctx, False), sock, timeout_s,
+                 server_side=False)
 
 
 def _wrap(ctx: ssl.SSLContext, sock: object, timeout_s: float, *, server_side: bool) -> ssl.SSLSocket:

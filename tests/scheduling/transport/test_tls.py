@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 
 import pytest
 import torch
@@ -78,3 +79,34 @@ def test_the_authority_key_is_not_kept() -> None:
     leaf = x509.load_pem_x509_certificate(creds.cert_pem)
     assert leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
     assert x509.load_pem_x509_certificate(creds.ca_pem).subject != leaf.subject
+
+
+def test_a_parameter_server_over_tls_answers_a_tls_client_and_refuses_a_plain_one(monkeypatch) -> None:
+    """A SocketServer with the job's credentials: a client process holding them trains through TLS; one without
+    (plain TCP, the right key) is refused and counted as ``bad_tls``; the wire inside is the same."""
+    from scheduling.ps import PSClient
+    from scheduling.ps.endpoints import ServerEndpoints
+    from scheduling.ps.server import PSServer
+    from scheduling.ps.transport.socket_server import SocketServer
+
+    from ..test_ps import _kjt, _tables
+    from ._peers import raw_client
+
+    creds = tls.job_credentials()
+    server = SocketServer(ServerEndpoints(PSServer("tls0")), tls_credentials=creds, handshake_timeout_s=2.0).start()
+    try:
+        monkeypatch.setattr(tls, "_JOB_TLS", creds)
+        client = PSClient(_tables(), [server.address], transport="socket", name="tls_client", seed=3)
+        assert client.lookup(0, _kjt()).shape == (2, 10)
+        assert not +server.rejected
+        with pytest.raises(OSError):   # plain TCP, the right key: the server waits for TLS, the client for a greeting
+            raw_client(server.address, server.key, timeout_s=3.0)
+        host, _, port = server.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=3.0) as plain:   # a plain request, no TLS
+            plain.sendall(HEADER.pack(REQUEST, 0, 0, 4, 1) + b"meta")
+            deadline = time.monotonic() + 5
+            while sum(server.rejected.values()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert server.rejected == {"handshake_timeout": 1, "bad_tls": 1}
+    finally:
+        server.close()
