@@ -49,8 +49,8 @@ from typing import Any, cast
 import numpy
 import torch
 
-__all__ = ["Arena", "Ring", "FdChannel", "send_fd", "hand_over", "arena_bytes", "block_bytes", "ALIGN", "MIN_MESSAGE_BYTES",
-           "DEFAULT_BYTES", "MEMFD_NAME", "TOKEN_BYTES", "HANDOVER_TIMEOUT_S"]
+__all__ = ["fresh_bytes", "Arena", "Ring", "FdChannel", "send_fd", "hand_over", "arena_bytes", "block_bytes", "ALIGN",
+           "MIN_MESSAGE_BYTES", "DEFAULT_BYTES", "MEMFD_NAME", "TOKEN_BYTES", "HANDOVER_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,16 @@ class Ring:
         """The blocks not freed, ``(first byte, end)``, oldest first."""
         with self._lock:
             return [(b[0], b[1]) for b in self._blocks if not b[2]]
+
+
+def fresh_bytes(n: int) -> torch.Tensor:
+    """``n`` uninitialised bytes as a uint8 tensor over memory torch cannot resize (numpy's): a message applying
+    torch's legacy ``Tensor.__setstate__`` (``set_`` with any size) to a tensor over it cannot grow it
+    (:mod:`scheduling.ps.transport.safe_pickle`). An empty one is given stride 1 (``view`` to another dtype needs
+    it; numpy gives 0) over an empty storage: a slice of a 1-byte one would not save (``torch.save`` checks that a
+    storage's size is its tensors')."""
+    t = torch.from_numpy(numpy.empty(n, numpy.uint8))
+    return t if n else t.as_strided((0,), (1,))
 
 
 class Arena:
@@ -242,7 +252,7 @@ class Arena:
         for at, n in zip(offsets, lengths):
             if at < ALIGN or at + n > self.size:
                 raise ValueError(f"shared-memory buffer [{at}, {at + n}) outside the arena of {self.size} bytes")
-            t = torch.empty(n, dtype=torch.uint8)
+            t = fresh_bytes(n)
             if n:
                 memoryview(cast(Any, t.numpy()))[:] = self.view[at:at + n]
             out.append(t)

@@ -38,12 +38,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
-import numpy
 import torch
 
 from .safe_pickle import allow, checked_rebuild
 from .safe_pickle import loads as safe_loads
-from .shm_arena import block_bytes
+from .shm_arena import block_bytes, fresh_bytes
 
 __all__ = ["REQUEST", "ANSWER", "ERROR", "SHM_DATA", "SHM_REPLY", "HEADER", "SOCKET_BUFFER_BYTES", "tune", "dumps",
            "send_message", "recv_frame", "recv_message", "Frame", "Undecodable", "FrameLimits", "FrameRejected",
@@ -268,14 +267,6 @@ def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
             views[i] = views[i][n:]
 
 
-def _fresh(n: int) -> torch.Tensor:
-    """``n`` uninitialised bytes as a uint8 tensor over memory torch cannot resize (numpy's): a message applying
-    torch's legacy ``Tensor.__setstate__`` (``set_`` with any size) to a tensor over it cannot grow it
-    (:mod:`scheduling.ps.transport.safe_pickle`). An empty one is a slice (stride 1, as ``view`` needs)."""
-    t = torch.from_numpy(numpy.empty(n or 1, numpy.uint8))
-    return t if n else t[:0]
-
-
 class Frame(NamedTuple):
     """One received message: its kind (:data:`REQUEST`, :data:`ANSWER`, :data:`ERROR`), method number, request id,
     the unpickled object (or :class:`Undecodable`), the ``(offset, capacity)`` of the arena block a request's
@@ -334,7 +325,7 @@ def recv_frame(sock: socket.socket, header: bytearray, arena: Any = None,
                 arena.ring.free(block)
             value, buffers = Undecodable(str(e)), []
     else:
-        buffers = [_fresh(n) for n in lengths]
+        buffers = [fresh_bytes(n) for n in lengths]
         _recv_all(sock, [memoryview(cast(Any, b.numpy())) for b, n in zip(buffers, lengths) if n])
     if value is None:
         try:

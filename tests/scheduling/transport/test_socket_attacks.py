@@ -115,7 +115,7 @@ def test_a_header_declaring_gigabytes_allocates_nothing(server, monkeypatch, cou
     import psutil
 
     sizes: list[int] = []
-    real_fresh = socket_wire._fresh
+    real_fresh = socket_wire.fresh_bytes
 
     def fresh(n: int) -> torch.Tensor:
         sizes.append(n)
@@ -125,7 +125,7 @@ def test_a_header_declaring_gigabytes_allocates_nothing(server, monkeypatch, cou
         sizes.append(n)
         return bytearray(min(n, 1 << 20))
 
-    monkeypatch.setattr(socket_wire, "_fresh", fresh)
+    monkeypatch.setattr(socket_wire, "fresh_bytes", fresh)
     monkeypatch.setattr(socket_wire, "bytearray", counted, raising=False)
     rss = psutil.Process().memory_info().rss
     sock = raw_client(server.address, auth.require_key())

@@ -175,6 +175,30 @@ def test_a_message_of_more_buffers_than_one_scatter_read_takes_arrives_whole():
         b.close()
 
 
+def test_an_empty_tensor_received_saves_and_loads_like_one_never_sent():
+    """A received empty tensor owns an empty storage: ``torch.save`` (a checkpoint of a server state holding one,
+    e.g. a dynamic table's empty eviction list) refuses a tensor whose storage is larger than its data."""
+    import io
+
+    from scheduling.ps.transport.socket_transport import ANSWER, recv_message, send_message
+
+    value = {"empty": torch.empty(0, 4), "ids": torch.empty(0, dtype=torch.int64), "rows": torch.ones(2, 4)}
+    a, b = socket.socketpair()
+    try:
+        send_message(a, ANSWER, 1, 2, *dumps(value))
+        got = recv_message(b, bytearray(16))[3]
+    finally:
+        a.close()
+        b.close()
+    assert got["empty"].shape == (0, 4) and got["ids"].dtype == torch.int64
+    assert got["empty"].untyped_storage().nbytes() == 0
+    out = io.BytesIO()
+    torch.save(got, out)
+    out.seek(0)
+    back = torch.load(out, weights_only=True)
+    assert back["empty"].shape == (0, 4) and torch.equal(back["rows"], value["rows"])
+
+
 def test_server_exceptions_are_raised_as_themselves_and_the_connection_goes_on(server):
     client = PSClient(_tables(), [server.address], transport="socket", name="errors")
     try:
