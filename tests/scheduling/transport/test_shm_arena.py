@@ -20,7 +20,6 @@ import io
 import os
 import pickle
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -382,17 +381,14 @@ def test_a_server_slow_to_map_the_arena_holds_up_no_request(monkeypatch):
     """The connection asks the server to map its arena without waiting: against a server that accepts and never
     answers, the first request is sent at once (the attach still pending), and once the attach's own time is up
     the arena is closed (no descriptor, no mapping left) and the connection stays inline."""
-    import threading
-
     from scheduling.ps.transport import socket_transport
+
+    from ._peers import silent_server
 
     monkeypatch.delenv("FXDIST_SOCKET_SHM_BYTES", raising=False)
     monkeypatch.setattr(socket_transport, "ATTACH_TIMEOUT_S", 0.2)
     before = _arena_handles()
-    with socket.create_server(("127.0.0.1", 0)) as silent:
-        address = f"127.0.0.1:{silent.getsockname()[1]}"
-        held: list = []
-        threading.Thread(target=lambda: held.append(silent.accept()), daemon=True).start()
+    with silent_server() as address:   # authenticates, then never answers
         future = SocketTransport([address]).call_async(0, "stats", (), 30.0)
         conn = _CONNECTIONS[address]
         assert conn.attached is not None and not conn.attached.done()   # the request did not wait for it
