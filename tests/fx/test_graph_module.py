@@ -21,6 +21,7 @@ from torch import nn
 
 import fxdist as fx
 from fxdist.graph_module import GraphModule
+from tests._planted import Planted
 
 
 class Net(nn.Module):
@@ -212,20 +213,6 @@ def test_to_folder_is_importable_and_computes_the_same(net: Net, tmp_path: Path,
         gm.to_folder(tmp_path / "other", "not valid")
 
 
-def _write_marker(path: str) -> None:
-    Path(path).write_text("code ran")
-
-
-class _Planted:
-    """Pickles as a call of :func:`_write_marker`: unpickling it with ``weights_only=False`` writes the marker."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (_write_marker, (str(self.marker),))
-
-
 class _Local(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + 1
@@ -242,11 +229,11 @@ def test_to_folder_loads_its_files_weights_only(net: Net, tmp_path: Path, monkey
     assert "importlib.import_module('torch.nn.modules.linear').Linear," in source
     marker = tmp_path / "marker"
     child = next((tmp_path / "fxdist_planted_net").glob("000_*.pt"))
-    torch.save({"weight": torch.zeros(2), "hook": _Planted(marker)}, child)
+    torch.save({"weight": torch.zeros(2), "hook": Planted(marker)}, child)
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         module = importlib.import_module("fxdist_planted_net")
-        refused = rf"(?s){child.name}: not loaded: .*GLOBAL tests\.fx\.test_graph_module\._write_marker"
+        refused = rf"(?s){child.name}: not loaded: .*GLOBAL tests\._planted\.write_marker"
         with pytest.raises(pickle.UnpicklingError, match=refused):
             module.PlantedNet()
     finally:

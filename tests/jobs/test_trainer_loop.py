@@ -21,6 +21,7 @@ from jobs.trainer.pipeline import run_phase
 from jobs.trainer.workload import CriteoWorkload, LocalTables, build_model
 from recsys.criteo_shard import CriteoShard
 from recsys.criteo_synth import write_synthetic_criteo
+from tests._planted import Planted
 
 CONFIG = JobConfig().replace(job={"steps": 12, "batch_size": 32}, model={"table_size": 300, "bottom_mlp": [16],
                                                                           "top_mlp": [16]}, phases={"passes": ["dce"]})
@@ -192,20 +193,6 @@ def test_no_rank_leaves_a_checkpoint_before_rank_0_has_saved_it(tmp_path):
     assert float((tmp_path / "returned1").read_text()) >= done
 
 
-def _write_marker(path: str) -> None:
-    Path(path).write_text("code ran")
-
-
-class _Planted:
-    """Pickles as a call of :func:`_write_marker`: a full unpickle (``weights_only=False``) writes the marker."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (_write_marker, (str(self.marker),))
-
-
 def _restored_from(folder: Path, monkeypatch) -> dict | None:
     """What the trainers' resume path (Ray Train's ``get_checkpoint()``, as ``fxdist launch --resume DIR`` restores
     it from ``DIR/ray``) reads from the checkpoint folder ``folder``."""
@@ -249,10 +236,10 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, monkeypatch):
     folder, marker = tmp_path / "checkpoint_000001", tmp_path / "marker"
     folder.mkdir()
     torch.save({"step": 4, "final": False, "models": {}, "tables": {}, "optim": {},
-                "eval": {"baseline": {"hook": _Planted(marker)}}}, folder / "state.pt")
+                "eval": {"baseline": {"hook": Planted(marker)}}}, folder / "state.pt")
     with pytest.raises(CheckpointRefused) as refused:
         _restored_from(folder, monkeypatch)
-    assert refused.value.types == [f"{__name__}._write_marker"]
-    assert str(refused.value).startswith(f"{folder / 'state.pt'}: checkpoint not loaded: it holds {__name__}._write_marker")
+    assert refused.value.types == ["tests._planted.write_marker"]
+    assert str(refused.value).startswith(f"{folder / 'state.pt'}: checkpoint not loaded: it holds tests._planted.write_marker")
     assert not marker.exists()
     assert _deterministic_errors()[CheckpointRefused] == "job"

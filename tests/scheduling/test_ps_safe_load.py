@@ -15,23 +15,10 @@ from scheduling.ps.dynamic import DynamicSpec
 from scheduling.ps.safe_load import SAFE_GLOBALS, CheckpointRefused, safe_load
 from scheduling.ps.server import PSServer
 from scheduling.ps.shard_plan import TableSpec, plan_shards
+from tests._planted import Planted
 
 TABLES = [TableSpec("a", 10, 4, ("fa",)), TableSpec("b", 6, 2, ("fb",), pooling="mean"),
           TableSpec("d", 40, 4, ("fd",), dynamic=DynamicSpec(40, 1, 5))]
-
-
-def _write_marker(path: str) -> None:
-    Path(path).write_text("code ran")
-
-
-class Planted:
-    """Pickles as a call of :func:`_write_marker`: a full unpickle writes the marker file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (_write_marker, (str(self.marker),))
 
 
 def _saved_server(tmp_path: Path, storage: str = "fp32", seed: int = 1) -> tuple[PSServer, str]:
@@ -67,9 +54,9 @@ def test_a_checkpoint_that_would_run_code_is_refused_naming_file_and_type(tmp_pa
     torch.save(state, path)
     with pytest.raises(CheckpointRefused) as refused:
         safe_load(path)
-    assert refused.value.path == path and refused.value.types == [f"{__name__}._write_marker"]
+    assert refused.value.path == path and refused.value.types == ["tests._planted.write_marker"]
     message = str(refused.value)
-    assert f"{path}: checkpoint not loaded: it holds {__name__}._write_marker" in message
+    assert f"{path}: checkpoint not loaded: it holds tests._planted.write_marker" in message
     assert "weights_only=True" in message and "Please use" not in message  # no advice to allow it
     assert isinstance(refused.value, pickle.UnpicklingError) and not marker.exists()
 
@@ -79,9 +66,9 @@ def test_a_bare_pickle_is_refused_naming_what_it_calls(tmp_path):
     """Not torch's zip format (torch says only "Unsupported operand"): the names come from the pickle's opcodes."""
     path, marker = tmp_path / "state.pt", tmp_path / "marker"
     path.write_bytes(pickle.dumps({"x": Planted(marker)}, protocol=4))
-    with pytest.raises(CheckpointRefused, match=rf"it holds {__name__}\._write_marker") as refused:
+    with pytest.raises(CheckpointRefused, match=r"it holds tests\._planted\.write_marker") as refused:
         safe_load(path)
-    assert refused.value.types == [f"{__name__}._write_marker"] and not marker.exists()
+    assert refused.value.types == ["tests._planted.write_marker"] and not marker.exists()
 
 
 def test_every_server_entry_point_refuses_it(tmp_path):
@@ -98,7 +85,7 @@ def test_every_server_entry_point_refuses_it(tmp_path):
              lambda: serve_in_trainer("trainer0", checkpoint=str(path)),
              lambda: serve("ps0", "127.0.0.1", 0, checkpoint=str(path), block=False)]
     for call in calls:
-        with pytest.raises(CheckpointRefused, match=r"_write_marker"):
+        with pytest.raises(CheckpointRefused, match=r"write_marker"):
             call()
     stop_serving()
     assert not marker.exists()
