@@ -70,6 +70,7 @@ import torch
 from torch import nn
 
 from jobs.config import ConfigError, JobConfig
+from jobs.records import Quality
 
 __all__ = ["DataContext", "resolve", "split_batch", "move_batch", "batch_rows", "make_model", "data_context",
            "epoch_batches", "endless", "loss_fn", "train_step_fn", "quality", "binary_score", "BUILTIN_LOSSES"]
@@ -344,7 +345,7 @@ def loss_fn(config: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.T
     return fn
 
 
-def quality(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor]) -> dict[str, Any]:
+def quality(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor]) -> Quality:
     """Held-out quality of the outputs of every eval batch: AUC / log loss ("bce_with_logits"), RMSE with its
     standard error ("mse", :func:`jobs.stats.regression_metrics`), else the mean loss over batches with its
     standard error (``eval_loss``, ``eval_loss_se``) and, when every label is 0 or 1, the AUC and log loss of
@@ -373,7 +374,7 @@ def user_metric(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor
     return {k: float(v) for k, v in value.items()}
 
 
-def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor]) -> dict[str, Any]:
+def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.Tensor]) -> Quality:
     from jobs.stats import binary_metrics, regression_metrics
 
     name = config.train.loss
@@ -386,14 +387,15 @@ def _builtin_quality(config: JobConfig, outputs: list[Any], labels: list[torch.T
     sizes = torch.tensor([t.shape[0] for t in labels], dtype=torch.float64)
     mean = float((values * sizes).sum() / sizes.sum())
     se = float(values.std() / math.sqrt(len(values))) if len(values) > 1 else float("nan")
-    out: dict[str, Any] = {"eval_loss": mean, "eval_loss_se": se, "rows": int(sizes.sum())}
+    out: Quality = {"eval_loss": mean, "eval_loss_se": se, "rows": int(sizes.sum())}
     if bool(((y == 0) | (y == 1)).all()):  # binary labels: the AUC of the model's score, whatever its loss
         scores, where = binary_score(outputs, labels)
         if scores is None:
             out["score_note"] = f"no AUC: {where}"
         else:
             p = scores if bool(((scores >= 0) & (scores <= 1)).all()) else torch.sigmoid(scores)
-            out.update(binary_metrics(p, y), score=where)
+            out.update(binary_metrics(p, y))
+            out["score"] = where
     return out
 
 

@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.records import HostingRecord
+
 __all__ = ["AUTO", "Hosting", "cpus_needed", "needs_separate", "in_trainer_errors", "choose_hosting", "job_cpus"]
 
 AUTO = "auto"
@@ -55,7 +57,7 @@ class Hosting:
     reason: str
     cpus: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> HostingRecord:
         """results.json's ``servers_in_trainers``: ``{"chosen", "setting", "reason", "cpus"}``."""
         return {"chosen": self.in_trainers, "setting": self.setting, "reason": self.reason, "cpus": self.cpus}
 

@@ -20,7 +20,28 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
+
+from jobs.records import (
+    CheckpointRecord,
+    DataRecord,
+    Gain,
+    HostingRecord,
+    LauncherRecord,
+    LayerRecord,
+    ModelQuality,
+    NodeLost,
+    OptimizeRecord,
+    Parity,
+    ProcessStats,
+    Quality,
+    ReaderSummary,
+    Reshard,
+    ServerJoin,
+    TablePlace,
+    TableSizes,
+    Where,
+)
 
 __all__ = ["ABSENT", "Absent", "ResultsError", "PhaseResult", "InferenceResult", "JobResults", "strict_json"]
 
@@ -70,7 +91,7 @@ def strict_json(value: Any) -> Any:
 class _Result:
     """The shared ``to_json`` / ``from_json`` of the results dataclasses (fields without a default are required)."""
 
-    _nested: ClassVar[dict[str, Any]] = {}
+    _nested: ClassVar[dict[str, Callable[[Any, str], Any]]] = {}
     """Field name -> how a JSON value of it is read (a ``from_json``), for nested results."""
 
     def to_json(self) -> dict[str, Any]:
@@ -150,16 +171,16 @@ class PhaseResult(_Result):
     """[(seconds since the phase started, samples/s of the job)] over sliding windows of rank 0's steps."""
     loss_series: list[float] | Absent = ABSENT
     """Rank 0's training loss per step."""
-    quality: dict[str, Any] | None | Absent = ABSENT
+    quality: Quality | None | Absent = ABSENT
     """Held-out quality of the model after ``quality_step``: ``auc``, ``log_loss``, ``rows``, ``positives`` (or
     ``rmse``/``mae``, ``eval_loss``; a user's ``metric`` dict), :func:`jobs.entry.quality`."""
     quality_step: int | Absent = ABSENT
     """The step whose model ``quality`` measures (``[job] eval_epochs`` passes over a trainer's shard), steps."""
     quality_epochs: float | Absent = ABSENT
     """Passes over a trainer's shard at ``quality_step``, epochs."""
-    quality_end: dict[str, Any] | None | Absent = ABSENT
+    quality_end: Quality | None | Absent = ABSENT
     """The same metrics as ``quality`` for the model at the phase end."""
-    optimize: dict[str, Any] | None | Absent = ABSENT
+    optimize: OptimizeRecord | None | Absent = ABSENT
     """What ``fxdist.optimize`` did: ``passes`` run (name, nodes added / erased), ``fallback``, ``placement``;
     ``prefetch``: per lookup ``prefetched``, ``reason``, ``where`` (:func:`jobs.trainer.lookups.optimize_record`)."""
     resumed_from_step: int | Absent = ABSENT
@@ -168,7 +189,7 @@ class PhaseResult(_Result):
     """Passes over a trainer's shard in the whole phase, epochs."""
     block_seconds: list[list[float]] | Absent = ABSENT
     """Per trainer, the seconds of each interleaved block (:func:`jobs.stats.interleaved_gain`), seconds."""
-    reader: dict[str, Any] | None | Absent = ABSENT
+    reader: ReaderSummary | None | Absent = ABSENT
     """The trainers' reader statistics (lines/s; :func:`jobs.trainer.phases.reader_summary`), None without a stream."""
     dynamic_tables: dict[str, dict[str, int]] | Absent = ABSENT
     """Dynamic tables (``[model] table_sizes = "dynamic"``) at the end of the phase's training: per table (``t_C1``
@@ -192,7 +213,7 @@ class InferenceResult(_Result):
     """Layers run in int8, modules."""
     isa: str | None | Absent = ABSENT
     """The CPU's int8 instruction set as FBGEMM sees it (e.g. ``avx512_vnni``)."""
-    layers: list[dict[str, Any]] | None | Absent = ABSENT
+    layers: list[LayerRecord] | None | Absent = ABSENT
     """Per layer (by module path): ``target``, ``fp32_us`` / ``int8_us`` µs per call, ``chosen``..."""
     kept_fp32: bool | Absent = ABSENT
     """No layer (or not the whole int8 model) was faster: the int8 row repeats the fp32 model."""
@@ -204,7 +225,7 @@ class InferenceResult(_Result):
     """``quant.select_int8``'s report, text."""
     output_max_abs_diff: float | None | Absent = ABSENT
     """Largest ``|int8 - fp32|`` over every floating output leaf of every held-out batch."""
-    int8_measured: dict[str, Any] | Absent = ABSENT
+    int8_measured: ModelQuality | Absent = ABSENT
     """The int8 model's ``qps`` (rows/s) and quality when it was measured but not kept."""
     rows: int | Absent = ABSENT
     """Held-out rows scored, rows."""
@@ -212,9 +233,9 @@ class InferenceResult(_Result):
     """Rows per inference batch."""
     threads: int | Absent = ABSENT
     """CPU threads of the measurement."""
-    fp32: dict[str, Any] | Absent = ABSENT
+    fp32: ModelQuality | Absent = ABSENT
     """``qps`` (rows/s) and the quality metrics (``auc``, ``log_loss``...) of the fp32 model."""
-    int8: dict[str, Any] | Absent = ABSENT
+    int8: ModelQuality | Absent = ABSENT
     """The same for the model chosen (a copy of ``fp32`` when ``kept_fp32``)."""
     speedup: float | None | Absent = ABSENT
     """int8 / fp32 inference QPS (x); exactly 1.0 when fp32 is kept."""
@@ -245,51 +266,51 @@ class JobResults(_Result):
     """Where the config came from (a file, or the defaults)."""
     run_dir: str | Absent = ABSENT
     """The run folder."""
-    launcher: dict[str, Any] | Absent = ABSENT
+    launcher: LauncherRecord | Absent = ABSENT
     """``pid`` and ``host`` of the launcher while running (to refuse ``--resume`` of a live run)."""
     resumes: int | Absent = ABSENT
     """Times the run was continued with ``--resume``."""
-    data: dict[str, Any] | Absent = ABSENT
+    data: DataRecord | Absent = ABSENT
     """``path``, ``note``, ``scan`` (the first pass: lines, files, lines/s), ``parse`` (valid / malformed lines)."""
-    tables: dict[str, Any] | Absent = ABSENT
+    tables: TableSizes | Absent = ABSENT
     """Embedding table ``sizes`` (rows) and the cardinalities they came from."""
     restarts: int | Absent = ABSENT
     """Worker-group restarts from a checkpoint (:func:`jobs.launcher.state.restart_count`)."""
     faults_fired: list[str] | Absent = ABSENT
     """Injected faults that fired (``[faults]``)."""
-    checkpoints: list[dict[str, Any]] | Absent = ABSENT
+    checkpoints: list[CheckpointRecord] | Absent = ABSENT
     """Checkpoints written: ``phase``, ``step``, ``model`` / ``tables`` digests."""
-    restores: list[dict[str, Any]] | Absent = ABSENT
+    restores: list[CheckpointRecord] | Absent = ABSENT
     """Checkpoints loaded by a restarted worker group (same keys)."""
     timeline: list[list[Any]] | Absent = ABSENT
     """[(seconds since the job started, event)]."""
     starts: list[list[Any]] | Absent = ABSENT
     """[(phase, step)] of every phase start (restarts included)."""
-    server_joins: list[Any] | Absent = ABSENT
+    server_joins: list[list[ServerJoin]] | Absent = ABSENT
     """Per worker group, the servers it readied: ``pid``, ``group`` (joins and resets so far), and over the
     ``socket`` transport ``address`` (the ``host:port`` it serves on)."""
-    placement: dict[str, Any] | Absent = ABSENT
+    placement: dict[str, Where] | Absent = ABSENT
     """``trainer<r>`` / ``ps<i>`` -> ``node_id``, ``address``, ``hostname``, ``pid``, ``metrics``
     (:func:`jobs.cluster.where`); a server inside a trainer's process also ``in`` (``trainer<i>``)."""
-    table_layout: dict[str, Any] | Absent = ABSENT
+    table_layout: dict[str, dict[str, TablePlace]] | Absent = ABSENT
     """Phase -> ``"<path>"`` -> where its parameter-server table is: ``servers``, ``table``, ``module``, ``rows``,
     ``dim``, ``dynamic`` (:func:`scheduling.placement.restore.table_layout`)."""
-    reshards: list[dict[str, Any]] | Absent = ABSENT
+    reshards: list[Reshard] | Absent = ABSENT
     """Per ``--resume`` that changed ``[cluster] parameter_servers``: ``from_servers``, ``to_servers`` and, per phase,
     each table's servers ``before`` and ``after`` (:func:`jobs.launcher.plan.reshard_plan`)."""
-    servers_in_trainers: dict[str, Any] | Absent = ABSENT
+    servers_in_trainers: HostingRecord | Absent = ABSENT
     """Where the parameter servers ran (:meth:`jobs.hosting.Hosting.to_json`): ``chosen`` (in the trainers'
     processes), ``setting`` (``[cluster] servers_in_trainers``), ``reason``, ``cpus`` (the job's, for "auto")."""
-    nodes_lost: list[dict[str, Any]] | Absent = ABSENT
+    nodes_lost: list[NodeLost] | Absent = ABSENT
     """Nodes that died during the job: ``node_id``, ``address``, ``ran``."""
-    processes: dict[str, Any] | Absent = ABSENT
+    processes: dict[str, ProcessStats] | Absent = ABSENT
     """``trainer<r>`` / ``ps<i>`` / ``launcher`` -> ``pid``, ``peak_rss_bytes`` (bytes); a server's also
     ``rows`` and ``bytes`` held."""
     train_seconds: float | Absent = ABSENT
     """Wall time of the TorchTrainer's fit, seconds."""
-    gain: dict[str, Any] | Absent = ABSENT
+    gain: Gain | Absent = ABSENT
     """The interleaved-block QPS gain, % (:func:`jobs.stats.interleaved_gain`)."""
-    parity: dict[str, Any] | Absent = ABSENT
+    parity: Parity | Absent = ABSENT
     """:func:`jobs.stats.parity_check` plus ``mode`` and ``passes``; with ``[phases] max_staleness``,
     :func:`jobs.staleness.staleness_parity` (``rule`` = "quality_tolerance", ``exact``, ``stale``, ``abs_diff``,
     ``tolerance``, ``max_staleness``, ``ok``) plus the same two."""

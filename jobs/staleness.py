@@ -34,6 +34,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from jobs.records import Parity
+
 __all__ = ["PREFETCH_PASS", "RULE", "optimized_passes", "staleness_errors", "staleness_parity", "parity_line",
            "parity_problem"]
 
@@ -84,7 +86,7 @@ def staleness_errors(config: Any) -> list[str]:
     return errors
 
 
-def staleness_parity(baseline: Any, optimized: Any, *, max_staleness: int, tolerance: float) -> dict[str, Any]:
+def staleness_parity(baseline: Any, optimized: Any, *, max_staleness: int, tolerance: float) -> Parity:
     """Parity of a stale optimized phase: its held-out metric within ``tolerance`` of the exact baseline's.
 
     Args:
@@ -125,7 +127,7 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def parity_line(parity: dict[str, Any], verdict: str) -> str:
+def parity_line(parity: Parity, verdict: str) -> str:
     """The results table's parity line for a staleness record (``verdict``: "OK", "FAILED" or "WARNING").
 
     >>> parity_line({"metric": "auc", "stale": 0.7561, "exact": 0.7565, "abs_diff": 0.0004, "tolerance": 0.002,
@@ -139,14 +141,14 @@ def parity_line(parity: dict[str, Any], verdict: str) -> str:
             f"difference {_fmt(parity.get('max_step_loss_diff'), '.2e')} (stale lookups)")
 
 
-def _quality(parity: dict[str, Any]) -> str:
+def _quality(parity: Parity) -> str:
     label = _LABELS.get(parity.get("metric", "auc"), parity.get("metric", "auc"))
     return (f"{label} {_fmt(parity.get('stale'), '.4f')} vs exact {_fmt(parity.get('exact'), '.4f')} "
             f"(|diff| {_fmt(parity.get('abs_diff'), '.4f')} {'<=' if parity.get('ok') else '>'} "
             f"{_fmt(parity.get('tolerance'), 'g')}, max_staleness={parity.get('max_staleness')})")
 
 
-def parity_problem(parity: dict[str, Any]) -> str:
+def parity_problem(parity: Parity) -> str:
     """What a failed staleness parity check found, in words (for the job's error message).
 
     >>> parity_problem({"metric": "rmse", "stale": 0.99, "exact": 0.95, "abs_diff": 0.04, "tolerance": 0.002,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from jobs.records import Gain, MedianInterval, Parity, Quality, Within
 from jobs.results import PhaseResult
 
 __all__ = ["auc", "auc_standard_error", "log_loss", "binary_metrics", "regression_metrics", "percentile", "phase_summary", "qps_series",
@@ -59,13 +60,13 @@ def auc_standard_error(value: float, positives: int, negatives: int) -> float:
     return math.sqrt(max(var, 0.0) / (positives * negatives))
 
 
-def binary_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+def binary_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> Quality:
     """``{"auc", "log_loss", "rows", "positives"}`` of click probabilities against labels."""
     return {"auc": auc(probabilities, labels), "log_loss": log_loss(probabilities, labels),
             "rows": int(labels.numel()), "positives": int((labels.flatten() > 0.5).sum())}
 
 
-def regression_metrics(predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+def regression_metrics(predictions: torch.Tensor, targets: torch.Tensor) -> Quality:
     """``{"rmse", "rmse_se", "mae", "rows"}`` of predictions against targets (e.g. ratings).
 
     ``rmse_se`` is the standard error of the RMSE over resamplings of the rows, by the delta method: with the
@@ -161,7 +162,7 @@ def gain_percent(baseline: float, optimized: float) -> float:
     return 100.0 * (optimized / baseline - 1.0)
 
 
-def median_interval(values: Sequence[float], confidence: float = 0.95) -> dict[str, Any]:
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> MedianInterval:
     """Median of ``values`` with its range and a distribution-free confidence interval.
 
     The interval is ``(x_(k), x_(n+1-k))`` of the sorted values, with the largest ``k`` such that a
@@ -189,7 +190,7 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> dict[s
 
 
 def interleaved_gain(blocks: Sequence[dict[str, Sequence[float]]], baseline: str = "baseline",
-                     optimized: str = "optimized", warmup: int = 1) -> dict[str, Any]:
+                     optimized: str = "optimized", warmup: int = 1) -> Gain:
     """QPS gain of ``optimized`` over ``baseline`` from interleaved blocks of the same steps.
 
     Args:
@@ -218,7 +219,7 @@ def interleaved_gain(blocks: Sequence[dict[str, Sequence[float]]], baseline: str
             "confidence": summary["confidence"], "blocks": summary["n"], "warmup_blocks": skip}
 
 
-def parity_check(baseline: PhaseResult, optimized: PhaseResult, *, sigmas: float = 2.0) -> dict[str, Any]:
+def parity_check(baseline: PhaseResult, optimized: PhaseResult, *, sigmas: float = 2.0) -> Parity:
     """Compare the optimized phase's model with the baseline's: its held-out quality metric and training loss.
 
     Tolerances come from the baseline's own spread: for the AUC, ``sigmas`` standard errors of the
@@ -238,17 +239,20 @@ def parity_check(baseline: PhaseResult, optimized: PhaseResult, *, sigmas: float
         baseline's quality) and each of ``<metric>``/``loss`` is ``{"baseline", "optimized", "diff",
         "tolerance", "ok"}``.
     """
-    qb, qo = baseline.get("quality") or {}, optimized.get("quality") or {}
-    out: dict[str, Any] = {"metrics": []}
-    metric = next((m for m in ("rmse", "eval_loss") if m in qb), "auc")
-    out["metrics"].append(metric)
+    qb: Quality = baseline.quality or {}
+    qo: Quality = optimized.quality or {}
+    metric = "rmse" if "rmse" in qb else "eval_loss" if "eval_loss" in qb else "auc"
+    out: Parity = {"metrics": [metric]}
     if metric == "auc":
         a_b, a_o = qb.get("auc", float("nan")), qo.get("auc", float("nan"))
         pos = qb.get("positives")
         se = auc_standard_error(a_b, pos, qb.get("rows", 0) - pos) if pos is not None else float("nan")
-        out["auc"] = _within(a_b, a_o, sigmas * se)
+        checked = out["auc"] = _within(a_b, a_o, sigmas * se)
+    elif metric == "rmse":
+        checked = out["rmse"] = _within(qb["rmse"], qo.get("rmse", float("nan")), sigmas * qb.get("rmse_se", float("nan")))
     else:
-        out[metric] = _within(qb[metric], qo.get(metric, float("nan")), sigmas * qb.get(f"{metric}_se", float("nan")))
+        checked = out["eval_loss"] = _within(qb["eval_loss"], qo.get("eval_loss", float("nan")),
+                                             sigmas * qb.get("eval_loss_se", float("nan")))
     series_b, series_o = baseline.get("loss_series") or [], optimized.get("loss_series") or []
     tail = series_b[-max(1, len(series_b) // 10):]
     spread = float(torch.tensor(tail, dtype=torch.float64).std()) if len(tail) > 1 else float("nan")
@@ -257,11 +261,11 @@ def parity_check(baseline: PhaseResult, optimized: PhaseResult, *, sigmas: float
     pairs = list(zip(series_b, series_o))
     out["max_step_loss_diff"] = max((abs(x - y) for x, y in pairs), default=float("nan"))
     out["identical_losses"] = bool(pairs) and len(series_b) == len(series_o) and all(x == y for x, y in pairs)
-    out["ok"] = out["identical_losses"] or (out[metric]["ok"] and out["loss"]["ok"])
+    out["ok"] = out["identical_losses"] or (checked["ok"] and out["loss"]["ok"])
     return out
 
 
-def _within(base: float, opt: float, tolerance: float) -> dict[str, Any]:
+def _within(base: float, opt: float, tolerance: float) -> Within:
     diff = opt - base
     ok = (not math.isnan(diff)) and (diff == 0 or (not math.isnan(tolerance) and abs(diff) <= tolerance))
     return {"baseline": base, "optimized": opt, "diff": diff, "tolerance": tolerance, "ok": ok}

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from jobs.config import ConfigError, JobConfig
+from jobs.records import DynamicSpec, TableSizes
 
 __all__ = ["CARDINALITIES", "sizes", "reader_sizes", "dynamic", "sizes_from_counts", "resolve", "write_record"]
 
@@ -67,7 +68,7 @@ def reader_sizes(config: JobConfig) -> list[int]:
     return [RAW_IDS] * 26 if config.model.table_sizes == "dynamic" else sizes(config)
 
 
-def dynamic(config: JobConfig, names: list[str]) -> dict[str, dict[str, Any]] | None:
+def dynamic(config: JobConfig, names: list[str]) -> dict[str, DynamicSpec] | None:
     """The ``dynamic=`` argument of the ``parameter_servers`` pass for the tables ``names`` (the built-in DLRM's
     ``t_C1 .. t_C26``) with ``table_sizes = "dynamic"``: ``{name: {"capacity", "min_count", "expire_steps"}}``
     (``expire_steps`` None for 0, never); None otherwise.
@@ -79,9 +80,9 @@ def dynamic(config: JobConfig, names: list[str]) -> dict[str, dict[str, Any]] | 
     m = config.model
     if m.table_sizes != "dynamic":
         return None
-    spec = {"capacity": m.dynamic_capacity, "min_count": m.dynamic_min_count,
+    spec: DynamicSpec = {"capacity": m.dynamic_capacity, "min_count": m.dynamic_min_count,
             "expire_steps": m.dynamic_expire_steps or None}
-    return {name: dict(spec) for name in names}
+    return {name: spec.copy() for name in names}
 
 
 def sizes_from_counts(distinct: list[int], cap: int) -> list[int]:
@@ -93,7 +94,7 @@ def sizes_from_counts(distinct: list[int], cap: int) -> list[int]:
     return [max(2, min(d + 1, cap)) for d in distinct]
 
 
-def resolve(config: JobConfig, plan: Any) -> tuple[JobConfig, dict[str, Any] | None]:
+def resolve(config: JobConfig, plan: Any) -> tuple[JobConfig, TableSizes | None]:
     """``config`` with ``[model] table_sizes`` resolved from ``plan`` (a :class:`recsys.criteo_shard.DataPlan`
     with ``distinct`` counted) when it is "data", and the record of the choice (None otherwise).
 
@@ -106,13 +107,13 @@ def resolve(config: JobConfig, plan: Any) -> tuple[JobConfig, dict[str, Any] | N
     if plan is None or plan.distinct is None:
         raise ValueError('[model] table_sizes = "data" needs the first pass to count distinct values')
     sizes = sizes_from_counts(plan.distinct, m.max_table_size)
-    record = {"features": [f"C{j + 1}" for j in range(len(sizes))], "distinct": plan.distinct,
+    record: TableSizes = {"features": [f"C{j + 1}" for j in range(len(sizes))], "distinct": plan.distinct,
               "distinct_exact": plan.distinct_exact, "max_table_size": m.max_table_size, "sizes": sizes,
               "rows": sum(sizes), "lines": plan.lines, "files": plan.files}
     return config.replace(model={"table_sizes": sizes}), record
 
 
-def write_record(run_dir: Path, record: dict[str, Any]) -> Path:
+def write_record(run_dir: Path, record: TableSizes) -> Path:
     """Write ``<run_dir>/cardinalities.json``."""
     path = Path(run_dir) / CARDINALITIES
     path.write_text(json.dumps(record, indent=1) + "\n")

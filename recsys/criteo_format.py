@@ -58,7 +58,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, Any, NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -114,6 +114,14 @@ class DataError(ValueError):
     valid line); the message names the file and what is wrong. Deterministic: retrying cannot help."""
 
 
+class ParseCounts(TypedDict):
+    """:meth:`ParseStats.as_dict`: the counts as plain types (JSON)."""
+
+    valid: int
+    malformed: dict[str, int]
+    examples: list[str]
+
+
 @dataclass
 class ParseStats:
     """What a reader saw: valid lines and malformed lines by reason."""
@@ -133,7 +141,7 @@ class ParseStats:
         if len(self.examples) < 5:
             self.examples.append(f"line {lineno}: {error}")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> ParseCounts:
         return {"valid": self.valid, "malformed": dict(self.malformed), "examples": list(self.examples)}
 
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from recsys.criteo_format import (
     Batch,
     DataError,
     MalformedLine,
+    ParseCounts,
     ParseStats,
     data_files,
     hash_ids,
@@ -313,6 +314,18 @@ class _Distinct:
                 [o is None for o in self.over])
 
 
+
+class ScanSummary(TypedDict):
+    """:meth:`DataPlan.summary`: what results.json records of the first pass (``data.scan``)."""
+
+    files: int
+    sharding: str
+    lines: int
+    rows_per_trainer: list[int]
+    eval_rows: int
+    seconds: float
+    lines_per_s: float
+
 @dataclass
 class DataPlan:
     """What the first pass (:func:`scan`) found: the trainers' shares and the parse statistics."""
@@ -326,7 +339,7 @@ class DataPlan:
     """Valid training rows per trainer per epoch."""
     eval_rows: int
     """Valid held-out rows."""
-    stats: dict[str, Any]
+    stats: ParseCounts
     """:meth:`recsys.criteo_format.ParseStats.as_dict` of every line."""
     lines: int = 0
     """Lines read, blank ones included."""
@@ -343,7 +356,7 @@ class DataPlan:
     def lines_per_s(self) -> float:
         return self.lines / self.seconds if self.seconds > 0 else 0.0
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> ScanSummary:
         """What results.json records (``data.scan``)."""
         return {"files": len(self.files), "sharding": self.sharding, "lines": self.lines,
                 "rows_per_trainer": self.rows, "eval_rows": self.eval_rows, "seconds": round(self.seconds, 3),

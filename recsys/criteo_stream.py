@@ -20,7 +20,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -97,6 +97,18 @@ class _TrainChunks(torch.utils.data.IterableDataset):
                 "malformed": dict(stats.malformed), "seconds": time.perf_counter() - t0}
 
 
+class ReaderStats(TypedDict):
+    """:meth:`CriteoStream.stats`: a stream reader's parse throughput so far."""
+
+    lines_per_s: float
+    workers: int
+    capacity_lines_per_s: float
+    lines: int
+    rows: int
+    malformed: dict[str, int]
+    parse_seconds: float
+
+
 class CriteoStream:
     """One trainer's endless training batches, parsed by ``workers`` background processes (see the module
     docstring); ``workers=0`` parses in the calling thread (tests, debugging). Workers start with
@@ -116,7 +128,7 @@ class CriteoStream:
 
     def __init__(self, files: Sequence[str], sizes: Sequence[int], *, rank: int = 0, world_size: int = 1,
                  every: int = 0, workers: int = 1, rows_per_epoch: int | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, on_chunk: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, on_chunk: Callable[[ReaderStats], None] | None = None) -> None:
         self.dataset = _TrainChunks(files, sizes, rank, world_size, every, chunk_bytes)
         self.workers, self.rows_per_epoch, self.on_chunk = workers, rows_per_epoch, on_chunk
         self.lines, self.rows, self.parse_seconds, self.malformed = 0, 0, 0.0, Counter[str]()
@@ -166,7 +178,7 @@ class CriteoStream:
         if self.on_chunk is not None:
             self.on_chunk(self.stats())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ReaderStats:
         """Parse throughput so far: ``lines_per_s`` (lines per second of parse time in one worker; the
         workers together parse ``workers`` times that), ``workers``, ``lines``, ``rows``, ``malformed``."""
         rate = self.lines / self.parse_seconds if self.parse_seconds > 0 else 0.0

@@ -14,13 +14,14 @@ from typing import Any
 from jobs import table_sizes
 from jobs.config import JobConfig
 from jobs.launcher import checks
+from jobs.records import TableSizes
 from recsys.criteo_shard import DataPlan, scan
 
 __all__ = ["first_pass"]
 
 
 def first_pass(config: JobConfig, data: Path, *, local: bool,
-               log: Any = None) -> tuple[JobConfig, DataPlan, dict | None]:
+               log: Any = None) -> tuple[JobConfig, DataPlan, TableSizes | None]:
     """The first pass over the Criteo data (:func:`recsys.criteo_shard.scan`): lines, each trainer's rows,
     and with ``[model] table_sizes = "data"`` the distinct values per feature, which resolve the table sizes
     (:func:`jobs.table_sizes.resolve`); then, on this machine, the memory check with those sizes.

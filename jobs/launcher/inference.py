@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from jobs import entry
 from jobs.config import JobConfig
+from jobs.records import ModelQuality, ModelState
 from jobs.results import InferenceResult
 
 __all__ = ["rebuild_model", "quantize", "compare", "max_abs_diff", "NothingToQuantize"]
@@ -60,7 +61,7 @@ class NothingToQuantize(Exception):
     modules the tracer keeps whole); :func:`compare` reports it as the skip reason."""
 
 
-def rebuild_model(config: JobConfig, state: dict[str, Any]) -> nn.Module:
+def rebuild_model(config: JobConfig, state: ModelState) -> nn.Module:
     """The trained model with local tables (eval mode): ``state["model"]`` (dense weights) then
     ``state["tables"]`` (``"<path>.weight"``; the servers' optimizer state dropped), loaded into a fresh model
     (:func:`jobs.trainer.workload.build_model`).
@@ -201,8 +202,15 @@ def _best_qps(models: dict[str, nn.Module], inputs: list[tuple[Any, ...]], rows:
     return {name: rows / seconds for name, seconds in best.items()}
 
 
-def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | None = None, *,
-            timer: Any = None, keep: dict[str, Any] | None = None) -> InferenceResult:
+@dataclasses.dataclass
+class Int8Keep:
+    """Where :func:`compare` leaves the int8 module when it is the model chosen, for the model folder."""
+
+    module: nn.Module | None = None
+
+
+def compare(config: JobConfig, state: ModelState, data_path: str | Path | None = None, *,
+            timer: Any = None, keep: Int8Keep | None = None) -> InferenceResult:
     """fp32 vs int8 inference QPS and quality of the trained model on the held-out batches
     (:func:`jobs.trainer.workload.inference_batches`: the Criteo held-out rows, or your "eval" split).
 
@@ -210,7 +218,7 @@ def compare(config: JobConfig, state: dict[str, Any], data_path: str | Path | No
         state: ``{"model": dense weights, "tables": the servers' tables (or {})}`` from a checkpoint.
         data_path: the Criteo file (the built-in model; unused for yours).
         timer: passed to :func:`quantize` (tests inject one); None: measured on this CPU.
-        keep: when given, receives ``"int8"``: the int8 module when it is the model chosen (not ``kept_fp32``), for
+        keep: when given, its ``module`` receives the int8 module when it is the model chosen (not ``kept_fp32``), for
             the model folder (:mod:`jobs.launcher.model_export`).
 
     Returns:
@@ -252,7 +260,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibration: list[Any],
-             timer: Any, keep: dict[str, Any] | None = None) -> InferenceResult:
+             timer: Any, keep: Int8Keep | None = None) -> InferenceResult:
     if not any(isinstance(m, QUANTIZABLE) for m in model.modules()):
         return InferenceResult(skipped=f"{type(model).__name__} has no nn.Linear or nn.Conv layer to quantize")
     batches = [entry.split_batch(b, forward=model.forward) for b in held_out]
@@ -271,16 +279,16 @@ def _compare(config: JobConfig, model: nn.Module, held_out: list[Any], calibrati
     models = {"fp32": model} if info["kept_fp32"] else {"fp32": model, "int8": int8_model}
     qps = _best_qps(models, inputs, rows)
     fp32_out = _run(model, inputs)
-    fp32 = {"qps": qps["fp32"], **entry.quality(config, fp32_out, labels)}
-    int8, info["output_max_abs_diff"] = dict(fp32), 0.0
+    fp32: ModelQuality = {"qps": qps["fp32"], **entry.quality(config, fp32_out, labels)}
+    int8, info["output_max_abs_diff"] = fp32.copy(), 0.0
     if not info["kept_fp32"]:
         int8_out = _run(int8_model, inputs)
         info["output_max_abs_diff"] = max_abs_diff(int8_out, fp32_out)
-        measured = {"qps": qps["int8"], **entry.quality(config, int8_out, labels)}
+        measured: ModelQuality = {"qps": qps["int8"], **entry.quality(config, int8_out, labels)}
         if measured["qps"] > fp32["qps"]:
             int8 = measured
             if keep is not None:
-                keep["int8"] = int8_model
+                keep.module = int8_model
         else:  # the selected layers were faster, the whole model with its lookups is not: keep fp32
             info.update(kept_fp32=True, int8_measured=measured, quantized_modules=0,
                         layers=[{**x, "chosen": False} for x in info["layers"]],

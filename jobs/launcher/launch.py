@@ -45,7 +45,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 from jobs import table_sizes
 from jobs.config import ConfigError, JobConfig, to_dict
@@ -53,12 +53,27 @@ from jobs.hosting import Hosting
 from jobs.launcher import runs
 from jobs.launcher.plan import make_plan, with_data
 from jobs.launcher.prometheus import retarget, write_prometheus_files
-from jobs.launcher.state import JobState, seed_snapshot, with_snapshot
-from jobs.results import InferenceResult, JobResults, PhaseResult
+from jobs.launcher.state import JobState, Snapshot, seed_snapshot, with_snapshot
+from jobs.records import (
+    Checkpoint,
+    DataRecord,
+    Gain,
+    ModelState,
+    Parity,
+    ProcessStats,
+    Reshard,
+    TableSizes,
+    TrainerFailure,
+    Where,
+)
+from jobs.results import ABSENT, InferenceResult, JobResults, PhaseResult
 from jobs.stats import peak_rss_bytes
 from jobs.trainer.spec import JobPlan, TrainerSpec
 from recsys.criteo_format import DataError
 from scheduling.ps.safe_load import safe_load
+
+if TYPE_CHECKING:
+    from jobs.launcher.inference import Int8Keep
 
 __all__ = ["launch", "JobState", "JobFailed", "ParityError", "compare_phases"]
 
@@ -107,11 +122,19 @@ def check_gpus(config: JobConfig, resources: dict[str, float] | None = None) -> 
                           "on CPUs, or join a cluster with GPUs ([cluster] address)")
 
 
-def _fit(trainer, box: dict[str, Any]) -> None:
+def _fit(trainer, box: FitBox) -> None:
     try:
-        box["result"] = trainer.fit()
+        box.result = trainer.fit()
     except BaseException as e:  # re-raised in the launching thread
-        box["error"] = e
+        box.error = e
+
+
+@dataclass
+class FitBox:
+    """What the fit thread leaves: Ray Train's ``Result``, or the exception it raised."""
+
+    result: Any = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -122,14 +145,14 @@ class JobStateWatch:
 
     previous: JobResults | None = None
     """The resumed run's results (``--resume``), else None."""
-    snap: dict[str, Any] = field(default_factory=dict)
+    snap: Snapshot = field(default_factory=lambda: Snapshot())
     """The last JobState snapshot (:meth:`jobs.launcher.state.JobState.snapshot`): what an interrupted launch
     reports."""
-    on_change: Callable[[dict[str, Any]], object] = lambda snap: None
+    on_change: Callable[[Snapshot], object] = lambda snap: None
     """Runs with the snapshot when a phase has finished, a checkpoint was written or an event recorded."""
-    on_placement: Callable[[dict[str, Any]], None] = lambda snap: None
+    on_placement: Callable[[Snapshot], None] = lambda snap: None
     """Runs with the snapshot when the exporters' placement changed (rewrites targets.json)."""
-    placement: dict[str, Any] = field(default_factory=dict)
+    placement: dict[str, Where] = field(default_factory=dict)
     """The last placement seen (``snap["placement"]``: process name -> where it runs)."""
     nodes: Any = None
     """A :class:`jobs.cluster.NodeWatch` on a cluster (each node lost goes to the JobState), else None."""
@@ -137,7 +160,7 @@ class JobStateWatch:
     """Exporters already reported as unreachable from here (warned once each)."""
 
 
-def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, watch: JobStateWatch) -> dict[str, Any]:
+def _follow(state, box: FitBox, thread: threading.Thread, show: bool, watch: JobStateWatch) -> Snapshot:
     """Poll the JobState actor and update the progress display (:class:`jobs.launcher.progress.Progress`: one bar on a
     terminal, plain lines otherwise) until the fit thread ends.
 
@@ -150,7 +173,7 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, wa
     from jobs.launcher.progress import Progress
 
     progress = Progress() if show else None
-    snap: dict[str, Any] = watch.snap
+    snap: Snapshot = watch.snap
     seen = _milestones(snap)
     try:
         while True:
@@ -178,7 +201,7 @@ def _follow(state, box: dict[str, Any], thread: threading.Thread, show: bool, wa
     return snap
 
 
-def _milestones(snap: dict[str, Any]) -> tuple[tuple[str, ...], int, int]:
+def _milestones(snap: Snapshot) -> tuple[tuple[str, ...], int, int]:
     """Phases finished, checkpoints and timeline events so far: results.json is rewritten when they change."""
     return tuple(sorted(snap.get("results", {}))), len(snap.get("checkpoints", [])), len(snap.get("events", []))
 
@@ -250,21 +273,19 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
     if previous is not None and runs.status_of(previous) == "completed":  # continued for more steps
         previous = dataclasses.replace(previous, phases={})
     watch = JobStateWatch(previous=previous)
-    results: dict[str, Any] = {"status": "running", "job": config.job.name, "config": to_dict(plan.config),
-                               "config_source": config.source, "run_dir": str(run_dir),
-                               "launcher": {"pid": os.getpid(), "host": socket.gethostname()},
-                               "resumes": ((previous.resumes or 0) if previous else 0) + (1 if resume else 0)}
-    if reshards:
-        results["reshards"] = reshards
-    if plan.config.cluster.parameter_servers:
-        results["servers_in_trainers"] = hosting.to_json()
+    results = JobResults(job=config.job.name, config=to_dict(plan.config), phases={}, status="running",
+                         config_source=config.source, run_dir=str(run_dir),
+                         launcher={"pid": os.getpid(), "host": socket.gethostname()},
+                         resumes=((previous.resumes or 0) if previous else 0) + (1 if resume else 0),
+                         reshards=reshards or ABSENT,
+                         servers_in_trainers=hosting.to_json() if plan.config.cluster.parameter_servers else ABSENT)
     try:
         try:
             check_gpus(plan.config)
             run_dir.mkdir(parents=True, exist_ok=True)
             plan = with_data(plan, log=log)
             config, data_path = plan.config, plan.data_path
-            _record_data(plan, results)
+            results = _record_data(plan, results)
             watch.on_change = lambda snap: runs.write(run_dir, with_snapshot(results, snap))
             runs.write(run_dir, with_snapshot(results, seed_snapshot(previous)))
             snap, final, train_seconds = _train(plan, on_cluster, quiet=quiet, log=log, watch=watch,
@@ -275,10 +296,13 @@ def launch(config: JobConfig, *, run_dir: str | Path | None = None, quiet: bool 
 
                 ray.shutdown()
         results = with_snapshot(results, snap)
-        results.update(status="completed", train_seconds=train_seconds)
-        results.update(compare_phases(config, results["phases"]))
-        _after_training(config, final, results, run_dir, data_path, log)  # the int8 stage, then RUN_DIR/model/
-        results["processes"]["launcher"] = {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}
+        compared = compare_phases(config, results.phases)
+        results = dataclasses.replace(results, status="completed", train_seconds=train_seconds,
+                                      gain=compared.get("gain", ABSENT), parity=compared.get("parity", ABSENT))
+        results = _after_training(config, final, results, run_dir, data_path, log)  # int8 stage, then RUN_DIR/model/
+        launcher: ProcessStats = {"pid": os.getpid(), "peak_rss_bytes": peak_rss_bytes()}
+        processes = {**(results.processes or {}), "launcher": launcher}
+        results = dataclasses.replace(results, processes=processes)
     except BaseException as e:
         if run_dir.is_dir():
             _record_end(run_dir, results, watch, e)
@@ -297,7 +321,7 @@ def _hosting(config: JobConfig, log: Any) -> Hosting:
 
 
 def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig, log: Any,
-                   in_trainers: bool = False) -> list[dict[str, Any]]:
+                   in_trainers: bool = False) -> list[Reshard]:
     """On ``--resume``: the run's reshards so far plus this one's (:func:`jobs.launcher.plan.reshard_plan`, printed;
     ``in_trainers``: onto servers in the trainers), and a completed run's results.json kept as
     ``results.<resumes>.json`` before it is continued."""
@@ -318,13 +342,12 @@ def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig
     return [*(previous.reshards or []), record]
 
 
-def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bool, log: Any) -> JobResults:
+def _report(config: JobConfig, results: JobResults, run_dir: Path, quiet: bool, log: Any) -> JobResults:
     """Write results.json and the plot, print the table and return the results written; raise
     :class:`ParityError` (``[phases] parity = "error"``) when the optimized phase did not train like the baseline."""
     from jobs.launcher import report
 
-    results.pop("launcher", None)
-    typed = report.write(results, run_dir)
+    typed = report.write(dataclasses.replace(JobResults.from_json(results), launcher=ABSENT), run_dir)
     if not quiet:
         print(report.table(typed), flush=True)
         log(f"results: {run_dir / 'results.json'}, plot: {run_dir / 'qps.png'}")
@@ -336,23 +359,33 @@ def _report(config: JobConfig, results: dict[str, Any], run_dir: Path, quiet: bo
     return typed
 
 
-def _record_data(plan: JobPlan, results: dict[str, Any]) -> None:
-    """Into ``results``: the data (path, note, the first pass's ``scan``), the config with its table sizes
+def _record_data(plan: JobPlan, results: JobResults) -> JobResults:
+    """``results`` with the data (path, note, the first pass's ``scan``), the config with its table sizes
     resolved, and ``tables`` (the sizes, and the cardinalities they came from, also in ``cardinalities.json``)."""
-    results["data"] = {"path": str(plan.data_path or ""), "note": plan.data_note}
+    data: DataRecord = {"path": str(plan.data_path or ""), "note": plan.data_note}
+    results = dataclasses.replace(results, data=data)
     if plan.data_plan is not None:
-        results["data"]["scan"] = plan.data_plan.summary()
-        results["config"] = to_dict(plan.config)
-        results["tables"] = {"sizes": table_sizes.sizes(plan.config), **(plan.tables or {})}
+        data["scan"] = plan.data_plan.summary()
+        tables: TableSizes = {"sizes": table_sizes.sizes(plan.config)}
+        tables.update(plan.tables or {})  # the cardinalities the sizes came from
+        results = dataclasses.replace(results, config=to_dict(plan.config), tables=tables)
     if plan.tables is not None:
         table_sizes.write_record(plan.run_dir, plan.tables)
+    return results
 
 
 class ParityError(RuntimeError):
     """The optimized phase's model differs from the baseline's by more than the baseline's own spread."""
 
 
-def compare_phases(config: JobConfig, phases: dict[str, PhaseResult]) -> dict[str, Any]:
+class PhaseComparison(TypedDict, total=False):
+    """:func:`compare_phases`: results.json's ``gain`` and ``parity``."""
+
+    gain: Gain
+    parity: Parity
+
+
+def compare_phases(config: JobConfig, phases: dict[str, PhaseResult]) -> PhaseComparison:
     """``{"gain": ..., "parity": ...}`` of the optimized phase against the baseline (empty without both):
     the interleaved-block QPS gain (:func:`jobs.stats.interleaved_gain`) and the parity check
     (:func:`jobs.stats.parity_check`, or :func:`jobs.staleness.staleness_parity` with ``[phases] max_staleness``;
@@ -370,7 +403,7 @@ def compare_phases(config: JobConfig, phases: dict[str, PhaseResult]) -> dict[st
                                   tolerance=config.phases.staleness_tolerance)
     else:
         parity = parity_check(base, opt)
-    parity.update(mode=config.phases.parity, passes=list(config.phases.passes))
+    parity["mode"], parity["passes"] = config.phases.parity, list(config.phases.passes)
     return {"gain": interleaved_gain(blocks), "parity": parity}
 
 
@@ -390,54 +423,58 @@ def _expect_cluster(config: JobConfig) -> bool:
     return bool(address)
 
 
-def _record_end(run_dir: Path, results: dict[str, Any], watch: JobStateWatch, error: BaseException) -> None:
+def _record_end(run_dir: Path, results: JobResults, watch: JobStateWatch, error: BaseException) -> None:
     """Write results.json of a run that did not complete: "interrupted" (Ctrl-C) or "failed"."""
     snap = watch.snap or seed_snapshot(watch.previous)
     out = with_snapshot(results, snap)
     running = {p: n for p, n in snap.get("progress", {}).items() if p not in snap.get("results", {})}
+    resume = f"fxdist launch --resume {run_dir}"
     if isinstance(error, KeyboardInterrupt):
-        out.update(status="interrupted", progress=running)
+        out = dataclasses.replace(out, status="interrupted", progress=running, resume=resume, launcher=ABSENT)
     else:
-        out.update(status="failed", error=f"{type(error).__name__}: {error}", progress=running)
-    out["resume"] = f"fxdist launch --resume {run_dir}"
-    out.pop("launcher", None)
+        out = dataclasses.replace(out, status="failed", error=f"{type(error).__name__}: {error}", progress=running,
+                                  resume=resume, launcher=ABSENT)
     try:
         runs.write(run_dir, out)
     except OSError:  # the original error matters more
         return
-    error.add_note(f"run folder: {run_dir} ({out['status']}); continue it with `{out['resume']}`")
+    error.add_note(f"run folder: {run_dir} ({out.status}); continue it with `{resume}`")
 
 
-def _after_training(config: JobConfig, final: dict[str, Any], results: dict[str, Any], run_dir: Path,
-                    data_path: Path | None, log: Any) -> None:
-    """With ``[quant] enabled``, the int8 stage into ``results["inference"]`` (:func:`_quantize`); then the trained
-    model into ``run_dir/model/`` (:func:`jobs.launcher.model_export.after_job`, with the int8 model when chosen)."""
+def _after_training(config: JobConfig, final: Checkpoint, results: JobResults, run_dir: Path,
+                    data_path: Path | None, log: Any) -> JobResults:
+    """``results`` with, under ``[quant] enabled``, the int8 stage's ``inference`` (:func:`_quantize`); the trained
+    model goes into ``run_dir/model/`` (:func:`jobs.launcher.model_export.after_job`, with the int8 model when
+    chosen)."""
+    from jobs.launcher.inference import Int8Keep
     from jobs.launcher.model_export import after_job
 
-    int8: dict[str, Any] = {}
+    int8 = Int8Keep()
     if config.quant.enabled:
-        results["inference"] = _quantize(config, final, data_path, log, int8)
-    after_job(config, final, results, run_dir, data_path, int8.get("int8"), log)
+        results = dataclasses.replace(results, inference=_quantize(config, final, data_path, log, int8))
+    after_job(config, final, results, run_dir, data_path, int8.module, log)
+    return results
 
 
-def _quantize(config: JobConfig, final: dict[str, Any], data_path: Path | None, log: Any,
-              keep: dict[str, Any] | None = None) -> InferenceResult:
+def _quantize(config: JobConfig, final: Checkpoint, data_path: Path | None, log: Any,
+              keep: Int8Keep | None = None) -> InferenceResult:
     """fp32 vs int8 inference of the model the table's AUC refers to (:mod:`jobs.launcher.inference`); ``keep``
-    receives the int8 module when it is chosen (``"int8"``)."""
+    receives the int8 module when it is chosen (``keep.module``)."""
     from jobs.launcher import inference
 
     log("post-training quantization of the dense layers: fp32 vs int8")
     t_quant = time.perf_counter()
     last = list(final["models"])[-1]
     evaluated = (final.get("eval") or {}).get(last) or {}
-    model_state = evaluated if "model" in evaluated else {  # the model the table's AUC refers to
-        "model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
+    model_state: ModelState = {  # the model the table's AUC refers to
+        "model": evaluated["model"], "tables": evaluated.get("tables", {}), "step": evaluated.get("step")
+    } if "model" in evaluated else {"model": final["models"][last], "tables": final["tables"][last], "step": final["step"]}
     out = inference.compare(config, model_state, data_path, keep=keep)
     return dataclasses.replace(out, model_step=evaluated.get("step", final.get("step")),
                                seconds=time.perf_counter() - t_quant)
 
 
-def _recorded_error(error: dict[str, Any]) -> Exception:
+def _recorded_error(error: TrainerFailure) -> Exception:
     """The launcher-side exception for a trainer's deterministic error (exit 2 for config/data, else 1)."""
     message = f"trainer rank {error['rank']}: {error['type']}: {error['message']} (stopped on the first attempt)"
     if error["kind"] == "config":
@@ -448,7 +485,7 @@ def _recorded_error(error: dict[str, Any]) -> Exception:
 
 
 def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: JobStateWatch,
-           in_trainers: bool = False) -> tuple[dict[str, Any], dict[str, Any], float]:
+           in_trainers: bool = False) -> tuple[Snapshot, Checkpoint, float]:
     """Start the server actors (none when ``in_trainers``: the trainers host the servers), run the TorchTrainer,
     kill the actors (also on errors and Ctrl-C).
 
@@ -495,7 +532,7 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: Job
             f"({'in the trainers' if in_trainers else 'Ray actors'}, transport {config.cluster.transport}), "
             f"{config.job.steps} steps per phase, "
             f"passes {list(config.phases.passes)}")
-        box: dict[str, Any] = {}
+        box = FitBox()
         t0 = time.perf_counter()
         state.event.remote("launcher: TorchTrainer.fit started")
         thread = threading.Thread(target=_fit, args=(trainer, box), daemon=True)
@@ -504,11 +541,12 @@ def _train(plan: JobPlan, on_cluster: bool, *, quiet: bool, log: Any, watch: Job
         train_seconds = time.perf_counter() - t0
         _record_server_stats(state, servers, config.cluster.rpc_timeout_s)
         snap = watch.snap = ray.get(state.snapshot.remote(), timeout=60)
-        if snap.get("error"):
-            raise _recorded_error(snap["error"]) from box.get("error")
-        if "error" in box:
-            raise box["error"]
-        return snap, _final_state(box["result"]), train_seconds
+        recorded = snap.get("error")
+        if recorded:
+            raise _recorded_error(recorded) from box.error
+        if box.error is not None:
+            raise box.error
+        return snap, _final_state(box.result), train_seconds
     except BaseException:
         if state is not None:
             try:  # what finished, for results.json (the actor dies with ray.shutdown)
@@ -547,7 +585,7 @@ def _record_server_stats(state: Any, servers: list[Any], timeout_s: float) -> No
             pass
 
 
-def _final_state(result) -> dict[str, Any]:
+def _final_state(result) -> Checkpoint:
     checkpoint = result.checkpoint
     if checkpoint is None:
         raise RuntimeError("the training run ended without a checkpoint; see Ray's logs "

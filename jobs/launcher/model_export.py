@@ -37,12 +37,14 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from jobs.config import JobConfig, to_dict
+from jobs.records import Checkpoint, HeldOut, ModelQuality, ModelState
+from jobs.results import JobResults
 
 __all__ = ["MODEL_DIR", "ExportError", "final_model_state", "model_state_dict", "encode_sample",
            "load_sample_input", "write_model_dir", "after_job", "latest_checkpoint", "export_run"]
@@ -53,12 +55,73 @@ FORMAT = 1
 """``model.json``'s ``format``: bumped when the folder's layout changes."""
 
 
+class ErrorRecord(TypedDict):
+    """Why a file was not written: the exception's type and the first line of its message."""
+
+    type: str
+    message: str
+
+
+class ExportRecord(TypedDict, total=False):
+    """``model.json``'s ``exports.<fp32|int8|sample>``: the program's ``file`` and ``max_abs_diff``, or ``error``."""
+
+    file: str
+    max_abs_diff: float | None
+    """Largest difference of the loaded program's outputs from the eager model's on the sample."""
+    error: ErrorRecord
+    kept_from: str
+    """Where a carried-over ``model_int8.pt2`` came from."""
+
+
+class ConfigRecord(TypedDict):
+    """``model.json``'s ``config``: the run's config and its digest."""
+
+    source: str
+    sha256: str
+    parsed: dict[str, dict[str, Any]]
+    """Every table (:func:`jobs.config.to_dict`)."""
+
+
+class InferenceMetrics(TypedDict, total=False):
+    """``model.json``'s ``metrics.inference``: the int8 stage's rows, or why it was skipped."""
+
+    step: int | None
+    fp32: ModelQuality | None
+    int8: ModelQuality | None
+    kept_fp32: bool | None
+    skipped: str | None
+
+
+class ModelMetrics(TypedDict, total=False):
+    """``model.json``'s ``metrics``: what results.json says of the model's held-out quality."""
+
+    held_out: HeldOut
+    held_out_end: HeldOut
+    inference: InferenceMetrics
+
+
+class ModelRecord(TypedDict, total=False):
+    """``model.json`` (see the module docstring)."""
+
+    format: int
+    entry_point: dict[str, str]
+    config: ConfigRecord
+    phase: str | None
+    step: int | None
+    metrics: ModelMetrics
+    exports: dict[str, ExportRecord]
+    dynamic_tables: list[str]
+    files: list[str]
+    written_by: str
+    checkpoint: str
+
+
 class ExportError(RuntimeError):
     """``fxdist export`` cannot rebuild the model folder: no checkpoint, no config, or a checkpoint without the
     model (the message names the path)."""
 
 
-def final_model_state(state: dict[str, Any], phase: str | None = None) -> dict[str, Any]:
+def final_model_state(state: Checkpoint, phase: str | None = None) -> ModelState:
     """The last phase's model in a checkpoint's contents (``state.pt`` of a job: ``{"step", "models": {phase:
     dense weights}, "tables": {phase: the servers' tables}}``): ``{"phase", "step", "model", "tables"}``.
 
@@ -75,7 +138,7 @@ def final_model_state(state: dict[str, Any], phase: str | None = None) -> dict[s
             "tables": (state.get("tables") or {}).get(phase) or {}}
 
 
-def model_state_dict(config: JobConfig, state: dict[str, Any]) -> tuple[nn.Module, dict[str, torch.Tensor],
+def model_state_dict(config: JobConfig, state: ModelState) -> tuple[nn.Module, dict[str, torch.Tensor],
                                                                           dict[str, dict[str, torch.Tensor]]]:
     """The trained model (eval mode, :func:`jobs.launcher.inference.rebuild_model`), its ``state_dict`` (tensors,
     contiguous, under the model's own names) and the dynamic tables' id maps (``{path: {"ids", "slots"}}``, int64).
@@ -156,7 +219,7 @@ def load_sample_input(path: str | os.PathLike[str]) -> tuple[Any, ...]:
     return tuple(_decode(v) for v in data["args"])
 
 
-def _first_line(e: BaseException) -> dict[str, str]:
+def _first_line(e: BaseException) -> ErrorRecord:
     """The exception's type and the first non-empty line of its message (what model.json records)."""
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), "")
     return {"type": type(e).__name__, "message": line[:500]}
@@ -169,7 +232,7 @@ def _leaves_equal(a: Any, b: Any) -> float | None:
     return max_abs_diff([a], [b])
 
 
-def _export(model: nn.Module, sample: tuple[Any, ...], path: Path) -> dict[str, Any]:
+def _export(model: nn.Module, sample: tuple[Any, ...], path: Path) -> ExportRecord:
     """Export ``model`` on ``sample`` to ``path``; ``{"file", "max_abs_diff"}`` (the loaded program against the
     eager model on the sample) or ``{"error": {"type", "message"}}``. The program is saved without its example
     inputs, so ``torch.export.load`` reads it without torch's ``weights_only=False`` fallback for them."""
@@ -187,7 +250,7 @@ def _export(model: nn.Module, sample: tuple[Any, ...], path: Path) -> dict[str, 
     return {"file": path.name, "max_abs_diff": diff}
 
 
-def _config_record(config: JobConfig) -> dict[str, Any]:
+def _config_record(config: JobConfig) -> ConfigRecord:
     parsed = to_dict(config)
     text = json.dumps(parsed, sort_keys=True, default=str)
     return {"source": config.source, "sha256": hashlib.sha256(text.encode()).hexdigest(), "parsed": parsed}
@@ -201,10 +264,10 @@ def _entry_point(config: JobConfig) -> dict[str, str]:
             "build": "jobs.criteo.dlrm(config) (jobs.trainer.workload.build_model)"}
 
 
-def write_model_dir(run_dir: str | os.PathLike[str], config: JobConfig, state: dict[str, Any], *,
+def write_model_dir(run_dir: str | os.PathLike[str], config: JobConfig, state: ModelState, *,
                     sample: tuple[Any, ...] | None = None, int8: nn.Module | None = None,
-                    metrics: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                    model: nn.Module | None = None) -> dict[str, Any]:
+                    metrics: ModelMetrics | None = None, extra: ModelRecord | None = None,
+                    model: nn.Module | None = None) -> ModelRecord:
     """Write ``run_dir/model/`` (see the module docstring) from one phase's model ``state`` (``{"model", "tables",
     "step", "phase"}``, :func:`final_model_state`) and return what ``model.json`` says.
 
@@ -225,10 +288,10 @@ def write_model_dir(run_dir: str | os.PathLike[str], config: JobConfig, state: d
                       int8=int8, metrics=metrics, extra=extra)
 
 
-def _write_dir(run_dir: Path, config: JobConfig, state: dict[str, Any],
-               built: tuple[nn.Module, dict[str, torch.Tensor], dict[str, Any]], *, sample: tuple[Any, ...] | None,
-               int8: nn.Module | None, metrics: dict[str, Any] | None, extra: dict[str, Any] | None,
-               kept_int8: tuple[Path, dict[str, Any]] | None = None) -> dict[str, Any]:
+def _write_dir(run_dir: Path, config: JobConfig, state: ModelState,
+               built: tuple[nn.Module, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]], *,
+               sample: tuple[Any, ...] | None, int8: nn.Module | None, metrics: ModelMetrics | None,
+               extra: ModelRecord | None, kept_int8: tuple[Path, ExportRecord] | None = None) -> ModelRecord:
     """:func:`write_model_dir` of a model already built (``(model, state dict, id maps)``); ``kept_int8``: a
     ``model_int8.pt2`` (and its record) to carry into the new folder."""
     model, sd, ids = built
@@ -237,9 +300,9 @@ def _write_dir(run_dir: Path, config: JobConfig, state: dict[str, Any],
         torch.save(sd, tmp / "state_dict.pt")
         if ids:
             torch.save(ids, tmp / "dynamic_ids.pt")
-        exports: dict[str, Any] = {}
+        exports: dict[str, ExportRecord] = {}
         if ids:
-            reason = {"type": "dynamic tables", "message": "the model's inputs are raw 64-bit ids that the servers' "
+            reason: ErrorRecord = {"type": "dynamic tables", "message": "the model's inputs are raw 64-bit ids that the servers' "
                       "id maps turn into rows (dynamic_ids.pt); a program of the local model would index its "
                       "tables with them"}
             exports["fp32"] = {"error": reason}
@@ -259,7 +322,7 @@ def _write_dir(run_dir: Path, config: JobConfig, state: dict[str, Any],
         if "int8" not in exports:
             exports["int8"] = {"error": {"type": "no int8 model", "message": "the int8 stage kept fp32, was "
                                          "skipped or did not run here"}}
-        record = {"format": FORMAT, "entry_point": _entry_point(config), "config": _config_record(config),
+        record: ModelRecord = {"format": FORMAT, "entry_point": _entry_point(config), "config": _config_record(config),
                   "phase": state.get("phase"), "step": state.get("step"), "metrics": metrics or {},
                   "exports": exports, "dynamic_tables": sorted(ids), **(extra or {})}
         record["files"] = sorted([p.name for p in tmp.iterdir()] + ["model.json"])
@@ -284,12 +347,12 @@ def _replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _metrics(results: dict[str, Any] | None, phase: str | None, step: Any) -> dict[str, Any]:
+def _metrics(results: JobResults | None, phase: str | None, step: int | None) -> ModelMetrics:
     """What results.json says of the model's held-out quality: the phase's ``quality`` (at ``quality_step``) and
     ``quality_end`` (the phase's end), and the int8 stage's fp32 / int8 rows with the step it measured."""
     if not results:
         return {}
-    out: dict[str, Any] = {}
+    out: ModelMetrics = {}
     p = (results.get("phases") or {}).get(phase) or {}
     if p.get("quality") is not None:
         out["held_out"] = {"step": p.get("quality_step"), **p["quality"]}
@@ -316,9 +379,9 @@ def _sample(config: JobConfig, model: nn.Module, data_path: Any) -> tuple[Any, .
     return _positional(model, entry.split_batch(held_out[0], forward=model.forward))
 
 
-def _write(run_dir: Path, config: JobConfig, checkpoint: dict[str, Any], results: dict[str, Any] | None,
-           data_path: Any, int8: nn.Module | None, extra: dict[str, Any],
-           kept_int8: tuple[Path, dict[str, Any]] | None = None) -> dict[str, Any]:
+def _write(run_dir: Path, config: JobConfig, checkpoint: Checkpoint, results: JobResults | None,
+           data_path: Any, int8: nn.Module | None, extra: ModelRecord,
+           kept_int8: tuple[Path, ExportRecord] | None = None) -> ModelRecord:
     state = final_model_state(checkpoint)
     model, sd, ids = model_state_dict(config, state)
     sample = None if ids else _sample(config, model, data_path)
@@ -326,8 +389,8 @@ def _write(run_dir: Path, config: JobConfig, checkpoint: dict[str, Any], results
                       metrics=_metrics(results, state["phase"], state["step"]), extra=extra, kept_int8=kept_int8)
 
 
-def after_job(config: JobConfig, final: dict[str, Any], results: dict[str, Any], run_dir: Path,
-              data_path: Any, int8: nn.Module | None, log: Any) -> dict[str, Any] | None:
+def after_job(config: JobConfig, final: Checkpoint, results: JobResults, run_dir: Path,
+              data_path: Any, int8: nn.Module | None, log: Any) -> ModelRecord | None:
     """The end of ``fxdist launch``: write ``run_dir/model/`` from the final checkpoint ``final`` (logged); the
     model.json record, or None when it could not be written (the reason logged: the job's results stand).
 
@@ -362,7 +425,7 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def export_run(run_dir: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None, *,
-               log: Any = print) -> dict[str, Any]:
+               log: Any = print) -> ModelRecord:
     """``fxdist export RUN``: rebuild ``RUN/model/`` from the run's latest checkpoint (or ``checkpoint``, a
     ``state.pt`` or the folder holding one), without Ray. The config is the run's (results.json); the int8 program
     is not made again (the int8 stage measures this CPU): an existing ``model_int8.pt2`` of the same step is kept.
@@ -390,7 +453,7 @@ def export_run(run_dir: str | os.PathLike[str], checkpoint: str | os.PathLike[st
     data_path = (results.get("data") or {}).get("path") or None
     kept = _kept_int8(run, final_model_state(state).get("step"))
     try:
-        record = _write(run, config, state, results, data_path, None,
+        record = _write(run, config, state, _read_results(results), data_path, None,
                         {"written_by": "fxdist export", "checkpoint": str(path)}, kept_int8=kept)
     finally:
         if kept is not None:
@@ -399,7 +462,18 @@ def export_run(run_dir: str | os.PathLike[str], checkpoint: str | os.PathLike[st
     return record
 
 
-def _kept_int8(run: Path, step: Any) -> tuple[Path, dict[str, Any]] | None:
+def _read_results(data: dict[str, Any]) -> JobResults | None:
+    """results.json's dict as :class:`jobs.results.JobResults`, or None when it does not fit the schema (the model
+    folder is written without the metrics then)."""
+    from jobs.results import ResultsError
+
+    try:
+        return JobResults.from_json(data)
+    except ResultsError:
+        return None
+
+
+def _kept_int8(run: Path, step: int | None) -> tuple[Path, ExportRecord] | None:
     """A copy (outside ``model/``) of the current folder's ``model_int8.pt2`` and its record when it is of
     ``step``, else None."""
     folder = run / MODEL_DIR

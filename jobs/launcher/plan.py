@@ -23,6 +23,7 @@ from typing import Any, Callable
 from jobs.config import JobConfig
 from jobs.launcher import checks, runs
 from jobs.launcher.first_pass import first_pass
+from jobs.records import Reshard, TableMove
 from jobs.trainer.spec import JobPlan
 
 __all__ = ["make_plan", "memory_estimate", "with_data", "reshard_plan", "format_reshard"]
@@ -84,7 +85,7 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
 
 
 def reshard_plan(previous: dict[str, Any] | None, config: JobConfig, *,
-                 in_trainers: bool = False) -> dict[str, Any] | None:
+                 in_trainers: bool = False) -> Reshard | None:
     """The tables' move of a ``--resume`` onto another ``[cluster] parameter_servers`` count, or None when the count
     is unchanged (or the run had none).
 
@@ -107,14 +108,14 @@ def reshard_plan(previous: dict[str, Any] | None, config: JobConfig, *,
         return None
     rpc_names = in_trainers and config.cluster.transport != "socket"   # over sockets they stay ps<i>
     names = [f"{'trainer' if rpc_names else 'ps'}{i}" for i in range(new)]
-    tables = {}
+    tables: dict[str, dict[str, TableMove]] = {}
     for phase, layout in ((previous or {}).get("table_layout") or {}).items():
         after = replan(layout, names)
         tables[phase] = {path: {"before": list(t["servers"]), "after": after[path]} for path, t in layout.items()}
     return {"from_servers": old, "to_servers": new, "tables": tables}
 
 
-def format_reshard(plan: dict[str, Any]) -> str:
+def format_reshard(plan: Reshard) -> str:
     """:func:`reshard_plan`'s record as text: a header, then per phase one line per table, ``old -> new`` servers.
 
     >>> print(format_reshard({"from_servers": 1, "to_servers": 2, "tables": {"baseline": {

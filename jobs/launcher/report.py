@@ -15,6 +15,7 @@ from typing import Any
 
 from jobs import staleness
 from jobs.cluster import placement_lines
+from jobs.records import Parity, Within
 from jobs.results import InferenceResult, JobResults, PhaseResult, strict_json
 from jobs.stats import gain_percent
 from jobs.trainer.lookups import prefetch_lines
@@ -58,13 +59,14 @@ def _gain_lines(results: JobResults) -> list[str]:
     return [line]
 
 
-def parity_problem(parity: dict[str, Any]) -> str:
+def parity_problem(parity: Parity) -> str:
     """What the parity check found wrong, in words (for the error message)."""
     if parity.get("rule") == staleness.RULE:
         return staleness.parity_problem(parity)
-    bad = [f"{name} {parity[name]['optimized']:.4f} vs baseline {parity[name]['baseline']:.4f} (difference "
-           f"{parity[name]['diff']:+.4f}, tolerance {_fmt(parity[name]['tolerance'], '.4f')})"
-           for name in (*_metrics(parity), "loss") if not parity[name]["ok"]]
+    checked = {name: _checked(parity, name) for name in (*_metrics(parity), "loss")}
+    bad = [f"{name} {c['optimized']:.4f} vs baseline {c['baseline']:.4f} (difference "
+           f"{c['diff']:+.4f}, tolerance {_fmt(c['tolerance'], '.4f')})"
+           for name, c in checked.items() if not c["ok"]]
     return "differs from the baseline: " + "; ".join(bad) if bad else "matches the baseline"
 
 
@@ -78,7 +80,7 @@ def _parity_lines(results: JobResults) -> list[str]:
     same = ("per-step losses bit-identical" if parity["identical_losses"]
             else f"largest per-step loss difference {_fmt(parity['max_step_loss_diff'], '.2e')}")
     metric = _metrics(parity)[0]
-    a, lo = parity[metric], parity["loss"]
+    a, lo = _checked(parity, metric), parity["loss"]
     return [f"parity of the optimized phase ({', '.join(parity.get('passes', [])) or 'no passes'}): {verdict}: "
             f"{same}; {_LABELS.get(metric, metric)} diff {_fmt(a['diff'], '+.4f')} (tolerance "
             f"{_fmt(a['tolerance'], '.4f')}), loss diff {_fmt(lo['diff'], '+.4f')} (tolerance "
@@ -90,8 +92,18 @@ _COLUMNS = {"auc": ("auc", "log_loss"), "rmse": ("rmse", "mae"), "eval_loss": ("
 """The held-out metric of a phase's quality -> the columns of the results table."""
 
 
-def _metrics(parity: dict[str, Any]) -> list[str]:
+def _metrics(parity: Parity) -> list[str]:
     return list(parity.get("metrics") or ["auc"])
+
+
+def _checked(parity: Parity, name: str) -> Within:
+    """The parity record's check of ``name`` (a held-out metric, or ``loss``)."""
+    checks = {"auc": parity.get("auc"), "rmse": parity.get("rmse"), "eval_loss": parity.get("eval_loss"),
+              "loss": parity.get("loss")}
+    found = checks.get(name)
+    if found is None:
+        raise KeyError(name)
+    return found
 
 
 def _columns(results: JobResults) -> tuple[str, ...]:

@@ -6,12 +6,48 @@ Source: Ray actors as shared state (Ray Core "Actors" guide).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any
+from typing import TypedDict
 
+from jobs.records import (
+    CheckpointRecord,
+    NodeLost,
+    ParseRecord,
+    ProcessStats,
+    ServerJoin,
+    TablePlace,
+    TrainerFailure,
+    Where,
+)
 from jobs.results import JobResults, PhaseResult
+from recsys.criteo_format import ParseCounts
 
-__all__ = ["JobState", "seed_snapshot", "with_snapshot", "restart_count"]
+__all__ = ["JobState", "Snapshot", "seed_snapshot", "with_snapshot", "restart_count"]
+
+
+class Snapshot(TypedDict, total=False):
+    """What :meth:`JobState.snapshot` returns (all keys), or :func:`seed_snapshot` (the resumed run's part)."""
+
+    progress: dict[str, int]
+    """Phase -> its last step reported."""
+    totals: dict[str, int]
+    """Phase -> its steps."""
+    starts: list[tuple[str, int]]
+    """(phase, step) of every phase start."""
+    results: dict[str, PhaseResult]
+    """The phases finished."""
+    fired: list[str]
+    parse: ParseRecord | None
+    checkpoints: list[CheckpointRecord]
+    restores: list[CheckpointRecord]
+    events: list[tuple[float, str]]
+    server_joins: list[list[ServerJoin]]
+    placement: dict[str, Where]
+    table_layout: dict[str, dict[str, TablePlace]]
+    nodes_lost: list[NodeLost]
+    processes: dict[str, ProcessStats]
+    error: TrainerFailure | None
 
 
 class JobState:
@@ -26,24 +62,24 @@ class JobState:
         jobs.results.ResultsError: a ``previous`` dict that does not fit the results schema.
     """
 
-    def __init__(self, previous: JobResults | dict[str, Any] | None = None) -> None:
+    def __init__(self, previous: JobResults | None = None) -> None:
         prev = JobResults.from_json(previous) if previous is not None else _EMPTY
         self.progress_steps: dict[str, int] = {}
         self.totals: dict[str, int] = {}
-        self.starts: list[tuple[str, int]] = [tuple(x) for x in (prev.starts or [])]
+        self.starts: list[tuple[str, int]] = [(str(x[0]), int(x[1])) for x in (prev.starts or [])]
         self.results: dict[str, PhaseResult] = dict(prev.phases)
         self.fired: set[str] = set(prev.faults_fired or [])
-        self.parse: dict[str, Any] | None = (prev.data or {}).get("parse")
+        self.parse: ParseRecord | None = (prev.data or {}).get("parse")
         self.t0 = time.time()
-        self.events: list[tuple[float, str]] = [tuple(x) for x in (prev.timeline or [])]
-        self.checkpoints: list[dict[str, Any]] = list(prev.checkpoints or [])
-        self.restores: list[dict[str, Any]] = list(prev.restores or [])
-        self.server_joins: list[list[dict[str, int]]] = list(prev.server_joins or [])
-        self.placement: dict[str, dict[str, Any]] = {}
-        self.table_layout: dict[str, dict[str, Any]] = {}
-        self.nodes_lost: list[dict[str, Any]] = list(prev.nodes_lost or [])
-        self.processes: dict[str, dict[str, Any]] = dict(prev.processes or {})
-        self.error: dict[str, Any] | None = None
+        self.events: list[tuple[float, str]] = [(float(x[0]), str(x[1])) for x in (prev.timeline or [])]
+        self.checkpoints: list[CheckpointRecord] = list(prev.checkpoints or [])
+        self.restores: list[CheckpointRecord] = list(prev.restores or [])
+        self.server_joins: list[list[ServerJoin]] = list(prev.server_joins or [])
+        self.placement: dict[str, Where] = {}
+        self.table_layout: dict[str, dict[str, TablePlace]] = {}
+        self.nodes_lost: list[NodeLost] = list(prev.nodes_lost or [])
+        self.processes: dict[str, ProcessStats] = dict(prev.processes or {})
+        self.error: TrainerFailure | None = None
         if previous is not None:
             self.event(f"launcher: resuming a run that was {prev.status or 'unknown'}")
 
@@ -54,7 +90,7 @@ class JobState:
             self.error = {"kind": kind, "type": error_type, "message": message, "rank": rank}
             self.event(f"rank {rank}: {error_type}: {message}")
 
-    def failure(self) -> dict[str, Any] | None:
+    def failure(self) -> TrainerFailure | None:
         """The deterministic error recorded by :meth:`fail`, or None."""
         return self.error
 
@@ -79,35 +115,35 @@ class JobState:
         self.restores.append({"phase": phase, "step": step, "model": model_digest, "tables": tables_digest})
         self.event(f"restored {phase} step {step}")
 
-    def placed(self, name: str, info: dict[str, Any]) -> None:
+    def placed(self, name: str, info: Where) -> None:
         """``name`` (``trainer<r>`` or ``ps<i>``) runs where ``info`` says (:func:`jobs.cluster.where`); the
         latest report wins (a restarted process may run elsewhere)."""
-        self.placement[name] = dict(info)
+        self.placement[name] = info.copy()
 
-    def tables_placed(self, phase: str, layout: dict[str, Any]) -> None:
+    def tables_placed(self, phase: str, layout: dict[str, TablePlace]) -> None:
         """Rank 0's ``parameter_servers`` pass placed ``phase``'s tables: ``{"<path>": {"servers", "table", "module",
         "rows", "dim", "dynamic"}}`` (:func:`scheduling.placement.restore.table_layout`); the latest report wins."""
         self.table_layout[phase] = dict(layout)
 
-    def node_lost(self, lost: dict[str, Any]) -> None:
+    def node_lost(self, lost: NodeLost) -> None:
         """A node that ran some of the job's processes died: ``{"node_id", "address", "ran": [names]}``
         (:class:`jobs.cluster.NodeWatch`); Ray Train and Ray restart them on the remaining nodes."""
-        self.nodes_lost.append(dict(lost))
+        self.nodes_lost.append(lost.copy())
         self.event(f"launcher: node {lost.get('address')} ({str(lost.get('node_id'))[:8]}) died; it ran "
                    + ", ".join(lost.get("ran", [])))
 
-    def process_stats(self, name: str, stats: dict[str, Any]) -> None:
+    def process_stats(self, name: str, stats: ProcessStats) -> None:
         """What process ``name`` (``trainer<r>``, ``ps<i>``) measured at its end: ``pid``, ``peak_rss_bytes``
         (and a server's ``rows`` / ``bytes`` held); the latest report wins."""
-        self.processes[name] = dict(stats)
+        self.processes[name] = stats.copy()
 
-    def servers_joined(self, joined: list[dict[str, int]]) -> None:
+    def servers_joined(self, joined: list[ServerJoin]) -> None:
         """A worker group's rank 0 had every server actor join its RPC group: ``[{"pid", "group"}, ...]``."""
         self.server_joins.append(joined)
         self.event("servers joined: " + ", ".join(f"ps{i} pid {j['pid']} group {j['group']}"
                                                   for i, j in enumerate(joined)))
 
-    def parse_stats(self, stats: dict[str, Any], rows: int) -> None:
+    def parse_stats(self, stats: ParseCounts, rows: int) -> None:
         self.parse = {**stats, "rank0_rows": rows}
 
     def phase_started(self, phase: str, start: int, total: int) -> None:
@@ -132,7 +168,7 @@ class JobState:
             self.event(f"{phase} phase done")
         self.progress_steps[phase] = self.totals.get(phase, summary.steps or 0)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         return {"progress": dict(self.progress_steps), "totals": dict(self.totals), "starts": list(self.starts),
                 "results": dict(self.results), "fired": sorted(self.fired), "parse": self.parse,
                 "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
@@ -141,12 +177,13 @@ class JobState:
                 "nodes_lost": list(self.nodes_lost), "processes": dict(self.processes), "error": self.error}
 
 
-def seed_snapshot(previous: JobResults | None) -> dict[str, Any]:
+def seed_snapshot(previous: JobResults | None) -> Snapshot:
     """A :meth:`JobState.snapshot` as the results ``previous`` of a resumed run left it."""
     prev = previous or _EMPTY
     return {"results": dict(prev.phases), "parse": (prev.data or {}).get("parse"),
             "fired": prev.faults_fired or [], "checkpoints": prev.checkpoints or [], "restores": prev.restores or [],
-            "events": prev.timeline or [], "starts": prev.starts or [], "server_joins": prev.server_joins or [],
+            "events": [(float(e[0]), str(e[1])) for e in prev.timeline or []],
+            "starts": [(str(s[0]), int(s[1])) for s in prev.starts or []], "server_joins": prev.server_joins or [],
             "nodes_lost": prev.nodes_lost or [], "processes": prev.processes or {}}
 
 
@@ -154,20 +191,18 @@ _EMPTY = JobResults(job=None, config={}, phases={})
 """No previous run."""
 
 
-def with_snapshot(results: dict[str, Any], snap: dict[str, Any]) -> dict[str, Any]:
+def with_snapshot(results: JobResults, snap: Snapshot) -> JobResults:
     """``results`` plus what the JobState snapshot says (phases finished, checkpoints, timeline...)."""
-    out = dict(results)
-    out["data"] = {**results.get("data", {}), "parse": snap.get("parse")}
-    out.update(phases=snap.get("results", {}), restarts=restart_count(snap), faults_fired=snap.get("fired", []),
-               checkpoints=snap.get("checkpoints", []), restores=snap.get("restores", []),
-               timeline=snap.get("events", []), starts=snap.get("starts", []),
-               server_joins=snap.get("server_joins", []), placement=snap.get("placement", {}),
-               table_layout=snap.get("table_layout", {}),
-               nodes_lost=snap.get("nodes_lost", []), processes=dict(snap.get("processes", {})))
-    return out
+    return dataclasses.replace(
+        results, data={**(results.data or {}), "parse": snap.get("parse")}, phases=snap.get("results", {}),
+        restarts=restart_count(snap), faults_fired=snap.get("fired", []), checkpoints=snap.get("checkpoints", []),
+        restores=snap.get("restores", []), timeline=[list(e) for e in snap.get("events", [])],
+        starts=[list(s) for s in snap.get("starts", [])], server_joins=snap.get("server_joins", []),
+        placement=snap.get("placement", {}), table_layout=snap.get("table_layout", {}),
+        nodes_lost=snap.get("nodes_lost", []), processes=dict(snap.get("processes", {})))
 
 
-def restart_count(snap: dict[str, Any]) -> int:
+def restart_count(snap: Snapshot) -> int:
     """Worker-group restarts seen: starts of a phase beyond its first (every restart starts every phase)."""
     seen: dict[str, int] = {}
     for phase, _ in snap.get("starts", []):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from jobs.records import Checkpoint, EarlyEval
 from scheduling.ps.safe_load import safe_load
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def _update(h: Any, prefix: str, value: Any) -> None:
             _update(h, f"{prefix}[{i}]", item)
 
 
-def save_checkpoint(step: int, trainers: dict[str, TrainPipeline], early: dict[str, dict[str, Any]], rank: int,
+def save_checkpoint(step: int, trainers: dict[str, TrainPipeline], early: dict[str, EarlyEval], rank: int,
                      final: bool, state: Any = None) -> None:
     """Report a Ray Train checkpoint of every phase at ``step`` (rank 0 writes it; every rank reports).
 
@@ -58,8 +59,8 @@ def save_checkpoint(step: int, trainers: dict[str, TrainPipeline], early: dict[s
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if rank == 0:
-            saved: dict[str, Any] = {"step": step, "final": final, "models": {}, "tables": {}, "optim": {},
-                                     "eval": {p: dict(e) for p, e in early.items()}}
+            saved: Checkpoint = {"step": step, "final": final, "models": {}, "tables": {}, "optim": {},
+                                 "eval": {p: e.copy() for p, e in early.items()}}
             for phase, t in trainers.items():
                 dense, tables = t.dense_state(), t.tables.state_dict()
                 saved["models"][phase], saved["tables"][phase] = dense, tables

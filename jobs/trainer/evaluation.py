@@ -8,7 +8,7 @@ Source: DLRM training recipe (AUC peaks after one epoch on Criteo).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from jobs.config import JobConfig
+from jobs.records import EarlyEval, Quality
 from jobs.trainer.protocols import Tables, Workload
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, workload: Workload, tables: Tables) -> dict[str, float]:
+def evaluate(model: nn.Module, workload: Workload, tables: Tables) -> Quality:
     """The held-out quality of ``model`` on the workload's eval batches (:meth:`quality`: AUC and log loss
     for the DLRM); ``{}`` when this rank has none. Lookups of tables on parameter servers are read-only
     (:func:`scheduling.placement.read_only`): evaluation changes no dynamic table and leaves training's prefetches
@@ -58,7 +59,7 @@ def eval_step(config: JobConfig, shard_rows: int) -> int:
     return max(1, min(steps, math.ceil(epochs * shard_rows / config.job.batch_size)))
 
 
-def evaluate_mid_phase(t: TrainPipeline, step: int, snapshot: bool) -> dict[str, Any]:
+def evaluate_mid_phase(t: TrainPipeline, step: int, snapshot: bool) -> EarlyEval:
     """All ranks: held-out quality of ``model`` now (rank 0), and with ``snapshot`` a copy of its dense
     weights and tables (the model the job quantizes). Between two barriers, so no trainer's timed step
     waits for rank 0's evaluation."""
@@ -66,7 +67,7 @@ def evaluate_mid_phase(t: TrainPipeline, step: int, snapshot: bool) -> dict[str,
     tables.sync()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank's updates for `step` are on the servers
-    out: dict[str, Any] = {}
+    out: EarlyEval = {}
     if t.workload.has_eval:
         out = {"step": step, "quality": evaluate(t.evaluated, t.workload, tables)}
         if snapshot:

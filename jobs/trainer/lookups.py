@@ -16,22 +16,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.records import OptimizeRecord, PrefetchLookup
+from jobs.results import PhaseResult
+
 __all__ = ["optimize_record", "prefetch_lines"]
 
 
-def optimize_record(gm: Any) -> dict[str, Any]:
+def optimize_record(gm: Any) -> OptimizeRecord:
     """``{"passes": [...]}`` of ``gm`` (a GraphModule from ``fxdist.optimize``), and ``"prefetch"``: ``{module
     path (or client): {"prefetched": bool, "reason": str | None, "where": "file:line" | None, "servers": [int]}}``
     when a prefetch pass ran (``gm.meta["fxdist"]["prefetch"]["lookups"]``)."""
     meta = getattr(gm, "meta", {}).get("fxdist", {})
-    out: dict[str, Any] = {"passes": list(meta.get("passes", []))}
+    out: OptimizeRecord = {"passes": list(meta.get("passes", []))}
     lookups = meta.get("prefetch", {}).get("lookups")
     if lookups is not None:
-        out["prefetch"] = {name: dict(record) for name, record in lookups.items()}
+        out["prefetch"] = {name: PrefetchLookup(**record) for name, record in lookups.items()}
     return out
 
 
-def prefetch_lines(phase: dict[str, Any]) -> list[str]:
+def prefetch_lines(phase: PhaseResult) -> list[str]:
     """The results table's lines on the prefetch of a phase (its summary: ``optimize.prefetch`` and
     ``prefetched_lookups``, the lookups of all trainers answered by a prefetch); none when no prefetch pass ran."""
     lookups = (phase.get("optimize") or {}).get("prefetch")

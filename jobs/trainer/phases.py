@@ -13,11 +13,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from jobs.records import EarlyEval, ReaderSummary
 from jobs.stats import interleaved_gain, phase_summary
 from jobs.trainer.checkpoints import digest, save_checkpoint
 from jobs.trainer.evaluation import eval_step, evaluate, evaluate_mid_phase
 from jobs.trainer.faults import maybe_inject_faults
 from jobs.trainer.pipeline import PHASES, TrainPipeline
+from recsys.criteo_stream import ReaderStats
 
 
 def gather(obj: Any) -> list[Any]:
@@ -74,7 +76,7 @@ def run_phases(config, rank, world, workload, tables, resume, state, exporter) -
     shard_rows = max(gather(workload.rows))
     at = eval_step(config, shard_rows)
     trainers = _start_phases(config, rank, workload, tables, resume, state, exporter)
-    early = {p: dict(((resume or {}).get("eval") or {}).get(p) or {}) for p in trainers}
+    early: dict[str, EarlyEval] = {p: EarlyEval(**(((resume or {}).get("eval") or {}).get(p) or {})) for p in trainers}
     last = list(trainers)[-1]
 
     def on_step(step, run, module, optimizer):
@@ -96,7 +98,7 @@ def run_phases(config, rank, world, workload, tables, resume, state, exporter) -
     _finish_phases(config, rank, workload, trainers, early, state, shard_rows)
 
 
-def reader_summary(stats: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+def reader_summary(stats: list[ReaderStats | None]) -> ReaderSummary | None:
     """The trainers' reader statistics (:meth:`recsys.criteo_stream.CriteoStream.stats`, one per rank) in one:
     ``lines_per_s`` (the mean per-worker parse rate), ``capacity_lines_per_s`` (all trainers' workers
     together), ``workers`` (per trainer), ``lines``, ``rows``, ``per_trainer``; None without a stream.

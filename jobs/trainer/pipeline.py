@@ -19,6 +19,7 @@ from torch import nn
 
 from jobs.config import JobConfig
 from jobs.optimizers import dense_optimizer
+from jobs.records import OptimizeRecord
 from jobs.staleness import optimized_passes
 from jobs.trainer.lookups import optimize_record
 from jobs.trainer.metrics import Exporter
@@ -56,11 +57,11 @@ class PhaseRun:
 
 
 def _make_trained_module(model: nn.Module, phase: str, config: JobConfig, tables: Tables,
-                         ) -> tuple[nn.Module, dict[str, Any]]:
+                         ) -> tuple[nn.Module, OptimizeRecord]:
     """The module trained in ``phase``: the eager model, or ``fxdist.optimize(model, passes)``; when the
     tables have a ``placement_pass()`` (parameter servers), that pass comes first in both phases
     (no eager fallback then: the tables must move)."""
-    info: dict[str, Any] = {"passes": [], "fallback": None}
+    info: OptimizeRecord = {"passes": [], "fallback": None}
     first = tables.placement_pass()
     passes = [first] if first is not None else []
     # with [phases] max_staleness, async_rpc_prefetch runs with that staleness (jobs.staleness)
@@ -210,7 +211,7 @@ def run_phase(
     optim_state: dict | None = None,
     exporter: Exporter | None = None,
     on_step: Any = None,
-) -> tuple[PhaseRun, dict[str, Any], torch.optim.Optimizer]:
+) -> tuple[PhaseRun, OptimizeRecord, torch.optim.Optimizer]:
     """Train ``model`` for the rest of ``phase`` (steps ``start_step .. steps - 1``) in one block.
 
     Returns:

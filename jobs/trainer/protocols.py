@@ -28,6 +28,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from jobs.records import Quality
+from recsys.criteo_format import ParseCounts
+from recsys.criteo_stream import ReaderStats
+
 __all__ = ["Workload", "Tables", "TableBackend", "StepBatch"]
 
 
@@ -112,7 +116,7 @@ class Workload(Protocol):
 
     rows: int
     """This trainer's training rows (samples) per epoch, for ``[job] eval_epochs``."""
-    parse: dict[str, Any] | None
+    parse: ParseCounts | None
     """The Criteo reader's parse statistics (lines, valid, malformed per reason), or None (your batches)."""
     has_eval: bool
     """This rank evaluates: rank 0 with held-out data (:meth:`eval_batches` is not None)."""
@@ -127,7 +131,7 @@ class Workload(Protocol):
     def eval_batches(self) -> Iterable[Any] | None:
         """The held-out batches (rank 0), or None (other ranks, or no held-out data)."""
 
-    def reader_stats(self) -> dict[str, Any] | None:
+    def reader_stats(self) -> ReaderStats | None:
         """The reader's parse throughput (``lines_per_s``, ``capacity_lines_per_s``, ``workers``, ``lines``,
         ``rows``: :meth:`recsys.criteo_stream.CriteoStream.stats`), or None without a stream."""
 
@@ -158,7 +162,7 @@ class Workload(Protocol):
     def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         """``[train] loss`` of a model output against its labels, a scalar tensor."""
 
-    def quality(self, outputs: list[Any], labels: list[torch.Tensor]) -> dict[str, float]:
+    def quality(self, outputs: list[Any], labels: list[torch.Tensor]) -> Quality:
         """The held-out metrics over the eval batches' outputs and labels (:func:`jobs.entry.quality`: AUC and log
         loss for "bce_with_logits", RMSE for "mse", else the mean loss; your ``[train] metric`` under ``"metric"``);
         ``{}`` without outputs."""

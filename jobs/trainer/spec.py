@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.config import JobConfig
+from jobs.records import TableSizes
 
 if TYPE_CHECKING:
     from recsys.criteo_shard import DataPlan
@@ -43,7 +44,7 @@ class JobPlan:
     data_path: Path | None = None
     data_note: str = ""
     data_plan: DataPlan | None = None
-    tables: dict[str, Any] | None = None
+    tables: TableSizes | None = None
     resume: bool = False
     local: bool = True
 

@@ -45,10 +45,11 @@ from torch import nn
 
 from jobs import criteo, entry, table_sizes
 from jobs.config import JobConfig
+from jobs.records import Quality
 from jobs.trainer.protocols import StepBatch, TableBackend, Tables
-from recsys.criteo_format import DataError
+from recsys.criteo_format import DataError, ParseCounts
 from recsys.criteo_shard import CriteoShard, DataPlan, scan
-from recsys.criteo_stream import CriteoStream, SharedBatches
+from recsys.criteo_stream import CriteoStream, ReaderStats, SharedBatches
 
 __all__ = ["build_model", "criteo_shard", "CriteoWorkload", "UserWorkload", "make_workload", "LocalTables",
            "make_tables", "release_tables", "inference_batches"]
@@ -77,7 +78,7 @@ class UserWorkload:
         ConfigError: an entry point that does not resolve, or an epoch without a batch.
     """
 
-    parse: dict[str, Any] | None = None
+    parse: ParseCounts | None = None
     has_eval: bool = False
     rows: int = 0
     _forward: Any = None
@@ -108,7 +109,7 @@ class UserWorkload:
     def eval_batches(self) -> Iterable[Any] | None:
         return None if self._eval is None else entry.epoch_batches(self.config, self._eval)
 
-    def reader_stats(self) -> dict[str, Any] | None:
+    def reader_stats(self) -> ReaderStats | None:
         """None: your ``[data] batches`` report no parse throughput."""
         return None
 
@@ -165,7 +166,7 @@ class UserWorkload:
                                     "scalar loss tensor")
         return loss
 
-    def quality(self, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
+    def quality(self, outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> Quality:
         return entry.quality(self.config, outputs, labels)
 
 
@@ -193,7 +194,7 @@ class CriteoWorkload(UserWorkload):
     """
 
     def __init__(self, config: JobConfig, shard: Any, eval_shard: CriteoShard | None = None, *,
-                 parse: dict[str, Any] | None = None, readers: int = 1) -> None:
+                 parse: ParseCounts | None = None, readers: int = 1) -> None:
         self.config, self.shard, self.eval_shard = config, shard, eval_shard
         self.has_eval = eval_shard is not None
         self.rows = len(shard)
@@ -220,7 +221,7 @@ class CriteoWorkload(UserWorkload):
                                                   self.readers, start)
         return map(criteo.model_inputs, shared.reader())
 
-    def reader_stats(self) -> dict[str, Any] | None:
+    def reader_stats(self) -> ReaderStats | None:
         """The stream's parse throughput (:meth:`recsys.criteo_stream.CriteoStream.stats`), or None."""
         return self.shard.stats() if isinstance(self.shard, CriteoStream) else None
 
