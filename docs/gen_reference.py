@@ -334,12 +334,55 @@ def metrics_page() -> str:
 _RESULT_UNIT = re.compile(r",\s*(samples/s|seconds|ms|%|steps|epochs|lookups|samples|bytes|rows)\)?\.?(\s|$)")
 
 
+def _records_in(type_text: str) -> list[type]:
+    """The ``jobs.records`` TypedDicts a field's type names (``Quality | None`` -> Quality), in order."""
+    import jobs.records as records
+
+    found = [getattr(records, name, None) for name in re.findall(r"\b([A-Z]\w+)\b", type_text)]
+    return [r for r in found if isinstance(r, type) and issubclass(r, dict) and hasattr(r, "__required_keys__")]
+
+
+def _record_docs(record: type) -> dict[str, str]:
+    """The key docstrings of a TypedDict and of the TypedDicts it extends (none for the functional syntax)."""
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(record))).body[0]
+    except (OSError, TypeError):  # made with the functional syntax (jobs.records.Where): no class body
+        return {}
+    docs: dict[str, str] = {}
+    if isinstance(node, ast.ClassDef):
+        for base in _records_in(" ".join(ast.unparse(b) for b in node.bases)):
+            docs.update(_record_docs(base))
+        docs.update(attribute_docs(record))
+    return docs
+
+
+def _record_keys(where: str, record: type, seen: set[type]) -> list[dict[str, Any]]:
+    """The keys of a TypedDict record at ``where`` (``where`` of its field), then those of the records it holds."""
+    docs = _record_docs(record)
+    keys, nested = [], []
+    for name, annotation in record.__annotations__.items():
+        text = (annotation if isinstance(annotation, str) else annotation.__name__ if isinstance(annotation, type)
+                else re.sub(r"\b(typing|builtins)\.", "", str(annotation)))
+        text = re.sub(r"ForwardRef\('([^']*)'[^)]*\)", r"\1", re.sub(r"NotRequired\[(.*)\]$", r"\1", text))
+        text = re.sub(r"\bjobs\.records\.", "", text)
+        doc = docs.get(name, "")
+        unit = _RESULT_UNIT.search(doc)
+        keys.append({"where": where, "key": name, "type": text, "required": name in record.__required_keys__,
+                     "unit": unit.group(1) if unit else "", "doc": doc, "record": record.__name__})
+        nested += [(f"{where}.{name}", r) for r in _records_in(text) if r not in seen]
+    for at, r in nested:
+        keys += _record_keys(at, r, seen | {r})
+    return keys
+
+
 def results_keys() -> list[dict[str, Any]]:
-    """Every ``results.json`` key: ``where`` (top level, ``phases.<phase>`` or ``inference``), ``key``, ``type``,
-    ``required``, ``unit``, ``doc``; from the ``jobs.results`` dataclasses."""
+    """Every ``results.json`` key: ``where`` (top level, ``phases.<phase>``, ``inference``, or the path of a record
+    such as ``phases.<phase>.quality``), ``key``, ``type``, ``required``, ``unit``, ``doc`` (and ``record``, the
+    TypedDict's name, for a record's keys); from the ``jobs.results`` dataclasses and the ``jobs.records``
+    TypedDicts their fields hold."""
     from jobs.results import InferenceResult, JobResults, PhaseResult
 
-    keys = []
+    keys, records = [], []
     for where, cls in (("results.json", JobResults), ("phases.<phase>", PhaseResult), ("inference", InferenceResult)):
         docs = attribute_docs(cls)
         for f in dataclasses.fields(cls):
@@ -349,6 +392,10 @@ def results_keys() -> list[dict[str, Any]]:
             keys.append({"where": where, "key": f.name, "type": type_text,
                          "required": f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
                          "unit": unit.group(1) if unit else "", "doc": doc})
+            at = f.name if where == "results.json" else f"{where}.{f.name}"
+            records += [(at, r) for r in _records_in(type_text)]
+    for at, record in records:
+        keys += _record_keys(at, record, {record})
     return keys
 
 
@@ -367,7 +414,8 @@ def results_page() -> str:
     for k in results_keys():
         if k["where"] != where:
             where = k["where"]
-            out += ["", f"## {titles[where]}", "", "| key | type | required | unit | description |",
+            title = titles.get(where) or f"`{where}` (`{k['record']}`)"
+            out += ["", f"## {title}", "", "| key | type | required | unit | description |",
                     "|---|---|---|---|---|"]
         out.append(f"| `{k['key']}` | `{_cell(k['type'])}` | {'yes' if k['required'] else 'optional'} | "
                    f"{k['unit']} | {_cell(k['doc'])} |")
