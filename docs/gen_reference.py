@@ -272,7 +272,10 @@ def _stand_in_server() -> Any:
 
     timing = {"buckets": [(0.001, 1), (float("inf"), 1)], "sum": 0.0005, "count": 1}
     namespace = "fxdist-job-baseline:sparse"
-    snapshot = {"pending": 0, "timings": {("lookup", namespace): timing, ("push", namespace): timing}}
+    from scheduling.ps.server_stats import REJECT_REASONS
+
+    snapshot = {"pending": 0, "timings": {("lookup", namespace): timing, ("push", namespace): timing},
+                "rejected": dict.fromkeys(REJECT_REASONS, 0)}
     return SimpleNamespace(stats=SimpleNamespace(snapshot=lambda: snapshot),
                            shards={f"{namespace}/t0": shard("t0", False), f"{namespace}/t1": shard("t1", True)})
 
