@@ -55,12 +55,13 @@ import os
 import socket
 import time
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
+    from jobs.records import MetricsTLS, NodeLost, Where
     from jobs.results import JobResults
 
-__all__ = ["PLACEMENTS", "SETUP_HOOK", "NODE_ID_LABEL", "interface_of", "is_loopback", "node_address",
+__all__ = ["PLACEMENTS", "SETUP_HOOK", "NODE_ID_LABEL", "RayNode", "ActorPlacement", "interface_of", "is_loopback", "node_address",
            "set_socket_ifnames", "serve_exporter", "where", "server_nodes", "server_options", "here_options",
            "trainer_strategy", "placement_lines", "lost_nodes", "NodeWatch", "launcher_address",
            "loopback_elsewhere"]
@@ -72,6 +73,24 @@ SETUP_HOOK = "jobs.cluster.set_socket_ifnames"
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 NODE_ID_LABEL = "ray.io/node-id"
 """Ray's default node label holding the node id (what ``label_selector`` matches)."""
+
+
+class RayNode(TypedDict, total=False):
+    """One node of ``ray.nodes()``: the keys read here (Ray's dict has more)."""
+
+    NodeID: str
+    Alive: bool
+    Resources: dict[str, float]
+    """Resource name (``CPU``, ``GPU``...) -> its total on the node."""
+
+
+class ActorPlacement(TypedDict, total=False):
+    """``.options(...)`` keyword arguments that place an actor (:func:`server_options`, :func:`here_options`)."""
+
+    label_selector: dict[str, str]
+    """Node label -> the value a node must have (:data:`NODE_ID_LABEL` -> a node id)."""
+    fallback_strategy: list[dict[str, dict[str, str]]]
+    """Where else the actor may go when no node matches: ``[{"label_selector": {}}]``, any node."""
 
 
 def is_loopback(address: str) -> bool:
@@ -137,7 +156,7 @@ def set_socket_ifnames(address: str | None = None) -> str | None:
     return name
 
 
-def serve_exporter(exporter: Any, host: str, port: int, tls: dict[str, Any] | None = None) -> tuple[str, int]:
+def serve_exporter(exporter: Any, host: str, port: int, tls: MetricsTLS | None = None) -> tuple[str, int]:
     """Serve ``exporter`` (:class:`jobs.trainer.metrics.Exporter`) on this node and return the (address, port) bound.
 
     ``host``: ``[metrics] host``; ``"node"`` means this node's Ray address. ``port`` is tried first; when
@@ -152,7 +171,7 @@ def serve_exporter(exporter: Any, host: str, port: int, tls: dict[str, Any] | No
     return address, bound
 
 
-def where(metrics: tuple[str, int] | None = None) -> dict[str, Any]:
+def where(metrics: tuple[str, int] | None = None) -> Where:
     """Where this process runs: ``{"node_id", "address", "hostname", "pid", "metrics": [address, port] | None,
     "ifnames": {"GLOO_SOCKET_IFNAME": ..., "TP_SOCKET_IFNAME": ...}}`` (the variables that are set)."""
     import ray
@@ -168,7 +187,7 @@ def trainer_strategy(placement: str) -> str:
     return {"pack": "PACK", "spread": "SPREAD"}[placement]
 
 
-def server_nodes(nodes: list[dict[str, Any]], count: int, cpus_per_trainer: float, use_gpu: bool) -> list[str]:
+def server_nodes(nodes: list[RayNode], count: int, cpus_per_trainer: float, use_gpu: bool) -> list[str]:
     """Node ids for ``count`` parameter servers under ``placement = "spread"``: round-robin over the alive
     nodes, those that cannot hold a trainer first (fewer CPUs than ``cpus_per_trainer``, or no GPU with
     ``use_gpu``), then by fewer CPUs and node id (a stable order).
@@ -182,7 +201,7 @@ def server_nodes(nodes: list[dict[str, Any]], count: int, cpus_per_trainer: floa
     if not alive:
         raise RuntimeError("placement: Ray reports no alive node")
 
-    def key(n: dict[str, Any]) -> tuple[bool, float, str]:
+    def key(n: RayNode) -> tuple[bool, float, str]:
         res = n.get("Resources", {})
         fits = res.get("CPU", 0.0) >= cpus_per_trainer and (not use_gpu or res.get("GPU", 0.0) >= 1)
         return fits, res.get("CPU", 0.0), n["NodeID"]
@@ -191,7 +210,7 @@ def server_nodes(nodes: list[dict[str, Any]], count: int, cpus_per_trainer: floa
     return [order[i % len(order)] for i in range(count)]
 
 
-def server_options(config: Any, nodes: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def server_options(config: Any, nodes: list[RayNode] | None = None) -> list[ActorPlacement]:
     """``.options(...)`` keyword arguments of each server actor for ``[cluster] placement`` (empty for pack).
 
     ``"spread"``: the node of :func:`server_nodes` as a label selector, with a fallback to any node (where
@@ -209,7 +228,7 @@ def server_options(config: Any, nodes: list[dict[str, Any]] | None = None) -> li
             for node_id in ids]
 
 
-def here_options() -> dict[str, Any]:
+def here_options() -> ActorPlacement:
     """``.options(...)`` keyword arguments that keep an actor on this process's node (no fallback): the
     launcher's own actors, which must outlive any other node (as Ray Train pins its controller)."""
     import ray
@@ -217,8 +236,8 @@ def here_options() -> dict[str, Any]:
     return {"label_selector": {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}}
 
 
-def lost_nodes(seen: list[tuple[str, dict[str, Any]]], nodes: list[dict[str, Any]],
-               known: AbstractSet[str] = frozenset()) -> list[dict[str, Any]]:
+def lost_nodes(seen: list[tuple[str, Where]], nodes: list[RayNode],
+               known: AbstractSet[str] = frozenset()) -> list[NodeLost]:
     """The nodes that ran a process of the job and are now dead, leaving out node ids in ``known``.
 
     Args:
@@ -231,7 +250,7 @@ def lost_nodes(seen: list[tuple[str, dict[str, Any]]], nodes: list[dict[str, Any
         ``[{"node_id", "address", "ran": [names]}]``, sorted by address.
     """
     alive = {n["NodeID"] for n in nodes if n.get("Alive")}
-    lost: dict[str, dict[str, Any]] = {}
+    lost: dict[str, NodeLost] = {}
     for name, info in sorted(seen, key=lambda x: x[0]):
         node = info.get("node_id")
         if node and node not in alive and node not in known:
@@ -248,10 +267,10 @@ class NodeWatch:
 
     def __init__(self, every_s: float = 1.0) -> None:
         self.every_s, self.next_check = every_s, 0.0
-        self.seen: dict[tuple[str, str], dict[str, Any]] = {}
+        self.seen: dict[tuple[str, str], Where] = {}
         self.reported: set[str] = set()
 
-    def poll(self, placement: dict[str, Any]) -> list[dict[str, Any]]:
+    def poll(self, placement: dict[str, Where]) -> list[NodeLost]:
         for name, info in placement.items():
             self.seen[(name, str(info.get("node_id")))] = info
         now = time.monotonic()
@@ -265,10 +284,10 @@ class NodeWatch:
         return lost
 
 
-def placement_lines(results: JobResults | dict[str, Any]) -> list[str]:
+def placement_lines(results: JobResults) -> list[str]:
     """The results table's lines on where each trainer and server ran last (``results["placement"]``), and
     on each node lost during the job (``results["nodes_lost"]``)."""
-    placed = results.get("placement") or {}
+    placed: dict[str, Where] = results.get("placement") or {}
     if not placed:
         return []
     mode = ((results.get("config") or {}).get("cluster") or {}).get("placement", "pack")
@@ -277,13 +296,14 @@ def placement_lines(results: JobResults | dict[str, Any]) -> list[str]:
                        f"{', in ' + p['in'] if p.get('in') else ''})"
                        for name, p in sorted(placed.items(), key=lambda kv: (kv[0].startswith("ps"), kv[0])))
     lines = [f"placement ({mode}, {len(nodes)} node{'s' if len(nodes) != 1 else ''}): {where_}"]
-    for lost in results.get("nodes_lost") or []:
+    nodes_lost: list[NodeLost] = results.get("nodes_lost") or []
+    for lost in nodes_lost:
         lines.append(f"node lost: {lost.get('address')} (node {str(lost.get('node_id'))[:8]}), which ran "
                      f"{', '.join(lost.get('ran', []))}; they restarted on the remaining nodes")
     return lines
 
 
-def launcher_address(placement: dict[str, Any]) -> str | None:
+def launcher_address(placement: dict[str, Where]) -> str | None:
     """The launcher's Ray node address when some process reported a placement and Ray runs, else None."""
     if not placement:
         return None
@@ -293,8 +313,8 @@ def launcher_address(placement: dict[str, Any]) -> str | None:
         return None
 
 
-def loopback_elsewhere(placement: dict[str, Any], here: str | None) -> list[str]:
+def loopback_elsewhere(placement: dict[str, Where], here: str | None) -> list[str]:
     """Names of the processes whose exporter listens on loopback on another node than ``here``."""
     return sorted(name for name, info in placement.items()
-                  if info.get("metrics") and is_loopback(info["metrics"][0]) and here is not None
+                  if (metrics := info.get("metrics")) and is_loopback(metrics[0]) and here is not None
                   and info.get("address") != here)

@@ -4,7 +4,8 @@ types of its fields), what the trainers and servers report to the launcher, and 
 Each is a :class:`typing.TypedDict`: at run time a plain dict (``json.dump`` writes it as it is, so results.json
 is the same file), for mypy a record whose keys and value types are known. ``total=False`` / ``NotRequired``
 mark the keys a record may lack. The checkpoint's records (:class:`Checkpoint`, :class:`ModelState`) hold tensors
-(``torch.save``, read back with the weights-only loader), not JSON.
+(``torch.save``, read back with the weights-only loader), not JSON. :class:`MetricsTLS` is what the processes
+hand their metrics exporters (:func:`jobs.trainer.metrics.tls_options`).
 """
 
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
@@ -18,7 +19,7 @@ __all__ = ["Quality", "HeldOut", "PassRecord", "PrefetchLookup", "OptimizeRecord
            "LayerRecord", "ModelQuality", "LauncherRecord", "ParseRecord", "DataRecord",
            "TableSizes", "CheckpointRecord", "ServerJoin", "Where", "TablePlace", "TableMove", "Reshard",
            "HostingRecord", "NodeLost", "ProcessStats", "MedianInterval", "Gain", "Within", "Parity",
-           "TrainerFailure", "DynamicSpec", "EarlyEval", "Checkpoint", "ModelState"]
+           "TrainerFailure", "DynamicSpec", "EarlyEval", "Checkpoint", "ModelState", "MetricsTLS"]
 
 
 # --- one phase ---------------------------------------------------------------------------------------------------
@@ -384,3 +385,19 @@ class ModelState(TypedDict, total=False):
     step: int | None
     model: dict[str, "torch.Tensor"]
     tables: dict[str, Any]
+
+
+# --- a process's metrics exporter --------------------------------------------------------------------------------
+
+class MetricsTLS(TypedDict):
+    """``prometheus_client.start_http_server``'s TLS keyword arguments from ``[metrics]``
+    (:func:`jobs.trainer.metrics.tls_options`)."""
+
+    certfile: str
+    """The PEM certificate served."""
+    keyfile: str
+    """Its PEM private key."""
+    client_cafile: str | None
+    """The PEM CA file client certificates are checked against, or None."""
+    client_auth_required: bool
+    """Refuse scrapers without such a certificate (mutual TLS)."""

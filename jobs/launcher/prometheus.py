@@ -14,17 +14,29 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from jobs.cluster import launcher_address, loopback_elsewhere
 
-__all__ = ["DASHBOARDS", "write_prometheus_files", "file_sd_groups", "retarget"]
+if TYPE_CHECKING:
+    from jobs.records import Where
+
+__all__ = ["DASHBOARDS", "FileSDGroup", "write_prometheus_files", "file_sd_groups", "retarget"]
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 """The repository's Prometheus and Grafana files."""
 
 
-def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any] | None = None, *,
+class FileSDGroup(TypedDict):
+    """One target group of ``targets.json`` (Prometheus' file-based service discovery)."""
+
+    targets: list[str]
+    """``"address:port"`` of the exporter."""
+    labels: dict[str, str]
+    """``fxdist_job``, ``role`` and, once known, ``node``."""
+
+
+def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Where] | None = None, *,
                            in_trainers: bool = False) -> Path:
     """Write ``prometheus/targets.json`` (file-based service discovery) and ``prometheus/prometheus.yml``.
 
@@ -55,7 +67,7 @@ def write_prometheus_files(config: Any, run_dir: Path, placement: dict[str, Any]
     return out / "prometheus.yml"
 
 
-def file_sd_groups(config: Any, placement: dict[str, Any], *, in_trainers: bool = False) -> list[dict[str, Any]]:
+def file_sd_groups(config: Any, placement: dict[str, Where], *, in_trainers: bool = False) -> list[FileSDGroup]:
     """Prometheus file-SD target groups of a job, one per exporter (see :func:`write_prometheus_files`).
 
     A process in ``placement`` (``JobState.placed``: :func:`where`) is listed at the (address, port) its
@@ -69,14 +81,14 @@ def file_sd_groups(config: Any, placement: dict[str, Any], *, in_trainers: bool 
     away = set(loopback_elsewhere(placement, launcher_address(placement)))
     names = [(f"trainer{r}", "trainer", m.port + r) for r in range(c.trainers)]
     names += [(f"ps{i}", "parameter_server", m.port + c.trainers + i) for i in range(c.parameter_servers)]
-    groups = []
+    groups: list[FileSDGroup] = []
     for name, role, port in names:
         labels = {"fxdist_job": config.job.name, "role": role}
-        info = placement.get(name) or {}
+        info: Where = placement.get(name) or {}
         if role == "parameter_server" and (in_trainers or info.get("in")):
             continue
-        if info.get("metrics"):
-            addr, port = info["metrics"]
+        if metrics := info.get("metrics"):
+            addr, port = metrics
             labels["node"] = info.get("address", "")
         elif m.host == "node":
             continue
@@ -87,7 +99,7 @@ def file_sd_groups(config: Any, placement: dict[str, Any], *, in_trainers: bool 
     return groups
 
 
-def retarget(config: Any, run_dir: Path, placement: dict[str, Any], log: Any, warned: set[str], *,
+def retarget(config: Any, run_dir: Path, placement: dict[str, Where], log: Any, warned: set[str], *,
              in_trainers: bool = False) -> None:
     """Rewrite targets.json with the exporters' real addresses; warn about unreachable ones once each."""
     write_prometheus_files(config, run_dir, placement, in_trainers=in_trainers)

@@ -40,6 +40,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from jobs.records import Gain, MetricsTLS
 from scheduling.ps.transport.ports import free_port, free_port_block  # one free_port for the project (re-exported here)
 
 __all__ = ["LABELS", "DEPRECATED_ALIASES", "STEP_BUCKETS", "LOOKUP_BUCKETS", "Exporter", "free_port", "free_port_block",
@@ -54,7 +55,7 @@ LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.
 """Embedding fetch latency buckets, seconds."""
 
 
-def tls_options(metrics: Any) -> dict[str, Any] | None:
+def tls_options(metrics: Any) -> MetricsTLS | None:
     """``start_http_server``'s TLS keyword arguments from the ``[metrics]`` section ``metrics`` (``certfile``,
     ``keyfile``, ``client_cafile``, ``client_auth_required``), or None when ``certfile`` is "" (plain HTTP).
     prometheus_client has no HTTP basic auth; client certificates are how a scraper is authenticated."""
@@ -172,11 +173,12 @@ class Exporter:
         """The trainer's parse throughput so far (:meth:`recsys.criteo_stream.CriteoStream.stats`), lines/s."""
         self.reader_rate.labels(job=self.job, rank=self.rank).set(lines_per_s)
 
-    def observe_gain(self, gain: dict[str, Any]) -> None:
+    def observe_gain(self, gain: Gain) -> None:
         """Publish :func:`jobs.stats.interleaved_gain` (percent values) as ``fxdist_qps_gain_ratio`` fractions;
         statistics that do not exist yet (no blocks, no interval) are left out."""
-        for stat in ("median", "min", "max", "low", "high"):
-            value = gain.get(f"{stat}_percent")
+        stats = {"median": gain.get("median_percent"), "min": gain.get("min_percent"), "max": gain.get("max_percent"),
+                 "low": gain.get("low_percent"), "high": gain.get("high_percent")}
+        for stat, value in stats.items():
             if value is not None and value == value:
                 self.gain.labels(job=self.job, stat=stat).set(value / 100.0)
 
@@ -184,7 +186,7 @@ class Exporter:
         """Record one served (server) or issued (trainer) embedding lookup, ``seconds`` long."""
         self._children(phase)[2].observe(seconds)
 
-    def serve(self, port: int, host: str = "127.0.0.1", tls: Mapping[str, Any] | None = None) -> int:
+    def serve(self, port: int, host: str = "127.0.0.1", tls: MetricsTLS | None = None) -> int:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; ``port=0`` picks a free port. ``tls``:
         :func:`tls_options` (HTTPS, client certificates checked when it says so), or None for plain HTTP.
 
@@ -195,7 +197,10 @@ class Exporter:
             OSError: the port is taken, or a TLS file cannot be read (the message names host and port).
         """
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry, **(tls or {}))
+            if tls is None:
+                self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            else:
+                self._server, self._thread = start_http_server(port, addr=host, registry=self.registry, **tls)
         except OSError as e:  # ssl.SSLError is an OSError too
             raise OSError(f"metrics exporter of rank {self.rank}: cannot bind {host}:{port}"
                           f"{' or read its TLS files' if tls else ''}: {e}") from e

@@ -52,12 +52,15 @@ import collections
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from scheduling.ps import DEFAULT_WORKER_THREADS
+
+if TYPE_CHECKING:
+    from jobs.records import MetricsTLS, ProcessStats, ServerJoin, Where
 
 __all__ = ["ServerHooks", "server_actor", "ServerGroup", "ServerTables", "start_servers", "stop_servers", "wait_for_servers",
            "dynamic_stats"]
@@ -93,7 +96,7 @@ class ServerHooks:
             The exporter starts in the actor (:meth:`start`), again when Ray restarted it.
     """
 
-    def __init__(self, job: str, name: str, metrics: tuple[str, int] | None, tls: dict[str, Any] | None = None) -> None:
+    def __init__(self, job: str, name: str, metrics: tuple[str, int] | None, tls: MetricsTLS | None = None) -> None:
         self.job, self.name, self.address, self.tls = job, name, metrics, tls
         self.exporter: Any = None
         self.metrics: tuple[str, int] | None = None
@@ -115,13 +118,13 @@ class ServerHooks:
         if not is_loopback(addr):
             set_socket_ifnames()
 
-    def where(self) -> dict[str, Any]:
+    def where(self) -> Where:
         """Where this server runs and its exporter's bound (address, port): :func:`jobs.cluster.where`."""
         from jobs.cluster import where
 
         return where(self.metrics)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ProcessStats:
         """``{"peak_rss_bytes"}``: this process's peak RSS (:func:`jobs.stats.peak_rss_bytes`)."""
         from jobs.stats import peak_rss_bytes
 
@@ -141,7 +144,7 @@ class ServerHooks:
 
 def server_actor(cls: Any, name: str, *, job: str, metrics: tuple[str, int] | None, fetch_delay_s: float,
                  timeout_s: float, num_worker_threads: int = DEFAULT_WORKER_THREADS, auth_key: bytes | None = None,
-                 save_root: str | None = None, tls: dict[str, Any] | None = None, transport_tls: Any = None) -> Any:
+                 save_root: str | None = None, tls: MetricsTLS | None = None, transport_tls: Any = None) -> Any:
     """Start one server actor of ``cls`` (:func:`scheduling.ps.server_actor_class`, with its ``.options``) for a job: no
     server until a worker group's rank 0 has it :meth:`~scheduling.ps.transport.ray_transport.PSActor.join` (``torch_rpc``)
     or :meth:`~scheduling.ps.transport.ray_transport.PSActor.reset` (``ray``); metrics as :class:`ServerHooks` says;
@@ -194,7 +197,7 @@ def stop_servers(actors: list[Any], timeout_s: float = 5.0) -> None:
     ActorHost(actors).kill_all()
 
 
-def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -> list[dict[str, Any]]:
+def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -> list[Where]:
     """Each server actor's ``PSActor.where()``, waiting up to ``timeout_s`` seconds for those Ray is
     restarting (after their process or their node died, ``ray.exceptions.ActorUnavailableError``).
 
@@ -206,7 +209,7 @@ def wait_for_servers(actors: list[Any], timeout_s: float, poll_s: float = 0.5) -
     from ray.exceptions import ActorUnavailableError
 
     deadline = time.monotonic() + timeout_s
-    places: list[dict[str, Any]] = []
+    places: list[Where] = []
     for actor in actors:
         while True:
             try:
@@ -295,7 +298,7 @@ class ServerGroup:
 
             spec.state.placed.remote(f"ps{rank}", {**where(), "in": f"trainer{rank}"})
 
-    def _start_group(self, spec: Any) -> list[dict[str, Any]]:
+    def _start_group(self, spec: Any) -> list[ServerJoin]:
         """Rank 0 readies the server actors for this worker group (``torch_rpc``: picks the rendezvous of a new
         RPC group; ``ray``: empties every server) before the other trainers hear the group key; then every
         trainer joins (``torch_rpc``: rank 0 has the servers join too; ``ray``: registers the actors under

@@ -15,10 +15,16 @@ import pytest
 import jobs.cluster as cluster
 from jobs.config import ConfigError, load_config, parse_config
 from jobs.launcher.launch import JobState
+from jobs.results import JobResults
 from jobs.trainer.metrics import Exporter
 from tests.jobs._placement import where_info as _where
 
 Addr = namedtuple("Addr", "family address")
+
+
+def _results(**fields) -> JobResults:
+    """A run's results with a spread placement config and ``fields`` (placement, nodes_lost)."""
+    return JobResults(job=None, config={"cluster": {"placement": "spread"}}, phases={}, **fields)
 
 
 def test_interface_of_finds_the_interface_holding_an_address():
@@ -107,10 +113,10 @@ def test_job_state_records_placement_and_the_table_line():
     state.placed("trainer1", _where("10.0.0.3", None))
     placed = state.snapshot()["placement"]
     assert set(placed) == {"trainer0", "trainer1", "ps0"}
-    line = cluster.placement_lines({"placement": placed, "config": {"cluster": {"placement": "spread"}}})
+    line = cluster.placement_lines(_results(placement=placed))
     assert line == ["placement (spread, 3 nodes): trainer0 10.0.0.1 (node node-10.), trainer1 10.0.0.3 "
                     "(node node-10.), ps0 10.0.0.2 (node node-10.)"]
-    assert cluster.placement_lines({}) == []
+    assert cluster.placement_lines(JobResults(job=None, config={}, phases={})) == []
 
 
 def test_spread_servers_prefer_their_node_and_may_restart_elsewhere():
@@ -149,7 +155,7 @@ def test_node_watch_reports_a_node_once_also_after_its_processes_moved(monkeypat
 
 
 def test_placement_lines_tell_the_lost_nodes():
-    results = {"placement": {"trainer0": _where("10.0.0.3", None)}, "config": {"cluster": {"placement": "spread"}},
-               "nodes_lost": [{"node_id": "node-10.0.0.2", "address": "10.0.0.2", "ran": ["ps1", "trainer1"]}]}
+    results = _results(placement={"trainer0": _where("10.0.0.3", None)},
+                       nodes_lost=[{"node_id": "node-10.0.0.2", "address": "10.0.0.2", "ran": ["ps1", "trainer1"]}])
     assert cluster.placement_lines(results)[1] == ("node lost: 10.0.0.2 (node node-10.), which ran ps1, trainer1; "
                                                    "they restarted on the remaining nodes")
