@@ -23,10 +23,13 @@ Source: :mod:`scheduling.ps.in_trainers`; torchrec ``DistributedModelParallel`` 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduling.ps import serve_in_trainer, stop_serving, trainer_servers
 from scheduling.ps.lifecycle import TorchRPCServers
+
+if TYPE_CHECKING:
+    from jobs.records import ServerJoin
 
 __all__ = ["InTrainerServers", "InTrainerSocketServers", "in_trainer_names"]
 
@@ -61,7 +64,7 @@ class InTrainerServers(TorchRPCServers):
         """The server this trainer hosts (a ``scheduling.ps.PSServer``), or None."""
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: tuple[str, int],
-             before_join: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+             before_join: Callable[[str], None] | None = None) -> list[ServerJoin]:
         """Trainer ``rank`` of ``world`` starts its server (``rank < N``), then joins the group at ``rendezvous``
         (``actors`` must be empty: no server actor takes part). Returns ``[]``.
 
@@ -122,7 +125,7 @@ class InTrainerSocketServers:
         return host
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: str,
-             before_join: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+             before_join: Callable[[str], None] | None = None) -> list[ServerJoin]:
         """Trainer ``rank`` of ``world`` serves ``ps<rank>`` on a free port (``rank < N``), then takes every server's
         address from the other trainers (a collective of the ``torch.distributed`` group; alone without one).
         Returns ``[]``.

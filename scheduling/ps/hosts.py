@@ -7,7 +7,7 @@ of this process, a ``LocalCluster`` with ``torch_rpc``) or :class:`scheduling.ps
 actors, a ``LocalCluster`` with ``ray`` and every job; there, since only the Ray modules of ``scheduling`` import
 Ray, docs/CONTRACTS.md). Both have ``kill(index)`` and ``kill_all()``. Every kill goes through a host: :meth:`kill` is a crash of one server (restarted
 where the host restarts it: a Ray actor with ``max_restarts`` left), :meth:`kill_all` ends every server for
-good.
+good. A server actor's answer to a reset or join is a :class:`ServerAnswer`.
 
 Source: ``multiprocessing.Process.kill`` (SIGKILL); ``ray.kill(actor, no_restart=...)``.
 """
@@ -16,9 +16,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["ProcessHost"]
+__all__ = ["ProcessHost", "ServerAnswer"]
+
+
+class ServerAnswer(TypedDict, total=False):
+    """A server actor's answer to a reset or join (``PSActor.reset`` / ``reset_socket`` / ``join``)."""
+
+    pid: int
+    """The server's process id."""
+    group: int
+    """Resets and joins of the server so far."""
+    address: str
+    """The ``"host:port"`` its socket listens on (``socket`` transport)."""
 
 
 class ProcessHost:

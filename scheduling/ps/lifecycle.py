@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .client import init_trainer
-from .hosts import ProcessHost
+from .hosts import ProcessHost, ServerAnswer
 from .transport.ports import BIND_ATTEMPTS, free_port, is_bind_failure, reserve_port
 from .transport.registry import load_class
 from .transport.torch_rpc import TorchRPCTransport
@@ -146,7 +146,7 @@ class TorchRPCServers:
         return (host, port)
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: tuple[str, int],
-             before_join: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+             before_join: Callable[[str], None] | None = None) -> list[ServerAnswer]:
         """Trainer ``rank`` of ``world`` joins the group at ``rendezvous``; on rank 0 the server ``actors`` join
         it too (ranks ``world .. world + N - 1``), leaving
         their previous group. ``before_join(host)`` runs first (e.g. choose the network interface). Returns the

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.exceptions as rex
@@ -43,6 +43,9 @@ from ray.actor import ActorHandle
 
 from ..endpoints import DEFAULT_WORKER_THREADS, AsyncEndpoints
 from ..server import PSServer
+
+if TYPE_CHECKING:
+    from ..hosts import ServerAnswer
 
 __all__ = ["PSActor", "ActorHost", "RayTransport", "RayFuture", "ACTOR_OPTIONS", "MAX_REQUESTS", "server_actor_class", "start_actors", "register_servers",
            "unregister_servers", "is_ray_server", "restarted_actor", "start_local", "kill_actors", "RayServers", "RaySocketServers",
@@ -125,7 +128,7 @@ class PSActor(AsyncEndpoints):
         else:
             self.reset(checkpoint)
 
-    def reset(self, checkpoint: str | None = None) -> dict[str, int]:
+    def reset(self, checkpoint: str | None = None) -> ServerAnswer:
         """``ray`` transport: drop every table and serve an empty server (or ``checkpoint``'s tables) from now
         on: ``{"pid", "group": resets and joins so far}``."""
         server = PSServer(self.name, *self.delays)
@@ -135,7 +138,7 @@ class PSActor(AsyncEndpoints):
             server.load_state_dict(safe_load(checkpoint))
         return self._serve(server)
 
-    def reset_socket(self, host: str | None = None) -> dict[str, Any]:
+    def reset_socket(self, host: str | None = None) -> ServerAnswer:
         """``socket`` transport: :meth:`reset`, and serve this actor's endpoints on a TCP socket
         (:class:`scheduling.ps.transport.socket_server.SocketServer`) bound on ``host`` (None: this node's Ray address), port
         0 (a free one). The socket stays across resets; a restarted actor binds a new one. Returns :meth:`reset`'s
@@ -144,7 +147,7 @@ class PSActor(AsyncEndpoints):
         Raises:
             OSError: ``host`` cannot be bound.
         """
-        answer: dict[str, Any] = dict(self.reset())
+        answer = self.reset()
         if self.socket is None:
             from .socket_server import SocketServer
 
@@ -152,7 +155,7 @@ class PSActor(AsyncEndpoints):
                                        save_root=self.save_root, tls_credentials=self.tls_credentials).start()
         return {**answer, "address": self.socket.address}
 
-    def join(self, rank: int, world: int, addr: str, port: int) -> dict[str, int]:
+    def join(self, rank: int, world: int, addr: str, port: int) -> ServerAnswer:
         """``torch_rpc`` transport: leave the current RPC group if any, then join the one at ``addr:port`` as
         ``rank`` of ``world`` with an empty server; returns once every member joined, as :meth:`reset`.
 
@@ -170,7 +173,7 @@ class PSActor(AsyncEndpoints):
         self.joined = True
         return self._serve(server)
 
-    def _serve(self, server: PSServer) -> dict[str, int]:
+    def _serve(self, server: PSServer) -> ServerAnswer:
         self.server = server
         self.groups += 1
         if self.hooks is not None:
@@ -391,7 +394,7 @@ class RayServers:
         """Where the servers run: Ray actors (:class:`scheduling.ps.hosts.ActorHost`)."""
         self.processes: list[Any] = []  # none: the servers are actors
         self._started_ray = False
-        self._answers: list[dict[str, Any]] = []
+        self._answers: list[ServerAnswer] = []
 
     @property
     def actors(self) -> list[ActorHandle]:
@@ -443,7 +446,7 @@ class RayServers:
         self._answers = ray.get([a.reset.remote() for a in actors], timeout=self.timeout_s)
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: None,
-             before_join: Any = None) -> list[dict[str, Any]]:
+             before_join: Any = None) -> list[ServerAnswer]:
         """Register the server ``actors`` under :attr:`names` for this process's clients; returns the servers'
         answers to :meth:`rendezvous` (rank 0; ``[]`` elsewhere)."""
         self.host = ActorHost(actors)
@@ -476,7 +479,7 @@ class RaySocketServers(RayServers):
         return [answer["address"] for answer in self._answers]
 
     def join(self, actors: Sequence[Any], rank: int, world: int, rendezvous: Any,
-             before_join: Any = None) -> list[dict[str, Any]]:
+             before_join: Any = None) -> list[ServerAnswer]:
         """Register the servers' addresses (``rendezvous``, rank 0's :meth:`rendezvous`) under :attr:`names` for
         this process's clients (:func:`scheduling.ps.transport.socket_transport.register_servers`); returns the servers'
         answers to :meth:`rendezvous` (rank 0; ``[]`` elsewhere)."""
