@@ -9,13 +9,13 @@ not take, or a factory that does not return a ``torch.optim.Optimizer`` (preflig
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from jobs.config import ConfigError, JobConfig
 
-__all__ = ["dense_optimizer", "table_optimizer_args"]
+__all__ = ["dense_optimizer", "TableOptimizerArgs", "table_optimizer_args"]
 
 
 def dense_optimizer(config: JobConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -45,7 +45,23 @@ def dense_optimizer(config: JobConfig, params: Iterable[torch.nn.Parameter]) -> 
     return optimizer
 
 
-def table_optimizer_args(config: JobConfig) -> dict[str, Any]:
+class TableOptimizerArgs(TypedDict):
+    """Keyword arguments of ``scheduling.placement.parameter_servers`` from the config (:func:`table_optimizer_args`)."""
+
+    optimizer: str
+    """``[train] table_optimizer``."""
+    lr: float
+    """``[train] table_lr``, else ``[job] lr``."""
+    grad_reduction: str
+    """``[train] table_grad_reduction``."""
+    plan: dict[str, str | int] | None
+    """``[model] plan``: table, weight path or module -> ``"table_wise"`` | ``"row_wise"`` | server index |
+    ``"local"``; None when empty."""
+    local_below_rows: int
+    """``[model] local_below_rows``."""
+
+
+def table_optimizer_args(config: JobConfig) -> TableOptimizerArgs:
     """Keyword arguments of the ``parameter_servers`` pass from ``[train]``, ``[model] plan`` and ``[model]
     local_below_rows``."""
     t = config.train

@@ -329,13 +329,12 @@ def _resume_record(run_dir: Path, previous: JobResults | None, config: JobConfig
 
     if previous is None:
         return []
-    data = previous.to_json()
     if runs.status_of(previous) == "completed":
         kept = run_dir / f"results.{previous.resumes or 0}.json"
         kept.write_text((run_dir / runs.RESULTS).read_text())
-        log(f"continuing the completed run ({data['config']['job']['steps']} steps) to {config.job.steps} steps; "
+        log(f"continuing the completed run ({previous.config['job']['steps']} steps) to {config.job.steps} steps; "
             f"its results are kept in {kept}")
-    record = reshard_plan(data, config, in_trainers=in_trainers)
+    record = reshard_plan(previous, config, in_trainers=in_trainers)
     if record is None:
         return list(previous.reshards or [])
     log(format_reshard(record))

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from jobs.config import JobConfig
 from jobs.launcher import checks, runs
 from jobs.launcher.first_pass import first_pass
-from jobs.records import Reshard, TableMove
+from jobs.records import Reshard, TableMove, TablePlace
+from jobs.results import JobResults
 from jobs.trainer.spec import JobPlan
 
 __all__ = ["make_plan", "memory_estimate", "with_data", "reshard_plan", "format_reshard"]
@@ -84,13 +85,13 @@ def with_data(plan: JobPlan, *, log: Callable[[str], None] | None = None) -> Job
     return replace(plan, config=config, data_path=data_path, data_note=note, data_plan=data_plan, tables=record)
 
 
-def reshard_plan(previous: dict[str, Any] | None, config: JobConfig, *,
+def reshard_plan(previous: JobResults | None, config: JobConfig, *,
                  in_trainers: bool = False) -> Reshard | None:
     """The tables' move of a ``--resume`` onto another ``[cluster] parameter_servers`` count, or None when the count
     is unchanged (or the run had none).
 
     Args:
-        previous: the resumed run's results.json (its ``config`` and ``table_layout``: phase -> ``"<path>"`` ->
+        previous: the resumed run's results (its ``config`` and ``table_layout``: phase -> ``"<path>"`` ->
             ``servers``, ``table``, ``module``, ``rows``, ``dim``, ``dynamic``).
         config: the resumed run's config, with the new ``[cluster] parameter_servers``.
         in_trainers: the new servers live in the trainers (:mod:`jobs.hosting`): named ``trainer<i>``, not ``ps<i>``
@@ -102,14 +103,16 @@ def reshard_plan(previous: dict[str, Any] | None, config: JobConfig, *,
     """
     from scheduling.placement.restore import replan
 
-    old = int(((previous or {}).get("config") or {}).get("cluster", {}).get("parameter_servers", 0))
+    config_then = (previous.get("config") if previous is not None else None) or {}
+    old = int(config_then.get("cluster", {}).get("parameter_servers", 0))
     new = config.cluster.parameter_servers
     if old == new or not old or not new:
         return None
     rpc_names = in_trainers and config.cluster.transport != "socket"   # over sockets they stay ps<i>
     names = [f"{'trainer' if rpc_names else 'ps'}{i}" for i in range(new)]
     tables: dict[str, dict[str, TableMove]] = {}
-    for phase, layout in ((previous or {}).get("table_layout") or {}).items():
+    layouts: dict[str, dict[str, TablePlace]] = (previous.get("table_layout") if previous is not None else None) or {}
+    for phase, layout in layouts.items():
         after = replan(layout, names)
         tables[phase] = {path: {"before": list(t["servers"]), "after": after[path]} for path, t in layout.items()}
     return {"from_servers": old, "to_servers": new, "tables": tables}

@@ -250,8 +250,8 @@ def _quality_notes(results: JobResults, steps: Any, cols: tuple[str, ...] = _COL
     """What the quality columns (AUC / logloss, or RMSE / MAE...) refer to, and the end-of-phase values when
     those differ."""
     phases = results.get("phases", {})
-    first: PhaseResult | dict[str, Any] = next(iter(phases.values()), {})
-    if "quality_step" not in first:
+    first: PhaseResult | None = next(iter(phases.values()), None)
+    if first is None or "quality_step" not in first:
         return []
     rows = (first.get("quality") or {}).get("rows")
     step, epochs = first["quality_step"], first.get("quality_epochs")
