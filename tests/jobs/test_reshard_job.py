@@ -55,7 +55,7 @@ def test_reshard_plan_uses_the_placement_rule_on_the_new_servers():
 
 
 @pytest.mark.timeout(600)
-def test_a_completed_run_continues_on_two_servers(one_server_run, capsys):
+def test_a_completed_run_continues_on_two_servers(ray_session, one_server_run, capsys):
     """Resumes the 8-step run of ``one_server_run`` (tests/jobs/conftest.py: one server actor, checkpoints every
     4 steps, parity "warn"), shared with test_trainer_in_trainers.py, which reads only its results as completed."""
     run_dir, first = one_server_run["run_dir"], one_server_run["results"]

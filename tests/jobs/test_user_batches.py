@@ -284,12 +284,23 @@ def _def_line(fn) -> str:
      f"[train] train_step = '{HERE}:detached_step'", detached_step),
     ((f'model.factory="{HERE}:detached_model"',), f"[model] factory = '{HERE}:detached_model'", DetachedModel.forward),
 ])
-def test_a_loss_without_gradient_exits_2_before_ray_naming_its_entry_point(tmp_path, capsys, sets, entry, fn):
+def test_a_loss_without_gradient_exits_2_before_ray_naming_its_entry_point(tmp_path, capsys, monkeypatch, sets, entry,
+                                                                            fn):
     """Preflight runs ``loss.backward()``: a loss computed from detached outputs (your loss, your ``train_step``,
-    or a built-in loss of a detached forward) exits 2 naming the entry point and the line of its ``def``."""
+    or a built-in loss of a detached forward) exits 2 naming the entry point and the line of its ``def``.
+
+    "Before Ray": the launcher never reaches ``_join_ray``, and Ray's state is as it was (the job modules' shared
+    session may be running, tests/jobs/conftest.py)."""
     import ray
 
+    import jobs.launcher.launch
     from jobs.launcher.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher reached Ray although preflight should have refused the loss")
+
+    monkeypatch.setattr(jobs.launcher.launch, "_join_ray", refuse)
+    ray_before = ray.is_initialized()
 
     args = ["launch", "--quiet", "--run-dir", str(tmp_path / "run"), "--set", "metrics.enabled=false",
             "--set", f'data.batches="{HERE}:torchrec_batches"']
@@ -298,7 +309,7 @@ def test_a_loss_without_gradient_exits_2_before_ray_naming_its_entry_point(tmp_p
     assert rc == 2, err
     assert (f"{entry} (at {_def_line(fn)}): the first batch's loss has no gradient (requires_grad is False), so "
             "loss.backward() would fail in every trainer; compute it from the model's output without detach()") in err
-    assert not (tmp_path / "run").exists() and not ray.is_initialized()
+    assert not (tmp_path / "run").exists() and ray.is_initialized() == ray_before
 
 
 SHARED: list[nn.Module] = []

@@ -226,10 +226,9 @@ def _sets(items: list[str]) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-def test_deterministic_data_error_stops_on_the_first_attempt(tmp_path, capsys):
+def test_deterministic_data_error_stops_on_the_first_attempt(ray_session, tmp_path, capsys):
     """One valid line and two trainers: rank 1's shard is empty. The trainer's DataError is recorded and
     not retried although max_failures = 2; exit 2 with the worker's message; results.json says failed."""
-    pytest.importorskip("ray")
     data = tmp_path / "one.tsv"
     data.write_text(_criteo_line() + "bad line\n")
     run_dir = tmp_path / "run"
@@ -306,7 +305,7 @@ end at 4, 8, 10, 12 and alternate, so steps 9-10 are the baseline's first and it
 
 
 @pytest.mark.timeout(500)
-def test_interrupted_run_is_marked_and_resumed(tmp_path, capsys):
+def test_interrupted_run_is_marked_and_resumed(ray_session, tmp_path, capsys):
     """SIGINT after a mid-run checkpoint: exit 130 and results.json "interrupted" with both phases' progress;
     --resume continues both (interleaved) phases from that checkpoint; the finished run is then refused.
 
