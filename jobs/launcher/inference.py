@@ -11,7 +11,8 @@ metrics (:func:`jobs.entry.quality`: AUC / log loss for the DLRM).
 
 int8 pays on CPUs with AVX-512 VNNI (4-6x) and often not on AVX2-only ones (1.2x measured, the job's dense DLRM
 0.85x). When no layer is faster, or the selected int8 model is not faster end to end, the fp32 model is kept:
-``kept_fp32`` is True, ``speedup`` is 1.0 and ``int8`` repeats the fp32 scores, so a slowdown is never reported as the optimized model; ``note``
+``kept_fp32`` is True, ``speedup``
+is 1.0 and ``int8`` repeats the fp32 scores, so a slowdown is never reported as the optimized model; ``note``
 says why and ``all_int8_speedup`` what plain static PTQ of every layer measured. A model without a layer static
 int8 can quantize (``nn.Linear``, ``nn.Conv1d/2d/3d``) outside the ``torch.nn`` modules the tracer keeps whole
 (``nn.TransformerEncoder``, ``nn.MultiheadAttention``: they stay fp32) is skipped with the reason.
