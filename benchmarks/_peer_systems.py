@@ -63,7 +63,8 @@ SYSTEMS = ("dense_only", "dmp_tw", "dmp_tw_pipeline", "dmp_rw", "ddp_local",
            "fx_inproc_prefetch_0ms", "fx_inproc_stale1_0ms", "fx_dynamic_prefetch_0ms",
            "fx_rpc_prefetch_0ms", "fx_rpc_stale1_0ms", "fx_rpc_inproc_prefetch_0ms", "fx_rpc_inproc_stale1_0ms",
            "fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms", "fx_nice4_prefetch_0ms",
-           "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms", "fx_shm0_prefetch_0ms", "fx_shm0_stale1_0ms")
+           "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms", "fx_shm0_prefetch_0ms", "fx_shm0_stale1_0ms",
+           "fx_noauth_prefetch_0ms")
 """``dense_only``: the ceiling (no tables: each table's pooled output a constant); ``fx_*``: fxdist over the
 ``socket`` transport, the job's default (``scheduling.ps.transport.socket_transport``; no RPC group); ``fx_stale1_0ms``:
 prefetch with ``max_staleness=1`` (pushes stay in flight one step); ``fx_inproc_*``: the same with server ``i``
@@ -76,7 +77,10 @@ over RPC); ``fx_nice<N>_*``: the separate servers at nice ``N`` (a lower CPU pri
 by each connection's sender thread / by the thread that makes them (``FXDIST_SOCKET_SEND_THREAD``, see
 ``scheduling.ps.transport.socket_transport.send_thread``), the others as that setting's ``auto`` picks (on from 8 CPUs);
 ``fx_shm0_*``: every message over the socket (``FXDIST_SOCKET_SHM_BYTES=0``), where the others pass large buffers
-through a shared-memory arena per connection (``scheduling.ps.transport.shm_arena``; trainers and servers share a host)."""
+through a shared-memory arena per connection (``scheduling.ps.transport.shm_arena``; trainers and servers share a host);
+``fx_noauth_*``: the socket transport's security layer switched off in this benchmark's own processes only
+(:func:`without_security`: no handshake, plain ``pickle.loads``, ``torch.empty`` receive buffers), the peer that
+prices it."""
 NICE_TAG = re.compile(r"nice(\d+)")
 """The word of an fxdist system's name that sets its servers' nice value (``fx_nice19_prefetch_0ms``: 19)."""
 SEND_TAG = re.compile(r"send([01])")
@@ -85,9 +89,10 @@ SHM_TAG = re.compile(r"shm(0)")
 """The word of an fxdist system's name that turns its trainers' shared-memory arenas off (``fx_shm0_*``)."""
 _VALUED_TAGS = (NICE_TAG, SEND_TAG, SHM_TAG)
 """The tags of an fxdist system's name that carry a value (:func:`_tag_value`)."""
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not any(t.fullmatch(p) for t in _VALUED_TAGS for p in s.split("_")))
-"""peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*``, ``fx_send<0|1>_*`` and
-``fx_shm0_*`` comparisons."""
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if "noauth" not in s.split("_")
+                        and not any(t.fullmatch(p) for t in _VALUED_TAGS for p in s.split("_")))
+"""peer.py's systems unless ``--systems`` names others: all but the ``fx_nice<N>_*``, ``fx_send<0|1>_*``,
+``fx_shm0_*`` and ``fx_noauth_*`` comparisons."""
 PROFILE_REGIONS = ("step", "forward", "backward", "optimizer", "lookup", "push")
 """The ``record_function`` regions of a profiled step (``peer.<region>``): lookup (fxdist's lookups, starts,
 waits and prefetches, inside forward) and push (fxdist's pushes and their waits, mostly inside backward)."""
@@ -446,7 +451,7 @@ def _regions_on_client(client: Any) -> None:
                 setattr(client, m, wrapped(kind, getattr(client, m)))
 
 
-_TAGS = ("rpc", "inproc", "dynamic")
+_TAGS = ("rpc", "inproc", "dynamic", "noauth")
 """The words of an fxdist system's name between ``fx_`` and its schedule (``fx_rpc_inproc_prefetch_0ms``); besides
 them ``nice<N>`` (:func:`server_nice`), ``send<0|1>`` (:func:`send_thread_setting`) and ``shm0``
 (:func:`shm_setting`)."""
@@ -482,6 +487,42 @@ def server_nice(system: str, default: int = 0) -> int:
     ``default`` (``--server-nice``; 0: the trainers' priority)."""
     nice = _tag_value(system, NICE_TAG)
     return default if nice is None else int(nice)
+
+
+def security_off(system: str) -> bool:
+    """Whether fxdist system ``system`` runs with the socket transport's security layer off (``fx_noauth_*``,
+    :func:`without_security`)."""
+    return "noauth" in _tags(system)
+
+
+def without_security() -> None:
+    """Switch the ``socket`` transport's security layer off in this process, for the ``fx_noauth_*`` systems: the
+    cost of authentication measured against a peer without it, in the same run. A benchmark-only monkeypatch (the
+    shipped code has no switch for it), applied by both the trainers and the servers before their first connection:
+
+    - ``auth.server_handshake`` / ``auth.client_handshake``: no-ops (both ends skip it, so neither waits for the
+      other's bytes; the server still sets its read and send timeouts after it);
+    - ``socket_wire.safe_loads`` (the name ``recv_frame`` calls, imported from ``safe_pickle.loads``): plain
+      ``pickle.loads``, as before the restricted unpickler;
+    - ``socket_wire.fresh_bytes`` and ``shm_arena.fresh_bytes`` (the receive buffers, inline and copied out of the
+      arena): ``torch.empty(n, dtype=torch.uint8)`` instead of numpy-backed memory, as before.
+
+    Frame limits and the connection cap stay (checks on a header's integers, no per-byte work)."""
+    import pickle
+
+    from scheduling.ps.transport import auth, shm_arena, socket_wire
+
+    def no_handshake(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def empty_bytes(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8)
+
+    auth.server_handshake = no_handshake   # type: ignore[assignment]
+    auth.client_handshake = no_handshake   # type: ignore[assignment]
+    socket_wire.safe_loads = pickle.loads   # type: ignore[assignment]
+    socket_wire.fresh_bytes = empty_bytes   # type: ignore[assignment]
+    shm_arena.fresh_bytes = empty_bytes     # type: ignore[assignment]
 
 
 def in_trainers(system: str) -> bool:
@@ -604,15 +645,18 @@ def server_main(rank: int, rpc_port: int, servers: int, nice: int = 0) -> None:
     start_server(f"ps{rank - WORLD}", rank, WORLD + servers, master_port=rpc_port, timeout_s=120)
 
 
-def socket_server_main(index: int, queue: Any, nice: int = 0) -> None:
+def socket_server_main(index: int, queue: Any, nice: int = 0, system: str = "") -> None:
     """Parameter server ``ps<index>`` over the ``socket`` transport: binds a free port, puts ``(index, "host:port")``
-    on ``queue``, serves until a trainer stops it. ``nice``: as :func:`server_main`'s."""
+    on ``queue``, serves until a trainer stops it. ``nice``: as :func:`server_main`'s; ``system``: the run's system
+    (``fx_noauth_*``: the security layer off here too, :func:`without_security`)."""
     import os
 
     from scheduling.ps.transport.socket_server import serve
 
     if nice:
         os.nice(nice)
+    if security_off(system):
+        without_security()
     _quiet()
     serve(f"ps{index}", on_ready=lambda address: queue.put((index, address)))
 
@@ -628,6 +672,8 @@ def trainer_main(rank: int, s: Setting, queue: Any, pids: Any = None, addresses:
         os.environ["FXDIST_SOCKET_SEND_THREAD"] = send
     if (shm := shm_setting(s.system)) is not None:
         os.environ["FXDIST_SOCKET_SHM_BYTES"] = shm
+    if security_off(s.system):   # before the first connection opens (servers in the trainers too)
+        without_security()
     if pids is not None and rank == 0:
         _PIDS.append(pids)
     _quiet()

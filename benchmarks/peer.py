@@ -44,6 +44,12 @@ The model is torchrec's ``DLRM`` (dense arch 512-256-D, over arch 512-256-1) ove
 - ``fx_shm0_prefetch_0ms`` / ``fx_shm0_stale1_0ms``: the same with every message over the socket
   (``FXDIST_SOCKET_SHM_BYTES=0``); the other ``fx_*`` systems pass a message's large buffers (a push's gradients, a
   lookup's answer) through a shared-memory arena of each trainer's connection (``scheduling.ps.transport.shm_arena``);
+- ``fx_noauth_prefetch_0ms``: ``fx_prefetch_0ms`` with the socket transport's security layer switched off in this
+  benchmark's own processes only (``_peer_systems.without_security``, a monkeypatch in the trainers and the
+  servers; the shipped code has no switch for it): no HMAC handshake on either end, plain ``pickle.loads`` in place
+  of the restricted unpickler (``socket_wire.safe_loads``) and ``torch.empty`` receive buffers in place of the
+  numpy-backed ones (``fresh_bytes``); peer.py prints the ratio "auth on / off" (``fx_prefetch_0ms`` /
+  ``fx_noauth_prefetch_0ms``) per round;
 - ``dense_only``: the ceiling: the same trainers with DLRM's sparse arch returning a constant ``(B, 26, D)``
   tensor (no lookups, no table gradients, nothing sent for tables), dense part DDP as fxdist's.
 
@@ -144,7 +150,8 @@ PAIRS = (("socket / torch_rpc transport", "fx_prefetch_0ms", "fx_rpc_prefetch_0m
          ("pushes sent by a sender thread / by the main thread", "fx_send1_prefetch_0ms", "fx_send0_prefetch_0ms"),
          ("pushes as auto picks / by the main thread", "fx_prefetch_0ms", "fx_send0_prefetch_0ms"),
          ("large buffers through shared memory / all over the socket", "fx_prefetch_0ms", "fx_shm0_prefetch_0ms"),
-         ("staleness 1, shared memory / all over the socket", "fx_stale1_0ms", "fx_shm0_stale1_0ms"))
+         ("staleness 1, shared memory / all over the socket", "fx_stale1_0ms", "fx_shm0_stale1_0ms"),
+         ("auth on / off", "fx_prefetch_0ms", "fx_noauth_prefetch_0ms"))
 """(label, system, peer): after each size's table, the QPS ratio of ``system`` to ``peer`` per round, when both ran."""
 NOISE = re.compile(f"{TENSORPIPE_SHUTDOWN.pattern}|"
                    r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$")
@@ -205,7 +212,8 @@ def run_once(setting: systems.Setting, timeout_s: float, cpu_account: bool = Fal
     addresses = ctx.Queue() if socket and servers else None   # each server's "host:port", once it listens
     if addresses is not None:   # servers and trainers start together; the trainers wait for the addresses
         ready = ctx.Queue()
-        server_procs = [ctx.Process(target=systems.socket_server_main, args=(i, ready, server_nice), daemon=True)
+        server_procs = [ctx.Process(target=systems.socket_server_main, args=(i, ready, server_nice, setting.system),
+                                   daemon=True)
                         for i in range(servers)]
     else:
         server_procs = [ctx.Process(target=systems.server_main, args=(systems.WORLD + i, setting.rpc_port, servers,
@@ -418,7 +426,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=list(SIZES), help="ROWSxDIM, rows per table x embedding dim")
     p.add_argument("--systems", nargs="+", default=list(systems.DEFAULT_SYSTEMS), choices=systems.SYSTEMS,
-                   help="default: all but the fx_nice<N>_* and fx_send<0|1>_* ones")
+                   help="default: all but the fx_nice<N>_*, fx_send<0|1>_*, fx_shm0_* and fx_noauth_* ones")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")

@@ -9,7 +9,10 @@ alternating), times ``--requests`` steps of what a training step sends: a blocki
 ``--batch`` samples over ``--tables`` tables of ``--rows`` x ``--dim`` (one id per table and sample), then
 the push of its gradient. It prints each round's median step (ms), the medians over rounds, and the ratio
 TLS / plain (a peer measured in the same run), and checks that both servers' tables end equal (TLS changes
-nothing of what crosses).
+nothing of what crosses). Besides wall time it prints the CPU both processes spent per step (the trainer's and
+the server host's, every thread, from ``/proc/<pid>/task/*/schedstat``) and its ratio TLS / plain per round. On
+shared cores both move with other load (on 2 cores at load 4-8 a plain step took 4.5-17 ms and 8-15 ms of CPU),
+so take the figures from a quiet run: each round prints the load average.
 
 Run: ``sudo .venv/bin/python benchmarks/tls.py [--rounds 5 --requests 300 --dim 64 --batch 128]``.
 """
@@ -59,6 +62,17 @@ def _serve(args: argparse.Namespace) -> None:
     secure.close()
 
 
+def _cpu_ns(pid: int | str) -> int:
+    """CPU time of process ``pid`` (``"self"``), every thread, in ns (``/proc/<pid>/task/*/schedstat``, field 1)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):   # a thread that ended meanwhile
+            pass
+    return total
+
+
 def _client(args: argparse.Namespace) -> None:
     """The trainer host: time both servers round by round; print the figures."""
     import torch
@@ -89,6 +103,7 @@ def _client(args: argparse.Namespace) -> None:
         client.push(0, kjt, out)
 
     medians: dict[str, list[float]] = {"plain": [], "tls": []}
+    cpu: dict[str, list[float]] = {"plain": [], "tls": []}   # ms a step, trainer + server host
     kjts = [batch() for _ in range(args.requests)]
     for mode in clients:   # warm-up: pages, caches, the TLS session
         for kjt in kjts[:20]:
@@ -96,12 +111,16 @@ def _client(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for mode in (("plain", "tls") if r % 2 == 0 else ("tls", "plain")):
             times = []
+            c0 = _cpu_ns("self") + _cpu_ns(args.server_pid)
             for kjt in kjts:
                 t0 = time.perf_counter()
                 step(clients[mode], kjt)
                 times.append(time.perf_counter() - t0)
+            cpu[mode].append((_cpu_ns("self") + _cpu_ns(args.server_pid) - c0) / 1e6 / len(kjts))
             medians[mode].append(statistics.median(times) * 1e3)
-        print(f"round {r}: plain {medians['plain'][-1]:.3f} ms, tls {medians['tls'][-1]:.3f} ms a step", flush=True)
+        print(f"round {r}: plain {medians['plain'][-1]:.3f} ms, tls {medians['tls'][-1]:.3f} ms a step; CPU "
+              f"plain {cpu['plain'][-1]:.3f} ms, tls {cpu['tls'][-1]:.3f} ms a step "
+              f"(tls / plain {cpu['tls'][-1] / cpu['plain'][-1]:.3f}x); load {os.getloadavg()[0]:.1f}", flush=True)
     same = all(torch.equal(a, b) for a, b in zip(clients["plain"].state_dict().values(),
                                                  clients["tls"].state_dict().values()))
     p, t = statistics.median(medians["plain"]), statistics.median(medians["tls"])
@@ -111,6 +130,10 @@ def _client(args: argparse.Namespace) -> None:
     print(f"plain TCP: {p:.3f} ms a step (rounds {min(medians['plain']):.3f}-{max(medians['plain']):.3f})")
     print(f"TLS 1.3:   {t:.3f} ms a step (rounds {min(medians['tls']):.3f}-{max(medians['tls']):.3f})")
     print(f"TLS / plain: {t / p:.3f}x; tables equal after the same steps: {same}")
+    ratios = [a / b for a, b in zip(cpu["tls"], cpu["plain"])]
+    print(f"CPU a step, trainer + server host: plain {statistics.median(cpu['plain']):.3f} ms, TLS "
+          f"{statistics.median(cpu['tls']):.3f} ms; TLS / plain per round: median {statistics.median(ratios):.3f}x "
+          f"({min(ratios):.3f}..{max(ratios):.3f})")
 
 
 def _main() -> None:
@@ -125,6 +148,7 @@ def _main() -> None:
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--creds", help=argparse.SUPPRESS)
     parser.add_argument("--addresses", help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         return _serve(args)
@@ -160,7 +184,8 @@ def _main() -> None:
                 raise RuntimeError("the server host did not start (see its output above)")
             sizes = ["--rounds", str(args.rounds), "--requests", str(args.requests), "--tables", str(args.tables),
                      "--rows", str(args.rows), "--dim", str(args.dim), "--batch", str(args.batch)]
-            subprocess.run(["ip", "netns", "exec", ns[1], *me, "--client", "--addresses", addresses, *sizes],
+            subprocess.run(["ip", "netns", "exec", ns[1], *me, "--client", "--addresses", addresses,
+                            "--server-pid", str(server.pid), *sizes],
                            env=env, check=True, timeout=1800)
         finally:
             if server is not None:

@@ -119,7 +119,7 @@ def test_fx_nice_systems_name_their_servers_nice_value_and_the_others_keep_the_t
     assert set(peer.SYSTEMS) - set(peer.DEFAULT_SYSTEMS) == {"fx_nice19_prefetch_0ms", "fx_nice19_stale1_0ms",
                                                              "fx_nice4_prefetch_0ms", "fx_send1_prefetch_0ms",
                                                              "fx_send0_prefetch_0ms", "fx_shm0_prefetch_0ms",
-                                                             "fx_shm0_stale1_0ms"}   # on demand only
+                                                             "fx_shm0_stale1_0ms", "fx_noauth_prefetch_0ms"}   # on demand only
     assert peer._fx_kind("fx_nice19_prefetch_0ms") == "prefetch" and peer._fx_kind("fx_nice19_stale1_0ms") == "stale1"
     assert peer.server_nice("fx_nice19_prefetch_0ms") == 19 and peer.server_nice("fx_nice4_prefetch_0ms", 7) == 4
     assert peer.server_nice("fx_prefetch_0ms") == 0 and peer.server_nice("fx_stale1_0ms", 5) == 5  # --server-nice
@@ -134,6 +134,22 @@ def test_fx_send_systems_set_their_trainers_send_thread_and_the_others_leave_it_
     assert peer._fx_kind("fx_send1_prefetch_0ms") == "prefetch" and peer._fx_kind("fx_nice19_send0_stale1_0ms") == "stale1"
     assert peer.over_socket("fx_send1_prefetch_0ms") and not peer.in_trainers("fx_send1_prefetch_0ms")
     assert peer.server_nice("fx_send1_prefetch_0ms", 3) == 3 and peer.server_nice("fx_send0_nice7_prefetch_0ms") == 7
+
+
+def test_fx_noauth_systems_switch_the_security_layer_off_in_the_benchmarks_processes_only(monkeypatch):
+    import pickle
+
+    from scheduling.ps.transport import auth, shm_arena, socket_wire
+
+    assert peer.security_off("fx_noauth_prefetch_0ms") and not peer.security_off("fx_prefetch_0ms")
+    assert peer._fx_kind("fx_noauth_prefetch_0ms") == "prefetch" and peer.over_socket("fx_noauth_prefetch_0ms")
+    for module, name in ((auth, "server_handshake"), (auth, "client_handshake"), (socket_wire, "safe_loads"),
+                         (socket_wire, "fresh_bytes"), (shm_arena, "fresh_bytes")):
+        monkeypatch.setattr(module, name, getattr(module, name))   # restored after the test
+    peer.without_security()
+    assert auth.server_handshake(None, b"") is None and auth.client_handshake(None, b"") is None
+    assert socket_wire.safe_loads is pickle.loads
+    assert socket_wire.fresh_bytes(3).numel() == 3 and shm_arena.fresh_bytes(0).numel() == 0
 
 
 def test_fx_shm0_systems_turn_their_trainers_arenas_off_and_the_others_leave_it_to_the_environment():
