@@ -8,10 +8,10 @@ resolves to loopback, the failure mode of a real cluster, is what every host her
 (10.77.0.1, ``--num-cpus 0``) runs the Ray head and the launcher; the two others run Ray worker nodes with
 two CPUs each (one trainer's, and room for the trainer of a host that dies). The job (2 trainers, 2
 parameter servers, ``placement = "spread"``, ``[metrics] host = "node"``) must put one trainer on each
-worker host, server 0 on the head and server 1 on a worker host, form its gloo (DDP) and TensorPipe
-(parameter-server RPC) groups across hosts, and tell where everything ran in results.json, the table and
-Prometheus' file-SD ``targets.json``; a Prometheus in the head namespace scrapes every exporter through
-that file.
+worker host, server 0 on the head and server 1 on a worker host, form its gloo (DDP) group across hosts, reach
+the servers over authenticated socket connections in TLS (``[cluster] tls``), and tell where everything ran in
+results.json, the table and Prometheus' file-SD ``targets.json``; a Prometheus in the head namespace scrapes every
+exporter through that file.
 
 Node failure: the same job runs again with a pause of trainer rank 0 in the optimized phase, after its
 first checkpoint (``[faults] pause_at_step``: a window, so the kill lands mid-phase whatever the machine's
@@ -61,6 +61,7 @@ JOB = [
     'cluster.placement="spread"', 'metrics.host="node"', "metrics.expose=true", f"metrics.port={METRICS_PORT}",
     'phases.parity="warn"', "quant.enabled=false",
     "cluster.servers_in_trainers=false",  # server actors of their own, placed by "spread"
+    "cluster.tls=true",  # the parameter-server traffic between hosts in TLS, with the job's own authority
     # 200 ms per lookup: the trainers train for seconds, not half of one (Prometheus applies new targets at most
     # every 5 s, and the trainers' exporters must be scraped while they live)
     "cluster.server_fetch_delay_ms=200",
@@ -360,6 +361,10 @@ def test_spread_job_runs_across_hosts_and_reports_placement(cluster_job):
     for name in ("trainer0", "trainer1"):
         assert placed[name]["ifnames"].get("GLOO_SOCKET_IFNAME") == IFNAME, placed[name]
     assert [[x["pid"] for x in j] for j in r["server_joins"]] == [[placed["ps0"]["pid"], placed["ps1"]["pid"]]]
+    # on a cluster each server listens on its own host's address (TLS inside: [cluster] tls), not on loopback
+    assert r["config"]["cluster"]["tls"] is True
+    assert [x["address"].rpartition(":")[0] for x in r["server_joins"][0]] == [placed["ps0"]["address"],
+                                                                             placed["ps1"]["address"]]
     # [metrics] host = "node": each exporter bound on its own host's address, listed in targets.json
     for p in placed.values():
         assert p["metrics"][0] == p["address"]
