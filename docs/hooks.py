@@ -6,10 +6,13 @@
 * ``on_config`` and ``on_page_markdown`` put the security pages other engineers write
   (:data:`SECURITY_PAGES`) under "Security" in the navigation and link them from ``security.md`` as soon as each
   file exists; until then the strict build does not fail on a missing page.
+* ``on_page_content`` links an exception's ``See docs/troubleshooting.md#name.`` (the path a user of the
+  repository has, which ``fxdist`` also prints) to that section on the reference pages.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,3 +53,14 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return markdown
     links = "\n".join(f"- [{title}]({name})" for name, title in pages.items())
     return f"{markdown}\n\n## More\n\n{links}\n"
+
+
+_TROUBLESHOOTING = re.compile(r"(?<![\w/\"'])docs/troubleshooting\.md#([a-z0-9_-]+)")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    target = files.get_file_from_path("troubleshooting.md")
+    if not page.file.src_uri.startswith("reference/") or target is None:
+        return html
+    url = target.url_relative_to(page.file)
+    return _TROUBLESHOOTING.sub(lambda m: f'<a href="{url}#{m[1]}">{m[0]}</a>', html)

@@ -39,17 +39,26 @@ __all__ = [
 
 class TraceError(ValueError):
     """Raised when symbolic tracing meets something it cannot record (dynamic control flow, iteration
-    over a Proxy, ...). Same type as ``torch.fx.proxy.TraceError``'s base so handlers keep working."""
+    over a Proxy, ...). Same type as ``torch.fx.proxy.TraceError``'s base so handlers keep working.
+
+    See docs/troubleshooting.md#traceerror.
+    """
 
 
 class ProxyUsageError(TraceError, RuntimeError):
     """A ``TraceError`` that is also a ``RuntimeError``, for the misuses torch.fx reports as
-    ``RuntimeError`` (``len(proxy)``, a Proxy inside a dict key, Proxies from two tracers)."""
+    ``RuntimeError`` (``len(proxy)``, a Proxy inside a dict key, Proxies from two tracers).
+
+    See docs/troubleshooting.md#proxyusageerror.
+    """
 
 
 class ProxyIterationError(TraceError, TypeError):
     """Iterating a Proxy: a ``TraceError`` that is also a ``TypeError``, so library code probing
-    ``try: iter(x) except TypeError:`` treats a Proxy as not iterable instead of failing the trace."""
+    ``try: iter(x) except TypeError:`` treats a Proxy as not iterable instead of failing the trace.
+
+    See docs/troubleshooting.md#proxyiterationerror.
+    """
 
 
 _FXDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -24,6 +24,8 @@ class ImmutableMutationError(TypeError, NotImplementedError):
     """Raised on an attempt to mutate a node's ``args``/``kwargs`` in place.
 
     A ``TypeError`` like torch.fx 2.13's, and a ``NotImplementedError`` like older torch.fx's.
+
+    See docs/troubleshooting.md#immutablemutationerror.
     """
 
 

@@ -316,7 +316,10 @@ DDP_TIMEOUT_ENV = "FXDIST_DDP_TIMEOUT_S"
 
 class DDPRanksMissingError(RuntimeError):
     """``optimize`` on a ``DistributedDataParallel`` module ran on some ranks of its process group only: the others
-    did not reach it within the timeout (the message names them)."""
+    did not reach it within the timeout (the message names them).
+
+    See docs/troubleshooting.md#ddpranksmissingerror.
+    """
 
 
 def _ddp_timeout_s(timeout_s: float | None) -> float:

@@ -74,7 +74,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().with_name("default.toml")
 
 
 class ConfigError(ValueError):
-    """A job config is malformed: the message names the file, the table and the key."""
+    """A malformed job config: the message names the file, table and key. See docs/troubleshooting.md#configerror."""
 
 
 def _key(default: Any, lo: float | None = None, hi: float | None = None, *, above: bool = False,

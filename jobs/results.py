@@ -71,7 +71,10 @@ ABSENT = Absent()
 
 
 class ResultsError(ValueError):
-    """A results dict that does not fit the schema: a required key missing, or a key no field knows."""
+    """A results dict that does not fit the schema: a required key missing, or a key no field knows.
+
+    See docs/troubleshooting.md#resultserror.
+    """
 
 
 def strict_json(value: Any) -> Any:

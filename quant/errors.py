@@ -13,11 +13,17 @@ __all__ = ["FusionError", "QuantizationError", "describe_node"]
 
 
 class FusionError(RuntimeError):
-    """A fusion was asked for but would change the program's meaning (training mode, shared conv output...)."""
+    """A fusion was asked for but would change the program's meaning (training mode, shared conv output...).
+
+    See docs/troubleshooting.md#fusionerror.
+    """
 
 
 class QuantizationError(RuntimeError):
-    """prepare/calibrate/convert was given a model or configuration it cannot handle."""
+    """prepare/calibrate/convert was given a model or configuration it cannot handle.
+
+    See docs/troubleshooting.md#quantizationerror.
+    """
 
 
 def describe_node(node: Any) -> str:

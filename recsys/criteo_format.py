@@ -101,7 +101,10 @@ class Batch(NamedTuple):
 
 
 class MalformedLine(ValueError):
-    """A Criteo line that cannot be parsed; ``reason`` is a short key used for counting."""
+    """A Criteo line that cannot be parsed; ``reason`` is a short key used for counting.
+
+    See docs/troubleshooting.md#malformedline.
+    """
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -111,7 +114,10 @@ class MalformedLine(ValueError):
 
 class DataError(ValueError):
     """A data file the job cannot use (missing, a directory, empty, unreadable, corrupt, or without any
-    valid line); the message names the file and what is wrong. Deterministic: retrying cannot help."""
+    valid line); the message names the file and what is wrong. Deterministic: retrying cannot help.
+
+    See docs/troubleshooting.md#dataerror.
+    """
 
 
 class ParseCounts(TypedDict):

@@ -8,6 +8,7 @@ generator does not use the same way, and against the built site:
   the report) has an entry;
 * every option of the ``fxdist`` parser and every exception class of the packages (found by a plain regex) has
   an entry.
+* every exception class has its section (anchor) on the troubleshooting page, which the API pages link.
 """
 
 from __future__ import annotations
@@ -111,3 +112,14 @@ def test_every_cli_option_and_exception_has_an_entry(site):
         for path in (ROOT / package).rglob("*.py"):
             for name in re.findall(r"^class ([A-Z]\w*(?:Error|Warning))\(", path.read_text(), flags=re.MULTILINE):
                 assert f"`{name}`" in errors and f"<code>{name}</code>" in html, f"{path}: {name}"
+
+
+def test_each_exception_has_a_troubleshooting_anchor_the_api_pages_link(site):
+    """``troubleshooting.md#configerror`` style links resolve on the site (one ``### Name`` section per exception
+    class), and the API pages turn a docstring's ``See docs/troubleshooting.md#name.`` into a link to it."""
+    html = (site / "troubleshooting" / "index.html").read_text()
+    for c in gen_reference.exception_classes():
+        if not c["warning"]:
+            assert f'id="{c["name"].lower()}"' in html, c["name"]
+    api = (site / "reference" / "api" / "jobs-config" / "index.html").read_text()
+    assert '<a href="../../../troubleshooting/#configerror">docs/troubleshooting.md#configerror</a>' in api

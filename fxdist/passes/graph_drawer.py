@@ -44,7 +44,10 @@ _RECORD_ESCAPES = str.maketrans({c: f"\\{c}" for c in '{}<>|"'})
 
 
 class GraphvizNotFoundError(RuntimeError):
-    """Raised when rendering is asked for and Graphviz's ``dot`` binary is not on PATH."""
+    """Raised when rendering is asked for and Graphviz's ``dot`` binary is not on PATH.
+
+    See docs/troubleshooting.md#graphviznotfounderror.
+    """
 
 
 def _escape(text: str) -> str:

@@ -85,7 +85,10 @@ class PassResult(NamedTuple):
 
 
 class PassVerificationError(AssertionError):
-    """A pass changed the outputs of the module beyond ``atol``/``rtol``."""
+    """A pass changed the outputs of the module beyond ``atol``/``rtol``.
+
+    See docs/troubleshooting.md#passverificationerror.
+    """
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ starts, or a trainer's deterministic config/data error: the message names the ke
 job fails; 3 when the optimized phase's loss or AUC differs from the baseline's by more than the
 baseline's own spread (``[phases] parity = "error"``; the results are written all the same); 130 when
 interrupted (Ctrl-C), after writing ``results.json`` with ``"status": "interrupted"``.
+
+An error of the packages ends with a pointer to its section of the troubleshooting page
+(``fxdist: troubleshooting: docs/troubleshooting.md#configerror``): :func:`troubleshooting_section`.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ from typing import Any
 from fxdist import __version__
 from jobs.config import ConfigError, JobConfig, load_config, to_dict
 
-__all__ = ["main", "apply_overrides"]
+__all__ = ["main", "apply_overrides", "troubleshooting_section"]
+
+TROUBLESHOOTING = "docs/troubleshooting.md"
+"""The troubleshooting page, from the repository root: one ``### ClassName`` section per exception class."""
+_PACKAGES = frozenset({"fxdist", "recsys", "scheduling", "quant", "jobs"})
 
 
 def _parse_value(text: str) -> Any:
@@ -125,10 +132,28 @@ def _config(args: argparse.Namespace) -> JobConfig:
     return apply_overrides(load_config(args.config), args.overrides)
 
 
+def troubleshooting_section(e: BaseException) -> str | None:
+    """``docs/troubleshooting.md#<class>`` for ``e``: the first public class of the packages in its MRO (a Ray
+    error wrapping one, ``RayTaskError(PSUnavailableError)``, has it there), else in its ``__cause__`` chain
+    (``raise ... from``); None when no exception of the packages is involved. Every such class has a section
+    (``tests/jobs/test_launcher_cli.py`` checks it against the generated exceptions reference)."""
+    seen: set[int] = set()
+    error: BaseException | None = e
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for cls in type(error).__mro__:
+            if cls.__module__.partition(".")[0] in _PACKAGES and not cls.__name__.startswith("_"):
+                return f"{TROUBLESHOOTING}#{cls.__name__.lower()}"
+        error = error.__cause__
+    return None
+
+
 def _error(e: BaseException, prefix: str = "") -> None:
     print(f"fxdist: {prefix}{e}", file=sys.stderr)
     for note in getattr(e, "__notes__", []):
         print(f"fxdist: {note}", file=sys.stderr)
+    if section := troubleshooting_section(e):
+        print(f"fxdist: troubleshooting: {section}", file=sys.stderr)
 
 
 def _data_synth(lines: int, out: str, *, files: int = 1, gzip_output: bool = False, seed: int = 0,

@@ -59,7 +59,10 @@ QUANTIZABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 class NothingToQuantize(Exception):
     """The traced model has no ``call_module`` node of a :data:`QUANTIZABLE` type (its layers are all inside
-    modules the tracer keeps whole); :func:`compare` reports it as the skip reason."""
+    modules the tracer keeps whole); :func:`compare` reports it as the skip reason.
+
+    See docs/troubleshooting.md#nothingtoquantize.
+    """
 
 
 def rebuild_model(config: JobConfig, state: ModelState) -> nn.Module:

@@ -374,7 +374,10 @@ def _record_data(plan: JobPlan, results: JobResults) -> JobResults:
 
 
 class ParityError(RuntimeError):
-    """The optimized phase's model differs from the baseline's by more than the baseline's own spread."""
+    """The optimized phase's model differs from the baseline's by more than the baseline's own spread.
+
+    See docs/troubleshooting.md#parityerror.
+    """
 
 
 class PhaseComparison(TypedDict, total=False):
@@ -408,7 +411,10 @@ def compare_phases(config: JobConfig, phases: dict[str, PhaseResult]) -> PhaseCo
 
 class JobFailed(RuntimeError):
     """A trainer hit a deterministic error that is not about the config or the data (e.g. the model does
-    not trace): the job stopped on the first attempt, without Ray Train's retries."""
+    not trace): the job stopped on the first attempt, without Ray Train's retries.
+
+    See docs/troubleshooting.md#jobfailed.
+    """
 
 
 def _expect_cluster(config: JobConfig) -> bool:

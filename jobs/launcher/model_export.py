@@ -118,7 +118,10 @@ class ModelRecord(TypedDict, total=False):
 
 class ExportError(RuntimeError):
     """``fxdist export`` cannot rebuild the model folder: no checkpoint, no config, or a checkpoint without the
-    model (the message names the path)."""
+    model (the message names the path).
+
+    See docs/troubleshooting.md#exporterror.
+    """
 
 
 def final_model_state(state: Checkpoint, phase: str | None = None) -> ModelState:

@@ -37,7 +37,10 @@ _CLIENTS_LOCK = threading.Lock()
 
 
 class PSUnavailableError(RuntimeError):
-    """A parameter server did not answer in time, or its connection broke (crash, wrong address)."""
+    """A parameter server did not answer in time, or its connection broke (crash, wrong address).
+
+    See docs/troubleshooting.md#psunavailableerror.
+    """
 
 
 def get_client(name: str) -> "PSClient":

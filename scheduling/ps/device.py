@@ -28,7 +28,10 @@ __all__ = ["to_host", "Lookup", "RowCopyError", "decode"]
 
 
 class RowCopyError(RuntimeError):
-    """Bringing a lookup's rows to the trainer's device failed (decoding, pinning or the copy itself)."""
+    """Bringing a lookup's rows to the trainer's device failed (decoding, pinning or the copy itself).
+
+    See docs/troubleshooting.md#rowcopyerror.
+    """
 
 
 def to_host(t: Any) -> Any:

@@ -32,7 +32,10 @@ _HOW_TO_START = (
 
 
 class NoGroupError(RuntimeError):
-    """No parameter-server group (``torch.distributed.rpc``) is running in this process, or it has no server."""
+    """No parameter-server group (``torch.distributed.rpc``) is running in this process, or it has no server.
+
+    See docs/troubleshooting.md#nogrouperror.
+    """
 
 
 class LocalCluster:

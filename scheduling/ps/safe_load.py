@@ -38,7 +38,10 @@ _registered: list[bool] = []
 
 class CheckpointRefused(pickle.UnpicklingError):
     """A checkpoint needs a type that ``torch.load(weights_only=True)`` may not build (see the module docstring);
-    the file was not loaded. ``path``: the file; ``types``: the names it needs that are not allowed."""
+    the file was not loaded. ``path``: the file; ``types``: the names it needs that are not allowed.
+
+    See docs/troubleshooting.md#checkpointrefused.
+    """
 
     def __init__(self, path: str, types: list[str], detail: str) -> None:
         self.path, self.types = path, types

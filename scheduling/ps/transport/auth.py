@@ -62,7 +62,10 @@ _LOCK = threading.Lock()
 
 
 class AuthenticationError(ConnectionError):
-    """The peer did not prove it holds the job key (or is no fxdist parameter-server endpoint)."""
+    """The peer did not prove it holds the job key (or is no fxdist parameter-server endpoint).
+
+    See docs/troubleshooting.md#authenticationerror.
+    """
 
 
 def new_key() -> bytes:

@@ -74,7 +74,10 @@ _FLAGS = _KIND_MASK | SHM_DATA | SHM_REPLY
 
 class FrameRejected(ValueError):
     """A message refused from its header alone (``reason``: ``"bad_frame"`` or ``"over_limit"``): the connection
-    cannot be read on."""
+    cannot be read on.
+
+    See docs/troubleshooting.md#framerejected.
+    """
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
