@@ -52,10 +52,18 @@ def test_auc_standard_error_matches_the_spread_of_resampled_aucs():
     assert se == pytest.approx(float(torch.tensor(boot).std()), rel=0.25)
 
 
+def _result(loss_series, loss, quality):
+    """A phase's results as the launcher has them (``PhaseResult``): no timings, the loss curve and quality."""
+    from jobs.results import PhaseResult
+
+    return PhaseResult.from_json({"qps": None, "step_p50_ms": None, "step_p99_ms": None, "lookup_p50_ms": None,
+                                  "lookup_p99_ms": None, "loss": loss, "loss_series": loss_series,
+                                  "quality": quality})
+
+
 def _phase(losses, auc_value, rows=1000, positives=250):
     tail = losses[-max(1, len(losses) // 10):]
-    return {"loss_series": losses, "loss": sum(tail) / len(tail),
-            "quality": {"auc": auc_value, "rows": rows, "positives": positives}}
+    return _result(losses, sum(tail) / len(tail), {"auc": auc_value, "rows": rows, "positives": positives})
 
 
 def test_parity_check_accepts_identical_and_close_runs_and_rejects_a_different_model():
@@ -88,7 +96,7 @@ def test_parity_on_rmse_uses_the_baselines_standard_error():
     losses = [1.2 - 0.01 * i + 0.02 * math.sin(i) for i in range(40)]
 
     def phase(series, rmse):
-        return {"loss_series": series, "loss": sum(series[-4:]) / 4, "quality": {"rmse": rmse, "rmse_se": 0.01}}
+        return _result(series, sum(series[-4:]) / 4, {"rmse": rmse, "rmse_se": 0.01})
 
     close = parity_check(phase(losses, 0.95), phase([x + 1e-4 for x in losses], 0.96))
     assert close["ok"] and close["metrics"] == ["rmse"] and "auc" not in close
