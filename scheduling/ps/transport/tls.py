@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ def job_credentials(common_name: str = "fxdist-job") -> TLSCredentials:
 
 
 _JOB_TLS: TLSCredentials | None = None
-_CONTEXTS: dict[tuple[int, bool], ssl.SSLContext] = {}
+_CONTEXTS: dict[tuple[TLSCredentials, bool], ssl.SSLContext] = {}
 
 
 def set_job_tls(creds: TLSCredentials | None) -> None:
@@ -104,7 +105,7 @@ def job_tls() -> TLSCredentials | None:
 
 def _cached(creds: TLSCredentials, server: bool) -> ssl.SSLContext:
     """One context per credentials and side (building one writes and reads its key: not per connection)."""
-    key = (id(creds), server)
+    key = (creds, server)   # by value: an id() could be reused by other credentials once these are gone
     ctx = _CONTEXTS.get(key)
     if ctx is None:
         ctx = _CONTEXTS[key] = server_context(creds) if server else client_context(creds)
@@ -146,7 +147,7 @@ def client_context(creds: TLSCredentials) -> ssl.SSLContext:
     return _context(ssl.Purpose.SERVER_AUTH, creds)
 
 
-def wrap_server(sock: object, ctx: ssl.SSLContext | TLSCredentials, timeout_s: float) -> ssl.SSLSocket:
+def wrap_server(sock: socket.socket, ctx: ssl.SSLContext | TLSCredentials, timeout_s: float) -> ssl.SSLSocket:
     """``sock`` (an accepted ``socket.socket``) wrapped with ``ctx`` (a context, or credentials whose server
     context is built once and kept) and its TLS handshake done within ``timeout_s``;
     the socket is left blocking, with no timeout, as the transport's reader threads expect.
@@ -158,7 +159,7 @@ def wrap_server(sock: object, ctx: ssl.SSLContext | TLSCredentials, timeout_s: f
     return _wrap(ctx if isinstance(ctx, ssl.SSLContext) else _cached(ctx, True), sock, timeout_s, server_side=True)
 
 
-def wrap_client(sock: object, ctx: ssl.SSLContext | TLSCredentials, timeout_s: float) -> ssl.SSLSocket:
+def wrap_client(sock: socket.socket, ctx: ssl.SSLContext | TLSCredentials, timeout_s: float) -> ssl.SSLSocket:
     """``sock`` (a connected ``socket.socket``) wrapped as a TLS client with ``ctx`` (a context, or credentials),
     handshake done within ``timeout_s``.
 
@@ -170,10 +171,7 @@ def wrap_client(sock: object, ctx: ssl.SSLContext | TLSCredentials, timeout_s: f
                  server_side=False)
 
 
-def _wrap(ctx: ssl.SSLContext, sock: object, timeout_s: float, *, server_side: bool) -> ssl.SSLSocket:
-    import socket
-
-    assert isinstance(sock, socket.socket)
+def _wrap(ctx: ssl.SSLContext, sock: socket.socket, timeout_s: float, *, server_side: bool) -> ssl.SSLSocket:
     previous = sock.gettimeout()
     sock.settimeout(timeout_s)
     wrapped = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
