@@ -5,8 +5,8 @@ unpickling cost the server processes more CPU than the table work itself). A ser
 (:mod:`scheduling.ps.transport.socket_server`) listens on a TCP port; every :class:`SocketTransport` of a process shares
 one connection to it (``TCP_NODELAY``), opened on the first request. A message (:mod:`scheduling.ps.transport.socket_wire`)
 is a 16-byte header, the buffer lengths, the arguments pickled with protocol 5 and every dense CPU tensor in them
-as a raw buffer, sent with ``sendmsg`` from the tensor's own memory and received with ``recv_into`` a fresh
-``torch.empty`` (no per-element work, no copy beyond the kernel's).
+as a raw buffer, sent with ``sendmsg`` from the tensor's own memory and received with ``recv_into`` fresh
+memory (``shm_arena.fresh_bytes``: no per-element work, no copy beyond the kernel's).
 
 Where the server runs on the client's host, the connection also has a shared-memory arena
 (:mod:`scheduling.ps.transport.shm_arena`; ``FXDIST_SOCKET_SHM_BYTES``, 0: off): a message whose buffers hold at least

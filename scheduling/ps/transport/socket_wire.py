@@ -11,7 +11,8 @@ A message is
   server's exception) pickled with protocol 5, every dense CPU tensor replaced by an out-of-band buffer
   (:func:`dumps`);
 - the ``n`` buffers (unless in the arena), each a tensor's bytes, sent with ``sendmsg`` from the tensor's own
-  memory and received with ``recv_into`` a fresh ``torch.empty`` (no per-element work, no copy beyond the kernel's).
+  memory and received with ``recv_into`` fresh numpy-backed memory (``shm_arena.fresh_bytes``, which torch cannot
+  resize; no per-element work, no copy beyond the kernel's).
 
 A server reads requests under :class:`FrameLimits` (metadata bytes, buffers, bytes per message, checked against
 the header before anything is allocated; a read timeout once a message has begun) and decodes them, as both
