@@ -345,6 +345,7 @@ TESTED_ELSEWHERE = {
     "quant.models.digits_cnn": "tests/quant/test_fuse_conv_bn.py",
     "quant.models.resnet": "tests/quant/test_fuse_conv_bn.py",
     # jobs: the launcher and its helpers run end to end (Ray) in the job tests
+    "jobs.config_sections": "tests/jobs/test_config.py",             # every key's range and default
     "jobs.config_rules": "tests/jobs/test_dynamic_job.py",           # dynamic_errors (train_errors: test_config.py)
     "jobs.criteo": "tests/jobs/test_trainer_workload.py",
     "jobs.entry": "tests/jobs/test_user_outputs.py",

@@ -106,6 +106,8 @@ OUT_OF_RANGE = [
     ("data", "eval_fraction", 0.9, r"a finite number in \[0, 0\.5\]"),
     ("data", "reader_workers", 65, r"an integer in 0\.\.64"),
     ("data", "eval_max_rows", 0, r"an integer in 1\.\.100_000_000"),
+    ("data", "follow_poll_s", 0.0, r"a finite number in \[0\.01, 60\]"),
+    ("export", "every_steps", -1, r"an integer in 0\.\.1_000_000_000"),
     ("model", "embedding_dim", 10**6, r"an integer in 1\.\.4_096"),
     ("model", "table_size", 1, r"an integer in 2\.\.4_294_967_296"),
     ("model", "table_size", 2**32 + 1, r"an integer in 2\.\.4_294_967_296"),
@@ -295,3 +297,16 @@ def test_tls_is_off_by_default_and_needs_the_socket_transport():
         with pytest.raises(ConfigError, match=rf'\[cluster\] tls = true needs transport = "socket" \(not '
                                               rf"'{transport}'\)"):
             JobConfig().replace(cluster={"tls": True, "transport": transport})
+
+
+def test_every_section_of_jobs_config_sections_is_a_table_of_the_config():
+    import dataclasses
+
+    import jobs.config_sections as sections
+
+    tables = {config_field.name: config_field.type for config_field in dataclasses.fields(JobConfig)
+              if config_field.name != "source"}
+    defined = {name for name in sections.__all__ if name.endswith("Section")}
+    assert set(tables.values()) == defined, "a section class that is not a table of JobConfig, or the other way round"
+    assert JobConfig().export == sections.ExportSection() and JobConfig().export.every_steps == 0
+    assert JobConfig().data.follow is False
