@@ -1,0 +1,125 @@
+"""jobs.deltas: writing, listing, loading and applying deltas of a model (plain torch, no Ray)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from jobs.deltas import (
+    DELTAS_DIR,
+    Delta,
+    DeltaError,
+    DynamicDelta,
+    TableDelta,
+    apply_delta,
+    apply_map,
+    committed_steps,
+    delta_path,
+    latest_step,
+    load_delta,
+    write_delta,
+)
+
+
+def _delta(step: int, rows: list[int], fill: float) -> Delta:
+    r = torch.tensor(rows, dtype=torch.int64)
+    return Delta(step, {"dense.w": torch.full((2, 3), fill)},
+                 {"emb.t.weight": TableDelta(r, torch.full((len(rows), 4), fill))},
+                 {"dyn": DynamicDelta(torch.tensor([7, 9]), torch.tensor([1, 0]), torch.tensor([5]))})
+
+
+def test_write_then_load_round_trips_every_field(tmp_path) -> None:
+    path = write_delta(tmp_path, _delta(10, [0, 3], 1.5), extra={"phase": "optimized"})
+    assert path == delta_path(tmp_path, 10) == tmp_path / DELTAS_DIR / "0000000010"
+    got = load_delta(tmp_path, 10)
+    assert got.step == 10 and got.num_rows == 2
+    assert torch.equal(got.tables["emb.t.weight"].rows, torch.tensor([0, 3]))
+    assert torch.equal(got.tables["emb.t.weight"].values, torch.full((2, 4), 1.5))
+    assert torch.equal(got.dense["dense.w"], torch.full((2, 3), 1.5))
+    assert torch.equal(got.dynamic["dyn"].evicted, torch.tensor([5]))
+    assert '"phase": "optimized"' in (path / "delta.json").read_text()
+    # plain tensors only: torch's weights-only loader reads it
+    assert torch.load(path / "delta.pt", weights_only=True)["step"] == 10
+
+
+def test_committed_steps_are_ascending_and_skip_temporary_folders(tmp_path) -> None:
+    assert committed_steps(tmp_path) == [] and latest_step(tmp_path) is None
+    for step in (5, 20, 15):
+        write_delta(tmp_path, _delta(step, [1], float(step))) if step != 15 else None
+    (tmp_path / DELTAS_DIR / ".tmp-0000000025-abc").mkdir()          # a delta being written
+    (tmp_path / DELTAS_DIR / "0000000030").mkdir()                   # no delta.pt: not committed
+    assert committed_steps(tmp_path) == [5, 20] and latest_step(tmp_path) == 20
+
+
+def test_a_step_at_or_before_the_newest_is_not_rewritten(tmp_path) -> None:
+    write_delta(tmp_path, _delta(10, [0], 1.0))
+    assert write_delta(tmp_path, _delta(10, [1], 2.0)) is None
+    assert write_delta(tmp_path, _delta(5, [1], 2.0)) is None
+    assert torch.equal(load_delta(tmp_path, 10).tables["emb.t.weight"].rows, torch.tensor([0]))
+    assert committed_steps(tmp_path) == [10]
+    assert not [n for n in os.listdir(tmp_path / DELTAS_DIR) if n.startswith(".tmp")]
+
+
+def test_load_raises_a_clear_error_for_missing_or_foreign_files(tmp_path) -> None:
+    with pytest.raises(DeltaError, match="no delta of step 3"):
+        load_delta(tmp_path, 3)
+    folder = delta_path(tmp_path, 3)
+    folder.mkdir(parents=True)
+    torch.save({"format": 99, "step": 3}, folder / "delta.pt")
+    with pytest.raises(DeltaError, match="not a delta of format 1"):
+        load_delta(tmp_path, 3)
+    (folder / "delta.pt").write_bytes(b"not a zip")
+    with pytest.raises(DeltaError, match="not a readable delta"):
+        load_delta(tmp_path, 3)
+
+
+def test_load_refuses_pickled_objects(tmp_path) -> None:
+    from tests._planted import Planted
+
+    folder = delta_path(tmp_path, 4)
+    folder.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    torch.save({"format": 1, "step": 4, "dense": {"x": Planted(str(marker))}}, folder / "delta.pt")
+    with pytest.raises(DeltaError, match="not a readable delta"):
+        load_delta(tmp_path, 4)
+    assert not marker.exists()
+
+
+def test_apply_sets_rows_dense_and_the_id_map_in_place() -> None:
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.zeros(2, 3))
+    state = {"dense.w": module.w, "emb.t.weight": torch.zeros(5, 4)}
+    ids = {"dyn": {"ids": torch.tensor([5, 7]), "slots": torch.tensor([0, 2])}}
+    apply_delta(state, ids, _delta(1, [0, 3], 2.0))
+    assert torch.equal(module.w, torch.full((2, 3), 2.0))                   # shares storage with the module
+    assert torch.equal(state["emb.t.weight"][[0, 3]], torch.full((2, 4), 2.0))
+    assert torch.equal(state["emb.t.weight"][[1, 2, 4]], torch.zeros(3, 4))
+    # 5 evicted, 7 moved from slot 2 to slot 1, 9 admitted at slot 0: sorted by id
+    assert torch.equal(ids["dyn"]["ids"], torch.tensor([7, 9])) and torch.equal(ids["dyn"]["slots"], torch.tensor([1, 0]))
+
+
+def test_apply_map_drops_the_previous_owner_of_a_filled_slot() -> None:
+    old = {"ids": torch.tensor([1, 2, 3]), "slots": torch.tensor([4, 5, 6])}
+    new = apply_map(old, DynamicDelta(torch.tensor([8]), torch.tensor([5])))
+    assert new["ids"].tolist() == [1, 3, 8] and new["slots"].tolist() == [4, 6, 5]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"emb.t.weight": torch.zeros(2, 4)}, "cannot take rows"),                 # row 3 outside 2 rows
+    ({"emb.t.weight": torch.zeros(5, 8)}, "cannot take rows"),                 # width 4 into 8
+    ({}, "table 'emb.t.weight' is not in the state dict"),
+])
+def test_apply_checks_everything_before_writing(bad, match) -> None:
+    state = {"dense.w": torch.zeros(2, 3), **bad}
+    ids = {"dyn": {"ids": torch.tensor([5]), "slots": torch.tensor([0])}}
+    with pytest.raises(DeltaError, match=match):
+        apply_delta(state, ids, _delta(1, [0, 3], 2.0))
+    assert torch.equal(state["dense.w"], torch.zeros(2, 3)) and ids["dyn"]["ids"].tolist() == [5]
+
+
+def test_apply_needs_the_dynamic_tables_map() -> None:
+    state = {"dense.w": torch.zeros(2, 3), "emb.t.weight": torch.zeros(5, 4)}
+    with pytest.raises(DeltaError, match="dynamic table 'dyn'"):
+        apply_delta(state, {}, _delta(1, [0], 1.0))
