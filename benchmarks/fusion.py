@@ -19,7 +19,8 @@ fxdist is faster). Outputs of all variants are checked against eager first (max 
 Allocator: re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (glibc's defaults added
 11-14 % to eager batch-8 latency in page faults) and prints it.
 
-Run: .venv/bin/python benchmarks/fusion.py [--rounds 7] [--threads 1,2] [--batches 1,8]
+Run: .venv/bin/python benchmarks/fusion.py [--rounds 7] [--threads 1,2] [--batches 1,8] [--json PATH]
+(``--json``: the run's record, ``benchmarks/_bench.py``'s ``Record``)
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def build() -> dict:
     t0 = time.perf_counter()
     ref = torch_fx_fuse(trace_resnet(model, fx=torch.fx), no_trace=True)
     ref_s = time.perf_counter() - t0
-    record = fused.meta["fxdist"]["passes"][0]
+    pass_record = fused.meta["fxdist"]["passes"][0]
     print(
-        f"ResNet-50: {len(gm.graph.nodes)} nodes traced; fxdist fuse erased {record['nodes_erased']} BN nodes "
+        f"ResNet-50: {len(gm.graph.nodes)} nodes traced; fxdist fuse erased {pass_record['nodes_erased']} BN nodes "
         f"(+{stems} in the leaf stem) in {ours_s:.2f}s (trace+fuse); torch.fx trace+fuse {ref_s:.2f}s",
         flush=True,
     )
@@ -80,7 +81,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.1, help="seconds per variant per round")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the record (benchmarks/_bench.py)")
     args = parser.parse_args()
+    record = _bench.Record("fusion", "ResNet-50 (224x224) eval latency after conv-bn fusion",
+                           {"rounds": args.rounds, "budget_s": args.budget,
+                            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_")})
+    record.group("vs_fx", "fxdist quant.fuse vs torch.fx optimization.fuse", "torch.fx fused", "ms")
+    record.group("vs_eager", "fxdist quant.fuse vs the unfused model", "eager", "ms")
+    record.group("onednn", "fxdist fold + oneDNN post-ops vs the unfused model", "eager", "ms")
     print(f"torch {torch.__version__}, MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}, "
           f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f} (shared cores: expect noise)")
     torch.set_num_threads(1)
@@ -91,6 +99,8 @@ def main() -> None:
         ref = variants["eager"](x)
         diffs = {k: float((m(x) - ref).abs().max()) for k, m in variants.items() if k != "eager"}
     print("max |output - eager| (logits ~1e2): " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    record.note("max |output - eager| (logits ~1e2): " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    record.note("torch.fx paper §6.2.2: 18 % lower latency single-threaded, 40 % multi-threaded (their CPU)")
     results = []
     for threads in [int(v) for v in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -111,6 +121,14 @@ def main() -> None:
             vs = _median_ratio(samples["torch.fx fused"], samples["fxdist fused"])
             post = 1 - _median_ratio(samples["fxdist+oneDNN"], samples["eager"])
             results.append((threads, batch, ours, theirs, med, post))
+            label = f"{threads} thread{'s' if threads > 1 else ''}, batch {batch}"
+            record.row("vs_fx", label, med["fxdist fused"], med["torch.fx fused"],
+                       _median_ratio(samples["fxdist fused"], samples["torch.fx fused"]),
+                       _bench.paired(samples["fxdist fused"], samples["torch.fx fused"]))
+            record.row("vs_eager", label, med["fxdist fused"], med["eager"], 1 - ours,
+                       _bench.paired(samples["fxdist fused"], samples["eager"]))
+            record.row("onednn", label, med["fxdist+oneDNN"], med["eager"], 1 - post,
+                       _bench.paired(samples["fxdist+oneDNN"], samples["eager"]))
             print(
                 f"threads {threads}  batch {batch}  eager {med['eager']:8.1f} ms  fxdist {med['fxdist']:8.1f} ms  "
                 f"fxdist fused {med['fxdist fused']:8.1f} ms  torch.fx fused {med['torch.fx fused']:8.1f} ms  "
@@ -123,6 +141,7 @@ def main() -> None:
     print("single-threaded latency reduction vs eager (paper: 18%): conv-bn fold "
           + ", ".join(f"{a:.1%}" for a, _ in single) + "; fold + oneDNN post-ops "
           + ", ".join(f"{b:.1%}" for _, b in single) + f"; load average at the end {os.getloadavg()[0]:.1f}")
+    record.write(args.json)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ A second table times one forward call of a module-heavy model (nested Sequential
 layers, the case where torch.fx's ``getattr(getattr(self.layer1, "0"), ...)`` chains cost most)
 for eager PyTorch, torch.fx and fxdist.
 
-Usage: .venv/bin/python benchmarks/ir.py [--nodes 10000] [--reps 7]
+Usage: .venv/bin/python benchmarks/ir.py [--nodes 10000] [--reps 7] [--json PATH]  (``--json``: the run's record,
+``benchmarks/_bench.py``'s ``Record``)
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch.fx
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _bench  # noqa: E402  (this folder is sys.path[0])
 
 import fxdist  # noqa: E402
 
@@ -127,13 +130,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the record (benchmarks/_bench.py)")
     args = parser.parse_args()
+    record = _bench.Record("ir", "Graph IR: build, python_code, recompile; forward of a module-heavy model",
+                           {"nodes": args.nodes, "reps": args.reps, "forward threads": 1})
+    record.group("ir", f"a {args.nodes}-node graph", "torch.fx", "ms")
+    record.group("forward", "forward of nested Sequentials, per call", "torch.fx", "µs")
+    record.group("forward_eager", "forward of nested Sequentials, per call", "eager", "µs")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {args.nodes} nodes, "
           f"median of {args.reps} alternating reps")
     print(f"{'phase':<24}{'fxdist ms':>12}{'torch.fx ms':>14}{'ratio':>8}")
     for phase, per_lib in ir_phases(args.nodes, args.reps).items():
         ours, theirs = statistics.median(per_lib["fxdist"]), statistics.median(per_lib["torch.fx"])
         print(f"{phase:<24}{ours * 1e3:>12.1f}{theirs * 1e3:>14.1f}{ours / theirs:>8.2f}")
+        record.row("ir", phase, ours * 1e3, theirs * 1e3, spread=_bench.paired(per_lib["fxdist"], per_lib["torch.fx"]))
     n_calls, fwd = forward_phase(args.reps)
     eager = statistics.median(fwd["eager"])
     print(f"\nforward of a module-heavy model ({n_calls} call_module nodes, 1 thread), per call")
@@ -143,6 +153,12 @@ def main() -> None:
         print(f"{name:<14}{t * 1e6:>10.0f}{t / eager:>10.2f}")
     ratio = statistics.median(fwd["fxdist"]) / statistics.median(fwd["torch.fx"])
     print(f"fxdist / torch.fx forward: {ratio:.2f}")
+    label = f"{n_calls} call_module nodes"
+    record.row("forward", label, statistics.median(fwd["fxdist"]) * 1e6, statistics.median(fwd["torch.fx"]) * 1e6,
+               spread=_bench.paired(fwd["fxdist"], fwd["torch.fx"]))
+    record.row("forward_eager", label, statistics.median(fwd["fxdist"]) * 1e6, eager * 1e6,
+               spread=_bench.paired(fwd["fxdist"], fwd["eager"]))
+    record.write(args.json)
 
 
 if __name__ == "__main__":

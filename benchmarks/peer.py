@@ -100,7 +100,8 @@ Loss agreement is a weak check here: the labels are random and SGD at lr 0.05 ha
 ``|W-W0|`` compares the tables' training itself.
 
 Run: ``.venv/bin/python benchmarks/peer.py [--rounds 3 --steps 60 --warmup 5 --sizes 10000x16 10000x64
-1000000x16 1000000x64] [--systems ...]``; ``--quick``: one size, one round, 8 steps (a smoke run). The 1e6-row
+1000000x16 1000000x64] [--systems ...] [--json PATH]`` (``--json``: the run's record, ``benchmarks/_bench.py``'s
+``Record``); ``--quick``: one size, one round, 8 steps (a smoke run). The 1e6-row
 sizes hold 26 x 1e6 x D float32 per copy (6.7 GB at D=64; ``ddp_local`` holds one per trainer).
 
 Allocator: runs with ``MALLOC_MMAP_THRESHOLD_=33554432`` (re-executes itself; fewer page faults) and
@@ -418,6 +419,31 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
                   f"median {statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
 
 
+def record_size(record: _bench.Record, size: str, found: dict[str, list[dict]]) -> None:
+    """``--json``: one size's QPS of every fxdist system against ``dmp_tw``'s (round by round) and, where
+    ``dense_only`` ran, against that ceiling; DMP's own fraction of the ceiling and the fxdist systems' largest
+    final-loss difference to DMP as notes."""
+    for peer, key, title in (("dmp_tw", f"dmp_{size}", f"{size} tables: QPS vs torchrec DMP table-wise"),
+                             ("dense_only", f"ceiling_{size}", f"{size} tables: QPS vs the ceiling (no tables)")):
+        base = [r for r in found.get(peer, []) if "error" not in r]
+        if not base:
+            continue
+        record.group(key, title, peer, "samples/s", lower_is_better=False)
+        for name, runs in found.items():
+            ratios = _ratios(runs, found[peer])
+            ok = [r["qps"] for r in runs if "error" not in r]
+            if ratios and name.startswith("fx_"):
+                record.row(key, name, statistics.median(ok), statistics.median(r["qps"] for r in base),
+                           statistics.median(ratios), ratios)
+    if found.get("dmp_tw") and found.get("dense_only") and (f := _ratios(found["dmp_tw"], found["dense_only"])):
+        record.note(f"{size}: dmp_tw's own fraction of the ceiling {statistics.median(f):.2f} "
+                    f"({min(f):.2f}-{max(f):.2f})")
+    fx = [r for n, runs in found.items() if n.startswith("fx_") and not systems.dynamic_tables(n) for r in runs]
+    loss = _max_diff(fx, found.get("dmp_tw", []), "last_loss")
+    if loss is not None:
+        record.note(f"{size}: max |fxdist final loss - dmp_tw final loss| = {loss:.1e} over systems and rounds")
+
+
 default_servers = systems.default_servers
 """``--servers``'s default (:func:`_peer_systems.default_servers`)."""
 
@@ -448,6 +474,8 @@ def main() -> None:
     p.add_argument("--malloc-trim-threshold", type=int, default=64 << 20, metavar="BYTES",
                    help="glibc's MALLOC_TRIM_THRESHOLD_ for every process (default 64 MiB: twice the fixed mmap "
                         "threshold, as glibc's dynamic rule would set it; 131072 is glibc's default)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the run's record (benchmarks/_bench.py's Record: QPS vs dmp_tw and the ceiling)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where --profile and --cpu-account write their files (default runs/peer-<time>)")
     args = p.parse_args()
@@ -468,6 +496,10 @@ def main() -> None:
           f"fxdist servers: {args.servers} at nice {args.server_nice} (fx_nice<N>_*: N; fx_inproc_*: {systems.WORLD}, "
           f"in the trainers); {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed "
           "steps); progress on stderr")
+    record = _bench.Record("peer", "Parameter servers vs torchrec DistributedModelParallel (DLRM, 26 tables)",
+                           {"trainers": systems.WORLD, "batch per trainer": systems.BATCH, "rounds": args.rounds,
+                            "steps": args.steps, "warmup": args.warmup, "servers": args.servers,
+                            "transport": "socket", "torchrec": torchrec.__version__})
     signal.signal(signal.SIGTERM, _on_sigterm)
     with filtered_stderr(NOISE):   # the runs' processes inherit it
         for size in args.sizes:
@@ -476,10 +508,12 @@ def main() -> None:
             rows, dim = (int(x) for x in size.lower().split("x"))
             found = measure(rows, dim, args.systems, args)
             report(size, found)
+            record_size(record, size, found)
             ceiling(found)
             profile_table(found, args.run_dir)
             cpu_table(size, found, args.run_dir)
     print(f"\nload average at end {os.getloadavg()}")
+    record.write(args.json)
 
 
 if __name__ == "__main__":

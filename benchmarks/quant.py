@@ -18,7 +18,8 @@ variant ("selected": fp32 where no layer pays); selected = fp32 / selected laten
 Allocator: the script re-executes itself with MALLOC_MMAP_THRESHOLD_=33554432 (glibc's default returns
 large blocks to the OS and page-faults on every batch) and prints it.
 
-Run: .venv/bin/python benchmarks/quant.py [--epochs 8] [--rounds 7] [--items 1682,17768]
+Run: .venv/bin/python benchmarks/quant.py [--epochs 8] [--rounds 7] [--items 1682,17768] [--json PATH]
+(``--json``: the run's record, ``benchmarks/_bench.py``'s ``Record``)
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _median_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def build(n_items: int, epochs: int, data_path: Path | None) -> dict:
+def build(n_items: int, epochs: int, data_path: Path | None, record: _bench.Record) -> dict:
     torch.set_num_threads(1)  # training and calibration: one thread is faster on the shared 2-core box
     data = load_movielens(data_path, n_items=n_items)
     t0 = time.perf_counter()
@@ -84,13 +85,13 @@ def build(n_items: int, epochs: int, data_path: Path | None) -> dict:
     selected, selection = quant.select_int8(fx.symbolic_trace(fp32), calib)
     print(selection, flush=True)
     x = data.train[:256]
-    print(
-        f"n_items={n_items}: trained {epochs} epochs in {train_s:.1f}s; quantize fxdist {ours_s:.1f}s, "
-        f"torch.ao {ao_s:.1f}s; test RMSE fp32 {rmse(fp32, data):.4f}, fxdist int8 {rmse(ours, data):.4f}, "
-        f"torch.ao int8 {rmse(ao, data):.4f}; rel. output error fxdist {_relative_error(ours, fp32, x):.4f}, "
-        f"torch.ao {_relative_error(ao, fp32, x):.4f}",
-        flush=True,
-    )
+    accuracy = (f"test RMSE fp32 {rmse(fp32, data):.4f}, fxdist int8 {rmse(ours, data):.4f}, "
+                f"torch.ao int8 {rmse(ao, data):.4f}; rel. output error fxdist {_relative_error(ours, fp32, x):.4f}, "
+                f"torch.ao {_relative_error(ao, fp32, x):.4f}")
+    print(f"n_items={n_items}: trained {epochs} epochs in {train_s:.1f}s; quantize fxdist {ours_s:.1f}s, "
+          f"torch.ao {ao_s:.1f}s; {accuracy}", flush=True)
+    chosen = sum(1 for c in selection.layers if c.chosen)
+    record.note(f"n_items {n_items}: {accuracy}; select_int8 chose int8 for {chosen} of {len(selection.layers)} layers")
     return {"data": data, "variants": {"fp32": fp32, "fxdist": ours, "torch.ao": ao, "selected": selected}}
 
 
@@ -103,14 +104,22 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--data", type=Path, default=None, help="movielens-100k folder (default ../shared/data)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the record (benchmarks/_bench.py)")
     args = parser.parse_args()
+    record = _bench.Record("quant", "DeepRecommender int8 on MovieLens-100K: fxdist vs torch.ao and fp32 eager",
+                           {"epochs": args.epochs, "rounds": args.rounds, "budget_s": args.budget,
+                            "quantized engine": torch.backends.quantized.engine,
+                            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_")})
+    record.group("vs_ao", "fxdist int8 vs torch.ao quantize_fx int8 (x86 QConfigMapping)", "torch.ao int8", "ms")
+    record.group("vs_fp32", "fxdist int8 vs fp32 eager", "fp32 eager", "ms")
+    record.group("selected", "select_int8's per-layer choice vs fp32 eager", "fp32 eager", "ms")
     print(f"torch {torch.__version__}, quantized engine {torch.backends.quantized.engine}, ISA {quant.cpu_isa()}, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}, cpus {os.cpu_count()}, "
           f"load average {os.getloadavg()[0]:.1f} (other jobs share these cores: expect noise)")
     rows = []
     for n_items in [int(v) for v in args.items.split(",")]:
         epochs = args.epochs if n_items < 4000 else max(2, args.epochs // 3)  # the wide model is 9x costlier
-        built = build(n_items, epochs, args.data)
+        built = build(n_items, epochs, args.data, record)
         variants, data = built["variants"], built["data"]
         for threads in [int(v) for v in args.threads.split(",")]:
             torch.set_num_threads(threads)
@@ -129,6 +138,13 @@ def main() -> None:
                 vs_ao = _median_ratio(samples["torch.ao"], samples["fxdist"])
                 selected = _median_ratio(samples["fp32"], samples["selected"])
                 rows.append((n_items, threads, batch, speedup, vs_ao))
+                label = f"{n_items} items, {threads} thread{'s' if threads > 1 else ''}, batch {batch}"
+                record.row("vs_ao", label, med["fxdist"], med["torch.ao"], 1 / vs_ao,
+                           _bench.paired(samples["fxdist"], samples["torch.ao"]))
+                record.row("vs_fp32", label, med["fxdist"], med["fp32"], 1 / speedup,
+                           _bench.paired(samples["fxdist"], samples["fp32"]))
+                record.row("selected", label, med["selected"], med["fp32"], 1 / selected,
+                           _bench.paired(samples["selected"], samples["fp32"]))
                 print(
                     f"n_items {n_items:>5}  threads {threads}  batch {batch:>3}  fp32 {med['fp32']:8.3f} ms  "
                     f"fxdist int8 {med['fxdist']:8.3f} ms  torch.ao int8 {med['torch.ao']:8.3f} ms  "
@@ -141,6 +157,7 @@ def main() -> None:
     print(f"best speedup over fp32: {best:.2f}x (paper: up to 3.3x); torch.ao/fxdist latency ratio: "
           f"min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, max {max(ratios):.2f}")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    record.write(args.json)
 
 
 if __name__ == "__main__":

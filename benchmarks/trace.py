@@ -11,7 +11,8 @@ For each model (torchrec DLRM, transformers ResNet-50 and 2-layer BERT, a 200-la
 Prints times and the fxdist/torch.fx and GM/eager ratios. Goals: capture <= 1.0x torch.fx; fxdist
 forward no slower than eager. Same leaves and wrappers as tests/fx/test_differential_models.py.
 
-Run: ``.venv/bin/python benchmarks/trace.py [--repeats 11] [--calls 200]``
+Run: ``.venv/bin/python benchmarks/trace.py [--repeats 11] [--calls 200] [--json PATH]`` (``--json``: the run's
+record, ``benchmarks/_bench.py``'s ``Record``)
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch.fx
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _bench  # noqa: E402  (this folder is sys.path[0])
 
 import fxdist as fx  # noqa: E402
 from tests._differential import make_tracers  # noqa: E402
@@ -92,7 +95,7 @@ def _per_call_us(fn: Callable[..., Any], inputs: tuple[Any, ...], calls: int) ->
 
 
 def bench_model(name: str, model: nn.Module, inputs: tuple[Any, ...], leaves: tuple[type, ...],
-                repeats: int, calls: int) -> dict[str, float]:
+                repeats: int, calls: int, record: _bench.Record | None = None) -> dict[str, float]:
     ours_cls, theirs_cls = make_tracers(leaves)
     times: dict[str, list[float]] = {k: [] for k in ("ours", "theirs", "ours_rc", "theirs_rc")}
     for i in range(repeats + 1):  # first round is warm-up
@@ -132,6 +135,15 @@ def bench_model(name: str, model: nn.Module, inputs: tuple[Any, ...], leaves: tu
     print(f"            torch.fx/eager {fmed['torch.fx'] / fmed['eager']:.3f}x  "
           f"fxdist/eager {fmed['fxdist'] / fmed['eager']:.3f}x  "
           f"fxdist/torch.fx {fmed['fxdist'] / fmed['torch.fx']:.3f}x")
+    if record is not None:
+        label = f"{name} ({n_ours} nodes)"
+        record.row("capture", label, med["ours"], med["theirs"], spread=_bench.paired(times["ours"], times["theirs"]))
+        record.row("recompile", label, med["ours_rc"], med["theirs_rc"],
+                   spread=_bench.paired(times["ours_rc"], times["theirs_rc"]))
+        record.row("forward_eager", label, fmed["fxdist"], fmed["eager"],
+                   spread=_bench.paired(fwd["fxdist"], fwd["eager"]))
+        record.row("forward_fx", label, fmed["fxdist"], fmed["torch.fx"],
+                   spread=_bench.paired(fwd["fxdist"], fwd["torch.fx"]))
     return {"capture_ratio": med["ours"] / med["theirs"], "recompile_ratio": med["ours_rc"] / med["theirs_rc"],
             "forward_vs_eager": fmed["fxdist"] / fmed["eager"]}
 
@@ -141,7 +153,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=11, help="timed rounds per measurement (median)")
     parser.add_argument("--calls", type=int, default=200, help="forward calls per timed round")
     parser.add_argument("--models", default="dlrm,resnet50,bert2,mlp200")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the record (benchmarks/_bench.py)")
     args = parser.parse_args()
+    record = _bench.Record("trace", "FX capture and GraphModule call overhead: fxdist vs torch.fx and eager",
+                           {"repeats": args.repeats, "calls": args.calls, "threads": 1,
+                            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset")})
+    record.group("capture", "symbolic_trace + GraphModule", "torch.fx", "ms")
+    record.group("recompile", "GraphModule.recompile", "torch.fx", "ms")
+    record.group("forward_eager", "forward on a tiny input, fxdist GraphModule vs eager", "eager", "µs")
+    record.group("forward_fx", "forward on a tiny input, fxdist vs torch.fx GraphModule", "torch.fx", "µs")
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, MALLOC_MMAP_THRESHOLD_="
           f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}, repeats={args.repeats}, calls={args.calls}")
@@ -149,11 +169,12 @@ def main() -> None:
     results = {}
     for name, model, inputs, leaves in _models():
         if name in wanted:
-            results[name] = bench_model(name, model, inputs, leaves, args.repeats, args.calls)
+            results[name] = bench_model(name, model, inputs, leaves, args.repeats, args.calls, record)
     print("\nsummary (fxdist / torch.fx for capture and recompile; fxdist GM / eager for forward):")
     for name, r in results.items():
         print(f"  {name:9s} capture {r['capture_ratio']:.2f}x  recompile {r['recompile_ratio']:.2f}x  "
               f"forward {r['forward_vs_eager']:.3f}x eager")
+    record.write(args.json)
 
 
 if __name__ == "__main__":
