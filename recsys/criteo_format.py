@@ -351,22 +351,23 @@ def _natural_key(path: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
 
 
-def data_files(path: str | Path) -> list[Path]:
+def data_files(path: str | Path, *, allow_empty: bool = False) -> list[Path]:
     """The Criteo files ``path`` names: a file; a directory (its files, not hidden ones, in natural order:
-    ``day_0, day_1, ..., day_23``); or a glob (``data/day_*.gz``), in natural order.
+    ``day_0, day_1, ..., day_23``); or a glob (``data/day_*.gz``), in natural order. ``allow_empty``: a directory
+    or glob without files gives ``[]`` (a stream whose files have not arrived yet, :mod:`recsys.criteo_follow`).
 
     Raises:
-        DataError: no such file, or a directory or glob without files.
+        DataError: no such file, or a directory or glob without files (unless ``allow_empty``).
     """
     text = str(path)
     path = Path(path).expanduser()
     if any(c in text for c in "*?["):
         files = [p for p in map(Path, glob.glob(str(path))) if p.is_file()]
-        if not files:
+        if not files and not allow_empty:
             raise DataError(f"{text}: the pattern matches no file")
     elif path.is_dir():
         files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
-        if not files:
+        if not files and not allow_empty:
             raise DataError(f"{path}: the directory holds no data file")
     else:
         return [path]

@@ -129,7 +129,8 @@ class CriteoStream:
     def __init__(self, files: Sequence[str], sizes: Sequence[int], *, rank: int = 0, world_size: int = 1,
                  every: int = 0, workers: int = 1, rows_per_epoch: int | None = None,
                  chunk_bytes: int = CHUNK_BYTES, on_chunk: Callable[[ReaderStats], None] | None = None) -> None:
-        self.dataset = _TrainChunks(files, sizes, rank, world_size, every, chunk_bytes)
+        self.dataset: torch.utils.data.IterableDataset = _TrainChunks(files, sizes, rank, world_size, every,
+                                                                      chunk_bytes)
         self.workers, self.rows_per_epoch, self.on_chunk = workers, rows_per_epoch, on_chunk
         self.lines, self.rows, self.parse_seconds, self.malformed = 0, 0, 0.0, Counter[str]()
         self._loaders: list[Any] = []
