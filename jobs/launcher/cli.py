@@ -8,6 +8,7 @@ Usage::
     fxdist config [CONFIG.toml]          # print the effective config as TOML-like text
     fxdist data synth --lines N --out DIR [--files K] [--gzip] [--seed S] [--max-cardinality C]
     fxdist export RUN_DIR [--checkpoint PATH]   # rebuild RUN_DIR/model/ (the trained model) from a checkpoint
+    fxdist serve RUN_DIR [--host H] [--port P] [--metrics-port M] [--poll-s S]   # serve it over HTTP (Ray Serve)
 
 Without ``CONFIG`` the bundled ``jobs/default.toml`` runs: DLRM on the Criteo sample
 (../shared/data/criteo/train_examples.txt, or generated Criteo-format data when absent), 2 trainers,
@@ -98,6 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", metavar="PATH", help="a checkpoint of the run (a state.pt, or the "
                                                             "ray/train/checkpoint_* folder holding one); default: "
                                                             "the latest")
+    serve = sub.add_parser("serve", help="serve RUN_DIR/model/ over HTTP with Ray Serve (POST /predict, GET /step), "
+                                         "applying the run's deltas as the job commits them")
+    serve.add_argument("run", metavar="RUN_DIR", help="a run folder of fxdist launch (or its model/ folder)")
+    serve.add_argument("--host", default="127.0.0.1", help="address of the HTTP proxy and the metrics (default: "
+                                                          "loopback; another address is reachable from the network)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port of the predictions")
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port of the replica "
+                                                                     "(default: --port + 1; 0: a free one)")
+    serve.add_argument("--poll-s", type=float, default=1.0, help="seconds between looks for new deltas")
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write synthetic Criteo-format data (Zipf ids, Criteo Kaggle's "
                                           "per-feature cardinalities, learnable labels; see recsys/criteo_synth.py)")
@@ -192,6 +202,27 @@ def _export(run: str, checkpoint: str | None) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """``fxdist serve``: :func:`jobs.launcher.serving.serve_run` until interrupted; 2 for a run it cannot serve, 130
+    when interrupted (the normal end), 1 when serving fails."""
+    from jobs.launcher.serving import ServeError, serve_run
+
+    if args.poll_s <= 0:
+        _error(ValueError(f"--poll-s must be positive, got {args.poll_s}"))
+        return 2
+    try:
+        serve_run(args.run, host=args.host, port=args.port, metrics_port=args.metrics_port, poll_s=args.poll_s)
+    except (ServeError, ConfigError, OSError) as e:
+        _error(e)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        _error(e, f"serving failed: {type(e).__name__}: ")
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fxdist`` console script (exit status: see the module docstring)."""
     from recsys.criteo_format import DataError
@@ -206,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if args.command == "export":
         return _export(args.run, args.checkpoint)
+    if args.command == "serve":
+        return _serve(args)
     try:
         config = _config(args)
     except (ConfigError, FileNotFoundError) as e:
