@@ -114,7 +114,7 @@ def resolve(spec: str, key: str, source: str = "<config>") -> Callable:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises while importing
-        raise ConfigError(f"{where}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{where}: cannot import {module_name!r}: {type(e).__name__}: {e}{_path_hint(e, module_name)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{where}: {module_name!r} has no attribute {attr!r}")
@@ -122,6 +122,15 @@ def resolve(spec: str, key: str, source: str = "<config>") -> Callable:
     if not callable(obj):
         raise ConfigError(f"{where}: {attr!r} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def _path_hint(e: Exception, module_name: str) -> str:
+    """What to do when the entry point's own package (not a module it imports) is not on ``sys.path``."""
+    missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    if not missing or not (module_name == missing or module_name.startswith(f"{missing}.")):
+        return ""
+    return (f" (Python finds {missing!r} only on sys.path: run fxdist from the folder that holds it with "
+            f"PYTHONPATH=$PWD, or pip install it; the Ray workers import it too)")
 
 
 def _takes(fn: Callable, count: int) -> bool:

@@ -250,3 +250,24 @@ def test_the_int8_model_is_exported_or_model_json_says_why(tmp_path):
         assert "model_int8.pt2" not in record["files"] and not (tmp_path / "model" / "model_int8.pt2").exists()
     else:
         assert record["exports"]["int8"] == {"file": "model_int8.pt2", "max_abs_diff": 0.0}
+
+
+def test_torchrecs_notice_of_a_non_strict_kjt_export_is_not_shown(tmp_path, caplog):
+    import logging
+
+    from jobs.launcher.model_export import _export
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            logging.getLogger().warning("Trying to non-strict torch.export KJT to_dict, which is extremely slow and "
+                                        "not recommended!")   # what torchrec logs on the root logger
+            logging.getLogger().warning("another warning")
+            return x * 2
+
+    filters = list(logging.getLogger().filters)
+    with caplog.at_level(logging.WARNING):
+        record = _export(Noisy(), (torch.ones(3),), tmp_path / "model.pt2")
+    assert record == {"file": "model.pt2", "max_abs_diff": 0.0}
+    messages = [r.getMessage() for r in caplog.records]
+    assert "another warning" in messages and not any("non-strict torch.export KJT" in m for m in messages)
+    assert logging.getLogger().filters == filters   # removed again after the export

@@ -290,7 +290,8 @@ def _launch(tmp_path, capsys, *sets: str) -> tuple[int, str]:
 @pytest.mark.parametrize("sets, message", [
     ((f'model.factory="{HERE}:make_model"',), r"\[model\] factory is set but \[data\] batches is not"),
     (('model.factory="no_such_pkg.models:make"', f'data.batches="{HERE}:batches"'),
-     r"\[model\] factory = 'no_such_pkg.models:make': cannot import 'no_such_pkg.models': ModuleNotFoundError"),
+     r"\[model\] factory = 'no_such_pkg.models:make': cannot import 'no_such_pkg.models': ModuleNotFoundError: .*"
+     r"\(Python finds 'no_such_pkg' only on sys.path: run fxdist from the folder that holds it with PYTHONPATH=\$PWD"),
     ((f'model.factory="{HERE}:missing"', f'data.batches="{HERE}:batches"'),
      r"\[model\] factory = '.*:missing': 'tests.jobs.test_user_model' has no attribute 'missing'"),
     (('model.factory="make_model"', f'data.batches="{HERE}:batches"'),

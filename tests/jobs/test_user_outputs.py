@@ -277,3 +277,18 @@ def test_an_op_error_in_generated_code_counts_as_your_forward_and_a_library_erro
     with pytest.raises(ValueError) as info:
         parse_config({"model": {"server_storage": "int4"}})       # raised by jobs.config: not yours
     assert user_error_frame(info.value) is None
+
+
+def test_an_entry_point_package_not_on_the_path_says_how_to_put_it_there(tmp_path, monkeypatch):
+    from jobs.entry import resolve
+
+    with pytest.raises(ConfigError, match=r"No module named 'mypkg' \(Python finds 'mypkg' only on sys.path: run "
+                                          r"fxdist from the folder that holds it with PYTHONPATH=\$PWD"):
+        resolve("mypkg.models:make_model", "[model] factory")
+    # the package is found but imports a missing module: that is its own error, with no hint about the path
+    (tmp_path / "mypkg_hint").mkdir()
+    (tmp_path / "mypkg_hint" / "models.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        resolve("mypkg_hint.models:make_model", "[model] factory")
+    assert "No module named 'no_such_dependency'" in str(info.value) and "PYTHONPATH" not in str(info.value)
