@@ -9,6 +9,9 @@
 * ``on_files`` also adds the pictures of the async split and prefetch (``docs/gen_diagrams.py``: the real graphs
   of a small model before and after the pass, drawn by fxdist's graph drawer with Graphviz) as
   ``concepts/img/*.svg``, so the site needs no diagram script from a CDN.
+* ``on_page_markdown`` fills the Benchmarks page's ``<!-- benchmark: NAME -->`` markers with the tables of the
+  benchmarks' JSON records in ``benchmarks/results/`` (``docs/gen_benchmarks.py``), and ``on_files`` adds their
+  plots (SVG, drawn with matplotlib) as ``assets/benchmarks/*.svg``.
 * ``on_page_content`` links an exception's ``See docs/troubleshooting.md#name.`` (the path a user of the
   repository has, which ``fxdist`` also prints) to that section on the reference pages.
 """
@@ -24,6 +27,7 @@ from mkdocs.structure.files import File, Files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gen_benchmarks  # noqa: E402
 import gen_diagrams  # noqa: E402
 import gen_reference  # noqa: E402
 
@@ -46,12 +50,16 @@ def on_config(config: Any) -> Any:
 def on_files(files: Files, config: Any) -> Files:
     for path, text in gen_reference.pages().items():
         files.append(File.generated(config, path, content=text))
+    for path, svg in gen_benchmarks.plots().items():
+        files.append(File.generated(config, path, content=svg))
     for name, svg in gen_diagrams.diagrams().items():
         files.append(File.generated(config, f"concepts/img/{name}", content=svg))
     return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    if page.file.src_uri == "benchmarks.md":
+        return gen_benchmarks.render(markdown)
     if page.file.src_uri != "security.md":
         return markdown
     pages = _security_pages(config)

@@ -25,8 +25,10 @@ def runnable_blocks(path: Path) -> list[str]:
 
 
 def built_site() -> Path:
-    """``build/site`` as ``make docs`` leaves it; built here (strict) when absent or older than a docs source."""
-    sources = [ROOT / "mkdocs.yml", ROOT / "SECURITY.md", *DOCS.rglob("*")]
+    """``build/site`` as ``make docs`` leaves it; built here (strict) when absent or older than a docs source or
+    a benchmark record (``benchmarks/results/*.json``)."""
+    sources = [ROOT / "mkdocs.yml", ROOT / "SECURITY.md", *DOCS.rglob("*"),
+               *(ROOT / "benchmarks" / "results").glob("*.json")]   # the Benchmarks page's records
     newest = max(p.stat().st_mtime for p in sources if p.is_file())
     index = SITE / "index.html"
     if not index.is_file() or index.stat().st_mtime < newest:
