@@ -155,10 +155,10 @@ def _decode(value: Any, like: Any, where: str) -> Any:
         if value is not None:
             raise RequestError(f"{where}: expected null")
         return None
-    kind = float if type(like) is float else type(like)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    kind: Any = (int, float) if type(like) is float else type(like)  # JSON writes 2.0 as 2
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise RequestError(f"{where}: expected a {type(like).__name__}, got {type(value).__name__}")
-    return float(value) if kind is float else value
+    return float(value) if type(like) is float else value
 
 
 def decode_inputs(inputs: Any, sample: Sequence[Any]) -> tuple[Any, ...]:

@@ -1,0 +1,118 @@
+"""jobs.launcher.serving: ``fxdist serve`` on Ray Serve, over HTTP on a free loopback port.
+
+Run folders written without a job (tests/jobs/_serving.py): the served DLRM answers as the eager model bit for bit,
+follows the deltas written next to it (the served step advances, the answers become the eager model's with the
+deltas applied), answers bad bodies with 400 and counts everything in its Prometheus metrics; a user model answers
+its output structure. The command line refuses what it cannot serve before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from jobs import deltas
+from jobs.launcher import serving
+from jobs.launcher.cli import main
+from scheduling.ps.transport.ports import free_port
+from tests.jobs._serving import ROWS, T_C1, dlrm_reference, dlrm_run, two_tower_run
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _call(url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _until(check, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def serve_port(ray_session):
+    """Ray Serve's HTTP proxy on a free loopback port, for the module's applications; shut down after them."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+def test_the_served_dlrm_answers_follows_deltas_and_counts(serve_port, tmp_path):
+    config, model = dlrm_run(tmp_path / "run", step=0)
+    served = serving.start(tmp_path / "run", port=serve_port, metrics_port=0, poll_s=0.1, name="dlrm",
+                           route_prefix="/dlrm")
+    assert served.url == f"http://127.0.0.1:{serve_port}/dlrm" and served.step == 0
+    code, answer = _call(served.url + "/predict", {"rows": ROWS})
+    assert code == 200 and answer["step"] == 0
+    assert torch.equal(torch.tensor(answer["logits"], dtype=torch.float32), dlrm_reference(config, model, ROWS))
+
+    folder = tmp_path / "run" / "model"
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    dense = {k: v * 1.5 for k, v in state.items() if ".embedding_bags." not in k}
+    deltas.write_delta(folder, deltas.Delta(4, dense, {f"{T_C1}.weight": deltas.TableDelta(
+        torch.tensor([0, 3]), torch.full((2, 4), 0.25))}))
+    deltas.apply_delta(state, {}, deltas.load_delta(folder, 4))
+    model.load_state_dict(state)
+    assert _until(lambda: _call(served.url + "/step")[1]["step"] == 4)
+    assert _call(served.url + "/step") == (200, {"step": 4, "deltas_applied": 1, "delta_failures": 0})
+    code, answer = _call(served.url + "/predict", {"rows": ROWS})
+    assert code == 200 and answer["step"] == 4
+    assert torch.equal(torch.tensor(answer["logits"], dtype=torch.float32), dlrm_reference(config, model, ROWS))
+
+    assert _call(served.url + "/predict", raw=b"{not json")[0] == 400
+    code, answer = _call(served.url + "/predict", {"rows": ["1\t2"]})
+    assert code == 400 and answer["error"].startswith("rows[0]: field_count")
+    assert _call(served.url + "/nothing")[0] == 404
+    assert _call(served.url + "/predict")[0] == 405  # a GET
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=30) as page:
+        samples = {(s.name, s.labels.get("code")): s.value
+                   for family in text_string_to_metric_families(page.read().decode()) for s in family.samples}
+    assert samples[("fxdist_serve_requests_total", "400")] == 2 and samples[("fxdist_serve_requests_total", "404")] == 1
+    assert samples[("fxdist_serve_requests_total", "200")] >= 3  # two predictions and the GET /step polls
+    assert samples[("fxdist_serve_model_step", None)] == 4 and samples[("fxdist_serve_deltas_applied_total", None)] == 1
+    assert samples[("fxdist_serve_request_seconds_count", None)] == 5  # every /predict: 2 answered, 2 bad, 1 GET
+    serving.stop("dlrm")
+
+
+def test_a_served_user_model_answers_its_outputs(serve_port, tmp_path, monkeypatch):
+    model = two_tower_run(tmp_path / "run", monkeypatch, step=7)
+    served = serving.start(tmp_path / "run", port=serve_port, metrics_port=0, name="user", route_prefix="/user")
+    users, items = [[1, 2], [3, 4], [5, 6]], [[7, 8], [9, 10], [11, 12]]
+    code, answer = _call(served.url + "/predict", {"inputs": [users, items]})
+    with torch.no_grad():
+        logits, (u, _) = model(torch.tensor(users), torch.tensor(items))
+    assert code == 200 and answer["step"] == 7
+    assert torch.equal(torch.tensor(answer["predictions"][0]), logits)
+    assert torch.equal(torch.tensor(answer["predictions"][1][0]), u)
+    code, answer = _call(served.url + "/predict", {"rows": ROWS})
+    assert code == 400 and "takes 'inputs', not 'rows'" in answer["error"]
+    serving.stop("user")
+
+
+def test_the_command_refuses_what_it_cannot_serve(tmp_path, capsys):
+    assert main(["serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no trained model" in err and "troubleshooting.md#serveerror" in err
+    assert main(["serve", str(tmp_path), "--poll-s", "0"]) == 2
+    assert "--poll-s must be positive" in capsys.readouterr().err
