@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobs.config_rules import dynamic_errors, exposure_errors, train_errors
+from jobs.config_rules import dynamic_errors, exposure_errors, follow_errors, train_errors
 from jobs.config_sections import (
     NAME_PATTERN,
     ClusterSection,
@@ -168,6 +168,7 @@ class JobConfig:
             errors.append(f'[cluster] placement = {c.placement!r}: must be "pack" or "spread"')
         errors += train_errors(self.train, self.model.plan, self.user_model)
         errors += dynamic_errors(self.model, c, self.user_model)
+        errors += follow_errors(self.data, self.model.table_sizes)
         errors += in_trainer_errors(self) + exposure_errors(m)
         if self.phases.parity not in ("error", "warn"):
             errors.append(f'[phases] parity = {self.phases.parity!r}: must be "error" or "warn"')

@@ -1,8 +1,8 @@
 """The config checks between keys that concern one feature each (:meth:`jobs.config.JobConfig.validate` calls
 them and raises ``ConfigError`` with the config file's name in front of each message): the table optimizer keys and
-``[model] plan`` (:func:`train_errors`), dynamic tables (:func:`dynamic_errors`), and what a job serves to the network:
-the metrics exporters (:func:`exposure_errors`) and, once the launcher knows the job runs on a cluster, the
-``torch_rpc`` transport (:func:`torch_rpc_error`).
+``[model] plan`` (:func:`train_errors`), dynamic tables (:func:`dynamic_errors`), training from a stream
+(:func:`follow_errors`), and what a job serves to the network: the metrics exporters (:func:`exposure_errors`) and,
+once the launcher knows the job runs on a cluster, the ``torch_rpc`` transport (:func:`torch_rpc_error`).
 
 Source: the ``[model]`` / ``[train]`` / ``[cluster]`` / ``[metrics]`` keys of :mod:`jobs.config`; prometheus
 client_python's ``start_http_server`` (``certfile``, ``keyfile``, ``client_cafile``, ``client_auth_required``); the
@@ -15,7 +15,7 @@ from typing import Any
 
 from jobs.cluster import is_loopback
 
-__all__ = ["train_errors", "dynamic_errors", "exposure_errors", "torch_rpc_error"]
+__all__ = ["train_errors", "dynamic_errors", "exposure_errors", "torch_rpc_error", "follow_errors"]
 
 
 def train_errors(t: Any, plan: dict, user_model: bool = True) -> list[str]:
@@ -100,3 +100,28 @@ def torch_rpc_error(c: Any, on_cluster: bool) -> str | None:
             "rendezvous store listens on every interface of trainer rank 0's node, so anyone on the network could "
             'join the group or call the parameter servers. Use transport = "socket" (authenticated connections) or '
             '"ray", or set [cluster] allow_unauthenticated = true if the network is trusted and you accept the risk')
+
+
+def follow_errors(d: Any, table_sizes: Any) -> list[str]:
+    """``[data] follow`` (training from a stream, :mod:`recsys.criteo_follow`): it reads the Criteo files of a folder or
+    glob ``[data] path`` as they appear, so it needs such a path (not "", not a file: synthetic data and the shared
+    sample are files of a fixed size), the Criteo reader (not ``[data] batches``), and table sizes that do not come
+    from a first pass over all the data (``[model] table_sizes = "data"``). ``d``: the ``[data]`` section."""
+    if not d.follow:
+        return []
+    from pathlib import Path
+
+    errors = []
+    if d.batches:
+        errors.append(f"[data] follow = true reads Criteo files as they appear; it cannot follow [data] batches = "
+                      f"{d.batches!r} (your batches): set follow = false, or use the Criteo reader")
+    if not d.path.strip():
+        errors.append('[data] follow = true needs [data] path = a folder or a glob of Criteo files (e.g. "stream/" or '
+                      '"stream/part-*.tsv"), not "" (synthetic data or the shared sample)')
+    elif not any(c in d.path for c in "*?[") and Path(d.path).expanduser().is_file():
+        errors.append(f"[data] follow = true needs [data] path = a folder or a glob of Criteo files, not the file "
+                      f"{d.path!r}: new files arrive in a folder")
+    if table_sizes == "data":
+        errors.append('[data] follow = true with [model] table_sizes = "data": the sizes come from a first pass over '
+                      'all the data, which a stream does not have; use "uniform", "dynamic" or a list of 26 sizes')
+    return errors

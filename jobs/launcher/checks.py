@@ -89,7 +89,7 @@ def check(config: JobConfig, *, local: bool, log: Any = None) -> Path | None:
         if local and config.metrics.enabled:
             check_ports(config)
         return None
-    data = locate_data(config.data.path, config.model.table_size)
+    data = locate_data(config.data.path, config.model.table_size, follow=config.data.follow)
     if data is None:
         check_synthetic_rows(config)
     if local:

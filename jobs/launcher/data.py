@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from recsys.criteo_follow import follow_files
 from recsys.criteo_format import DataError, check_data_file, data_files
 from recsys.criteo_synth import write_synthetic_criteo
 from recsys.shared_data import default_criteo_path  # the shared Criteo sample (re-exported)
@@ -18,9 +19,11 @@ from recsys.shared_data import default_criteo_path  # the shared Criteo sample (
 __all__ = ["locate_data", "default_criteo_path", "resolve_data_path"]
 
 
-def locate_data(configured: str, table_size: int | Sequence[int] = 20000) -> Path | None:
+def locate_data(configured: str, table_size: int | Sequence[int] = 20000, *, follow: bool = False) -> Path | None:
     """The job's data, checked (:func:`recsys.criteo_format.check_data_file`, on each file of a directory or glob): the
     configured path, else the shared Criteo sample when present; None when synthetic data has to be generated.
+    With ``follow`` (``[data] follow``, a stream: :mod:`recsys.criteo_follow`) the configured folder or glob, which
+    may hold no file yet; its files are not checked here (the last one may be half written).
 
     Raises:
         DataError: the configured data (or the shared sample) cannot be used; the message names the key.
@@ -28,6 +31,12 @@ def locate_data(configured: str, table_size: int | Sequence[int] = 20000) -> Pat
     if configured:
         where = f"[data] path = {configured!r}"
         path = Path(configured).expanduser()
+        if follow:
+            try:
+                follow_files(configured)
+            except DataError as e:
+                raise DataError(f"{where}: {str(e).removeprefix(f'{configured}: ')}") from None
+            return path
         try:
             files = data_files(configured)
         except DataError as e:

@@ -15,6 +15,7 @@ from jobs import table_sizes
 from jobs.config import JobConfig
 from jobs.launcher import checks
 from jobs.records import TableSizes
+from recsys.criteo_follow import scan_present
 from recsys.criteo_shard import DataPlan, scan
 
 __all__ = ["first_pass"]
@@ -24,7 +25,8 @@ def first_pass(config: JobConfig, data: Path, *, local: bool,
                log: Any = None) -> tuple[JobConfig, DataPlan, TableSizes | None]:
     """The first pass over the Criteo data (:func:`recsys.criteo_shard.scan`): lines, each trainer's rows,
     and with ``[model] table_sizes = "data"`` the distinct values per feature, which resolve the table sizes
-    (:func:`jobs.table_sizes.resolve`); then, on this machine, the memory check with those sizes.
+    (:func:`jobs.table_sizes.resolve`); then, on this machine, the memory check with those sizes. With ``[data]
+    follow`` (a stream), the pass over the complete lines there now (:func:`recsys.criteo_follow.scan_present`).
 
     Returns:
         (the config with the table sizes resolved, the :class:`recsys.criteo_shard.DataPlan`, the table-size
@@ -34,8 +36,11 @@ def first_pass(config: JobConfig, data: Path, *, local: bool,
         recsys.criteo_format.DataError: a file cannot be read; ConfigError: the plan does not fit in memory.
     """
     per_feature = config.model.table_sizes == "data"
-    found = scan(data, config.cluster.trainers, config.data.eval_fraction,
-                 distinct_cap=config.model.max_table_size if per_feature else None)
+    if config.data.follow:  # a stream: the complete lines there now (no "data" table sizes: jobs.config_rules)
+        found = scan_present(data, config.cluster.trainers, config.data.eval_fraction)
+    else:
+        found = scan(data, config.cluster.trainers, config.data.eval_fraction,
+                     distinct_cap=config.model.max_table_size if per_feature else None)
     if log is not None:
         log(f"first pass over {len(found.files)} file(s): {found.lines} lines in {found.seconds:.1f} s "
             f"({found.lines_per_s:,.0f} lines/s), rows per trainer {found.rows}, {found.eval_rows} held out")

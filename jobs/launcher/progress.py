@@ -10,6 +10,11 @@ escape codes::
 The rate is steps (of all phases, as the trainers report them; steps done before the display started, e.g.
 by a resumed run, not counted) per second of wall time since the display started.
 
+With ``[data] follow``, a trainer that has read all the data there is waits for more; the display then says so in
+one line (not one per poll; again only after ``wait_interval_s`` seconds, when data trickles in)::
+
+    [fxdist] waiting for data: rank 0: stream/ has no more complete line for this trainer (polling every 1.0 s)
+
 Source: tqdm (the terminal bar).
 """
 
@@ -37,10 +42,11 @@ class Progress:
         tty: Draw a bar (True) or write plain lines (False); None: whether ``stream`` is a terminal.
         interval_s: Seconds between two plain lines (a phase finishing writes one at once).
         clock: Seconds, monotonic (tests inject one).
+        wait_interval_s: Seconds before a new wait for data is shown again.
     """
 
     def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None, interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wait_interval_s: float = 60.0) -> None:
         self.stream = stream if stream is not None else sys.stderr
         if tty is None:
             isatty = getattr(self.stream, "isatty", None)
@@ -52,10 +58,14 @@ class Progress:
         self._finished: set[str] = set()
         self._shown = ""  # the counts of the last plain line
         self._last: tuple[Mapping[str, int], dict[str, int], float] | None = None
+        self.wait_interval_s = wait_interval_s
+        self._waiting = False  # a wait for data was seen in the last snapshot
+        self._wait_shown: float | None = None  # when the last wait line was written
 
     def update(self, snap: Mapping[str, Any]) -> None:
         """Show ``snap`` (:meth:`jobs.launcher.state.JobState.snapshot`: ``totals`` and ``progress`` per phase, phase
-        name -> steps; ``results`` has the finished phases)."""
+        name -> steps; ``results`` has the finished phases; ``waiting``: rank -> what it waits for)."""
+        self._show_wait(snap.get("waiting") or {})
         totals: Mapping[str, int] = snap.get("totals", {})
         if not totals:
             return
@@ -71,6 +81,19 @@ class Progress:
                                                             or now - self._last_line >= self.interval_s):
             self._line(totals, done, now)
         self._finished |= finished
+
+    def _show_wait(self, waiting: Mapping[int, str]) -> None:
+        """One line when trainers start waiting for data (not again within ``wait_interval_s``)."""
+        now = self.clock()
+        if waiting and not self._waiting and (self._wait_shown is None
+                                              or now - self._wait_shown >= self.wait_interval_s):
+            text = "[fxdist] waiting for data: " + "; ".join(f"rank {r}: {w}" for r, w in sorted(waiting.items()))
+            if self._bar is not None:
+                self._bar.write(text, file=self.stream)
+            else:
+                print(text, file=self.stream, flush=True)
+            self._wait_shown = now
+        self._waiting = bool(waiting)
 
     def close(self) -> None:
         """Finish the display (the bar stays on screen; a last plain line if the counts changed since the last)."""

@@ -48,6 +48,8 @@ class Snapshot(TypedDict, total=False):
     nodes_lost: list[NodeLost]
     processes: dict[str, ProcessStats]
     error: TrainerFailure | None
+    waiting: dict[int, str]
+    """Rank -> what it waits for (``[data] follow``: the trainer has read all the data there is), while it waits."""
 
 
 class JobState:
@@ -80,6 +82,7 @@ class JobState:
         self.nodes_lost: list[NodeLost] = list(prev.nodes_lost or [])
         self.processes: dict[str, ProcessStats] = dict(prev.processes or {})
         self.error: TrainerFailure | None = None
+        self.waiting: dict[int, str] = {}
         if previous is not None:
             self.event(f"launcher: resuming a run that was {prev.status or 'unknown'}")
 
@@ -155,6 +158,16 @@ class JobState:
     def progress(self, phase: str, step: int) -> None:
         self.progress_steps[phase] = step
 
+    def wait_for_data(self, rank: int, what: str | None) -> None:
+        """Trainer ``rank`` waits for data (``[data] follow``): ``what`` it waits for, or None when data came again.
+        The timeline records the first wait of each rank only (a trickle of data would add one event per poll)."""
+        if what is None:
+            self.waiting.pop(rank, None)
+            return
+        if not any(f"rank {rank}: waiting for data" in e for _, e in self.events):
+            self.event(f"rank {rank}: waiting for data: {what}")
+        self.waiting[rank] = what
+
     def phase_done(self, phase: str, summary: PhaseResult) -> None:
         """Keep the phase's summary; one that covers more of the phase (an earlier ``resumed_from_step``)
         is kept instead: a restart after ``phase_done`` but before the phase's final checkpoint was
@@ -174,7 +187,8 @@ class JobState:
                 "checkpoints": list(self.checkpoints), "restores": list(self.restores), "events": list(self.events),
                 "server_joins": list(self.server_joins), "placement": dict(self.placement),
                 "table_layout": dict(self.table_layout),
-                "nodes_lost": list(self.nodes_lost), "processes": dict(self.processes), "error": self.error}
+                "nodes_lost": list(self.nodes_lost), "processes": dict(self.processes), "error": self.error,
+                "waiting": dict(self.waiting)}
 
 
 def seed_snapshot(previous: JobResults | None) -> Snapshot:

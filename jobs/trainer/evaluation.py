@@ -51,10 +51,10 @@ def eval_step(config: JobConfig, shard_rows: int) -> int:
 
     ``ceil([job] eval_epochs * shard_rows / batch_size)``: the model after that many passes over a
     trainer's shard (``shard_rows``: the largest shard), capped at ``[job] steps``; ``eval_epochs = 0``
-    means the end of the phase.
+    means the end of the phase, and so does ``shard_rows = 0`` (a stream, ``[data] follow``: no epochs).
     """
     epochs, steps = config.job.eval_epochs, config.job.steps
-    if epochs <= 0:
+    if epochs <= 0 or shard_rows <= 0:
         return steps
     return max(1, min(steps, math.ceil(epochs * shard_rows / config.job.batch_size)))
 

@@ -108,8 +108,10 @@ def _train_loop(spec: TrainerSpec) -> None:
         exporter.touch(PHASES)
         bound = serve_exporter(exporter, config.metrics.host, spec.metrics_port + rank, tls_options(config.metrics))
     state.placed.remote(f"trainer{rank}", where(bound))  # where this trainer and its exporter run
-    workload = make_workload(config, rank, world, str(spec.plan.data_path or ""), plan=spec.plan.data_plan,
-                             exporter=exporter)
+    data = str(spec.plan.data_path or "")
+    wait = f"{data} has no more complete line for this trainer (polling every {config.data.follow_poll_s} s)"
+    workload = make_workload(config, rank, world, data, plan=spec.plan.data_plan, exporter=exporter,
+                             on_wait=lambda waiting: state.wait_for_data.remote(rank, wait if waiting else None))
     if rank == 0 and workload.parse is not None:
         state.parse_stats.remote(workload.parse, workload.rows)
     resume = load_checkpoint()

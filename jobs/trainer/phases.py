@@ -120,7 +120,7 @@ def reader_summary(stats: list[ReaderStats | None]) -> ReaderSummary | None:
 
 def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: int) -> None:
     """Every phase's summary to the JobState (rank 0), then the final checkpoint; ``shard_rows``: the largest
-    trainer's shard."""
+    trainer's shard (0: a stream, ``[data] follow``, whose epochs are not counted)."""
     steps = config.job.steps
     reader = reader_summary(gather(workload.reader_stats()))
     for phase, t in trainers.items():
@@ -130,10 +130,11 @@ def _finish_phases(config, rank, workload, trainers, early, state, shard_rows: i
         end = evaluate(t.evaluated, workload, t.tables) if workload.has_eval else {}
         if rank == 0:
             quality_step = early[phase].get("step", steps)
+            epochs = {"quality_epochs": quality_step * config.job.batch_size / shard_rows,
+                      "epochs": steps * config.job.batch_size / shard_rows} if shard_rows else {}
             summary = phase_summary(runs, config.job.batch_size, quality=early[phase].get("quality", end),
-                                    quality_step=quality_step, quality_epochs=quality_step * config.job.batch_size
-                                    / shard_rows, quality_end=end, optimize=t.info, resumed_from_step=t.run.start_step,
-                                    epochs=steps * config.job.batch_size / shard_rows,
+                                    quality_step=quality_step, quality_end=end, optimize=t.info,
+                                    resumed_from_step=t.run.start_step, **epochs,
                                     block_seconds=[r.blocks for r in runs], reader=reader,
                                     **({"dynamic_tables": dynamic} if dynamic is not None else {}))
             __import__("ray").get(state.phase_done.remote(phase, summary))

@@ -47,7 +47,8 @@ from jobs import criteo, entry, table_sizes
 from jobs.config import JobConfig
 from jobs.records import Quality
 from jobs.trainer.protocols import StepBatch, TableBackend, Tables
-from recsys.criteo_format import DataError, ParseCounts
+from recsys.criteo_follow import FollowStream, HeldOut, held_out_rows
+from recsys.criteo_format import DataError, ParseCounts, ParseStats
 from recsys.criteo_shard import CriteoShard, DataPlan, scan
 from recsys.criteo_stream import CriteoStream, ReaderStats, SharedBatches
 
@@ -193,7 +194,7 @@ class CriteoWorkload(UserWorkload):
     ``eval_shard``: the held-out rows, or None; ``parse``: the parse statistics to report (default: the shard's).
     """
 
-    def __init__(self, config: JobConfig, shard: Any, eval_shard: CriteoShard | None = None, *,
+    def __init__(self, config: JobConfig, shard: Any, eval_shard: CriteoShard | HeldOut | None = None, *,
                  parse: ParseCounts | None = None, readers: int = 1) -> None:
         self.config, self.shard, self.eval_shard = config, shard, eval_shard
         self.has_eval = eval_shard is not None
@@ -235,15 +236,20 @@ class CriteoWorkload(UserWorkload):
 
 
 def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, plan: DataPlan | None = None,
-                  exporter: Any = None) -> CriteoWorkload | UserWorkload:
+                  exporter: Any = None, on_wait: Any = None) -> CriteoWorkload | UserWorkload:
     """This trainer's workload: :class:`UserWorkload` with ``[model] factory``, else the DLRM on the Criteo data
     ``data_path`` (a file, directory or glob), streamed (:class:`recsys.criteo_stream.CriteoStream`, ``[data]
     reader_workers`` processes); rank 0 also reads the held-out rows (at most ``[data] eval_max_rows``) when
-    ``[data] eval_fraction > 0``.
+    ``[data] eval_fraction > 0``. With ``[data] follow`` the files are read as they appear
+    (:class:`recsys.criteo_follow.FollowStream`; ``workload.rows`` is 0, a stream has no epochs) and the held-out rows
+    are those of the files there when the trainer starts (:func:`recsys.criteo_follow.held_out_rows`; none: no
+    held-out metrics).
 
     Args:
         plan: The launcher's first pass (:func:`recsys.criteo_shard.scan`); None: this trainer scans the data.
         exporter: The trainer's :class:`jobs.trainer.metrics.Exporter` (its reader gauge), or None.
+        on_wait: With ``follow``: ``on_wait(True)`` when the trainer starts waiting for data, ``on_wait(False)`` when
+            data came again (:class:`recsys.criteo_follow.FollowStream`); or None.
 
     Raises:
         recsys.criteo_format.DataError: the Criteo data cannot be used, or this trainer's share has no valid line;
@@ -252,6 +258,8 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
     if config.user_model:
         return UserWorkload(config, rank, world)
     d = config.data
+    if d.follow:
+        return _follow_workload(config, rank, world, data_path, plan, exporter, on_wait)
     if plan is None:
         plan = scan(data_path, world, d.eval_fraction)
     if plan.rows[rank] == 0:
@@ -266,6 +274,20 @@ def make_workload(config: JobConfig, rank: int, world: int, data_path: str, *, p
         eval_shard = criteo_shard(config, data_path, split="eval", max_rows=d.eval_max_rows, count_all=False)
     readers = 2 if config.phases.baseline else 1
     return CriteoWorkload(config, stream, eval_shard, parse=plan.stats, readers=readers)
+
+
+def _follow_workload(config: JobConfig, rank: int, world: int, data_path: str, plan: DataPlan | None, exporter: Any,
+                     on_wait: Any) -> CriteoWorkload:
+    """:func:`make_workload` with ``[data] follow``: the stream of ``data_path`` and, on rank 0, the held-out rows there
+    now; the parse statistics reported are the launcher's first pass over the lines there at launch."""
+    d = config.data
+    every = round(1 / d.eval_fraction) if d.eval_fraction > 0 else 0
+    on_chunk = None if exporter is None else (lambda s: exporter.observe_reader(s["lines_per_s"]))
+    stream = FollowStream(data_path, table_sizes.reader_sizes(config), rank=rank, world_size=world, every=every,
+                          workers=d.reader_workers, poll_s=d.follow_poll_s, on_chunk=on_chunk, on_wait=on_wait)
+    held = held_out_rows(data_path, table_sizes.reader_sizes(config), every, d.eval_max_rows) if rank == 0 else None
+    return CriteoWorkload(config, stream, held, parse=plan.stats if plan is not None else ParseStats().as_dict(),
+                          readers=2 if config.phases.baseline else 1)
 
 
 def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[list[Any], list[Any]]:

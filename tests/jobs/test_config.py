@@ -310,3 +310,18 @@ def test_every_section_of_jobs_config_sections_is_a_table_of_the_config():
     assert set(tables.values()) == defined, "a section class that is not a table of JobConfig, or the other way round"
     assert JobConfig().export == sections.ExportSection() and JobConfig().export.every_steps == 0
     assert JobConfig().data.follow is False
+
+
+def test_follow_needs_a_folder_or_a_glob_the_criteo_reader_and_no_data_table_sizes(tmp_path):
+    (tmp_path / "day_0").write_text("")
+    follow = JobConfig().replace(data={"follow": True, "path": str(tmp_path)})
+    follow.validate()
+    follow.replace(data={"path": str(tmp_path / "part-*.tsv")}).validate()
+    for change, match in [({"data": {"path": ""}}, r"\[data\] follow = true needs \[data\] path = a folder or a glob"),
+                          ({"data": {"path": str(tmp_path / "day_0")}}, r"not the file '.*day_0'"),
+                          ({"data": {"batches": "m:f"}, "model": {"factory": "m:g"}},
+                           r"\[data\] follow = true .* cannot follow \[data\] batches = 'm:f'"),
+                          ({"model": {"table_sizes": "data"}}, r'\[model\] table_sizes = "data": the sizes come')]:
+        with pytest.raises(ConfigError, match=match):
+            follow.replace(**change).validate()
+    JobConfig().replace(data={"path": str(tmp_path / "day_0")}).validate()  # without follow, a file is fine

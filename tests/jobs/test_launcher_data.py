@@ -17,3 +17,14 @@ def test_resolve_data_path(tmp_path, monkeypatch):
     assert "no Criteo data found" in note and "generated 50 rows" in note
     with pytest.raises(DataError, match=r"\[data\] path = '.*missing.tsv': no such file"):
         resolve_data_path(str(tmp_path / "missing.tsv"), tmp_path, 50)
+
+
+def test_locate_data_with_follow_takes_a_folder_or_glob_without_files_yet(tmp_path):
+    from jobs.launcher.data import locate_data
+
+    assert locate_data(str(tmp_path), follow=True) == tmp_path  # empty: the stream has not started
+    assert locate_data(str(tmp_path / "part-*.tsv"), follow=True) == tmp_path / "part-*.tsv"
+    with pytest.raises(DataError, match=r"\[data\] path = '.*missing': with \[data\] follow, path must be a folder"):
+        locate_data(str(tmp_path / "missing"), follow=True)
+    with pytest.raises(DataError, match="the directory holds no data file"):
+        locate_data(str(tmp_path))  # without follow, an empty folder is an error

@@ -99,3 +99,21 @@ def test_the_same_counts_are_not_printed_twice_when_the_last_phase_reports_late(
         "[fxdist] progress: baseline 0/200, optimized 0/200 steps (0 %), elapsed 0:00",
         "[fxdist] progress: baseline 200/200, optimized 200/200 steps (100 %), 40.0 steps/s, elapsed 0:10",
     ]
+
+
+def test_a_wait_for_data_is_one_line_not_one_per_poll():
+    out, clock = io.StringIO(), Clock()
+    progress = Progress(out, interval_s=5.0, clock=clock, wait_interval_s=60.0)
+    waiting = {"waiting": {1: "d/ has no more line", 0: "d/ has no more line"}}
+    progress.update(waiting)  # before the phases start (the first batch is read then)
+    for _ in range(30):  # polled every 0.5 s while it waits
+        clock.now += 0.5
+        progress.update({**_snap(0, 0), **waiting})
+    progress.update(_snap(1, 1))  # data came
+    clock.now += 10.0
+    progress.update({**_snap(1, 1), **waiting})  # a new wait soon after: not shown again
+    clock.now += 60.0
+    progress.update(_snap(2, 2))
+    progress.update({**_snap(2, 2), **waiting})  # a minute later: shown
+    lines = [line for line in out.getvalue().splitlines() if "waiting" in line]
+    assert lines == ["[fxdist] waiting for data: rank 0: d/ has no more line; rank 1: d/ has no more line"] * 2

@@ -121,6 +121,7 @@ def test_eval_step_is_one_pass_over_the_shard_capped_at_the_phase_end():
     assert eval_step(config.replace(job={"eval_epochs": 10.0}), 4500) == 200
     assert eval_step(config.replace(job={"eval_epochs": 0.0}), 4500) == 200
     assert eval_step(config.replace(job={"eval_epochs": 1e-6}), 4500) == 1
+    assert eval_step(config, 0) == 200  # a stream ([data] follow) has no epochs: at the phase end
 
 
 def test_metrics_updates_are_timed_in_the_training_loop(workload):

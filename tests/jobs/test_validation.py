@@ -296,6 +296,12 @@ def test_job_state_keeps_the_fuller_phase_result():
     state.fail("data", "DataError", "empty shard", 1)
     state.fail("job", "TraceError", "later", 0)
     assert state.snapshot()["error"] == {"kind": "data", "type": "DataError", "message": "empty shard", "rank": 1}
+    for waiting in ("d/ has no more line", None, "d/ has no more line"):  # [data] follow: two waits of rank 1
+        state.wait_for_data(1, waiting)
+    assert state.snapshot()["waiting"] == {1: "d/ has no more line"}
+    assert [e for _, e in state.events if "waiting" in e] == ["rank 1: waiting for data: d/ has no more line"]
+    state.wait_for_data(1, None)
+    assert state.snapshot()["waiting"] == {}
 
 
 PAUSE_AT = 9
