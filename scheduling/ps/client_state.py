@@ -1,6 +1,7 @@
 """The configuration and checkpoint requests of :class:`~scheduling.ps.client.PSClient` (a mixin it inherits):
 create the shards on the servers, gather and scatter whole tables, per-server shard states (the input of
-:mod:`scheduling.ps.reshard`) and server-side checkpoint files.
+:mod:`scheduling.ps.reshard`), server-side checkpoint files and checkpoints by shard (:mod:`scheduling.ps.dcp_shards`:
+each server writes and reads its own rows; nothing passes through this client but small reports).
 
 Source: torch.fx paper §6.2.3 (tables on parameter servers); torch's ``nn.Module.state_dict`` naming
 (``"<table>.weight"``).
@@ -121,3 +122,28 @@ class ClientState:
         futs = [self._call_async(s, "save", (str(directory),), "checkpoint")
                 for s in range(len(self.servers))]
         return [self._wait(f, s, "checkpoint") for s, f in enumerate(futs)]
+
+    def _each(self, method: str, args: tuple, what: str) -> list[Any]:
+        """``method(*args)`` on every server at once; their answers, in server order."""
+        futs = [self._call_async(s, method, args, what) for s in range(len(self.servers))]
+        return [self._wait(f, s, what) for s, f in enumerate(futs)]
+
+    def save_shards(self, directory: str | Path, paths: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Every server copies its shards of this client's tables and answers, then writes them as a DCP
+        checkpoint under ``directory`` in the background (``PSServer.save_shards``; ``paths``: table name -> its
+        state-dict path). Waits this client's pushes first. Returns each server's ``{"copy_s", "rows"}``;
+        :meth:`save_status` reports the writes."""
+        self.flush()
+        return self._each("save_shards", (self.name, str(directory), dict(paths)), "save_shards")
+
+    def save_status(self, directory: str | Path, wait: bool = True) -> list[dict[str, Any] | None]:
+        """Each server's report of its :meth:`save_shards` write into ``directory`` (``PSServer.save_status``:
+        None while it runs, with ``wait`` False)."""
+        return self._each("save_status", (self.name, str(directory), wait), "save_status")
+
+    def load_shards(self, directory: str | Path, paths: Mapping[str, str]) -> list[dict[str, int]]:
+        """Every server fills its shards of this client's tables from the DCP checkpoint folder ``directory``
+        (``PSServer.load_shards``: it reads the rows itself). Prefetched rows are dropped first. Returns each
+        server's fingerprints of what it loaded."""
+        self.flush(drop_prefetched=True)
+        return self._each("load_shards", (self.name, str(directory), dict(paths)), "load_shards")

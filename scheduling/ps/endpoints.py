@@ -2,7 +2,8 @@
 
 :class:`ServerEndpoints` holds one :class:`~scheduling.ps.server.PSServer` and has one method per request
 (``configure``, ``lookup``, ``peek``, ``push``, ``push_lookup``, ``batch``, ``state_dict``,
-``load_state_dict``, ``save``, ``set_delays``, ``stats``, ``dynamic_stats``); ``batch`` carries several ordered
+``load_state_dict``, ``save``, ``set_delays``, ``stats``, ``dynamic_stats``, and the checkpoints by shard
+``save_shards``, ``save_status``, ``load_shards``: :mod:`scheduling.ps.dcp_shards`); ``batch`` carries several ordered
 requests in one message (a client's coalesced pushes, :mod:`scheduling.ps.coalesce`); ``peek`` is a read-only lookup
 (:mod:`scheduling.ps.peek`: no step of a dynamic table); ``dynamic_stats`` answers a namespace's dynamic tables'
 counters alone. The ordered ones (``lookup``, ``peek``, ``push``, ``push_lookup``) apply the request order the
@@ -46,7 +47,7 @@ DEFAULT_WORKER_THREADS = 16
 """Threads that serve one server's requests unless told otherwise (``num_worker_threads``)."""
 
 METHODS = ("configure", "lookup", "peek", "push", "push_lookup", "batch", "state_dict", "load_state_dict", "save",
-           "set_delays", "stats", "dynamic_stats")
+           "set_delays", "stats", "dynamic_stats", "save_shards", "save_status", "load_shards")
 """The requests every transport carries (``PSClient`` calls only these)."""
 
 
@@ -152,6 +153,19 @@ class Endpoints:
     def save(self, directory: str) -> str:
         """``PSServer.save``: ``<directory>/<name>.pt``; returns the path."""
         return self._server().save(directory)
+
+    def save_shards(self, namespace: str, directory: str, paths: dict[str, str]) -> dict[str, Any]:
+        """``PSServer.save_shards``: copy this server's shards of ``namespace``, answer, write them (DCP) on a
+        background thread."""
+        return self._server().save_shards(namespace, directory, paths)
+
+    def save_status(self, namespace: str, directory: str, wait: bool = True) -> dict[str, Any] | None:
+        """``PSServer.save_status``: that write's report (None while it runs and ``wait`` is False)."""
+        return self._server().save_status(namespace, directory, wait)
+
+    def load_shards(self, namespace: str, directory: str, paths: dict[str, str]) -> dict[str, int]:
+        """``PSServer.load_shards``: fill this server's shards of ``namespace`` from a DCP checkpoint folder."""
+        return self._server().load_shards(namespace, directory, paths)
 
     def set_delays(self, fetch_delay_s: float, push_delay_s: float) -> None:
         """Added latency per lookup / push, seconds."""

@@ -440,6 +440,18 @@ def _rpc_save(directory: str) -> str:
     return _ENDPOINTS.save(directory)
 
 
+def _rpc_save_shards(namespace: str, directory: str, paths: dict[str, str]) -> dict[str, Any]:
+    return _ENDPOINTS.save_shards(namespace, directory, paths)
+
+
+def _rpc_save_status(namespace: str, directory: str, wait: bool = True) -> dict[str, Any] | None:
+    return _ENDPOINTS.save_status(namespace, directory, wait)
+
+
+def _rpc_load_shards(namespace: str, directory: str, paths: dict[str, str]) -> dict[str, int]:
+    return _ENDPOINTS.load_shards(namespace, directory, paths)
+
+
 def _rpc_set_delays(fetch_delay_s: float, push_delay_s: float) -> None:
     _ENDPOINTS.set_delays(fetch_delay_s, push_delay_s)
 

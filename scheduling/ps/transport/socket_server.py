@@ -17,7 +17,8 @@ connection (wrong key, handshake timeout, too many connections, a malformed or o
 past the read timeout) is closed, logged once per peer address and counted (:attr:`SocketServer.rejected`, and
 the served ``PSServer``'s stats: ``fxdist_ps_rejected_connections_total``). Every authenticated peer is the job's
 owner (the trainers need ``configure``, ``state_dict``, ``load_state_dict``; the owner ``stop``), but ``save``
-writes only under the ``save_root`` the server was started with (none: refused).
+writes only under the ``save_root`` the server was started with (none: refused), and so do the checkpoints by
+shard (``save_shards``, ``save_status``, ``load_shards``: their folder must lie under it too).
 
 :func:`serve` runs a server in this process until a client sends ``stop`` (``SocketTransport.stop``);
 :func:`spawn_servers` starts server processes and returns their addresses, which each child publishes
@@ -278,6 +279,9 @@ class SocketServer:
                 self.stopped.set()
             elif name == "save":   # only under the save root
                 done(self.endpoints.save(self._save_path(args)), None)
+            elif name in _ROOTED:   # (namespace, folder, ...): the folder only under the save root
+                rooted = (args[0], self._save_path(args[1:2]), *args[2:]) if isinstance(args, tuple) else args
+                done(getattr(self.endpoints, name)(*rooted), None)
             elif name == "attach_shm":   # in this reader thread: installed before the client's next request is read
                 done(self._attach_shm(peer, args), None)
             elif name in WIRE_METHODS:
@@ -316,7 +320,7 @@ class SocketServer:
         raise ValueError(f"server: attach_shm takes ('channel', bytes) or ('install', token), not {args!r:.200}: a "
                          f"shared-memory arena is handed over as a descriptor, never by name")
 
-    def _save_path(self, args: Any) -> str:
+    def _save_path(self, args: Any) -> str:   # also a checkpoint-by-shard request's folder (_ROOTED)
         """The directory of a ``save`` request, resolved (``os.path.realpath``) and under :attr:`save_root`.
 
         Raises:
@@ -376,6 +380,10 @@ class SocketServer:
         for thread in list(self._threads):
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_ROOTED = frozenset({"save_shards", "save_status", "load_shards"})
+"""Requests whose second argument is a folder, which must lie under the save root (as ``save``'s)."""
 
 
 def serve(name: str, host: str = "127.0.0.1", port: int = 0, *, checkpoint: str | None = None,
