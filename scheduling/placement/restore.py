@@ -11,7 +11,8 @@ optimizer state and dynamic map go to the shards it chose (:func:`scheduling.ps.
 on ``M`` servers what ``N`` servers saved, and training continues exactly as it would have on the ``N``.
 
 :func:`table_layout` says which server holds each table, and :func:`replan` where the pass's rule puts the same
-tables on other servers (a plan's before and after).
+tables on other servers (a plan's before and after). :func:`track_table_changes` and :func:`table_changes` give the
+rows the servers changed since the previous call, under the same names (a model's deltas, :mod:`scheduling.ps.changes`).
 
 Source: torchrec ``DistributedModelParallel`` (a whole-table state dict restored under another sharding plan).
 """
@@ -23,7 +24,8 @@ from typing import Any
 
 from ..ps.reshard import gather_tables, scatter_tables
 
-__all__ = ["table_checkpoint", "load_table_checkpoint", "table_layout", "replan"]
+__all__ = ["table_checkpoint", "load_table_checkpoint", "table_layout", "replan", "track_table_changes",
+           "table_changes"]
 
 
 def _meta(gm: Any) -> dict[str, Any]:
@@ -60,6 +62,44 @@ def table_checkpoint(gm: Any) -> dict[str, Any]:
                 out[f"{t['path']}.momentum"] = src["state"]
             if src["dynamic"] is not None:
                 out[f"{t['path']}.dynamic"] = src["dynamic"]
+    return out
+
+
+def track_table_changes(gm: Any) -> None:
+    """Every server of ``gm``'s moved tables starts (again) recording the rows it changes in them
+    (:meth:`scheduling.ps.client.PSClient.track_changes`); :func:`table_changes` reads them.
+
+    Raises:
+        ValueError: ``gm`` has no tables on parameter servers.
+    """
+    from ..ps.client import get_client
+
+    for name in _per_client(_meta(gm)):
+        get_client(name).track_changes()
+
+
+def table_changes(gm: Any) -> dict[str, dict[str, Any]]:
+    """The rows of ``gm``'s moved tables that the servers changed since :func:`track_table_changes` or the previous
+    call (only those rows travel), under the model's state-dict names: ``"<path>.weight"``: ``{"rows": (K,) int64,
+    "values": (K, D) float32}`` (a dynamic table's rows are its slots) and, for a dynamic table, ``"<path>.dynamic"``:
+    ``{"ids", "slots"}`` ``(K',)`` int64 (ids now at slots whose id changed) and ``"evicted"`` ``(E,)`` (ids no
+    longer held). Clears the servers' records. Waits this trainer's pushes first.
+
+    Raises:
+        ValueError: ``gm`` has no tables on parameter servers, or a server does not track them.
+    """
+    from ..ps.client import get_client
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, records in _per_client(_meta(gm)).items():
+        changes = get_client(name).take_changes()
+        for t in records:
+            got = changes.get(t["table"])
+            if got is None:
+                continue
+            out[f"{t['path']}.weight"] = {"rows": got["rows"], "values": got["values"]}
+            if "ids" in got:
+                out[f"{t['path']}.dynamic"] = {k: got[k] for k in ("ids", "slots", "evicted")}
     return out
 
 

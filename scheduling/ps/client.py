@@ -511,6 +511,41 @@ class PSClient(ClientState):
                 out[table] = stats
         return out
 
+    def track_changes(self) -> None:
+        """Every server starts (or restarts) recording the rows it changes in this client's tables
+        (:mod:`scheduling.ps.changes`); :meth:`take_changes` reads them. Waits this client's pushes first."""
+        self.flush()
+        futs = [self._call_async(s, "changes", (self.name, True), "track_changes") for s in range(len(self.servers))]
+        for s, fut in enumerate(futs):
+            self._wait(fut, s, "track_changes")
+
+    def take_changes(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The rows the servers changed in this client's tables since :meth:`track_changes` or the previous call,
+        and clear their records: per table name ``{"rows": (K,) int64 global rows (ascending), "values": (K, D)
+        float32}``, a dynamic table's with ``"ids"``, ``"slots"`` ``(K',)`` (ids now at slots whose id changed)
+        and ``"evicted"`` ``(E,)`` (ids no longer held); its rows are slots. Only changed rows travel. Waits this
+        client's pushes first (not the other trainers': the caller orders them, e.g. with a barrier).
+
+        Raises:
+            ValueError: a server does not track this client's tables (:meth:`track_changes` first; a restarted
+                server tracks nothing).
+        """
+        self.flush()
+        futs = [self._call_async(s, "changes", (self.name,), "take_changes") for s in range(len(self.servers))]
+        parts: dict[str, list[dict[str, torch.Tensor]]] = {}
+        for s, fut in enumerate(futs):
+            for entry in self._wait(fut, s, "take_changes").values():
+                parts.setdefault(entry.pop("table"), []).append(entry)
+        out = {}
+        for table, shards in parts.items():
+            if len(shards) == 1:
+                out[table] = shards[0]
+                continue
+            rows = torch.cat([p["rows"] for p in shards])   # row-wise shards: disjoint rows
+            rows, order = torch.sort(rows)
+            out[table] = {"rows": rows, "values": torch.cat([p["values"] for p in shards])[order]}
+        return out
+
     def stop_servers(self, timeout_s: float = 2.0) -> None:
         """Ask every server to leave the group (their ``start_server(block=True)`` returns); best effort.
         Nothing with the ``ray`` transport (the actors' owner ends them)."""

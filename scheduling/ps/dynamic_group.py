@@ -131,6 +131,11 @@ class DynamicTableGroup:
         self.last_lookup: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
         """The latest lookup's ``(tabs, ids (k, M), slots (k, M))``, valid until the maps next change: a push of
         the same ids (no prefetch) reuses its slots instead of probing again."""
+        self.changed: torch.Tensor | None = None
+        """``(T * C,)`` bool: slots pushed or given a fresh row since the last delta, None: not tracked; with
+        ``base_slot`` (``slot_id`` then) and ``admitted`` (``(table, ids)`` since): :mod:`scheduling.ps.changes`."""
+        self.base_slot: torch.Tensor | None = None
+        self.admitted: list[tuple[int, torch.Tensor]] = []
 
     @property
     def size(self) -> int:
@@ -352,6 +357,10 @@ class DynamicTableGroup:
 
     def _fresh_rows(self, glob: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> None:
         """Fresh rows and optimizer state at global slots ``glob`` ``(F,)`` for ``ids`` ``(F,)`` keyed ``keys``."""
+        if self.changed is not None:   # tracked for deltas (scheduling.ps.changes)
+            self.changed[glob] = True
+            tab = torch.div(glob, self.capacity, rounding_mode="floor")
+            self.admitted.extend((int(t), ids[tab == t].clone()) for t in torch.unique(tab).tolist())
         n = max(1, CHUNK_ELEMENTS // self.dim)                   # fresh rows in chunks: bounded temporaries
         for a in range(0, glob.numel(), n):
             lib = getattr(self.index, "lib", None)
@@ -425,4 +434,6 @@ class DynamicTableGroup:
         uniq, inverse = torch.unique(flat, return_inverse=True)
         summed = torch.zeros(uniq.numel(), self.dim).index_add_(0, inverse, rows.float())
         self.optimizer.step(self.weight, self.state, uniq, summed, self.store)
+        if self.changed is not None:   # tracked for deltas (scheduling.ps.changes)
+            self.changed[uniq] = True
         return int(uniq.numel())

@@ -47,7 +47,7 @@ DEFAULT_WORKER_THREADS = 16
 """Threads that serve one server's requests unless told otherwise (``num_worker_threads``)."""
 
 METHODS = ("configure", "lookup", "peek", "push", "push_lookup", "batch", "state_dict", "load_state_dict", "save",
-           "set_delays", "stats", "dynamic_stats", "save_shards", "save_status", "load_shards")
+           "set_delays", "stats", "dynamic_stats", "changes", "save_shards", "save_status", "load_shards")
 """The requests every transport carries (``PSClient`` calls only these)."""
 
 
@@ -166,6 +166,18 @@ class Endpoints:
     def load_shards(self, namespace: str, directory: str, paths: dict[str, str]) -> dict[str, int]:
         """``PSServer.load_shards``: fill this server's shards of ``namespace`` from a DCP checkpoint folder."""
         return self._server().load_shards(namespace, directory, paths)
+
+    def changes(self, namespace: str, start: bool = False) -> dict[str, Any]:
+        """The rows this server changed in ``namespace``'s tables since the last call, then cleared
+        (:func:`scheduling.ps.changes.take_changes`); ``start``: start (or restart) recording them instead and
+        answer ``{}`` (:func:`scheduling.ps.changes.start_tracking`)."""
+        from .changes import start_tracking, take_changes
+
+        server = self._server()
+        if start:
+            start_tracking(server, namespace)
+            return {}
+        return take_changes(server, namespace)
 
     def set_delays(self, fetch_delay_s: float, push_delay_s: float) -> None:
         """Added latency per lookup / push, seconds."""

@@ -192,6 +192,9 @@ class FusedTables:
         resolving them again."""
         self.kernel: Any = None
         """FBGEMM's kernel owning :attr:`weight` and :attr:`state` (:meth:`use_kernel`), or None."""
+        self.changed: torch.Tensor | None = None
+        """``(R,)`` bool: the stacked rows pushed since the last delta (:meth:`track_changes`), or None: not tracked."""
+        self._changed_np: np.ndarray | None = None
 
     def use_kernel(self, optimizer: Any) -> bool:
         """Move the stacked rows into FBGEMM's CPU kernel (:mod:`scheduling.ps.tbe`) where it applies (call
@@ -231,6 +234,21 @@ class FusedTables:
             lo, hi = self._offset[key], self._offset[key] + rows[key]
             out[key] = (self.weight[lo:hi], None if self.state is None else self.state[lo:hi])
         return out
+
+    def track_changes(self) -> dict[str, torch.Tensor]:
+        """Start recording the rows pushes update (:mod:`scheduling.ps.changes`): a fresh :attr:`changed` mask, all
+        False; returns per shard key the view ``(rows,)`` of its slice."""
+        self.changed = torch.zeros(self.weight.shape[0], dtype=torch.bool, device=self.weight.device)
+        self._changed_np = self.changed.numpy() if self.changed.device.type == "cpu" else None
+        rows = {spec.key: spec.num_rows for spec, _ in self.layout}
+        return {k: self.changed[self._offset[k]:self._offset[k] + rows[k]] for k in self.shard_keys}
+
+    def _mark(self, rows: torch.Tensor) -> None:
+        """Record global rows ``rows`` ``(N,)`` as changed when tracked (caller holds :attr:`lock`)."""
+        if self._changed_np is not None and rows.device.type == "cpu":
+            self._changed_np[rows.numpy()] = True   # NumPy: a third of torch's index_put_ dispatch on a push's ids
+        elif self.changed is not None:
+            self.changed[rows.to(self.changed.device)] = True
 
     # ---- batch -> global rows ---------------------------------------------------------------------------
     def _entries(self, keys: tuple[str, ...], where: str) -> torch.Tensor:
@@ -353,17 +371,21 @@ class FusedTables:
         if self.kernel is not None:
             with self.lock:
                 self.kernel.push(self._local(idx), idx.bags, idx.weights, idx.batch_size, grad)
+                self._mark(idx.rows)
             return unique_count(idx.rows)
         if idx.weights is None and type(optimizer) is RowWiseSGD and type(self.store) is RowStore:
             bags = grad.reshape(idx.batch_size * len(self.layout), self.dim)  # sample-major, as row_grads reads it
             with self.lock:
                 touched = sgd_rows(self.weight, idx.rows, bags, _sample_bags(idx), optimizer.lr)
+                if touched is not None:
+                    self._mark(idx.rows)
             if touched is not None:
                 return touched
         rows, summed = self.row_grads(idx, grad)
         if rows.numel():
             with self.lock:
                 optimizer.step(self.weight, self.state, rows, summed, self.store)
+                self._mark(rows)
         return rows.numel()
 
     def lookup(self, idx: FusedIndex) -> torch.Tensor:

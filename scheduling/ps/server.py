@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.rpc.functions import async_execution
 
+from .changes import retrack
 from .dynamic import DynamicTable, lookup_tables, push_tables, table_salt
 from .dynamic_fused import group_shards
 from .endpoints import DEFAULT_WORKER_THREADS, ServerEndpoints
@@ -107,6 +108,10 @@ class PSServer(ServerState):
         self.num_pushes = 0
         self.stats = ServerStats()
         """Request timings and pending requests (:mod:`scheduling.ps.server_stats`), kept by the request handlers."""
+        self.tracked: set[str] = set()
+        """The namespaces whose changed rows are recorded for deltas (:mod:`scheduling.ps.changes`)."""
+        self.changes: dict[str, torch.Tensor] = {}
+        """Per fixed shard key of a tracked namespace, its changed-row mask ``(rows,)`` bool."""
 
     # ---- set-up -----------------------------------------------------------------------------------------
     def configure(self, namespace: str, shards: Sequence[ShardSpec], server: int, optimizer: str,
@@ -170,6 +175,7 @@ class PSServer(ServerState):
             self.dynamic_namespaces.discard(namespace)
         if any(k not in self.shards or self.shards[k].dynamic is not None for k in keys):
             self.fused[namespace] = group_shards(layout, [self.shards.get(k) for k in keys])
+            retrack(self, namespace)
             return
         shards = {spec.key: self.shards[k] for (spec, _), k in zip(layout, keys)}
         fused = FusedTables.build(layout, {k: sh.weight for k, sh in shards.items()},
@@ -181,6 +187,7 @@ class PSServer(ServerState):
             for key, (weight, state) in fused.shard_views().items():
                 shard = shards[key]
                 shard.weight, shard.state, shard.lock = weight, state, fused.lock
+        retrack(self, namespace)  # restacked: the record of a tracked namespace starts again
 
     def _layout(self, namespace: str) -> list[tuple[ShardSpec, str]]:
         try:
@@ -337,6 +344,8 @@ class PSServer(ServerState):
                                                                                  torch.cat([p[1] for p in parts]))
             with shard.lock:
                 self.optimizer.step(shard.weight, shard.state, uniq, summed, shard.store)
+                if key in self.changes:   # tracked for deltas (scheduling.ps.changes)
+                    self.changes[key][uniq] = True
             touched += uniq.numel()
         return touched
 
@@ -450,6 +459,10 @@ def _rpc_save_status(namespace: str, directory: str, wait: bool = True) -> dict[
 
 def _rpc_load_shards(namespace: str, directory: str, paths: dict[str, str]) -> dict[str, int]:
     return _ENDPOINTS.load_shards(namespace, directory, paths)
+
+
+def _rpc_changes(namespace: str, start: bool = False) -> dict[str, Any]:
+    return _ENDPOINTS.changes(namespace, start)
 
 
 def _rpc_set_delays(fetch_delay_s: float, push_delay_s: float) -> None:
