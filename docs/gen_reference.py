@@ -294,14 +294,19 @@ def collect_metrics() -> list[dict[str, Any]]:
     trainer.watch_staleness(lambda: {"optimized": collections.Counter({1: 1})})
     server = Exporter("job", "ps0")
     server.watch_server(_stand_in_server())
+    from jobs.launcher.serving import ServingMetrics
+
+    serving = ServingMetrics()
+    serving.answered(200, 0.001)
     found: dict[str, dict[str, Any]] = {}
-    for exporter, registry in (("trainer", trainer.registry), ("server", server.registry)):
+    for exporter, registry in (("trainer", trainer.registry), ("server", server.registry),
+                               ("serving", serving.registry)):
         for family in registry.collect():
             labels: list[str] = []
             for sample in family.samples:
                 labels += [k for k in sample.labels if k not in ("le", "quantile") and k not in labels]
             name = family.name + ("_total" if family.type == "counter" else "")
-            if name in found or (exporter == "server" and not family.samples):
+            if name in found or (exporter != "trainer" and not family.samples):
                 continue
             unit = next((u for pattern, u in _METRIC_UNITS if re.search(pattern, name)), "")
             found[name] = {"name": name, "type": family.type, "labels": labels, "unit": unit,
@@ -309,7 +314,8 @@ def collect_metrics() -> list[dict[str, Any]]:
                            "deprecated": DEPRECATED_ALIASES.get(name)}
     server.close()
     trainer.close()
-    return sorted(found.values(), key=lambda m: (m["exporter"] != "trainer", m["name"]))
+    order = {"trainer": 0, "server": 1, "serving": 2}
+    return sorted(found.values(), key=lambda m: (order[m["exporter"]], m["name"]))
 
 
 def metrics_page() -> str:
@@ -320,8 +326,10 @@ def metrics_page() -> str:
            "`[metrics] port` + its rank, each parameter server on the ports after the trainers "
            "(see [Monitoring](../tutorials/monitoring.md)). Labels: `job` (the `[job] name`), `phase` "
            "(`baseline` or `optimized`), `rank` (`0`, `1`, ... for trainers, `ps<i>` for servers); a server's "
-           "`module` is the model's module whose tables it holds and `table` the table's name.", ""]
-    for exporter, title in (("trainer", "Trainers"), ("server", "Parameter servers")):
+           "`module` is the model's module whose tables it holds and `table` the table's name. "
+           "`fxdist serve`'s replica serves its own on `--metrics-port` (see [Deltas and online serving](../tutorials/online.md)); `code` is "
+           "the HTTP status.", ""]
+    for exporter, title in (("trainer", "Trainers"), ("server", "Parameter servers"), ("serving", "Serving")):
         out += [f"## {title}", "", "| metric | type | labels | unit | description |", "|---|---|---|---|---|"]
         for m in metrics:
             if m["exporter"] == exporter:

@@ -73,13 +73,16 @@ def test_each_config_range_is_the_rule_parse_config_enforces():
 
 def test_every_metric_has_an_entry(site):
     documented = {m["name"]: m for m in gen_reference.collect_metrics()}
-    source = "".join((ROOT / "jobs" / "trainer" / name).read_text() for name in ("metrics.py", "server_metrics.py"))
+    source = "".join((ROOT / "jobs" / name).read_text() for name in ("trainer/metrics.py", "trainer/server_metrics.py",
+                                                                    "launcher/serving.py"))
     written = set(re.findall(r'"(fxdist_[a-z_]+)"', source))
     # prometheus_client adds _total to a Counter's name when it is exported
     exported = {n if n.endswith("_total") or n != "fxdist_samples" else n + "_total" for n in written}
     assert exported <= set(documented), f"metrics without an entry: {exported - set(documented)}"
     assert documented["fxdist_ps_rows"]["labels"] == ["job", "rank", "phase", "module", "table"]
     assert documented["fxdist_step_seconds"]["type"] == "histogram" and documented["fxdist_step_seconds"]["unit"]
+    assert documented["fxdist_serve_requests_total"]["labels"] == ["code"]
+    assert documented["fxdist_serve_request_seconds"]["exporter"] == "serving"
     html = (site / "reference" / "metrics" / "index.html").read_text()
     assert all(name in html for name in documented)
 

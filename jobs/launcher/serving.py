@@ -63,15 +63,15 @@ class ServingMetrics:
         self.request_seconds = Histogram("fxdist_serve_request_seconds", "Wall time of one POST /predict in the "
                                          "serving replica (decoding, the model, the answer).", registry=self.registry,
                                          buckets=REQUEST_BUCKETS)
-        self.requests = Counter("fxdist_serve_requests", "HTTP requests answered by the serving replica, by status "
-                                "code.", ["code"], registry=self.registry)
+        self.requests = Counter("fxdist_serve_requests_total", "HTTP requests answered by the serving replica, by "
+                                "status code.", ["code"], registry=self.registry)
         self.model_step = Gauge("fxdist_serve_model_step", "Training step of the model being served.",
                                 registry=self.registry)
         self.model_step.set_function(lambda: float(step()))
-        self.deltas_applied = Counter("fxdist_serve_deltas_applied", "Deltas applied to the served model.",
+        self.deltas_applied = Counter("fxdist_serve_deltas_applied_total", "Deltas applied to the served model.",
                                       registry=self.registry)
-        self.delta_failures = Counter("fxdist_serve_delta_failures", "Deltas (or model reloads) that failed to load "
-                                      "or apply; each is retried on the next poll.", registry=self.registry)
+        self.delta_failures = Counter("fxdist_serve_delta_failures_total", "Deltas (or model reloads) that failed to "
+                                      "load or apply; each is retried on the next poll.", registry=self.registry)
         self._server: Any = None
         self.port: int | None = None
 
@@ -228,8 +228,8 @@ def start(run: str | Path, *, host: str = "127.0.0.1", port: int = 8000, metrics
     ServedModel(run, check_only=True)  # the clear error before Ray and Serve start
     _ray()
     serve.start(http_options={"host": host, "port": port})
-    deployment = serve.deployment(ModelServer, name=f"{name}-model", num_replicas=1,
-                                  ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+    deployment = serve.deployment(name=f"{name}-model", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                                  max_ongoing_requests=64)(ModelServer)
     mport = port + 1 if metrics_port is None else metrics_port
     handle = serve.run(deployment.bind(str(Path(run).resolve()), poll_s, host, mport), name=name,
                        route_prefix=route_prefix)

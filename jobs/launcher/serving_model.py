@@ -73,7 +73,10 @@ def model_folder(run: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class IdIndex:
-    """A dynamic table's id -> slot map, sorted for ``torch.searchsorted``. Shapes: ``ids``, ``slots`` ``(R,)`` int64."""
+    """A dynamic table's id -> slot map, sorted by id for ``torch.searchsorted``.
+
+    Shapes: ``ids``, ``slots`` ``(R,)`` int64.
+    """
 
     ids: torch.Tensor
     slots: torch.Tensor
