@@ -79,13 +79,18 @@ class DataSection:
     ``[model] factory``."""
     reader_workers: int = _key(1, 0, 64)
     """Worker processes that read and parse each trainer's Criteo data off the training thread (a torch
-    DataLoader; :mod:`recsys.criteo_stream`); 0 = parse in the training process. The batches do not depend on it."""
+    DataLoader; :mod:`recsys.criteo_stream`); 0 = parse in the training process. The batches do not depend on it.
+    With ``follow``, at most 1 (chunk boundaries depend on when the data arrives)."""
     eval_max_rows: int = _key(200_000, 1, 10**8)
     """At most this many held-out rows are kept in memory for AUC / log loss (the first ones, in file order)."""
     follow: bool = False
     """Train from a stream: read ``path`` (a folder, or a glob) as files appear, new files picked up and a partial
     last line waited for, until the job is stopped or has trained ``[job] steps`` (online training; pairs with
-    ``[export] every_steps``). false = the files as they are when the job starts, in epochs."""
+    ``[export] every_steps``). false = the files as they are when the job starts, in epochs. Files must arrive in
+    natural order and stay until the job ends; a file is finished when the next one appears; the training lines of
+    every file are dealt round-robin to the trainers; the held-out metrics are measured at the phase end on the
+    held-out lines there when the job starts (:mod:`recsys.criteo_follow`). Needs a folder or glob ``path`` and the
+    Criteo reader, and not ``[model] table_sizes = "data"``."""
     follow_poll_s: float = _key(1.0, 0.01, 60)
     """With ``follow``: seconds between looks for new data when a trainer has read all there is."""
     options: dict = field(default_factory=dict)
