@@ -337,6 +337,7 @@ def _check_rows(key: str, value: md.TensorStorageMetadata) -> None:
 
 _MASK = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN2 = np.uint64(0xC2B2AE3D27D4EB4F)
 _BLOCK = 1 << 20
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer type of each element size: fingerprints read the elements' bit patterns."""
@@ -344,8 +345,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def fingerprint(tensor: torch.Tensor, row_start: int = 0) -> int:
     """A digest of ``tensor``'s rows that does not depend on how the global tensor is sharded: the sum modulo
-    ``2**64`` over its elements of (their bit pattern) x (an odd multiplier of their global element index),
-    ``tensor`` being rows ``[row_start, row_start + R)`` of the global one. The fingerprints of a table's shards add
+    ``2**64`` over its elements of (their bit pattern) x (an odd multiplier of their global row) x (an odd
+    multiplier of their column), ``tensor`` being rows ``[row_start, row_start + R)`` of the global one. The fingerprints of a table's shards add
     up (modulo ``2**64``) to the whole table's; a 0-d or 1-d tensor counts as one column.
 
     >>> w = torch.randn(10, 3)
@@ -357,14 +358,14 @@ def fingerprint(tensor: torch.Tensor, row_start: int = 0) -> int:
     flat = tensor.detach().reshape(tensor.shape[0] if tensor.dim() else 1, -1).contiguous()
     width = flat.shape[1]
     bits = flat.view(_BITS[flat.element_size()])
-    total = 0
-    for r in range(0, flat.shape[0], max(1, _BLOCK // max(width, 1))):
-        block = bits[r:r + max(1, _BLOCK // max(width, 1))].numpy().astype(np.uint64).ravel()
-        start = (row_start + r) * width
-        index = np.arange(start, start + block.size, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            mult = (index + np.uint64(1)) * _GOLDEN | np.uint64(1)
-            total = (total + int((block * mult).sum(dtype=np.uint64))) & _MASK
+    with np.errstate(over="ignore"):
+        cols = (np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN2) | np.uint64(1)
+        total, step = 0, max(1, _BLOCK // max(width, 1))
+        for r in range(0, flat.shape[0], step):
+            block = bits[r:r + step].numpy().astype(np.uint64)
+            rows = (np.arange(row_start + r + 1, row_start + r + 1 + block.shape[0], dtype=np.uint64) * _GOLDEN
+                    ) | np.uint64(1)
+            total = (total + int(((block @ cols) * rows).sum(dtype=np.uint64))) & _MASK
     return total
 
 
