@@ -372,7 +372,9 @@ class Checkpoint(TypedDict, total=False):
     final: bool
     models: dict[str, dict[str, "torch.Tensor"]]
     tables: dict[str, dict[str, Any]]
-    """Phase -> its server tables (as :attr:`EarlyEval.tables`)."""
+    """Phase -> its tables: ``{"dcp": "tables/step-<k>-<id>/<phase>"}``, the folder (relative to the run folder) the
+    servers wrote them into by shard (:mod:`scheduling.placement.sharded`); or, for tables in the trainers and older
+    checkpoints, the tables whole (as :attr:`EarlyEval.tables`)."""
     optim: dict[str, dict[str, Any]]
     """Phase -> ``torch.optim.Optimizer.state_dict()``."""
     eval: dict[str, EarlyEval]

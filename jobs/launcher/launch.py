@@ -452,8 +452,9 @@ def _after_training(config: JobConfig, final: Checkpoint, results: JobResults, r
     model goes into ``run_dir/model/`` (:func:`jobs.launcher.model_export.after_job`, with the int8 model when
     chosen)."""
     from jobs.launcher.inference import Int8Keep
-    from jobs.launcher.model_export import after_job
+    from jobs.launcher.model_export import after_job, with_tables
 
+    final = with_tables(final, run_dir)  # tables checkpointed by shard: read whole here (the model file holds them)
     int8 = Int8Keep()
     if config.quant.enabled:
         results = dataclasses.replace(results, inference=_quantize(config, final, data_path, log, int8))

@@ -47,7 +47,7 @@ from jobs.config import JobConfig, to_dict
 from jobs.records import Checkpoint, HeldOut, ModelQuality, ModelState
 from jobs.results import JobResults
 
-__all__ = ["MODEL_DIR", "ExportError", "final_model_state", "model_state_dict", "encode_sample",
+__all__ = ["MODEL_DIR", "ExportError", "with_tables", "final_model_state", "model_state_dict", "encode_sample",
            "load_sample_input", "write_model_dir", "after_job", "latest_checkpoint", "export_run"]
 
 MODEL_DIR = "model"
@@ -123,6 +123,26 @@ class ExportError(RuntimeError):
 
     See docs/troubleshooting.md#exporterror.
     """
+
+
+def with_tables(state: Checkpoint, run_dir: str | os.PathLike[str]) -> Checkpoint:
+    """``state`` with every phase's tables whole: a checkpoint by shard names its folder (``{"dcp": "tables/..."}``,
+    relative to ``run_dir``), read here in one process (:func:`scheduling.placement.sharded.read_tables`: the model
+    file holds whole tables); tables already whole (an older checkpoint) are kept.
+
+    Raises:
+        ExportError: a named folder without its merged metadata (the checkpoint was never finished).
+    """
+    from scheduling.placement.sharded import is_sharded_checkpoint, read_tables
+
+    tables = dict(state.get("tables") or {})
+    for phase, saved in tables.items():
+        if isinstance(saved, dict) and isinstance(saved.get("dcp"), str):
+            folder = Path(run_dir) / saved["dcp"]
+            if not is_sharded_checkpoint(folder):
+                raise ExportError(f"{folder}: the checkpoint's tables of {phase!r} are not there (no merged .metadata)")
+            tables[phase] = read_tables(folder)
+    return {**state, "tables": tables}
 
 
 def final_model_state(state: Checkpoint, phase: str | None = None) -> ModelState:
@@ -466,7 +486,7 @@ def export_run(run_dir: str | os.PathLike[str], checkpoint: str | os.PathLike[st
         path = path / "state.pt"
     if not path.is_file():
         raise ExportError(f"--checkpoint {path}: no such file (a run's checkpoints are ray/train/checkpoint_*/state.pt)")
-    state = safe_load(path, map_location="cpu", mmap=True)
+    state = with_tables(safe_load(path, map_location="cpu", mmap=True), run)
     data_path = (results.get("data") or {}).get("path") or None
     kept = _kept_int8(run, final_model_state(state).get("step"))
     try:

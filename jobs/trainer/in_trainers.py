@@ -106,14 +106,17 @@ class InTrainerSocketServers:
 
     Args:
         names: the servers' names ``ps<i>`` (what the clients list); ``timeout_s``: not used (no group to form);
-        fetch_delay_s: added latency per lookup, seconds; ``exporter``: as :class:`InTrainerServers`'s.
+        fetch_delay_s: added latency per lookup, seconds; ``exporter``: as :class:`InTrainerServers`'s;
+        save_root: the folder the servers' checkpoints by shard may be written and read under (the run folder).
     """
 
     name = "socket"
 
     def __init__(self, names: Sequence[str], timeout_s: float, *, fetch_delay_s: float = 0.0,
-                 exporter: Any = None) -> None:
+                 exporter: Any = None, save_root: Any = None) -> None:
         self.names, self.timeout_s = list(names), timeout_s
+        self.save_root = None if save_root is None else str(save_root)
+        """Where the servers may write and read checkpoints by shard over the socket (the run folder), or None."""
         self.fetch_delay_s, self.exporter = fetch_delay_s, exporter
         self.server: Any = None
         """The server this trainer hosts (a ``scheduling.ps.PSServer``), or None."""
@@ -148,7 +151,7 @@ class InTrainerSocketServers:
 
         def serve(**kw: Any) -> Any:
             host = rendezvous if is_loopback(rendezvous) else node_address()
-            return serve_in_trainer_socket(self.names[rank], host=host, **kw).endpoints.server
+            return serve_in_trainer_socket(self.names[rank], host=host, save_root=self.save_root, **kw).endpoints.server
 
         _host_server(self, rank, serve)
         share_addresses(self.names)

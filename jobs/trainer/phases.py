@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from jobs.records import EarlyEval, ReaderSummary
 from jobs.stats import interleaved_gain, phase_summary
-from jobs.trainer.checkpoints import digest, save_checkpoint
+from jobs.trainer.checkpoints import digest, poll_pending, restore_tables, save_checkpoint
 from jobs.trainer.evaluation import eval_step, evaluate, evaluate_mid_phase
 from jobs.trainer.faults import maybe_inject_faults
 from jobs.trainer.pipeline import PHASES, TrainPipeline
@@ -58,10 +58,10 @@ def _start_phases(config, rank, workload, tables, resume, state, exporter) -> di
             optim_state = resume["optim"][phase]
         trainers[phase] = TrainPipeline(phase, model, view, workload, config, start_step=start, optim_state=optim_state,
                                        exporter=exporter)
-        if resume is not None:
-            view.load_state_dict(resume["tables"][phase])
+        if resume is not None:  # by shard from the run folder, or whole tables of an older checkpoint
+            restored = restore_tables(view, resume["tables"][phase], rank)
             if rank == 0:  # what the model and the (fresh) servers hold now, for the job's record
-                state.restored.remote(phase, start, digest(trainers[phase].dense_state()), digest(view.state_dict()))
+                state.restored.remote(phase, start, digest(trainers[phase].dense_state()), restored)
         if rank == 0:
             state.phase_started.remote(phase, start, config.job.steps)
     return trainers
@@ -85,6 +85,7 @@ def run_phases(config, rank, world, workload, tables, resume, state, exporter) -
             state.progress.remote(phase, step)
         if step == at and step < steps:
             early[phase].update(evaluate_mid_phase(trainers[phase], step, snapshot=phase == last))
+        poll_pending(config, trainers, phase, step, rank, state)  # a checkpoint whose tables are written now
         maybe_inject_faults(config, phase, step, rank, world, state, tables.servers)
 
     start = next(iter(trainers.values())).step

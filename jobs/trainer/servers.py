@@ -40,8 +40,9 @@ phase's module, the built-in torchrec DLRM or yours, first gets the ``scheduling
 ``[model] server_storage`` says, trained there with row-wise Adagrad) and turns each lookup into blocking
 ``ps_lookup`` nodes that the ``async_rpc`` passes then schedule; gradients are pushed from autograd hooks during
 backward. With ``[model] table_sizes = "dynamic"`` the pass makes the built-in DLRM's 26 tables dynamic
-(``dynamic=``, :func:`jobs.table_sizes.dynamic`); their checkpoints hold each table whole with its id map
-(:func:`scheduling.placement.restore.table_checkpoint`) and each phase reports their counters (:func:`dynamic_stats`).
+(``dynamic=``, :func:`jobs.table_sizes.dynamic`); each phase reports their counters (:func:`dynamic_stats`).
+Checkpoints write the tables by shard, each server its own rows (:meth:`_PhaseTables.start_checkpoint`,
+:mod:`scheduling.placement.sharded`), and any number of servers load them back (:meth:`_PhaseTables.load_sharded`).
 
 Source: torch.fx paper §6.2.3 (parameter-server fetches); Ray actors; torch.distributed.rpc.
 """
@@ -267,8 +268,12 @@ class ServerGroup:
                                    f"and [cluster] parameter_servers = {self.num_servers} for {world} trainers")
             socket = c.transport == "socket"  # no RPC group: server i listens on trainer i's socket, named ps<i>
             self.servers = [f"ps{i}" for i in range(self.num_servers)] if socket else in_trainer_names(self.num_servers)
-            self.lifecycle: Any = (InTrainerSocketServers if socket else InTrainerServers)(
+            run_dir = getattr(getattr(spec, "plan", None), "run_dir", None)
+            self.lifecycle: Any = InTrainerSocketServers(self.servers, c.rpc_timeout_s, exporter=exporter,
+                                                         fetch_delay_s=c.server_fetch_delay_ms / 1e3,
+                                                         save_root=run_dir) if socket else InTrainerServers(
                 self.servers, c.rpc_timeout_s, exporter=exporter, fetch_delay_s=c.server_fetch_delay_ms / 1e3)
+
         else:
             from scheduling.ps import server_group
 
@@ -282,6 +287,8 @@ class ServerGroup:
         """The transport's lifecycle object: how this group's servers are readied, joined and left."""
         self.state: Any = spec.state
         """The launcher's JobState actor (None in tests without one): rank 0 reports each phase's table layout."""
+        self.run_dir: Any = getattr(getattr(spec, "plan", None), "run_dir", None)
+        """The run folder, where the tables are checkpointed by shard (None: whole, in ``state.pt``)."""
         if len(self.actors) != self.num_servers and not self.in_trainers:
             raise RuntimeError(f"trainer {rank}: the launcher passed {len(self.actors)} server actors, "
                                f"[cluster] parameter_servers = {self.num_servers}")
@@ -503,6 +510,36 @@ class _PhaseTables(_LookupTimer):
         if self.rank == 0 and state:
             load_table_checkpoint(self.gm, state)
         self.owner.barrier()
+
+    @property
+    def run_dir(self) -> Any:
+        """The run folder (:mod:`jobs.trainer.checkpoints` writes the tables by shard under it), or None."""
+        return self.owner.run_dir
+
+    def start_checkpoint(self, folder: Any) -> dict[str, float]:
+        """Rank 0: the servers copy this phase's tables and write them by shard into ``folder`` in the background
+        (:func:`scheduling.placement.sharded.start_checkpoint`): ``{"copy_s", "rows"}``."""
+        from scheduling.placement.sharded import start_checkpoint
+
+        return start_checkpoint(self.gm, folder)
+
+    def finish_checkpoint(self, folder: Any, wait: bool) -> str | None:
+        """Rank 0: once the servers' writes into ``folder`` finished, merge their metadata and return the tables'
+        digest; None while a write runs and ``wait`` is False (:func:`scheduling.placement.sharded.finish_checkpoint`)."""
+        from scheduling.placement.sharded import finish_checkpoint
+
+        return finish_checkpoint(self.gm, folder, wait)
+
+    def load_sharded(self, folder: Any) -> str | None:
+        """The servers (any number) load this phase's tables from the checkpoint folder ``folder``, each its own rows
+        (:func:`scheduling.placement.sharded.load_checkpoint`); rank 0 asks and gets the digest (None elsewhere);
+        every rank waits."""
+        from scheduling.placement.sharded import load_checkpoint
+
+        self.owner.barrier()
+        digest = load_checkpoint(self.gm, folder) if self.rank == 0 else None
+        self.owner.barrier()
+        return digest
 
     @property
     def dynamic(self) -> bool:

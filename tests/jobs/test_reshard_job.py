@@ -62,6 +62,12 @@ def test_a_completed_run_continues_on_two_servers(ray_session, one_server_run, c
     assert first["status"] == "completed"
     assert {s for layout in first["table_layout"].values() for t in layout.values() for s in t["servers"]} == {"ps0"}
     final = {c["phase"]: c["tables"] for c in first["checkpoints"] if c["step"] == 8}
+    # its checkpoints hold the tables by shard, in the run folder: what the resume below loads on 2 servers
+    from jobs.launcher.model_export import latest_checkpoint
+    from scheduling.ps.safe_load import safe_load
+
+    by_shard = safe_load(latest_checkpoint(run_dir))["tables"]
+    assert all(set(t) == {"dcp"} and (run_dir / t["dcp"] / ".metadata").is_file() for t in by_shard.values())
 
     rc = main(["launch", "--resume", str(run_dir), *_sets(["cluster.parameter_servers=2", "job.steps=12",
                                                            "job.progress=false"])])
