@@ -371,3 +371,53 @@ def _kill_and_wait(ray, actor, pid: int, restart: bool) -> None:
     deadline = time.monotonic() + 30
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+# ---- the faults' wait for Ray Train's checkpoint record (jobs.trainer.faults) ------------------------------------
+
+def _snapshot(path: Path, step: int | None, text: str | None = None) -> Path:
+    """A checkpoint manager snapshot as Ray Train 2.60 writes it (only the keys read), latest at ``step``."""
+    latest = None if step is None else {"version": 0, "checkpoint_dir_name": "checkpoint_x",
+                                        "metrics": {"step": step, "final": False}}
+    path.write_text(text if text is not None else json.dumps({"ray_version": "2.60.0",
+                                                              "latest_checkpoint_result": latest}))
+    return path
+
+
+def test_a_fault_waits_for_the_checkpoint_written_before_it(tmp_path):
+    from jobs.trainer.faults import expected_checkpoint, registered_step
+
+    assert [expected_checkpoint(s, 10) for s in (1, 10, 11, 13, 20, 33)] == [0, 0, 10, 10, 10, 30]
+    assert expected_checkpoint(8, 5) == 5 and expected_checkpoint(6, 4) == 4 and expected_checkpoint(15, 0) == 0
+    assert registered_step(_snapshot(tmp_path / "a.json", 10)) == 10
+    assert registered_step(_snapshot(tmp_path / "b.json", None)) == 0          # nothing registered yet
+    assert registered_step(tmp_path / "absent.json") is None
+    assert registered_step(_snapshot(tmp_path / "c.json", 0, text='{"latest_checkp')) is None  # caught mid-write
+    assert registered_step(_snapshot(tmp_path / "d.json", 0, text="[1]")) is None
+
+
+def test_the_wait_ends_when_ray_train_registers_the_checkpoint(tmp_path):
+    """The victim polls the snapshot until it names the checkpoint (or a later one); without a snapshot it waits
+    REGISTER_WAIT_S (the controller's poll bound) and goes on; with an older one, up to the timeout."""
+    import jobs.trainer.faults as faults
+
+    clock = [0.0]
+    now = lambda: clock[0]  # noqa: E731
+    path = _snapshot(tmp_path / "s.json", 4)
+    polls: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the controller registers step 10 after 0.5 s of polling
+        polls.append(seconds)
+        clock[0] += seconds
+        if clock[0] >= 0.5:
+            _snapshot(path, 10)
+
+    assert faults.wait_registered(10, path, poll_s=0.1, sleep=sleep, clock=now) == pytest.approx(0.5)
+    assert len(polls) == 5
+    assert faults.wait_registered(10, path, sleep=sleep, clock=now) == 0.0 and len(polls) == 5  # there: no poll
+    assert faults.wait_registered(0, None, sleep=sleep, clock=now) == 0.0  # no checkpoint to wait for
+    tick = lambda s: clock.__setitem__(0, clock[0] + s)  # noqa: E731
+    clock[0] = 0.0
+    assert faults.wait_registered(10, None, poll_s=0.5, sleep=tick, clock=now) == faults.REGISTER_WAIT_S
+    clock[0] = 0.0
+    assert faults.wait_registered(20, path, timeout_s=2.0, poll_s=0.5, sleep=tick, clock=now) == 2.0
