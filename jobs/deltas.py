@@ -14,15 +14,20 @@ into place, so a reader sees a whole delta or none; :func:`committed_steps` list
 
 ``delta.pt``::
 
-    {"format": 1, "step": int,
+    {"format": 1, "step": int, "full": bool,                   # full: the whole model (below)
      "dense": {state-dict key: tensor},                         # the non-table entries, whole
      "tables": {"<path>.weight": {"rows": (K,) int64, "values": (K, D) float32}},
-     "dynamic": {"<path>": {"ids": (K,) int64, "slots": (K,) int64, "evicted": (E,) int64}}}
+     "dynamic": {"<path>": {"ids": (K,) int64, "slots": (K,) int64, "evicted": (E,) int64, "full": bool}}}
 
 Table keys are those of ``RUN_DIR/model/state_dict.pt`` (a dynamic table's weight holds its rows by slot,
 ``(capacity, D)``); dynamic keys those of ``RUN_DIR/model/dynamic_ids.pt`` (``{"ids", "slots"}`` per table path,
 sorted by id). Rows are *set*, never added: applying a delta whose rows are a superset of the changed ones (after a
 restart from a checkpoint) gives the same model.
+
+The first delta of a run (step 0), and the first of a run resumed at a step after the newest committed delta, is
+*full*: every row of every table and whole id maps, the model of that step, so the chain of deltas never misses a
+change. Applying the deltas from a full one on, in order, to any model of the same structure gives the trained
+model of the last one; a model of step ``s`` (an exported one) needs the deltas after ``s`` only.
 
 Source: PyTorch docs, "Saving and loading models" (``state_dict``, ``torch.load(weights_only=True)``); Liu et al.
 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table" §2.3 (a training job syncing
@@ -43,9 +48,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["DELTAS_DIR", "DELTA_FILE", "FORMAT", "DeltaError", "TableDelta", "DynamicDelta", "Delta",
-           "committed_steps", "latest_step", "load_delta", "apply_delta", "apply_map", "write_delta", "delta_path"]
+__all__ = ["MODEL_DIR", "DELTAS_DIR", "DELTA_FILE", "FORMAT", "DeltaError", "TableDelta", "DynamicDelta", "Delta",
+           "committed_steps", "latest_step", "load_delta", "apply_delta", "apply_map", "write_delta", "delta_path",
+           "DeltaQueue"]
 
+MODEL_DIR = "model"
+"""The folder of a run that holds its trained model (``jobs.launcher.model_export`` writes it)."""
 DELTAS_DIR = "deltas"
 """The folder of ``RUN_DIR/model/`` that holds the deltas."""
 DELTA_FILE = "delta.pt"
@@ -82,11 +90,13 @@ class TableDelta:
 class DynamicDelta:
     """The id map changes of one dynamic table: raw ids ``ids`` ``(K,)`` int64 now at slots ``slots`` ``(K,)`` int64
     (new ids, or ids moved to another slot), and raw ids ``evicted`` ``(E,)`` int64 removed (evicted or expired) and
-    not admitted again since the previous delta."""
+    not admitted again since the previous delta; ``full``: ``ids`` and ``slots`` are the whole map, which replaces
+    the one it is applied to (a delta that starts a chain, :attr:`Delta.full`)."""
 
     ids: torch.Tensor
     slots: torch.Tensor
     evicted: torch.Tensor = field(default_factory=_int64)
+    full: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,13 +105,16 @@ class Delta:
 
     ``dense``: the module's non-table ``state_dict`` entries, whole; ``tables``: per state-dict key of a table's weight
     (``"emb.embedding_bags.t_C1.weight"``), its changed rows; ``dynamic``: per dynamic table path (the keys of
-    ``dynamic_ids.pt``), its id map changes.
+    ``dynamic_ids.pt``), its id map changes. ``full``: the whole model (every row of every table, whole id maps): the
+    first delta of a run, or of a run resumed where the deltas before it were not committed, which later deltas
+    build on; applied to any model of the same structure it gives the model of its step.
     """
 
     step: int
     dense: dict[str, torch.Tensor]
     tables: dict[str, TableDelta]
     dynamic: dict[str, DynamicDelta] = field(default_factory=dict)
+    full: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -172,9 +185,9 @@ def load_delta(model_dir: str | os.PathLike[str], step: int) -> Delta:
         evicted = _tensor(d.get("evicted"), f"{where}: dynamic[{key!r}].evicted", torch.int64, 1)
         if ids.shape != slots.shape:
             raise DeltaError(f"{where}: dynamic[{key!r}] has {ids.numel()} ids and {slots.numel()} slots")
-        dynamic[key] = DynamicDelta(ids, slots, evicted)
+        dynamic[key] = DynamicDelta(ids, slots, evicted, bool(d.get("full", False)))
     dense = {k: _tensor(v, f"{where}: dense[{k!r}]") for k, v in (data.get("dense") or {}).items()}
-    return Delta(step, dense, tables, dynamic)
+    return Delta(step, dense, tables, dynamic, bool(data.get("full", False)))
 
 
 def apply_delta(state: dict[str, torch.Tensor], dynamic_ids: dict[str, dict[str, torch.Tensor]], delta: Delta) -> None:
@@ -182,9 +195,9 @@ def apply_delta(state: dict[str, torch.Tensor], dynamic_ids: dict[str, dict[str,
     module changes too; a ``torch.load``\\ ed ``state_dict.pt`` works the same), ``dynamic_ids`` as
     ``RUN_DIR/model/dynamic_ids.pt`` (``{path: {"ids", "slots"}}``, replaced per table by the new map, sorted by id).
 
-    After applying the deltas of steps ``s_1 < ... < s_k`` in order to the model of a step ``s_0 < s_1`` that the
-    run's deltas cover from (the model of step 0, or an exported model of an earlier delta's step), ``state`` and
-    ``dynamic_ids`` equal the trainer's model at step ``s_k``.
+    After applying the deltas of steps ``s_1 < ... < s_k`` in order, ``s_1``'s full (:attr:`Delta.full`) and the
+    model any of the same structure, or ``s_1``'s the first delta after the step of the model (an exported model of a
+    step the deltas cover), ``state`` and ``dynamic_ids`` equal the trainer's model at step ``s_k``.
 
     Raises:
         DeltaError: a key of the delta that ``state`` (or ``dynamic_ids``) lacks, a row outside a table, or values of
@@ -224,12 +237,71 @@ def _span(rows: torch.Tensor) -> str:
 
 def apply_map(old: Mapping[str, torch.Tensor], d: DynamicDelta) -> dict[str, torch.Tensor]:
     """A dynamic table's id map ``{"ids" (R,), "slots" (R,)}`` after ``d``: the evicted ids, the ids ``d`` places and
-    the entries of the slots it fills removed, its ``(ids, slots)`` added; sorted by id (as ``dynamic_ids.pt``)."""
+    the entries of the slots it fills removed, its ``(ids, slots)`` added (a ``full`` one: its map alone); sorted by
+    id (as ``dynamic_ids.pt``)."""
     ids, slots = old["ids"].long(), old["slots"].long()
     drop = torch.isin(ids, torch.cat([d.evicted, d.ids])) | torch.isin(slots, d.slots)
+    if d.full:
+        drop = torch.ones_like(ids, dtype=torch.bool)
     ids, slots = torch.cat([ids[~drop], d.ids]), torch.cat([slots[~drop], d.slots])
     ids, order = torch.sort(ids)
     return {"ids": ids, "slots": slots[order]}
+
+
+class DeltaQueue:
+    """Commits deltas under ``model_dir`` in the order given, on one background thread (:func:`write_delta`), so that
+    the caller (a job's rank 0, which the other trainers wait for) goes on as soon as a delta is handed over.
+
+    The deltas given must not change afterwards (copies of the tensors a model trains on). A failed write is raised
+    by the next :meth:`put` or by :meth:`close`, and no later delta is committed after it (a gap in the chain would
+    make a reader apply a delta to the wrong model).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        self.model_dir = Path(model_dir)
+        self._pool: Any = None
+        self._last: Any = None
+        self.newest = latest_step(model_dir)
+        """The newest step committed or handed over (None: none)."""
+
+    def put(self, delta: Delta, extra: Mapping[str, Any] | None = None) -> bool:
+        """Hand ``delta`` over to be committed; False (nothing done) when a delta of its step or a later one was
+        committed or handed over already.
+
+        Raises:
+            OSError: the previous delta could not be written (re-raised from its thread; nothing more is written).
+        """
+        self._check()
+        if self.newest is not None and delta.step <= self.newest:
+            return False
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fxdist-deltas")
+        self.newest = delta.step
+        self._last = self._pool.submit(write_delta, self.model_dir, delta, extra)
+        return True
+
+    def _check(self) -> None:
+        if self._last is not None and self._last.done() and self._last.exception() is not None:
+            error, self._last = self._last.exception(), None
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+            raise error
+
+    def close(self) -> None:
+        """Wait until every delta handed over is committed.
+
+        Raises:
+            OSError: a delta could not be written.
+        """
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        pool.shutdown(wait=True)
+        last, self._last = self._last, None
+        if last is not None and last.exception() is not None:
+            raise last.exception()
 
 
 def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[str, Any] | None = None) -> Path | None:
@@ -248,11 +320,12 @@ def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{delta.step:010d}-", dir=root))
     try:
-        torch.save({"format": FORMAT, "step": delta.step, "dense": delta.dense,
+        torch.save({"format": FORMAT, "step": delta.step, "full": delta.full, "dense": delta.dense,
                     "tables": {k: {"rows": t.rows, "values": t.values} for k, t in delta.tables.items()},
-                    "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted}
+                    "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted, "full": d.full}
                                 for k, d in delta.dynamic.items()}}, tmp / DELTA_FILE)
-        record = {"format": FORMAT, "step": delta.step, "rows": {k: int(t.rows.numel()) for k, t in delta.tables.items()},
+        record = {"format": FORMAT, "step": delta.step, "full": delta.full,
+                  "rows": {k: int(t.rows.numel()) for k, t in delta.tables.items()},
                   "dense": len(delta.dense), "dynamic": {k: {"ids": int(d.ids.numel()), "evicted": int(d.evicted.numel())}
                                                          for k, d in delta.dynamic.items()}, **(extra or {})}
         (tmp / "delta.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

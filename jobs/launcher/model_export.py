@@ -19,6 +19,8 @@ checkpoint of the run (:func:`export_run`). The folder holds:
 - ``model.json``: the entry point, the config (as parsed, its source and SHA-256), the phase and step of the model,
   the held-out metrics results.json reports for it, each export's outcome (the exception's type and first line
   where torch.export could not capture the model), and the files written.
+- ``deltas/`` (with ``[export] every_steps``): the model's deltas every that many steps (:mod:`jobs.deltas`), written
+  while the job trains; a new folder takes them over from the old one.
 
 The folder is written whole into ``RUN_DIR/model.tmp-<random>/`` and then ``os.replace``\\ d over ``RUN_DIR/model/``
 (the previous one removed), so a reader sees the old folder or the new one, never a mix.
@@ -44,14 +46,13 @@ import torch
 from torch import nn
 
 from jobs.config import JobConfig, to_dict
+from jobs.deltas import MODEL_DIR
 from jobs.records import Checkpoint, HeldOut, ModelQuality, ModelState
 from jobs.results import JobResults
 
 __all__ = ["MODEL_DIR", "ExportError", "with_tables", "final_model_state", "model_state_dict", "encode_sample",
            "load_sample_input", "write_model_dir", "after_job", "latest_checkpoint", "export_run"]
 
-MODEL_DIR = "model"
-"""The folder of a run that holds its trained model."""
 FORMAT = 1
 """``model.json``'s ``format``: bumped when the folder's layout changes."""
 
@@ -362,6 +363,7 @@ def _write_dir(run_dir: Path, config: JobConfig, state: ModelState,
         record: ModelRecord = {"format": FORMAT, "entry_point": _entry_point(config), "config": _config_record(config),
                   "phase": state.get("phase"), "step": state.get("step"), "metrics": metrics or {},
                   "exports": exports, "dynamic_tables": sorted(ids), **(extra or {})}
+        _carry_deltas(run_dir / MODEL_DIR, tmp)
         record["files"] = sorted([p.name for p in tmp.iterdir()] + ["model.json"])
         (tmp / "model.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         _replace_dir(tmp, run_dir / MODEL_DIR)
@@ -373,15 +375,36 @@ def _write_dir(run_dir: Path, config: JobConfig, state: ModelState,
 
 def _replace_dir(new: Path, target: Path) -> None:
     """Put the folder ``new`` at ``target`` with ``os.replace`` (atomic for an absent target); an existing
-    ``target`` is first renamed aside (itself atomic) and removed afterwards."""
+    ``target`` is first renamed aside (itself atomic) and removed afterwards. The deltas of the old folder
+    (``deltas/``, :mod:`jobs.deltas`) are carried into the new one first, as hard links where the file system has
+    them (no copy of their bytes), so a reader of ``target/deltas`` sees them all along."""
     new.chmod(0o755)  # mkdtemp makes it 0700
     if not target.exists():
         os.replace(new, target)
         return
+    _carry_deltas(target, new)   # those committed since _write_dir carried the others
     old = Path(tempfile.mkdtemp(prefix=f"{MODEL_DIR}.old-", dir=target.parent))
     os.replace(target, old / MODEL_DIR)
     os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _carry_deltas(old: Path, new: Path) -> None:
+    """The committed deltas of the model folder ``old`` (``deltas/<step>/``) that ``new`` lacks, into ``new``: hard
+    links where the file system has them (no copy of their bytes), else copies."""
+    from jobs.deltas import committed_steps, delta_path
+
+    for step in committed_steps(old):
+        if not delta_path(new, step).exists():
+            shutil.copytree(delta_path(old, step), delta_path(new, step), copy_function=_link_or_copy)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link of ``src`` at ``dst``, or a copy where links cannot be made (another file system)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _metrics(results: JobResults | None, phase: str | None, step: int | None) -> ModelMetrics:

@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from jobs.deltas import MODEL_DIR
 from jobs.stats import peak_rss_bytes
 from jobs.trainer.checkpoints import load_checkpoint
 from jobs.trainer.metrics import Exporter, tls_options
@@ -120,7 +121,8 @@ def _train_loop(spec: TrainerSpec) -> None:
         state.event.remote("rank 0: data loaded, tables ready")
     graceful = False
     try:
-        run_phases(config, rank, world, workload, tables, resume, state, exporter)
+        run_phases(config, rank, world, workload, tables, resume, state, exporter,
+                   model_dir=spec.plan.run_dir / MODEL_DIR)  # the model's deltas ([export] every_steps)
         graceful = True
     finally:
         tables.close(graceful=graceful)

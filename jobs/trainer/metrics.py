@@ -8,19 +8,22 @@ needs ``[metrics] expose = true``; ``certfile``/``keyfile`` serve HTTPS, ``clien
 
 Metrics (labels ``job``, ``phase`` = baseline | optimized, ``rank``; servers use ``rank = "ps<i>"``):
 
-=============================  =========  ===========================================================
-``fxdist_samples_total``       counter    training samples processed
-``fxdist_step_seconds``        histogram  wall time of one training step (forward, backward, update)
-``fxdist_ps_lookup_seconds``   histogram  trainer: time blocked on embedding lookups in a step (the servers'
-                                          own serve time is ``fxdist_ps_server_lookup_seconds``)
-``fxdist_rpc_fetch_seconds``   histogram  the same observations under the old name, an alias kept for one
-                                          release (:data:`DEPRECATED_ALIASES`); dashboards use the new name
-``fxdist_loss``                gauge      training loss of the last step (binary cross-entropy)
-``fxdist_qps_gain_ratio``      gauge      trainer rank 0: QPS gain of the optimized phase over the baseline
-                                          so far, as a fraction (0.12 = +12 %), from the interleaved
-                                          blocks; label ``stat`` = median | min | max, and low | high (the
-                                          95 % interval of the median, once enough blocks exist)
-=============================  =========  ===========================================================
+==================================  =========  ===========================================================
+``fxdist_samples_total``            counter    training samples processed
+``fxdist_step_seconds``             histogram  wall time of one training step (forward, backward, update)
+``fxdist_ps_lookup_seconds``        histogram  trainer: time blocked on embedding lookups in a step (the servers'
+                                               own serve time is ``fxdist_ps_server_lookup_seconds``)
+``fxdist_rpc_fetch_seconds``        histogram  the same observations under the old name, an alias kept for one
+                                               release (:data:`DEPRECATED_ALIASES`); dashboards use the new name
+``fxdist_loss``                     gauge      training loss of the last step (binary cross-entropy)
+``fxdist_qps_gain_ratio``           gauge      trainer rank 0: QPS gain of the optimized phase over the baseline
+                                               so far, as a fraction (0.12 = +12 %), from the interleaved
+                                               blocks; label ``stat`` = median | min | max, and low | high (the
+                                               95 % interval of the median, once enough blocks exist)
+``fxdist_export_deltas_total``      counter    trainer rank 0: deltas of the model written (``[export]
+                                               every_steps``, :mod:`jobs.trainer.deltas`)
+``fxdist_export_delta_rows_total``  counter    trainer rank 0: table rows those deltas carried
+==================================  =========  ===========================================================
 
 Parameter servers (:meth:`Exporter.watch_server`) export their own metrics, read at scrape time
 (:mod:`jobs.trainer.server_metrics`: lookup and push serve times, rows and bytes per table, dynamic-table inserts
@@ -104,6 +107,10 @@ class Exporter:
         self.reader_rate = Gauge("fxdist_reader_lines_per_second", "Criteo lines this trainer's reader parses per "
                                  "second of parse time, per worker process (recsys.criteo_stream).", ("job", "rank"),
                                  registry=self.registry)
+        self.deltas = Counter("fxdist_export_deltas", "Deltas of the trained model written (trainer rank 0, "
+                              "[export] every_steps; jobs.trainer.deltas).", LABELS, registry=self.registry)
+        self.delta_rows = Counter("fxdist_export_delta_rows", "Embedding-table rows the deltas of the model carried "
+                                  "(rows changed since the previous delta).", LABELS, registry=self.registry)
         self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._server_collector: Any = None
         self._staleness: Any = None
@@ -181,6 +188,12 @@ class Exporter:
         for stat, value in stats.items():
             if value is not None and value == value:
                 self.gain.labels(job=self.job, stat=stat).set(value / 100.0)
+
+    def observe_delta(self, phase: str, rows: int) -> None:
+        """One delta of ``phase``'s model written, carrying ``rows`` table rows (:mod:`jobs.trainer.deltas`)."""
+        labels = self.labels(phase)
+        self.deltas.labels(**labels).inc()
+        self.delta_rows.labels(**labels).inc(rows)
 
     def observe_lookup(self, phase: str, seconds: float) -> None:
         """Record one served (server) or issued (trainer) embedding lookup, ``seconds`` long."""

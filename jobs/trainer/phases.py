@@ -67,9 +67,11 @@ def _start_phases(config, rank, workload, tables, resume, state, exporter) -> di
     return trainers
 
 
-def run_phases(config, rank, world, workload, tables, resume, state, exporter) -> None:
+def run_phases(config, rank, world, workload, tables, resume, state, exporter, model_dir=None) -> None:
     """Train every phase over the same batches, alternating blocks of ``[phases] block_steps`` steps (the
-    order flips every block), each phase keeping its own model, optimizer and tables; then summarise."""
+    order flips every block), each phase keeping its own model, optimizer and tables; then summarise. With
+    ``[export] every_steps`` and ``model_dir`` (``RUN_DIR/model``), the last phase's deltas go there
+    (:class:`jobs.trainer.deltas.DeltaWriter`)."""
     steps, every = config.job.steps, config.job.checkpoint_every
     if resume is not None and resume.get("final") and resume["step"] >= steps:
         return  # every phase finished before this restart (a completed run resumed for more steps goes on)
@@ -78,11 +80,19 @@ def run_phases(config, rank, world, workload, tables, resume, state, exporter) -
     trainers = _start_phases(config, rank, workload, tables, resume, state, exporter)
     early: dict[str, EarlyEval] = {p: EarlyEval(**(((resume or {}).get("eval") or {}).get(p) or {})) for p in trainers}
     last = list(trainers)[-1]
+    deltas = None
+    if config.export.every_steps and model_dir is not None:
+        from jobs.trainer.deltas import DeltaWriter
+
+        deltas = DeltaWriter(trainers[last], config.export.every_steps, rank, model_dir, state, exporter)
+        deltas.start()
 
     def on_step(step, run, module, optimizer):
         phase = run.phase
         if rank == 0 and (step % 5 == 0 or step == steps):
             state.progress.remote(phase, step)
+        if deltas is not None and phase == last:
+            deltas.after_step(step)
         if step == at and step < steps:
             early[phase].update(evaluate_mid_phase(trainers[phase], step, snapshot=phase == last))
         poll_pending(config, trainers, phase, step, rank, state)  # a checkpoint whose tables are written now
@@ -96,6 +106,8 @@ def run_phases(config, rank, world, workload, tables, resume, state, exporter) -
             exporter.observe_gain(interleaved_gain([{p: t.run.blocks for p, t in trainers.items()}]))
         if every and end % every == 0 and end < steps:
             save_checkpoint(end, trainers, early, rank, final=False, state=state)
+    if deltas is not None:
+        deltas.close()   # every delta on disk before the model folder is written
     _finish_phases(config, rank, workload, trainers, early, state, shard_rows)
 
 

@@ -142,9 +142,11 @@ class TrainPipeline:
     def _lookahead(self) -> dict[str, Any]:
         """``{next_<input>: the next batch's <input>}`` for the module's ``next_*`` parameters; none before a
         checkpoint of dynamic tables: looking the next batch up is a step of them, which the checkpoint would hold,
-        and a run resumed from it would make that lookup again (the baseline makes it once)."""
-        every, nxt = self.config.job.checkpoint_every, self.step + 1
-        if self.config.model.table_sizes == "dynamic" and every and nxt % every == 0 and nxt < self.config.job.steps:
+        and a run resumed from it would make that lookup again (the baseline makes it once); none before a delta of
+        them either (``[export] every_steps``): the delta of step ``k`` is the tables after step ``k``."""
+        every, nxt, deltas = self.config.job.checkpoint_every, self.step + 1, self.config.export.every_steps
+        if self.config.model.table_sizes == "dynamic" and nxt < self.config.job.steps and (
+                (every and nxt % every == 0) or (deltas and nxt % deltas == 0)):   # so is a delta (jobs.trainer.deltas)
             return {}
         if not self._ahead or self._upcoming is None:
             return {}

@@ -273,7 +273,6 @@ class ServerGroup:
                                                          fetch_delay_s=c.server_fetch_delay_ms / 1e3,
                                                          save_root=run_dir) if socket else InTrainerServers(
                 self.servers, c.rpc_timeout_s, exporter=exporter, fetch_delay_s=c.server_fetch_delay_ms / 1e3)
-
         else:
             from scheduling.ps import server_group
 
@@ -510,6 +509,22 @@ class _PhaseTables(_LookupTimer):
         if self.rank == 0 and state:
             load_table_checkpoint(self.gm, state)
         self.owner.barrier()
+
+    def track_changes(self) -> None:
+        """The servers start (again) recording the rows they change in this phase's tables (rank 0 asks;
+        :func:`scheduling.placement.restore.track_table_changes`): the start of its deltas (:mod:`jobs.trainer.deltas`)."""
+        from scheduling.placement.restore import track_table_changes
+
+        if self.rank == 0 and self.gm is not None and self.moved:
+            track_table_changes(self.gm)
+
+    def take_changes(self) -> dict[str, dict[str, Any]]:
+        """Rank 0: the rows the servers changed in this phase's tables since the previous call, under the model's
+        state-dict names (:func:`scheduling.placement.restore.table_changes`), their records cleared; ``{}``
+        elsewhere."""
+        from scheduling.placement.restore import table_changes
+
+        return table_changes(self.gm) if self.rank == 0 and self.gm is not None and self.moved else {}
 
     @property
     def run_dir(self) -> Any:

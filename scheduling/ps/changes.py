@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["start_tracking", "retrack", "take_changes", "track_group", "take_group"]
+__all__ = ["start_tracking", "stop_tracking", "retrack", "take_changes", "track_group", "take_group"]
 
 
 def _shards(server: Any, namespace: str) -> list[tuple[str, Any]]:
@@ -51,6 +51,22 @@ def start_tracking(server: Any, namespace: str) -> None:
                          f"{sorted(server.layouts)})")
     server.tracked.add(namespace)
     retrack(server, namespace)
+
+
+def stop_tracking(server: Any, namespace: str) -> None:
+    """Stop recording ``namespace``'s changed rows on ``server`` and drop its records (nothing when not tracked)."""
+    if namespace not in server.tracked:
+        return
+    server.tracked.discard(namespace)
+    fused = server.fused.get(namespace)
+    if fused is not None and hasattr(fused, "_changed_np"):
+        fused.changed, fused._changed_np = None, None
+    for key, shard in _shards(server, namespace):
+        server.changes.pop(key, None)
+        if shard.dynamic is not None:
+            with shard.lock:
+                group = shard.dynamic.group
+                group.changed, group.base_slot, group.admitted = None, None, []
 
 
 def retrack(server: Any, namespace: str) -> None:

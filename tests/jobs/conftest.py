@@ -58,9 +58,9 @@ def ray_session(_ray_package):
 ONE_SERVER_RUN = ["job.steps=8", "job.batch_size=32", "job.checkpoint_every=4", "job.progress=false",
                   "job.eval_epochs=0", "model.table_size=500", "model.bottom_mlp=[16]", "model.top_mlp=[16]",
                   "cluster.cpus_per_trainer=0.5", "cluster.rpc_timeout_s=20.0", "cluster.parameter_servers=1",
-                  "quant.enabled=false", "metrics.enabled=false", "data.synthetic_rows=4000"]
-"""The small job of :func:`one_server_run` (2 trainers, 8 steps, checkpoints every 4), also the base of
-test_trainer_in_trainers.py's run with the servers in the trainers."""
+                  "quant.enabled=false", "metrics.enabled=false", "data.synthetic_rows=4000", "export.every_steps=2"]
+"""The small job of :func:`one_server_run` (2 trainers, 8 steps, checkpoints every 4, a delta of the model every 2:
+test_deltas.py), also the base of test_trainer_in_trainers.py's run with the servers in the trainers."""
 
 
 @pytest.fixture(scope="package")

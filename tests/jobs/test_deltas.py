@@ -11,6 +11,7 @@ from jobs.deltas import (
     DELTAS_DIR,
     Delta,
     DeltaError,
+    DeltaQueue,
     DynamicDelta,
     TableDelta,
     apply_delta,
@@ -62,6 +63,34 @@ def test_a_step_at_or_before_the_newest_is_not_rewritten(tmp_path) -> None:
     assert not [n for n in os.listdir(tmp_path / DELTAS_DIR) if n.startswith(".tmp")]
 
 
+def test_a_queue_commits_in_order_in_the_background_and_stops_at_a_failed_write(tmp_path, monkeypatch) -> None:
+    from jobs import deltas
+
+    queue = DeltaQueue(tmp_path)
+    assert queue.put(_delta(2, [0], 1.0)) and queue.put(_delta(4, [1], 2.0)) and not queue.put(_delta(4, [1], 3.0))
+    queue.close()
+    assert committed_steps(tmp_path) == [2, 4] and DeltaQueue(tmp_path).newest == 4
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(deltas, "write_delta", full_disk)
+    queue = DeltaQueue(tmp_path)
+    assert queue.put(_delta(6, [0], 1.0))
+    with pytest.raises(OSError, match="No space left"):
+        queue.close()
+    queue = DeltaQueue(tmp_path)
+    queue.put(_delta(6, [0], 1.0))
+    import time
+
+    deadline = time.monotonic() + 10
+    while not queue._last.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(OSError, match="No space left"):          # the next put reports it and writes nothing
+        queue.put(_delta(8, [0], 1.0))
+    assert committed_steps(tmp_path) == [2, 4]
+
+
 def test_load_raises_a_clear_error_for_missing_or_foreign_files(tmp_path) -> None:
     with pytest.raises(DeltaError, match="no delta of step 3"):
         load_delta(tmp_path, 3)
@@ -106,6 +135,15 @@ def test_apply_map_drops_the_previous_owner_of_a_filled_slot() -> None:
     assert new["ids"].tolist() == [1, 3, 8] and new["slots"].tolist() == [4, 6, 5]
 
 
+def test_a_full_map_replaces_the_old_one_and_survives_a_round_trip(tmp_path) -> None:
+    old = {"ids": torch.tensor([1, 2]), "slots": torch.tensor([0, 3])}
+    full = DynamicDelta(torch.tensor([9, 4]), torch.tensor([1, 2]), full=True)
+    assert apply_map(old, full)["ids"].tolist() == [4, 9] and apply_map(old, full)["slots"].tolist() == [2, 1]
+    write_delta(tmp_path, Delta(0, {}, {}, {"dyn": full}, full=True))
+    got = load_delta(tmp_path, 0)
+    assert got.full and got.dynamic["dyn"].full and not load_delta(tmp_path, 0).dynamic["dyn"].evicted.numel()
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"emb.t.weight": torch.zeros(2, 4)}, "cannot take rows"),                 # row 3 outside 2 rows
     ({"emb.t.weight": torch.zeros(5, 8)}, "cannot take rows"),                 # width 4 into 8
@@ -123,3 +161,72 @@ def test_apply_needs_the_dynamic_tables_map() -> None:
     state = {"dense.w": torch.zeros(2, 3), "emb.t.weight": torch.zeros(5, 4)}
     with pytest.raises(DeltaError, match="dynamic table 'dyn'"):
         apply_delta(state, {}, _delta(1, [0], 1.0))
+
+
+# ---- the deltas of a job (tests/jobs/conftest.py: one_server_run, a delta every 2 steps) --------------------------
+def _run_model(run_dir):
+    """The run's config and a fresh model of its structure, tables in the trainer (their values do not matter: the
+    chain starts with a full delta)."""
+    import json
+
+    from jobs import criteo
+    from jobs.config import parse_config
+
+    config = parse_config(json.loads((run_dir / "results.json").read_text())["config"])
+    return config, criteo.dlrm(config)
+
+
+def _replay(run_dir, upto: int) -> dict[str, torch.Tensor]:
+    _, model = _run_model(run_dir)
+    state, ids = model.state_dict(), {}
+    for step in committed_steps(run_dir / "model"):
+        if step <= upto:
+            apply_delta(state, ids, load_delta(run_dir / "model", step))
+    assert ids == {}                                   # fixed tables
+    return state
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, different
+
+
+def test_a_jobs_deltas_rebuild_its_trained_model_bit_for_bit(one_server_run):
+    """2 trainers on one server actor, 8 steps: a full delta at step 0 and one every 2 steps, in step order; applied
+    in order to a fresh model they give RUN_DIR/model/state_dict.pt at the last step, bit for bit, and the dense
+    weights of the step-4 checkpoint at step 4; only the changed rows travel."""
+    import json
+
+    from scheduling.ps.safe_load import safe_load
+
+    run_dir = one_server_run["run_dir"]
+    model_dir = run_dir / "model"
+    steps = committed_steps(model_dir)
+    assert steps[:5] == [0, 2, 4, 6, 8] and load_delta(model_dir, 0).full and not load_delta(model_dir, 2).full
+    config, fresh = _run_model(run_dir)
+    table_rows = sum(v.shape[0] for k, v in fresh.state_dict().items() if k in load_delta(model_dir, 2).tables)
+    assert 0 < load_delta(model_dir, 2).num_rows < table_rows
+    step = json.loads((model_dir / "model.json").read_text())["step"]
+    _equal(_replay(run_dir, step), torch.load(model_dir / "state_dict.pt", weights_only=True))
+    (at4,) = [p for p in sorted(run_dir.glob("ray/**/state.pt")) if safe_load(p)["step"] == 4]
+    dense = safe_load(at4)["models"]["optimized"]
+    replayed = _replay(run_dir, 4)
+    _equal({k: replayed[k] for k in dense}, dense)
+
+
+def test_a_new_model_folder_takes_over_the_deltas_as_hard_links(tmp_path) -> None:
+    """RUN_DIR/model/ is replaced whole at the end of a job (jobs.launcher.model_export): its committed deltas move
+    into the new folder, the same files (hard links), and no temporary delta folder comes along."""
+    from jobs.launcher.model_export import _replace_dir
+
+    target = tmp_path / "model"
+    write_delta(target, _delta(2, [0], 1.0))
+    (target / DELTAS_DIR / ".tmp-0000000004-x").mkdir()
+    before = (delta_path(target, 2) / "delta.pt").stat().st_ino
+    new = tmp_path / "model.tmp-1"
+    new.mkdir()
+    (new / "state_dict.pt").write_bytes(b"")
+    _replace_dir(new, target)
+    assert committed_steps(target) == [2] and (delta_path(target, 2) / "delta.pt").stat().st_ino == before
+    assert sorted(os.listdir(target / DELTAS_DIR)) == ["0000000002"] and (target / "state_dict.pt").exists()

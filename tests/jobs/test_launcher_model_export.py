@@ -53,7 +53,8 @@ def test_dlrm_job_leaves_a_model_that_loads_scores_and_exports_as_trained(one_se
     config, results = _run_config(run_dir)
     folder = run_dir / "model"
     record = json.loads((folder / "model.json").read_text())
-    assert record["files"] == ["model.json", "model.pt2", "sample_input.pt", "state_dict.pt"]
+    # deltas/: one_server_run has [export] every_steps = 2 (tests/jobs/test_deltas.py)
+    assert record["files"] == ["deltas", "model.json", "model.pt2", "sample_input.pt", "state_dict.pt"]
     assert sorted(p.name for p in folder.iterdir()) == record["files"]
     assert not list(run_dir.glob("model.*"))  # no temporary folder left
     assert record["entry_point"]["factory"].startswith("bundled: jobs.criteo.dlrm")

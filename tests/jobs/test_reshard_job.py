@@ -68,6 +68,7 @@ def test_a_completed_run_continues_on_two_servers(ray_session, one_server_run, c
 
     by_shard = safe_load(latest_checkpoint(run_dir))["tables"]
     assert all(set(t) == {"dcp"} and (run_dir / t["dcp"] / ".metadata").is_file() for t in by_shard.values())
+    committed = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (run_dir / "model" / "deltas").glob("*/delta.pt")}
 
     rc = main(["launch", "--resume", str(run_dir), *_sets(["cluster.parameter_servers=2", "job.steps=12",
                                                            "job.progress=false"])])
@@ -89,3 +90,13 @@ def test_a_completed_run_continues_on_two_servers(ray_session, one_server_run, c
             r for r in done["restores"] if r["phase"] == phase and r["step"] == 8).items()
         assert done["phases"][phase]["resumed_from_step"] == 8 and done["phases"][phase]["steps"] == 4
     assert json.loads((run_dir / "results.0.json").read_text())["status"] == "completed"
+    # the model's deltas ([export] every_steps = 2): those committed before are kept as they were (same files), the
+    # resumed run adds steps 10 and 12 (the rows changed on the 2 servers), and the chain still rebuilds the model
+    from jobs.deltas import committed_steps, load_delta
+    from tests.jobs.test_deltas import _equal, _replay
+
+    assert committed_steps(run_dir / "model") == [0, 2, 4, 6, 8, 10, 12] and not load_delta(run_dir / "model", 10).full
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in committed} == committed
+    import torch
+
+    _equal(_replay(run_dir, 12), torch.load(run_dir / "model" / "state_dict.pt", weights_only=True))

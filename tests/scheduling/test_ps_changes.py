@@ -164,6 +164,13 @@ def test_changes_need_tracking_and_a_load_starts_it_again():
     assert all(c["rows"].numel() == 0 for c in ends.changes("ns").values())
     server.push("ns", batch, torch.ones_like(server.lookup("ns", batch)))
     assert sum(c["rows"].numel() for c in ends.changes("ns").values()) > 0
+    from scheduling.ps.changes import stop_tracking
+
+    stop_tracking(server, "ns")
+    server.push("ns", batch, torch.ones_like(server.lookup("ns", batch)))   # not recorded, no error
+    assert server.fused["ns"].changed is None and not server.changes
+    with pytest.raises(ValueError, match="not tracked"):
+        ends.changes("ns")
 
 
 def test_a_client_takes_its_tables_changes_from_an_in_process_server():

@@ -1,0 +1,153 @@
+"""The trainers' part in writing the model's deltas (``[export] every_steps``, read with :mod:`jobs.deltas`).
+
+Every ``N`` steps of the optimized phase (the phase whose model ``RUN_DIR/model/`` holds, the last one), after
+step ``k``'s updates, :class:`DeltaWriter` writes ``RUN_DIR/model/deltas/<k>/``: the rows the parameter servers
+changed since the previous delta (only those rows leave the servers, :mod:`scheduling.ps.changes`), the dynamic
+tables' new and evicted ids, and the dense weights. Every trainer waits for its pushes and meets the others at a
+barrier (all pushes of step ``k`` are then applied); rank 0 takes the changes (copies of the rows) and a copy of
+the dense weights; a second barrier holds the others until it has, so no push of step ``k + 1`` reaches the servers
+before the changes are taken. The delta is then written on a background thread of rank 0
+(:class:`jobs.deltas.DeltaQueue`, in step order) while training goes on; :meth:`DeltaWriter.close` waits for it. With tables in the trainers (no parameter servers) the delta carries them whole among the dense weights.
+
+The chain starts with a full delta (the whole model, :func:`full_delta`) where the run starts: step 0, or the step a
+run resumes at when no delta at or after it is committed (e.g. ``every_steps`` set on resume). Exactly once: a delta
+of a step at or before the newest committed one is not written again, and its changes are not taken, so after a
+restart from the checkpoint of step ``c`` (tracking starts again at ``c``) the next delta written covers every row
+changed since ``c`` (a superset of those since the last committed delta: rows are set, never added). The prefetching optimized model does not look a step's next batch up before a delta of dynamic
+tables (:meth:`jobs.trainer.pipeline.TrainPipeline._lookahead`): that lookup would admit its ids into the delta.
+
+Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisionless Embedding Table" §2.3
+(the training job syncs the parameters it changed to serving every few minutes, the dense ones whole).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from jobs.deltas import Delta, DeltaQueue, DynamicDelta, TableDelta, delta_path
+
+__all__ = ["DeltaWriter", "delta_of", "full_delta"]
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def delta_of(step: int, dense: dict[str, torch.Tensor], changes: dict[str, dict[str, Any]]) -> Delta:
+    """A :class:`jobs.deltas.Delta` from the dense weights and the tables' changes under the model's state-dict names
+    (:func:`scheduling.placement.restore.table_changes`: ``"<path>.weight"`` rows and values, ``"<path>.dynamic"``
+    id map changes); the dense tensors are detached copies (the module trains on)."""
+    tables = {k: TableDelta(v["rows"], v["values"]) for k, v in changes.items() if k.endswith(".weight")}
+    dynamic = {k.removesuffix(".dynamic"): DynamicDelta(v["ids"], v["slots"], v["evicted"])
+               for k, v in changes.items() if k.endswith(".dynamic")}
+    return Delta(step, {k: v.detach().clone() for k, v in dense.items()}, tables, dynamic)
+
+
+def full_delta(step: int, dense: dict[str, torch.Tensor], tables: dict[str, Any]) -> Delta:
+    """The whole model of ``step`` as a full :class:`jobs.deltas.Delta`: the dense weights and every row of the tables of
+    a :func:`scheduling.placement.restore.table_checkpoint` (``"<path>.weight"`` whole; a dynamic table's
+    ``"<path>.dynamic"`` state gives its whole id map; optimizer state left out)."""
+    weights = {k: v for k, v in tables.items() if k.endswith(".weight")}
+    dynamic = {k.removesuffix(".dynamic"): DynamicDelta(torch.as_tensor(v["map_ids"], dtype=torch.int64),
+                                                          torch.as_tensor(v["map_slots"], dtype=torch.int64), full=True)
+               for k, v in tables.items() if k.endswith(".dynamic") and v is not None}
+    return Delta(step, {k: v.detach().clone() for k, v in dense.items()},
+                 {k: TableDelta(torch.arange(v.shape[0]), v.detach().float()) for k, v in weights.items()}, dynamic,
+                 full=True)
+
+
+class DeltaWriter:
+    """Writes the deltas of one phase's model (``trainer``, a :class:`jobs.trainer.pipeline.TrainPipeline`) every
+    ``every`` steps into ``model_dir/deltas/`` (rank 0 writes; every rank calls).
+
+    Args:
+        model_dir: ``RUN_DIR/model``.
+        state: the launcher's JobState actor (an event per delta written), or None.
+        exporter: rank 0's metrics exporter (``fxdist_export_deltas_total``), or None.
+    """
+
+    def __init__(self, trainer: Any, every: int, rank: int, model_dir: Path, state: Any = None,
+                 exporter: Any = None) -> None:
+        self.trainer, self.every, self.rank, self.model_dir = trainer, every, rank, Path(model_dir)
+        self.state, self.exporter = state, exporter
+        self.written: list[int] = []
+        """The steps of the deltas this writer handed over to be committed."""
+        self.queue: DeltaQueue | None = None
+        """Rank 0's writer thread (:meth:`start` makes it)."""
+        self.skipped: list[int] = []
+        """The steps it did not write: committed before (a restarted run)."""
+
+    def start(self) -> Path | None:
+        """Start the servers' records (after the tables were restored, before the first step of this run); rank 0
+        writes a full delta of the model as it is now when no delta at or after this step is committed (a new run's
+        step 0, or a run resumed past its newest delta), so the chain of deltas has no gap. Returns its folder."""
+        self.trainer.tables.sync()
+        _barrier()
+        path = None
+        try:
+            if self.rank == 0:
+                track = getattr(self.trainer.tables, "track_changes", None)
+                if track is not None:
+                    track()
+                self.queue = DeltaQueue(self.model_dir)
+                step, newest = self.trainer.step, self.queue.newest
+                if newest is None or newest < step:
+                    path = self._commit(full_delta(step, self.trainer.dense_state(), self.trainer.tables.state_dict()))
+        finally:
+            _barrier()   # no push before the records started and the full delta was read
+        return path
+
+    def after_step(self, step: int) -> Path | None:
+        """After step ``step``'s updates: the delta when ``step`` is a multiple of ``every`` (its folder on rank 0,
+        None elsewhere or when not written)."""
+        if step % self.every:
+            return None
+        self.trainer.tables.sync()
+        _barrier()   # every trainer's pushes of `step` are on the servers
+        try:
+            return self.write(step) if self.rank == 0 else None
+        finally:
+            _barrier()   # no push of the next step before rank 0 took the changes
+
+    def write(self, step: int) -> Path | None:
+        """Rank 0: take the changes and hand the delta of ``step`` over to be committed; its folder (None: a delta of
+        this step or a later one is committed already; the changes are then left to accumulate).
+
+        Raises:
+            OSError: an earlier delta could not be written (:class:`jobs.deltas.DeltaQueue`).
+        """
+        assert self.queue is not None, "DeltaWriter.start() first"
+        if self.queue.newest is not None and step <= self.queue.newest:
+            self.skipped.append(step)
+            return None
+        take = getattr(self.trainer.tables, "take_changes", None)
+        return self._commit(delta_of(step, self.trainer.dense_state(), take() if take is not None else {}))
+
+    def _commit(self, delta: Delta) -> Path | None:
+        step, queue = delta.step, self.queue
+        assert queue is not None
+        if not queue.put(delta, extra={"phase": self.trainer.phase, "taken_at": round(time.time(), 3)}):
+            self.skipped.append(step)
+            return None
+        self.written.append(step)
+        if self.exporter is not None:
+            self.exporter.observe_delta(self.trainer.phase, delta.num_rows)
+        if self.state is not None:
+            self.state.event.remote(f"delta {self.trainer.phase} step {step}: {delta.num_rows} rows"
+                                    f"{' (full)' if delta.full else ''}")
+        return delta_path(self.model_dir, step)
+
+    def close(self) -> None:
+        """Wait until every delta handed over is committed (rank 0; nothing elsewhere).
+
+        Raises:
+            OSError: a delta could not be written.
+        """
+        if self.queue is not None:
+            self.queue.close()
