@@ -318,7 +318,7 @@ class ServedModel:
                                ) from None
         if self.sample is None:
             logits = out.reshape(-1)
-            return {"step": snap.step, "predictions": torch.sigmoid(logits).tolist(), "logits": logits.tolist()}
+            return {"step": snap.step, "predictions": to_json(torch.sigmoid(logits)), "logits": to_json(logits)}
         return {"step": snap.step, "predictions": to_json(out)}
 
     # ---- deltas ------------------------------------------------------------------------------------------------

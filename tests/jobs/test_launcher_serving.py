@@ -4,23 +4,32 @@ Run folders written without a job (tests/jobs/_serving.py): the served DLRM answ
 follows the deltas written next to it (the served step advances, the answers become the eager model's with the
 deltas applied), answers bad bodies with 400 and counts everything in its Prometheus metrics; a user model answers
 its output structure. The command line refuses what it cannot serve before Ray starts.
+
+End to end (one job): a ``[data] follow`` job with ``[export] every_steps`` trains what a folder holds and waits; its
+checkpoint of that step is exported (``fxdist export --checkpoint``) and served; a file appended to the folder
+trains on, the served step advances through the job's deltas, and the answers on held-out rows equal, bit for bit,
+the trainer's model of the same step (its checkpoint exported after the job).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs import deltas
+from jobs import criteo, deltas
+from jobs.config import load_config, parse_config
 from jobs.launcher import serving
 from jobs.launcher.cli import main
+from recsys.criteo_synth import write_synthetic_criteo
 from scheduling.ps.transport.ports import free_port
 from tests.jobs._serving import ROWS, T_C1, dlrm_reference, dlrm_run, two_tower_run
 
@@ -116,3 +125,60 @@ def test_the_command_refuses_what_it_cannot_serve(tmp_path, capsys):
     assert "no trained model" in err and "troubleshooting.md#serveerror" in err
     assert main(["serve", str(tmp_path), "--poll-s", "0"]) == 2
     assert "--poll-s must be positive" in capsys.readouterr().err
+
+
+def _model_at(config, model_dir: Path, step: int) -> torch.nn.Module:
+    """The trainer's model of ``step``: the job's deltas up to ``step`` applied in order to a fresh model (the
+    first delta, of step 0, carries the whole model)."""
+    model = criteo.dlrm(config).eval()
+    state = model.state_dict()
+    for s in deltas.committed_steps(model_dir):
+        if s <= step:
+            deltas.apply_delta(state, {}, deltas.load_delta(model_dir, s))
+    return model
+
+
+def test_a_follow_job_served_while_it_trains(serve_port, tmp_path):
+    from jobs.launcher.launch import launch
+    from jobs.launcher.model_export import write_model_dir
+
+    stream, run = tmp_path / "stream", tmp_path / "run"
+    stream.mkdir()
+    lines = write_synthetic_criteo(tmp_path / "src.tsv", 1400, seed=0).read_text().splitlines(keepends=True)
+    held_out = [ln.rstrip("\n") for ln in lines[-16:]]
+    (stream / "part-0.tsv").write_text("".join(lines[:150]))  # the rows there at the start are held out
+    config = load_config().replace(
+        job={"steps": 12, "batch_size": 32, "checkpoint_every": 0, "progress": False, "name": "serve-test"},
+        data={"path": str(stream), "follow": True, "follow_poll_s": 0.1}, export={"every_steps": 4},
+        model={"table_size": 200, "bottom_mlp": [8], "top_mlp": [8]}, phases={"parity": "warn"},
+        cluster={"trainers": 2, "cpus_per_trainer": 0.5, "parameter_servers": 0},
+        metrics={"enabled": False}, quant={"enabled": False})
+    results: dict = {}
+    job = threading.Thread(target=lambda: results.setdefault("job", launch(config, run_dir=run, quiet=True)),
+                           daemon=True)
+    job.start()
+    model_dir = run / "model"
+    assert _until(lambda: deltas.committed_steps(model_dir), timeout_s=400), "no delta of step 0"
+    trained = parse_config(json.loads((run / "results.json").read_text())["config"])  # as the trainers got it
+    base = _model_at(trained, model_dir, 0)
+    write_model_dir(run, trained, {"model": base.state_dict(), "tables": {}, "step": 0, "phase": "optimized"})
+    served = serving.start(run, port=serve_port, metrics_port=0, poll_s=0.1, name="e2e", route_prefix="/e2e")
+    code, first = _call(served.url + "/predict", {"rows": held_out})
+    assert code == 200 and first["step"] == 0
+
+    (stream / "part-1.tsv").write_text("".join(lines[150:-16]))  # 12 steps of training rows arrive
+    assert _until(lambda: _call(served.url + "/step")[1]["step"] > 0, timeout_s=400), "the served step stayed 0"
+    code, later = _call(served.url + "/predict", {"rows": held_out})
+    assert code == 200 and later["step"] in (4, 8, 12) and _call(served.url + "/step")[1]["deltas_applied"] >= 1
+    job.join(timeout=400)
+    assert deltas.committed_steps(model_dir) == [0, 4, 8, 12]
+    for answer in (first, later):
+        expected = dlrm_reference(trained, _model_at(trained, model_dir, answer["step"]), held_out)
+        assert torch.equal(torch.tensor(answer["logits"], dtype=torch.float32), expected), answer["step"]
+    final = torch.load(model_dir / "state_dict.pt", weights_only=True)  # the job's own model at its end
+    chained = _model_at(trained, model_dir, 12).state_dict()
+    assert json.loads((model_dir / "model.json").read_text())["step"] == 12
+    assert all(torch.equal(final[k], chained[k]) for k in final)
+    assert _until(lambda: _call(served.url + "/step")[1]["step"] == 12)
+    serving.stop("e2e")
+    assert results["job"]["status"] == "completed"
