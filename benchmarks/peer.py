@@ -421,8 +421,8 @@ def report(size: str, found: dict[str, list[dict]]) -> None:
 
 def record_size(record: _bench.Record, size: str, found: dict[str, list[dict]]) -> None:
     """``--json``: one size's QPS of every fxdist system against ``dmp_tw``'s (round by round) and, where
-    ``dense_only`` ran, against that ceiling; DMP's own fraction of the ceiling and the fxdist systems' largest
-    final-loss difference to DMP as notes."""
+    ``dense_only`` ran, against that ceiling; DMP's own fraction of the ceiling, the failed runs and the fxdist
+    systems' largest final-loss difference to DMP as notes."""
     for peer, key, title in (("dmp_tw", f"dmp_{size}", f"{size} tables: QPS vs torchrec DMP table-wise"),
                              ("dense_only", f"ceiling_{size}", f"{size} tables: QPS vs the ceiling (no tables)")):
         base = [r for r in found.get(peer, []) if "error" not in r]
@@ -438,6 +438,9 @@ def record_size(record: _bench.Record, size: str, found: dict[str, list[dict]]) 
     if found.get("dmp_tw") and found.get("dense_only") and (f := _ratios(found["dmp_tw"], found["dense_only"])):
         record.note(f"{size}: dmp_tw's own fraction of the ceiling {statistics.median(f):.2f} "
                     f"({min(f):.2f}-{max(f):.2f})")
+    for name, runs in found.items():
+        if errors := [r["error"] for r in runs if "error" in r]:
+            record.note(f"{size}: {name}: {len(errors)} of {len(runs)} runs failed (left out): {errors[0][:160]}")
     fx = [r for n, runs in found.items() if n.startswith("fx_") and not systems.dynamic_tables(n) for r in runs]
     loss = _max_diff(fx, found.get("dmp_tw", []), "last_loss")
     if loss is not None:

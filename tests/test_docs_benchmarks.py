@@ -65,7 +65,7 @@ def test_every_marker_of_the_page_names_a_record():
 def test_a_benchmark_writes_a_valid_record_with_json(tmp_path: Path):
     out = tmp_path / "ir.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ir.py"), "--nodes", "60", "--reps", "2",
-                    "--json", str(out)], check=True, capture_output=True, timeout=120, cwd=ROOT)
+                    "--json", str(out)], check=True, capture_output=True, timeout=300, cwd=ROOT)
     record = json.loads(out.read_text())
     assert gen_benchmarks.problems(record) == []
     assert record["benchmark"] == "ir" and "--nodes 60" in record["command"]
@@ -112,3 +112,27 @@ def test_problems_name_what_a_record_lacks():
     assert gen_benchmarks.problems(record) == ["machine.isa missing",
                                                "row 0 names group 'nope', which the record does not declare"]
     assert gen_benchmarks.problems({"format": "other"}) == ["format is 'other', not 'fxdist-benchmark/1'"]
+
+
+def test_peers_record_pairs_rounds_with_dmp_and_the_ceiling_and_notes_failed_runs():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _bench
+    import peer
+
+    def run(qps: float) -> dict:
+        return {"qps": qps, "first_loss": 0.7, "last_loss": 0.69, "wall": 1.0}
+
+    found = {"dmp_tw": [run(100.0), run(200.0), run(100.0)],
+             "fx_prefetch_0ms": [run(150.0), run(200.0), {"error": "EADDRINUSE", "wall": 1.0}],
+             "dense_only": [run(300.0), run(400.0), run(200.0)]}
+    record = _bench.Record("peer", "peer")
+    peer.record_size(record, "10x4", found)
+    rows = {r["group"]: r for r in record.data["rows"]}
+    assert set(rows) == {"dmp_10x4", "ceiling_10x4"}    # fxdist systems only: the peers are not rows
+    dmp = rows["dmp_10x4"]
+    assert (dmp["fxdist"], dmp["peer"], dmp["spread"]) == (175.0, 100.0, [1.0, 1.5])   # round 3 failed: left out
+    assert dmp["ratio"] == pytest.approx(1.25)
+    assert rows["ceiling_10x4"]["spread"] == [0.5, 0.5]
+    assert not any(g["lower_is_better"] for g in record.data["groups"])
+    assert any("fx_prefetch_0ms: 1 of 3 runs failed (left out): EADDRINUSE" in n for n in record.data["notes"])
+    assert gen_benchmarks.problems({**record.data, "machine": _bench.machine(), "load_end": [0.0] * 3}) == []
