@@ -54,6 +54,7 @@ import ipaddress
 import os
 import socket
 import time
+from collections.abc import MutableMapping
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -180,6 +181,29 @@ def where(metrics: tuple[str, int] | None = None) -> Where:
             "hostname": socket.gethostname(), "pid": os.getpid(),
             "metrics": list(metrics) if metrics is not None else None,
             "ifnames": {var: os.environ[var] for var in IFNAME_VARS if var in os.environ}}
+
+
+TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+"""Ray Train's environment variable for the seconds between its controller's polls of the worker group."""
+TRAIN_POLL_S = 0.5
+"""The poll interval a launch gives Ray Train's controller unless ``$RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` is set
+(:func:`set_train_poll`)."""
+
+
+def set_train_poll(environ: MutableMapping[str, str] | None = None) -> float:
+    """Set Ray Train's controller poll interval (``$RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``) to :data:`TRAIN_POLL_S`
+    unless it is set already; returns the interval in force, seconds. ``environ``: :data:`os.environ` when None.
+
+    The controller polls the workers every 2 s by default (Ray Train 2.60, ``DEFAULT_HEALTH_CHECK_INTERVAL_S``), and
+    only a poll tells it that training ended, a worker died or a checkpoint was reported: each job's end, each
+    restart and each checkpoint's registration waited up to that long. A poll is a small actor task per trainer; a
+    poll that outlasts the interval is awaited by the next one (a worker is declared dead only after
+    ``$RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``), so a loaded machine only sees late polls. Ray Train passes the
+    variable on from the launcher's environment to its controller and workers.
+    """
+    env = os.environ if environ is None else environ
+    env.setdefault(TRAIN_POLL_ENV, f"{TRAIN_POLL_S:g}")
+    return float(env[TRAIN_POLL_ENV])
 
 
 def trainer_strategy(placement: str) -> str:

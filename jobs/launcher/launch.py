@@ -210,9 +210,10 @@ def _trainer(config: JobConfig, spec: TrainerSpec, run_dir: Path):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from jobs.cluster import trainer_strategy
+    from jobs.cluster import set_train_poll, trainer_strategy
     from jobs.trainer.loop import train_loop
 
+    set_train_poll()  # Ray Train's controller notices a job's end, a dead trainer, a checkpoint sooner
     c = config.cluster
     return TorchTrainer(
         train_loop,

@@ -159,3 +159,15 @@ def test_placement_lines_tell_the_lost_nodes():
                        nodes_lost=[{"node_id": "node-10.0.0.2", "address": "10.0.0.2", "ran": ["ps1", "trainer1"]}])
     assert cluster.placement_lines(results)[1] == ("node lost: 10.0.0.2 (node node-10.), which ran ps1, trainer1; "
                                                    "they restarted on the remaining nodes")
+
+
+def test_a_launch_shortens_ray_trains_poll_unless_it_is_set():
+    env: dict[str, str] = {}
+    assert cluster.set_train_poll(env) == cluster.TRAIN_POLL_S == 0.5
+    assert env == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"}  # the user's value stays
+    assert cluster.set_train_poll(env) == 3.0 and env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE, HEALTH_CHECK_INTERVAL_S_ENV_VAR
+
+    # Ray Train reads this variable and passes it from the launcher's environment to its controller and workers
+    assert cluster.TRAIN_POLL_ENV == HEALTH_CHECK_INTERVAL_S_ENV_VAR and cluster.TRAIN_POLL_ENV in ENV_VARS_TO_PROPAGATE
