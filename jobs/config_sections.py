@@ -250,7 +250,7 @@ class FaultSection:
     server); -1 = never."""
     pause_at_step: int = _key(-1, -1, 10**9)
     """Trainer rank 0 stops for ``pause_seconds`` at this optimized-phase step (1 .. [job] steps), once Ray
-    Train has had time to register the last checkpoint; the other trainers wait for it at their next step.
+    Train has registered the last checkpoint before it; the other trainers wait for it at their next step.
     A window for a fault from outside the job, such as a node's death (tests/jobs/test_cluster.py kills a
     host's raylet in it); the timeline says when it starts. -1 = never."""
     pause_seconds: float = _key(20.0, 0, 3600)
