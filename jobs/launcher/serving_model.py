@@ -57,18 +57,36 @@ class ServeError(RuntimeError):
     """
 
 
+def _chain_start(model_dir: Path) -> int | None:
+    """The step of the newest full delta under ``model_dir`` (where the chain of deltas can start), or None."""
+    from jobs.deltas import DELTAS_DIR, committed_steps
+
+    for step in reversed(committed_steps(model_dir)):
+        try:
+            if json.loads((model_dir / DELTAS_DIR / f"{step:010d}" / "delta.json").read_text()).get("full"):
+                return step
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def model_folder(run: str | Path) -> Path:
-    """The model folder of ``run``: ``run/model/`` (``run`` may name the model folder itself).
+    """The model folder of ``run``: ``run/model/`` (``run`` may name the model folder itself). A job with ``[export]
+    every_steps`` that has not ended yet has no ``model.json`` there but its deltas, from a full one on: the folder
+    is served from them (the config from ``run/results.json``).
 
     Raises:
-        ServeError: neither holds ``model.json`` and ``state_dict.pt``.
+        ServeError: neither holds ``model.json`` and ``state_dict.pt``, nor a full delta beside a ``results.json``.
     """
     path = Path(run)
     for folder in (path / MODEL_DIR, path):
         if (folder / "model.json").is_file() and (folder / "state_dict.pt").is_file():
             return folder
-    raise ServeError(f"{path}: no trained model (no {MODEL_DIR}/model.json and state_dict.pt); `fxdist launch` writes "
-                     f"it when a job ends (or every [export] every_steps), `fxdist export {path}` from a checkpoint")
+    if (path / "results.json").is_file() and _chain_start(path / MODEL_DIR) is not None:
+        return path / MODEL_DIR
+    raise ServeError(f"{path}: no trained model (no {MODEL_DIR}/model.json and state_dict.pt, nor deltas); `fxdist "
+                     "launch` writes it when a job ends (its deltas every [export] every_steps), `fxdist export "
+                     f"{path}` from a checkpoint")
 
 
 @dataclass(frozen=True)
@@ -239,8 +257,19 @@ class ServedModel:
         from jobs.table_sizes import reader_sizes
         from scheduling.ps.safe_load import safe_load
 
-        record = self._record()
+        self.chain_start: int | None = None
+        if (self.folder / "model.json").is_file():
+            record = self._record()
+        else:  # a job under way: its deltas, from the newest full one on, and the config in results.json
+            from jobs.launcher import runs
+
+            self.chain_start = _chain_start(self.folder)
+            results = runs.read(self.folder.parent) or {}
+            record = {"config": {"parsed": results.get("config") or {}}, "step": -1}
         self.config = self._config(record)
+        if self.chain_start is not None and self.config.user_model:
+            raise ServeError(f"{self.folder}: no model.json and sample_input.pt yet, so the structure of your model's "
+                             "inputs is unknown; serve it once the job has written its model folder")
         files = {p.name for p in self.folder.iterdir()}
         self.sample: tuple[Any, ...] | None = None
         if self.config.user_model:
@@ -255,17 +284,29 @@ class ServedModel:
             except ConfigError as e:
                 raise ServeError(f"{self.folder}: {e}") from e
         ids = safe_load(self.folder / "dynamic_ids.pt", map_location="cpu") if "dynamic_ids.pt" in files else {}
+        if self.chain_start is not None:
+            from jobs.deltas import load_delta
+
+            empty = torch.empty(0, dtype=torch.int64)
+            ids = {p: {"ids": empty, "slots": empty} for p in load_delta(self.folder, self.chain_start).dynamic}
         self.features = _dynamic_features(self._skeleton(), sorted(ids))
         self.record_step = int(record.get("step") or 0)
         return ids
 
     def _load(self) -> Snapshot:
-        """The folder's model (``model.json``, ``state_dict.pt``, ``dynamic_ids.pt``, ``sample_input.pt``)."""
+        """The folder's model (``model.json``, ``state_dict.pt``, ``dynamic_ids.pt``, ``sample_input.pt``), or, for a
+        job under way, a fresh model with the newest full delta applied."""
         from scheduling.ps.safe_load import safe_load
 
         ids = self._inspect()
-        state = safe_load(self.folder / "state_dict.pt", map_location="cpu")
-        return self._build(self.record_step, state, ids)
+        if self.chain_start is None:
+            return self._build(self.record_step, safe_load(self.folder / "state_dict.pt", map_location="cpu"), ids)
+        from jobs import criteo
+        from jobs.deltas import load_delta
+
+        fresh = criteo.dlrm(self.config)  # every tensor is set by the full delta
+        base = Snapshot(-1, fresh, {k: v.detach() for k, v in fresh.state_dict().items()}, ids)
+        return self._apply(base, load_delta(self.folder, self.chain_start))
 
     # ---- serving -----------------------------------------------------------------------------------------------
     @property
@@ -343,6 +384,8 @@ class ServedModel:
 
     def _newer_folder(self, pending: list[int]) -> bool:
         """Whether ``model.json`` names a step above the served one and every pending delta (a replaced folder)."""
+        if not (self.folder / "model.json").is_file():
+            return False
         try:
             step = int(self._record().get("step") or 0)
         except ServeError:

@@ -5,10 +5,10 @@ follows the deltas written next to it (the served step advances, the answers bec
 deltas applied), answers bad bodies with 400 and counts everything in its Prometheus metrics; a user model answers
 its output structure. The command line refuses what it cannot serve before Ray starts.
 
-End to end (one job): a ``[data] follow`` job with ``[export] every_steps`` trains what a folder holds and waits; its
-checkpoint of that step is exported (``fxdist export --checkpoint``) and served; a file appended to the folder
-trains on, the served step advances through the job's deltas, and the answers on held-out rows equal, bit for bit,
-the trainer's model of the same step (its checkpoint exported after the job).
+End to end (one job): a ``[data] follow`` job with ``[export] every_steps`` starts on a folder with too few rows and
+waits; it is served from its first (full) delta before it has a ``model.json``; a file appended to the folder trains
+on, the served step advances through the job's deltas, and the answers on held-out rows equal, bit for bit, the
+trainer's model of the same step (the chain of deltas, itself equal to the job's final ``state_dict.pt``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,6 @@ def _model_at(config, model_dir: Path, step: int) -> torch.nn.Module:
 
 def test_a_follow_job_served_while_it_trains(serve_port, tmp_path):
     from jobs.launcher.launch import launch
-    from jobs.launcher.model_export import write_model_dir
 
     stream, run = tmp_path / "stream", tmp_path / "run"
     stream.mkdir()
@@ -160,8 +159,7 @@ def test_a_follow_job_served_while_it_trains(serve_port, tmp_path):
     model_dir = run / "model"
     assert _until(lambda: deltas.committed_steps(model_dir), timeout_s=400), "no delta of step 0"
     trained = parse_config(json.loads((run / "results.json").read_text())["config"])  # as the trainers got it
-    base = _model_at(trained, model_dir, 0)
-    write_model_dir(run, trained, {"model": base.state_dict(), "tables": {}, "step": 0, "phase": "optimized"})
+    assert not (model_dir / "model.json").exists()  # served from the deltas: the job writes model.json at its end
     served = serving.start(run, port=serve_port, metrics_port=0, poll_s=0.1, name="e2e", route_prefix="/e2e")
     code, first = _call(served.url + "/predict", {"rows": held_out})
     assert code == 200 and first["step"] == 0

@@ -189,3 +189,28 @@ def test_the_id_index_finds_slots_and_misses():
     assert hit.tolist() == [True, False, True, False, False] and slots[hit].tolist() == [1, 2]
     empty = IdIndex.of(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
     assert not empty.lookup(torch.tensor([1]))[1].any()
+
+
+def test_a_job_under_way_is_served_from_its_deltas(tmp_path):
+    """No model.json yet (the job writes it at its end): a fresh model with the newest full delta, then the rest."""
+    import json
+
+    from jobs.config import to_dict
+    from tests.jobs._serving import dlrm_config
+
+    config = dlrm_config()
+    model = criteo.dlrm(config.replace(job={"seed": 5})).eval()  # not the weights a fresh model of config has
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({"config": to_dict(config)}, default=str))
+    with pytest.raises(ServeError, match="nor deltas"):
+        ServedModel(run)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    deltas.write_delta(run / "model", deltas.Delta(0, state, {}, {}, full=True))
+    change = deltas.TableDelta(torch.tensor([3]), torch.full((1, 4), 2.0))
+    deltas.write_delta(run / "model", deltas.Delta(4, {}, {TABLE: change}))
+    served = ServedModel(run)
+    assert served.step == 0 and served.poll() == [4]
+    deltas.apply_delta(state, {}, deltas.load_delta(run / "model", 4))
+    model.load_state_dict(state)
+    assert torch.equal(_logits(served.predict({"rows": ROWS})), dlrm_reference(config, model, ROWS))
