@@ -32,6 +32,8 @@ REQUIRED = {"benchmark": str, "title": str, "command": str, "date": str, "machin
             "load_end": list, "groups": list, "rows": list}
 MACHINE_KEYS = ("cpu", "cores", "isa", "flags", "torch")
 ROW_KEYS = ("group", "name", "fxdist", "peer", "ratio")
+BUSY = 2.0
+"""A record whose load average exceeded ``BUSY`` x its cores gets a warning box: its ratios carry others' noise."""
 
 
 def problems(record: Any) -> list[str]:
@@ -115,6 +117,12 @@ def section(name: str, record: dict[str, Any], heading: str = "") -> str:
     """A record's Markdown: provenance, one table per group, notes, the plot (``assets/benchmarks/NAME.svg``)."""
     parts = [heading] if heading else []
     parts.append(machine_line(record))
+    load = max(record["load_start"][0], record["load_end"][0])
+    if load > BUSY * record["machine"]["cores"]:
+        parts.append(f'!!! warning "Measured on a busy machine"\n    The load average reached {load:.0f} on '
+                     f"{record['machine']['cores']} cores: other processes held most of the CPU during this run, "
+                     "so its ratios carry their noise (see each row's spread). Rerun it on a quieter machine "
+                     "before quoting a figure.")
     parts += [group_table(record, g) for g in record["groups"]
               if any(r["group"] == g["key"] for r in record["rows"])]
     notes = record.get("notes") or []

@@ -99,6 +99,11 @@ def test_render_places_records_at_their_markers_and_the_rest_and_names_a_bad_fil
     assert "### the two title" in rest and "| row b | 3.00 | 1.50 | **2.00** |" in rest and "row a" not in rest
     assert "bad.json is not a fxdist-benchmark/1 record" in rest
     assert "<!--" not in out
+    assert "Measured on a busy machine" not in out      # load 1.5 on 2 cores
+    busy = _record("one", [("row a", 1.0, 2.0)])
+    busy["load_end"] = [9.0, 5.0, 2.0]
+    (tmp_path / "one.json").write_text(json.dumps(busy))
+    assert "The load average reached 9 on 2 cores" in gen_benchmarks.render("<!-- benchmark: one -->", tmp_path)
     svgs = gen_benchmarks.plots(tmp_path)
     assert set(svgs) == {"assets/benchmarks/one.svg", "assets/benchmarks/two.svg"}
     assert "row b" in svgs["assets/benchmarks/two.svg"]
