@@ -4,9 +4,10 @@ A run folder of the bundled DLRM in the default job's shape (26 tables of ``[mod
 MLPs; random weights: speed does not depend on them) is written to a temporary folder and deployed with
 :func:`jobs.launcher.serving.start` on a free loopback port (one replica). ``--clients`` client threads, each with its
 own keep-alive HTTP connection, ``POST /predict`` batches of ``B`` Criteo lines for ``--seconds``; every request's
-latency is recorded. The peer, in this process, sequentially: the same lines parsed by the same reader
+latency is recorded. The peer, in this process, by as many threads: the same lines parsed by the same reader
 (:func:`jobs.launcher.serving_inputs.criteo_rows`) and scored by the eager model (``torch.inference_mode``), i.e. the
-work of a request without HTTP, JSON and Ray Serve's proxy and router. Rounds alternate the two (serve then eager,
+work of a request without HTTP, JSON and Ray Serve's proxy and router (the same concurrency, so that on a loaded
+machine each gets a like share of the CPU: a single-threaded peer got about 3x less than the replica's threads). Rounds alternate the two (serve then eager,
 for each batch size); the script prints per batch size the medians over rounds of p50 and p99 latency (ms) and of
 QPS (rows/s), and the ratios serve / eager. Clients, proxy, replica and the eager peer share the machine's cores:
 on a 2-core machine the figures are those of a box serving its own load generator, so read them with the load
@@ -91,8 +92,9 @@ def _served(port: int, route: str, lines: list[str], clients: int, seconds: floa
     return _summary(flat, len(lines) * len(flat) / wall)
 
 
-def _eager(config, model, lines: list[str], seconds: float) -> dict[str, float]:
-    """The same requests' work in this process, one after another: parse with the same reader, score eagerly."""
+def _eager(config, model, lines: list[str], clients: int, seconds: float) -> dict[str, float]:
+    """The same requests' work in this process, by as many threads as there are clients: parse with the same
+    reader, score eagerly (the same concurrency, so that on shared cores both get a like share of the CPU)."""
     import torch
 
     from jobs import criteo
@@ -106,15 +108,23 @@ def _eager(config, model, lines: list[str], seconds: float) -> dict[str, float]:
         with torch.inference_mode():
             torch.sigmoid(model(dense, criteo.to_kjt(ids))).reshape(-1).tolist()
 
+    def loop(stop_at: float, out: list[float]) -> None:
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            once()
+            out.append(time.perf_counter() - t0)
+
     once()
-    times: list[float] = []
+    latencies: list[list[float]] = [[] for _ in range(clients)]
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
+    threads = [threading.Thread(target=loop, args=(start + seconds, out)) for out in latencies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     wall = time.perf_counter() - start
-    return _summary(sorted(times), len(lines) * len(times) / wall)
+    flat = sorted(x for out in latencies for x in out)
+    return _summary(flat, len(lines) * len(flat) / wall)
 
 
 def _summary(sorted_s: list[float], qps: float) -> dict[str, float]:
@@ -163,7 +173,7 @@ def main() -> None:
         for r in range(args.rounds):
             for b in batches:
                 results[b]["serve"].append(_served(port, "/predict", lines[:b], args.clients, args.seconds))
-                results[b]["eager"].append(_eager(config, model, lines[:b], args.seconds))
+                results[b]["eager"].append(_eager(config, model, lines[:b], args.clients, args.seconds))
             print(f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
         serving.stop("bench")
         ray.shutdown()
@@ -177,7 +187,8 @@ def main() -> None:
             record.row(key, f"batch {b}", s[key], e[key],
                        spread=[a[key] / c[key] for a, c in zip(results[b]["serve"], results[b]["eager"])])
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
-    record.note(f"{args.clients} HTTP clients in the benchmark's process, on the same cores as the replica")
+    record.note(f"{args.clients} HTTP clients (and {args.clients} eager threads) in the benchmark's process, on the "
+                "same cores as the replica")
     record.write(args.json)
 
 
