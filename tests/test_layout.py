@@ -359,7 +359,6 @@ TESTED_ELSEWHERE = {
     "jobs.launcher.report": "tests/jobs/test_user_outputs.py",
     "jobs.launcher.runs": "tests/jobs/test_validation.py",
     "jobs.launcher.state": "tests/jobs/test_cluster_helpers.py",
-    "jobs.trainer.checkpoints": "tests/jobs/test_trainer_loop.py",
     "jobs.trainer.evaluation": "tests/jobs/test_trainer_loop.py",
     "jobs.trainer.faults": "tests/jobs/test_job.py",
     "jobs.trainer.phases": "tests/jobs/test_trainer_loop.py",

@@ -450,8 +450,7 @@ def _record_end(run_dir: Path, results: JobResults, watch: JobStateWatch, error:
 def _after_training(config: JobConfig, final: Checkpoint, results: JobResults, run_dir: Path,
                     data_path: Path | None, log: Any) -> JobResults:
     """``results`` with, under ``[quant] enabled``, the int8 stage's ``inference`` (:func:`_quantize`); the trained
-    model goes into ``run_dir/model/`` (:func:`jobs.launcher.model_export.after_job`, with the int8 model when
-    chosen)."""
+    model goes into ``run_dir/model/`` (:func:`jobs.launcher.model_export.after_job`, with the int8 model if chosen)."""
     from jobs.launcher.inference import Int8Keep
     from jobs.launcher.model_export import after_job, with_tables
 
