@@ -107,10 +107,10 @@ class Exporter:
         self.reader_rate = Gauge("fxdist_reader_lines_per_second", "Criteo lines this trainer's reader parses per "
                                  "second of parse time, per worker process (recsys.criteo_stream).", ("job", "rank"),
                                  registry=self.registry)
-        self.deltas = Counter("fxdist_export_deltas", "Deltas of the trained model written (trainer rank 0, "
+        self.deltas = Counter("fxdist_export_deltas_total", "Deltas of the trained model written (trainer rank 0, "
                               "[export] every_steps; jobs.trainer.deltas).", LABELS, registry=self.registry)
-        self.delta_rows = Counter("fxdist_export_delta_rows", "Embedding-table rows the deltas of the model carried "
-                                  "(rows changed since the previous delta).", LABELS, registry=self.registry)
+        self.delta_rows = Counter("fxdist_export_delta_rows_total", "Embedding-table rows the deltas of the model "
+                                  "carried (rows changed since the previous delta).", LABELS, registry=self.registry)
         self._cache: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._server_collector: Any = None
         self._staleness: Any = None
