@@ -26,6 +26,7 @@ from jobs.launcher.model_export import (
     final_model_state,
     latest_checkpoint,
     load_sample_input,
+    with_tables,
     write_model_dir,
 )
 from jobs.trainer.workload import build_model, inference_batches
@@ -64,7 +65,9 @@ def test_dlrm_job_leaves_a_model_that_loads_scores_and_exports_as_trained(one_se
     assert record["exports"]["fp32"] == {"file": "model.pt2", "max_abs_diff": 0.0}
     assert record["exports"]["int8"]["error"]["type"] == "no int8 model"  # [quant] enabled = false
 
-    checkpoint = final_model_state(safe_load(latest_checkpoint(run_dir), map_location="cpu"))
+    saved = safe_load(latest_checkpoint(run_dir), map_location="cpu")
+    assert all(set(t) == {"dcp"} for t in saved["tables"].values())  # the servers wrote them by shard (DCP)
+    checkpoint = final_model_state(with_tables(saved, run_dir))      # read whole from RUN_DIR/tables/
     assert record["step"] == checkpoint["step"] == results["config"]["job"]["steps"]
     assert checkpoint["tables"], "the tables were on a server: the checkpoint has them apart"
     fresh = build_model(config).eval()
@@ -89,6 +92,7 @@ def test_fxdist_export_rebuilds_the_folder_from_any_checkpoint(one_server_run, t
     run.mkdir()
     shutil.copy2(source / "results.json", run / "results.json")
     shutil.copytree(source / "ray", run / "ray")
+    shutil.copytree(source / "tables", run / "tables")   # the tables, by shard, that state.pt names
     assert main(["export", str(run)]) == 0, capsys.readouterr().err
     record = json.loads((run / "model" / "model.json").read_text())
     latest = latest_checkpoint(run)
