@@ -4,7 +4,7 @@ A config has ten tables; every key is optional and defaults to the values below,
 laptop (``jobs/default.toml`` spells them out). Example::
 
     [job]
-    name = "dlrm-criteo"
+    name = "dlrm-criteo"     # unset: "dlrm-criteo", or "<module>-<function>" of [model] factory
     steps = 200              # training steps per phase, per trainer
     batch_size = 128         # samples per step, per trainer
 
@@ -74,6 +74,7 @@ from jobs.config_sections import (
     PhasesSection,
     QuantSection,
     TrainSection,
+    default_name,
 )
 from jobs.hosting import in_trainer_errors
 from jobs.staleness import staleness_errors
@@ -103,6 +104,9 @@ class JobConfig:
     export: ExportSection = field(default_factory=ExportSection)
     source: str = "<defaults>"
     """Where the config came from (a path, or "<defaults>")."""
+    named: bool = field(default=False, compare=False)
+    """``[job] name`` was given (in the TOML or to :meth:`replace`); False: it is :func:`jobs.config_sections.default_name`
+    of ``[model] factory``, derived again when :meth:`replace` changes the factory."""
 
     def replace(self, **sections: dict[str, Any]) -> JobConfig:
         """Return a copy with some keys of some tables changed, e.g. ``replace(job={"steps": 5})``.
@@ -111,6 +115,8 @@ class JobConfig:
             ConfigError: an unknown table or key, or a value of the wrong type or out of range.
         """
         raw = to_dict(self)
+        if not self.named and "name" not in sections.get("job", {}):
+            del raw["job"]["name"]  # derived: derive it again from the new config
         for table, values in sections.items():
             if table not in raw:
                 raise ConfigError(f"{self.source}: unknown table [{table}]; known: {', '.join(raw)}")
@@ -248,7 +254,7 @@ def _unknown_passes(passes: list[str]) -> list[str]:
     return [p for p in passes if p not in known]
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name != "source"}
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name not in ("source", "named")}
 
 
 def _check_type(value: Any, annotation: Any, where: str) -> Any:
@@ -278,7 +284,8 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
 
 
 def parse_config(raw: dict[str, Any], *, source: str = "<dict>") -> JobConfig:
-    """Build a :class:`JobConfig` from a parsed TOML document.
+    """Build a :class:`JobConfig` from a parsed TOML document. Without ``[job] name``, the name is
+    :func:`jobs.config_sections.default_name` of ``[model] factory`` ("dlrm-criteo" for the built-in DLRM).
 
     Raises:
         ConfigError: an unknown table or key, or a value of the wrong type; the message names them.
@@ -298,7 +305,11 @@ def parse_config(raw: dict[str, Any], *, source: str = "<dict>") -> JobConfig:
                 raise ConfigError(f"{source}: [{table}] unknown key {key!r}; known keys: {', '.join(hints)}")
             kwargs[key] = _check_type(value, hints[key], f"{source}: [{table}] {key}")
         sections[table] = cls(**kwargs)
-    config = JobConfig(**sections, source=source)
+    named = "name" in raw.get("job", {})
+    if not named:  # unset: "dlrm-criteo" for the built-in DLRM, else from [model] factory
+        job, model = sections.get("job", JobSection()), sections.get("model", ModelSection())
+        sections["job"] = dataclasses.replace(job, name=default_name(model.factory))
+    config = JobConfig(**sections, source=source, named=named)
     config.validate()
     return config
 

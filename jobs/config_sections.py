@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["JobSection", "DataSection", "ModelSection", "ClusterSection", "PhasesSection", "MetricsSection",
-           "QuantSection", "FaultSection", "TrainSection", "ExportSection", "MAX_TABLE_SIZE", "NAME_PATTERN"]
+           "QuantSection", "FaultSection", "TrainSection", "ExportSection", "MAX_TABLE_SIZE", "NAME_PATTERN",
+           "default_name"]
 
 def _key(default: Any, lo: float | None = None, hi: float | None = None, *, above: bool = False,
          length: tuple[int, int] | None = None) -> Any:
@@ -31,10 +32,29 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 """``[job] name``: it names the run folder, so only ``[A-Za-z0-9._-]``, not starting with '.', <= 100 chars."""
 
 
+def default_name(factory: str) -> str:
+    """``[job] name`` when the config does not set it: ``"dlrm-criteo"`` for the built-in DLRM (``factory = ""``),
+    else ``"<module>-<function>"`` of ``[model] factory = "package.module:function"`` (the module's last part), so
+    a run folder says which model ran; characters outside :data:`NAME_PATTERN` become ``_`` (``"user-model"`` when
+    nothing usable is left).
+
+    >>> default_name(""), default_name("mypkg.models:make_model"), default_name("jobs.movielens:model")
+    ('dlrm-criteo', 'models-make_model', 'movielens-model')
+    """
+    if not factory:
+        return "dlrm-criteo"
+    module, _, function = factory.partition(":")
+    name = "-".join(part for part in (module.rsplit(".", 1)[-1], function) if part)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:100]
+    return name if NAME_PATTERN.fullmatch(name) else "user-model"
+
+
 @dataclass(frozen=True)
 class JobSection:
     name: str = "dlrm-criteo"
-    """Job name; the ``job`` label of every metric and the prefix of the run folder (see NAME_PATTERN)."""
+    """Job name; the ``job`` label of every metric and the prefix of the run folder (see NAME_PATTERN). Unset: "dlrm-criteo"
+    for the built-in DLRM, else from ``[model] factory`` (``"mypkg.models:make_model"`` -> ``"models-make_model"``,
+    :func:`default_name`)."""
     steps: int = _key(200, 1, 10**9)
     """Training steps per phase, per trainer."""
     batch_size: int = _key(128, 1, 2**20)

@@ -305,7 +305,7 @@ def test_every_section_of_jobs_config_sections_is_a_table_of_the_config():
     import jobs.config_sections as sections
 
     tables = {config_field.name: config_field.type for config_field in dataclasses.fields(JobConfig)
-              if config_field.name != "source"}
+              if config_field.name not in ("source", "named")}
     defined = {name for name in sections.__all__ if name.endswith("Section")}
     assert set(tables.values()) == defined, "a section class that is not a table of JobConfig, or the other way round"
     assert JobConfig().export == sections.ExportSection() and JobConfig().export.every_steps == 0
@@ -325,3 +325,23 @@ def test_follow_needs_a_folder_or_a_glob_the_criteo_reader_and_no_data_table_siz
         with pytest.raises(ConfigError, match=match):
             follow.replace(**change).validate()
     JobConfig().replace(data={"path": str(tmp_path / "day_0")}).validate()  # without follow, a file is fine
+
+
+def test_an_unset_job_name_follows_the_model_and_a_set_one_is_kept(tmp_path):
+    from jobs.config_sections import NAME_PATTERN, default_name
+
+    user = {"model": {"factory": "mypkg.models:make_model"}, "data": {"batches": "mypkg.data:batches"}}
+    assert parse_config({}).job.name == load_config().job.name == "dlrm-criteo"  # the built-in DLRM
+    assert parse_config(user).job.name == "models-make_model"
+    assert parse_config({**user, "job": {"name": "dlrm-criteo"}}).job.name == "dlrm-criteo"  # set: kept
+    assert parse_config({**user, "job": {"name": "mine"}}).job.name == "mine"
+    # --set on the bundled default (which leaves the name unset) derives it again; a name set stays through --set
+    derived = apply_overrides(load_config(), ['model.factory="jobs.movielens:model"', 'data.batches="jobs.movielens:batches"'])
+    assert derived.job.name == "movielens-model" and not derived.named
+    assert apply_overrides(derived, ['job.name="mf"', "job.steps=3"]).job.name == "mf"
+    assert apply_overrides(apply_overrides(derived, ['job.name="mf"']), ['model.factory="a.b:c"']).job.name == "mf"
+    assert load_config("jobs/movielens.toml").job.name == "movielens-mf"
+    assert apply_overrides(derived, ['model.factory=""', 'data.batches=""']).job.name == "dlrm-criteo"
+    for factory in ("a.b:c", "weird mod:fn$", ".hidden:x", ":", "m" * 300 + ":f"):
+        assert NAME_PATTERN.fullmatch(default_name(factory)), factory
+    assert default_name(":") == "user-model" and default_name("weird mod:fn$") == "weird_mod-fn_"
