@@ -28,7 +28,8 @@ one worker process: chunk boundaries depend on when the data arrived, so the chu
 workers the same way on every run; the batches never depend on them.
 
 Held-out rows (:func:`held_out_rows`): the held-out lines of the complete lines present when the reader starts
-(up to ``max_rows``); :func:`scan_present` is the first pass over them.
+(up to ``max_rows``); :func:`scan_present` is the first pass over them; :func:`present_rows`, the rows of either
+split of those lines, for the job's stages after training.
 
 Source: ``tail -F`` semantics (read to the end, then poll) and log-rotation conventions (write, then rename);
 torch.utils.data (IterableDataset, ``get_worker_info``).
@@ -52,7 +53,8 @@ from recsys.criteo_parse import parse_chunk
 from recsys.criteo_shard import CHUNK_BYTES, DataPlan, count_chunk, line_owner
 from recsys.criteo_stream import START_METHOD, CriteoStream, ReaderStats
 
-__all__ = ["follow_files", "follow_chunks", "FollowStream", "HeldOut", "held_out_rows", "scan_present"]
+__all__ = ["follow_files", "follow_chunks", "FollowStream", "HeldOut", "held_out_rows", "present_rows",
+           "scan_present"]
 
 Chunk = tuple[Path, bytes, int]
 """``(file, bytes of whole lines, index of the first of them in the file)``."""
@@ -242,7 +244,7 @@ class FollowStream(CriteoStream):
 
 @dataclass
 class HeldOut:
-    """Held-out rows in memory: ``dense (n, 13) float32``, ``sparse (n, 26) int64``, ``labels (n,) float32``."""
+    """Held-out (or, from :func:`present_rows`, training) rows in memory: ``dense (n, 13) float32``, ``sparse (n, 26) int64``, ``labels (n,) float32``."""
 
     dense: torch.Tensor
     sparse: torch.Tensor
@@ -266,14 +268,30 @@ def held_out_rows(path: str | Path, sizes: Sequence[int], every: int, max_rows: 
     Raises:
         DataError: as :func:`follow_chunks`.
     """
-    if not every:
-        return None
+    return present_rows(path, sizes, every, max_rows, split="eval", chunk_bytes=chunk_bytes) if every else None
+
+
+def present_rows(path: str | Path, sizes: Sequence[int], every: int, max_rows: int, *, split: str = "eval",
+                 chunk_bytes: int = CHUNK_BYTES) -> HeldOut | None:
+    """The first ``max_rows`` rows of ``split`` among the complete lines of the stream now (a half-written last
+    line is left out, as :func:`follow_chunks` with ``wait=False`` does): "eval", the held-out lines (``i % every ==
+    every - 1`` of each file; none with ``every = 0``), or "train", all the others (every trainer's, in stream
+    order). For the job's end stages (the int8 comparison's held-out and calibration batches, the export's sample
+    input), which read the data once while a writer may still be appending. None when there is no such row.
+
+    Raises:
+        ValueError: ``split`` is neither "train" nor "eval".
+        DataError: as :func:`follow_chunks`.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"present_rows: split must be 'train' or 'eval', got {split!r}")
+    owner = -1 if split == "eval" else 0  # line_owner of 1 trainer: -1 held out, 0 training
     parts: list[tuple[np.ndarray, ...]] = []
     total = 0
     for item in follow_chunks(path, chunk_bytes=chunk_bytes, wait=False):
         _, buf, first = item  # type: ignore[misc]  # no None without waiting
-        held = lambda idx: line_owner(0, 0, 1, every, first + idx) == -1  # noqa: E731, B023
-        parsed = parse_chunk(buf, held)
+        wanted = lambda idx: line_owner(0, 0, 1, every, first + idx) == owner  # noqa: E731, B023
+        parsed = parse_chunk(buf, wanted)
         take = min(len(parsed), max_rows - total)
         parts.append((parsed.dense[:take], hash_ids(parsed.values[:take], parsed.present[:take], sizes),
                       parsed.labels[:take]))

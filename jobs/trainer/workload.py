@@ -47,8 +47,8 @@ from jobs import criteo, entry, table_sizes
 from jobs.config import JobConfig
 from jobs.records import Quality
 from jobs.trainer.protocols import StepBatch, TableBackend, Tables
-from recsys.criteo_follow import FollowStream, HeldOut, held_out_rows
-from recsys.criteo_format import DataError, ParseCounts, ParseStats
+from recsys.criteo_follow import FollowStream, HeldOut, held_out_rows, present_rows
+from recsys.criteo_format import Batch, DataError, ParseCounts, ParseStats
 from recsys.criteo_shard import CriteoShard, DataPlan, scan
 from recsys.criteo_stream import CriteoStream, ReaderStats, SharedBatches
 
@@ -294,7 +294,13 @@ def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[
     """(held-out batches, calibration batches) for the launcher's fp32-vs-int8 comparison
     (:mod:`jobs.launcher.inference`): the Criteo held-out rows in batches of ``[quant] eval_batch_size`` and the first
     ``[quant] calibration_batches`` training batches; for your model, the "eval" split of ``[data] batches`` and the
-    first train batches of rank 0 of 1."""
+    first train batches of rank 0 of 1. With ``[data] follow`` (a writer may still be appending), the complete lines
+    there now only (:func:`recsys.criteo_follow.present_rows`).
+
+    Raises:
+        recsys.criteo_format.DataError: the Criteo data has no held-out or no training line (with ``follow``: no
+            training line; no held-out line gives no held-out batch).
+    """
     q = config.quant
     if config.user_model:
         held_out = entry.epoch_batches(config, entry.data_context(config, "eval"))
@@ -302,12 +308,30 @@ def inference_batches(config: JobConfig, data_path: str | Path | None) -> tuple[
         return held_out, [next(train) for _ in range(q.calibration_batches)]
     fraction = config.data.eval_fraction or 0.1
     path = cast("str | Path", data_path)  # the built-in model reads its Criteo file
+    if config.data.follow:
+        return _follow_inference_batches(config, path, round(1 / fraction))
     eval_shard = criteo_shard(config, path, split="eval", eval_fraction=fraction,
                               max_rows=config.data.eval_max_rows, count_all=False)
     calibration = criteo_shard(config, path, eval_fraction=fraction, count_all=False,
                                max_rows=q.eval_batch_size * q.calibration_batches).batches(q.eval_batch_size)
     return ([criteo.model_inputs(b) for b in eval_shard.all_batches(q.eval_batch_size)],
             [criteo.model_inputs(next(calibration)) for _ in range(q.calibration_batches)])
+
+
+def _follow_inference_batches(config: JobConfig, path: str | Path, every: int) -> tuple[list[Any], list[Any]]:
+    """:func:`inference_batches` of a stream: its complete lines now, never a half-written last line; the
+    calibration batches wrap around the training rows read, as a :class:`recsys.criteo_shard.CriteoShard`'s do."""
+    q, sizes, b = config.quant, table_sizes.reader_sizes(config), config.quant.eval_batch_size
+    held = present_rows(path, sizes, every, config.data.eval_max_rows, split="eval")
+    train = present_rows(path, sizes, every, b * q.calibration_batches, split="train")
+    if train is None:
+        raise DataError(f"{path}: no complete training line there now ([data] follow)")
+    calibration = []
+    for i in range(q.calibration_batches):
+        idx = (torch.arange(b) + i * b) % len(train)
+        calibration.append(criteo.model_inputs(Batch(train.dense[idx], train.sparse[idx], train.labels[idx])))
+    held_out = [] if held is None else [criteo.model_inputs(batch) for batch in held.all_batches(b)]
+    return held_out, calibration
 
 
 class LocalTables:

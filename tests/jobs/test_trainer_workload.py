@@ -55,3 +55,23 @@ def test_the_job_workload_streams_shared_batches_and_bounds_the_held_out_rows(la
     (tmp_path / "one.tsv").write_text(_line() + "bad line\n")
     with pytest.raises(DataError, match=r"CriteoShard: .* has no valid train line for rank 1 of 2 \(1 valid, 1 malf"):
         make_workload(config, 1, 2, str(tmp_path / "one.tsv"))
+
+
+def test_the_end_stages_read_only_the_complete_lines_of_a_stream(tmp_path):
+    """With [data] follow, the int8 comparison's held-out and calibration batches (and so the export's sample input)
+    leave out a half-written last line; read whole, the same folder's partial line would be a row."""
+    from jobs.config import JobConfig
+    from jobs.trainer.workload import inference_batches
+
+    line = lambda n: _line(str(n % 2), ints=[str(n)] * 13)  # noqa: E731
+    (tmp_path / "day_0").write_text("".join(line(n) for n in range(20)))
+    (tmp_path / "day_1").write_text("".join(line(n) for n in range(20, 29)) + line(29)[:-4])  # its line 9: held out
+    config = JobConfig().replace(data={"path": str(tmp_path), "follow": True, "eval_fraction": 0.1},
+                                 model={"table_sizes": SIZES}, quant={"eval_batch_size": 4, "calibration_batches": 9})
+    ids = lambda batches: [round(v) for b in batches for v in torch.expm1(b[0][:, 0].double()).tolist()]  # noqa: E731
+    held_out, calibration = inference_batches(config, tmp_path)
+    assert ids(held_out) == [9, 19]  # not the half-written 29
+    train = [n for n in range(29) if n % 10 != 9]
+    assert ids(calibration) == (train * 2)[:36] and [b[0].shape[0] for b in calibration] == [4] * 9  # wraps around
+    whole, _ = inference_batches(config.replace(data={"follow": False}), tmp_path)
+    assert ids(whole) == [9, 19, 29]  # what the end stages read before: line 29 with its last id cut short

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys.criteo_follow import FollowStream, follow_chunks, follow_files, held_out_rows, scan_present
+from recsys.criteo_follow import FollowStream, follow_chunks, follow_files, held_out_rows, present_rows, scan_present
 from recsys.criteo_format import DataError
 from recsys.criteo_parse import parse_chunk
 from tests.recsys._lines import SIZES, criteo_line
@@ -193,3 +193,21 @@ def test_held_out_rows_and_first_pass_take_the_complete_lines_there_now(tmp_path
     assert plan.files == [str(tmp_path / "day_0")]
     empty = scan_present(tmp_path / "*.gz", 2, 0.1)
     assert (empty.files, empty.rows, empty.lines) == ([], [0, 0], 0)
+
+
+def test_present_rows_take_the_complete_lines_of_either_split_never_a_half_written_last_line(tmp_path):
+    (tmp_path / "day_0").write_text("".join(_line(n) for n in range(20)))
+    (tmp_path / "day_1").write_text("".join(_line(n) for n in range(20, 33)) + _line(33)[:-9])  # 33: half written
+    line_ids = lambda rows: torch.expm1(rows.dense[:, 0].double()).round().long().tolist()  # noqa: E731
+    train = present_rows(tmp_path, SIZES, 10, 1000, split="train")
+    assert train is not None and line_ids(train) == [n for n in range(20) if n % 10 != 9] + list(range(20, 29)) + [
+        30, 31, 32]  # day_1's held-out line is its 10th (29); 33 is not there yet
+    assert line_ids(present_rows(tmp_path, SIZES, 10, 1000, split="eval")) == [9, 19, 29]
+    assert line_ids(present_rows(tmp_path, SIZES, 0, 1000, split="train")) == list(range(33))  # nothing held out
+    assert present_rows(tmp_path, SIZES, 0, 1000, split="eval") is None
+    assert line_ids(present_rows(tmp_path, SIZES, 10, 5, split="train", chunk_bytes=200)) == [0, 1, 2, 3, 4]
+    assert present_rows(tmp_path / "*.gz", SIZES, 10, 5) is None  # no file yet
+    (tmp_path / "day_1").write_text((tmp_path / "day_1").read_text() + _line(33)[-9:])
+    assert line_ids(present_rows(tmp_path, SIZES, 0, 1000, split="train"))[-1] == 33  # complete now
+    with pytest.raises(ValueError, match="split must be 'train' or 'eval'"):
+        present_rows(tmp_path, SIZES, 10, 5, split="test")
