@@ -12,9 +12,15 @@ plain tensors, strings and numbers) and ``delta.json`` (the step and the rows pe
 A delta is written whole into a hidden temporary sibling (``.tmp-<step>-<random>``) and then ``os.replace``\\ d
 into place, so a reader sees a whole delta or none; :func:`committed_steps` lists only the committed ones.
 
+A full delta written by a job whose tables are on parameter servers holds its tables by shard: the servers wrote
+them with ``torch.distributed.checkpoint`` (:mod:`scheduling.placement.sharded`, as a checkpoint's) into a hidden
+folder, which :func:`write_delta` moves into the temporary sibling as ``tables/`` before the ``os.replace``;
+``delta.pt`` (``"format": 2``) then holds the dense weights and ``"shards": "tables"`` instead of ``"tables"`` /
+``"dynamic"``, and :func:`load_delta` reads the tables whole from that folder (the reader holds the model).
+
 ``delta.pt``::
 
-    {"format": 1, "step": int, "full": bool,                   # full: the whole model (below)
+    {"format": 1, "step": int, "full": bool,                   # full: the whole model (below); format 2: "shards"
      "dense": {state-dict key: tensor},                         # the non-table entries, whole
      "tables": {"<path>.weight": {"rows": (K,) int64, "values": (K, D) float32}},
      "dynamic": {"<path>": {"ids": (K,) int64, "slots": (K,) int64, "evicted": (E,) int64, "full": bool}}}
@@ -48,8 +54,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODEL_DIR", "DELTAS_DIR", "DELTA_FILE", "FORMAT", "DeltaError", "TableDelta", "DynamicDelta", "Delta",
-           "committed_steps", "latest_step", "load_delta", "apply_delta", "apply_map", "write_delta", "delta_path",
+__all__ = ["MODEL_DIR", "DELTAS_DIR", "DELTA_FILE", "FORMAT", "SHARDED_FORMAT", "SHARDS_DIR", "DeltaError", "TableDelta", "DynamicDelta", "Delta",
+           "committed_steps", "latest_step", "load_delta", "whole_tables", "apply_delta", "apply_map", "write_delta", "delta_path",
            "DeltaQueue"]
 
 MODEL_DIR = "model"
@@ -60,6 +66,10 @@ DELTA_FILE = "delta.pt"
 """A delta's tensors, in its step's folder."""
 FORMAT = 1
 """``delta.pt``'s ``format``: bumped when its layout changes."""
+SHARDED_FORMAT = 2
+"""``delta.pt``'s ``format`` when the delta's tables are by shard in its :data:`SHARDS_DIR` (``"shards"``)."""
+SHARDS_DIR = "tables"
+"""The sub-folder of a delta's folder that holds its tables by shard (a ``torch.distributed.checkpoint`` folder)."""
 _STEP = re.compile(r"^[0-9]{10}$")
 
 
@@ -167,10 +177,12 @@ def load_delta(model_dir: str | os.PathLike[str], step: int) -> Delta:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a torn, truncated or hostile file: one clear error
         raise DeltaError(f"{path}: not a readable delta ({type(e).__name__}: {e})") from e
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("step") != step:
+    if not isinstance(data, dict) or data.get("format") not in (FORMAT, SHARDED_FORMAT) or data.get("step") != step:
         got = (data.get("format"), data.get("step")) if isinstance(data, dict) else type(data).__name__
-        raise DeltaError(f"{path}: not a delta of format {FORMAT} and step {step} (got {got})")
+        raise DeltaError(f"{path}: not a delta of format {FORMAT} or {SHARDED_FORMAT} and step {step} (got {got})")
     where = str(path)
+    if data["format"] == SHARDED_FORMAT:
+        data = {**data, **_read_shards(path.parent, data.get("shards"))}
     tables = {}
     for key, t in (data.get("tables") or {}).items():
         rows = _tensor(t.get("rows"), f"{where}: tables[{key!r}].rows", torch.int64, 1)
@@ -188,6 +200,40 @@ def load_delta(model_dir: str | os.PathLike[str], step: int) -> Delta:
         dynamic[key] = DynamicDelta(ids, slots, evicted, bool(d.get("full", False)))
     dense = {k: _tensor(v, f"{where}: dense[{k!r}]") for k, v in (data.get("dense") or {}).items()}
     return Delta(step, dense, tables, dynamic, bool(data.get("full", False)))
+
+
+def _read_shards(folder: Path, name: Any) -> dict[str, Any]:
+    """A format-2 delta's tables as ``delta.pt``'s ``"tables"`` / ``"dynamic"``: read whole from ``folder/name``
+    (:func:`scheduling.placement.sharded.read_tables`, without optimizer state).
+
+    Raises:
+        DeltaError: no such folder, or it is not a finished checkpoint by shard.
+    """
+    from scheduling.placement.sharded import is_sharded_checkpoint, read_tables
+
+    shards = folder / str(name)
+    if name != SHARDS_DIR or not is_sharded_checkpoint(shards):
+        raise DeltaError(f"{folder}: its tables by shard ({name!r}) are not a finished checkpoint folder")
+    try:
+        tables, dynamic = whole_tables(read_tables(shards, optimizer_state=False))
+    except Exception as e:  # noqa: BLE001 - a torn or hostile folder: one clear error
+        raise DeltaError(f"{shards}: not readable tables by shard ({type(e).__name__}: {e})") from e
+    return {"tables": {k: {"rows": t.rows, "values": t.values} for k, t in tables.items()},
+            "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted, "full": True}
+                        for k, d in dynamic.items()}}
+
+
+def whole_tables(tables: Mapping[str, Any]) -> tuple[dict[str, TableDelta], dict[str, DynamicDelta]]:
+    """A full delta's tables from whole ones (as :func:`scheduling.placement.restore.table_checkpoint` or
+    :func:`scheduling.placement.sharded.read_tables` give them): every row of each ``"<path>.weight"`` ``(N, D)``
+    (float32), and each dynamic table's whole id map from its ``"<path>.dynamic"`` state (``map_ids`` /
+    ``map_slots``; ``full``); optimizer state left out."""
+    weights = {k: TableDelta(torch.arange(v.shape[0]), v.detach().float())
+               for k, v in tables.items() if k.endswith(".weight")}
+    dynamic = {k.removesuffix(".dynamic"): DynamicDelta(torch.as_tensor(v["map_ids"], dtype=torch.int64),
+                                                          torch.as_tensor(v["map_slots"], dtype=torch.int64), full=True)
+               for k, v in tables.items() if k.endswith(".dynamic") and v is not None}
+    return weights, dynamic
 
 
 def apply_delta(state: dict[str, torch.Tensor], dynamic_ids: dict[str, dict[str, torch.Tensor]], delta: Delta) -> None:
@@ -264,9 +310,11 @@ class DeltaQueue:
         self.newest = latest_step(model_dir)
         """The newest step committed or handed over (None: none)."""
 
-    def put(self, delta: Delta, extra: Mapping[str, Any] | None = None) -> bool:
-        """Hand ``delta`` over to be committed; False (nothing done) when a delta of its step or a later one was
-        committed or handed over already.
+    def put(self, delta: Delta, extra: Mapping[str, Any] | None = None, shards: str | os.PathLike[str] | None = None
+            ) -> bool:
+        """Hand ``delta`` over to be committed (``shards``: the finished folder of its tables by shard, moved into
+        it: :func:`write_delta`); False (nothing done) when a delta of its step or a later one was committed or handed
+        over already.
 
         Raises:
             OSError: the previous delta could not be written (re-raised from its thread; nothing more is written).
@@ -279,7 +327,7 @@ class DeltaQueue:
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fxdist-deltas")
         self.newest = delta.step
-        self._last = self._pool.submit(write_delta, self.model_dir, delta, extra)
+        self._last = self._pool.submit(write_delta, self.model_dir, delta, extra, shards)
         return True
 
     def _check(self) -> None:
@@ -304,11 +352,14 @@ class DeltaQueue:
             raise last.exception()
 
 
-def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[str, Any] | None = None) -> Path | None:
+def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[str, Any] | None = None,
+                shards: str | os.PathLike[str] | None = None) -> Path | None:
     """Commit ``delta`` as ``model_dir/deltas/<step>/`` (written in a temporary sibling, then ``os.replace``\\ d:
-    readers see all of it or nothing); ``extra``: more keys for ``delta.json``. Returns the folder, or None when a
-    delta of this step or a later one is committed already (a run resumed from an earlier checkpoint: the committed
-    deltas are kept as they are).
+    readers see all of it or nothing); ``extra``: more keys for ``delta.json``. ``shards``: a finished folder of the
+    delta's tables by shard (:mod:`scheduling.placement.sharded`, on the same file system), moved into the temporary
+    sibling as :data:`SHARDS_DIR` (``delta.pt`` of format :data:`SHARDED_FORMAT`; ``delta.tables`` / ``.dynamic``
+    are then not written). Returns the folder, or None when a delta of this step or a later one is committed already
+    (a run resumed from an earlier checkpoint: the committed deltas are kept as they are; ``shards`` is removed).
 
     Raises:
         OSError: the folder cannot be written (the temporary one is removed).
@@ -316,19 +367,26 @@ def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[
     root = Path(model_dir) / DELTAS_DIR
     newest = latest_step(model_dir)
     if newest is not None and delta.step <= newest:
+        if shards is not None:
+            shutil.rmtree(shards, ignore_errors=True)
         return None
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{delta.step:010d}-", dir=root))
     try:
-        torch.save({"format": FORMAT, "step": delta.step, "full": delta.full, "dense": delta.dense,
-                    "tables": {k: {"rows": t.rows, "values": t.values} for k, t in delta.tables.items()},
-                    "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted, "full": d.full}
-                                for k, d in delta.dynamic.items()}}, tmp / DELTA_FILE)
-        record = {"format": FORMAT, "step": delta.step, "full": delta.full,
-                  "rows": {k: int(t.rows.numel()) for k, t in delta.tables.items()},
-                  "dense": len(delta.dense), "dynamic": {k: {"ids": int(d.ids.numel()), "evicted": int(d.evicted.numel())}
-                                                         for k, d in delta.dynamic.items()}, **(extra or {})}
-        (tmp / "delta.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        data: dict[str, Any] = {"format": FORMAT, "step": delta.step, "full": delta.full, "dense": delta.dense,
+                                "tables": {k: {"rows": t.rows, "values": t.values} for k, t in delta.tables.items()},
+                                "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted, "full": d.full}
+                                            for k, d in delta.dynamic.items()}}
+        record: dict[str, Any] = {
+            "format": FORMAT, "step": delta.step, "full": delta.full,
+            "rows": {k: int(t.rows.numel()) for k, t in delta.tables.items()}, "dense": len(delta.dense),
+            "dynamic": {k: {"ids": int(d.ids.numel()), "evicted": int(d.evicted.numel())} for k, d in delta.dynamic.items()}}
+        if shards is not None:
+            os.replace(shards, tmp / SHARDS_DIR)
+            data.update(format=SHARDED_FORMAT, shards=SHARDS_DIR, tables={}, dynamic={})
+            record.update(format=SHARDED_FORMAT, shards=SHARDS_DIR, **_shard_counts(tmp / SHARDS_DIR))
+        torch.save(data, tmp / DELTA_FILE)
+        (tmp / "delta.json").write_text(json.dumps({**record, **(extra or {})}, indent=2, default=str) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700
         target = delta_path(model_dir, delta.step)
         os.replace(tmp, target)
@@ -336,3 +394,16 @@ def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _shard_counts(folder: Path) -> dict[str, Any]:
+    """``delta.json``'s ``rows`` per table weight and ``dynamic`` ids per dynamic table of a folder of tables by shard,
+    from its merged metadata (sizes only, no rows read)."""
+    from scheduling.ps import dcp_shards
+
+    meta = dcp_shards.read_metadata(folder / dcp_shards.METADATA).state_dict_metadata
+    sizes = {k: int(v.size[0]) for k, v in meta.items() if isinstance(v, dcp_shards.md.TensorStorageMetadata)
+             and len(v.size)}
+    return {"rows": {k.replace(".dynamic.weight", ".weight"): n for k, n in sizes.items() if k.endswith(".weight")},
+            "dynamic": {k.removesuffix(".dynamic.map_ids"): {"ids": n, "evicted": 0}
+                        for k, n in sizes.items() if k.endswith(".dynamic.map_ids")}}

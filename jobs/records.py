@@ -362,7 +362,9 @@ class EarlyEval(TypedDict, total=False):
     model: dict[str, "torch.Tensor"]
     """The evaluated dense weights (the last phase's: the model the job quantizes)."""
     tables: dict[str, Any]
-    """Its server tables: ``ServerTables.state_dict`` (tensors, a dynamic table's nested state)."""
+    """Its tables: ``{"dcp": "tables/eval-<step>-<id>/<phase>"}``, the folder (relative to the run folder) the
+    servers wrote them into by shard (:func:`jobs.trainer.evaluation.snapshot_tables`); or, tables in the trainers
+    and older records, whole (tensors, a dynamic table's nested state)."""
 
 
 class Checkpoint(TypedDict, total=False):

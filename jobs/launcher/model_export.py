@@ -126,24 +126,39 @@ class ExportError(RuntimeError):
     """
 
 
-def with_tables(state: Checkpoint, run_dir: str | os.PathLike[str]) -> Checkpoint:
+def with_tables(state: Checkpoint, run_dir: str | os.PathLike[str], evaluated: bool = True) -> Checkpoint:
     """``state`` with every phase's tables whole: a checkpoint by shard names its folder (``{"dcp": "tables/..."}``,
     relative to ``run_dir``), read here in one process (:func:`scheduling.placement.sharded.read_tables`: the model
-    file holds whole tables); tables already whole (an older checkpoint) are kept.
+    file holds whole tables); tables already whole (an older checkpoint) are kept. ``evaluated``: so are the tables
+    of each phase's early-eval snapshot (``state["eval"][phase]["tables"]``, the model the job quantizes), which
+    name their folder the same way (``tables/eval-<step>-<id>/<phase>``).
 
     Raises:
         ExportError: a named folder without its merged metadata (the checkpoint was never finished).
     """
+    tables = {phase: _whole(saved, run_dir, phase) for phase, saved in (state.get("tables") or {}).items()}
+    out: Checkpoint = {**state, "tables": tables}
+    if evaluated and state.get("eval"):
+        out["eval"] = {phase: {**early, "tables": _whole(early["tables"], run_dir, f"{phase} (evaluated)")}
+                       if isinstance(early, dict) and "tables" in early else early
+                       for phase, early in (state.get("eval") or {}).items()}
+    return out
+
+
+def _whole(saved: Any, run_dir: str | os.PathLike[str], what: str) -> Any:
+    """``saved`` tables whole: read from the folder a ``{"dcp": ...}`` reference names, else as they are.
+
+    Raises:
+        ExportError: the folder has no merged metadata.
+    """
     from scheduling.placement.sharded import is_sharded_checkpoint, read_tables
 
-    tables = dict(state.get("tables") or {})
-    for phase, saved in tables.items():
-        if isinstance(saved, dict) and isinstance(saved.get("dcp"), str):
-            folder = Path(run_dir) / saved["dcp"]
-            if not is_sharded_checkpoint(folder):
-                raise ExportError(f"{folder}: the checkpoint's tables of {phase!r} are not there (no merged .metadata)")
-            tables[phase] = read_tables(folder)
-    return {**state, "tables": tables}
+    if not (isinstance(saved, dict) and isinstance(saved.get("dcp"), str)):
+        return saved
+    folder = Path(run_dir) / saved["dcp"]
+    if not is_sharded_checkpoint(folder):
+        raise ExportError(f"{folder}: the checkpoint's tables of {what!r} are not there (no merged .metadata)")
+    return read_tables(folder)
 
 
 def final_model_state(state: Checkpoint, phase: str | None = None) -> ModelState:
@@ -509,7 +524,7 @@ def export_run(run_dir: str | os.PathLike[str], checkpoint: str | os.PathLike[st
         path = path / "state.pt"
     if not path.is_file():
         raise ExportError(f"--checkpoint {path}: no such file (a run's checkpoints are ray/train/checkpoint_*/state.pt)")
-    state = with_tables(safe_load(path, map_location="cpu", mmap=True), run)
+    state = with_tables(safe_load(path, map_location="cpu", mmap=True), run, evaluated=False)
     data_path = (results.get("data") or {}).get("path") or None
     kept = _kept_int8(run, final_model_state(state).get("step"))
     try:

@@ -9,7 +9,9 @@ holds the dense weights, optimizer state and early-eval record, and per phase ``
 the run folder>"}``. The checkpoint is reported to Ray Train only once every server's write finished and the
 metadata is merged (:func:`finish_pending`: at the first step after it where the writes are done, before a fault
 the config injects, at the next checkpoint or at the end): a crash before that resumes from the previous one. The
-newest :data:`KEEP_TABLES` table folders are kept. Tables in the trainers (no servers) stay whole in ``state.pt``,
+newest :data:`KEEP_TABLES` table folders are kept, and besides them the folder of the evaluated model's snapshot
+that the checkpoint's early-eval record names (``RUN_DIR/tables/eval-<step>-<id>/<phase>/``, written by shard as
+well: :func:`jobs.trainer.evaluation.snapshot_tables`). Tables in the trainers (no servers) stay whole in ``state.pt``,
 and so do the tables of a checkpoint written before (restored through the old gather-and-scatter path).
 
 Source: Ray Train user guide (``ray.train.report(metrics, checkpoint=...)``, ``ray.train.get_checkpoint()``);
@@ -25,6 +27,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,7 +164,7 @@ def finish_pending(trainers: dict[str, TrainPipeline], rank: int, state: Any = N
                            f"(training blocked), written by {time.perf_counter() - pending.started:.3f} s")
     _report(pending.step, pending.final, pending.saved if rank == 0 else None)
     if rank == 0 and pending.run_dir is not None:
-        _prune(pending.run_dir / TABLES_DIR)
+        _prune(pending.run_dir / TABLES_DIR, referenced(pending.saved))
     return True
 
 
@@ -178,15 +181,30 @@ def _report(step: int, final: bool, saved: Checkpoint | None) -> None:
     _barrier()  # the other ranks wait here, not in their next block (its time would include rank 0's save)
 
 
-def _prune(root: Path) -> None:
+def referenced(saved: Checkpoint | None) -> set[str]:
+    """The table folders (names under ``RUN_DIR/tables``) that ``saved``'s early-eval records refer to: the
+    snapshot of the evaluated model (:func:`jobs.trainer.evaluation.snapshot_tables`), ``{"dcp": "tables/<name>/<phase>"}``."""
+    out: set[str] = set()
+    for early in ((saved or {}).get("eval") or {}).values():
+        ref = early.get("tables") if isinstance(early, dict) else None
+        if isinstance(ref, dict) and isinstance(ref.get("dcp"), str):
+            parts = Path(ref["dcp"]).parts
+            if len(parts) > 1 and parts[0] == TABLES_DIR:
+                out.add(parts[1])
+    return out
+
+
+def _prune(root: Path, keep_names: Collection[str] = ()) -> None:
     """Remove the finished table folders under ``root`` but the newest :data:`KEEP_TABLES` (by their merged
-    metadata's time), and the unfinished ones older than the newest (a crashed attempt's)."""
+    metadata's time) and those named in ``keep_names`` (the newest checkpoint's early-eval snapshot, kept besides),
+    and the unfinished ones older than the newest (a crashed attempt's)."""
     folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
     done = {p: max(m.stat().st_mtime for m in p.glob("*/.metadata")) for p in folders if any(p.glob("*/.metadata"))}
-    keep = set(sorted(done, key=done.__getitem__, reverse=True)[:KEEP_TABLES])
+    ranked = [p for p in done if p.name not in keep_names]
+    keep = set(sorted(ranked, key=done.__getitem__, reverse=True)[:KEEP_TABLES])
     newest = max(done.values(), default=0.0)
     for p in folders:
-        if p not in keep and (p in done or p.stat().st_mtime < newest):
+        if p not in keep and p.name not in keep_names and (p in done or p.stat().st_mtime < newest):
             shutil.rmtree(p, ignore_errors=True)
 
 

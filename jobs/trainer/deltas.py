@@ -22,14 +22,17 @@ Source: Liu et al. 2022, "Monolith: Real Time Recommendation System With Collisi
 
 from __future__ import annotations
 
+import shutil
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from jobs.deltas import Delta, DeltaQueue, DynamicDelta, TableDelta, delta_path
+from jobs.deltas import DELTAS_DIR, Delta, DeltaQueue, DynamicDelta, TableDelta, delta_path, whole_tables
 
 __all__ = ["DeltaWriter", "delta_of", "full_delta"]
 
@@ -52,14 +55,22 @@ def delta_of(step: int, dense: dict[str, torch.Tensor], changes: dict[str, dict[
 def full_delta(step: int, dense: dict[str, torch.Tensor], tables: dict[str, Any]) -> Delta:
     """The whole model of ``step`` as a full :class:`jobs.deltas.Delta`: the dense weights and every row of the tables of
     a :func:`scheduling.placement.restore.table_checkpoint` (``"<path>.weight"`` whole; a dynamic table's
-    ``"<path>.dynamic"`` state gives its whole id map; optimizer state left out)."""
-    weights = {k: v for k, v in tables.items() if k.endswith(".weight")}
-    dynamic = {k.removesuffix(".dynamic"): DynamicDelta(torch.as_tensor(v["map_ids"], dtype=torch.int64),
-                                                          torch.as_tensor(v["map_slots"], dtype=torch.int64), full=True)
-               for k, v in tables.items() if k.endswith(".dynamic") and v is not None}
-    return Delta(step, {k: v.detach().clone() for k, v in dense.items()},
-                 {k: TableDelta(torch.arange(v.shape[0]), v.detach().float()) for k, v in weights.items()}, dynamic,
-                 full=True)
+    ``"<path>.dynamic"`` state gives its whole id map; optimizer state left out; :func:`jobs.deltas.whole_tables`)."""
+    weights, dynamic = whole_tables(tables)
+    return Delta(step, {k: v.detach().clone() for k, v in dense.items()}, weights, dynamic, full=True)
+
+
+_SHARDS_PREFIX = ".tables-"
+"""Hidden folders of ``deltas/`` (not a step's) the servers write a full delta's tables into before it is committed."""
+
+
+@dataclass
+class _Full:
+    """A full delta (dense weights; no tables) whose tables the servers write by shard into ``folder``."""
+
+    delta: Delta
+    folder: Path
+    rows: int
 
 
 class DeltaWriter:
@@ -82,6 +93,8 @@ class DeltaWriter:
         """Rank 0's writer thread (:meth:`start` makes it)."""
         self.skipped: list[int] = []
         """The steps it did not write: committed before (a restarted run)."""
+        self.pending: _Full | None = None
+        """Rank 0's full delta whose tables the servers are still writing by shard."""
 
     def start(self) -> Path | None:
         """Start the servers' records (after the tables were restored, before the first step of this run); rank 0
@@ -98,14 +111,53 @@ class DeltaWriter:
                 self.queue = DeltaQueue(self.model_dir)
                 step, newest = self.trainer.step, self.queue.newest
                 if newest is None or newest < step:
-                    path = self._commit(full_delta(step, self.trainer.dense_state(), self.trainer.tables.state_dict()))
+                    path = self._start_full(step)
         finally:
             _barrier()   # no push before the records started and the full delta was read
         return path
 
+    def _start_full(self, step: int) -> Path | None:
+        """Rank 0: the full delta of ``step``. Tables on parameter servers of a job with a run folder: the servers copy
+        their rows and write them by shard into a hidden folder of ``deltas/`` (:mod:`scheduling.placement.sharded`);
+        the delta is handed over to be committed once they finished (:meth:`_finish_full`), no table passes through
+        this trainer. Otherwise (tables in the trainers) the tables whole. Its folder (once committed)."""
+        from jobs.trainer.checkpoints import _by_shard
+
+        tables: Any = self.trainer.tables
+        if _by_shard({self.trainer.phase: self.trainer}) is None:
+            return self._commit(full_delta(step, self.trainer.dense_state(), tables.state_dict()))
+        root = self.model_dir / DELTAS_DIR
+        for stale in root.glob(f"{_SHARDS_PREFIX}*"):   # a crashed attempt's
+            shutil.rmtree(stale, ignore_errors=True)
+        folder = root / f"{_SHARDS_PREFIX}{step:010d}-{uuid.uuid4().hex[:8]}"
+        copied = tables.start_checkpoint(folder)
+        dense = {k: v.detach().clone() for k, v in self.trainer.dense_state().items()}
+        self.pending = _Full(Delta(step, dense, {}, {}, full=True), folder, int(copied["rows"]))
+        self._finish_full(wait=False)
+        return delta_path(self.model_dir, step)
+
+    def _finish_full(self, wait: bool) -> bool:
+        """Rank 0: hand the pending full delta over once the servers' writes finished (``wait``: until then; their
+        metadata merged, :func:`scheduling.placement.sharded.finish_checkpoint`). Whether none is pending now.
+
+        Raises:
+            Exception: a server's write failed (its error).
+        """
+        full = self.pending
+        if full is None:
+            return True
+        tables: Any = self.trainer.tables
+        if tables.finish_checkpoint(full.folder, wait) is None:
+            return False
+        self.pending = None
+        self._commit(full.delta, shards=full.folder, rows=full.rows)
+        return True
+
     def after_step(self, step: int) -> Path | None:
         """After step ``step``'s updates: the delta when ``step`` is a multiple of ``every`` (its folder on rank 0,
-        None elsewhere or when not written)."""
+        None elsewhere or when not written). Rank 0 first hands over a full delta whose tables are written now."""
+        if self.rank == 0 and self.pending is not None and step % self.every:
+            self._finish_full(wait=False)   # rank 0 alone asks the servers, no barrier
         if step % self.every:
             return None
         self.trainer.tables.sync()
@@ -123,23 +175,27 @@ class DeltaWriter:
             OSError: an earlier delta could not be written (:class:`jobs.deltas.DeltaQueue`).
         """
         assert self.queue is not None, "DeltaWriter.start() first"
+        self._finish_full(wait=True)   # the chain in order: the full delta before this one
         if self.queue.newest is not None and step <= self.queue.newest:
             self.skipped.append(step)
             return None
         take = getattr(self.trainer.tables, "take_changes", None)
         return self._commit(delta_of(step, self.trainer.dense_state(), take() if take is not None else {}))
 
-    def _commit(self, delta: Delta) -> Path | None:
+    def _commit(self, delta: Delta, shards: Path | None = None, rows: int | None = None) -> Path | None:
         step, queue = delta.step, self.queue
         assert queue is not None
-        if not queue.put(delta, extra={"phase": self.trainer.phase, "taken_at": round(time.time(), 3)}):
+        rows = delta.num_rows if rows is None else rows
+        if not queue.put(delta, extra={"phase": self.trainer.phase, "taken_at": round(time.time(), 3)}, shards=shards):
             self.skipped.append(step)
+            if shards is not None:
+                shutil.rmtree(shards, ignore_errors=True)
             return None
         self.written.append(step)
         if self.exporter is not None:
-            self.exporter.observe_delta(self.trainer.phase, delta.num_rows)
+            self.exporter.observe_delta(self.trainer.phase, rows)
         if self.state is not None:
-            self.state.event.remote(f"delta {self.trainer.phase} step {step}: {delta.num_rows} rows"
+            self.state.event.remote(f"delta {self.trainer.phase} step {step}: {rows} rows"
                                     f"{' (full)' if delta.full else ''}")
         return delta_path(self.model_dir, step)
 
@@ -150,4 +206,5 @@ class DeltaWriter:
             OSError: a delta could not be written.
         """
         if self.queue is not None:
+            self._finish_full(wait=True)
             self.queue.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -121,11 +122,17 @@ def is_sharded_checkpoint(directory: str | os.PathLike) -> bool:
     return (Path(directory) / dcp_shards.METADATA).is_file()
 
 
-def read_tables(directory: str | os.PathLike) -> dict[str, Any]:
+def _optimizer_key(key: str) -> bool:
+    """Whether ``key`` of a checkpoint by shard holds optimizer state (``.momentum``, a dynamic table's ``state``)."""
+    return key.endswith(".momentum") or re.search(r"\.dynamic\.state(\.|#|$)", key) is not None
+
+
+def read_tables(directory: str | os.PathLike, optimizer_state: bool = True) -> dict[str, Any]:
     """A finished checkpoint folder's tables whole, in this process (for a model file: export): ``"<path>.weight"``
     ``(N, D)``, ``"<path>.momentum"`` ``(N,)`` and a dynamic table's state as ``"<path>.dynamic"`` (a dict; its slots'
     rows and optimizer state also as ``.weight`` / ``.momentum``), as
-    :func:`scheduling.placement.restore.table_checkpoint` gives them.
+    :func:`scheduling.placement.restore.table_checkpoint` gives them. ``optimizer_state`` False: the row-wise
+    Adagrad state is not read (no ``.momentum``; a dynamic table's ``"state"`` None), e.g. for serving.
 
     Raises:
         FileNotFoundError: no merged ``.metadata`` in ``directory``.
@@ -133,7 +140,7 @@ def read_tables(directory: str | os.PathLike) -> dict[str, Any]:
     """
     meta = dcp_shards.read_metadata(Path(directory) / dcp_shards.METADATA).state_dict_metadata
     targets = {k: (torch.empty(tuple(v.size), dtype=v.properties.dtype), 0) for k, v in meta.items()
-               if isinstance(v, dcp_shards.md.TensorStorageMetadata)}
+               if isinstance(v, dcp_shards.md.TensorStorageMetadata) and (optimizer_state or not _optimizer_key(k))}
     dcp_shards.read_rows(directory, targets)
     flat = {k: t for k, (t, _) in targets.items()}
     out: dict[str, Any] = {k: t for k, t in flat.items() if ".dynamic." not in k}
