@@ -121,3 +121,23 @@ def test_restore_goes_by_shard_or_through_the_whole_tables(tmp_path):
     view.run_dir = None
     with pytest.raises(RuntimeError, match=r"by shard in RUN_DIR/tables/x"):
         checkpoints.restore_tables(view, {"dcp": "tables/x"}, 0)
+
+
+def test_pruning_keeps_the_evaluation_snapshot_the_checkpoint_names(tmp_path, reports, monkeypatch):
+    import os
+
+    monkeypatch.setattr(checkpoints, "KEEP_TABLES", 2)
+    for name in ("eval-00000003-aaaaaaaa", "eval-00000001-bbbbbbbb"):   # the second from an attempt that crashed
+        meta = tmp_path / checkpoints.TABLES_DIR / name / "optimized" / ".metadata"
+        meta.parent.mkdir(parents=True)
+        meta.write_bytes(b"")
+        os.utime(meta, (1.0, 1.0))                                       # older than every checkpoint's
+    early = {"optimized": {"step": 3, "tables": {"dcp": "tables/eval-00000003-aaaaaaaa/optimized"}}}
+    assert checkpoints.referenced({"eval": early}) == {"eval-00000003-aaaaaaaa"}
+    trainers = {"optimized": _trainer(tmp_path)}
+    for step in (4, 6, 8, 10):
+        checkpoints.save_checkpoint(step, trainers, early, 0, final=False)
+    left = sorted(p.name for p in (tmp_path / checkpoints.TABLES_DIR).iterdir())
+    assert left[0] == "eval-00000003-aaaaaaaa" and [n[:13] for n in left[1:]] == ["step-00000006", "step-00000008",
+                                                                                 "step-00000010"]
+    assert reports[-1][1]["eval"] == early                               # the record names it in state.pt
