@@ -125,7 +125,7 @@ def config_keys() -> list[dict[str, Any]]:
     sources = {name: inspect.getsource(fn) for name, fn in _check_functions().items()}
     keys = []
     for table_field in dataclasses.fields(config.JobConfig):
-        if table_field.name == "source":
+        if table_field.name not in config._SECTIONS:  # source, named: not tables
             continue
         table = table_field.name
         cls = config._resolve(table_field.type)
