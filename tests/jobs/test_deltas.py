@@ -230,3 +230,31 @@ def test_a_new_model_folder_takes_over_the_deltas_as_hard_links(tmp_path) -> Non
     _replace_dir(new, target)
     assert committed_steps(target) == [2] and (delta_path(target, 2) / "delta.pt").stat().st_ino == before
     assert sorted(os.listdir(target / DELTAS_DIR)) == ["0000000002"] and (target / "state_dict.pt").exists()
+
+
+def test_a_full_delta_with_tables_by_shard_is_committed_whole_and_read_whole(tmp_path) -> None:
+    from scheduling.ps import dcp_shards
+
+    weight, momentum = torch.randn(10, 4), torch.rand(10)
+    shards = tmp_path / DELTAS_DIR / ".tables-0000000000-x"                     # two servers' rows of one table
+    for name, lo, hi in (("ps0", 0, 6), ("ps1", 6, 10)):
+        dcp_shards.write_shards({"emb.t.weight": (weight[lo:hi], lo, 10), "emb.t.momentum": (momentum[lo:hi], lo, 10)},
+                                shards / f"ns@{name}")
+    dynamic = dcp_shards.flatten_dynamic("dyn", {"map_ids": torch.tensor([7, 9]), "map_slots": torch.tensor([1, 0]),
+                                                 "weight": torch.ones(2, 4), "state": torch.ones(2), "step": 3})
+    dcp_shards.write_shards({k: (v, 0, v.shape[0] if v.dim() else 0) for k, v in dynamic.items()}, shards / "dyn@ps0")
+    dcp_shards.merge_metadata(shards)
+    path = write_delta(tmp_path, Delta(0, {"dense.w": torch.zeros(2)}, {}, {}, full=True), shards=shards)
+    assert not shards.exists() and (path / "tables" / ".metadata").is_file()   # moved in before the commit
+    got = load_delta(tmp_path, 0)
+    assert got.full and sorted(got.tables) == ["dyn.weight", "emb.t.weight"] and got.num_rows == 12
+    assert torch.equal(got.tables["emb.t.weight"].values, weight) and "emb.t.momentum" not in got.tables
+    assert torch.equal(got.dynamic["dyn"].ids, torch.tensor([7, 9])) and got.dynamic["dyn"].full
+    record = __import__("json").loads((path / "delta.json").read_text())
+    assert record["format"] == 2 and record["rows"] == {"emb.t.weight": 10, "dyn.weight": 2}
+
+    import shutil
+
+    shutil.rmtree(path / "tables")                                              # a torn copy: one clear error
+    with pytest.raises(DeltaError, match="tables by shard"):
+        load_delta(tmp_path, 0)
