@@ -9,8 +9,13 @@ the dense weights; a second barrier holds the others until it has, so no push of
 before the changes are taken. The delta is then written on a background thread of rank 0
 (:class:`jobs.deltas.DeltaQueue`, in step order) while training goes on; :meth:`DeltaWriter.close` waits for it. With tables in the trainers (no parameter servers) the delta carries them whole among the dense weights.
 
-The chain starts with a full delta (the whole model, :func:`full_delta`) where the run starts: step 0, or the step a
-run resumes at when no delta at or after it is committed (e.g. ``every_steps`` set on resume). Exactly once: a delta
+The chain starts with a full delta (the whole model) where the run starts: step 0, or the step a run resumes at when
+no delta at or after it is committed (e.g. ``every_steps`` set on resume). Its tables, when on parameter servers,
+never pass through a trainer: the servers copy their rows and write them by shard (:mod:`scheduling.placement.sharded`)
+into a hidden folder of ``deltas/`` while training goes on; rank 0 hands the delta over once their writes finished
+(asked after each step, waited for at the next delta or :meth:`DeltaWriter.close`), and the queue moves the folder
+into the delta's before committing it (:func:`jobs.deltas.write_delta`). Tables in the trainers go whole
+(:func:`full_delta`). Exactly once: a delta
 of a step at or before the newest committed one is not written again, and its changes are not taken, so after a
 restart from the checkpoint of step ``c`` (tracking starts again at ``c``) the next delta written covers every row
 changed since ``c`` (a superset of those since the last committed delta: rows are set, never added). The prefetching optimized model does not look a step's next batch up before a delta of dynamic
