@@ -204,6 +204,8 @@ def test_a_jobs_deltas_rebuild_its_trained_model_bit_for_bit(one_server_run):
     model_dir = run_dir / "model"
     steps = committed_steps(model_dir)
     assert steps[:5] == [0, 2, 4, 6, 8] and load_delta(model_dir, 0).full and not load_delta(model_dir, 2).full
+    assert (delta_path(model_dir, 0) / "tables" / ".metadata").is_file()   # the full delta: the server wrote its tables
+    assert not list((model_dir / DELTAS_DIR).glob(".*"))
     config, fresh = _run_model(run_dir)
     table_rows = sum(v.shape[0] for k, v in fresh.state_dict().items() if k in load_delta(model_dir, 2).tables)
     assert 0 < load_delta(model_dir, 2).num_rows < table_rows
