@@ -63,7 +63,7 @@ def test_the_plan_resolves_table_sizes_and_the_spec_pickles_without_reparsing(tm
 
 def test_synthetic_data_is_planned_once_generated_into_the_run_folder(tmp_path, monkeypatch):
     for where in ("jobs.launcher.data.locate_data", "jobs.launcher.checks.locate_data"):  # no Criteo file anywhere
-        monkeypatch.setattr(where, lambda path, table_size=0: None)
+        monkeypatch.setattr(where, lambda path, table_size=0, follow=False: None)
     config = JobConfig().replace(data={"synthetic_rows": 300}, metrics={"enabled": False})
     plan = make_plan(config, tmp_path / "run", local=False)
     assert plan.needs_data and plan.data_plan is None
