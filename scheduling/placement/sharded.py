@@ -37,16 +37,16 @@ __all__ = ["start_checkpoint", "finish_checkpoint", "load_checkpoint", "tables_d
 
 
 def _clients(gm: Any) -> list[tuple[Any, dict[str, str]]]:
-    """``(client, {table name: state-dict path})`` per client of ``gm``'s moved tables."""
+    """``(client, {table name: state-dict path})`` per client of ``gm``'s moved tables, once per client: several
+    modules can share one client (their tables grouped on the same servers, e.g. a user and an item table)."""
     from ..ps.client import get_client
     from .after import _placement_meta
 
     meta = _placement_meta(gm)
-    out = []
+    paths: dict[str, dict[str, str]] = {}
     for qualname, name in meta["clients"].items():
-        paths = {t["table"]: t["path"] for t in meta["tables"] if t["module"] == qualname}
-        out.append((get_client(name), paths))
-    return out
+        paths.setdefault(name, {}).update({t["table"]: t["path"] for t in meta["tables"] if t["module"] == qualname})
+    return [(get_client(name), table_paths) for name, table_paths in paths.items()]
 
 
 def start_checkpoint(gm: Any, directory: str | os.PathLike) -> dict[str, float]:
