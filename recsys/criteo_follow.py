@@ -48,9 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from recsys.criteo_format import READ_ERRORS, Batch, DataError, ParseStats, data_files, hash_ids, open_data
+from recsys.criteo_format import Batch, DataError, ParseStats, data_files, hash_ids, open_data
 from recsys.criteo_parse import parse_chunk
-from recsys.criteo_shard import CHUNK_BYTES, DataPlan, count_chunk, line_owner
+from recsys.criteo_shard import CHUNK_BYTES, DataPlan, count_chunk, line_owner, read_chunks
 from recsys.criteo_stream import START_METHOD, CriteoStream, ReaderStats
 
 __all__ = ["follow_files", "follow_chunks", "FollowStream", "HeldOut", "held_out_rows", "present_rows",
@@ -77,24 +77,7 @@ def _read_lines(path: Path, pos: int, first: int, chunk_bytes: int, final: bool)
     with ``final`` also its last line without a ``\\n``."""
     with open_data(path) as f:
         f.seek(pos)
-        rest = b""
-        while True:
-            try:
-                block = f.read(chunk_bytes)
-            except READ_ERRORS as e:
-                raise DataError(f"{path}: cannot be read after line {first}: {type(e).__name__}: {e}") from None
-            if not block:
-                break
-            buf = rest + block
-            cut = buf.rfind(b"\n") + 1
-            if cut == 0:
-                rest = buf
-                continue
-            chunk, rest = buf[:cut], buf[cut:]
-            yield chunk, first
-            first += chunk.count(b"\n")
-        if final and rest:
-            yield rest, first
+        yield from read_chunks(f, path, first, chunk_bytes, final=final)
 
 
 def _out_of_order(files: list[Path], upto: int, done: set[Path]) -> None:

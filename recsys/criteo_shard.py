@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -52,7 +52,7 @@ from recsys.criteo_format import (
 )
 from recsys.criteo_parse import ParsedChunk, parse_chunk
 
-__all__ = ["CHUNK_BYTES", "iter_chunks", "line_owner", "own_files", "line_error", "count_chunk", "read_rows",
+__all__ = ["CHUNK_BYTES", "iter_chunks", "read_chunks", "line_owner", "own_files", "line_error", "count_chunk", "read_rows",
            "CriteoShard", "read_file", "DataPlan", "scan"]
 
 CHUNK_BYTES = 4 << 20
@@ -66,25 +66,37 @@ def iter_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[by
         DataError: from :func:`recsys.criteo_format.open_data`, or the compressed stream is corrupt or truncated.
     """
     with open_data(path) as f:
-        first, rest = 0, b""
-        while True:
-            try:
-                block = f.read(chunk_bytes)
-            except READ_ERRORS as e:
-                done = first + rest.count(b"\n")
-                raise DataError(f"{path}: cannot be read after line {done}: {type(e).__name__}: {e}") from None
-            if not block:
-                break
-            buf = rest + block
-            cut = buf.rfind(b"\n") + 1
-            if cut == 0:
-                rest = buf
-                continue
-            chunk, rest = buf[:cut], buf[cut:]
-            yield chunk, first
-            first += chunk.count(b"\n")
-        if rest:
-            yield rest, first
+        yield from read_chunks(f, path, 0, chunk_bytes, final=True)
+
+
+def read_chunks(f: Any, path: Path, first: int, chunk_bytes: int = CHUNK_BYTES, *,
+                final: bool) -> Iterator[tuple[bytes, int]]:
+    """``(bytes of whole lines, index of the first of them)`` read from the open binary file ``f`` of ``path`` (its
+    current position is line ``first``) to its end, cut at the last newline of each block; with ``final`` also the
+    last line when it has no newline (without: a partial line the writer has not finished, left unread).
+
+    Raises:
+        DataError: the compressed stream is corrupt or truncated (the message names ``path`` and the line).
+    """
+    rest = b""
+    while True:
+        try:
+            block = f.read(chunk_bytes)
+        except READ_ERRORS as e:
+            done = first + rest.count(b"\n")
+            raise DataError(f"{path}: cannot be read after line {done}: {type(e).__name__}: {e}") from None
+        if not block:
+            break
+        buf = rest + block
+        cut = buf.rfind(b"\n") + 1
+        if cut == 0:
+            rest = buf
+            continue
+        chunk, rest = buf[:cut], buf[cut:]
+        yield chunk, first
+        first += chunk.count(b"\n")
+    if final and rest:
+        yield rest, first
 
 
 def line_owner(file_index: int, files: int, world_size: int, every: int, lines: np.ndarray) -> np.ndarray:
