@@ -313,6 +313,6 @@ class ExportSection:
     evicted ids) and the dense weights, written in step order, exactly once, for ``fxdist serve`` to apply to a live
     model; the first delta of a run is the whole model, its tables written by the servers by shard (no trainer holds
     them; :mod:`jobs.trainer.deltas`). Each delta stops the trainers while rank 0 takes the changed
-    rows (about 0.25 us of CPU a row on a 2-core EPYC; ``benchmarks/deltas.py``): keep it a small part of this many
+    rows (about 0.4 us of CPU a row on a 2-core Xeon; ``benchmarks/deltas.py``): keep it a small part of this many
     steps. 0 = no deltas (the model is still written at the end of the job)."""
 
