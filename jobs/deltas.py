@@ -50,7 +50,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -132,6 +132,60 @@ class Delta:
         return sum(int(t.rows.numel()) for t in self.tables.values())
 
 
+class TableRecord(TypedDict):
+    """A table's changed rows as ``delta.pt`` stores them: ``rows`` (K,) int64, ``values`` (K, D) float32."""
+    rows: torch.Tensor
+    values: torch.Tensor
+
+
+class DynamicRecord(TypedDict):
+    """A dynamic table's id changes as ``delta.pt`` stores them: (K,) int64 ``ids`` now at (K,) ``slots``, (E,)
+    ``evicted`` ids, and ``full`` (the whole id map)."""
+    ids: torch.Tensor
+    slots: torch.Tensor
+    evicted: torch.Tensor
+    full: bool
+
+
+class DynamicCount(TypedDict):
+    """``delta.json``'s count of a dynamic table's changed ids and evicted ids."""
+    ids: int
+    evicted: int
+
+
+class ShardCounts(TypedDict):
+    """``delta.json``'s ``rows`` per table weight and ``dynamic`` counts per dynamic table."""
+    rows: dict[str, int]
+    dynamic: dict[str, DynamicCount]
+
+
+class DeltaRecord(ShardCounts, total=False):
+    """``delta.json``: what a delta holds, counted (``shards``: the folder of its tables by shard, format 2)."""
+    format: int
+    step: int
+    full: bool
+    dense: int
+    shards: str
+
+
+class DeltaFile(TypedDict, total=False):
+    """``delta.pt``: the delta's step, dense weights and changed rows (format 1), or with ``shards`` the folder of its
+    tables by shard and no rows inline (format 2)."""
+    format: int
+    step: int
+    full: bool
+    dense: dict[str, torch.Tensor]
+    tables: dict[str, TableRecord]
+    dynamic: dict[str, DynamicRecord]
+    shards: str
+
+
+class ShardTables(TypedDict):
+    """A format-2 delta's tables read whole from its folder by shard, as ``delta.pt`` would hold them."""
+    tables: dict[str, TableRecord]
+    dynamic: dict[str, DynamicRecord]
+
+
 def delta_path(model_dir: str | os.PathLike[str], step: int) -> Path:
     """The folder of step ``step``'s delta under ``model_dir`` (``RUN_DIR/model``)."""
     return Path(model_dir) / DELTAS_DIR / f"{int(step):010d}"
@@ -202,7 +256,7 @@ def load_delta(model_dir: str | os.PathLike[str], step: int) -> Delta:
     return Delta(step, dense, tables, dynamic, bool(data.get("full", False)))
 
 
-def _read_shards(folder: Path, name: Any) -> dict[str, Any]:
+def _read_shards(folder: Path, name: Any) -> ShardTables:
     """A format-2 delta's tables as ``delta.pt``'s ``"tables"`` / ``"dynamic"``: read whole from ``folder/name``
     (:func:`scheduling.placement.sharded.read_tables`, without optimizer state).
 
@@ -373,18 +427,20 @@ def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{delta.step:010d}-", dir=root))
     try:
-        data: dict[str, Any] = {"format": FORMAT, "step": delta.step, "full": delta.full, "dense": delta.dense,
+        data: DeltaFile = {"format": FORMAT, "step": delta.step, "full": delta.full, "dense": delta.dense,
                                 "tables": {k: {"rows": t.rows, "values": t.values} for k, t in delta.tables.items()},
                                 "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted, "full": d.full}
                                             for k, d in delta.dynamic.items()}}
-        record: dict[str, Any] = {
+        record: DeltaRecord = {
             "format": FORMAT, "step": delta.step, "full": delta.full,
             "rows": {k: int(t.rows.numel()) for k, t in delta.tables.items()}, "dense": len(delta.dense),
             "dynamic": {k: {"ids": int(d.ids.numel()), "evicted": int(d.evicted.numel())} for k, d in delta.dynamic.items()}}
         if shards is not None:
             os.replace(shards, tmp / SHARDS_DIR)
-            data.update(format=SHARDED_FORMAT, shards=SHARDS_DIR, tables={}, dynamic={})
-            record.update(format=SHARDED_FORMAT, shards=SHARDS_DIR, **_shard_counts(tmp / SHARDS_DIR))
+            data["format"], data["shards"], data["tables"], data["dynamic"] = SHARDED_FORMAT, SHARDS_DIR, {}, {}
+            counts = _shard_counts(tmp / SHARDS_DIR)
+            record["format"], record["shards"] = SHARDED_FORMAT, SHARDS_DIR
+            record["rows"], record["dynamic"] = counts["rows"], counts["dynamic"]
         torch.save(data, tmp / DELTA_FILE)
         (tmp / "delta.json").write_text(json.dumps({**record, **(extra or {})}, indent=2, default=str) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700
@@ -396,7 +452,7 @@ def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[
     return target
 
 
-def _shard_counts(folder: Path) -> dict[str, Any]:
+def _shard_counts(folder: Path) -> ShardCounts:
     """``delta.json``'s ``rows`` per table weight and ``dynamic`` ids per dynamic table of a folder of tables by shard,
     from its merged metadata (sizes only, no rows read)."""
     from scheduling.ps import dcp_shards

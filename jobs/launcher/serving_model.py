@@ -33,13 +33,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 from torch import nn
 
 from jobs.config import ConfigError, JobConfig, parse_config
-from jobs.launcher.model_export import MODEL_DIR, load_sample_input
+from jobs.launcher.model_export import MODEL_DIR, ModelRecord, load_sample_input
 from jobs.launcher.serving_inputs import RequestError, criteo_rows, decode_inputs, to_json
 
 __all__ = ["ServeError", "IdIndex", "Snapshot", "ServedModel", "model_folder"]
@@ -87,6 +87,15 @@ def model_folder(run: str | Path) -> Path:
     raise ServeError(f"{path}: no trained model (no {MODEL_DIR}/model.json and state_dict.pt, nor deltas); `fxdist "
                      "launch` writes it when a job ends (its deltas every [export] every_steps), `fxdist export "
                      f"{path}` from a checkpoint")
+
+
+class Prediction(TypedDict, total=False):
+    """The answer to ``POST /predict``: the served ``step``, the ``predictions`` (the bundled DLRM's click
+    probabilities, ``(B,)``; your model's outputs as JSON) and, for the DLRM, its ``logits`` ``(B,)``."""
+
+    step: int
+    predictions: Any
+    logits: Any
 
 
 @dataclass(frozen=True)
@@ -217,16 +226,17 @@ class ServedModel:
         self._snapshot = self._load()
 
     # ---- loading -----------------------------------------------------------------------------------------------
-    def _record(self) -> dict[str, Any]:
+    def _record(self) -> ModelRecord:
         try:
             record = json.loads((self.folder / "model.json").read_text())
         except (OSError, ValueError) as e:
             raise ServeError(f"{self.folder / 'model.json'}: unreadable ({e})") from e
-        return record if isinstance(record, dict) else {}
+        return cast(ModelRecord, record) if isinstance(record, dict) else {}
 
-    def _config(self, record: dict[str, Any]) -> JobConfig:
+    def _config(self, record: ModelRecord) -> JobConfig:
+        config = record.get("config")
         try:
-            return parse_config((record.get("config") or {}).get("parsed") or {},
+            return parse_config((config.get("parsed") if isinstance(config, dict) else None) or {},
                                 source=str(self.folder / "model.json"))
         except ConfigError as e:
             raise ServeError(f"{self.folder / 'model.json'}: its config does not parse ({e})") from e
@@ -259,13 +269,14 @@ class ServedModel:
 
         self.chain_start: int | None = None
         if (self.folder / "model.json").is_file():
-            record = self._record()
+            record: ModelRecord = self._record()
         else:  # a job under way: its deltas, from the newest full one on, and the config in results.json
             from jobs.launcher import runs
 
             self.chain_start = _chain_start(self.folder)
             results = runs.read(self.folder.parent) or {}
-            record = {"config": {"parsed": results.get("config") or {}}, "step": -1}
+            record = {"config": {"source": "results.json", "sha256": "", "parsed": results.get("config") or {}},
+                      "step": -1}
         self.config = self._config(record)
         if self.chain_start is not None and self.config.user_model:
             raise ServeError(f"{self.folder}: no model.json and sample_input.pt yet, so the structure of your model's "
@@ -341,7 +352,7 @@ class ServedModel:
             args = (dense, criteo.to_kjt(ids))
         return _remap(args, snapshot.index) if snapshot.index else args
 
-    def predict(self, body: Any) -> dict[str, Any]:
+    def predict(self, body: Any) -> Prediction:
         """``{"step", "predictions"}`` for a ``POST /predict`` body: the bundled DLRM's click probabilities
         (``sigmoid`` of its ``(B, 1)`` logits, as a ``(B,)`` list) and ``"logits"``; your model's outputs as JSON
         (:func:`jobs.launcher.serving_inputs.to_json`).

@@ -47,7 +47,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def delta_of(step: int, dense: dict[str, torch.Tensor], changes: dict[str, dict[str, Any]]) -> Delta:
+def delta_of(step: int, dense: dict[str, torch.Tensor], changes: dict[str, dict[str, torch.Tensor]]) -> Delta:
     """A :class:`jobs.deltas.Delta` from the dense weights and the tables' changes under the model's state-dict names
     (:func:`scheduling.placement.restore.table_changes`: ``"<path>.weight"`` rows and values, ``"<path>.dynamic"``
     id map changes); the dense tensors are detached copies (the module trains on)."""
