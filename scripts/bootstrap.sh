@@ -30,13 +30,11 @@ echo "bootstrap: creating $VENV and installing pinned dependencies (first run ta
 # pip warns about the machine's optional local index folders; keep only real messages.
 pip() { "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; return "${PIPESTATUS[0]}"; }
 pip install -q --upgrade pip
-# --no-compile: pip would byte-compile every file of every package (torch, Ray, transformers...), about 40 s of a
-# fresh set-up on 2 cores; Python compiles the modules actually imported on first use instead (and caches them).
 # torch first and pinned, so no resolver can swap in a CUDA build.
-pip install -q --no-compile torch==2.13.0
-pip install -q --no-compile -r requirements.txt
+pip install -q torch==2.13.0
+pip install -q -r requirements.txt
 # torchrec 1.8.0 names the CUDA fbgemm-gpu; we use fbgemm-gpu-cpu instead.
-pip install -q --no-compile --no-deps torchrec==1.8.0
+pip install -q --no-deps torchrec==1.8.0
 # setuptools warns that an editable install is one (BuildBackendWarning, a UserWarning): expected here. Built with
 # the venv's pinned setuptools (no isolated build env to download); the compiled kernels are not built for it
 # (setup.py: the source tree compiles them at first use).
