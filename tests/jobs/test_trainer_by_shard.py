@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.scheduling import test_placement_sharded as placement_sharded
 from tests.scheduling.test_placement_sharded import _counting, _same
 
 ROWS, DIM = 10**5, 8
@@ -23,17 +24,8 @@ TABLE_BYTES = ROWS * (DIM + 1) * 4   # rows and row-wise Adagrad state
 _NAMES = itertools.count()
 
 
-class Model(nn.Module):
-    """A 10^5 x 8 table (EmbeddingBag), a dynamic one (Embedding over raw ids), a linear layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.big = nn.EmbeddingBag(ROWS, DIM, mode="sum")
-        self.dyn = nn.Embedding(8, DIM)                     # dynamic: capacity 16
-        self.top = nn.Linear(2 * DIM, 1)
-
-    def forward(self, a, ids):
-        return self.top(torch.cat([self.big(a), self.dyn(ids)], dim=1)).squeeze(1)
+def Model() -> nn.Module:  # noqa: N802 - the shared test model, smaller: a 10^5 x 8 table, a dynamic one, a linear layer
+    return placement_sharded.Model(ROWS, DIM)
 
 
 @pytest.fixture

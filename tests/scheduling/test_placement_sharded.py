@@ -17,13 +17,14 @@ _NAMES = itertools.count()
 
 
 class Model(nn.Module):
-    """A 10^6 x 16 table (EmbeddingBag), a dynamic one (Embedding over raw ids), a linear layer."""
+    """A ``rows`` x ``dim`` table (EmbeddingBag; 10^6 x 16 here), a dynamic one (Embedding over raw ids), a linear
+    layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = ROWS, dim: int = DIM) -> None:
         super().__init__()
-        self.big = nn.EmbeddingBag(ROWS, DIM, mode="sum")
-        self.dyn = nn.Embedding(8, DIM)                     # dynamic: capacity 16
-        self.top = nn.Linear(2 * DIM, 1)
+        self.big = nn.EmbeddingBag(rows, dim, mode="sum")
+        self.dyn = nn.Embedding(8, dim)                     # dynamic: capacity 16
+        self.top = nn.Linear(2 * dim, 1)
 
     def forward(self, a, ids):
         return self.top(torch.cat([self.big(a), self.dyn(ids)], dim=1)).squeeze(1)
