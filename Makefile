@@ -25,5 +25,6 @@ docs: setup
 dist: setup
 	.venv/bin/python -m build --no-isolation --outdir dist .
 
-test: setup lint docs
-	.venv/bin/python -m pytest
+# Lint, the docs build and pytest in two lanes side by side (the tests that start Ray, and the others).
+test: setup
+	bash scripts/test.sh

@@ -20,7 +20,7 @@ PAGE = DOCS / "getting-started" / "your-model.md"
 TITLED = re.compile(r'^```(?:py|toml) title="myproject/([\w./]+)[^"]*"\n(.*?)^```', flags=re.MULTILINE | re.DOTALL)
 FXDIST = Path(sys.executable).parent / "fxdist"
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.ray]  # the page's job starts a local Ray
 
 
 def _files() -> dict[str, str]:

@@ -71,7 +71,14 @@ def test_waits_and_inplace_collectives_are_kept() -> None:
     assert not _kept(fx, torch.ops._c10d_functional.all_reduce.default)  # functional: pure, as in torch.fx
 
 
-@pytest.mark.parametrize("fn", sorted(_side_effectful_functions, key=str), ids=str)
+def _name(fn: Any) -> str:
+    """A name of ``fn`` the same in every process (``str`` of a plain function holds its address: the parallel
+    suite's workers must collect the same test ids)."""
+    qualname = getattr(fn, "__qualname__", None)
+    return f"{getattr(fn, '__module__', None)}.{qualname}" if qualname is not None else str(fn)
+
+
+@pytest.mark.parametrize("fn", sorted(_side_effectful_functions, key=_name), ids=_name)
 def test_everything_torch_registers_with_torch_fx_is_kept(fn: Any) -> None:
     assert _kept(fx, fn)
 

@@ -47,7 +47,8 @@ import pytest
 from jobs.config import load_config
 from jobs.launcher.prometheus import write_prometheus_files
 
-pytestmark = pytest.mark.timeout(900)  # per test, with its fixtures; a loaded 2-core machine needs 3-4 min a job
+# per test, with its fixtures (a loaded 2-core machine needs 3-4 min a job); its Ray cluster runs in the Ray lane
+pytestmark = [pytest.mark.timeout(900), pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = 3

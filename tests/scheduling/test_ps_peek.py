@@ -236,6 +236,7 @@ def test_evaluation_between_prefetching_steps_leaves_training_unchanged(max_stal
         _check_training_unchanged_by_evaluation(max_staleness, flush)
 
 
+@pytest.mark.ray
 def test_evaluation_leaves_training_unchanged_over_ray():
     pytest.importorskip("ray")
     from scheduling.ps import LocalCluster

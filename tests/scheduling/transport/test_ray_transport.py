@@ -26,6 +26,7 @@ from ..test_ps import _kjt, _tables
 from ..test_ps import _train as _train_dlrm_on_ps
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # a module-wide Ray session
 ROOT = Path(__file__).resolve().parents[2]
 
 
