@@ -17,10 +17,11 @@ def _selected(*args: str, cwd: Path = ROOT) -> list[str]:
 
 
 def test_the_ray_lane_holds_the_tests_using_a_ray_fixture_a_ray_parameter_or_the_marker():
-    files = ["tests/jobs/test_follow_job.py", "tests/jobs/test_config.py", "tests/scheduling/test_local_cluster.py",
+    files = ["tests/jobs/test_staleness.py", "tests/jobs/test_config.py", "tests/scheduling/test_local_cluster.py",
              "tests/test_docs_your_model.py"]
     ray, others = _selected("-m", "ray", *files), _selected("-m", "not ray", *files)
-    assert "tests/jobs/test_follow_job.py::test_a_follow_job_waits_for_data_and_trains_what_arrives" in ray  # fixture
+    assert "tests/jobs/test_staleness.py::test_a_stale_job_trains_and_records_the_tolerance_parity" in ray  # fixture
+    assert "tests/jobs/test_staleness.py::test_max_staleness_wrong_type_is_a_config_error" in others
     assert any(t.startswith("tests/test_docs_your_model.py::") for t in ray)  # the module's marker
     lanes = {t.rpartition("[")[2].rstrip("]") for t in ray + others if "test_local_cluster.py" in t and "[" in t}
     assert lanes >= {"ray", "torch_rpc", "socket"}

@@ -6,9 +6,12 @@ deltas applied), answers bad bodies with 400 and counts everything in its Promet
 its output structure. The command line refuses what it cannot serve before Ray starts.
 
 End to end (one job): a ``[data] follow`` job with ``[export] every_steps`` starts on a folder with too few rows and
-waits; it is served from its first (full) delta before it has a ``model.json``; a file appended to the folder trains
-on, the served step advances through the job's deltas, and the answers on held-out rows equal, bit for bit, the
-trainer's model of the same step (the chain of deltas, itself equal to the job's final ``state_dict.pt``).
+waits (said once per trainer in its timeline); it is served from its first (full) delta before it has a
+``model.json``; files arriving in the folder (one renamed into place, one written in place, its last line in two
+writes) train on to ``[job] steps``, the served step advances through the job's deltas, and the answers on held-out
+rows equal, bit for bit, the trainer's model of the same step (the chain of deltas, itself equal to the job's final
+``state_dict.pt``). The same run is the test of ``[data] follow`` in a job (both phases train what arrived alike,
+evaluated at the end: a stream has no epochs).
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ def test_a_follow_job_served_while_it_trains(serve_port, tmp_path):
     held_out = [ln.rstrip("\n") for ln in lines[-16:]]
     (stream / "part-0.tsv").write_text("".join(lines[:150]))  # the rows there at the start are held out
     config = load_config().replace(
-        job={"steps": 12, "batch_size": 32, "checkpoint_every": 0, "progress": False, "name": "serve-test"},
+        job={"steps": 12, "batch_size": 32, "checkpoint_every": 0, "progress": False, "name": "serve-test",
+             "eval_epochs": 1.0},
         data={"path": str(stream), "follow": True, "follow_poll_s": 0.1}, export={"every_steps": 4},
         model={"table_size": 200, "bottom_mlp": [8], "top_mlp": [8]}, phases={"parity": "warn"},
         cluster={"trainers": 2, "cpus_per_trainer": 0.5, "parameter_servers": 0},
@@ -164,7 +168,14 @@ def test_a_follow_job_served_while_it_trains(serve_port, tmp_path):
     code, first = _call(served.url + "/predict", {"rows": held_out})
     assert code == 200 and first["step"] == 0
 
-    (stream / "part-1.tsv").write_text("".join(lines[150:-16]))  # 12 steps of training rows arrive
+    # 12 steps of training rows arrive: a whole file renamed into place, then one written in place (its last line
+    # in two writes: the reader waits for the line's end)
+    (stream / ".part-1.tmp").write_text("".join(lines[150:700]))
+    (stream / ".part-1.tmp").rename(stream / "part-1.tsv")
+    with (stream / "part-2.tsv").open("w") as f:
+        f.write("".join(lines[700:-16])[:-30])
+        f.flush()
+        f.write("".join(lines[700:-16])[-30:])
     assert _until(lambda: _call(served.url + "/step")[1]["step"] > 0, timeout_s=400), "the served step stayed 0"
     code, later = _call(served.url + "/predict", {"rows": held_out})
     assert code == 200 and later["step"] in (4, 8, 12) and _call(served.url + "/step")[1]["deltas_applied"] >= 1
@@ -179,4 +190,13 @@ def test_a_follow_job_served_while_it_trains(serve_port, tmp_path):
     assert all(torch.equal(final[k], chained[k]) for k in final)
     assert _until(lambda: _call(served.url + "/step")[1]["step"] == 12)
     serving.stop("e2e")
-    assert results["job"]["status"] == "completed"
+    r = results["job"]
+    assert r["status"] == "completed" and r["data"]["scan"]["sharding"] == "by line (follow)"
+    assert r["data"]["scan"]["rows_per_trainer"] == [68, 67] and r["data"]["scan"]["files"] == 1  # 150 rows, 15 held out
+    waits = [event for _, event in r["timeline"] if "waiting for data" in event]
+    assert sorted(w.split(":")[0] for w in waits) == ["rank 0", "rank 1"]  # once per rank, not per poll
+    assert r["parity"]["ok"] and r["parity"]["identical_losses"]  # both phases trained the same batches
+    for p in r["phases"].values():
+        assert p["steps"] == 12 and p["samples"] == 2 * 12 * 32
+        assert p["quality_step"] == 12 and "epochs" not in p  # a stream has no epochs: evaluated at the end
+        assert 0 < p["quality"]["auc"] < 1 and p["reader"]["rows"] >= 2 * 12 * 32
