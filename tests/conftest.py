@@ -27,6 +27,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 RAY_FIXTURES = frozenset({"ray_session", "local_ray", "one_server_run", "_ray_package"})
 """Fixtures that start Ray: a test using one (directly or through another fixture) is in the Ray lane."""
 
@@ -73,7 +74,6 @@ def _ray_needs_its_marker(request: pytest.FixtureRequest):
     if (ray := sys.modules.get("ray")) is not None and ray.is_initialized():
         pytest.fail(message)
 
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _selected(*args: str, cwd: Path = ROOT) -> list[str]:
+def _selected(*args: str) -> list[str]:
+    """The test ids that ``pytest --collect-only *args`` selects."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 
