@@ -233,11 +233,11 @@ class ServedModel:
             raise ServeError(f"{self.folder / 'model.json'}: unreadable ({e})") from e
         return cast(ModelRecord, record) if isinstance(record, dict) else {}
 
-    def _config(self, record: ModelRecord) -> JobConfig:
-        config = record.get("config")
+    def _config(self, parsed: Any) -> JobConfig:
+        """The run's config from its parsed tables (``model.json``'s ``config.parsed``, or results.json's ``config``
+        while the job is under way)."""
         try:
-            return parse_config((config.get("parsed") if isinstance(config, dict) else None) or {},
-                                source=str(self.folder / "model.json"))
+            return parse_config(parsed or {}, source=str(self.folder / "model.json"))
         except ConfigError as e:
             raise ServeError(f"{self.folder / 'model.json'}: its config does not parse ({e})") from e
 
@@ -269,15 +269,16 @@ class ServedModel:
 
         self.chain_start: int | None = None
         if (self.folder / "model.json").is_file():
-            record: ModelRecord = self._record()
+            record = self._record()
+            config = record.get("config")
+            parsed = config.get("parsed") if isinstance(config, dict) else None
         else:  # a job under way: its deltas, from the newest full one on, and the config in results.json
             from jobs.launcher import runs
 
             self.chain_start = _chain_start(self.folder)
-            results = runs.read(self.folder.parent) or {}
-            record = {"config": {"source": "results.json", "sha256": "", "parsed": results.get("config") or {}},
-                      "step": -1}
-        self.config = self._config(record)
+            parsed = (runs.read(self.folder.parent) or {}).get("config")
+            record = {"step": -1}
+        self.config = self._config(parsed)
         if self.chain_start is not None and self.config.user_model:
             raise ServeError(f"{self.folder}: no model.json and sample_input.pt yet, so the structure of your model's "
                              "inputs is unknown; serve it once the job has written its model folder")
