@@ -428,9 +428,9 @@ def write_delta(model_dir: str | os.PathLike[str], delta: Delta, extra: Mapping[
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{delta.step:010d}-", dir=root))
     try:
         data: DeltaFile = {"format": FORMAT, "step": delta.step, "full": delta.full, "dense": delta.dense,
-                                "tables": {k: {"rows": t.rows, "values": t.values} for k, t in delta.tables.items()},
-                                "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted, "full": d.full}
-                                            for k, d in delta.dynamic.items()}}
+                           "tables": {k: {"rows": t.rows, "values": t.values} for k, t in delta.tables.items()},
+                           "dynamic": {k: {"ids": d.ids, "slots": d.slots, "evicted": d.evicted, "full": d.full}
+                                       for k, d in delta.dynamic.items()}}
         record: DeltaRecord = {
             "format": FORMAT, "step": delta.step, "full": delta.full,
             "rows": {k: int(t.rows.numel()) for k, t in delta.tables.items()}, "dense": len(delta.dense),

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import IO, TypedDict
 
 import numpy as np
 import torch
@@ -52,8 +52,8 @@ from recsys.criteo_format import (
 )
 from recsys.criteo_parse import ParsedChunk, parse_chunk
 
-__all__ = ["CHUNK_BYTES", "iter_chunks", "read_chunks", "line_owner", "own_files", "line_error", "count_chunk", "read_rows",
-           "CriteoShard", "read_file", "DataPlan", "scan"]
+__all__ = ["CHUNK_BYTES", "iter_chunks", "read_chunks", "line_owner", "own_files", "line_error", "count_chunk",
+           "read_rows", "CriteoShard", "read_file", "DataPlan", "scan"]
 
 CHUNK_BYTES = 4 << 20
 """Bytes read (and parsed) at a time, before the cut at the last newline: about 16k Criteo lines."""
@@ -69,7 +69,7 @@ def iter_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[by
         yield from read_chunks(f, path, 0, chunk_bytes, final=True)
 
 
-def read_chunks(f: Any, path: Path, first: int, chunk_bytes: int = CHUNK_BYTES, *,
+def read_chunks(f: IO[bytes], path: Path, first: int, chunk_bytes: int = CHUNK_BYTES, *,
                 final: bool) -> Iterator[tuple[bytes, int]]:
     """``(bytes of whole lines, index of the first of them)`` read from the open binary file ``f`` of ``path`` (its
     current position is line ``first``) to its end, cut at the last newline of each block; with ``final`` also the

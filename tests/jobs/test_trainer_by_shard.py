@@ -14,18 +14,12 @@ import types
 
 import pytest
 import torch
-from torch import nn
 
-from tests.scheduling import test_placement_sharded as placement_sharded
-from tests.scheduling.test_placement_sharded import _counting, _same
+from tests.scheduling.test_placement_sharded import Model, _counting, _same
 
 ROWS, DIM = 10**5, 8
 TABLE_BYTES = ROWS * (DIM + 1) * 4   # rows and row-wise Adagrad state
 _NAMES = itertools.count()
-
-
-def Model() -> nn.Module:  # noqa: N802 - the shared test model, smaller: a 10^5 x 8 table, a dynamic one, a linear layer
-    return placement_sharded.Model(ROWS, DIM)
 
 
 @pytest.fixture
@@ -43,7 +37,7 @@ def trainer(tmp_path):
         to_servers = functools.partial(scheduling.parameter_servers, optimizer="rowwise_adagrad", lr=0.1,
                                        verbose=False, client=f"byshard{next(_NAMES)}", group_tables=False,
                                        dynamic={"dyn": {"capacity": 16, "min_count": 1}})
-        gm = fxdist.optimize(Model(), passes=(to_servers,))
+        gm = fxdist.optimize(Model(ROWS, DIM), passes=(to_servers,))  # the shared model, smaller
         owner = types.SimpleNamespace(rank=0, run_dir=tmp_path, state=None, barrier=lambda: None)
         tables = _PhaseTables(owner, "optimized")
         tables.attach(gm)
